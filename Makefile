@@ -1,0 +1,50 @@
+# Fresh machine with only python3: `make demo` or `make test`.
+#
+# torch is pinned and installed FIRST: a CPU build of torch $(TORCH_VERSION) lies on this
+# machine's disk, while an unpinned `pip install torch` (or letting torchdata pull torch in)
+# would download a multi-GB CUDA build. With torch already present, torchdata and the
+# package's own `torch>=2` requirement install nothing more.
+#
+# $(STAMP) records that .venv is set up; it depends on setup.cfg and pyproject.toml, so the
+# install steps rerun only when those change (or after `make clean`).
+
+.POSIX:
+
+PYTHON = python3
+VENV = .venv
+TORCH_VERSION = 2.13.0
+TORCHDATA_VERSION = 0.9.0
+PIP = $(VENV)/bin/python -m pip --disable-pip-version-check
+STAMP = $(VENV)/.installed
+BENCH_STAMP = $(VENV)/.installed-bench
+
+all: test
+
+demo: $(STAMP)
+	$(VENV)/bin/python examples/quickstart.py
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest
+
+bench: $(BENCH_STAMP)
+	$(VENV)/bin/python benchmarks/bench.py
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(VENV)/bin/python setup.cfg pyproject.toml
+	$(PIP) install "torch==$(TORCH_VERSION)"
+	$(PIP) install "torchdata==$(TORCHDATA_VERSION)"
+	$(PIP) install -e '.[test]'
+	touch $(STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PIP) install -e '.[test,bench]'
+	touch $(BENCH_STAMP)
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache .hypothesis .ruff_cache
+	rm -rf *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+.PHONY: all demo test bench clean

@@ -1,0 +1,254 @@
+"""The trainer's end of worker sessions: setup, receiving, credits, and merging streams.
+
+One :class:`WorkerChannel` per worker session. Its receiver thread reads frames, keeps
+the session alive with heartbeats, and turns frames into :class:`Event` objects on a
+queue; the consumer (the DataLoader2 iterator's thread) unpickles items and grants a
+credit for every frame it takes, so at most ``prefetch`` frames per worker are ever
+buffered here.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence
+
+from .errors import ProtocolError, WorkerLostError, WorkerStartupError, describe_worker
+from .protocol import (
+    EncodedItem,
+    MessageKind,
+    decode_control,
+    decode_data,
+    decode_end_of_shard,
+    encode_control,
+    encode_credit,
+    encode_frame,
+)
+from .serialization import loads_item, rebuild_exception
+from .transports.base import Connection, PeerLostError
+
+__all__ = ["Event", "WorkerChannel", "iterate_in_order", "iterate_as_completed"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    """Something a worker channel reports to the consumer."""
+
+    channel: "WorkerChannel"
+    kind: str  # "data", "end", "error" or "lost"
+    epoch: Optional[int]
+    items: Sequence[EncodedItem] = ()
+    error: Optional[BaseException] = None
+
+
+@dataclass
+class ChannelStats:
+    """Counters of one worker channel, for ``RPCReadingService.stats()``."""
+
+    frames: int = 0
+    items: int = 0
+    bytes: int = 0
+
+
+class WorkerChannel:
+    """The trainer's end of one worker session."""
+
+    def __init__(self, conn: Connection, rank: int, heartbeat_interval: float, peer_timeout: float):
+        self.conn = conn
+        self.rank = rank
+        self.address = conn.peer
+        self.heartbeat_interval = heartbeat_interval
+        self.peer_timeout = peer_timeout
+        self.epoch: Optional[int] = None
+        self.queue: "queue.SimpleQueue[Event]" = queue.SimpleQueue()
+        self.stats = ChannelStats()
+        self.info: Dict[str, Any] = {}
+        self._closing = False
+        self._receiver: Optional[threading.Thread] = None
+        self._last_sent = time.monotonic()
+
+    @property
+    def name(self) -> str:
+        """``worker R (host:port)``, for messages."""
+        return describe_worker(self.rank, self.address)
+
+    def _send(self, chunks: List[Any]) -> None:
+        self.conn.send(chunks)
+        self._last_sent = time.monotonic()
+
+    # -- setup ----------------------------------------------------------------------------------
+    def setup(self, payload: Dict[str, Any], timeout: float) -> None:
+        """Send SETUP and wait for READY; raise the worker's error if setup failed there."""
+        self._send(encode_control(MessageKind.SETUP, payload))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                frame = self.conn.recv(timeout=max(0.0, deadline - time.monotonic()))
+            except PeerLostError as exc:
+                raise WorkerLostError(f"{self.name} closed the session during setup: {exc}", self.rank, self.address) from exc
+            if frame is None:
+                raise WorkerLostError(f"{self.name} did not finish setup within {timeout:.0f} s", self.rank, self.address)
+            if frame.kind == MessageKind.HEARTBEAT:
+                continue
+            if frame.kind == MessageKind.READY:
+                self.info = decode_control(frame)
+                return
+            if frame.kind == MessageKind.ERROR:
+                error = rebuild_exception(decode_control(frame)["exception"], self.rank, self.address)
+                raise WorkerStartupError(
+                    f"{self.name} could not set up the graph (unpickling it or running worker_init_fn): {error}"
+                ) from error
+            raise ProtocolError(f"{self.name} answered SETUP with {frame.kind.name}")
+
+    def start_receiver(self, sink: "queue.SimpleQueue[Event]") -> None:
+        """Start the receiver thread, delivering events to ``sink``."""
+        self.queue = sink
+        self._receiver = threading.Thread(target=self._receive_loop, name=f"rrs-recv-{self.rank}", daemon=True)
+        self._receiver.start()
+
+    # -- epochs ---------------------------------------------------------------------------------
+    def start_epoch(self, epoch: int, seed: int, global_worker_id: int, credits: int, skip: int = 0) -> None:
+        """Start ``epoch`` on the worker (superseding any epoch still running there)."""
+        self.epoch = epoch
+        request = {"epoch": epoch, "seed": seed, "global_worker_id": global_worker_id, "credits": credits, "skip": skip}
+        self._send_or_report(encode_control(MessageKind.START_EPOCH, request))
+
+    def grant(self, epoch: int, credits: int = 1) -> None:
+        """Allow the worker ``credits`` more DATA frames of ``epoch``."""
+        self._send_or_report(encode_credit(epoch, credits))
+
+    def _send_or_report(self, chunks: List[Any]) -> None:
+        try:
+            self._send(chunks)
+        except PeerLostError as exc:
+            # The receiver thread reports the loss as an event; nothing else to do here.
+            log.debug("send to %s failed: %s", self.name, exc)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Say CLOSE, close the connection and stop the receiver thread (idempotent)."""
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self._send(encode_control(MessageKind.CLOSE))
+        except (PeerLostError, OSError):
+            pass
+        self.conn.close()
+        if self._receiver is not None and self._receiver is not threading.current_thread():
+            self._receiver.join(timeout)
+
+    # -- receiver thread ------------------------------------------------------------------------
+    def _lost(self, message: str) -> None:
+        if not self._closing:
+            error = WorkerLostError(message, self.rank, self.address)
+            self.queue.put(Event(self, "lost", None, error=error))
+
+    def _receive_loop(self) -> None:
+        heartbeat = encode_frame(MessageKind.HEARTBEAT)
+        last_received = time.monotonic()
+        try:
+            while not self._closing:
+                frame = self.conn.recv(timeout=self.heartbeat_interval)
+                now = time.monotonic()
+                if now - self._last_sent >= self.heartbeat_interval:
+                    self._send(heartbeat)
+                if frame is None:
+                    if now - last_received > self.peer_timeout:
+                        self._lost(
+                            f"{self.name} sent nothing (not even a heartbeat) for {self.peer_timeout:.1f} s: "
+                            "its process is hung or stopped, or the network is down"
+                        )
+                        return
+                    continue
+                last_received = now
+                self._dispatch(frame)
+        except PeerLostError as exc:
+            self._lost(f"lost {self.name}: {exc}. Its process died or the connection broke")
+        except ProtocolError as exc:
+            self._lost(f"{self.name} sent a malformed frame: {exc}")
+        except Exception as exc:  # noqa: BLE001 - never die silently: the consumer would wait forever
+            log.exception("receiver for %s failed", self.name)
+            self._lost(f"receiving from {self.name} failed: {exc!r}")
+
+    def _dispatch(self, frame: Any) -> None:
+        kind = frame.kind
+        if kind == MessageKind.HEARTBEAT:
+            return
+        if kind == MessageKind.DATA:
+            epoch, _sequence, items = decode_data(frame)
+            if epoch == self.epoch:
+                self.stats.frames += 1
+                self.stats.items += len(items)
+                self.stats.bytes += frame.nbytes
+                self.queue.put(Event(self, "data", epoch, items))
+        elif kind == MessageKind.END_OF_SHARD:
+            epoch, _count = decode_end_of_shard(frame)
+            self.queue.put(Event(self, "end", epoch))
+        elif kind == MessageKind.ERROR:
+            payload = decode_control(frame)
+            error = rebuild_exception(payload["exception"], self.rank, self.address)
+            self.queue.put(Event(self, "error", payload.get("epoch"), error=error))
+        else:
+            raise ProtocolError(f"unexpected {kind.name} during an epoch")
+
+
+# -- merging the workers' streams ---------------------------------------------------------------
+@dataclass
+class _Cursor:
+    channel: WorkerChannel
+    pending: Deque[EncodedItem] = field(default_factory=collections.deque)
+
+
+def _next_frame(event_source: "queue.SimpleQueue[Event]", epoch: int) -> Event:
+    while True:
+        event = event_source.get()
+        if event.kind == "lost" or event.epoch == epoch:
+            return event
+        # A stale frame of an abandoned epoch: drop it.
+
+
+def _take(event: Event, epoch: int) -> Sequence[EncodedItem]:
+    """Return the items of a current-epoch event, raising for errors and lost workers."""
+    if event.kind in ("error", "lost"):
+        assert event.error is not None
+        raise event.error
+    if event.kind == "data":
+        event.channel.grant(epoch)
+        return event.items
+    return ()
+
+
+def iterate_in_order(channels: Sequence[WorkerChannel], epoch: int) -> Iterator[Any]:
+    """Yield items round-robin over workers, one item each in turn; finished workers drop out."""
+    ring = collections.deque(_Cursor(ch) for ch in channels)
+    while ring:
+        cursor = ring[0]
+        while not cursor.pending:
+            event = _next_frame(cursor.channel.queue, epoch)
+            if event.kind == "end":
+                break
+            cursor.pending.extend(_take(event, epoch))
+        if not cursor.pending:
+            ring.popleft()
+            continue
+        item = cursor.pending.popleft()
+        ring.rotate(-1)
+        yield loads_item(item)
+
+
+def iterate_as_completed(channels: Sequence[WorkerChannel], events: "queue.SimpleQueue[Event]", epoch: int) -> Iterator[Any]:
+    """Yield items in arrival order from a queue shared by all channels."""
+    running = len(channels)
+    while running:
+        event = _next_frame(events, epoch)
+        if event.kind == "end":
+            running -= 1
+            continue
+        for item in _take(event, epoch):
+            yield loads_item(item)

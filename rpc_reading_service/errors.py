@@ -1,0 +1,72 @@
+"""Typed exceptions of rpc_reading_service.
+
+Every message says what happened, where (worker address and rank when known) and
+what to do about it. All inherit from :class:`RPCReadingServiceError`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = [
+    "RPCReadingServiceError",
+    "ConfigurationError",
+    "ProtocolError",
+    "FrameTooLargeError",
+    "AuthenticationError",
+    "WorkerLostError",
+    "WorkerStartupError",
+    "RemoteWorkerError",
+]
+
+
+def describe_worker(rank: Optional[int], address: Optional[str]) -> str:
+    """Return a short human description of a worker, e.g. ``worker 1 (10.0.0.2:29600)``."""
+    if rank is None and address is None:
+        return "worker"
+    if rank is None:
+        return f"worker at {address}"
+    if address is None:
+        return f"worker {rank}"
+    return f"worker {rank} ({address})"
+
+
+class RPCReadingServiceError(Exception):
+    """Base class of every error raised by rpc_reading_service."""
+
+
+class ConfigurationError(RPCReadingServiceError, ValueError):
+    """The reading service or worker server was configured in a way that cannot work."""
+
+
+class ProtocolError(RPCReadingServiceError):
+    """A peer sent bytes that are not a valid frame or message of this protocol version."""
+
+
+class FrameTooLargeError(ProtocolError):
+    """A peer announced a frame larger than the configured maximum; it was refused unread."""
+
+
+class AuthenticationError(RPCReadingServiceError):
+    """The shared-key challenge-response failed: the two sides do not hold the same auth key."""
+
+
+class WorkerLostError(RPCReadingServiceError, ConnectionError):
+    """A worker stopped answering (process died, host unreachable, or heartbeats stopped)."""
+
+    def __init__(self, message: str, rank: Optional[int] = None, address: Optional[str] = None):
+        super().__init__(message)
+        self.rank = rank
+        self.address = address
+
+
+class WorkerStartupError(RPCReadingServiceError):
+    """A worker could not set up a session (graph failed to unpickle, or worker_init_fn raised)."""
+
+
+class RemoteWorkerError(RPCReadingServiceError, RuntimeError):
+    """An exception raised inside a remote graph whose original type could not be rebuilt here.
+
+    Where the original type can be rebuilt, that type is raised instead, carrying the same
+    attributes: ``worker_rank``, ``worker_address`` and ``remote_traceback``.
+    """

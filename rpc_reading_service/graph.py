@@ -1,0 +1,125 @@
+"""Pure functions over DataPipe graphs: splitting, sharding and seeding.
+
+Everything here reuses torchdata's own graph, sharding and seed utilities so that a
+graph behaves on remote workers exactly as under torchdata's reading services, with one
+deliberate difference: a fresh shared seed is drawn for every epoch, so epochs differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+from torchdata.dataloader2.graph import DataPipe, replace_dp, traverse_dps
+from torchdata.dataloader2.graph.utils import _find_replicable_branches
+from torchdata.dataloader2.random import SeedGenerator
+from torchdata.dataloader2.utils import WorkerInfo, process_init_fn, process_reset_fn
+from torchdata.dataloader2.utils.dispatch import find_lca_round_robin_sharding_dp
+
+from .errors import ConfigurationError
+
+__all__ = [
+    "DistributedInfo",
+    "distributed_info",
+    "split_replicable",
+    "apply_distributed_sharding",
+    "draw_epoch_seed",
+    "worker_seed_generator",
+    "init_worker_graph",
+    "reset_worker_graph",
+]
+
+InitFn = Callable[[DataPipe, WorkerInfo], DataPipe]
+ResetFn = Callable[[DataPipe, WorkerInfo, SeedGenerator], DataPipe]
+
+
+@dataclass(frozen=True)
+class DistributedInfo:
+    """This trainer's place in a torch.distributed job (rank 0 of 1 without one)."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    def global_worker_id(self, worker_rank: int, num_workers: int) -> int:
+        """The global shard index of a worker: ``rank * num_workers + worker_rank``."""
+        return self.rank * num_workers + worker_rank
+
+
+def distributed_info() -> DistributedInfo:
+    """Read rank and world size from an initialised default process group, if any."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return DistributedInfo(dist.get_rank(), dist.get_world_size())
+    return DistributedInfo()
+
+
+def split_replicable(datapipe: DataPipe) -> Tuple[DataPipe, Callable[[DataPipe], DataPipe]]:
+    """Split a graph into the branch the workers run and a function that re-attaches the rest.
+
+    Returns ``(replicable_branch, attach)``: ``attach(stream)`` puts the stream of items
+    coming back from the workers where the branch was and returns the trainer's graph.
+    Non-replicable DataPipes at the end of the graph (``fullsync`` added by
+    ``DistributedReadingService``, for example) stay in the trainer.
+    """
+    graph = traverse_dps(datapipe)
+    if find_lca_round_robin_sharding_dp(graph) is not None:
+        raise ConfigurationError(
+            "sharding_round_robin_dispatch is not supported by RPCReadingService: use "
+            "sharding_filter() so that each worker reads its own shard"
+        )
+    branches = _find_replicable_branches(graph)
+    if len(branches) != 1:
+        raise ConfigurationError(
+            f"RPCReadingService needs exactly one replicable branch in the graph, found {len(branches)}: "
+            "keep non-replicable DataPipes (fullsync, prefetch in the trainer) at the end of the graph"
+        )
+    branch = branches[0]
+
+    def attach(stream: DataPipe) -> DataPipe:
+        if branch is datapipe:
+            return stream
+        replace_dp(graph, branch, stream)
+        return datapipe
+
+    return branch, attach
+
+
+def apply_distributed_sharding(datapipe: DataPipe, info: DistributedInfo) -> None:
+    """Apply the distributed level of sharding (idempotent with DistributedReadingService's)."""
+    if info.world_size > 1:
+        torch.utils.data.graph_settings.apply_sharding(
+            datapipe, info.world_size, info.rank, SHARDING_PRIORITIES.DISTRIBUTED
+        )
+
+
+def draw_epoch_seed(seed_generator: SeedGenerator) -> int:
+    """Draw this epoch's shared seed, advancing the generator so that the next epoch differs."""
+    return seed_generator.generate_shared_seed()
+
+
+def worker_seed_generator(epoch_seed: int, global_worker_id: int) -> SeedGenerator:
+    """The seed generator of one worker for one epoch.
+
+    Its shared stream is the same on every worker (shuffles before the sharding point
+    agree); its worker stream is spawned from the global worker id (per-worker randomness).
+    """
+    return SeedGenerator(epoch_seed).spawn(global_worker_id)
+
+
+def init_worker_graph(datapipe: DataPipe, worker_info: WorkerInfo, worker_init_fn: Optional[InitFn]) -> DataPipe:
+    """Shard the graph for one worker and run the user's ``worker_init_fn`` (torchdata's code)."""
+    return process_init_fn(datapipe, worker_info, worker_init_fn)
+
+
+def reset_worker_graph(
+    datapipe: DataPipe,
+    worker_info: WorkerInfo,
+    epoch_seed: int,
+    global_worker_id: int,
+    worker_reset_fn: Optional[ResetFn],
+) -> DataPipe:
+    """Seed the graph and the global RNGs of one worker for an epoch, then run ``worker_reset_fn``."""
+    generator = worker_seed_generator(epoch_seed, global_worker_id)
+    return process_reset_fn(datapipe, worker_info, generator, custom_reset_fn=worker_reset_fn)

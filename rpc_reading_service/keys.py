@@ -1,0 +1,32 @@
+"""Where shared auth keys come from: a file, the environment, or a fresh random one."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Optional
+
+from .errors import ConfigurationError
+
+__all__ = ["AUTH_KEY_ENV", "load_auth_key", "new_auth_key"]
+
+AUTH_KEY_ENV = "RPC_READING_SERVICE_AUTH_KEY"
+
+
+def load_auth_key(auth_key_file: Optional[str]) -> bytes:
+    """The shared key from ``auth_key_file`` or ``$RPC_READING_SERVICE_AUTH_KEY`` (b"" if neither)."""
+    if auth_key_file:
+        try:
+            with open(auth_key_file, "rb") as handle:
+                key = handle.read().strip()
+        except OSError as exc:
+            raise ConfigurationError(f"cannot read --auth-key-file {auth_key_file!r}: {exc.strerror}") from exc
+        if not key:
+            raise ConfigurationError(f"--auth-key-file {auth_key_file!r} is empty: put the shared key in it")
+        return key
+    return os.environ.get(AUTH_KEY_ENV, "").strip().encode("utf-8")
+
+
+def new_auth_key() -> bytes:
+    """A fresh random shared key (64 hex characters)."""
+    return secrets.token_hex(32).encode("ascii")

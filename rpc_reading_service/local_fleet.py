@@ -1,0 +1,103 @@
+"""Starting and stopping a worker server on this host for ``RPCReadingService(num_workers=N)``.
+
+One local server is enough for any number of local workers: it forks one session
+process per worker. The server gets a fresh random key through its environment (not its
+command line, which other users can read), the trainer's ``sys.path`` so that functions
+from the trainer's modules resolve, and the trainer's pid, so it exits if the trainer dies.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import subprocess
+import sys
+import time
+from typing import List, Optional
+
+from .errors import WorkerStartupError
+from .keys import AUTH_KEY_ENV
+
+__all__ = ["LocalWorkerServer"]
+
+
+class LocalWorkerServer:
+    """An ``rpc-reading-worker`` subprocess listening on a free loopback port."""
+
+    def __init__(self, auth_key: bytes, transport: str = "socket", startup_timeout: float = 60.0, log_level: str = "WARNING"):
+        self.auth_key = auth_key
+        self.transport = transport
+        self.startup_timeout = startup_timeout
+        self.log_level = log_level
+        self.address: Optional[str] = None
+        self._process: Optional[subprocess.Popen] = None
+
+    def command(self) -> List[str]:
+        """The server's command line."""
+        return [
+            sys.executable, "-m", "rpc_reading_service.worker",
+            "--host", "127.0.0.1", "--port", "0",
+            "--transport", self.transport,
+            "--parent-pid", str(os.getpid()),
+            "--log-level", self.log_level,
+        ]  # fmt: skip
+
+    def start(self) -> str:
+        """Start the server and return its ``host:port`` once it listens."""
+        env = dict(os.environ)
+        env[AUTH_KEY_ENV] = self.auth_key.decode("ascii")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        self._process = subprocess.Popen(
+            self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, close_fds=True
+        )
+        try:
+            self.address = self._read_address()
+        except BaseException:
+            self.stop()
+            raise
+        return self.address
+
+    def _read_address(self) -> str:
+        assert self._process is not None and self._process.stdout is not None
+        deadline = time.monotonic() + self.startup_timeout
+        line = b""
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._process.stdout, selectors.EVENT_READ)
+            while not line.endswith(b"\n"):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise WorkerStartupError(
+                        f"local worker server did not start listening within {self.startup_timeout:.0f} s"
+                    )
+                if selector.select(remaining):
+                    chunk = os.read(self._process.stdout.fileno(), 256)
+                    if not chunk:
+                        code = self._process.wait(timeout=5)
+                        raise WorkerStartupError(
+                            f"local worker server exited with code {code} before listening; its error output is above"
+                        )
+                    line += chunk
+        text = line.decode("utf-8", "replace").strip()
+        if not text.startswith("listening on "):
+            raise WorkerStartupError(f"local worker server printed {text!r} instead of 'listening on HOST:PORT'")
+        return text[len("listening on ") :]
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The server's process id."""
+        return self._process.pid if self._process is not None else None
+
+    def stop(self, timeout: float = 3.0) -> None:
+        """Stop the server and its session processes (idempotent)."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if process.stdout is not None:
+            process.stdout.close()

@@ -1,0 +1,465 @@
+"""The wire protocol, sans I/O: bytes in, frames and messages out. No sockets here.
+
+A frame is::
+
+    header   magic(4) version(1) kind(1) n_buffers(2) body_length(8)     16 bytes, network order
+    lengths  n_buffers x u64                                              out-of-band buffer sizes
+    body     body_length bytes
+    buffers  each out-of-band buffer, back to back
+
+The header announces every size before anything is read, so a frame over the
+configured maximum is refused unread. Out-of-band buffers (tensor storage, numpy
+arrays, pickle protocol 5 buffers) are received straight into their own
+preallocated memory: ``FrameReader.writable()`` hands out the exact memory the next
+bytes belong to, for ``socket.recv_into``.
+
+Handshake (before anything is unpickled), on a shared key K::
+
+    client -> HELLO      version, client nonce Nc, package version
+    server -> CHALLENGE  server nonce Ns, HMAC(K, "server" | Nc | Ns)
+    client -> PROOF      HMAC(K, "client" | Ns | Nc)          (after checking the server's proof)
+    server -> WELCOME                                         (or REJECT with a reason)
+
+Both sides prove the key, so a trainer never unpickles data from an impostor either.
+Handshake frames carry raw bytes only; control messages after it are pickled dicts;
+DATA frames pack many items into one frame.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import os
+import pickle
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+from .errors import AuthenticationError, FrameTooLargeError, ProtocolError
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAGIC",
+    "MessageKind",
+    "Frame",
+    "FrameReader",
+    "encode_frame",
+    "encode_control",
+    "decode_control",
+    "encode_credit",
+    "decode_credit",
+    "EncodedItem",
+    "encode_data",
+    "decode_data",
+    "ClientHandshake",
+    "ServerHandshake",
+    "HANDSHAKE_MAX_FRAME_BYTES",
+    "DEFAULT_MAX_FRAME_BYTES",
+]
+
+PROTOCOL_VERSION = 1
+MAGIC = b"RRSV"
+HEADER = struct.Struct("!4sBBHQ")
+BUFFER_LENGTH = struct.Struct("!Q")
+MAX_BUFFERS_PER_FRAME = 4096
+HANDSHAKE_MAX_FRAME_BYTES = 4096
+DEFAULT_MAX_FRAME_BYTES = 1 << 31
+NONCE_BYTES = 32
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class MessageKind(enum.IntEnum):
+    """The type byte of a frame."""
+
+    # Handshake: raw bytes, allowed before authentication.
+    HELLO = 1
+    CHALLENGE = 2
+    PROOF = 3
+    WELCOME = 4
+    REJECT = 5
+    # Session control: pickled dicts, only after authentication.
+    SETUP = 10
+    READY = 11
+    START_EPOCH = 12
+    STOP_EPOCH = 13
+    ERROR = 14
+    CLOSE = 15
+    # Streaming: compact binary.
+    CREDIT = 20
+    DATA = 21
+    END_OF_SHARD = 22
+    HEARTBEAT = 23
+
+
+HANDSHAKE_KINDS = frozenset(
+    {MessageKind.HELLO, MessageKind.CHALLENGE, MessageKind.PROOF, MessageKind.WELCOME, MessageKind.REJECT}
+)
+_KNOWN_KINDS = frozenset(int(k) for k in MessageKind)
+
+
+@dataclass
+class Frame:
+    """One decoded frame: its kind, its body and its out-of-band buffers."""
+
+    kind: MessageKind
+    body: Buffer
+    buffers: List[Buffer] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this frame occupies in memory (body plus buffers)."""
+        return len(self.body) + sum(memoryview(b).nbytes for b in self.buffers)
+
+
+def encode_frame(kind: MessageKind, body: Sequence[Buffer] = (), buffers: Sequence[Buffer] = ()) -> List[Buffer]:
+    """Return the chunks of one frame, ready for a scatter/gather send (``socket.sendmsg``).
+
+    ``body`` is a sequence of chunks that together make the body; nothing is copied.
+    """
+    if len(buffers) > MAX_BUFFERS_PER_FRAME:
+        raise ProtocolError(f"a frame may carry at most {MAX_BUFFERS_PER_FRAME} out-of-band buffers, got {len(buffers)}")
+    body_length = sum(memoryview(part).nbytes for part in body)
+    lengths = [memoryview(b).nbytes for b in buffers]
+    head = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(kind), len(buffers), body_length)
+    if lengths:
+        head += struct.pack(f"!{len(lengths)}Q", *lengths)
+    chunks: List[Buffer] = [head]
+    chunks.extend(part for part in body if memoryview(part).nbytes)
+    chunks.extend(b for b in buffers if memoryview(b).nbytes)
+    return chunks
+
+
+class FrameReader:
+    """Incremental frame parser for a byte stream.
+
+    Zero-copy use: ``view = reader.writable()``, ``n = sock.recv_into(view)``,
+    ``reader.advance(n)``, then ``reader.next_frame()``. Simple use: ``reader.feed(data)``.
+    Sizes are checked against ``max_frame_bytes`` as soon as the header (and the buffer
+    length table) arrive, before any memory is allocated for them.
+    """
+
+    _HEADER, _LENGTHS, _BODY, _BUFFERS = range(4)
+
+    def __init__(
+        self,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        allocate: Callable[[int], Buffer] = bytearray,
+        allowed_kinds: Optional[frozenset] = None,
+    ):
+        self.max_frame_bytes = max_frame_bytes
+        self.allowed_kinds = allowed_kinds
+        self._allocate = allocate
+        self._frames: List[Frame] = []
+        self._start_header()
+
+    # -- public -------------------------------------------------------------------------
+    def writable(self) -> memoryview:
+        """Memory where the next bytes of the stream belong (never empty)."""
+        return self._target[self._filled :]
+
+    def advance(self, nbytes: int) -> None:
+        """Record that ``nbytes`` were written into the memory returned by ``writable()``."""
+        self._filled += nbytes
+        while self._filled == len(self._target):
+            self._section_done()
+
+    def feed(self, data: Buffer) -> None:
+        """Copy ``data`` into the reader (convenience for tests and non-socket transports)."""
+        data = memoryview(data).cast("B")
+        while data:
+            target = self.writable()
+            n = min(len(target), len(data))
+            target[:n] = data[:n]
+            data = data[n:]
+            self.advance(n)
+
+    def next_frame(self) -> Optional[Frame]:
+        """Return the oldest complete frame, or None if none is complete yet."""
+        return self._frames.pop(0) if self._frames else None
+
+    @property
+    def mid_frame(self) -> bool:
+        """True when part of a frame has been read (EOF now means a truncated frame)."""
+        return self._state != self._HEADER or self._filled > 0
+
+    # -- state machine ---------------------------------------------------------------------
+    def _start_header(self) -> None:
+        self._state = self._HEADER
+        self._target = memoryview(bytearray(HEADER.size))
+        self._filled = 0
+        self._lengths: List[int] = []
+        self._buffers: List[Buffer] = []
+
+    def _set_target(self, state: int, memory: Buffer) -> None:
+        self._state = state
+        self._target = memoryview(memory).cast("B")
+        self._filled = 0
+
+    def _section_done(self) -> None:
+        if self._state == self._HEADER:
+            self._parse_header()
+        elif self._state == self._LENGTHS:
+            self._lengths = list(struct.unpack(f"!{self._n_buffers}Q", self._target))
+            self._check_size()
+            self._set_target(self._BODY, bytearray(self._body_length))
+        elif self._state == self._BODY:
+            self._body = self._target.obj
+            self._next_buffer()
+        else:
+            self._buffers.append(self._target.obj)
+            self._next_buffer()
+
+    def _parse_header(self) -> None:
+        magic, version, kind, n_buffers, body_length = HEADER.unpack(self._target)
+        if magic != MAGIC:
+            raise ProtocolError(
+                f"not an rpc_reading_service frame (magic {bytes(magic)!r}, expected {MAGIC!r}): "
+                "is something else talking to this port?"
+            )
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"peer speaks protocol version {version}, this side speaks {PROTOCOL_VERSION}: "
+                "install the same rpc_reading_service version on the trainer and the workers"
+            )
+        if kind not in _KNOWN_KINDS:
+            raise ProtocolError(f"unknown message kind {kind}")
+        kind = MessageKind(kind)
+        if self.allowed_kinds is not None and kind not in self.allowed_kinds:
+            raise ProtocolError(f"message {kind.name} is not allowed at this point of the session")
+        if n_buffers > MAX_BUFFERS_PER_FRAME:
+            raise ProtocolError(f"frame announces {n_buffers} buffers, at most {MAX_BUFFERS_PER_FRAME} are allowed")
+        self._kind = kind
+        self._n_buffers = n_buffers
+        self._body_length = body_length
+        if n_buffers:
+            self._set_target(self._LENGTHS, bytearray(BUFFER_LENGTH.size * n_buffers))
+        else:
+            self._check_size()
+            self._set_target(self._BODY, bytearray(body_length))
+
+    def _check_size(self) -> None:
+        total = self._body_length + sum(self._lengths)
+        if total > self.max_frame_bytes:
+            raise FrameTooLargeError(
+                f"peer announced a {self._kind.name} frame of {total} bytes, over the maximum of "
+                f"{self.max_frame_bytes} bytes; refused before reading it"
+            )
+
+    def _next_buffer(self) -> None:
+        index = len(self._buffers)
+        if index < self._n_buffers:
+            self._set_target(self._BUFFERS, self._allocate(self._lengths[index]))
+            if self._lengths[index]:
+                return
+            # Zero-length buffer: complete at once.
+            self._buffers.append(self._target.obj)
+            return self._next_buffer()
+        self._frames.append(Frame(self._kind, self._body, self._buffers))
+        self._start_header()
+        # A header target is never empty, so the caller's loop stops here.
+
+
+# -- control messages (pickled dicts, after authentication only) -------------------------------
+def encode_control(kind: MessageKind, payload: Optional[Dict[str, Any]] = None) -> List[Buffer]:
+    """Encode a session-control message whose payload is a dict of plain Python values."""
+    body = pickle.dumps(payload or {}, protocol=pickle.HIGHEST_PROTOCOL)
+    return encode_frame(kind, [body])
+
+
+def decode_control(frame: Frame) -> Dict[str, Any]:
+    """Decode a control message. Only call on an authenticated connection."""
+    if not frame.body:
+        return {}
+    try:
+        payload = pickle.loads(frame.body)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure is a protocol violation
+        raise ProtocolError(f"could not decode {frame.kind.name} message: {exc!r}") from exc
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"{frame.kind.name} message is not a dict but {type(payload).__name__}")
+    return payload
+
+
+_CREDIT = struct.Struct("!II")
+
+
+def encode_credit(epoch: int, credits: int) -> List[Buffer]:
+    """Encode a grant of ``credits`` more DATA frames for ``epoch``."""
+    return encode_frame(MessageKind.CREDIT, [_CREDIT.pack(epoch, credits)])
+
+
+def decode_credit(frame: Frame) -> Tuple[int, int]:
+    """Decode a CREDIT frame into ``(epoch, credits)``."""
+    if len(frame.body) != _CREDIT.size:
+        raise ProtocolError(f"CREDIT frame body has {len(frame.body)} bytes, expected {_CREDIT.size}")
+    return _CREDIT.unpack(frame.body)
+
+
+# -- DATA frames: many items packed into one frame ---------------------------------------------
+@dataclass
+class EncodedItem:
+    """One pickled item: its pickle stream and the out-of-band buffers it refers to."""
+
+    payload: Buffer
+    buffers: List[Buffer] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of the item on the wire."""
+        return len(self.payload) + sum(memoryview(b).nbytes for b in self.buffers)
+
+
+_DATA_HEAD = struct.Struct("!IQI")
+_DATA_ITEM = struct.Struct("!QI")
+
+
+def encode_data(epoch: int, sequence: int, items: Sequence[EncodedItem]) -> Tuple[List[Buffer], List[Buffer]]:
+    """Pack ``items`` into the body chunks and buffers of one DATA frame.
+
+    Returns ``(body_chunks, buffers)`` for :func:`encode_frame`. ``sequence`` numbers the
+    frames of one epoch from 0, so the receiver can verify nothing was lost.
+    """
+    table = bytearray(_DATA_HEAD.pack(epoch, sequence, len(items)))
+    buffers: List[Buffer] = []
+    for item in items:
+        table += _DATA_ITEM.pack(len(item.payload), len(item.buffers))
+        buffers.extend(item.buffers)
+    body: List[Buffer] = [table]
+    body.extend(item.payload for item in items)
+    return body, buffers
+
+
+def decode_data(frame: Frame) -> Tuple[int, int, List[EncodedItem]]:
+    """Unpack a DATA frame into ``(epoch, sequence, items)``, without copying payloads."""
+    body = memoryview(frame.body)
+    if len(body) < _DATA_HEAD.size:
+        raise ProtocolError("DATA frame too short for its header")
+    epoch, sequence, count = _DATA_HEAD.unpack_from(body)
+    offset = _DATA_HEAD.size
+    payload_offset = offset + count * _DATA_ITEM.size
+    if payload_offset > len(body):
+        raise ProtocolError(f"DATA frame announces {count} items but is too short for their table")
+    items: List[EncodedItem] = []
+    buffer_index = 0
+    for _ in range(count):
+        length, n_buffers = _DATA_ITEM.unpack_from(body, offset)
+        offset += _DATA_ITEM.size
+        end = payload_offset + length
+        if end > len(body) or buffer_index + n_buffers > len(frame.buffers):
+            raise ProtocolError("DATA frame item table does not match its body and buffers")
+        items.append(EncodedItem(body[payload_offset:end], list(frame.buffers[buffer_index : buffer_index + n_buffers])))
+        payload_offset = end
+        buffer_index += n_buffers
+    if payload_offset != len(body) or buffer_index != len(frame.buffers):
+        raise ProtocolError("DATA frame has trailing bytes or buffers its item table does not account for")
+    return epoch, sequence, items
+
+
+_EPOCH_MARK = struct.Struct("!IQ")
+
+
+def encode_end_of_shard(epoch: int, items_sent: int) -> List[Buffer]:
+    """Encode the end of a worker's shard for ``epoch`` after ``items_sent`` items."""
+    return encode_frame(MessageKind.END_OF_SHARD, [_EPOCH_MARK.pack(epoch, items_sent)])
+
+
+def decode_end_of_shard(frame: Frame) -> Tuple[int, int]:
+    """Decode an END_OF_SHARD frame into ``(epoch, items_sent)``."""
+    if len(frame.body) != _EPOCH_MARK.size:
+        raise ProtocolError("END_OF_SHARD frame has a malformed body")
+    return _EPOCH_MARK.unpack(frame.body)
+
+
+# -- handshake ---------------------------------------------------------------------------------
+_HELLO = struct.Struct(f"!{NONCE_BYTES}s")
+_DIGEST_BYTES = hashlib.sha256().digest_size
+
+
+def _proof(key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(key, label + first + second, hashlib.sha256).digest()
+
+
+def _expect(frame: Frame, kind: MessageKind) -> None:
+    if frame.kind == MessageKind.REJECT:
+        reason = bytes(frame.body[:512]).decode("utf-8", "replace")
+        raise AuthenticationError(f"peer refused the connection: {reason}")
+    if frame.kind != kind:
+        raise ProtocolError(f"expected {kind.name} during the handshake, got {frame.kind.name}")
+
+
+def encode_reject(reason: str) -> List[Buffer]:
+    """Encode a REJECT frame carrying a human-readable reason (raw UTF-8, never pickled)."""
+    return encode_frame(MessageKind.REJECT, [reason.encode("utf-8")[:1024]])
+
+
+class ClientHandshake:
+    """The trainer's side of the mutual HMAC challenge-response."""
+
+    def __init__(self, key: bytes, package_version: str = "", nonce: Optional[bytes] = None):
+        self._key = key
+        self._nonce = nonce or os.urandom(NONCE_BYTES)
+        self._package_version = package_version.encode("utf-8")[:64]
+        self._server_nonce: Optional[bytes] = None
+        self.done = False
+
+    def hello(self) -> List[Buffer]:
+        """The first frame to send."""
+        return encode_frame(MessageKind.HELLO, [_HELLO.pack(self._nonce), self._package_version])
+
+    def receive_challenge(self, frame: Frame) -> List[Buffer]:
+        """Check the server's proof of the key; return the PROOF frame to send."""
+        _expect(frame, MessageKind.CHALLENGE)
+        body = bytes(frame.body)
+        if len(body) != NONCE_BYTES + _DIGEST_BYTES:
+            raise ProtocolError("malformed CHALLENGE frame")
+        server_nonce, server_proof = body[:NONCE_BYTES], body[NONCE_BYTES:]
+        if not hmac.compare_digest(server_proof, _proof(self._key, b"server", self._nonce, server_nonce)):
+            raise AuthenticationError(
+                "the worker does not hold the same auth key as this trainer: pass the key the worker "
+                "was started with (--auth-key-file / RPC_READING_SERVICE_AUTH_KEY) as auth_key="
+            )
+        self._server_nonce = server_nonce
+        return encode_frame(MessageKind.PROOF, [_proof(self._key, b"client", server_nonce, self._nonce)])
+
+    def receive_welcome(self, frame: Frame) -> None:
+        """Finish the handshake on the server's WELCOME."""
+        _expect(frame, MessageKind.WELCOME)
+        if self._server_nonce is None:
+            raise ProtocolError("WELCOME before CHALLENGE")
+        self.done = True
+
+
+class ServerHandshake:
+    """The worker server's side of the mutual HMAC challenge-response."""
+
+    def __init__(self, key: bytes, nonce: Optional[bytes] = None):
+        self._key = key
+        self._nonce = nonce or os.urandom(NONCE_BYTES)
+        self._client_nonce: Optional[bytes] = None
+        self.peer_package_version = ""
+        self.done = False
+
+    def receive_hello(self, frame: Frame) -> List[Buffer]:
+        """Answer a HELLO with a CHALLENGE that also proves this server holds the key."""
+        _expect(frame, MessageKind.HELLO)
+        if self._client_nonce is not None:
+            raise ProtocolError("second HELLO in one handshake")
+        body = bytes(frame.body)
+        if len(body) < NONCE_BYTES:
+            raise ProtocolError("malformed HELLO frame")
+        self._client_nonce = body[:NONCE_BYTES]
+        self.peer_package_version = body[NONCE_BYTES:].decode("utf-8", "replace")
+        proof = _proof(self._key, b"server", self._client_nonce, self._nonce)
+        return encode_frame(MessageKind.CHALLENGE, [self._nonce, proof])
+
+    def receive_proof(self, frame: Frame) -> List[Buffer]:
+        """Verify the client's PROOF; return WELCOME, or raise AuthenticationError."""
+        _expect(frame, MessageKind.PROOF)
+        if self._client_nonce is None:
+            raise ProtocolError("PROOF before HELLO")
+        expected = _proof(self._key, b"client", self._nonce, self._client_nonce)
+        if not hmac.compare_digest(bytes(frame.body), expected):
+            raise AuthenticationError("client failed the auth-key challenge (wrong or missing auth key)")
+        self.done = True
+        return encode_frame(MessageKind.WELCOME)

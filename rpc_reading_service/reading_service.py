@@ -1,0 +1,330 @@
+"""``RPCReadingService``: the DataLoader2 face of rpc_reading_service."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import types
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+
+import cloudpickle
+from torchdata.dataloader2.graph import DataPipe, list_dps, set_graph_random_seed, traverse_dps
+from torchdata.dataloader2.random import SeedGenerator, dist_share_seed
+from torchdata.dataloader2.reading_service import ReadingServiceInterface
+from torchdata.dataloader2.utils import WorkerInfo
+from torchdata.datapipes.iter import IterDataPipe
+
+from .addresses import parse_address
+from .client import Event, WorkerChannel, iterate_as_completed, iterate_in_order
+from .errors import ConfigurationError, WorkerLostError
+from .graph import (
+    DistributedInfo,
+    apply_distributed_sharding,
+    distributed_info,
+    draw_epoch_seed,
+    init_worker_graph,
+    reset_worker_graph,
+    split_replicable,
+)
+from .keys import new_auth_key
+from .local_fleet import LocalWorkerServer
+from .serialization import dumps_graph
+from .transports import available_transports, create_transport
+from .transports.base import PeerLostError
+from .worker_session import SessionOptions
+
+__all__ = ["RPCReadingService"]
+
+log = logging.getLogger(__name__)
+
+InitFn = Callable[[DataPipe, WorkerInfo], DataPipe]
+ResetFn = Callable[[DataPipe, WorkerInfo, SeedGenerator], DataPipe]
+
+
+class _RemoteStream(IterDataPipe):
+    """The trainer-side stand-in for the graph that runs on the workers."""
+
+    def __init__(self, service: "RPCReadingService"):
+        self._service = service
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._service._iterate_epoch()
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # torchdata traverses graphs by pickling them; the service (sockets, threads) stays out.
+        return {}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self._service = None  # a detached copy: iterating it is an error
+
+
+def _rebuild_service(config: bytes) -> "RPCReadingService":
+    service = RPCReadingService.__new__(RPCReadingService)
+    service._configure(**cloudpickle.loads(config))
+    return service
+
+
+class RPCReadingService(ReadingServiceInterface):
+    """Run a DataPipe graph on worker servers and stream the items back to the trainer.
+
+    Args:
+        num_workers: Number of worker sessions. Without ``worker_addresses``, that many
+            local workers on this host (``0`` runs the graph in the trainer's process).
+            With addresses, the sessions are spread round-robin over them (default: one
+            per address); each server runs every session in its own process.
+        worker_addresses: ``"host:port"`` of ``rpc-reading-worker`` servers.
+        auth_key: The servers' shared key (``str`` or ``bytes``). Local workers get a
+            fresh random key.
+        transport: Name of a registered transport (``"socket"`` by default).
+        in_order: Round-robin over workers, deterministic (default); ``False`` yields
+            whatever arrives first.
+        prefetch: Packed frames each worker may have in flight (the credit window);
+            bounds the trainer's memory.
+        worker_init_fn: ``fn(datapipe, worker_info) -> datapipe``, run once per worker.
+        worker_reset_fn: ``fn(datapipe, worker_info, seed_generator) -> datapipe``, run
+            at the start of every epoch on every worker.
+        timeout: Seconds without any word (data or heartbeat) from a worker before it is
+            declared lost with :class:`~rpc_reading_service.errors.WorkerLostError`.
+        connect_timeout: Seconds to connect to and set up every worker.
+        pickle_by_value: Modules not installed on the workers whose functions and classes
+            should travel by value.
+        heartbeat_interval: Seconds between heartbeats in both directions.
+    """
+
+    def __init__(
+        self,
+        num_workers: int = 0,
+        worker_addresses: Optional[Sequence[str]] = None,
+        auth_key: Optional[Union[str, bytes]] = None,
+        transport: str = "socket",
+        in_order: bool = True,
+        prefetch: int = 4,
+        worker_init_fn: Optional[InitFn] = None,
+        worker_reset_fn: Optional[ResetFn] = None,
+        timeout: float = 10.0,
+        connect_timeout: float = 60.0,
+        pickle_by_value: Sequence[types.ModuleType] = (),
+        heartbeat_interval: float = 1.0,
+    ) -> None:
+        self._configure(
+            num_workers=num_workers,
+            worker_addresses=list(worker_addresses) if worker_addresses is not None else None,
+            auth_key=auth_key,
+            transport=transport,
+            in_order=in_order,
+            prefetch=prefetch,
+            worker_init_fn=worker_init_fn,
+            worker_reset_fn=worker_reset_fn,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            pickle_by_value=list(pickle_by_value),
+            heartbeat_interval=heartbeat_interval,
+        )
+
+    def _configure(self, **config: Any) -> None:
+        """Check and store the configuration; opens nothing (DataLoader2 clones us by pickling)."""
+        self._config = config
+        num_workers = config["num_workers"]
+        addresses = config["worker_addresses"]
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ConfigurationError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        if addresses is not None:
+            if not addresses:
+                raise ConfigurationError("worker_addresses is empty: give at least one 'host:port'")
+            for address in addresses:
+                parse_address(address)
+        if config["prefetch"] < 1:
+            raise ConfigurationError(f"prefetch must be >= 1 frame per worker, got {config['prefetch']}")
+        if config["timeout"] <= config["heartbeat_interval"]:
+            raise ConfigurationError(
+                f"timeout ({config['timeout']} s) must exceed heartbeat_interval ({config['heartbeat_interval']} s)"
+            )
+        if config["transport"] not in available_transports():
+            raise ConfigurationError(
+                f"unknown transport {config['transport']!r}; available transports: {', '.join(available_transports())}"
+            )
+        key = config["auth_key"]
+        self._auth_key = key.encode("utf-8") if isinstance(key, str) else key
+        self.num_workers = len(addresses) if addresses and num_workers == 0 else num_workers
+        self.in_order = config["in_order"]
+        self._channels: List[WorkerChannel] = []
+        self._events: "queue.SimpleQueue[Event]" = queue.SimpleQueue()
+        self._local_server: Optional[LocalWorkerServer] = None
+        self._in_process_graph: Optional[DataPipe] = None
+        self._end_datapipe: Optional[DataPipe] = None
+        self._dist = DistributedInfo()
+        self._seed_group: Any = None
+        self._epoch = 0
+        self._epoch_seed = 0
+        self._finalized = False
+        self._lock = threading.Lock()
+
+    def __reduce__(self) -> Any:
+        if self._channels or self._local_server is not None:
+            raise TypeError("an initialised RPCReadingService cannot be pickled; pickle it before DataLoader2 uses it")
+        # cloudpickle, so lambdas given as worker_init_fn survive DataLoader2's cloning.
+        return _rebuild_service, (cloudpickle.dumps(self._config),)
+
+    # -- ReadingServiceInterface ----------------------------------------------------------------
+    def initialize(self, datapipe: DataPipe) -> DataPipe:
+        """Ship the graph to the workers and return the trainer's graph that streams from them."""
+        if self.num_workers == 0:
+            self._in_process_graph = init_worker_graph(datapipe, WorkerInfo(1, 0), self._config["worker_init_fn"])
+            self._end_datapipe = self._in_process_graph
+            return self._in_process_graph
+        self._dist = distributed_info()
+        branch, attach = split_replicable(datapipe)
+        apply_distributed_sharding(branch, self._dist)
+        graph = dumps_graph(
+            (branch, self._config["worker_init_fn"], self._config["worker_reset_fn"]), self._config["pickle_by_value"]
+        )
+        try:
+            if self._dist.world_size > 1:
+                import torch.distributed as dist
+
+                self._seed_group = dist.new_group(backend="gloo")
+            self._connect(graph)
+        except BaseException:
+            self.finalize()
+            raise
+        self._end_datapipe = attach(_RemoteStream(self))
+        return self._end_datapipe
+
+    def _worker_addresses(self) -> List[str]:
+        addresses = self._config["worker_addresses"]
+        if addresses is None:
+            self._auth_key = self._auth_key or new_auth_key()
+            self._local_server = LocalWorkerServer(self._auth_key, self._config["transport"])
+            addresses = [self._local_server.start()]
+        return [addresses[rank % len(addresses)] for rank in range(self.num_workers)]
+
+    def _connect(self, graph: bytes) -> None:
+        transport = create_transport(self._config["transport"])
+        addresses = self._worker_addresses()
+        options = SessionOptions(
+            heartbeat_interval=self._config["heartbeat_interval"], peer_timeout=self._config["timeout"]
+        )
+        timeout = self._config["connect_timeout"]
+
+        def open_channel(rank: int) -> WorkerChannel:
+            try:
+                conn = transport.connect(addresses[rank], self._auth_key or b"", timeout)
+            except PeerLostError as exc:
+                raise WorkerLostError(f"worker {rank}: {exc}", rank, addresses[rank]) from exc
+            channel = WorkerChannel(conn, rank, options.heartbeat_interval, options.peer_timeout)
+            try:
+                channel.setup(
+                    {
+                        "graph": graph,
+                        "worker_rank": rank,
+                        "num_workers": self.num_workers,
+                        "options": options.__dict__,
+                    },
+                    timeout,
+                )
+            except BaseException:
+                channel.close()
+                raise
+            return channel
+
+        with ThreadPoolExecutor(max_workers=min(32, self.num_workers)) as pool:
+            futures = [pool.submit(open_channel, rank) for rank in range(self.num_workers)]
+            errors = []
+            for future in futures:
+                try:
+                    self._channels.append(future.result())
+                except BaseException as exc:  # noqa: BLE001 - close every channel, raise the first error
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
+        for channel in self._channels:
+            channel.start_receiver(self._events if not self.in_order else queue.SimpleQueue())
+
+    def initialize_iteration(
+        self, seed_generator: SeedGenerator, iter_reset_fn: Optional[Callable[[DataPipe], DataPipe]] = None
+    ) -> Optional[Callable[[DataPipe], DataPipe]]:
+        """Start an epoch on every worker with a fresh shared seed."""
+        assert self._end_datapipe is not None, "initialize() must run first"
+        self._epoch += 1
+        self._epoch_seed = draw_epoch_seed(seed_generator)
+        if self._seed_group is not None:
+            self._epoch_seed = dist_share_seed(self._epoch_seed, self._seed_group)
+        if self._in_process_graph is not None:
+            self._in_process_graph = reset_worker_graph(
+                self._in_process_graph, WorkerInfo(1, 0), self._epoch_seed, self._dist.rank, self._config["worker_reset_fn"]
+            )
+            return None
+        # DataPipes kept in the trainer (after the remote branch) are seeded as MPRS does.
+        set_graph_random_seed(self._end_datapipe, seed_generator)
+        for channel in self._channels:
+            channel.start_epoch(
+                self._epoch,
+                self._epoch_seed,
+                self._dist.global_worker_id(channel.rank, self.num_workers),
+                self._config["prefetch"],
+            )
+        return None
+
+    def _iterate_epoch(self) -> Iterator[Any]:
+        epoch = self._epoch
+        if self.in_order:
+            return iterate_in_order(self._channels, epoch)
+        return iterate_as_completed(self._channels, self._events, epoch)
+
+    def finalize_iteration(self) -> None:
+        """Nothing to release: workers end their epoch by themselves."""
+
+    def finalize(self) -> None:
+        """Close every session and stop local workers; idempotent, bounded in time."""
+        with self._lock:
+            if self._finalized:
+                return
+            self._finalized = True
+        channels, self._channels = self._channels, []
+        if channels:
+            with ThreadPoolExecutor(max_workers=min(32, len(channels))) as pool:
+                list(pool.map(lambda channel: channel.close(), channels))
+        if self._local_server is not None:
+            self._local_server.stop()
+            self._local_server = None
+        if self._seed_group is not None:
+            import torch.distributed as dist
+
+            try:
+                dist.destroy_process_group(self._seed_group)
+            except Exception:  # noqa: BLE001 - the default group may already be gone
+                pass
+            self._seed_group = None
+
+    # -- DataLoader2 pause / resume / limit -----------------------------------------------------
+    def _trainer_side_dps(self) -> List[DataPipe]:
+        assert self._end_datapipe is not None
+        return list_dps(traverse_dps(self._end_datapipe))
+
+    def _pause(self, pause_fn: Optional[Callable[[DataPipe], DataPipe]] = None) -> None:
+        """Pause trainer-side DataPipes; workers stop by themselves once their credits run out."""
+        for dp in self._trainer_side_dps():
+            if hasattr(dp, "pause") and callable(dp.pause):
+                dp.pause()
+        return None
+
+    def _resume(self, resume_fn: Optional[Callable[[DataPipe], DataPipe]] = None) -> None:
+        """Resume trainer-side DataPipes (in reverse order, as torchdata does)."""
+        for dp in reversed(self._trainer_side_dps()):
+            if hasattr(dp, "resume") and callable(dp.resume):
+                dp.resume()
+        return None
+
+    def _limit(self, num_batches: Optional[int], limit_fn: Optional[Callable[[DataPipe, Optional[int]], DataPipe]] = None) -> None:
+        """Apply ``limit_fn`` to the trainer's graph; DataLoader2 counts and pauses itself."""
+        if limit_fn is not None:
+            limit_fn(self._end_datapipe, num_batches)  # type: ignore[arg-type]
+        return None
+
+    # -- introspection --------------------------------------------------------------------------
+    @property
+    def worker_addresses(self) -> List[str]:
+        """Addresses of the connected worker sessions, by rank."""
+        return [channel.address for channel in self._channels]

@@ -1,0 +1,101 @@
+"""The interface between the reading service / worker server and whatever moves frames.
+
+A transport knows frames (:class:`~rpc_reading_service.protocol.Frame`), peers and
+authentication; it knows nothing about DataPipes. The reading service and the worker
+server use only these three classes.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Callable, List, Optional, Sequence
+
+from ..protocol import Buffer, Frame
+
+__all__ = ["Connection", "Listener", "Transport", "PeerLostError", "Allocator"]
+
+Allocator = Callable[[int], Buffer]
+
+
+class PeerLostError(ConnectionError):
+    """The other side closed the connection, reset it, or sent nothing for too long."""
+
+
+class Connection(abc.ABC):
+    """An authenticated, bidirectional channel of frames to one peer."""
+
+    #: ``host:port`` (or another transport-specific name) of the peer, for messages.
+    peer: str
+
+    @abc.abstractmethod
+    def send(self, chunks: Sequence[Buffer]) -> None:
+        """Send one encoded frame (the chunks from ``protocol.encode_frame``).
+
+        Thread-safe: a frame is never interleaved with another. Raises
+        :class:`PeerLostError` when the peer is gone.
+        """
+
+    @abc.abstractmethod
+    def recv(self, timeout: Optional[float] = None) -> Optional[Frame]:
+        """Receive the next frame; None if nothing complete arrived within ``timeout`` seconds.
+
+        Call from one thread at a time. Raises :class:`PeerLostError` on EOF or reset and
+        :class:`~rpc_reading_service.errors.ProtocolError` on a malformed frame.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close the connection (idempotent). Wakes a thread blocked in ``recv``."""
+
+    def release(self) -> None:
+        """Drop this process's handle without disturbing the peer (after handing it to a child)."""
+        self.close()
+
+    def set_max_frame_bytes(self, max_frame_bytes: int) -> None:
+        """Refuse frames larger than this from now on."""
+
+
+class Listener(abc.ABC):
+    """A server endpoint that yields authenticated connections."""
+
+    #: ``host:port`` this listener is reachable at.
+    address: str
+
+    @abc.abstractmethod
+    def accept(self, timeout: Optional[float] = None) -> Optional[Connection]:
+        """Return the next authenticated connection, or None after ``timeout`` seconds.
+
+        Failed handshakes are logged and answered, never raised: a bad peer cannot stop
+        the server.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop listening (idempotent)."""
+
+    def inheritable_fds(self) -> List[int]:
+        """File descriptors a forked session process should close."""
+        return []
+
+
+class Transport(abc.ABC):
+    """A way of moving frames between a trainer and worker servers."""
+
+    #: The registry name, e.g. ``"socket"``.
+    name: str = ""
+    #: Whether an accepted connection survives ``os.fork`` into a session process.
+    supports_fork: bool = False
+
+    @abc.abstractmethod
+    def connect(
+        self,
+        address: str,
+        auth_key: bytes,
+        timeout: float,
+        allocate: Optional[Allocator] = None,
+    ) -> Connection:
+        """Connect to a worker server at ``address`` and authenticate, within ``timeout`` seconds."""
+
+    @abc.abstractmethod
+    def listen(self, host: str, port: int, auth_key: bytes, handshake_timeout: float = 10.0) -> Listener:
+        """Start a server endpoint on ``host:port`` (port 0 picks a free one)."""

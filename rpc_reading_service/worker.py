@@ -1,0 +1,207 @@
+"""The worker server: ``rpc-reading-worker`` / ``python -m rpc_reading_service.worker``.
+
+It accepts authenticated trainer connections and runs each session in isolation. On
+POSIX each session gets its own forked process (torch and torchdata are imported
+before the fork, so a session starts in milliseconds, and a crash, ``os._exit`` or
+segfault in a user's graph ends only that session); elsewhere sessions run in threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+from . import __version__
+from .addresses import format_address, is_loopback_host
+from .errors import ConfigurationError
+from .keys import AUTH_KEY_ENV, load_auth_key
+from .transports import available_transports, create_transport
+from .transports.base import Connection, Listener
+from .worker_session import WorkerSession
+
+__all__ = ["WorkerServer", "build_parser", "main"]
+
+log = logging.getLogger("rpc_reading_service.worker")
+
+
+class WorkerServer:
+    """Accepts trainer sessions and runs each one in its own process (or thread)."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        auth_key: bytes = b"",
+        transport: str = "socket",
+        session_mode: Optional[str] = None,
+        parent_pid: Optional[int] = None,
+        handshake_timeout: float = 10.0,
+    ):
+        if not auth_key and not is_loopback_host(host):
+            raise ConfigurationError(
+                f"refusing to listen on {host} without an auth key: anyone who can reach the port could run "
+                f"code here. Pass --auth-key-file FILE or set {AUTH_KEY_ENV}, or listen on 127.0.0.1"
+            )
+        self._transport = create_transport(transport)
+        if session_mode is None:
+            session_mode = "fork" if self._transport.supports_fork and hasattr(os, "fork") else "thread"
+        if session_mode == "fork" and not (self._transport.supports_fork and hasattr(os, "fork")):
+            raise ConfigurationError(f"transport {transport!r} cannot hand sessions to forked processes; use --session-mode thread")
+        self.session_mode = session_mode
+        self._listener: Listener = self._transport.listen(host, port, auth_key, handshake_timeout)
+        self.address = self._listener.address
+        self._parent_pid = parent_pid
+        self._children: Dict[int, str] = {}
+        self._threads: List[threading.Thread] = []
+        self._stop = threading.Event()
+
+    def stop(self) -> None:
+        """Ask :meth:`serve_forever` to return (safe from signal handlers and other threads)."""
+        self._stop.set()
+
+    def serve_forever(self) -> None:
+        """Accept and serve sessions until :meth:`stop` (or the parent process is gone)."""
+        log.info("serving on %s (transport %s, sessions in %s mode)", self.address, self._transport.name, self.session_mode)
+        try:
+            while not self._stop.is_set():
+                conn = self._listener.accept(timeout=0.5)
+                self._reap()
+                if self._parent_pid is not None and os.getppid() != self._parent_pid:
+                    log.warning("parent process %d is gone; shutting down", self._parent_pid)
+                    break
+                if conn is not None:
+                    self._start_session(conn)
+        finally:
+            self._shutdown()
+
+    def _start_session(self, conn: Connection) -> None:
+        if self.session_mode == "thread":
+            thread = threading.Thread(target=self._run_session, args=(conn,), name=f"rrs-session-{conn.peer}", daemon=True)
+            thread.start()
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            return
+        inherited = self._listener.inheritable_fds()
+        pid = os.fork()
+        if pid == 0:  # the session process
+            code = 0
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                for fd in inherited:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+                self._run_session(conn)
+            except BaseException:  # noqa: BLE001
+                code = 1
+            finally:
+                logging.shutdown()
+                os._exit(code)
+        conn.release()
+        self._children[pid] = conn.peer
+        log.info("session for %s runs in process %d", conn.peer, pid)
+
+    def _run_session(self, conn: Connection) -> None:
+        try:
+            import torch
+
+            torch.set_num_threads(1)  # one core per session, as torch's own DataLoader workers do
+        except Exception:  # noqa: BLE001
+            pass
+        WorkerSession(conn, self.address).run()
+
+    def _reap(self) -> None:
+        for pid in list(self._children):
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, 0
+            if done:
+                peer = self._children.pop(pid)
+                if os.WIFSIGNALED(status):
+                    log.warning("session process %d for %s was killed by signal %d", pid, peer, os.WTERMSIG(status))
+                else:
+                    log.info("session process %d for %s ended", pid, peer)
+
+    def _shutdown(self) -> None:
+        self._listener.close()
+        for pid in self._children:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 3.0
+        while self._children and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.02)
+        for pid in list(self._children):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+            self._children.pop(pid, None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line interface of ``rpc-reading-worker``."""
+    parser = argparse.ArgumentParser(
+        prog="rpc-reading-worker",
+        description="Serve DataPipe graphs to RPCReadingService trainers.",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=29600, help="port to listen on; 0 picks a free one (default 29600)")
+    parser.add_argument("--auth-key-file", help=f"file holding the shared auth key (else ${AUTH_KEY_ENV})")
+    parser.add_argument("--transport", default="socket", help="transport: one of the registered names (default socket)")
+    parser.add_argument("--session-mode", choices=["fork", "thread"], help="run sessions in forked processes or threads")
+    parser.add_argument("--handshake-timeout", type=float, default=10.0, help="seconds a peer has to authenticate")
+    parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--version", action="version", version=f"rpc_reading_service {__version__}")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``rpc-reading-worker``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(name)s[%(process)d] %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        if args.transport not in available_transports():
+            raise ConfigurationError(
+                f"unknown transport {args.transport!r}; available transports: {', '.join(available_transports())}"
+            )
+        server = WorkerServer(
+            host=args.host,
+            port=args.port,
+            auth_key=load_auth_key(args.auth_key_file),
+            transport=args.transport,
+            session_mode=args.session_mode,
+            parent_pid=args.parent_pid,
+            handshake_timeout=args.handshake_timeout,
+        )
+    except ConfigurationError as exc:
+        print(f"rpc-reading-worker: error: {exc}", file=sys.stderr)
+        return 2
+    # Import the heavy libraries before the first fork, so sessions start warm.
+    import torchdata.dataloader2  # noqa: F401
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: server.stop())
+    print(f"listening on {server.address}", flush=True)
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""One trainer session on a worker: graph setup, epochs, packing and credit-bound streaming.
+
+Threads (all in the session's own process when the server forks sessions):
+
+- the control loop (the caller of :meth:`WorkerSession.run`) reads the trainer's messages;
+- a producer per epoch iterates the graph and pickles items into the :class:`Outbox`;
+- one sender writes packed DATA frames while it holds credits, plus heartbeats, so that
+  graph compute overlaps sending and the trainer's memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+from . import __version__
+from .graph import init_worker_graph, reset_worker_graph
+from .protocol import (
+    Buffer,
+    EncodedItem,
+    MessageKind,
+    decode_control,
+    decode_credit,
+    encode_control,
+    encode_data,
+    encode_end_of_shard,
+    encode_frame,
+)
+from .serialization import dumps_item, loads_graph, pack_exception
+from .transports.base import Connection, PeerLostError
+
+__all__ = ["SessionOptions", "Outbox", "WorkerSession"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SessionOptions:
+    """Tunables the trainer sends in SETUP (defaults used until then)."""
+
+    batch_max_items: int = 1024
+    batch_max_bytes: int = 4 * 1024 * 1024
+    linger: float = 0.002
+    heartbeat_interval: float = 1.0
+    peer_timeout: float = 10.0
+    setup_timeout: float = 60.0
+
+    @classmethod
+    def from_dict(cls, values: Dict[str, Any]) -> "SessionOptions":
+        """Build options from a SETUP payload, ignoring unknown keys (newer trainers)."""
+        known = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+class _Cancelled(Exception):
+    """The producer's epoch was superseded or the session is closing."""
+
+
+class Outbox:
+    """Bounded hand-off of packed items from a producer thread to the sender thread.
+
+    The producer fills an open batch; a batch is sealed when it reaches the item or
+    byte bound, or when the sender takes it after ``linger`` seconds. At most one sealed
+    batch waits for credit; past that the producer blocks (backpressure).
+    """
+
+    def __init__(self, options: SessionOptions):
+        self._options = options
+        self._cond = threading.Condition()
+        self.epoch: Optional[int] = None
+        self._credits = 0
+        self._open: List[EncodedItem] = []
+        self._open_bytes = 0
+        self._open_since = 0.0
+        self._sealed: Deque[List[EncodedItem]] = collections.deque()
+        self._final: Optional[List[Buffer]] = None
+        self._sequence = 0
+        self._closed = False
+
+    def start_epoch(self, epoch: int, credits: int) -> None:
+        """Drop whatever belongs to an older epoch and start ``epoch`` with ``credits``."""
+        with self._cond:
+            self.epoch = epoch
+            self._credits = credits
+            self._open, self._open_bytes = [], 0
+            self._sealed.clear()
+            self._final = None
+            self._sequence = 0
+            self._cond.notify_all()
+
+    def stop_epoch(self, epoch: Optional[int] = None) -> None:
+        """Cancel ``epoch`` (or the current one): its producer stops at the next item."""
+        with self._cond:
+            if epoch is None or epoch == self.epoch:
+                self.epoch = None
+                self._sealed.clear()
+                self._open, self._open_bytes = [], 0
+                self._final = None
+                self._cond.notify_all()
+
+    def grant(self, epoch: int, credits: int) -> None:
+        """Add credits for ``epoch`` (stale grants are ignored)."""
+        with self._cond:
+            if epoch == self.epoch:
+                self._credits += credits
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """Wake and stop everybody."""
+        with self._cond:
+            self._closed = True
+            self.epoch = None
+            self._cond.notify_all()
+
+    # -- producer side ------------------------------------------------------------------------
+    def put(self, epoch: int, item: EncodedItem) -> None:
+        """Add one item of ``epoch``; blocks while a full batch waits for credit."""
+        options = self._options
+        with self._cond:
+            self._check(epoch)
+            if not self._open:
+                self._open_since = time.monotonic()
+                self._cond.notify_all()
+            self._open.append(item)
+            self._open_bytes += item.nbytes
+            if len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes:
+                while self._sealed:
+                    self._cond.wait()
+                    self._check(epoch)
+                if self._open:  # the sender may have taken it while we waited
+                    self._seal()
+
+    def finish(self, epoch: int, final_frame: List[Buffer]) -> None:
+        """Queue the frame that ends ``epoch`` (END_OF_SHARD or ERROR) after its data."""
+        with self._cond:
+            self._check(epoch)
+            self._final = final_frame
+            self._cond.notify_all()
+
+    def _check(self, epoch: int) -> None:
+        if self._closed or epoch != self.epoch:
+            raise _Cancelled()
+
+    def _seal(self) -> None:
+        self._sealed.append(self._open)
+        self._open, self._open_bytes = [], 0
+        self._cond.notify_all()
+
+    # -- sender side --------------------------------------------------------------------------
+    def take(self, timeout: float) -> Optional[List[Buffer]]:
+        """Return the next frame to send, or None after ``timeout`` seconds with nothing to send."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                frame, wait = self._next_frame(now)
+                if frame is not None:
+                    return frame
+                wait = min(wait, deadline - now)
+                if wait <= 0:
+                    return None
+                self._cond.wait(wait)
+            return None
+
+    def _next_frame(self, now: float) -> Tuple[Optional[List[Buffer]], float]:
+        if self.epoch is None:
+            return None, float("inf")
+        if self._credits > 0:
+            if not self._sealed and self._open:
+                if self._final is not None or now - self._open_since >= self._options.linger:
+                    self._seal()
+                else:
+                    return None, self._open_since + self._options.linger - now
+            if self._sealed:
+                items = self._sealed.popleft()
+                self._cond.notify_all()  # a producer may wait for the sealed slot
+                self._credits -= 1
+                body, buffers = encode_data(self.epoch, self._sequence, items)
+                self._sequence += 1
+                return encode_frame(MessageKind.DATA, body, buffers), 0.0
+        if self._final is not None and not self._sealed and not self._open:
+            final, self._final = self._final, None
+            self.epoch = None
+            return final, 0.0
+        return None, float("inf")
+
+
+class WorkerSession:
+    """Serves one trainer connection until it closes, goes silent, or says CLOSE."""
+
+    def __init__(self, conn: Connection, server_address: str = ""):
+        self.conn = conn
+        self.server_address = server_address
+        self.options = SessionOptions()
+        self.outbox = Outbox(self.options)
+        self._graph: Any = None
+        self._worker_info: Any = None
+        self._reset_fn: Any = None
+        self._producer: Optional[threading.Thread] = None
+        self._sender: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
+        self._last_sent = time.monotonic()
+
+    # -- the control loop ---------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve the session; returns when it is over. Never raises for peer or graph faults."""
+        try:
+            if not self._setup():
+                return
+            self._sender = threading.Thread(target=self._send_loop, name="rrs-sender", daemon=True)
+            self._sender.start()
+            self._control_loop()
+        except PeerLostError as exc:
+            log.info("session with %s ended: %s", self.conn.peer, exc)
+        except Exception:  # noqa: BLE001 - a session must never take its server down
+            log.exception("session with %s failed", self.conn.peer)
+        finally:
+            self._shutdown()
+
+    def _setup(self) -> bool:
+        frame = self.conn.recv(timeout=self.options.setup_timeout)
+        if frame is None:
+            log.warning("%s sent no SETUP within %.0f s; closing", self.conn.peer, self.options.setup_timeout)
+            return False
+        if frame.kind == MessageKind.CLOSE:
+            return False
+        if frame.kind != MessageKind.SETUP:
+            log.warning("%s sent %s before SETUP; closing", self.conn.peer, frame.kind.name)
+            return False
+        payload = decode_control(frame)
+        self.options = SessionOptions.from_dict(payload.get("options", {}))
+        self.outbox = Outbox(self.options)
+        try:
+            from torchdata.dataloader2.utils import WorkerInfo
+
+            datapipe, init_fn, self._reset_fn = loads_graph(payload["graph"])
+            self._worker_info = WorkerInfo(payload["num_workers"], payload["worker_rank"])
+            self._graph = init_worker_graph(datapipe, self._worker_info, init_fn)
+        except BaseException as exc:  # noqa: BLE001 - includes SystemExit from user code
+            log.warning("session setup for %s failed: %r", self.conn.peer, exc)
+            self.conn.send(encode_control(MessageKind.ERROR, {"epoch": None, "phase": "setup", "exception": pack_exception(exc)}))
+            return False
+        self.conn.send(
+            encode_control(
+                MessageKind.READY,
+                {"pid": os.getpid(), "hostname": socket.gethostname(), "package_version": __version__},
+            )
+        )
+        return True
+
+    def _control_loop(self) -> None:
+        while not self._stopping.is_set():
+            frame = self.conn.recv(timeout=self.options.peer_timeout)
+            if frame is None:
+                log.warning("trainer %s silent for %.1f s; ending its session", self.conn.peer, self.options.peer_timeout)
+                return
+            kind = frame.kind
+            if kind == MessageKind.CREDIT:
+                self.outbox.grant(*decode_credit(frame))
+            elif kind == MessageKind.HEARTBEAT:
+                continue
+            elif kind == MessageKind.START_EPOCH:
+                self._start_epoch(decode_control(frame))
+            elif kind == MessageKind.STOP_EPOCH:
+                self.outbox.stop_epoch(decode_control(frame).get("epoch"))
+            elif kind == MessageKind.CLOSE:
+                return
+            else:
+                log.warning("unexpected %s from %s; ending its session", kind.name, self.conn.peer)
+                return
+
+    def _start_epoch(self, request: Dict[str, Any]) -> None:
+        self.outbox.stop_epoch()
+        if self._producer is not None:
+            # The graph supports one iterator at a time: wait for the old epoch's producer
+            # to reach an item boundary and notice it was cancelled.
+            self._producer.join()
+        epoch = int(request["epoch"])
+        self.outbox.start_epoch(epoch, int(request["credits"]))
+        self._producer = threading.Thread(target=self._produce, args=(epoch, request), name=f"rrs-producer-{epoch}", daemon=True)
+        self._producer.start()
+
+    # -- producer -----------------------------------------------------------------------------
+    def _produce(self, epoch: int, request: Dict[str, Any]) -> None:
+        sent = 0
+        try:
+            try:
+                self._graph = reset_worker_graph(
+                    self._graph, self._worker_info, int(request["seed"]), int(request["global_worker_id"]), self._reset_fn
+                )
+                skip = int(request.get("skip", 0))
+                for index, item in enumerate(self._graph):
+                    if index < skip:
+                        continue
+                    self.outbox.put(epoch, dumps_item(item))
+                    sent += 1
+            except _Cancelled:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - report everything, even SystemExit
+                log.info("epoch %d raised %r after %d items", epoch, exc, sent)
+                error = {"epoch": epoch, "phase": "epoch", "exception": pack_exception(exc)}
+                self.outbox.finish(epoch, encode_control(MessageKind.ERROR, error))
+                return
+            self.outbox.finish(epoch, encode_end_of_shard(epoch, sent))
+        except _Cancelled:
+            log.debug("epoch %d cancelled after %d items", epoch, sent)
+
+    # -- sender -------------------------------------------------------------------------------
+    def _send_loop(self) -> None:
+        interval = self.options.heartbeat_interval
+        heartbeat = encode_frame(MessageKind.HEARTBEAT)
+        try:
+            while not self._stopping.is_set():
+                frame = self.outbox.take(timeout=max(0.0, self._last_sent + interval - time.monotonic()))
+                if frame is None:
+                    if self._stopping.is_set():
+                        return
+                    if time.monotonic() - self._last_sent < interval:
+                        continue
+                    frame = heartbeat
+                self.conn.send(frame)
+                self._last_sent = time.monotonic()
+        except PeerLostError as exc:
+            log.info("lost trainer %s while sending: %s", self.conn.peer, exc)
+            self._stopping.set()
+            self.conn.close()  # wakes the control loop
+        except Exception:  # noqa: BLE001
+            log.exception("sender for %s failed", self.conn.peer)
+            self._stopping.set()
+            self.conn.close()
+
+    def _shutdown(self) -> None:
+        self._stopping.set()
+        self.outbox.close()
+        self.conn.close()
+        if self._sender is not None:
+            self._sender.join(timeout=2.0)
