@@ -14,6 +14,7 @@ from .errors import (  # noqa: E402
     RemoteWorkerError,
     RPCReadingServiceError,
     WorkerLostError,
+    WorkerRefusedError,
     WorkerStartupError,
 )
 from .reading_service import RPCReadingService  # noqa: E402
@@ -30,6 +31,7 @@ __all__ = [
     "FrameTooLargeError",
     "AuthenticationError",
     "WorkerLostError",
+    "WorkerRefusedError",
     "WorkerStartupError",
     "RemoteWorkerError",
 ]

@@ -7,14 +7,28 @@ from typing import Tuple
 
 from .errors import ConfigurationError
 
-__all__ = ["parse_address", "format_address", "is_loopback_host"]
+__all__ = ["parse_address", "format_address", "is_loopback_host", "UNIX_PREFIX", "unix_socket_path"]
+
+UNIX_PREFIX = "unix:"
+
+
+def unix_socket_path(address: str) -> str:
+    """The filesystem path of a ``unix:/path`` address, or "" for a TCP address."""
+    return address[len(UNIX_PREFIX) :] if address.startswith(UNIX_PREFIX) else ""
 
 
 def parse_address(address: str) -> Tuple[str, int]:
-    """Split ``"host:port"`` or ``"[v6addr]:port"`` into ``(host, port)``."""
+    """Split ``"host:port"`` or ``"[v6addr]:port"`` into ``(host, port)``.
+
+    A same-host ``"unix:/path"`` address comes back whole as the host, with port 0.
+    """
     if not isinstance(address, str) or not address.strip():
         raise ConfigurationError(f"worker address {address!r} is empty: write it as HOST:PORT, e.g. cpu-node-1:29600")
     text = address.strip()
+    if text.startswith(UNIX_PREFIX):
+        if not unix_socket_path(text):
+            raise ConfigurationError(f"worker address {address!r} names no socket path: write unix:/path/to/socket")
+        return text, 0
     if text.startswith("["):
         host, sep, rest = text[1:].partition("]")
         port_text = rest[1:] if rest.startswith(":") else ""
@@ -43,12 +57,14 @@ def parse_address(address: str) -> Tuple[str, int]:
 
 def format_address(host: str, port: int) -> str:
     """The inverse of :func:`parse_address`."""
+    if host.startswith(UNIX_PREFIX):
+        return host
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def is_loopback_host(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
+    """True for ``localhost``, loopback IP addresses (127.0.0.0/8, ::1) and Unix sockets."""
+    if host == "localhost" or host.startswith(UNIX_PREFIX):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback

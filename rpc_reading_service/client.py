@@ -28,10 +28,10 @@ from .protocol import (
     encode_credit,
     encode_frame,
 )
-from .serialization import loads_item, rebuild_exception
+from .serialization import loads_items, rebuild_exception
 from .transports.base import Connection, PeerLostError
 
-__all__ = ["Event", "WorkerChannel", "iterate_in_order", "iterate_as_completed"]
+__all__ = ["Event", "EpochProgress", "WorkerChannel", "iterate_in_order", "iterate_as_completed"]
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class WorkerChannel:
 @dataclass
 class _Cursor:
     channel: WorkerChannel
-    pending: Deque[EncodedItem] = field(default_factory=collections.deque)
+    pending: Deque[Any] = field(default_factory=collections.deque)
 
 
 def _next_frame(event_source: "queue.SimpleQueue[Event]", epoch: int) -> Event:
@@ -213,20 +213,35 @@ def _next_frame(event_source: "queue.SimpleQueue[Event]", epoch: int) -> Event:
         # A stale frame of an abandoned epoch: drop it.
 
 
-def _take(event: Event, epoch: int) -> Sequence[EncodedItem]:
-    """Return the items of a current-epoch event, raising for errors and lost workers."""
+def _take(event: Event, epoch: int) -> List[Any]:
+    """Return the unpickled items of a current-epoch event, raising for errors and lost workers."""
     if event.kind in ("error", "lost"):
         assert event.error is not None
         raise event.error
     if event.kind == "data":
         event.channel.grant(epoch)
-        return event.items
-    return ()
+        return loads_items(event.items)
+    return []
 
 
-def iterate_in_order(channels: Sequence[WorkerChannel], epoch: int) -> Iterator[Any]:
-    """Yield items round-robin over workers, one item each in turn; finished workers drop out."""
-    ring = collections.deque(_Cursor(ch) for ch in channels)
+@dataclass
+class EpochProgress:
+    """How far the trainer has consumed one epoch: what a checkpoint records."""
+
+    epoch: int
+    consumed: List[int]
+    next_rank: int = 0
+    finished: bool = False
+
+
+def iterate_in_order(channels: Sequence[WorkerChannel], progress: EpochProgress) -> Iterator[Any]:
+    """Yield items round-robin over workers, one item each in turn; finished workers drop out.
+
+    The rotation starts at ``progress.next_rank``; ``progress`` is updated with every item.
+    """
+    epoch, count = progress.epoch, len(channels)
+    ring = collections.deque(_Cursor(channels[(progress.next_rank + k) % count]) for k in range(count))
+    consumed = progress.consumed
     while ring:
         cursor = ring[0]
         while not cursor.pending:
@@ -239,16 +254,25 @@ def iterate_in_order(channels: Sequence[WorkerChannel], epoch: int) -> Iterator[
             continue
         item = cursor.pending.popleft()
         ring.rotate(-1)
-        yield loads_item(item)
+        consumed[cursor.channel.rank] += 1
+        progress.next_rank = ring[0].channel.rank
+        yield item
+    progress.finished = True
 
 
-def iterate_as_completed(channels: Sequence[WorkerChannel], events: "queue.SimpleQueue[Event]", epoch: int) -> Iterator[Any]:
+def iterate_as_completed(
+    channels: Sequence[WorkerChannel], events: "queue.SimpleQueue[Event]", progress: EpochProgress
+) -> Iterator[Any]:
     """Yield items in arrival order from a queue shared by all channels."""
+    epoch, consumed = progress.epoch, progress.consumed
     running = len(channels)
     while running:
         event = _next_frame(events, epoch)
         if event.kind == "end":
             running -= 1
             continue
+        rank = event.channel.rank
         for item in _take(event, epoch):
-            yield loads_item(item)
+            consumed[rank] += 1
+            yield item
+    progress.finished = True

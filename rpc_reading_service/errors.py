@@ -14,6 +14,7 @@ __all__ = [
     "ProtocolError",
     "FrameTooLargeError",
     "AuthenticationError",
+    "WorkerRefusedError",
     "WorkerLostError",
     "WorkerStartupError",
     "RemoteWorkerError",
@@ -49,6 +50,11 @@ class FrameTooLargeError(ProtocolError):
 
 class AuthenticationError(RPCReadingServiceError):
     """The shared-key challenge-response failed: the two sides do not hold the same auth key."""
+
+
+class WorkerRefusedError(RPCReadingServiceError, ConnectionError):
+    """A worker server refused a connection and said why (at its ``--max-sessions`` limit,
+    TLS required, ...). The message names the server and carries its reason."""
 
 
 class WorkerLostError(RPCReadingServiceError, ConnectionError):

@@ -1,7 +1,9 @@
 """Starting and stopping a worker server on this host for ``RPCReadingService(num_workers=N)``.
 
 One local server is enough for any number of local workers: it forks one session
-process per worker. The server gets a fresh random key through its environment (not its
+process per worker. With the socket transport it listens on a Unix socket in a private
+directory (the same-host fast path: about twice the bandwidth of loopback TCP, and only
+this user can connect). The server gets a fresh random key through its environment (not its
 command line, which other users can read), the trainer's ``sys.path`` so that functions
 from the trainer's modules resolve, and the trainer's pid, so it exits if the trainer dies.
 """
@@ -10,7 +12,10 @@ from __future__ import annotations
 
 import os
 import selectors
+import shutil
+import socket
 import subprocess
+import tempfile
 import sys
 import time
 from typing import List, Optional
@@ -31,12 +36,19 @@ class LocalWorkerServer:
         self.log_level = log_level
         self.address: Optional[str] = None
         self._process: Optional[subprocess.Popen] = None
+        self._socket_dir: Optional[str] = None
+
+    def _listen_host(self) -> str:
+        if self.transport == "socket" and hasattr(socket, "AF_UNIX"):
+            self._socket_dir = tempfile.mkdtemp(prefix="rrs-")  # mode 0700: only this user
+            return "unix:" + os.path.join(self._socket_dir, "worker.sock")
+        return "127.0.0.1"
 
     def command(self) -> List[str]:
         """The server's command line."""
         return [
             sys.executable, "-m", "rpc_reading_service.worker",
-            "--host", "127.0.0.1", "--port", "0",
+            "--host", self._listen_host(), "--port", "0",
             "--transport", self.transport,
             "--parent-pid", str(os.getpid()),
             "--log-level", self.log_level,
@@ -90,8 +102,14 @@ class LocalWorkerServer:
     def stop(self, timeout: float = 3.0) -> None:
         """Stop the server and its session processes (idempotent)."""
         process, self._process = self._process, None
-        if process is None:
-            return
+        if process is not None:
+            self._stop_process(process, timeout)
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
+
+    @staticmethod
+    def _stop_process(process: subprocess.Popen, timeout: float) -> None:
         if process.poll() is None:
             process.terminate()
             try:

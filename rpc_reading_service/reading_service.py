@@ -12,12 +12,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Unio
 import cloudpickle
 from torchdata.dataloader2.graph import DataPipe, list_dps, set_graph_random_seed, traverse_dps
 from torchdata.dataloader2.random import SeedGenerator, dist_share_seed
-from torchdata.dataloader2.reading_service import ReadingServiceInterface
+from torchdata.dataloader2.reading_service import CheckpointableReadingServiceInterface
 from torchdata.dataloader2.utils import WorkerInfo
 from torchdata.datapipes.iter import IterDataPipe
 
 from .addresses import parse_address
-from .client import Event, WorkerChannel, iterate_as_completed, iterate_in_order
+from .checkpoint import ReadingServiceState, graph_fingerprint
+from .client import EpochProgress, Event, WorkerChannel, iterate_as_completed, iterate_in_order
 from .errors import ConfigurationError, WorkerLostError
 from .graph import (
     DistributedInfo,
@@ -66,7 +67,7 @@ def _rebuild_service(config: bytes) -> "RPCReadingService":
     return service
 
 
-class RPCReadingService(ReadingServiceInterface):
+class RPCReadingService(CheckpointableReadingServiceInterface):
     """Run a DataPipe graph on worker servers and stream the items back to the trainer.
 
     Args:
@@ -158,6 +159,9 @@ class RPCReadingService(ReadingServiceInterface):
         self._seed_group: Any = None
         self._epoch = 0
         self._epoch_seed = 0
+        self._progress: Optional[EpochProgress] = None
+        self._resume: Optional[ReadingServiceState] = None
+        self._fingerprint: List[str] = []
         self._finalized = False
         self._lock = threading.Lock()
 
@@ -170,10 +174,11 @@ class RPCReadingService(ReadingServiceInterface):
     # -- ReadingServiceInterface ----------------------------------------------------------------
     def initialize(self, datapipe: DataPipe) -> DataPipe:
         """Ship the graph to the workers and return the trainer's graph that streams from them."""
+        self._fingerprint = graph_fingerprint(datapipe)
         if self.num_workers == 0:
             self._in_process_graph = init_worker_graph(datapipe, WorkerInfo(1, 0), self._config["worker_init_fn"])
-            self._end_datapipe = self._in_process_graph
-            return self._in_process_graph
+            self._end_datapipe = _RemoteStream(self)
+            return self._end_datapipe
         self._dist = distributed_info()
         branch, attach = split_replicable(datapipe)
         apply_distributed_sharding(branch, self._dist)
@@ -247,31 +252,76 @@ class RPCReadingService(ReadingServiceInterface):
     ) -> Optional[Callable[[DataPipe], DataPipe]]:
         """Start an epoch on every worker with a fresh shared seed."""
         assert self._end_datapipe is not None, "initialize() must run first"
-        self._epoch += 1
-        self._epoch_seed = draw_epoch_seed(seed_generator)
-        if self._seed_group is not None:
-            self._epoch_seed = dist_share_seed(self._epoch_seed, self._seed_group)
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            # Continue the checkpointed epoch: its seed, and skip what was consumed.
+            self._epoch, self._epoch_seed = resume.epoch, resume.epoch_seed
+            self._progress = EpochProgress(self._epoch, list(resume.consumed), resume.next_rank)
+        else:
+            self._epoch += 1
+            self._epoch_seed = draw_epoch_seed(seed_generator)
+            if self._seed_group is not None:
+                self._epoch_seed = dist_share_seed(self._epoch_seed, self._seed_group)
+            self._progress = EpochProgress(self._epoch, [0] * max(1, self.num_workers))
         if self._in_process_graph is not None:
             self._in_process_graph = reset_worker_graph(
                 self._in_process_graph, WorkerInfo(1, 0), self._epoch_seed, self._dist.rank, self._config["worker_reset_fn"]
             )
             return None
-        # DataPipes kept in the trainer (after the remote branch) are seeded as MPRS does.
-        set_graph_random_seed(self._end_datapipe, seed_generator)
+        if resume is None:
+            # DataPipes kept in the trainer (after the remote branch) are seeded as MPRS does.
+            set_graph_random_seed(self._end_datapipe, seed_generator)
         for channel in self._channels:
             channel.start_epoch(
                 self._epoch,
                 self._epoch_seed,
                 self._dist.global_worker_id(channel.rank, self.num_workers),
                 self._config["prefetch"],
+                skip=self._progress.consumed[channel.rank],
             )
         return None
 
     def _iterate_epoch(self) -> Iterator[Any]:
-        epoch = self._epoch
+        progress = self._progress
+        assert progress is not None, "initialize_iteration() must run first"
+        if self._in_process_graph is not None:
+            return self._iterate_in_process(progress)
         if self.in_order:
-            return iterate_in_order(self._channels, epoch)
-        return iterate_as_completed(self._channels, self._events, epoch)
+            return iterate_in_order(self._channels, progress)
+        return iterate_as_completed(self._channels, self._events, progress)
+
+    def _iterate_in_process(self, progress: EpochProgress) -> Iterator[Any]:
+        skip = progress.consumed[0]
+        for index, item in enumerate(self._in_process_graph):  # type: ignore[arg-type]
+            if index >= skip:
+                progress.consumed[0] += 1
+                yield item
+        progress.finished = True
+
+    # -- CheckpointableReadingServiceInterface ----------------------------------------------------
+    def checkpoint(self) -> bytes:
+        """Seeds and per-worker positions of the current epoch (small; no data)."""
+        progress = self._progress
+        state = ReadingServiceState(
+            num_workers=self.num_workers,
+            graph=self._fingerprint,
+            epoch=self._epoch,
+            epoch_seed=self._epoch_seed,
+            consumed=list(progress.consumed) if progress else [],
+            next_rank=progress.next_rank if progress else 0,
+            in_epoch=bool(progress is not None and not progress.finished),
+        )
+        return state.to_bytes()
+
+    def restore(self, datapipe: DataPipe, serialized_state: bytes) -> DataPipe:
+        """Initialise from a checkpoint; the next epoch continues the checkpointed one."""
+        state = ReadingServiceState.from_bytes(serialized_state)
+        state.check_compatible(self.num_workers, graph_fingerprint(datapipe))
+        end = self.initialize(datapipe)
+        self._epoch = state.epoch
+        if state.in_epoch:
+            self._resume = state
+        return end
 
     def finalize_iteration(self) -> None:
         """Nothing to release: workers end their epoch by themselves."""

@@ -28,8 +28,10 @@ from .protocol import EncodedItem
 
 __all__ = [
     "OUT_OF_BAND_MIN_BYTES",
+    "ItemEncoder",
     "dumps_item",
     "loads_item",
+    "loads_items",
     "dumps_graph",
     "loads_graph",
     "pack_exception",
@@ -67,24 +69,48 @@ def _keep_small_buffers_in_band(buffer: pickle.PickleBuffer) -> bool:
     return buffer.raw().nbytes < OUT_OF_BAND_MIN_BYTES
 
 
-def dumps_item(obj: Any) -> EncodedItem:
-    """Pickle one item; large buffers are returned separately for a zero-copy send."""
-    out_of_band: List[pickle.PickleBuffer] = []
+class ItemEncoder:
+    """Pickles items one by one, reusing one pickler (a third of the cost of a new one per item).
 
-    def collect(buffer: pickle.PickleBuffer) -> bool:
+    Not thread-safe: one encoder per producing thread.
+    """
+
+    def __init__(self) -> None:
+        self._stream = io.BytesIO()
+        self._out_of_band: List[pickle.PickleBuffer] = []
+        self._pickler = _ItemPickler(self._stream, protocol=5, buffer_callback=self._collect)
+
+    def _collect(self, buffer: pickle.PickleBuffer) -> bool:
         if _keep_small_buffers_in_band(buffer):
             return True
-        out_of_band.append(buffer)
+        self._out_of_band.append(buffer)
         return False
 
-    stream = io.BytesIO()
-    _ItemPickler(stream, protocol=5, buffer_callback=collect).dump(obj)
-    return EncodedItem(stream.getbuffer(), [b.raw() for b in out_of_band])
+    def encode(self, obj: Any) -> EncodedItem:
+        """Pickle one item; large buffers are returned separately for a zero-copy send."""
+        stream = self._stream
+        stream.seek(0)
+        stream.truncate()
+        self._pickler.clear_memo()
+        self._out_of_band = []
+        self._pickler.dump(obj)
+        return EncodedItem(stream.getvalue(), [b.raw() for b in self._out_of_band])
+
+
+def dumps_item(obj: Any) -> EncodedItem:
+    """Pickle one item with a fresh :class:`ItemEncoder` (use an encoder for many items)."""
+    return ItemEncoder().encode(obj)
 
 
 def loads_item(item: EncodedItem) -> Any:
     """Unpickle one item, rebuilding its buffers on the memory they were received into."""
     return pickle.loads(item.payload, buffers=item.buffers)
+
+
+def loads_items(items: Sequence[EncodedItem]) -> List[Any]:
+    """Unpickle every item of a frame."""
+    loads = pickle.loads
+    return [loads(item.payload, buffers=item.buffers) for item in items]
 
 
 # -- graphs ------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from .protocol import (
     encode_end_of_shard,
     encode_frame,
 )
-from .serialization import dumps_item, loads_graph, pack_exception
+from .serialization import ItemEncoder, loads_graph, pack_exception
 from .transports.base import Connection, PeerLostError
 
 __all__ = ["SessionOptions", "Outbox", "WorkerSession"]
@@ -295,10 +295,11 @@ class WorkerSession:
                     self._graph, self._worker_info, int(request["seed"]), int(request["global_worker_id"]), self._reset_fn
                 )
                 skip = int(request.get("skip", 0))
+                encode, put = ItemEncoder().encode, self.outbox.put
                 for index, item in enumerate(self._graph):
                     if index < skip:
                         continue
-                    self.outbox.put(epoch, dumps_item(item))
+                    put(epoch, encode(item))
                     sent += 1
             except _Cancelled:
                 raise

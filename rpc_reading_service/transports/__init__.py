@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List
 
 from ..errors import ConfigurationError
 from .base import Connection, Listener, PeerLostError, Transport
@@ -27,7 +27,9 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "rpc_reading_service.transports"
-TransportFactory = Callable[[], Transport]
+#: ``factory(**options) -> Transport``; options come from ``RPCReadingService(transport_options=...)``
+#: on the trainer and from the ``rpc-reading-worker`` command line on the server.
+TransportFactory = Callable[..., Transport]
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -35,10 +37,10 @@ _factories: Dict[str, TransportFactory] = {}
 _entry_points_loaded = False
 
 
-def _socket_factory() -> Transport:
+def _socket_factory(**options: Any) -> Transport:
     from .socket_transport import SocketTransport
 
-    return SocketTransport()
+    return SocketTransport(**options)
 
 
 def register_transport(name: str, factory: TransportFactory, *, replace: bool = False) -> None:
@@ -68,8 +70,8 @@ def _load_entry_points() -> None:
         if entry_point.name in _factories:
             continue
 
-        def factory(ep=entry_point) -> Transport:
-            return ep.load()()
+        def factory(ep=entry_point, **options: Any) -> Transport:
+            return ep.load()(**options)
 
         _factories[entry_point.name] = factory
 
@@ -81,13 +83,22 @@ def available_transports() -> List[str]:
         return sorted(_factories)
 
 
-def create_transport(name: str) -> Transport:
-    """Instantiate the transport registered under ``name``."""
+def create_transport(name: str, **options: Any) -> Transport:
+    """Instantiate the transport registered under ``name`` with transport-specific ``options``
+    (for ``"socket"``: ``max_frame_bytes``, ``tls_cert``, ``tls_key``, ``tls_ca_file``,
+    ``tls_server_hostname``)."""
     names = available_transports()
     factory = _factories.get(name)
     if factory is None:
         raise ConfigurationError(f"unknown transport {name!r}; available transports: {', '.join(names)}")
-    transport = factory()
+    try:
+        transport = factory(**options)
+    except TypeError as exc:
+        if not options:
+            raise
+        raise ConfigurationError(
+            f"transport {name!r} does not accept the options {sorted(options)}: {exc}"
+        ) from exc
     if not isinstance(transport, Transport):
         raise ConfigurationError(f"transport factory for {name!r} returned {type(transport).__name__}, not a Transport")
     return transport

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import select
 import selectors
 import socket
@@ -20,7 +21,7 @@ import time
 from typing import Dict, List, Optional, Sequence
 
 from .. import __version__
-from ..addresses import format_address, parse_address
+from ..addresses import format_address, parse_address, unix_socket_path
 from ..errors import AuthenticationError, ConfigurationError, ProtocolError
 from ..protocol import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -46,8 +47,23 @@ _MAX_PENDING_HANDSHAKES = 256
 
 
 def _tune(sock: socket.socket) -> None:
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+def _open_client_socket(host: str, port: int, timeout: float) -> socket.socket:
+    path = unix_socket_path(host)
+    if not path:
+        return socket.create_connection((host, port), timeout=timeout)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _send_chunks(sock: socket.socket, chunks: Sequence[Buffer]) -> None:
@@ -197,7 +213,7 @@ class SocketTransport(Transport):
         host, port = parse_address(address)
         deadline = time.monotonic() + timeout
         try:
-            sock = socket.create_connection((host, port), timeout=timeout)
+            sock = _open_client_socket(host, port, timeout)
         except socket.gaierror as exc:
             raise ConfigurationError(
                 f"cannot resolve worker host {host!r} of address {address!r}: {exc.strerror}; check the spelling"
@@ -269,11 +285,16 @@ class SocketListener(Listener):
         self._auth_key = auth_key
         self._handshake_timeout = handshake_timeout
         self._max_frame_bytes = max_frame_bytes
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        path = unix_socket_path(host)
+        family = socket.AF_UNIX if path else socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
+        self._unix_path = path
         try:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._sock.bind((host, port))
+            if path:
+                self._sock.bind(path)
+            else:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                self._sock.bind((host, port))
             self._sock.listen(128)
         except OSError as exc:
             self._sock.close()
@@ -281,8 +302,11 @@ class SocketListener(Listener):
                 raise ConfigurationError(f"port {port} on {host} is already in use: pick another --port (0 picks a free one)") from exc
             raise ConfigurationError(f"cannot listen on {format_address(host, port)}: {exc}") from exc
         self._sock.setblocking(False)
-        bound_host, bound_port = self._sock.getsockname()[:2]
-        self.address = format_address(bound_host, bound_port)
+        if path:
+            self.address = host
+        else:
+            bound_host, bound_port = self._sock.getsockname()[:2]
+            self.address = format_address(bound_host, bound_port)
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._sock, selectors.EVENT_READ, None)
         self._pending: Dict[int, _PendingHandshake] = {}
@@ -319,7 +343,7 @@ class SocketListener(Listener):
             except OSError as exc:  # e.g. EMFILE: log and keep serving
                 log.warning("accept failed: %s", exc)
                 return
-            peer = format_address(addr[0], addr[1])
+            peer = format_address(addr[0], addr[1]) if isinstance(addr, tuple) else f"{self.address} peer"
             if len(self._pending) >= _MAX_PENDING_HANDSHAKES:
                 log.warning("refused %s: too many handshakes in progress", peer)
                 sock.close()
@@ -384,3 +408,8 @@ class SocketListener(Listener):
             pass
         self._selector.close()
         self._sock.close()
+        if self._unix_path:
+            try:
+                os.unlink(self._unix_path)
+            except OSError:
+                pass
