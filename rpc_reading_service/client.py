@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence
 
 from .errors import ProtocolError, WorkerLostError, WorkerStartupError, describe_worker
 from .protocol import (
@@ -49,11 +49,12 @@ class Event:
 
 @dataclass
 class ChannelStats:
-    """Counters of one worker channel, for ``RPCReadingService.stats()``."""
+    """Counters of one worker channel for the current epoch, for ``RPCReadingService.stats()``."""
 
     frames: int = 0
     items: int = 0
     bytes: int = 0
+    wait_seconds: float = 0.0
 
 
 class WorkerChannel:
@@ -116,6 +117,7 @@ class WorkerChannel:
     def start_epoch(self, epoch: int, seed: int, global_worker_id: int, credits: int, skip: int = 0) -> None:
         """Start ``epoch`` on the worker (superseding any epoch still running there)."""
         self.epoch = epoch
+        self.stats = ChannelStats()
         request = {"epoch": epoch, "seed": seed, "global_worker_id": global_worker_id, "credits": credits, "skip": skip}
         self._send_or_report(encode_control(MessageKind.START_EPOCH, request))
 
@@ -205,9 +207,10 @@ class _Cursor:
     pending: Deque[Any] = field(default_factory=collections.deque)
 
 
-def _next_frame(event_source: "queue.SimpleQueue[Event]", epoch: int) -> Event:
+def _next_frame(event_source: "queue.SimpleQueue[Event]", progress: EpochProgress, stats: Optional[ChannelStats] = None) -> Event:
+    epoch = progress.epoch
     while True:
-        event = event_source.get()
+        event = progress.wait(event_source, stats)
         if event.kind == "lost" or event.epoch == epoch:
             return event
         # A stale frame of an abandoned epoch: drop it.
@@ -226,18 +229,58 @@ def _take(event: Event, epoch: int) -> List[Any]:
 
 @dataclass
 class EpochProgress:
-    """How far the trainer has consumed one epoch: what a checkpoint records."""
+    """How far the trainer has consumed one epoch: what a checkpoint records, and stall time."""
 
     epoch: int
     consumed: List[int]
     next_rank: int = 0
     finished: bool = False
+    started: float = field(default_factory=time.perf_counter)
+    ended: Optional[float] = None
+    wait_seconds: float = 0.0
+
+    def wait(self, source: "queue.SimpleQueue[Event]", stats: Optional[ChannelStats] = None) -> Event:
+        """Take the next event from ``source``, counting the time blocked as data stall."""
+        start = time.perf_counter()
+        event = source.get()
+        waited = time.perf_counter() - start
+        self.wait_seconds += waited
+        if stats is not None:
+            stats.wait_seconds += waited
+        return event
+
+    def finish(self) -> None:
+        """Mark the epoch as fully consumed."""
+        self.finished = True
+        self.ended = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the epoch started (until it ended)."""
+        return (self.ended or time.perf_counter()) - self.started
 
 
-def iterate_in_order(channels: Sequence[WorkerChannel], progress: EpochProgress) -> Iterator[Any]:
+ReplaceFn = Callable[[WorkerChannel, WorkerLostError], WorkerChannel]
+
+
+def _take_or_replace(cursor: "_Cursor", event: Event, epoch: int, replace: Optional[ReplaceFn]) -> None:
+    try:
+        cursor.pending.extend(_take(event, epoch))
+    except WorkerLostError as exc:
+        if replace is None:
+            raise
+        # The replacement replays the shard after the consumed items: drop what it resends.
+        cursor.pending.clear()
+        cursor.channel = replace(cursor.channel, exc)
+
+
+def iterate_in_order(
+    channels: Sequence[WorkerChannel], progress: EpochProgress, replace: Optional[ReplaceFn] = None
+) -> Iterator[Any]:
     """Yield items round-robin over workers, one item each in turn; finished workers drop out.
 
     The rotation starts at ``progress.next_rank``; ``progress`` is updated with every item.
+    With ``replace``, a lost worker's channel is swapped for the one ``replace`` returns.
     """
     epoch, count = progress.epoch, len(channels)
     ring = collections.deque(_Cursor(channels[(progress.next_rank + k) % count]) for k in range(count))
@@ -245,10 +288,10 @@ def iterate_in_order(channels: Sequence[WorkerChannel], progress: EpochProgress)
     while ring:
         cursor = ring[0]
         while not cursor.pending:
-            event = _next_frame(cursor.channel.queue, epoch)
+            event = _next_frame(cursor.channel.queue, progress, cursor.channel.stats)
             if event.kind == "end":
                 break
-            cursor.pending.extend(_take(event, epoch))
+            _take_or_replace(cursor, event, epoch, replace)
         if not cursor.pending:
             ring.popleft()
             continue
@@ -257,22 +300,29 @@ def iterate_in_order(channels: Sequence[WorkerChannel], progress: EpochProgress)
         consumed[cursor.channel.rank] += 1
         progress.next_rank = ring[0].channel.rank
         yield item
-    progress.finished = True
+    progress.finish()
 
 
 def iterate_as_completed(
-    channels: Sequence[WorkerChannel], events: "queue.SimpleQueue[Event]", progress: EpochProgress
+    channels: Sequence[WorkerChannel],
+    events: "queue.SimpleQueue[Event]",
+    progress: EpochProgress,
+    replace: Optional[ReplaceFn] = None,
 ) -> Iterator[Any]:
     """Yield items in arrival order from a queue shared by all channels."""
     epoch, consumed = progress.epoch, progress.consumed
+    current = {channel.rank: _Cursor(channel) for channel in channels}
     running = len(channels)
     while running:
-        event = _next_frame(events, epoch)
+        event = _next_frame(events, progress)
+        cursor = current[event.channel.rank]
+        if event.channel is not cursor.channel:
+            continue  # left over from a replaced channel
         if event.kind == "end":
             running -= 1
             continue
-        rank = event.channel.rank
-        for item in _take(event, epoch):
-            consumed[rank] += 1
-            yield item
-    progress.finished = True
+        _take_or_replace(cursor, event, epoch, replace)
+        while cursor.pending:
+            consumed[cursor.channel.rank] += 1
+            yield cursor.pending.popleft()
+    progress.finish()

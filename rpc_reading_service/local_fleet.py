@@ -94,6 +94,10 @@ class LocalWorkerServer:
             raise WorkerStartupError(f"local worker server printed {text!r} instead of 'listening on HOST:PORT'")
         return text[len("listening on ") :]
 
+    def alive(self) -> bool:
+        """True while the server process runs."""
+        return self._process is not None and self._process.poll() is None
+
     @property
     def pid(self) -> Optional[int]:
         """The server's process id."""

@@ -32,6 +32,7 @@ from .graph import (
 from .keys import new_auth_key
 from .local_fleet import LocalWorkerServer
 from .serialization import dumps_graph
+from .stats import ReadingServiceStats, WorkerStats
 from .transports import available_transports, create_transport
 from .transports.base import PeerLostError
 from .worker_session import SessionOptions
@@ -92,6 +93,22 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         pickle_by_value: Modules not installed on the workers whose functions and classes
             should travel by value.
         heartbeat_interval: Seconds between heartbeats in both directions.
+        on_worker_failure: ``"raise"`` (default): a lost worker raises
+            :class:`~rpc_reading_service.errors.WorkerLostError` within ``timeout``.
+            ``"reassign"``: its shard is replayed on a new session (same server, another
+            server, or a new local server) from the same seed, skipping the items already
+            delivered, so the epoch yields exactly the items of a fault-free run. This
+            needs a graph that is deterministic given the seed.
+        max_reassignments: How often one worker's shard may be replayed in a run before
+            giving up (a graph that kills its process at the same item every time).
+        tls_ca_file: Connect to the workers over TLS, verifying their certificates (servers
+            started with ``--tls-cert/--tls-key``) against this CA bundle (PEM). The HMAC
+            auth-key handshake runs inside TLS as well. Remote workers only.
+        tls_server_hostname: The name the workers' certificates must carry (default: the
+            host of each worker address).
+        transport_options: Extra keyword arguments for the transport's factory, e.g.
+            ``{"max_frame_bytes": 1 << 30}`` for ``"socket"``; ``tls_ca_file`` and
+            ``tls_server_hostname`` are added to them.
     """
 
     def __init__(
@@ -108,6 +125,11 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         connect_timeout: float = 60.0,
         pickle_by_value: Sequence[types.ModuleType] = (),
         heartbeat_interval: float = 1.0,
+        on_worker_failure: str = "raise",
+        max_reassignments: int = 3,
+        tls_ca_file: Optional[str] = None,
+        tls_server_hostname: Optional[str] = None,
+        transport_options: Optional[Dict[str, Any]] = None,
     ) -> None:
         self._configure(
             num_workers=num_workers,
@@ -122,6 +144,11 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             connect_timeout=connect_timeout,
             pickle_by_value=list(pickle_by_value),
             heartbeat_interval=heartbeat_interval,
+            on_worker_failure=on_worker_failure,
+            max_reassignments=max_reassignments,
+            tls_ca_file=tls_ca_file,
+            tls_server_hostname=tls_server_hostname,
+            transport_options=dict(transport_options or {}),
         )
 
     def _configure(self, **config: Any) -> None:
@@ -142,10 +169,16 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             raise ConfigurationError(
                 f"timeout ({config['timeout']} s) must exceed heartbeat_interval ({config['heartbeat_interval']} s)"
             )
+        if config["on_worker_failure"] not in ("raise", "reassign"):
+            raise ConfigurationError(
+                f"on_worker_failure must be 'raise' or 'reassign', got {config['on_worker_failure']!r}"
+            )
         if config["transport"] not in available_transports():
             raise ConfigurationError(
                 f"unknown transport {config['transport']!r}; available transports: {', '.join(available_transports())}"
             )
+        if config.get("tls_ca_file") and addresses is None:
+            raise ConfigurationError("tls_ca_file is for remote workers (worker_addresses=...); local workers use no TLS")
         key = config["auth_key"]
         self._auth_key = key.encode("utf-8") if isinstance(key, str) else key
         self.num_workers = len(addresses) if addresses and num_workers == 0 else num_workers
@@ -162,6 +195,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         self._progress: Optional[EpochProgress] = None
         self._resume: Optional[ReadingServiceState] = None
         self._fingerprint: List[str] = []
+        self._reassignments: Dict[int, int] = {}
         self._finalized = False
         self._lock = threading.Lock()
 
@@ -206,36 +240,13 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         return [addresses[rank % len(addresses)] for rank in range(self.num_workers)]
 
     def _connect(self, graph: bytes) -> None:
-        transport = create_transport(self._config["transport"])
+        options = dict(self._config.get("transport_options") or {})
+        options.update({k: self._config[k] for k in ("tls_ca_file", "tls_server_hostname") if self._config.get(k)})
+        self._transport = create_transport(self._config["transport"], **options)
+        self._graph_bytes = graph
         addresses = self._worker_addresses()
-        options = SessionOptions(
-            heartbeat_interval=self._config["heartbeat_interval"], peer_timeout=self._config["timeout"]
-        )
-        timeout = self._config["connect_timeout"]
-
-        def open_channel(rank: int) -> WorkerChannel:
-            try:
-                conn = transport.connect(addresses[rank], self._auth_key or b"", timeout)
-            except PeerLostError as exc:
-                raise WorkerLostError(f"worker {rank}: {exc}", rank, addresses[rank]) from exc
-            channel = WorkerChannel(conn, rank, options.heartbeat_interval, options.peer_timeout)
-            try:
-                channel.setup(
-                    {
-                        "graph": graph,
-                        "worker_rank": rank,
-                        "num_workers": self.num_workers,
-                        "options": options.__dict__,
-                    },
-                    timeout,
-                )
-            except BaseException:
-                channel.close()
-                raise
-            return channel
-
         with ThreadPoolExecutor(max_workers=min(32, self.num_workers)) as pool:
-            futures = [pool.submit(open_channel, rank) for rank in range(self.num_workers)]
+            futures = [pool.submit(self._open_channel, rank, addresses[rank]) for rank in range(self.num_workers)]
             errors = []
             for future in futures:
                 try:
@@ -245,7 +256,74 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         if errors:
             raise errors[0]
         for channel in self._channels:
-            channel.start_receiver(self._events if not self.in_order else queue.SimpleQueue())
+            channel.start_receiver(self._receiver_queue())
+
+    def _session_options(self) -> SessionOptions:
+        return SessionOptions(heartbeat_interval=self._config["heartbeat_interval"], peer_timeout=self._config["timeout"])
+
+    def _receiver_queue(self) -> "queue.SimpleQueue[Event]":
+        return self._events if not self.in_order else queue.SimpleQueue()
+
+    def _open_channel(self, rank: int, address: str) -> WorkerChannel:
+        """Connect to ``address`` and set up the session of worker ``rank``."""
+        options, timeout = self._session_options(), self._config["connect_timeout"]
+        try:
+            conn = self._transport.connect(address, self._auth_key or b"", timeout)
+        except PeerLostError as exc:
+            raise WorkerLostError(f"worker {rank}: {exc}", rank, address) from exc
+        channel = WorkerChannel(conn, rank, options.heartbeat_interval, options.peer_timeout)
+        try:
+            channel.setup(
+                {"graph": self._graph_bytes, "worker_rank": rank, "num_workers": self.num_workers, "options": options.__dict__},
+                timeout,
+            )
+        except BaseException:
+            channel.close()
+            raise
+        return channel
+
+    def _replace_worker(self, lost: WorkerChannel, error: WorkerLostError) -> WorkerChannel:
+        """Replay a lost worker's shard on a new session, skipping what the trainer consumed.
+
+        Tries the lost worker's server first (only its session may have died), then the
+        other servers; local workers get a new local server if theirs is gone.
+        """
+        rank, progress = lost.rank, self._progress
+        assert progress is not None
+        self._reassignments[rank] = self._reassignments.get(rank, 0) + 1
+        if self._reassignments[rank] > self._config["max_reassignments"]:
+            raise WorkerLostError(
+                f"{error} -- gave up after replaying worker {rank}'s shard {self._config['max_reassignments']} times "
+                "(does the graph crash its process at the same item every time?)",
+                rank,
+                lost.address,
+            ) from error
+        log.warning("%s; replaying its shard from item %d on a new session", error, progress.consumed[rank])
+        lost.close(timeout=0.5)
+        if self._local_server is not None and not self._local_server.alive():
+            self._local_server.stop()
+            self._local_server.start()
+        candidates = list(dict.fromkeys([lost.address, *(ch.address for ch in self._channels if ch is not lost)]))
+        if self._local_server is not None:
+            candidates = [self._local_server.address]
+        failures = []
+        for address in candidates:
+            try:
+                channel = self._open_channel(rank, address)
+            except (WorkerLostError, OSError) as exc:
+                failures.append(f"{address}: {exc}")
+                continue
+            channel.start_receiver(self._receiver_queue())
+            channel.start_epoch(
+                self._epoch,
+                self._epoch_seed,
+                self._dist.global_worker_id(rank, self.num_workers),
+                self._config["prefetch"],
+                skip=progress.consumed[rank],
+            )
+            self._channels[rank] = channel
+            return channel
+        raise WorkerLostError(f"{error}; no server could take over its shard: {'; '.join(failures)}", rank, lost.address) from error
 
     def initialize_iteration(
         self, seed_generator: SeedGenerator, iter_reset_fn: Optional[Callable[[DataPipe], DataPipe]] = None
@@ -286,9 +364,10 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         assert progress is not None, "initialize_iteration() must run first"
         if self._in_process_graph is not None:
             return self._iterate_in_process(progress)
+        replace = self._replace_worker if self._config["on_worker_failure"] == "reassign" else None
         if self.in_order:
-            return iterate_in_order(self._channels, progress)
-        return iterate_as_completed(self._channels, self._events, progress)
+            return iterate_in_order(self._channels, progress, replace)
+        return iterate_as_completed(self._channels, self._events, progress, replace)
 
     def _iterate_in_process(self, progress: EpochProgress) -> Iterator[Any]:
         skip = progress.consumed[0]
@@ -296,7 +375,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             if index >= skip:
                 progress.consumed[0] += 1
                 yield item
-        progress.finished = True
+        progress.finish()
 
     # -- CheckpointableReadingServiceInterface ----------------------------------------------------
     def checkpoint(self) -> bytes:
@@ -374,6 +453,40 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         return None
 
     # -- introspection --------------------------------------------------------------------------
+    def stats(self) -> ReadingServiceStats:
+        """Throughput per worker and the trainer's data stall for the current (or last) epoch.
+
+        Call it on the reading service DataLoader2 uses: ``dl.reading_service.stats()``.
+        """
+        progress = self._progress
+        if progress is None:
+            return ReadingServiceStats(0, 0.0, 0, 0.0, 0.0, 0.0)
+        elapsed = max(progress.elapsed, 1e-9)
+        workers = [
+            WorkerStats(
+                rank=channel.rank,
+                address=channel.address,
+                items_consumed=progress.consumed[channel.rank],
+                items_received=channel.stats.items,
+                bytes_received=channel.stats.bytes,
+                frames_received=channel.stats.frames,
+                items_per_second=progress.consumed[channel.rank] / elapsed,
+                queue_depth=channel.queue.qsize() if self.in_order else 0,
+                wait_seconds=channel.stats.wait_seconds,
+            )
+            for channel in self._channels
+        ]
+        items = sum(progress.consumed)
+        return ReadingServiceStats(
+            epoch=progress.epoch,
+            elapsed_seconds=elapsed,
+            items=items,
+            items_per_second=items / elapsed,
+            wait_seconds=progress.wait_seconds,
+            data_stall=min(1.0, progress.wait_seconds / elapsed),
+            workers=workers,
+        )
+
     @property
     def worker_addresses(self) -> List[str]:
         """Addresses of the connected worker sessions, by rank."""

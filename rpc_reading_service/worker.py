@@ -15,12 +15,13 @@ import signal
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 from . import __version__
 from .addresses import format_address, is_loopback_host
 from .errors import ConfigurationError
 from .keys import AUTH_KEY_ENV, load_auth_key
+from .protocol import DEFAULT_MAX_FRAME_BYTES
 from .transports import available_transports, create_transport
 from .transports.base import Connection, Listener
 from .worker_session import WorkerSession
@@ -42,13 +43,33 @@ class WorkerServer:
         session_mode: Optional[str] = None,
         parent_pid: Optional[int] = None,
         handshake_timeout: float = 10.0,
+        tls_cert: Optional[str] = None,
+        tls_key: Optional[str] = None,
+        max_frame_bytes: Optional[int] = None,
+        max_sessions: Optional[int] = None,
+        idle_timeout: float = 60.0,
     ):
+        """``tls_cert``/``tls_key``: serve TLS. ``max_frame_bytes``: refuse larger frames from
+        trainers. ``max_sessions``: refuse sessions beyond this many at once. ``idle_timeout``:
+        seconds an authenticated trainer may stay silent before sending SETUP."""
         if not auth_key and not is_loopback_host(host):
             raise ConfigurationError(
                 f"refusing to listen on {host} without an auth key: anyone who can reach the port could run "
                 f"code here. Pass --auth-key-file FILE or set {AUTH_KEY_ENV}, or listen on 127.0.0.1"
             )
-        self._transport = create_transport(transport)
+        if max_sessions is not None and max_sessions < 1:
+            raise ConfigurationError(f"--max-sessions must be at least 1, got {max_sessions}")
+        if idle_timeout <= 0 or handshake_timeout <= 0:
+            raise ConfigurationError("--idle-timeout and --handshake-timeout must be positive")
+        options: Dict[str, Any] = {}
+        if tls_cert is not None or tls_key is not None:
+            options.update(tls_cert=tls_cert, tls_key=tls_key)
+        if max_frame_bytes is not None:
+            options["max_frame_bytes"] = max_frame_bytes
+        self._transport = create_transport(transport, **options)
+        self.tls = tls_cert is not None
+        self.max_sessions = max_sessions
+        self.idle_timeout = idle_timeout
         if session_mode is None:
             session_mode = "fork" if self._transport.supports_fork and hasattr(os, "fork") else "thread"
         if session_mode == "fork" and not (self._transport.supports_fork and hasattr(os, "fork")):
@@ -56,6 +77,8 @@ class WorkerServer:
         self.session_mode = session_mode
         self._listener: Listener = self._transport.listen(host, port, auth_key, handshake_timeout)
         self.address = self._listener.address
+        if max_sessions is not None:
+            self._listener.admit = self._admit
         self._parent_pid = parent_pid
         self._children: Dict[int, str] = {}
         self._threads: List[threading.Thread] = []
@@ -67,7 +90,11 @@ class WorkerServer:
 
     def serve_forever(self) -> None:
         """Accept and serve sessions until :meth:`stop` (or the parent process is gone)."""
-        log.info("serving on %s (transport %s, sessions in %s mode)", self.address, self._transport.name, self.session_mode)
+        log.info(
+            "serving on %s (transport %s%s, sessions in %s mode%s)", self.address, self._transport.name,
+            ", TLS" if self.tls else "", self.session_mode,
+            f", at most {self.max_sessions}" if self.max_sessions else "",
+        )  # fmt: skip
         try:
             while not self._stop.is_set():
                 conn = self._listener.accept(timeout=0.5)
@@ -76,9 +103,35 @@ class WorkerServer:
                     log.warning("parent process %d is gone; shutting down", self._parent_pid)
                     break
                 if conn is not None:
+                    refusal = None if self._listener.supports_admission else self._refusal()
+                    if refusal is not None:  # a listener that cannot refuse during its handshake
+                        log.warning("refused a session to %s: %s", conn.peer, refusal)
+                        conn.close()
+                        continue
                     self._start_session(conn)
         finally:
             self._shutdown()
+
+    def active_sessions(self) -> int:
+        """Sessions running now (reaps finished ones first)."""
+        self._reap()
+        self._threads = [t for t in self._threads if t.is_alive()]
+        return len(self._children) + len(self._threads)
+
+    def _refusal(self) -> Optional[str]:
+        if self.max_sessions is None:
+            return None
+        active = self.active_sessions() + self._listener.queued()
+        if active < self.max_sessions:
+            return None
+        return (
+            f"it already serves {active} session{'s' if active != 1 else ''} (--max-sessions {self.max_sessions}); "
+            "retry when a session ends, or add workers"
+        )
+
+    def _admit(self, peer: str) -> Optional[str]:
+        """The listener asks before welcoming an authenticated peer; a reason refuses it."""
+        return self._refusal()
 
     def _start_session(self, conn: Connection) -> None:
         if self.session_mode == "thread":
@@ -115,7 +168,7 @@ class WorkerServer:
             torch.set_num_threads(1)  # one core per session, as torch's own DataLoader workers do
         except Exception:  # noqa: BLE001
             pass
-        WorkerSession(conn, self.address).run()
+        WorkerSession(conn, self.address, idle_timeout=self.idle_timeout).run()
 
     def _reap(self) -> None:
         for pid in list(self._children):
@@ -161,7 +214,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--auth-key-file", help=f"file holding the shared auth key (else ${AUTH_KEY_ENV})")
     parser.add_argument("--transport", default="socket", help="transport: one of the registered names (default socket)")
     parser.add_argument("--session-mode", choices=["fork", "thread"], help="run sessions in forked processes or threads")
-    parser.add_argument("--handshake-timeout", type=float, default=10.0, help="seconds a peer has to authenticate")
+    parser.add_argument("--handshake-timeout", type=float, default=10.0, help="seconds a peer has to authenticate (default 10)")
+    parser.add_argument(
+        "--idle-timeout", type=float, default=60.0,
+        help="seconds an authenticated trainer may stay silent before setting up its session (default 60); "
+        "after that the trainer's own timeout applies (its heartbeats keep a session alive)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-sessions", type=int, metavar="N",
+        help="serve at most N sessions at once; more are refused with a clear error (default: no limit)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-frame-bytes", type=int, metavar="BYTES",
+        help=f"refuse frames from trainers larger than this, unread (default {DEFAULT_MAX_FRAME_BYTES})",
+    )  # fmt: skip
+    parser.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate (chain), PEM")
+    parser.add_argument("--tls-key", metavar="FILE", help="private key of --tls-cert, PEM (if not in the same file)")
     parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.add_argument("--version", action="version", version=f"rpc_reading_service {__version__}")
@@ -189,6 +257,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             session_mode=args.session_mode,
             parent_pid=args.parent_pid,
             handshake_timeout=args.handshake_timeout,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            max_frame_bytes=args.max_frame_bytes,
+            max_sessions=args.max_sessions,
+            idle_timeout=args.idle_timeout,
         )
     except ConfigurationError as exc:
         print(f"rpc-reading-worker: error: {exc}", file=sys.stderr)

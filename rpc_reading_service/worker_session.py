@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from . import __version__
+from .errors import ProtocolError
 from .graph import init_worker_graph, reset_worker_graph
 from .protocol import (
     Buffer,
@@ -194,10 +195,12 @@ class Outbox:
 class WorkerSession:
     """Serves one trainer connection until it closes, goes silent, or says CLOSE."""
 
-    def __init__(self, conn: Connection, server_address: str = ""):
+    def __init__(self, conn: Connection, server_address: str = "", idle_timeout: Optional[float] = None):
         self.conn = conn
         self.server_address = server_address
         self.options = SessionOptions()
+        if idle_timeout is not None:  # the server's --idle-timeout: how long to wait for SETUP
+            self.options.setup_timeout = idle_timeout
         self.outbox = Outbox(self.options)
         self._graph: Any = None
         self._worker_info: Any = None
@@ -218,6 +221,8 @@ class WorkerSession:
             self._control_loop()
         except PeerLostError as exc:
             log.info("session with %s ended: %s", self.conn.peer, exc)
+        except ProtocolError as exc:  # a malformed or oversized frame: refused unread
+            log.warning("refused a frame from %s: %s; ending its session", self.conn.peer, exc)
         except Exception:  # noqa: BLE001 - a session must never take its server down
             log.exception("session with %s failed", self.conn.peer)
         finally:

@@ -61,6 +61,17 @@ class Listener(abc.ABC):
     #: ``host:port`` this listener is reachable at.
     address: str
 
+    #: Set by the server: ``admit(peer) -> None`` accepts an authenticated peer; a string
+    #: refuses it with that reason (e.g. the server is at its ``--max-sessions`` limit). A
+    #: listener with ``supports_admission`` asks before completing the handshake and answers
+    #: a refusal with the reason; the server checks connections from other listeners itself.
+    admit: Optional[Callable[[str], Optional[str]]] = None
+    supports_admission: bool = False
+
+    def queued(self) -> int:
+        """Authenticated connections waiting for :meth:`accept` (admitted, not yet served)."""
+        return 0
+
     @abc.abstractmethod
     def accept(self, timeout: Optional[float] = None) -> Optional[Connection]:
         """Return the next authenticated connection, or None after ``timeout`` seconds.
