@@ -67,7 +67,8 @@ class ReadingServiceState:
                 f"checkpoint was taken with num_workers={self.num_workers}, this reading service has "
                 f"num_workers={num_workers}: resume with the same number of workers"
             )
-        if graph != self.graph:
+        # An empty graph: checkpointed before DataLoader2 ever iterated (no position to check).
+        if self.graph and graph != self.graph:
             raise ConfigurationError(
                 "checkpoint was taken with a different DataPipe graph "
                 f"({' -> '.join(c.rsplit('.', 1)[-1] for c in self.graph)}); resume with the same graph"

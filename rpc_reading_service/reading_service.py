@@ -31,7 +31,7 @@ from .graph import (
 )
 from .keys import new_auth_key
 from .local_fleet import LocalWorkerServer
-from .serialization import dumps_graph
+from .serialization import buffer_allocator, dumps_graph
 from .stats import ReadingServiceStats, WorkerStats
 from .transports import available_transports, create_transport
 from .transports.base import PeerLostError
@@ -101,6 +101,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             needs a graph that is deterministic given the seed.
         max_reassignments: How often one worker's shard may be replayed in a run before
             giving up (a graph that kills its process at the same item every time).
+        pin_memory: Receive tensors straight into pinned (page-locked) memory when CUDA
+            is available, for fast ``.to("cuda", non_blocking=True)``.
         tls_ca_file: Connect to the workers over TLS, verifying their certificates (servers
             started with ``--tls-cert/--tls-key``) against this CA bundle (PEM). The HMAC
             auth-key handshake runs inside TLS as well. Remote workers only.
@@ -130,6 +132,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         tls_ca_file: Optional[str] = None,
         tls_server_hostname: Optional[str] = None,
         transport_options: Optional[Dict[str, Any]] = None,
+        pin_memory: bool = False,
     ) -> None:
         self._configure(
             num_workers=num_workers,
@@ -149,6 +152,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             tls_ca_file=tls_ca_file,
             tls_server_hostname=tls_server_hostname,
             transport_options=dict(transport_options or {}),
+            pin_memory=pin_memory,
         )
 
     def _configure(self, **config: Any) -> None:
@@ -193,7 +197,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         self._epoch = 0
         self._epoch_seed = 0
         self._progress: Optional[EpochProgress] = None
-        self._resume: Optional[ReadingServiceState] = None
+        # Not "_resume": that name is DataLoader2's pause/resume hook (a method below).
+        self._resume_state: Optional[ReadingServiceState] = None
         self._fingerprint: List[str] = []
         self._reassignments: Dict[int, int] = {}
         self._finalized = False
@@ -268,7 +273,9 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         """Connect to ``address`` and set up the session of worker ``rank``."""
         options, timeout = self._session_options(), self._config["connect_timeout"]
         try:
-            conn = self._transport.connect(address, self._auth_key or b"", timeout)
+            conn = self._transport.connect(
+                address, self._auth_key or b"", timeout, allocate=buffer_allocator(self._config["pin_memory"])
+            )
         except PeerLostError as exc:
             raise WorkerLostError(f"worker {rank}: {exc}", rank, address) from exc
         channel = WorkerChannel(conn, rank, options.heartbeat_interval, options.peer_timeout)
@@ -330,7 +337,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
     ) -> Optional[Callable[[DataPipe], DataPipe]]:
         """Start an epoch on every worker with a fresh shared seed."""
         assert self._end_datapipe is not None, "initialize() must run first"
-        resume, self._resume = self._resume, None
+        resume, self._resume_state = self._resume_state, None
         if resume is not None:
             # Continue the checkpointed epoch: its seed, and skip what was consumed.
             self._epoch, self._epoch_seed = resume.epoch, resume.epoch_seed
@@ -399,7 +406,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         end = self.initialize(datapipe)
         self._epoch = state.epoch
         if state.in_epoch:
-            self._resume = state
+            self._resume_state = state
         return end
 
     def finalize_iteration(self) -> None:

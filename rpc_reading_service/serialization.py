@@ -18,7 +18,7 @@ import pickle
 import sys
 import traceback
 import types
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import cloudpickle
 import torch
@@ -29,6 +29,7 @@ from .protocol import EncodedItem
 __all__ = [
     "OUT_OF_BAND_MIN_BYTES",
     "ItemEncoder",
+    "buffer_allocator",
     "dumps_item",
     "loads_item",
     "loads_items",
@@ -111,6 +112,17 @@ def loads_items(items: Sequence[EncodedItem]) -> List[Any]:
     """Unpickle every item of a frame."""
     loads = pickle.loads
     return [loads(item.payload, buffers=item.buffers) for item in items]
+
+
+def buffer_allocator(pin_memory: bool) -> Callable[[int], Any]:
+    """Memory that received out-of-band buffers (tensor storage) land in.
+
+    With ``pin_memory`` and CUDA available, page-locked memory, so received tensors can go
+    to the GPU with ``non_blocking=True`` without another copy; otherwise ``bytearray``.
+    """
+    if pin_memory and torch.cuda.is_available():
+        return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    return bytearray
 
 
 # -- graphs ------------------------------------------------------------------------------------

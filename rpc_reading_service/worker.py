@@ -203,6 +203,10 @@ class WorkerServer:
             self._children.pop(pid, None)
 
 
+class _StopServing(BaseException):
+    """Raised by the SIGTERM/SIGINT handler to leave the accept loop at once."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``rpc-reading-worker``."""
     parser = argparse.ArgumentParser(
@@ -269,12 +273,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Import the heavy libraries before the first fork, so sessions start warm.
     import torchdata.dataloader2  # noqa: F401
 
+    def stop_now(signum: int, _frame: object) -> None:
+        # Raising (rather than setting a flag) interrupts the accept loop's select at once,
+        # so stopping takes milliseconds; serve_forever's finally still reaps every session.
+        server.stop()
+        raise _StopServing(signum)
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: server.stop())
+        signal.signal(signum, stop_now)
     print(f"listening on {server.address}", flush=True)
-    server.serve_forever()
+    try:
+        server.serve_forever()
+    except _StopServing:
+        pass
     return 0
 
 
+def run() -> None:
+    """Console-script entry point: :func:`main`, then a fast exit.
+
+    Everything is closed and reaped by then; skipping interpreter teardown (torch's takes
+    about half a second) lets trainers stop local workers quickly.
+    """
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
