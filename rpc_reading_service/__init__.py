@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 from .errors import (  # noqa: E402
     AuthenticationError,
     ConfigurationError,
+    DiscoveryTimeoutError,
     FrameTooLargeError,
     ProtocolError,
     RemoteWorkerError,
@@ -34,4 +35,5 @@ __all__ = [
     "WorkerRefusedError",
     "WorkerStartupError",
     "RemoteWorkerError",
+    "DiscoveryTimeoutError",
 ]

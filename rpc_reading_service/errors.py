@@ -18,6 +18,7 @@ __all__ = [
     "WorkerLostError",
     "WorkerStartupError",
     "RemoteWorkerError",
+    "DiscoveryTimeoutError",
 ]
 
 
@@ -76,3 +77,8 @@ class RemoteWorkerError(RPCReadingServiceError, RuntimeError):
     Where the original type can be rebuilt, that type is raised instead, carrying the same
     attributes: ``worker_rank``, ``worker_address`` and ``remote_traceback``.
     """
+
+
+class DiscoveryTimeoutError(RPCReadingServiceError, TimeoutError):
+    """Fewer workers than ``min_workers`` registered in the store (or answered, or were
+    listed in the hostfile) before ``discovery_timeout``. The message says how many came."""

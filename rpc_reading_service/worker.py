@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from . import __version__
 from .addresses import format_address, is_loopback_host
+from .discovery import WorkerRegistration, advertised_address
 from .errors import ConfigurationError
 from .keys import AUTH_KEY_ENV, load_auth_key
 from .protocol import DEFAULT_MAX_FRAME_BYTES
@@ -234,6 +235,20 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate (chain), PEM")
     parser.add_argument("--tls-key", metavar="FILE", help="private key of --tls-cert, PEM (if not in the same file)")
+    parser.add_argument(
+        "--store", metavar="HOST:PORT",
+        help="register this worker in the torch.distributed TCPStore at HOST:PORT, for "
+        "RPCReadingService(store=..., job=..., min_workers=N) to find (see rpc_reading_service.discovery)",
+    )  # fmt: skip
+    parser.add_argument("--job", default="default", help="job name to register under with --store (default 'default')")
+    parser.add_argument(
+        "--advertise-host", metavar="HOST",
+        help="host name or IP trainers should dial, registered with --store (default: the --host address, or "
+        "with --host 0.0.0.0 this host's IP on the route to the store)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--store-timeout", type=float, default=300.0, help="seconds to wait for the --store to come up (default 300)"
+    )
     parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.add_argument("--version", action="version", version=f"rpc_reading_service {__version__}")
@@ -253,6 +268,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise ConfigurationError(
                 f"unknown transport {args.transport!r}; available transports: {', '.join(available_transports())}"
             )
+        registration = WorkerRegistration(args.store, args.job, args.store_timeout) if args.store else None
         server = WorkerServer(
             host=args.host,
             port=args.port,
@@ -267,6 +283,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             max_sessions=args.max_sessions,
             idle_timeout=args.idle_timeout,
         )
+        if registration is not None:
+            advertised = advertised_address(server.address, args.advertise_host, args.store)
     except ConfigurationError as exc:
         print(f"rpc-reading-worker: error: {exc}", file=sys.stderr)
         return 2
@@ -282,10 +300,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, stop_now)
     print(f"listening on {server.address}", flush=True)
+    if registration is not None:
+        registration.start(advertised, on_failure=server.stop)
     try:
         server.serve_forever()
     except _StopServing:
         pass
+    if registration is not None:
+        registration.stop()
+        if registration.error is not None:
+            return 1
     return 0
 
 

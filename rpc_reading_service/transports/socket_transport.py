@@ -455,10 +455,24 @@ class SocketTransport(Transport):
             sock.settimeout(None)
         except (socket.timeout, TimeoutError) as exc:
             sock.close()
-            raise PeerLostError(f"handshake with worker at {address} timed out after {timeout:.1f} s") from exc
+            raise PeerLostError(
+                f"handshake with worker at {address} timed out after {timeout:.1f} s: something accepts "
+                "connections there but does not answer like an rpc-reading-worker (another service on that "
+                "port, or a worker too busy to answer: check the address, or raise connect_timeout)"
+            ) from exc
+        except (ProtocolError, AuthenticationError) as exc:
+            sock.close()
+            if address in str(exc):
+                raise
+            raise type(exc)(f"worker at {address}: {exc}") from exc  # say which worker
         except BaseException:
             sock.close()
             raise
+        if handshake.peer_package_version and handshake.peer_package_version != __version__:
+            log.warning(
+                "worker at %s runs rpc_reading_service %s, this trainer %s: the protocol matches, but install "
+                "the same version on both", address, handshake.peer_package_version, __version__,
+            )  # fmt: skip
         reader.max_frame_bytes = self.max_frame_bytes
         reader.allowed_kinds = None
         if allocate is not None:
@@ -492,7 +506,7 @@ class _PendingHandshake:
         self.peer = peer
         self.deadline = deadline
         self.reader = FrameReader(HANDSHAKE_MAX_FRAME_BYTES, allowed_kinds=HANDSHAKE_KINDS)
-        self.handshake = ServerHandshake(auth_key)
+        self.handshake = ServerHandshake(auth_key, package_version=__version__)
         self.tls_context = tls_context
         self.tls_done = tls_context is None
         self.want_write = False  # the TLS handshake waits for the socket to be writable
@@ -694,6 +708,11 @@ class SocketListener(Listener):
             reader.max_frame_bytes = self._max_frame_bytes
             reader.allowed_kinds = None
             log.info("authenticated %s (package %s)", pending.peer, pending.handshake.peer_package_version or "?")
+            if pending.handshake.peer_package_version not in ("", __version__):
+                log.warning(
+                    "trainer %s runs rpc_reading_service %s, this worker %s: the protocol matches, but install "
+                    "the same version on both", pending.peer, pending.handshake.peer_package_version, __version__,
+                )  # fmt: skip
             self._ready.append(_connection(pending.sock, pending.peer, reader))
         elif pending.fd in self._pending:
             events = selectors.EVENT_WRITE if pending.want_write else selectors.EVENT_READ
