@@ -51,10 +51,18 @@ def _rebuild_tensor(data: Any, dtype: torch.dtype, shape: Sequence[int]) -> torc
     return flat.view(dtype).view(tuple(shape))
 
 
+def _same(obj: Any) -> Any:
+    return obj
+
+
 class _ItemPickler(pickle.Pickler):
     """Pickler that sends CPU tensor storage as a pickle protocol 5 buffer."""
 
     def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is torch.Tensor and obj.device.type not in ("cpu", "meta"):
+            # CUDA (and other accelerator) tensors cross as CPU tensors, on every transport:
+            # no device maps, and a trainer without that device can still read them.
+            return _same, (obj.detach().cpu().requires_grad_(obj.requires_grad),)
         if type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.layout == torch.strided and not obj.requires_grad:
             try:
                 contiguous = obj.contiguous().resolve_conj().resolve_neg()

@@ -1,6 +1,7 @@
 """Transports move frames between trainer and workers; this module is their registry.
 
-Built in: ``"socket"`` (TCP, the default). Third-party transports register with
+Built in: ``"socket"`` (TCP, the default) and ``"torch_rpc"`` (torch.distributed.rpc with
+the TensorPipe backend, bootstrapped over an authenticated socket). Third-party transports register with
 :func:`register_transport` or through the entry-point group
 ``rpc_reading_service.transports`` (``name = "package.module:factory"``).
 """
@@ -41,6 +42,12 @@ def _socket_factory(**options: Any) -> Transport:
     from .socket_transport import SocketTransport
 
     return SocketTransport(**options)
+
+
+def _torch_rpc_factory(**options: Any) -> Transport:
+    from .torch_rpc_transport import TorchRPCTransport
+
+    return TorchRPCTransport(**options)
 
 
 def register_transport(name: str, factory: TransportFactory, *, replace: bool = False) -> None:
@@ -105,3 +112,4 @@ def create_transport(name: str, **options: Any) -> Transport:
 
 
 register_transport("socket", _socket_factory)
+register_transport("torch_rpc", _torch_rpc_factory)

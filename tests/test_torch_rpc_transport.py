@@ -1,0 +1,414 @@
+"""``transport="torch_rpc"``: torch.distributed.rpc (TensorPipe) behind the Transport interface.
+
+End to end against local workers and against a ``python -m rpc_reading_service.worker
+--transport torch_rpc`` server, plus what is specific to torch RPC: one world per trainer
+process shared by concurrent loaders, a trainer that already runs its own RPC agent, a
+transport mismatch either way, a rendezvous that never completes, a dead session, loopback
+worlds without network listeners, and the frame <-> RPC argument conversion itself.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import os
+import random
+import signal
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+from conftest import children_of, process_alive, start_server
+from rpc_reading_service import ConfigurationError, RPCReadingService, WorkerLostError, WorkerStartupError
+from rpc_reading_service.errors import FrameTooLargeError, ProtocolError
+from rpc_reading_service.protocol import MessageKind, encode_control, encode_data, encode_frame
+from rpc_reading_service.serialization import dumps_item
+from rpc_reading_service.transports import torch_rpc_transport as trt
+from rpc_reading_service.transports.base import PeerLostError
+from rpc_reading_service.transports.socket_transport import SocketTransport
+
+pytestmark = pytest.mark.timeout(60)
+
+N_ITEMS = 40
+
+
+def with_noise(x):
+    return (x, random.randrange(1_000_000))
+
+
+def fail_at_7(x):
+    if x == 7:
+        raise ValueError(f"bad item {x}")
+    return x
+
+
+def die_at_5(x):
+    if x == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def die_once(marker, x):
+    if x == 5 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x
+
+
+def cuda_item(x):
+    return torch.full((3,), float(x), device="cuda")
+
+
+def shuffled():
+    return IterableWrapper(range(N_ITEMS)).shuffle().sharding_filter().map(with_noise)
+
+
+def run(dp, rs, n_epochs=2, seed=None):
+    with DataLoader2(dp, reading_service=rs) as dl:
+        if seed is not None:
+            dl.seed(seed)
+        return [list(dl) for _ in range(n_epochs)]
+
+
+def wait_for(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def no_rpc_agent():
+    return not rpc._is_current_rpc_agent_set()
+
+
+@pytest.fixture(scope="module")
+def rpc_server(tmp_path_factory):
+    """``python -m rpc_reading_service.worker --transport torch_rpc --port 0`` (keyed), on every
+    interface, so that tests reach it over loopback and, for a remote world, over the LAN."""
+    server = start_server(
+        tmp_path_factory.mktemp("torch_rpc_server"), args=["--transport", "torch_rpc", "--host", "0.0.0.0"]
+    )
+    server.address = "127.0.0.1:" + server.address.rsplit(":", 1)[1]
+    yield server
+    server.stop()
+
+
+def remote(server, num_workers=2, transport="torch_rpc", **kwargs):
+    kwargs.setdefault("connect_timeout", 30)
+    return RPCReadingService(
+        num_workers=num_workers, worker_addresses=[server.address], auth_key=server.key, transport=transport, **kwargs
+    )
+
+
+def non_loopback_ipv4():
+    """An IPv4 address of this host on a non-loopback interface, or None."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for _, name in socket.if_nameindex():
+            try:
+                info = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue
+            ip = socket.inet_ntoa(info[20:24])
+            if not ip.startswith("127."):
+                return ip
+    finally:
+        probe.close()
+    return None
+
+
+def listening_tcp_addresses():
+    """(ip, port) of the TCP sockets this process listens on, from /proc."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table, width in (("/proc/self/net/tcp", 4), ("/proc/self/net/tcp6", 16)):
+        with open(table) as handle:
+            for line in handle.readlines()[1:]:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hex_ip, hex_port = fields[1].split(":")
+                raw = bytes.fromhex(hex_ip)
+                if width == 4:
+                    ip = socket.inet_ntop(socket.AF_INET, raw[::-1])
+                else:
+                    ip = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))
+                found.append((ip, int(hex_port, 16)))
+    return found
+
+
+# -- end to end --------------------------------------------------------------------------------------
+def test_local_workers_give_the_socket_transports_order(worker_server):
+    expected = run(shuffled(), remote(worker_server, transport="socket"), seed=5)
+    rpc_rs = RPCReadingService(num_workers=2, transport="torch_rpc", connect_timeout=30)
+    with DataLoader2(shuffled(), reading_service=rpc_rs) as dl:
+        dl.seed(5)
+        got = [list(dl) for _ in range(2)]
+        server_pid = dl.reading_service._local_server.pid
+        started = time.monotonic()
+    assert time.monotonic() - started < 5.0, "shutdown took too long"
+    assert got == expected
+    assert all(sorted(x for x, _ in epoch) == list(range(N_ITEMS)) for epoch in got)
+    assert got[0] != got[1]
+    assert wait_for(lambda: not process_alive(server_pid)), "local worker server left behind"
+    assert no_rpc_agent(), "the trainer's RPC world outlived its last connection"
+
+
+def test_cli_server_with_more_sessions_than_addresses(rpc_server):
+    listening = []
+    dp = IterableWrapper(range(N_ITEMS)).sharding_filter().map(lambda x: {"x": x, "t": torch.full((40_000,), float(x))})
+    with DataLoader2(dp, reading_service=remote(rpc_server, num_workers=3)) as dl:
+        items = []
+        for item in dl:
+            if not listening:
+                listening = listening_tcp_addresses()
+            items.append(item)
+    assert sorted(item["x"] for item in items) == list(range(N_ITEMS))
+    assert all(torch.equal(item["t"], torch.full((40_000,), float(item["x"]))) for item in items)
+    # A loopback world: the rendezvous store on 127.0.0.1, TensorPipe over shared memory only.
+    assert listening and all(ip in ("127.0.0.1", "::1") for ip, _ in listening), listening
+    assert wait_for(lambda: not children_of(rpc_server.pid)), "session processes left behind"
+
+
+def test_seeded_runs_repeat_against_the_cli_server(rpc_server):
+    first = run(shuffled(), remote(rpc_server), seed=9)
+    assert run(shuffled(), remote(rpc_server), seed=9) == first
+    assert first[0] != first[1]
+
+
+def test_remote_exception(rpc_server):
+    dp = IterableWrapper(range(20)).sharding_filter().map(fail_at_7)
+    with DataLoader2(dp, reading_service=remote(rpc_server)) as dl:
+        with pytest.raises(ValueError, match="bad item 7") as info:
+            list(dl)
+    assert rpc_server.address in str(info.value) and "Traceback" in str(info.value)
+
+
+def test_early_break_then_next_epoch_then_bounded_shutdown(rpc_server):
+    dl = DataLoader2(IterableWrapper(range(5_000)).sharding_filter(), reading_service=remote(rpc_server, prefetch=1))
+    for index, _ in enumerate(dl):
+        if index == 5:
+            break
+    assert sorted(dl) == list(range(5_000))
+    iterator = iter(dl)
+    next(iterator)
+    started = time.monotonic()
+    dl.shutdown()
+    assert time.monotonic() - started < 5.0
+    assert wait_for(lambda: not children_of(rpc_server.pid)), "session processes left behind"
+    assert wait_for(no_rpc_agent, 2.0)
+
+
+def test_concurrent_loaders_share_one_world_and_departed_sessions_never_block_joins(rpc_server):
+    dp = IterableWrapper(range(N_ITEMS)).sharding_filter()
+    first = DataLoader2(dp, reading_service=remote(rpc_server))
+    second = DataLoader2(dp, reading_service=remote(rpc_server))
+    try:
+        a, b = iter(first), iter(second)
+        merged = [(next(a), next(b)) for _ in range(5)]
+        assert sorted(x for x, _ in merged) == sorted(y for _, y in merged)
+        assert sorted([x for x, _ in merged] + list(a)) == list(range(N_ITEMS))
+        first.shutdown()  # its sessions leave the world while `second` keeps it open
+        third = DataLoader2(dp, reading_service=remote(rpc_server))
+        try:
+            assert sorted(third) == list(range(N_ITEMS))
+        finally:
+            third.shutdown()
+        assert sorted([y for _, y in merged] + list(b)) == list(range(N_ITEMS))
+    finally:
+        first.shutdown()
+        second.shutdown()
+    assert wait_for(no_rpc_agent, 2.0)
+
+
+def test_a_dead_session_is_a_worker_lost_error_at_once(rpc_server):
+    # timeout=30: the error must come from the closed bootstrap socket, not a heartbeat timeout.
+    dp = IterableWrapper(range(20)).sharding_filter().map(die_at_5)
+    started = time.monotonic()
+    with DataLoader2(dp, reading_service=remote(rpc_server, timeout=30)) as dl:
+        with pytest.raises(WorkerLostError, match=rpc_server.address.replace(".", r"\.")):
+            list(dl)
+    assert time.monotonic() - started < 10.0
+    assert wait_for(lambda: not children_of(rpc_server.pid))
+    assert run(IterableWrapper(range(6)).sharding_filter(), remote(rpc_server), n_epochs=1) == [list(range(6))]
+
+
+def test_a_lost_session_is_replaced_in_the_same_world(rpc_server, tmp_path):
+    # The replacement joins a world whose member list still names the dead session.
+    dp = IterableWrapper(range(N_ITEMS)).sharding_filter().map(functools.partial(die_once, str(tmp_path / "died")))
+    rs = remote(rpc_server, on_worker_failure="reassign")
+    (epoch,) = run(dp, rs, n_epochs=1)
+    assert sorted(epoch) == list(range(N_ITEMS))
+    assert (tmp_path / "died").exists()
+
+
+@pytest.mark.skipif(non_loopback_ipv4() is None, reason="needs a non-loopback interface")
+def test_a_remote_world_over_tcp(rpc_server, monkeypatch):
+    # The worker reached over a non-loopback address: TCP transports, the store on every
+    # interface, TensorPipe pinned to the interface that reaches the worker.
+    monkeypatch.delenv("TP_SOCKET_IFNAME", raising=False)  # restored (unset) after the test
+    ip = non_loopback_ipv4()
+    address = f"{ip}:{rpc_server.address.rsplit(':', 1)[1]}"
+    rs = RPCReadingService(
+        num_workers=2, worker_addresses=[address], auth_key=rpc_server.key, transport="torch_rpc", connect_timeout=30
+    )
+    before = set(listening_tcp_addresses())
+    with DataLoader2(IterableWrapper(range(N_ITEMS)).sharding_filter(), reading_service=rs) as dl:
+        items = list(dl)
+        listening = set(listening_tcp_addresses()) - before
+    assert sorted(items) == list(range(N_ITEMS))
+    # The rendezvous store on every interface, TensorPipe on the worker-facing one only.
+    assert {addr for addr, _ in listening} == {"0.0.0.0", ip}, listening
+    assert os.environ.get("TP_SOCKET_IFNAME"), "TensorPipe was not pinned to the worker-facing interface"
+    assert wait_for(lambda: not children_of(rpc_server.pid))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_arrive_on_the_cpu(rpc_server):
+    (epoch,) = run(IterableWrapper(range(4)).sharding_filter().map(cuda_item), remote(rpc_server), n_epochs=1)
+    assert all(t.device.type == "cpu" for t in epoch)
+
+
+# -- configuration errors: clear and fast, never a hang -------------------------------------------
+def test_a_trainer_with_its_own_rpc_agent_is_refused_clearly(rpc_server):
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://127.0.0.1:{port}", _transports=["shm"], _channels=["basic"]
+    )
+    rpc.init_rpc("users_own_agent", rank=0, world_size=1, rpc_backend_options=options)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ConfigurationError, match="already initialised.*users_own_agent"):
+            run(IterableWrapper(range(4)).sharding_filter(), remote(rpc_server), n_epochs=1)
+        assert time.monotonic() - started < 5.0
+    finally:
+        rpc.shutdown()
+        rpc.rendezvous_iterator = None  # torch keeps the static world's store alive through this
+    assert run(IterableWrapper(range(4)).sharding_filter(), remote(rpc_server), n_epochs=1) == [[0, 1, 2, 3]]
+
+
+def test_a_socket_worker_tells_a_torch_rpc_trainer(worker_server):
+    started = time.monotonic()
+    with pytest.raises(ConfigurationError, match="does not speak torch_rpc.*--transport torch_rpc"):
+        run(IterableWrapper(range(4)).sharding_filter(), remote(worker_server), n_epochs=1)
+    assert time.monotonic() - started < 10.0
+    assert no_rpc_agent()
+    assert run(IterableWrapper(range(4)).sharding_filter(), remote(worker_server, transport="socket"), n_epochs=1) == [
+        [0, 1, 2, 3]
+    ]
+
+
+def test_a_torch_rpc_worker_tells_a_socket_trainer(rpc_server):
+    started = time.monotonic()
+    with pytest.raises(WorkerStartupError, match="runs transport 'torch_rpc'.*transport='torch_rpc'"):
+        run(IterableWrapper(range(4)).sharding_filter(), remote(rpc_server, transport="socket"), n_epochs=1)
+    assert time.monotonic() - started < 10.0
+
+
+def test_a_rendezvous_that_never_completes_fails_within_the_timeout():
+    key = b"k" * 32
+    listener = SocketTransport().listen("127.0.0.1", 0, key)
+    seen, release = [], threading.Event()
+
+    def silent_worker():  # authenticates, takes the rendezvous request, never joins
+        conn = listener.accept(timeout=10)
+        if conn is not None:
+            seen.append(conn.recv(timeout=10))
+            release.wait(10)
+            conn.close()
+
+    thread = threading.Thread(target=silent_worker, daemon=True)
+    thread.start()
+    try:
+        started = time.monotonic()
+        rs = RPCReadingService(
+            num_workers=1, worker_addresses=[listener.address], auth_key=key, transport="torch_rpc", connect_timeout=2
+        )
+        with pytest.raises(WorkerLostError, match="rendezvous .* did not complete within 2.0 s.*tcp://127.0.0.1:"):
+            run(IterableWrapper(range(4)).sharding_filter(), rs, n_epochs=1)
+        assert time.monotonic() - started < 6.0  # connect_timeout plus DataLoader2 setup, on a busy host
+    finally:
+        release.set()
+        thread.join(5)
+        listener.close()
+    assert seen and seen[0].kind == MessageKind.SETUP
+    assert no_rpc_agent(), "a failed rendezvous must not leave the trainer's world open"
+
+
+# -- frames <-> RPC arguments (no processes) -----------------------------------------------------------
+def _roundtrip(chunks, max_frame_bytes=1 << 30, allocate=None):
+    head, body, buffers = trt._split_frame(chunks)
+    return trt._join_frame(head, body, buffers, max_frame_bytes, allocate)
+
+
+def test_frames_survive_the_conversion_with_their_buffers():
+    items = [dumps_item({"t": torch.arange(50_000)}), dumps_item("small"), dumps_item(b"x" * 100_000)]
+    body, buffers = encode_data(3, 7, items)
+    frame = _roundtrip(encode_frame(MessageKind.DATA, body, buffers))
+    assert frame.kind == MessageKind.DATA
+    assert bytes(frame.body) == b"".join(bytes(part) for part in body)
+    assert [bytes(b) for b in frame.buffers] == [bytes(memoryview(b).cast("B")) for b in buffers]
+    assert all(not memoryview(b).readonly for b in frame.buffers)
+    control = _roundtrip(encode_control(MessageKind.START_EPOCH, {"epoch": 1}))
+    assert control.kind == MessageKind.START_EPOCH and isinstance(control.body, bytes)
+    big_body = _roundtrip(encode_frame(MessageKind.DATA, [b"a" * 100_000, b"b" * 50_000]))
+    assert bytes(big_body.body) == b"a" * 100_000 + b"b" * 50_000  # a large body travels as a tensor
+    allocated = []
+    _roundtrip(encode_frame(MessageKind.DATA, [b""], [b"z" * 10]), allocate=lambda n: allocated.append(n) or bytearray(n))
+    assert allocated == [10]
+
+
+def test_send_copies_so_the_caller_may_reuse_its_memory():
+    buffer = bytearray(b"a" * 100)
+    head, body, buffers = trt._split_frame(encode_frame(MessageKind.DATA, [b"body"], [buffer]))
+    buffer[:] = b"b" * 100
+    assert bytes(buffers[0].numpy()) == b"a" * 100
+
+
+def test_malformed_frames_are_protocol_errors():
+    head, body, buffers = trt._split_frame(encode_frame(MessageKind.DATA, [b"body"], [b"12345"]))
+    with pytest.raises(ProtocolError, match="not an rpc_reading_service frame"):
+        trt._join_frame(b"XXXX" + head[4:], body, buffers, 1 << 30, None)
+    with pytest.raises(ProtocolError, match="protocol version"):
+        trt._join_frame(head[:4] + bytes([99]) + head[5:], body, buffers, 1 << 30, None)
+    with pytest.raises(ProtocolError, match="sizes"):
+        trt._join_frame(head, b"bod", buffers, 1 << 30, None)
+    with pytest.raises(ProtocolError, match="buffers"):
+        trt._join_frame(head, body, [], 1 << 30, None)
+    with pytest.raises(FrameTooLargeError, match="over the maximum"):
+        trt._join_frame(head, body, buffers, 8, None)
+    with pytest.raises(ProtocolError, match="chunks"):
+        trt._split_frame([struct.pack("!4sBBHQ", b"RRSV", 1, 21, 0, 10), b"short"])
+
+
+def test_the_inbox_restores_send_order_and_reports_loss_after_the_frames():
+    inbox = trt._Inbox(1 << 20)
+    frames = [_roundtrip(encode_control(MessageKind.CREDIT, {"n": i})) for i in range(3)]
+    inbox.put(2, frames[2])
+    inbox.put(1, frames[1])
+    assert inbox.get(timeout=0.01) is None  # frame 0 is still missing
+    inbox.put(0, frames[0])
+    inbox.put(1, frames[1])  # a duplicate is never delivered twice
+    inbox.fail(PeerLostError("gone"))
+    assert [inbox.get(timeout=0) for _ in range(3)] == frames
+    with pytest.raises(PeerLostError, match="gone"):
+        inbox.get(timeout=0)

@@ -1,0 +1,194 @@
+"""One conformance suite, run against every registered transport.
+
+Parametrised over ``available_transports()`` at collection time: the built-in ``socket`` and
+``torch_rpc``, whatever a plugin package registers through the entry-point group, and
+``test_plugin`` (``tests/transport_plugin.py``), a third-party transport this module
+registers itself with ``register_transport``. Worker servers find ``test_plugin`` through its
+entry point (``tests/plugin_dist``, put on their ``PYTHONPATH``): see ``transport_plugin.py``.
+
+Every transport must give the same end-to-end semantics: every item exactly once per epoch,
+seeded runs reproducible and epochs different, the *same item order for the same seed on
+every transport*, remote exceptions with their type, early break, bounded shutdown with
+every session process reaped, and local workers.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+import torch
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+from conftest import _pythonpath, children_of, process_alive, start_server
+from rpc_reading_service import RPCReadingService, available_transports, register_transport
+from transport_plugin import DIST_DIR, LOG_ENV, PLUGIN_NAME, CountingTransport, Counters
+
+# The plugin path, trainer side. (Worker processes import this module to unpickle the
+# graph functions below; their servers already know the plugin from its entry point.)
+if PLUGIN_NAME not in available_transports():
+    register_transport(PLUGIN_NAME, CountingTransport)
+
+TRANSPORTS = available_transports()
+N_ITEMS = 40
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def with_noise(x):
+    # Randomness after the sharding point: per-worker seeds must make it reproducible.
+    return (x, random.randrange(1_000_000))
+
+
+def fail_at_7(x):
+    if x == 7:
+        raise ValueError(f"bad item {x}")
+    return x
+
+
+def big_item(x):
+    return {"index": x, "tensor": torch.full((40_000,), float(x))}  # 160 KB: out-of-band buffers
+
+
+def shuffled():
+    return IterableWrapper(range(N_ITEMS)).shuffle().sharding_filter().map(with_noise)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """``servers(transport)``: one CLI worker server per transport, started on first use."""
+    started = {}
+    plugin_log = tmp_path_factory.mktemp("plugin") / "plugin.log"
+
+    def get(transport):
+        if transport not in started:
+            env = {LOG_ENV: str(plugin_log), "PYTHONPATH": os.pathsep.join([DIST_DIR, _pythonpath()])}
+            started[transport] = start_server(
+                tmp_path_factory.mktemp(transport), args=["--transport", transport], env=env
+            )
+        return started[transport]
+
+    get.plugin_log = plugin_log
+    yield get
+    for server in started.values():
+        server.stop()
+
+
+def remote(server, transport, num_workers=2, **kwargs):
+    return RPCReadingService(
+        num_workers=num_workers, worker_addresses=[server.address], auth_key=server.key, transport=transport,
+        connect_timeout=30, **kwargs,
+    )  # fmt: skip
+
+
+def run(dp, rs, n_epochs=2, seed=None):
+    with DataLoader2(dp, reading_service=rs) as dl:
+        if seed is not None:
+            dl.seed(seed)
+        return [list(dl) for _ in range(n_epochs)]
+
+
+def wait_for(condition, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+_reference = {}
+
+
+def socket_reference(servers):
+    """The socket transport's epochs for seed 11: what every transport must reproduce."""
+    if "order" not in _reference:
+        _reference["order"] = run(shuffled(), remote(servers("socket"), "socket"), seed=11)
+    return _reference["order"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_exactly_once_seeded_and_epochs_differ(servers, transport):
+    server = servers(transport)
+    first = run(shuffled(), remote(server, transport), seed=3)
+    second = run(shuffled(), remote(server, transport), seed=3)
+    assert first == second, "same seed, different run"
+    for epoch in first:
+        assert sorted(x for x, _ in epoch) == list(range(N_ITEMS)), "not every item exactly once"
+    assert first[0] != first[1], "two epochs in the same order"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_same_order_as_every_other_transport(servers, transport):
+    assert run(shuffled(), remote(servers(transport), transport), seed=11) == socket_reference(servers)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_tensors_arrive_intact(servers, transport):
+    dp = IterableWrapper(range(6)).sharding_filter().map(big_item)
+    (epoch,) = run(dp, remote(servers(transport), transport), n_epochs=1)
+    assert [item["index"] for item in epoch] == list(range(6))
+    for item in epoch:
+        assert torch.equal(item["tensor"], torch.full((40_000,), float(item["index"])))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_remote_exception_keeps_its_type(servers, transport):
+    server = servers(transport)
+    dp = IterableWrapper(range(20)).sharding_filter().map(fail_at_7)
+    with DataLoader2(dp, reading_service=remote(server, transport)) as dl:
+        with pytest.raises(ValueError, match="bad item 7") as info:
+            list(dl)
+    message = str(info.value)
+    assert server.address in message and "Traceback" in message
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_early_break_then_a_full_epoch(servers, transport):
+    dp = IterableWrapper(range(N_ITEMS)).sharding_filter()
+    with DataLoader2(dp, reading_service=remote(servers(transport), transport, prefetch=1)) as dl:
+        for index, _ in enumerate(dl):
+            if index == 3:
+                break
+        assert sorted(dl) == list(range(N_ITEMS))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_shutdown_is_bounded_and_reaps_sessions(servers, transport):
+    server = servers(transport)
+    dl = DataLoader2(IterableWrapper(range(10_000)).sharding_filter(), reading_service=remote(server, transport, num_workers=3))
+    iterator = iter(dl)
+    next(iterator)
+    assert len(children_of(server.pid)) >= 3
+    started = time.monotonic()
+    dl.shutdown()
+    assert time.monotonic() - started < 5.0
+    assert wait_for(lambda: not children_of(server.pid)), "session processes left behind"
+    assert server.proc.poll() is None, "the server must outlive its sessions"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_local_workers(transport, monkeypatch, tmp_path):
+    # Local workers run `rpc-reading-worker --transport NAME` with the trainer's sys.path.
+    monkeypatch.syspath_prepend(DIST_DIR)
+    monkeypatch.setenv(LOG_ENV, str(tmp_path / "plugin.log"))
+    rs = RPCReadingService(num_workers=2, transport=transport, connect_timeout=30)
+    with DataLoader2(IterableWrapper(range(N_ITEMS)).sharding_filter(), reading_service=rs) as dl:
+        assert sorted(dl) == list(range(N_ITEMS))
+        server_pid = dl.reading_service._local_server.pid  # DataLoader2 works on a clone of rs
+    assert wait_for(lambda: not process_alive(server_pid)), "local worker server left behind"
+    if transport == PLUGIN_NAME:
+        assert f"listen {server_pid}" in (tmp_path / "plugin.log").read_text()
+
+
+def test_the_plugin_carried_the_traffic_on_both_sides(servers):
+    server = servers(PLUGIN_NAME)
+    sent, received = Counters.sent, Counters.received
+    assert run(IterableWrapper(range(10)).sharding_filter(), remote(server, PLUGIN_NAME), n_epochs=1) == [list(range(10))]
+    assert Counters.sent > sent and Counters.received > received  # this (trainer) side
+    log = servers.plugin_log.read_text().split("\n")
+    assert f"listen {server.pid}" in log  # the server found the plugin by its entry point
+    assert any(line.startswith("accept ") for line in log)
