@@ -94,9 +94,14 @@ def apply_distributed_sharding(datapipe: DataPipe, info: DistributedInfo) -> Non
         )
 
 
-def draw_epoch_seed(seed_generator: SeedGenerator) -> int:
-    """Draw this epoch's shared seed, advancing the generator so that the next epoch differs."""
-    return seed_generator.generate_shared_seed()
+def draw_epoch_seed(seed_generator: SeedGenerator, epoch: int = 0) -> int:
+    """Draw this epoch's shared seed, advancing the generator so that the next epoch differs.
+
+    The epoch number is mixed in as well: without ``DataLoader2.seed()``, DataLoader2
+    reseeds the generator before every epoch from torch's global RNG *without advancing
+    it* (torchdata draws under ``fork_rng``), so the generator alone repeats its seed.
+    """
+    return (seed_generator.generate_shared_seed() + epoch * 0x9E3779B97F4A7C15) % (1 << 64)
 
 
 def worker_seed_generator(epoch_seed: int, global_worker_id: int) -> SeedGenerator:

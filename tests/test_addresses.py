@@ -1,0 +1,38 @@
+"""HOST:PORT parsing and the loopback check."""
+
+import pytest
+
+from rpc_reading_service.addresses import format_address, is_loopback_host, parse_address
+from rpc_reading_service.errors import ConfigurationError
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("cpu-1:29600", ("cpu-1", 29600)), (" 10.0.0.2:0 ", ("10.0.0.2", 0)), ("[::1]:8080", ("::1", 8080))],
+)
+def test_parse_and_format(text, expected):
+    assert parse_address(text) == expected
+    assert parse_address(format_address(*expected)) == expected
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("", "empty"),
+        ("cpu-1", "no port"),
+        ("cpu-1:http", "not a number"),
+        ("cpu-1:70000", "outside"),
+        (":29600", "no host"),
+        ("::1:80", "brackets"),
+        ("[::1:80", "unclosed"),
+    ],
+)
+def test_parse_errors_say_how_to_fix(text, match):
+    with pytest.raises(ConfigurationError, match=match):
+        parse_address(text)
+
+
+def test_loopback():
+    assert is_loopback_host("localhost") and is_loopback_host("127.0.0.1") and is_loopback_host("::1")
+    assert is_loopback_host("127.1.2.3")
+    assert not is_loopback_host("0.0.0.0") and not is_loopback_host("10.0.0.1") and not is_loopback_host("example.org")

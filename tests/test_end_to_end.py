@@ -1,0 +1,199 @@
+"""End to end: against torchdata's MultiProcessingReadingService, with trainers that are
+``__main__`` scripts or ``torch.multiprocessing.spawn`` children, with user modules the
+workers cannot import, and under torch.distributed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import uuid
+
+import pytest
+import torch.multiprocessing as mp
+from torchdata.dataloader2 import DataLoader2, MultiProcessingReadingService
+from torchdata.datapipes.iter import IterableWrapper
+
+from rpc_reading_service import RPCReadingService, WorkerStartupError
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def double(x):
+    return 2 * x
+
+
+def remote(server, num_workers=2, **kwargs):
+    return RPCReadingService(num_workers=num_workers, worker_addresses=[server.address], auth_key=server.key, **kwargs)
+
+
+def run(dp, rs, n_epochs=1, seed=None):
+    with DataLoader2(dp, reading_service=rs) as dl:
+        if seed is not None:
+            dl.seed(seed)
+        return [list(dl) for _ in range(n_epochs)]
+
+
+# -- against torchdata's MultiProcessingReadingService ------------------------------------------
+def test_same_items_as_multiprocessing_reading_service(worker_server):
+    shuffled = IterableWrapper(range(60)).shuffle().sharding_filter().map(double)
+    ordered = IterableWrapper(range(41)).sharding_filter().map(double)
+    mprs = run(shuffled, MultiProcessingReadingService(num_workers=2), seed=5)
+    ours = run(shuffled, remote(worker_server), n_epochs=2, seed=5)
+    assert sorted(mprs[0]) == sorted(ours[0]) == sorted(ours[1]) == [2 * x for x in range(60)]
+    # Both are reproducible under the same seed.
+    assert run(shuffled, MultiProcessingReadingService(num_workers=2), seed=5) == mprs
+    assert run(shuffled, remote(worker_server), n_epochs=2, seed=5) == ours
+    # Without a shuffle both merge the workers round-robin: identical order, not just items.
+    mprs_ordered = run(ordered, MultiProcessingReadingService(num_workers=2))
+    assert run(ordered, remote(worker_server)) == mprs_ordered == [[2 * x for x in range(41)]]
+
+
+# -- functions the workers cannot import ----------------------------------------------------------
+TRAINER_SCRIPT = '''
+import json
+import sys
+import warnings
+
+warnings.simplefilter("ignore")
+import torch.multiprocessing as mp
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+from rpc_reading_service import RPCReadingService
+
+
+def triple_plus(x):
+    """Defined in the trainer's script: __main__ here, __mp_main__ in a spawn child."""
+    return (__name__, 3 * x + OFFSET)
+
+
+OFFSET = 1
+
+
+def load(address, key):
+    dp = IterableWrapper(range(10)).sharding_filter().map(triple_plus)
+    rs = RPCReadingService(num_workers=2, worker_addresses=[address], auth_key=key)
+    with DataLoader2(dp, reading_service=rs) as dl:
+        return list(dl)
+
+
+def child(index, address, key):
+    print(json.dumps({"spawn": load(address, key)}), flush=True)
+
+
+if __name__ == "__main__":
+    address, key = sys.argv[1:3]
+    print(json.dumps({"main": load(address, key)}), flush=True)
+    mp.spawn(child, args=(address, key), nprocs=1)
+'''
+
+
+def test_functions_from_main_script_and_spawn_child(worker_server, tmp_path):
+    script = tmp_path / "trainer_script.py"
+    script.write_text(TRAINER_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), worker_server.address, worker_server.key],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        start_new_session=True,  # so that a hang is reaped with its spawn child
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=80)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 0, stderr[-3000:]
+    outputs = {}
+    for line in stdout.splitlines():
+        outputs.update(json.loads(line))
+    expected = [3 * x + 1 for x in range(10)]
+    # The functions ran on the workers by value, keeping the module name they were defined in.
+    assert outputs["main"] == [["__main__", y] for y in expected]
+    assert outputs["spawn"] == [["__mp_main__", y] for y in expected]
+
+
+USER_MODULE = '''
+SCALE = 4
+
+
+class Scaled:
+    def __init__(self, value):
+        self.value = value * SCALE
+
+
+def scale(x):
+    return Scaled(x).value
+'''
+
+
+def test_pickle_by_value_for_a_module_workers_cannot_import(worker_server, tmp_path, monkeypatch):
+    name = f"rrs_user_module_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))  # on the trainer's path only
+    module = __import__(name)
+    try:
+        dp = IterableWrapper(range(8)).sharding_filter().map(module.scale)
+        # By reference (the default), the workers fail to import the module...
+        with pytest.raises(WorkerStartupError, match=f"No module named '{name}'"):
+            run(dp, remote(worker_server))
+        # ...by value, its function and the class and global it uses travel with the graph.
+        assert run(dp, remote(worker_server, pickle_by_value=[module])) == [[4 * x for x in range(8)]]
+    finally:
+        sys.modules.pop(name, None)
+
+
+# -- torch.distributed --------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def distributed_trainer(rank, world_size, port, address, key, out_dir):
+    import torch.distributed as dist
+    from torchdata.dataloader2 import DistributedReadingService, SequentialReadingService
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        results = {}
+        dp = IterableWrapper(range(24)).shuffle().sharding_filter()
+        # No dl.seed(): the shuffle seed must still agree across ranks (shared over gloo).
+        with DataLoader2(dp, reading_service=remote_at(address, key)) as dl:
+            results["rpc"] = [list(dl) for _ in range(2)]
+        sequential = SequentialReadingService(DistributedReadingService(), remote_at(address, key))
+        with DataLoader2(dp, reading_service=sequential) as dl:
+            results["sequential"] = [list(dl) for _ in range(2)]
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+            json.dump(results, handle)
+    finally:
+        dist.destroy_process_group()
+
+
+def remote_at(address, key):
+    return RPCReadingService(num_workers=2, worker_addresses=[address], auth_key=key)
+
+
+def test_distributed_ranks_get_disjoint_global_shards(worker_server, tmp_path):
+    world_size = 2
+    mp.spawn(
+        distributed_trainer,
+        args=(world_size, free_port(), worker_server.address, worker_server.key, str(tmp_path)),
+        nprocs=world_size,
+        join=True,
+    )
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
+    for mode in ("rpc", "sequential"):
+        for epoch in range(2):
+            r0, r1 = ranks[0][mode][epoch], ranks[1][mode][epoch]
+            assert len(r0) == len(r1) == 12
+            assert not set(r0) & set(r1), f"{mode} epoch {epoch}: ranks overlap"
+            assert sorted(r0 + r1) == list(range(24))
+        assert ranks[0][mode][0] != ranks[0][mode][1]  # epochs differ

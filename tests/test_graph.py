@@ -1,0 +1,119 @@
+"""Sharding and seeding of DataPipe graphs (pure functions over graphs, no processes)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from torchdata.dataloader2.random import SeedGenerator
+from torchdata.dataloader2.utils import WorkerInfo
+from torchdata.datapipes.iter import IterableWrapper
+
+from rpc_reading_service.errors import ConfigurationError
+from rpc_reading_service.graph import (
+    DistributedInfo,
+    apply_distributed_sharding,
+    distributed_info,
+    draw_epoch_seed,
+    init_worker_graph,
+    reset_worker_graph,
+    split_replicable,
+    worker_seed_generator,
+)
+
+
+def draw(x):
+    return (x, random.random())
+
+
+def shard(dp, num_workers, rank, epoch_seed, dist=DistributedInfo()):
+    """Run one worker's copy of ``dp`` for an epoch, as a worker session does."""
+    import copy
+
+    graph = copy.deepcopy(dp)
+    apply_distributed_sharding(graph, dist)
+    info = WorkerInfo(num_workers, rank)
+    graph = init_worker_graph(graph, info, None)
+    graph = reset_worker_graph(graph, info, epoch_seed, dist.global_worker_id(rank, num_workers), None)
+    return list(graph)
+
+
+def test_epoch_seeds_advance_and_are_reproducible():
+    gen = SeedGenerator(0)
+    seeds = [draw_epoch_seed(gen) for _ in range(3)]
+    assert len(set(seeds)) == 3
+    again = SeedGenerator(0)
+    assert [draw_epoch_seed(again) for _ in range(3)] == seeds
+    assert draw_epoch_seed(SeedGenerator(1)) != seeds[0]
+
+
+def test_epoch_seeds_differ_even_when_the_generator_is_reseeded_identically():
+    # Unseeded DataLoader2 reseeds its generator every epoch from torch's RNG under
+    # fork_rng, i.e. with the same value each time: the epoch number must still vary the seed.
+    seeds = [draw_epoch_seed(SeedGenerator(42), epoch) for epoch in (1, 2, 3)]
+    assert len(set(seeds)) == 3
+    assert all(0 <= s < 2**64 for s in seeds)
+
+
+def test_worker_generators_share_the_shared_seed_only():
+    a, b = worker_seed_generator(123, 0), worker_seed_generator(123, 1)
+    assert a.generate_shared_seed() == b.generate_shared_seed()
+    assert a.generate_seed() != b.generate_seed()
+
+
+def test_global_worker_id():
+    assert DistributedInfo().global_worker_id(2, 4) == 2
+    assert DistributedInfo(rank=1, world_size=2).global_worker_id(1, 4) == 5
+    assert distributed_info() == DistributedInfo(0, 1)  # no process group in this process
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 3])
+def test_shuffle_before_sharding_is_shared_so_shards_partition_the_data(num_workers):
+    dp = IterableWrapper(range(23)).shuffle().sharding_filter()
+    shards = [shard(dp, num_workers, r, epoch_seed=99) for r in range(num_workers)]
+    assert sorted(x for s in shards for x in s) == list(range(23))
+    # A different epoch seed gives a different order.
+    other = [shard(dp, num_workers, r, epoch_seed=100) for r in range(num_workers)]
+    assert other != shards
+    assert sorted(x for s in other for x in s) == list(range(23))
+
+
+def test_randomness_after_sharding_differs_per_worker_and_repeats_per_seed():
+    dp = IterableWrapper(range(8)).sharding_filter().map(draw)
+    w0, w1 = shard(dp, 2, 0, 5), shard(dp, 2, 1, 5)
+    assert [r for _, r in w0] != [r for _, r in w1]
+    assert shard(dp, 2, 0, 5) == w0
+    assert shard(dp, 2, 0, 6) != w0
+
+
+def test_distributed_and_worker_sharding_combine_to_global_shards():
+    dp = IterableWrapper(range(40)).sharding_filter()
+    seen = []
+    for dist_rank in range(2):
+        for worker in range(3):
+            items = shard(dp, 3, worker, 0, DistributedInfo(dist_rank, 2))
+            global_id = dist_rank * 3 + worker
+            assert items == [x for x in range(40) if x % 6 == global_id]
+            seen += items
+    assert sorted(seen) == list(range(40))
+
+
+def test_split_replicable_keeps_fullsync_in_the_trainer():
+    dp = IterableWrapper(range(5)).sharding_filter().map(lambda x: x + 1)
+    branch, attach = split_replicable(dp)
+    assert branch is dp
+    assert attach(IterableWrapper([9])) is not None
+
+    synced = IterableWrapper(range(5)).sharding_filter().fullsync()
+    branch, attach = split_replicable(synced)
+    assert type(branch).__name__ != "FullSyncIterDataPipe"
+    trainer_graph = attach(IterableWrapper(["from workers"]))
+    assert trainer_graph is synced
+
+
+def test_round_robin_dispatch_is_refused_with_advice():
+    dp = IterableWrapper(range(5)).sharding_round_robin_dispatch(
+        __import__("torch").utils.data.datapipes.iter.sharding.SHARDING_PRIORITIES.MULTIPROCESSING
+    )
+    with pytest.raises(ConfigurationError, match="sharding_filter"):
+        split_replicable(dp)

@@ -1,0 +1,321 @@
+"""The sans-I/O protocol: pure bytes in, frames and messages out. No sockets."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from rpc_reading_service.errors import AuthenticationError, FrameTooLargeError, ProtocolError
+from rpc_reading_service.protocol import (
+    HANDSHAKE_KINDS,
+    HANDSHAKE_MAX_FRAME_BYTES,
+    HEADER,
+    MAGIC,
+    PROTOCOL_VERSION,
+    ClientHandshake,
+    EncodedItem,
+    Frame,
+    FrameReader,
+    MessageKind,
+    ServerHandshake,
+    decode_control,
+    decode_credit,
+    decode_data,
+    decode_end_of_shard,
+    encode_control,
+    encode_credit,
+    encode_data,
+    encode_end_of_shard,
+    encode_frame,
+    encode_reject,
+)
+
+
+def wire(chunks) -> bytes:
+    return b"".join(bytes(c) for c in chunks)
+
+
+def read_all(data: bytes, **kwargs):
+    reader = FrameReader(**kwargs)
+    reader.feed(data)
+    frames = []
+    while (frame := reader.next_frame()) is not None:
+        frames.append(frame)
+    return frames, reader
+
+
+def roundtrip(chunks, **kwargs) -> Frame:
+    frames, reader = read_all(wire(chunks), **kwargs)
+    assert len(frames) == 1
+    assert not reader.mid_frame
+    return frames[0]
+
+
+# -- framing ------------------------------------------------------------------------------------
+def test_frame_round_trip_with_out_of_band_buffers():
+    buffers = [b"x" * 100, bytearray(b"\x00\x01" * 5000), memoryview(b"abc"), b""]
+    chunks = encode_frame(MessageKind.DATA, [b"head", b"", b"tail"], buffers)
+    frame = roundtrip(chunks)
+    assert frame.kind == MessageKind.DATA
+    assert bytes(frame.body) == b"headtail"
+    assert [bytes(b) for b in frame.buffers] == [bytes(b) for b in buffers]
+    assert frame.nbytes == 8 + 100 + 10000 + 3
+
+
+def test_header_layout_is_versioned_and_length_prefixed():
+    data = wire(encode_frame(MessageKind.CLOSE, [b"12345"], [b"ab", b"cde"]))
+    magic, version, kind, n_buffers, body_length = HEADER.unpack_from(data)
+    assert (magic, version, kind, n_buffers, body_length) == (MAGIC, PROTOCOL_VERSION, MessageKind.CLOSE, 2, 5)
+    assert struct.unpack_from("!2Q", data, HEADER.size) == (2, 3)
+    assert data.endswith(b"12345abcde")
+
+
+def test_feeding_byte_by_byte_yields_the_same_frames():
+    chunks = (
+        encode_frame(MessageKind.HEARTBEAT)
+        + encode_frame(MessageKind.DATA, [b"body"], [b"A" * 33, b"B"])
+        + encode_control(MessageKind.START_EPOCH, {"epoch": 3})
+    )
+    data = wire(chunks)
+    reader = FrameReader()
+    frames = []
+    for i in range(len(data)):
+        reader.feed(data[i : i + 1])
+        while (frame := reader.next_frame()) is not None:
+            frames.append(frame)
+    assert [f.kind for f in frames] == [MessageKind.HEARTBEAT, MessageKind.DATA, MessageKind.START_EPOCH]
+    assert [bytes(b) for b in frames[1].buffers] == [b"A" * 33, b"B"]
+    assert decode_control(frames[2]) == {"epoch": 3}
+    assert not reader.mid_frame
+
+
+def test_writable_recv_into_style_reading():
+    payload = bytes(range(256)) * 1000
+    data = wire(encode_frame(MessageKind.DATA, [b"b"], [payload]))
+    allocations = []
+
+    def allocate(n):
+        allocations.append(n)
+        return bytearray(n)
+
+    reader = FrameReader(allocate=allocate)
+    offset = 0
+    while offset < len(data):
+        view = reader.writable()
+        assert len(view) > 0
+        n = min(len(view), 7777, len(data) - offset)
+        view[:n] = data[offset : offset + n]
+        offset += n
+        reader.advance(n)
+    frame = reader.next_frame()
+    assert bytes(frame.buffers[0]) == payload
+    assert allocations == [len(payload)]  # the buffer got its own exact allocation
+
+
+def test_truncated_frame_is_mid_frame():
+    data = wire(encode_frame(MessageKind.DATA, [b"0123456789"]))
+    frames, reader = read_all(data[:-3])
+    assert frames == [] and reader.mid_frame
+
+
+def test_oversize_frame_refused_before_allocation():
+    allocated = []
+
+    def allocate(n):
+        allocated.append(n)
+        return bytearray(n)
+
+    # Only the header (and buffer-length table) is fed: the refusal must not wait for the body.
+    header = wire(encode_frame(MessageKind.DATA, [b"x" * 2000]))[: HEADER.size]
+    reader = FrameReader(max_frame_bytes=1000, allocate=allocate)
+    with pytest.raises(FrameTooLargeError, match="2000 bytes"):
+        reader.feed(header)
+
+    # A frame announcing a 1 TiB buffer is refused from its length table alone.
+    huge = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(MessageKind.DATA), 1, 10) + struct.pack("!Q", 1 << 40)
+    reader = FrameReader(max_frame_bytes=1 << 20, allocate=allocate)
+    with pytest.raises(FrameTooLargeError):
+        reader.feed(huge)
+    assert allocated == []
+    assert issubclass(FrameTooLargeError, ProtocolError)
+
+
+def test_frame_at_exact_limit_is_accepted():
+    frame = roundtrip(encode_frame(MessageKind.DATA, [b"x" * 10], [b"y" * 90]), max_frame_bytes=100)
+    assert frame.nbytes == 100
+
+
+@pytest.mark.parametrize(
+    "header, match",
+    [
+        (HEADER.pack(b"GET ", PROTOCOL_VERSION, 1, 0, 0), "magic"),
+        (HEADER.pack(MAGIC, PROTOCOL_VERSION + 1, 1, 0, 0), "version"),
+        (HEADER.pack(MAGIC, PROTOCOL_VERSION, 99, 0, 0), "unknown message kind 99"),
+        (HEADER.pack(MAGIC, PROTOCOL_VERSION, 1, 5000, 0), "buffers"),
+    ],
+)
+def test_bad_headers_raise_protocol_error(header, match):
+    with pytest.raises(ProtocolError, match=match):
+        FrameReader().feed(header)
+
+
+def test_http_request_is_not_a_frame():
+    with pytest.raises(ProtocolError, match="magic"):
+        FrameReader().feed(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
+
+
+def test_kind_not_allowed_at_this_point():
+    reader = FrameReader(HANDSHAKE_MAX_FRAME_BYTES, allowed_kinds=HANDSHAKE_KINDS)
+    with pytest.raises(ProtocolError, match="SETUP is not allowed"):
+        reader.feed(wire(encode_control(MessageKind.SETUP, {"graph": b"evil"})))
+
+
+def test_encode_frame_refuses_too_many_buffers():
+    with pytest.raises(ProtocolError):
+        encode_frame(MessageKind.DATA, [b""], [b"x"] * 5000)
+
+
+# -- messages -----------------------------------------------------------------------------------
+def test_control_round_trip():
+    payload = {"epoch": 2, "seed": 123456789, "nested": {"a": [1, 2]}}
+    frame = roundtrip(encode_control(MessageKind.START_EPOCH, payload))
+    assert frame.kind == MessageKind.START_EPOCH
+    assert decode_control(frame) == payload
+    assert decode_control(roundtrip(encode_control(MessageKind.CLOSE))) == {}
+
+
+def test_control_rejects_non_dict_and_garbage():
+    with pytest.raises(ProtocolError, match="not a dict"):
+        decode_control(Frame(MessageKind.SETUP, b"\x80\x05K\x01."))  # pickle of int 1
+    with pytest.raises(ProtocolError, match="could not decode"):
+        decode_control(Frame(MessageKind.SETUP, b"not a pickle"))
+
+
+def test_credit_round_trip():
+    assert decode_credit(roundtrip(encode_credit(7, 3))) == (7, 3)
+    with pytest.raises(ProtocolError):
+        decode_credit(Frame(MessageKind.CREDIT, b"short"))
+
+
+def test_end_of_shard_round_trip():
+    assert decode_end_of_shard(roundtrip(encode_end_of_shard(4, 1 << 40))) == (4, 1 << 40)
+    with pytest.raises(ProtocolError):
+        decode_end_of_shard(Frame(MessageKind.END_OF_SHARD, b"x"))
+
+
+def test_data_encode_decode_packs_many_items():
+    items = [
+        EncodedItem(b"first", []),
+        EncodedItem(b"second", [b"B1" * 10, b"B2"]),
+        EncodedItem(b"", []),
+        EncodedItem(b"fourth", [b"B3"]),
+    ]
+    body, buffers = encode_data(5, 9, items)
+    frame = roundtrip(encode_frame(MessageKind.DATA, body, buffers))
+    epoch, sequence, decoded = decode_data(frame)
+    assert (epoch, sequence) == (5, 9)
+    assert [bytes(i.payload) for i in decoded] == [b"first", b"second", b"", b"fourth"]
+    assert [[bytes(b) for b in i.buffers] for i in decoded] == [[], [b"B1" * 10, b"B2"], [], [b"B3"]]
+
+
+def test_data_decode_rejects_inconsistent_frames():
+    body, buffers = encode_data(1, 0, [EncodedItem(b"abc", [b"zz"])])
+    good = roundtrip(encode_frame(MessageKind.DATA, body, buffers))
+    with pytest.raises(ProtocolError):
+        decode_data(Frame(MessageKind.DATA, good.body, []))  # buffer missing
+    with pytest.raises(ProtocolError):
+        decode_data(Frame(MessageKind.DATA, bytes(good.body) + b"junk", good.buffers))  # trailing bytes
+    with pytest.raises(ProtocolError):
+        decode_data(Frame(MessageKind.DATA, bytes(good.body)[:5], good.buffers))  # truncated header
+    with pytest.raises(ProtocolError):
+        decode_data(Frame(MessageKind.DATA, bytes(good.body)[:-2], good.buffers))  # truncated payload
+
+
+# -- handshake ----------------------------------------------------------------------------------
+def exchange(client: ClientHandshake, server: ServerHandshake):
+    """Run a handshake through FrameReaders, as bytes; returns the WELCOME frame."""
+    challenge = roundtrip(server.receive_hello(roundtrip(client.hello(), allowed_kinds=HANDSHAKE_KINDS)))
+    proof = roundtrip(client.receive_challenge(challenge), allowed_kinds=HANDSHAKE_KINDS)
+    welcome = roundtrip(server.receive_proof(proof))
+    client.receive_welcome(welcome)
+    return welcome
+
+
+def test_handshake_success():
+    client, server = ClientHandshake(b"k" * 32, "1.2.3"), ServerHandshake(b"k" * 32)
+    assert exchange(client, server).kind == MessageKind.WELCOME
+    assert client.done and server.done
+    assert server.peer_package_version == "1.2.3"
+
+
+def test_client_detects_server_with_wrong_key():
+    client, server = ClientHandshake(b"right"), ServerHandshake(b"wrong")
+    challenge = roundtrip(server.receive_hello(roundtrip(client.hello())))
+    with pytest.raises(AuthenticationError, match="same auth key"):
+        client.receive_challenge(challenge)
+    assert not client.done
+
+
+def test_server_detects_client_with_wrong_key():
+    # A client that cannot check the server (forged CHALLENGE path skipped) still fails at PROOF.
+    server = ServerHandshake(b"right")
+    client = ClientHandshake(b"right")
+    challenge = roundtrip(server.receive_hello(roundtrip(client.hello())))
+    impostor_proof = encode_frame(MessageKind.PROOF, [b"\x00" * 32])
+    with pytest.raises(AuthenticationError, match="wrong or missing auth key"):
+        server.receive_proof(roundtrip(impostor_proof))
+    assert not server.done
+    # And a real client holding another key produces a proof the server refuses.
+    other = ClientHandshake(b"other")
+    server2 = ServerHandshake(b"right")
+    challenge = roundtrip(server2.receive_hello(roundtrip(other.hello())))
+    body = bytes(challenge.body)
+    from rpc_reading_service.protocol import _proof
+
+    forged = encode_frame(MessageKind.PROOF, [_proof(b"other", b"client", body[:32], other._nonce)])
+    with pytest.raises(AuthenticationError):
+        server2.receive_proof(roundtrip(forged))
+
+
+def test_handshake_is_fresh_per_nonce():
+    # Replaying a PROOF recorded from one handshake fails against a new server nonce.
+    client, server = ClientHandshake(b"k"), ServerHandshake(b"k")
+    challenge = roundtrip(server.receive_hello(roundtrip(client.hello())))
+    recorded_proof = roundtrip(client.receive_challenge(challenge))
+    server2 = ServerHandshake(b"k")
+    server2.receive_hello(roundtrip(ClientHandshake(b"k", nonce=client._nonce).hello()))
+    with pytest.raises(AuthenticationError):
+        server2.receive_proof(recorded_proof)
+
+
+def test_handshake_out_of_order_and_malformed():
+    server = ServerHandshake(b"k")
+    with pytest.raises(ProtocolError, match="expected HELLO"):
+        server.receive_hello(roundtrip(encode_frame(MessageKind.PROOF, [b"x"])))
+    with pytest.raises(ProtocolError, match="PROOF before HELLO"):
+        ServerHandshake(b"k").receive_proof(roundtrip(encode_frame(MessageKind.PROOF, [b"x"])))
+    with pytest.raises(ProtocolError, match="malformed HELLO"):
+        ServerHandshake(b"k").receive_hello(roundtrip(encode_frame(MessageKind.HELLO, [b"short"])))
+    client = ClientHandshake(b"k")
+    with pytest.raises(ProtocolError, match="malformed CHALLENGE"):
+        client.receive_challenge(roundtrip(encode_frame(MessageKind.CHALLENGE, [b"short"])))
+    with pytest.raises(ProtocolError, match="WELCOME before CHALLENGE"):
+        ClientHandshake(b"k").receive_welcome(roundtrip(encode_frame(MessageKind.WELCOME)))
+    server = ServerHandshake(b"k")
+    hello = roundtrip(ClientHandshake(b"k").hello())
+    server.receive_hello(hello)
+    with pytest.raises(ProtocolError, match="second HELLO"):
+        server.receive_hello(hello)
+
+
+def test_reject_decoding():
+    frame = roundtrip(encode_reject("not an rpc_reading_service frame: go away"), allowed_kinds=HANDSHAKE_KINDS)
+    assert frame.kind == MessageKind.REJECT
+    with pytest.raises(AuthenticationError, match="peer refused the connection: not an rpc_reading_service frame"):
+        ClientHandshake(b"k").receive_challenge(frame)
+    with pytest.raises(AuthenticationError, match="go away"):
+        ClientHandshake(b"k").receive_welcome(frame)
+    # A reject reason is raw UTF-8, never unpickled, and bounded in size.
+    long = roundtrip(encode_reject("é" * 5000))
+    assert len(long.body) <= 1024

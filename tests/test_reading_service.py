@@ -1,0 +1,399 @@
+"""RPCReadingService semantics against real worker processes on loopback.
+
+Most tests share one worker server (``worker_addresses=[server.address] * n`` sessions are
+forked processes of that server, exactly as local workers are); a few start local workers
+(``num_workers=N`` without addresses) where the local fleet itself is under test.
+Graph functions are module-level: workers import them by reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import random
+import threading
+import time
+
+import pytest
+import torch
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+from conftest import children_of, process_alive
+from rpc_reading_service import (
+    ConfigurationError,
+    RemoteWorkerError,
+    RPCReadingService,
+    WorkerStartupError,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- graph functions (module level: the workers import this module) -----------------------------
+def double(x):
+    return 2 * x
+
+
+def keep_uneven(x):  # of range(20) over 2 workers: worker 0 keeps 10, worker 1 keeps 2
+    return x % 2 == 0 or x < 5
+
+
+def keep_even(x):  # worker 1 of 2 keeps nothing
+    return x % 2 == 0
+
+
+def keep_odd(x):  # worker 0 of 2 keeps nothing
+    return x % 2 == 1
+
+
+def with_random(x):
+    return (x, random.random(), torch.rand(1).item())
+
+
+def boom_on_7(x):
+    if x == 7:
+        raise ValueError("boom 7")
+    return x
+
+
+class TwoArgError(Exception):
+    def __init__(self, code, detail):
+        super().__init__(f"code {code}: {detail}")
+
+
+def raise_two_arg(x):
+    if x == 3:
+        raise TwoArgError(3, "cannot be rebuilt with one argument")
+    return x
+
+
+def failing_init(datapipe, worker_info):
+    raise RuntimeError("init failed on purpose")
+
+
+def tag(worker_id, x):
+    return (worker_id, x)
+
+
+def tag_with_worker(datapipe, worker_info):
+    return datapipe.map(functools.partial(tag, worker_info.worker_id))
+
+
+RESETS = [0]
+
+
+def count_reset(datapipe, worker_info, seed_generator):
+    RESETS[0] += 1
+    return datapipe
+
+
+def with_reset_count(x):
+    return (RESETS[0], x)
+
+
+def big_tensor(x):
+    return {"index": x, "tensor": torch.full((256, 512), float(x))}
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def remote(server, num_workers, **kwargs):
+    """A reading service with ``num_workers`` sessions on the shared test server."""
+    return RPCReadingService(
+        num_workers=num_workers, worker_addresses=[server.address], auth_key=server.key, **kwargs
+    )
+
+
+def epochs(dp, rs, n=1, seed=None):
+    """Run ``n`` epochs of a fresh DataLoader2; return the list of items of each epoch."""
+    with DataLoader2(dp, reading_service=rs) as dl:
+        if seed is not None:
+            dl.seed(seed)
+        return [list(dl) for _ in range(n)]
+
+
+def rrs_threads():
+    return {t for t in threading.enumerate() if t.name.startswith("rrs-") and t.is_alive()}
+
+
+# -- exactly once -------------------------------------------------------------------------------
+@pytest.mark.parametrize("num_workers, n_items", [(1, 10), (2, 11), (3, 17), (4, 1), (3, 0)])
+def test_every_item_exactly_once(worker_server, num_workers, n_items):
+    dp = IterableWrapper(range(n_items)).shuffle().sharding_filter().map(double)
+    for epoch in epochs(dp, remote(worker_server, num_workers), n=2):
+        assert sorted(epoch) == [2 * x for x in range(n_items)]
+
+
+@pytest.mark.parametrize("num_workers, n_items", [(2, 20), (3, 17), (4, 1), (3, 0)])
+def test_in_order_is_strict_round_robin(worker_server, num_workers, n_items):
+    # Worker w holds the items with i % n == w, so round-robin gives back 0, 1, 2, ...
+    dp = IterableWrapper(range(n_items)).sharding_filter()
+    assert epochs(dp, remote(worker_server, num_workers)) == [list(range(n_items))]
+
+
+@pytest.mark.parametrize(
+    "keep, expected",
+    [
+        # Shard lengths (10, 2): round-robin while both run, then worker 0 alone.
+        (keep_uneven, [0, 1, 2, 3, 4, 6, 8, 10, 12, 14, 16, 18]),
+        # (10, 0) and (0, 10): an empty shard just drops out.
+        (keep_even, list(range(0, 20, 2))),
+        (keep_odd, list(range(1, 20, 2))),
+    ],
+    ids=["10-2", "10-0", "0-10"],
+)
+def test_uneven_and_empty_shards(worker_server, keep, expected):
+    dp = IterableWrapper(range(20)).sharding_filter().filter(keep)
+    ordered = epochs(dp, remote(worker_server, 2), n=2)
+    assert ordered == [expected, expected]
+    unordered = epochs(dp, remote(worker_server, 2, in_order=False))
+    assert sorted(unordered[0]) == expected
+
+
+def test_out_of_order_mode_yields_the_same_multiset(worker_server):
+    dp = IterableWrapper(range(500)).shuffle().sharding_filter().map(double)
+    for epoch in epochs(dp, remote(worker_server, 3, in_order=False), n=2):
+        assert sorted(epoch) == [2 * x for x in range(500)]
+
+
+def test_many_items_span_many_frames_with_small_prefetch(worker_server):
+    dp = IterableWrapper(range(5000)).sharding_filter()
+    (epoch,) = epochs(dp, remote(worker_server, 2, prefetch=1))
+    assert epoch == list(range(5000))
+
+
+def test_tiny_items_stream_fast(worker_server):
+    # torchdata's MultiProcessingReadingService manages ~1,300 tiny items/s here (it polls
+    # with sleeps); packing and credits must do far better even on a loaded 2-core machine.
+    n = 30_000
+    with DataLoader2(IterableWrapper(range(n)).sharding_filter(), reading_service=remote(worker_server, 2)) as dl:
+        assert sum(1 for _ in dl) == n  # warm-up epoch
+        start = time.perf_counter()
+        count = sum(1 for _ in dl)
+        rate = count / (time.perf_counter() - start)
+    assert count == n
+    assert rate > 13_000, f"only {rate:.0f} items/s"
+
+
+def test_large_tensors_arrive_intact(worker_server):
+    dp = IterableWrapper(range(6)).sharding_filter().map(big_tensor)
+    (epoch,) = epochs(dp, remote(worker_server, 2))
+    assert [item["index"] for item in epoch] == list(range(6))
+    for item in epoch:
+        assert item["tensor"].shape == (256, 512)
+        assert torch.equal(item["tensor"], torch.full((256, 512), float(item["index"])))
+
+
+# -- seeds and determinism ----------------------------------------------------------------------
+def test_same_seed_reproduces_runs_epochs_differ_seeds_differ(worker_server):
+    dp = IterableWrapper(range(30)).shuffle().sharding_filter().map(with_random)
+    run_a = epochs(dp, remote(worker_server, 2), n=2, seed=123)
+    run_b = epochs(dp, remote(worker_server, 2), n=2, seed=123)
+    run_c = epochs(dp, remote(worker_server, 2), n=2, seed=456)
+    assert run_a == run_b  # identical order and identical random draws
+    first, second = run_a
+    assert [x for x, *_ in first] != [x for x, *_ in second]  # epochs are shuffled differently
+    assert [x for x, *_ in first] != list(range(30))
+    assert [x for x, *_ in run_c[0]] != [x for x, *_ in first]
+    for epoch in (*run_a, *run_c):
+        assert sorted(x for x, *_ in epoch) == list(range(30))  # shuffle before sharding is shared
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_epochs_differ_without_a_seed(worker_server, num_workers):
+    # DataLoader2 reseeds its generator from torch's global RNG without advancing it; with
+    # nothing else drawing from torch in between, epochs must differ all the same.
+    dp = IterableWrapper(range(30)).shuffle().sharding_filter()
+    rs = remote(worker_server, num_workers) if num_workers else RPCReadingService()
+    first, second, third = epochs(dp, rs, n=3)
+    assert first != second and second != third and first != third
+    assert sorted(first) == sorted(second) == list(range(30))
+
+
+def test_randomness_after_sharding_differs_per_worker(worker_server):
+    dp = IterableWrapper(range(8)).sharding_filter().map(with_random)
+    (epoch,) = epochs(dp, remote(worker_server, 2), seed=0)
+    assert [x for x, *_ in epoch] == list(range(8))
+    worker0, worker1 = epoch[0::2], epoch[1::2]
+    # Same seeds on both workers would make these sequences equal.
+    assert [r for _, r, _ in worker0] != [r for _, r, _ in worker1]
+    assert [t for _, _, t in worker0] != [t for _, _, t in worker1]
+    assert len({r for _, r, _ in epoch}) == 8
+
+
+def test_in_process_mode_is_exactly_once_and_seeded():
+    dp = IterableWrapper(range(20)).shuffle().sharding_filter().map(double)
+    run_a = epochs(dp, RPCReadingService(num_workers=0), n=2, seed=7)
+    run_b = epochs(dp, RPCReadingService(num_workers=0), n=2, seed=7)
+    assert run_a == run_b
+    assert run_a[0] != run_a[1]
+    assert all(sorted(e) == [2 * x for x in range(20)] for e in run_a)
+
+
+# -- errors from the remote graph -----------------------------------------------------------------
+def test_remote_exception_keeps_type_message_traceback_and_worker(worker_server):
+    dp = IterableWrapper(range(20)).sharding_filter().map(boom_on_7)
+    with DataLoader2(dp, reading_service=remote(worker_server, 2)) as dl:
+        seen = []
+        with pytest.raises(ValueError) as info:
+            for x in dl:
+                seen.append(x)
+    message = str(info.value)
+    assert "boom 7" in message
+    assert "Caught ValueError in worker 1" in message  # item 7 belongs to worker 1 of 2
+    assert worker_server.address in message
+    assert "Original Traceback" in message and "boom_on_7" in message
+    assert info.value.worker_rank == 1 and info.value.worker_address == worker_server.address
+    assert seen == list(range(7))  # everything before the failing item arrived, in order
+
+
+def test_unrebuildable_exception_type_becomes_remote_worker_error(worker_server):
+    dp = IterableWrapper(range(10)).sharding_filter().map(raise_two_arg)
+    with pytest.raises(RemoteWorkerError) as info:
+        epochs(dp, remote(worker_server, 2))
+    message = str(info.value)
+    assert "TwoArgError" in message and "cannot be rebuilt with one argument" in message
+    assert "worker 1" in message and worker_server.address in message
+
+
+def test_worker_init_fn_raising_is_a_startup_error_not_a_hang(worker_server):
+    dp = IterableWrapper(range(10)).sharding_filter()
+    start = time.monotonic()
+    with pytest.raises(WorkerStartupError, match="init failed on purpose"):
+        epochs(dp, remote(worker_server, 2, worker_init_fn=failing_init))
+    assert time.monotonic() - start < 10
+
+
+def test_worker_init_fn_and_worker_reset_fn_are_applied(worker_server):
+    dp = IterableWrapper(range(6)).sharding_filter()
+    rs = remote(worker_server, 2, worker_init_fn=tag_with_worker)
+    assert epochs(dp, rs) == [[(0, 0), (1, 1), (0, 2), (1, 3), (0, 4), (1, 5)]]
+
+    dp = IterableWrapper(range(4)).sharding_filter().map(with_reset_count)
+    first, second = epochs(dp, remote(worker_server, 2, worker_reset_fn=count_reset), n=2)
+    assert first == [(1, x) for x in range(4)]  # reset ran once per worker before epoch 1
+    assert second == [(2, x) for x in range(4)]  # and again before epoch 2
+
+
+def test_lambdas_and_local_functions_travel(worker_server):
+    offset = 1000
+
+    def add_offset(x):
+        return x + offset
+
+    dp = IterableWrapper(range(6)).sharding_filter().map(add_offset).map(lambda x: -x)
+    rs = remote(worker_server, 2, worker_init_fn=lambda dp, info: dp.map(lambda x: (info.worker_id, x)))
+    assert epochs(dp, rs) == [[(x % 2, -(x + 1000)) for x in range(6)]]
+
+
+# -- epochs, pause/limit, shutdown ---------------------------------------------------------------
+@pytest.mark.parametrize("in_order", [True, False])
+def test_break_out_of_an_epoch_then_a_full_epoch(worker_server, in_order):
+    dp = IterableWrapper(range(3000)).shuffle().sharding_filter()
+    with DataLoader2(dp, reading_service=remote(worker_server, 2, prefetch=2, in_order=in_order)) as dl:
+        dl.seed(1)
+        for i, _ in enumerate(dl):
+            if i == 4:
+                break
+        assert sorted(dl) == list(range(3000))
+        for _ in dl:
+            break
+        for _ in dl:
+            break
+        assert sorted(dl) == list(range(3000))
+
+
+def test_limit_then_resume(worker_server):
+    dp = IterableWrapper(range(20)).sharding_filter()
+    with DataLoader2(dp, reading_service=remote(worker_server, 2)) as dl:
+        it = iter(dl)
+        it.limit(3)
+        assert list(it) == [0, 1, 2]
+        it.resume()
+        assert list(it) == [3, 4, 5]  # the limit persists after resume
+        it.resume()
+        it.limit(None)
+        assert list(it) == list(range(6, 20))
+        assert list(dl) == list(range(20))  # a fresh epoch after a paused one
+
+
+def test_local_workers_exactly_once_then_fast_shutdown_after_early_break():
+    threads_before = rrs_threads()
+    dp = IterableWrapper(range(2000)).shuffle().sharding_filter().map(double)
+    dl = DataLoader2(dp, reading_service=RPCReadingService(num_workers=3))
+    try:
+        dl.seed(3)
+        first, second = list(dl), list(dl)
+        assert sorted(first) == sorted(second) == [2 * x for x in range(2000)]
+        assert first != second
+        it = iter(dl)
+        next(it)  # then abandon the epoch mid-way
+        rs = dl.reading_service  # DataLoader2 works on a clone of the service passed in
+        server_pid = rs._local_server.pid
+        sessions = children_of(server_pid)
+        assert len(sessions) == 3  # one forked session process per worker
+        assert rrs_threads() - threads_before
+    finally:
+        start = time.monotonic()
+        dl.shutdown()
+        elapsed = time.monotonic() - start
+    assert elapsed < 5.0
+    for pid in (server_pid, *sessions):
+        deadline = time.monotonic() + 2.0
+        while process_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not process_alive(pid), f"process {pid} outlived shutdown()"
+    assert not (rrs_threads() - threads_before), "threads outlived shutdown()"
+    dl.shutdown()  # idempotent
+
+
+# -- the ReadingServiceInterface contract ---------------------------------------------------------
+def test_service_is_cloned_by_pickling_and_finalize_is_idempotent():
+    children_before, threads_before = set(children_of(os.getpid())), rrs_threads()
+    rs = RPCReadingService(num_workers=2, worker_init_fn=lambda dp, info: dp, prefetch=3)
+    # __init__ opens nothing: no process, no thread (DataLoader2 clones it before use).
+    assert set(children_of(os.getpid())) == children_before and rrs_threads() == threads_before
+    clone = pickle.loads(pickle.dumps(rs))
+    assert clone.num_workers == 2 and clone._config["prefetch"] == 3
+    assert callable(clone._config["worker_init_fn"])
+    rs.finalize()  # never initialised
+    rs.finalize()
+    assert rs._local_server is None
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_workers": -1}, "num_workers"),
+        ({"num_workers": 1, "worker_addresses": []}, "empty"),
+        ({"num_workers": 1, "worker_addresses": ["nohost"]}, "no port"),
+        ({"num_workers": 1, "prefetch": 0}, "prefetch"),
+        ({"num_workers": 1, "transport": "pigeon"}, "unknown transport"),
+        ({"num_workers": 1, "timeout": 0.5, "heartbeat_interval": 1.0}, "timeout"),
+    ],
+)
+def test_configuration_errors(kwargs, match):
+    with pytest.raises(ConfigurationError, match=match):
+        RPCReadingService(**kwargs)
+
+
+def test_addresses_without_num_workers_mean_one_session_each(worker_server):
+    rs = RPCReadingService(worker_addresses=[worker_server.address] * 3, auth_key=worker_server.key)
+    assert rs.num_workers == 3
+    dp = IterableWrapper(range(9)).sharding_filter().map(functools.partial(tag, None))
+    assert epochs(dp, rs) == [[(None, x) for x in range(9)]]
+
+
+def test_session_processes_end_with_their_dataloader(worker_server):
+    before = set(worker_server.session_pids())
+    dl = DataLoader2(IterableWrapper(range(4)).sharding_filter(), reading_service=remote(worker_server, 2))
+    assert sorted(dl) == [0, 1, 2, 3]
+    sessions = set(worker_server.session_pids()) - before
+    assert len(sessions) == 2
+    dl.shutdown()
+    deadline = time.monotonic() + 5
+    while set(worker_server.session_pids()) & sessions and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(worker_server.session_pids()) & sessions
+    assert os.getpid() not in sessions

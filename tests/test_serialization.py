@@ -1,0 +1,229 @@
+"""Items, graphs and exceptions to bytes and back (pure functions, no I/O)."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from rpc_reading_service.errors import RemoteWorkerError
+from rpc_reading_service.protocol import EncodedItem, FrameReader, MessageKind, decode_data, encode_data, encode_frame
+from rpc_reading_service.serialization import (
+    OUT_OF_BAND_MIN_BYTES,
+    dumps_graph,
+    dumps_item,
+    loads_graph,
+    loads_item,
+    pack_exception,
+    rebuild_exception,
+)
+
+
+def over_the_wire(item: EncodedItem) -> EncodedItem:
+    """Send one item through a real DATA frame as bytes, as the transport would."""
+    body, buffers = encode_data(1, 0, [item])
+    reader = FrameReader()
+    reader.feed(b"".join(bytes(c) for c in encode_frame(MessageKind.DATA, body, buffers)))
+    _, _, items = decode_data(reader.next_frame())
+    return items[0]
+
+
+def roundtrip(obj):
+    return loads_item(over_the_wire(dumps_item(obj)))
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.arange(10, dtype=torch.int64),
+        torch.randn(3, 4, dtype=torch.float32),
+        torch.randn(2, 3, 5, dtype=torch.float64),
+        torch.randn(4, 4).to(torch.float16),
+        torch.randn(4, 4).to(torch.bfloat16),
+        torch.tensor([True, False, True]),
+        torch.randint(0, 255, (7, 3), dtype=torch.uint8),
+        torch.randint(-100, 100, (5,), dtype=torch.int8),
+        torch.randn(3, dtype=torch.complex64),
+        torch.tensor(3.5),  # 0-d
+        torch.empty(0, 3),  # empty
+        torch.randn(200, 300),  # large: out of band
+    ],
+    ids=lambda t: f"{t.dtype}-{tuple(t.shape)}",
+)
+def test_tensor_round_trip(tensor):
+    out = roundtrip(tensor)
+    assert isinstance(out, torch.Tensor)
+    assert out.dtype == tensor.dtype and out.shape == tensor.shape
+    assert torch.equal(out, tensor)
+
+
+def test_non_contiguous_and_views_round_trip():
+    base = torch.arange(600, dtype=torch.float32).reshape(20, 30)
+    for t in (base.t(), base[::2, 1::3], base[5], base.expand(2, 20, 30)[1], torch.randn(300, 300)[:, 7]):
+        out = roundtrip(t)
+        assert torch.equal(out, t) and out.shape == t.shape
+
+
+def test_conj_and_neg_views_resolved():
+    c = torch.randn(4, dtype=torch.complex64)
+    assert torch.equal(roundtrip(c.conj()), c.conj().resolve_conj())
+
+
+def test_numpy_arrays_round_trip():
+    arrays = [
+        np.arange(12, dtype=np.int32).reshape(3, 4),
+        np.random.rand(5, 2),
+        np.random.rand(300, 300).astype(np.float32),  # large: out of band
+        np.asfortranarray(np.random.rand(4, 6)),
+        np.array(["a", "bc"]),
+    ]
+    for array in arrays:
+        out = roundtrip(array)
+        assert out.dtype == array.dtype and out.shape == array.shape
+        np.testing.assert_array_equal(out, array)
+
+
+def test_nested_structures_round_trip():
+    obj = {
+        "image": torch.randn(3, 64, 64),
+        "label": 7,
+        "meta": ("name", [1.5, None, {"x": np.arange(4)}]),
+        "tensors": [torch.zeros(2), torch.ones(300, 300, dtype=torch.int16)],
+        b"bytes": bytearray(b"abc"),
+    }
+    out = roundtrip(obj)
+    assert out.keys() == obj.keys()
+    assert torch.equal(out["image"], obj["image"])
+    assert out["label"] == 7
+    assert out["meta"][0] == "name" and out["meta"][1][:2] == [1.5, None]
+    np.testing.assert_array_equal(out["meta"][1][2]["x"], np.arange(4))
+    assert all(torch.equal(a, b) for a, b in zip(out["tensors"], obj["tensors"]))
+    assert out[b"bytes"] == bytearray(b"abc")
+
+
+def test_small_tensors_stay_in_band():
+    encoded = dumps_item([torch.zeros(10), np.zeros(10)])
+    assert encoded.buffers == []
+
+
+def test_large_tensor_goes_out_of_band_and_is_rebuilt_on_received_memory():
+    tensor = torch.randn(256, 256)  # 256 KiB
+    assert tensor.numel() * tensor.element_size() >= OUT_OF_BAND_MIN_BYTES
+    encoded = dumps_item(tensor)
+    assert len(encoded.buffers) == 1
+    assert memoryview(encoded.buffers[0]).nbytes == tensor.numel() * 4
+    # The pickle stream itself stays small: the storage was not copied into it.
+    assert len(encoded.payload) < 1024
+
+    received = over_the_wire(encoded)
+    out = loads_item(received)
+    assert torch.equal(out, tensor)
+    # The tensor shares the memory the buffer was received into (no copy on receipt).
+    buffer = received.buffers[0]
+    assert isinstance(buffer, bytearray)
+    buffer_address = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+    assert out.data_ptr() == buffer_address
+    buffer[:4] = b"\x00\x00\x00\x00"
+    assert out.view(-1)[0].item() == 0.0
+
+
+def test_large_numpy_array_goes_out_of_band():
+    array = np.random.rand(200, 200)
+    encoded = dumps_item(array)
+    assert len(encoded.buffers) == 1 and memoryview(encoded.buffers[0]).nbytes == array.nbytes
+    np.testing.assert_array_equal(loads_item(over_the_wire(encoded)), array)
+
+
+def test_sender_buffers_alias_the_tensor_memory():
+    tensor = torch.randn(128, 1024)
+    encoded = dumps_item(tensor)
+    view = memoryview(encoded.buffers[0])
+    assert np.frombuffer(view, dtype=np.uint8).ctypes.data == tensor.data_ptr()
+
+
+def test_requires_grad_tensor_uses_torch_reduction():
+    t = torch.randn(3, requires_grad=True)
+    out = roundtrip(t)
+    assert out.requires_grad and torch.equal(out.detach(), t.detach())
+
+
+# -- graphs -------------------------------------------------------------------------------------
+def test_graph_with_lambda_and_local_function_round_trips():
+    from torchdata.datapipes.iter import IterableWrapper
+
+    offset = 100
+
+    def add(x):
+        return x + offset
+
+    dp = IterableWrapper(range(5)).map(add).map(lambda x: x * 2)
+    rebuilt = loads_graph(dumps_graph(dp))
+    assert list(rebuilt) == [(x + 100) * 2 for x in range(5)]
+
+
+# -- exceptions ---------------------------------------------------------------------------------
+class TwoArgError(Exception):
+    def __init__(self, code, detail):
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+
+
+def raise_and_pack(exc):
+    try:
+        raise exc
+    except BaseException as caught:  # noqa: BLE001
+        return pack_exception(caught)
+
+
+def test_pack_exception_fields():
+    info = raise_and_pack(ValueError("boom 7"))
+    assert info["type_name"] == "ValueError"
+    assert info["type_module"] == "builtins"
+    assert info["message"] == "boom 7"
+    assert "raise exc" in info["traceback"] and "ValueError: boom 7" in info["traceback"]
+    assert pickle.loads(info["pickled"]).args == ("boom 7",)
+
+
+def test_rebuild_keeps_type_and_names_worker():
+    info = raise_and_pack(ValueError("boom 7"))
+    exc = rebuild_exception(info, 1, "127.0.0.1:5555")
+    assert type(exc) is ValueError
+    text = str(exc)
+    assert text.startswith("Caught ValueError in worker 1 (127.0.0.1:5555).")
+    assert "Original Traceback" in text and "boom 7" in text
+    assert exc.worker_rank == 1 and exc.worker_address == "127.0.0.1:5555"
+    assert "ValueError: boom 7" in exc.remote_traceback
+
+
+def test_rebuild_key_error_reads_well():
+    exc = rebuild_exception(raise_and_pack(KeyError("missing")), 0, "h:1")
+    assert isinstance(exc, KeyError)
+    assert str(exc).startswith("Caught KeyError in worker 0 (h:1)")
+
+
+def test_unrebuildable_exception_becomes_remote_worker_error():
+    exc = rebuild_exception(raise_and_pack(TwoArgError(3, "bad")), 2, "h:2")
+    assert isinstance(exc, RemoteWorkerError)
+    assert "TwoArgError" in str(exc) and "3: bad" in str(exc) and "worker 2 (h:2)" in str(exc)
+
+
+def test_unpicklable_exception_becomes_remote_worker_error():
+    class Local(Exception):
+        pass
+
+    exc = Local("x")
+    exc.lock = threading.Lock()  # a lock cannot be pickled, not even by cloudpickle
+    info = raise_and_pack(exc)
+    assert info["pickled"] is None
+    rebuilt = rebuild_exception(info, 0, None)
+    assert isinstance(rebuilt, RemoteWorkerError)
+    assert "Local in worker 0" in str(rebuilt) and "Local: x" in str(rebuilt)
+
+
+def test_exception_of_unknown_type_becomes_remote_worker_error():
+    info = raise_and_pack(ValueError("x"))
+    info["pickled"] = b"\x80\x05\x95\x1d\x00\x00\x00\x00\x00\x00\x00\x8c\x0cno_such_mod\x94\x8c\x03Err\x94\x93\x94."
+    assert isinstance(rebuild_exception(info, 0, "a:1"), RemoteWorkerError)

@@ -1,0 +1,323 @@
+"""The worker server as a real subprocess: CLI, authentication, hostile peers, many
+sessions, and sessions or servers that die mid-epoch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+from conftest import AUTH_KEY_ENV, VENV_BIN, process_alive, start_server
+from rpc_reading_service import AuthenticationError, ConfigurationError, RPCReadingService, WorkerLostError
+from rpc_reading_service.addresses import parse_address
+from rpc_reading_service.protocol import (
+    HANDSHAKE_KINDS,
+    ClientHandshake,
+    FrameReader,
+    MessageKind,
+    encode_control,
+    encode_frame,
+)
+from rpc_reading_service.serialization import dumps_graph
+from rpc_reading_service.transports.socket_transport import SocketTransport
+from rpc_reading_service.worker import WorkerServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def with_pid(x):
+    return (os.getpid(), x)
+
+
+def exit_on_5(x):
+    if x == 5:
+        os._exit(3)  # the graph kills its own session process
+    return x
+
+
+def remote(server, num_workers=2, **kwargs):
+    return RPCReadingService(num_workers=num_workers, worker_addresses=[server.address], auth_key=server.key, **kwargs)
+
+
+def run_epoch(server, n=20, **kwargs):
+    with DataLoader2(IterableWrapper(range(n)).sharding_filter(), reading_service=remote(server, **kwargs)) as dl:
+        return list(dl)
+
+
+@pytest.fixture(scope="module")
+def worker_server(tmp_path_factory):
+    """This module's shared server is the plain ``python -m rpc_reading_service.worker``."""
+    server = start_server(
+        tmp_path_factory.mktemp("server"), command=[sys.executable, "-m", "rpc_reading_service.worker"]
+    )
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def cli_server(tmp_path_factory):
+    """A server started with the ``rpc-reading-worker`` console script and ``--auth-key-file``,
+    with a short handshake timeout so that half-open peers are dropped quickly."""
+    tmp = tmp_path_factory.mktemp("cli")
+    key_file = tmp / "key.txt"
+    key_file.write_text("  file-key-0123456789\n")
+    server = start_server(
+        tmp,
+        key="env-key-must-not-be-used",
+        command=[str(VENV_BIN / "rpc-reading-worker")],
+        args=["--auth-key-file", str(key_file), "--handshake-timeout", "1"],
+    )
+    server.key = "file-key-0123456789"
+    yield server
+    server.stop()
+
+
+# -- the command line -------------------------------------------------------------------------
+def test_console_script_serves_with_key_file(cli_server):
+    host, port = parse_address(cli_server.address)
+    assert host == "127.0.0.1" and port > 0
+    assert run_epoch(cli_server) == list(range(20))
+
+
+def test_python_dash_m_prints_listening_line(worker_server):
+    # This module's shared server is `python -m rpc_reading_service.worker --port 0`.
+    assert worker_server.proc.args[1:3] == ["-m", "rpc_reading_service.worker"]
+    host, port = parse_address(worker_server.address)
+    assert host == "127.0.0.1" and port > 0
+    assert run_epoch(worker_server, n=5) == list(range(5))
+
+
+def test_refuses_public_address_without_key(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != AUTH_KEY_ENV}
+    result = subprocess.run(
+        [sys.executable, "-m", "rpc_reading_service.worker", "--host", "0.0.0.0", "--port", "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2
+    assert "refusing to listen on 0.0.0.0 without an auth key" in result.stderr
+    assert "--auth-key-file" in result.stderr
+    assert "listening on" not in result.stdout
+
+
+def test_without_key_only_loopback_is_allowed():
+    for host in ("0.0.0.0", "10.1.2.3", "::"):
+        with pytest.raises(ConfigurationError, match="without an auth key"):
+            WorkerServer(host=host, port=0, auth_key=b"")
+    server = WorkerServer(host="127.0.0.1", port=0, auth_key=b"")
+    try:
+        assert server.address.startswith("127.0.0.1:")
+    finally:
+        server._listener.close()
+
+
+# -- authentication ---------------------------------------------------------------------------
+@pytest.mark.parametrize("key", ["wrong-key", None])
+def test_wrong_or_missing_key_fails_fast(worker_server, key):
+    rs = RPCReadingService(num_workers=1, worker_addresses=[worker_server.address], auth_key=key)
+    start = time.monotonic()
+    with pytest.raises(AuthenticationError, match="auth key"):
+        with DataLoader2(IterableWrapper(range(3)), reading_service=rs) as dl:
+            list(dl)
+    assert time.monotonic() - start < 5
+
+
+# -- hostile and broken peers ------------------------------------------------------------------
+def raw_connect(server) -> socket.socket:
+    host, port = parse_address(server.address)
+    return socket.create_connection((host, port), timeout=5)
+
+
+def read_until_closed(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    sock.settimeout(timeout)
+    data = b""
+    while True:
+        try:
+            chunk = sock.recv(4096)
+        except ConnectionResetError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+def reject_reason(data: bytes) -> str:
+    reader = FrameReader(allowed_kinds=HANDSHAKE_KINDS)
+    reader.feed(data)
+    frame = reader.next_frame()
+    assert frame is not None and frame.kind == MessageKind.REJECT, data
+    return bytes(frame.body).decode()
+
+
+def test_garbage_bytes_are_refused_and_server_serves_on(cli_server):
+    with raw_connect(cli_server) as sock:
+        sock.sendall(os.urandom(64))
+        reply = read_until_closed(sock)
+    assert "not an rpc_reading_service frame" in reject_reason(reply)
+    assert run_epoch(cli_server) == list(range(20))
+
+
+def test_http_request_is_refused_and_server_serves_on(cli_server):
+    with raw_connect(cli_server) as sock:
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        reply = read_until_closed(sock)
+    reason = reject_reason(reply)
+    assert "magic b'GET '" in reason
+    assert run_epoch(cli_server) == list(range(20))
+
+
+def test_oversized_or_unauthenticated_frames_are_refused_unread(cli_server):
+    with raw_connect(cli_server) as sock:  # a HELLO announcing 1 GiB
+        header = b"".join(bytes(c) for c in encode_frame(MessageKind.HELLO))
+        sock.sendall(header[:8] + (1 << 30).to_bytes(8, "big"))
+        assert "refused before reading it" in reject_reason(read_until_closed(sock))
+    with raw_connect(cli_server) as sock:  # a SETUP with a pickled graph before authenticating
+        sock.sendall(b"".join(bytes(c) for c in encode_control(MessageKind.SETUP, {"graph": b"x"})))
+        assert "not allowed" in reject_reason(read_until_closed(sock))
+    assert run_epoch(cli_server) == list(range(20))
+
+
+def test_half_handshakes_neither_block_others_nor_linger(cli_server):
+    silent = raw_connect(cli_server)  # connects and says nothing
+    half = raw_connect(cli_server)  # says HELLO, never proves the key
+    try:
+        half.sendall(b"".join(bytes(c) for c in ClientHandshake(b"whatever").hello()))
+        half.settimeout(5)
+        challenge = half.recv(4096)
+        assert challenge  # the server answered with its CHALLENGE
+        # Meanwhile a real trainer is served without waiting for them.
+        start = time.monotonic()
+        assert run_epoch(cli_server) == list(range(20))
+        assert time.monotonic() - start < 5
+        # The server drops both after its --handshake-timeout (1 s).
+        start = time.monotonic()
+        assert read_until_closed(silent, timeout=5) == b""
+        assert read_until_closed(half, timeout=5) == b""
+        assert time.monotonic() - start < 4
+    finally:
+        silent.close()
+        half.close()
+    assert "no handshake within" in cli_server.stderr()
+    assert run_epoch(cli_server) == list(range(20))
+
+
+def test_trainer_vanishing_mid_epoch_ends_only_its_session(worker_server):
+    before = set(worker_server.session_pids())
+    graph = dumps_graph((IterableWrapper(range(10**6)).sharding_filter(), None, None))
+    conn = SocketTransport().connect(worker_server.address, worker_server.key.encode(), 10)
+    conn.send(encode_control(MessageKind.SETUP, {"graph": graph, "worker_rank": 0, "num_workers": 1, "options": {}}))
+    ready = conn.recv(timeout=10)
+    assert ready.kind == MessageKind.READY
+    conn.send(encode_control(MessageKind.START_EPOCH, {"epoch": 1, "seed": 0, "global_worker_id": 0, "credits": 2}))
+    first = conn.recv(timeout=10)
+    assert first.kind == MessageKind.DATA
+    session = set(worker_server.session_pids()) - before
+    assert len(session) == 1
+    # The trainer disappears without a word (a reset, as when its process is killed).
+    conn._sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    conn.close()
+    deadline = time.monotonic() + 10
+    while any(process_alive(pid) for pid in session) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(process_alive(pid) for pid in session)
+    assert worker_server.proc.poll() is None
+    assert run_epoch(worker_server) == list(range(20))
+
+
+# -- many trainers ------------------------------------------------------------------------------
+def test_two_dataloaders_on_the_same_server_at_the_same_time(worker_server):
+    dp_a = IterableWrapper(range(0, 300)).shuffle().sharding_filter()
+    dp_b = IterableWrapper(range(1000, 1200)).sharding_filter()
+    dl_a = DataLoader2(dp_a, reading_service=remote(worker_server, 2))
+    dl_b = DataLoader2(dp_b, reading_service=remote(worker_server, 3))
+    try:
+        for _ in range(2):
+            # Interleaved: both sets of sessions stream at once.
+            pairs = list(itertools.zip_longest(iter(dl_a), iter(dl_b), fillvalue=None))
+            a = [x for x, _ in pairs if x is not None]
+            b = [y for _, y in pairs if y is not None]
+            assert sorted(a) == list(range(300))
+            assert b == list(range(1000, 1200))
+    finally:
+        dl_a.shutdown()
+        dl_b.shutdown()
+
+
+# -- lost workers -------------------------------------------------------------------------------
+def wait_for_loss(it, start_deadline=10.0):
+    """Iterate until WorkerLostError; return it and the seconds it took."""
+    start = time.monotonic()
+    with pytest.raises(WorkerLostError) as info:
+        for _ in it:
+            assert time.monotonic() - start < start_deadline, "no WorkerLostError: the loader kept going"
+    return info.value, time.monotonic() - start
+
+
+def test_session_process_killed_mid_epoch(worker_server):
+    dp = IterableWrapper(range(10**6)).sharding_filter().map(with_pid)
+    with DataLoader2(dp, reading_service=remote(worker_server, 2)) as dl:
+        it = iter(dl)
+        (pid0, x0), (pid1, x1) = next(it), next(it)
+        assert (x0, x1) == (0, 1) and pid0 != pid1
+        os.kill(pid1, signal.SIGKILL)
+        error, seconds = wait_for_loss(it)
+    assert seconds < 5
+    assert error.rank == 1 and error.address == worker_server.address
+    assert "worker 1" in str(error) and worker_server.address in str(error)
+    assert worker_server.proc.poll() is None  # the server survives its session
+    assert run_epoch(worker_server) == list(range(20))
+
+
+def test_graph_exiting_its_process_is_a_lost_worker(worker_server):
+    dp = IterableWrapper(range(20)).sharding_filter().map(exit_on_5)
+    start = time.monotonic()
+    with pytest.raises(WorkerLostError) as info:
+        run = DataLoader2(dp, reading_service=remote(worker_server, 2))
+        try:
+            list(run)
+        finally:
+            run.shutdown()
+    assert time.monotonic() - start < 5
+    assert info.value.rank == 1  # item 5 belongs to worker 1 of 2
+    assert run_epoch(worker_server) == list(range(20))
+
+
+def test_server_killed_mid_epoch(fresh_server):
+    server = fresh_server()
+    dp = IterableWrapper(range(10**6)).sharding_filter()
+    with DataLoader2(dp, reading_service=remote(server, 2)) as dl:
+        it = iter(dl)
+        assert [next(it) for _ in range(4)] == [0, 1, 2, 3]
+        os.killpg(server.pid, signal.SIGKILL)  # the host goes away: server and sessions
+        error, seconds = wait_for_loss(it)
+    assert seconds < 5
+    assert error.address == server.address and server.address in str(error)
+    assert error.rank in (0, 1) and f"worker {error.rank}" in str(error)
+
+
+def test_hung_worker_is_detected_by_heartbeat_timeout(worker_server):
+    dp = IterableWrapper(range(10**6)).sharding_filter().map(with_pid)
+    rs = remote(worker_server, 2, timeout=2.0, heartbeat_interval=0.5)
+    with DataLoader2(dp, reading_service=rs) as dl:
+        it = iter(dl)
+        pid0, _ = next(it)
+        os.kill(pid0, signal.SIGSTOP)  # alive but silent: no data, no heartbeats
+        try:
+            error, seconds = wait_for_loss(it)
+        finally:
+            os.kill(pid0, signal.SIGKILL)
+    assert 1.0 < seconds < 6  # by the 2 s heartbeat timeout, not at once, not never
+    assert error.rank == 0 and "worker 0" in str(error)
+    assert "2.0 s" in str(error)

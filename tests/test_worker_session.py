@@ -1,0 +1,110 @@
+"""The worker session's Outbox: packing, linger, credits (backpressure) and cancellation.
+
+Real threads, no sockets: the Outbox is the hand-off between a producer and the sender.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rpc_reading_service.protocol import EncodedItem, FrameReader, MessageKind, decode_data, encode_end_of_shard
+from rpc_reading_service.worker_session import Outbox, SessionOptions, _Cancelled
+
+pytestmark = pytest.mark.timeout(20)
+
+
+def frame_of(chunks):
+    reader = FrameReader()
+    reader.feed(b"".join(bytes(c) for c in chunks))
+    return reader.next_frame()
+
+
+def item(i):
+    return EncodedItem(str(i).encode())
+
+
+def data_items(chunks):
+    frame = frame_of(chunks)
+    assert frame.kind == MessageKind.DATA
+    epoch, sequence, items = decode_data(frame)
+    return epoch, sequence, [int(bytes(i.payload)) for i in items]
+
+
+def test_items_are_packed_into_frames_and_numbered():
+    outbox = Outbox(SessionOptions(batch_max_items=3, linger=0.001))
+    outbox.start_epoch(1, credits=10)
+    frames = []
+    sender = threading.Thread(target=lambda: frames.extend(outbox.take(1.0) for _ in range(4)), daemon=True)
+    sender.start()
+    for i in range(7):
+        outbox.put(1, item(i))
+    outbox.finish(1, encode_end_of_shard(1, 7))
+    sender.join(5.0)
+    assert [data_items(f) for f in frames[:3]] == [(1, 0, [0, 1, 2]), (1, 1, [3, 4, 5]), (1, 2, [6])]
+    assert frame_of(frames[3]).kind == MessageKind.END_OF_SHARD
+    assert outbox.take(0.05) is None
+
+
+def test_partial_batch_leaves_after_linger():
+    outbox = Outbox(SessionOptions(batch_max_items=100, linger=0.05))
+    outbox.start_epoch(1, credits=1)
+    outbox.put(1, item(5))
+    start = time.monotonic()
+    assert outbox.take(0.01) is None  # still lingering for more items
+    frame = outbox.take(1.0)
+    assert data_items(frame)[2] == [5]
+    assert time.monotonic() - start >= 0.04
+
+
+def test_credits_bound_the_frames_in_flight():
+    outbox = Outbox(SessionOptions(batch_max_items=2, linger=0.0))
+    outbox.start_epoch(1, credits=1)
+    produced = []
+
+    def produce():
+        try:
+            for i in range(100):
+                outbox.put(1, item(i))
+                produced.append(i)
+        except _Cancelled:
+            pass
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    assert data_items(outbox.take(1.0))[2] == [0, 1]  # the one credit
+    time.sleep(0.2)
+    assert outbox.take(0.05) is None  # no credit, no frame
+    # Bounded: one sealed batch waiting plus one open batch, no more.
+    assert len(produced) <= 6 and producer.is_alive()
+    outbox.grant(1, 1)
+    assert data_items(outbox.take(1.0))[2] == [2, 3]
+    outbox.grant(99, 5)  # a stale epoch's grant is ignored
+    assert outbox.take(0.05) is None
+    outbox.stop_epoch(1)  # cancels the blocked producer
+    producer.join(2.0)
+    assert not producer.is_alive()
+
+
+def test_new_epoch_drops_old_items_and_cancels_old_producer():
+    outbox = Outbox(SessionOptions(batch_max_items=1, linger=0.0))
+    outbox.start_epoch(1, credits=0)
+    outbox.put(1, item(1))
+    outbox.start_epoch(2, credits=1)
+    with pytest.raises(_Cancelled):
+        outbox.put(1, item(2))
+    outbox.put(2, item(3))
+    assert data_items(outbox.take(1.0)) == (2, 0, [3])
+
+
+def test_close_wakes_the_sender():
+    outbox = Outbox(SessionOptions())
+    result = []
+    sender = threading.Thread(target=lambda: result.append(outbox.take(30.0)), daemon=True)
+    sender.start()
+    time.sleep(0.05)
+    outbox.close()
+    sender.join(2.0)
+    assert not sender.is_alive() and result == [None]
