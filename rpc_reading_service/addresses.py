@@ -17,41 +17,43 @@ def unix_socket_path(address: str) -> str:
     return address[len(UNIX_PREFIX) :] if address.startswith(UNIX_PREFIX) else ""
 
 
-def parse_address(address: str) -> Tuple[str, int]:
+def parse_address(address: str, what: str = "worker address") -> Tuple[str, int]:
     """Split ``"host:port"`` or ``"[v6addr]:port"`` into ``(host, port)``.
+
+    ``what`` names the address in error messages (``"worker address"``, ``"store address"``).
 
     A same-host ``"unix:/path"`` address comes back whole as the host, with port 0.
     """
     if not isinstance(address, str) or not address.strip():
-        raise ConfigurationError(f"worker address {address!r} is empty: write it as HOST:PORT, e.g. cpu-node-1:29600")
+        raise ConfigurationError(f"{what} {address!r} is empty: write it as HOST:PORT, e.g. cpu-node-1:29600")
     text = address.strip()
     if text.startswith(UNIX_PREFIX):
         if not unix_socket_path(text):
-            raise ConfigurationError(f"worker address {address!r} names no socket path: write unix:/path/to/socket")
+            raise ConfigurationError(f"{what} {address!r} names no socket path: write unix:/path/to/socket")
         return text, 0
     if text.startswith("["):
         host, sep, rest = text[1:].partition("]")
         port_text = rest[1:] if rest.startswith(":") else ""
         if not sep:
-            raise ConfigurationError(f"worker address {address!r} has an unclosed '[': write IPv6 as [::1]:29600")
+            raise ConfigurationError(f"{what} {address!r} has an unclosed '[': write IPv6 as [::1]:29600")
     else:
         host, sep, port_text = text.rpartition(":")
         if not sep:
             raise ConfigurationError(
-                f"worker address {address!r} has no port: write it as HOST:PORT, e.g. {text}:29600"
+                f"{what} {address!r} has no port: write it as HOST:PORT, e.g. {text}:29600"
             )
         if ":" in host:
-            raise ConfigurationError(f"IPv6 worker address {address!r} needs brackets: [{host}]:{port_text}")
+            raise ConfigurationError(f"IPv6 {what} {address!r} needs brackets: [{host}]:{port_text}")
     try:
         port = int(port_text)
     except ValueError:
         raise ConfigurationError(
-            f"worker address {address!r} has port {port_text!r}, which is not a number: write HOST:PORT"
+            f"{what} {address!r} has port {port_text!r}, which is not a number: write HOST:PORT"
         ) from None
     if not 0 <= port <= 65535:
-        raise ConfigurationError(f"worker address {address!r} has port {port}, outside 0-65535")
+        raise ConfigurationError(f"{what} {address!r} has port {port}, outside 0-65535")
     if not host:
-        raise ConfigurationError(f"worker address {address!r} has no host: write HOST:PORT")
+        raise ConfigurationError(f"{what} {address!r} has no host: write HOST:PORT")
     return host, port
 
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, List
+from typing import Any, Dict, List, Optional
 
 from torchdata.dataloader2.graph import DataPipe, list_dps, traverse_dps
 
 from .errors import ConfigurationError
 
-__all__ = ["CHECKPOINT_VERSION", "ReadingServiceState", "graph_fingerprint"]
+__all__ = ["CHECKPOINT_VERSION", "ReadingServiceState", "graph_fingerprint", "seed_generator_state", "load_seed_generator_state"]
 
 CHECKPOINT_VERSION = 1
 
@@ -24,6 +24,29 @@ CHECKPOINT_VERSION = 1
 def graph_fingerprint(datapipe: DataPipe) -> List[str]:
     """The DataPipe classes of a graph, in traversal order: a cheap, process-independent identity."""
     return [f"{type(dp).__module__}.{type(dp).__qualname__}" for dp in list_dps(traverse_dps(datapipe))]
+
+
+_RNGS = ("_shared_rng", "_worker_rng")
+_ENGINE_FIELDS = ("_seed", "_ctr", "_generated_seeds", "_spawn_seed")
+
+
+def seed_generator_state(generator: Any) -> Optional[Dict[str, Dict[str, Any]]]:
+    """The exact state of a torchdata ``SeedGenerator``, as JSON-able ints (None if unknown)."""
+    try:
+        return {rng: {f: getattr(getattr(generator, rng), f) for f in _ENGINE_FIELDS} for rng in _RNGS}
+    except AttributeError:
+        return None
+
+
+def load_seed_generator_state(generator: Any, state: Dict[str, Dict[str, Any]]) -> None:
+    """Put a state from :func:`seed_generator_state` back into ``generator``, in place."""
+    for rng in _RNGS:
+        engine, values = getattr(generator, rng), state[rng]
+        engine._seed = tuple(int(v) for v in values["_seed"])
+        engine._ctr = [int(v) for v in values["_ctr"]]
+        generated = values["_generated_seeds"]
+        engine._generated_seeds = None if generated is None else [int(v) for v in generated]
+        engine._spawn_seed = tuple(int(v) for v in values["_spawn_seed"])
 
 
 @dataclass
@@ -38,6 +61,12 @@ class ReadingServiceState:
     next_rank: int = 0
     in_epoch: bool = False
     version: int = CHECKPOINT_VERSION
+    #: DataLoader2's seed generator at the checkpoint: resuming puts it back, because reading
+    #: services before ours (DistributedReadingService) draw from it again when the epoch resumes.
+    seed_generator: Optional[Dict[str, Dict[str, Any]]] = None
+    #: This trainer's place in a torch.distributed job: each rank resumes its own shards.
+    dist_rank: int = 0
+    dist_world_size: int = 1
 
     def to_bytes(self) -> bytes:
         """Serialise as JSON (readable, and nothing to unpickle)."""
@@ -60,8 +89,13 @@ class ReadingServiceState:
         except TypeError as exc:
             raise ConfigurationError(f"malformed RPCReadingService checkpoint: {exc}") from exc
 
-    def check_compatible(self, num_workers: int, graph: List[str]) -> None:
-        """Refuse to resume with another number of workers or another graph."""
+    def check_compatible(self, num_workers: int, graph: List[str], dist_rank: int = 0, dist_world_size: int = 1) -> None:
+        """Refuse to resume with another number of workers, another graph, or another trainer rank."""
+        if (dist_rank, dist_world_size) != (self.dist_rank, self.dist_world_size):
+            raise ConfigurationError(
+                f"checkpoint was taken by trainer rank {self.dist_rank} of {self.dist_world_size}, this is rank "
+                f"{dist_rank} of {dist_world_size}: each rank must resume from its own state, with the same world size"
+            )
         if num_workers != self.num_workers:
             raise ConfigurationError(
                 f"checkpoint was taken with num_workers={self.num_workers}, this reading service has "

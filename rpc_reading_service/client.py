@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .errors import ProtocolError, WorkerLostError, WorkerStartupError, describe_worker
 from .protocol import (
@@ -238,6 +238,40 @@ class EpochProgress:
     started: float = field(default_factory=time.perf_counter)
     ended: Optional[float] = None
     wait_seconds: float = 0.0
+    #: Items handed on, and the worker rank of the latest ones: trainer-side DataPipes after
+    #: the stream (fullsync prefetches one item) may hold some that a checkpoint gives back.
+    yielded: int = 0
+    recent: Deque[int] = field(default_factory=lambda: collections.deque(maxlen=1024), repr=False)
+    #: Items the training loop received (counted at the end of the trainer's graph), when the
+    #: graph has trainer-side DataPipes; and whether that graph ended the epoch.
+    delivered: Optional[int] = None
+    delivered_all: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, rank: int, next_rank: Optional[int] = None) -> None:
+        """Record one item of worker ``rank`` handed on (consistently with :meth:`positions`)."""
+        with self.lock:
+            self.consumed[rank] += 1
+            if next_rank is not None:
+                self.next_rank = next_rank
+            self.yielded += 1
+            self.recent.append(rank)
+
+    def positions(self) -> Tuple[List[int], int]:
+        """``(consumed, next_rank)`` as of the last item the training loop received."""
+        with self.lock:
+            consumed, next_rank, recent = list(self.consumed), self.next_rank, list(self.recent)
+            undelivered = 0 if self.delivered is None else self.yielded - self.delivered
+        if not 0 <= undelivered <= len(recent):
+            raise RuntimeError(
+                f"cannot checkpoint: the trainer-side DataPipes after the workers' part took {self.yielded} items and "
+                f"passed on {self.delivered}; a checkpoint needs them to pass items one for one (as fullsync and "
+                f"pin_memory do) and to hold at most {len(recent)}"
+            )
+        for rank in reversed(recent[len(recent) - undelivered :]):
+            consumed[rank] -= 1  # taken from worker ``rank`` but not delivered: replay it
+            next_rank = rank
+        return consumed, next_rank
 
     def wait(self, source: "queue.SimpleQueue[Event]", stats: Optional[ChannelStats] = None) -> Event:
         """Take the next event from ``source``, counting the time blocked as data stall."""
@@ -284,7 +318,6 @@ def iterate_in_order(
     """
     epoch, count = progress.epoch, len(channels)
     ring = collections.deque(_Cursor(channels[(progress.next_rank + k) % count]) for k in range(count))
-    consumed = progress.consumed
     while ring:
         cursor = ring[0]
         while not cursor.pending:
@@ -297,8 +330,7 @@ def iterate_in_order(
             continue
         item = cursor.pending.popleft()
         ring.rotate(-1)
-        consumed[cursor.channel.rank] += 1
-        progress.next_rank = ring[0].channel.rank
+        progress.count(cursor.channel.rank, ring[0].channel.rank)
         yield item
     progress.finish()
 
@@ -310,7 +342,7 @@ def iterate_as_completed(
     replace: Optional[ReplaceFn] = None,
 ) -> Iterator[Any]:
     """Yield items in arrival order from a queue shared by all channels."""
-    epoch, consumed = progress.epoch, progress.consumed
+    epoch = progress.epoch
     current = {channel.rank: _Cursor(channel) for channel in channels}
     running = len(channels)
     while running:
@@ -323,6 +355,6 @@ def iterate_as_completed(
             continue
         _take_or_replace(cursor, event, epoch, replace)
         while cursor.pending:
-            consumed[cursor.channel.rank] += 1
+            progress.count(cursor.channel.rank)
             yield cursor.pending.popleft()
     progress.finish()

@@ -36,6 +36,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from . import __version__
 from .errors import AuthenticationError, FrameTooLargeError, ProtocolError
 
 __all__ = [
@@ -216,12 +217,13 @@ class FrameReader:
         if magic != MAGIC:
             raise ProtocolError(
                 f"not an rpc_reading_service frame (magic {bytes(magic)!r}, expected {MAGIC!r}): "
-                "is something else talking to this port?"
+                "the other end is not rpc_reading_service (a wrong port, or another service on it?)"
             )
         if version != PROTOCOL_VERSION:
             raise ProtocolError(
-                f"peer speaks protocol version {version}, this side speaks {PROTOCOL_VERSION}: "
-                "install the same rpc_reading_service version on the trainer and the workers"
+                f"protocol version mismatch: the peer speaks rpc_reading_service protocol version {version}, "
+                f"this process (rpc_reading_service {__version__}) speaks version {PROTOCOL_VERSION}. Install "
+                "the same rpc_reading_service version on the trainer and on every worker"
             )
         if kind not in _KNOWN_KINDS:
             raise ProtocolError(f"unknown message kind {kind}")
@@ -401,6 +403,7 @@ class ClientHandshake:
         self._nonce = nonce or os.urandom(NONCE_BYTES)
         self._package_version = package_version.encode("utf-8")[:64]
         self._server_nonce: Optional[bytes] = None
+        self.peer_package_version = ""
         self.done = False
 
     def hello(self) -> List[Buffer]:
@@ -415,6 +418,12 @@ class ClientHandshake:
             raise ProtocolError("malformed CHALLENGE frame")
         server_nonce, server_proof = body[:NONCE_BYTES], body[NONCE_BYTES:]
         if not hmac.compare_digest(server_proof, _proof(self._key, b"server", self._nonce, server_nonce)):
+            if not self._key:
+                raise AuthenticationError(
+                    "this trainer has no auth key (auth_key=None) but the worker requires one: pass "
+                    "auth_key= with the key the worker was started with (its --auth-key-file, or "
+                    "RPC_READING_SERVICE_AUTH_KEY in its environment)"
+                )
             raise AuthenticationError(
                 "the worker does not hold the same auth key as this trainer: pass the key the worker "
                 "was started with (--auth-key-file / RPC_READING_SERVICE_AUTH_KEY) as auth_key="
@@ -427,15 +436,18 @@ class ClientHandshake:
         _expect(frame, MessageKind.WELCOME)
         if self._server_nonce is None:
             raise ProtocolError("WELCOME before CHALLENGE")
+        # Servers since 0.1.0 put their package version in WELCOME (older ones send nothing).
+        self.peer_package_version = bytes(frame.body[:64]).decode("utf-8", "replace")
         self.done = True
 
 
 class ServerHandshake:
     """The worker server's side of the mutual HMAC challenge-response."""
 
-    def __init__(self, key: bytes, nonce: Optional[bytes] = None):
+    def __init__(self, key: bytes, nonce: Optional[bytes] = None, package_version: str = ""):
         self._key = key
         self._nonce = nonce or os.urandom(NONCE_BYTES)
+        self._package_version = package_version.encode("utf-8")[:64]
         self._client_nonce: Optional[bytes] = None
         self.peer_package_version = ""
         self.done = False
@@ -462,4 +474,4 @@ class ServerHandshake:
         if not hmac.compare_digest(bytes(frame.body), expected):
             raise AuthenticationError("client failed the auth-key challenge (wrong or missing auth key)")
         self.done = True
-        return encode_frame(MessageKind.WELCOME)
+        return encode_frame(MessageKind.WELCOME, [self._package_version])

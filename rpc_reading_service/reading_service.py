@@ -17,7 +17,8 @@ from torchdata.dataloader2.utils import WorkerInfo
 from torchdata.datapipes.iter import IterDataPipe
 
 from .addresses import parse_address
-from .checkpoint import ReadingServiceState, graph_fingerprint
+from .discovery import check_discovery_options, discover_workers
+from .checkpoint import ReadingServiceState, graph_fingerprint, load_seed_generator_state, seed_generator_state
 from .client import EpochProgress, Event, WorkerChannel, iterate_as_completed, iterate_in_order
 from .errors import ConfigurationError, WorkerLostError
 from .graph import (
@@ -60,6 +61,34 @@ class _RemoteStream(IterDataPipe):
 
     def __setstate__(self, state: Dict[str, Any]) -> None:
         self._service = None  # a detached copy: iterating it is an error
+
+
+class _DeliveryCounter(IterDataPipe):
+    """The end of a trainer's graph that keeps DataPipes after the stream (fullsync, pin_memory).
+
+    Those may hold items taken from the workers but not yet given to the training loop
+    (fullsync prefetches one), and may end the epoch early (fullsync stops at the shortest
+    rank): counting here lets a checkpoint record what the training loop really received.
+    """
+
+    def __init__(self, datapipe: DataPipe, service: "RPCReadingService"):
+        self.datapipe = datapipe
+        self._service = service
+
+    def __iter__(self) -> Iterator[Any]:
+        progress = self._service._progress
+        assert progress is not None, "initialize_iteration() must run first"
+        progress.delivered = 0
+        for item in self.datapipe:
+            progress.delivered += 1
+            yield item
+        progress.delivered_all = True
+
+    def __getstate__(self) -> Dict[str, Any]:
+        return {"datapipe": self.datapipe}
+
+    def __setstate__(self, state: Dict[str, Any]) -> None:
+        self.datapipe, self._service = state["datapipe"], None
 
 
 def _rebuild_service(config: bytes) -> "RPCReadingService":
@@ -111,6 +140,19 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         transport_options: Extra keyword arguments for the transport's factory, e.g.
             ``{"max_frame_bytes": 1 << 30}`` for ``"socket"``; ``tls_ca_file`` and
             ``tls_server_hostname`` are added to them.
+        store: Find the workers in the ``torch.distributed.TCPStore`` at ``"HOST:PORT"``
+            (workers started with ``rpc-reading-worker --store HOST:PORT --job NAME``),
+            instead of ``worker_addresses``. Resolved in ``initialize``, not here.
+        job: The name workers registered under with ``--job`` (default ``"default"``).
+        min_workers: Wait until this many registered workers answer (default 1), then use
+            every live one. ``num_workers`` then defaults to ``min_workers`` sessions.
+            With ``hostfile``: wait until the file lists this many addresses.
+        hostfile: A file with one ``host:port`` per line (``#`` comments), instead of
+            ``worker_addresses``.
+        host_store: Serve the TCPStore from this process (``store="0.0.0.0:PORT"``) until
+            ``finalize``; with several trainer ranks, on one rank only.
+        discovery_timeout: Seconds to wait for the store and for ``min_workers``; then a
+            :class:`~rpc_reading_service.discovery.DiscoveryTimeoutError` says how many came.
     """
 
     def __init__(
@@ -133,6 +175,12 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         tls_server_hostname: Optional[str] = None,
         transport_options: Optional[Dict[str, Any]] = None,
         pin_memory: bool = False,
+        store: Optional[str] = None,
+        job: str = "default",
+        min_workers: Optional[int] = None,
+        hostfile: Optional[str] = None,
+        host_store: bool = False,
+        discovery_timeout: float = 300.0,
     ) -> None:
         self._configure(
             num_workers=num_workers,
@@ -153,6 +201,12 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             tls_server_hostname=tls_server_hostname,
             transport_options=dict(transport_options or {}),
             pin_memory=pin_memory,
+            store=store,
+            job=job,
+            min_workers=min_workers,
+            hostfile=hostfile,
+            host_store=host_store,
+            discovery_timeout=discovery_timeout,
         )
 
     def _configure(self, **config: Any) -> None:
@@ -181,11 +235,17 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             raise ConfigurationError(
                 f"unknown transport {config['transport']!r}; available transports: {', '.join(available_transports())}"
             )
-        if config.get("tls_ca_file") and addresses is None:
+        discovering = check_discovery_options(config)
+        if config.get("tls_ca_file") and addresses is None and not discovering:
             raise ConfigurationError("tls_ca_file is for remote workers (worker_addresses=...); local workers use no TLS")
         key = config["auth_key"]
         self._auth_key = key.encode("utf-8") if isinstance(key, str) else key
         self.num_workers = len(addresses) if addresses and num_workers == 0 else num_workers
+        if discovering and num_workers == 0:
+            # One session per worker: min_workers, or (without it) as many as are found.
+            self.num_workers = config.get("min_workers") or 0
+        self._discovered: Optional[List[str]] = None  # set by _discover(), in initialize
+        self._hosted_store: Any = None
         self.in_order = config["in_order"]
         self._channels: List[WorkerChannel] = []
         self._events: "queue.SimpleQueue[Event]" = queue.SimpleQueue()
@@ -199,6 +259,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         self._progress: Optional[EpochProgress] = None
         # Not "_resume": that name is DataLoader2's pause/resume hook (a method below).
         self._resume_state: Optional[ReadingServiceState] = None
+        self._seed_generator: Optional[SeedGenerator] = None
         self._fingerprint: List[str] = []
         self._reassignments: Dict[int, int] = {}
         self._finalized = False
@@ -214,6 +275,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
     def initialize(self, datapipe: DataPipe) -> DataPipe:
         """Ship the graph to the workers and return the trainer's graph that streams from them."""
         self._fingerprint = graph_fingerprint(datapipe)
+        self._discover()
         if self.num_workers == 0:
             self._in_process_graph = init_worker_graph(datapipe, WorkerInfo(1, 0), self._config["worker_init_fn"])
             self._end_datapipe = _RemoteStream(self)
@@ -233,11 +295,29 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         except BaseException:
             self.finalize()
             raise
-        self._end_datapipe = attach(_RemoteStream(self))
+        end = attach(_RemoteStream(self))
+        # DataPipes kept in the trainer after the stream may buffer items: count at the very end.
+        self._end_datapipe = end if isinstance(end, _RemoteStream) else _DeliveryCounter(end, self)
         return self._end_datapipe
 
+    def _discover(self) -> None:
+        """Find the workers through ``store=`` or ``hostfile=`` (once; never in ``__init__``)."""
+        config = self._config
+        if self._discovered is not None or (config.get("store") is None and config.get("hostfile") is None):
+            return
+        self._discovered, self._hosted_store = discover_workers(
+            store=config["store"],
+            job=config["job"],
+            min_workers=config["min_workers"],
+            hostfile=config["hostfile"],
+            host_store=config["host_store"],
+            timeout=config["discovery_timeout"],
+        )
+        if self.num_workers == 0:
+            self.num_workers = len(self._discovered)
+
     def _worker_addresses(self) -> List[str]:
-        addresses = self._config["worker_addresses"]
+        addresses = self._discovered or self._config["worker_addresses"]
         if addresses is None:
             self._auth_key = self._auth_key or new_auth_key()
             self._local_server = LocalWorkerServer(self._auth_key, self._config["transport"])
@@ -337,14 +417,19 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
     ) -> Optional[Callable[[DataPipe], DataPipe]]:
         """Start an epoch on every worker with a fresh shared seed."""
         assert self._end_datapipe is not None, "initialize() must run first"
+        self._seed_generator = seed_generator  # DataLoader2's own: checkpoint() records its state
         resume, self._resume_state = self._resume_state, None
         if resume is not None:
             # Continue the checkpointed epoch: its seed, and skip what was consumed.
             self._epoch, self._epoch_seed = resume.epoch, resume.epoch_seed
             self._progress = EpochProgress(self._epoch, list(resume.consumed), resume.next_rank)
+            if resume.seed_generator is not None:
+                # Undo draws made while resuming (DistributedReadingService draws every epoch),
+                # so that the epochs after this one match the uninterrupted run.
+                load_seed_generator_state(seed_generator, resume.seed_generator)
         else:
             self._epoch += 1
-            self._epoch_seed = draw_epoch_seed(seed_generator)
+            self._epoch_seed = draw_epoch_seed(seed_generator, self._epoch)
             if self._seed_group is not None:
                 self._epoch_seed = dist_share_seed(self._epoch_seed, self._seed_group)
             self._progress = EpochProgress(self._epoch, [0] * max(1, self.num_workers))
@@ -388,21 +473,31 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
     def checkpoint(self) -> bytes:
         """Seeds and per-worker positions of the current epoch (small; no data)."""
         progress = self._progress
+        consumed, next_rank = progress.positions() if progress else ([], 0)
+        if progress is not None and progress.delivered is not None:
+            finished = progress.delivered_all  # the trainer's graph ended the epoch (fullsync)
+        else:
+            finished = progress is None or progress.finished
         state = ReadingServiceState(
             num_workers=self.num_workers,
             graph=self._fingerprint,
             epoch=self._epoch,
             epoch_seed=self._epoch_seed,
-            consumed=list(progress.consumed) if progress else [],
-            next_rank=progress.next_rank if progress else 0,
-            in_epoch=bool(progress is not None and not progress.finished),
+            consumed=consumed,
+            next_rank=next_rank,
+            in_epoch=not finished,
+            seed_generator=seed_generator_state(self._seed_generator) if self._seed_generator is not None else None,
+            dist_rank=distributed_info().rank,
+            dist_world_size=distributed_info().world_size,
         )
         return state.to_bytes()
 
     def restore(self, datapipe: DataPipe, serialized_state: bytes) -> DataPipe:
         """Initialise from a checkpoint; the next epoch continues the checkpointed one."""
         state = ReadingServiceState.from_bytes(serialized_state)
-        state.check_compatible(self.num_workers, graph_fingerprint(datapipe))
+        self._discover()  # num_workers may come from discovery
+        dist_info = distributed_info()
+        state.check_compatible(self.num_workers, graph_fingerprint(datapipe), dist_info.rank, dist_info.world_size)
         end = self.initialize(datapipe)
         self._epoch = state.epoch
         if state.in_epoch:
@@ -418,6 +513,16 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             if self._finalized:
                 return
             self._finalized = True
+        if isinstance(self._end_datapipe, _DeliveryCounter):
+            # Stop trainer-side threads (fullsync's prefetcher) while the workers still answer.
+            # Left to the garbage collector, FullSync.__del__ joins its thread at an arbitrary
+            # moment (fullsync and its executor form a cycle), which can deadlock a thread start.
+            for dp in self._trainer_side_dps():
+                if callable(getattr(dp, "shutdown", None)):
+                    try:
+                        dp.shutdown()
+                    except Exception:  # noqa: BLE001 - finalize must go on
+                        log.warning("shutting down trainer-side %s failed", type(dp).__name__, exc_info=True)
         channels, self._channels = self._channels, []
         if channels:
             with ThreadPoolExecutor(max_workers=min(32, len(channels))) as pool:
@@ -425,6 +530,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         if self._local_server is not None:
             self._local_server.stop()
             self._local_server = None
+        self._hosted_store = None  # stops a TCPStore this trainer hosted (host_store=True)
         if self._seed_group is not None:
             import torch.distributed as dist
 

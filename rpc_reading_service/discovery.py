@@ -1,0 +1,485 @@
+"""Finding worker servers: through torch's ``TCPStore`` (the store torchrun uses) or a hostfile.
+
+Store discovery
+---------------
+A worker started with ``rpc-reading-worker --store HOST:PORT --job NAME`` registers the
+address the trainer should dial; ``RPCReadingService(store="HOST:PORT", job="NAME",
+min_workers=N)`` waits until N registered workers answer, then uses them. Keys, all
+under ``rpc_reading_service/<job>/``::
+
+    count       a TCPStore ``add`` counter: how many registrations ever happened
+    worker/<i>  the advertised ``host:port`` of registration ``i`` (1-based); a worker
+                deletes its key when it shuts down cleanly
+
+``add`` is atomic, so concurrent workers never overwrite each other's slot.
+
+Workers that restart, and stale entries: a restarted worker registers again under a new
+slot. If it comes back on the same address (a fixed ``--port``), the trainer sees the
+address twice and keeps one. If it comes back elsewhere (``--port 0``), its old slot
+was deleted on a clean shutdown; after a crash (``kill -9``, a lost node) the old slot
+stays. So the trainer does not trust the registry blindly: it probes every registered
+address with a TCP connect and counts only the ones that answer, and it waits for
+``min_workers`` *live* workers. Entries left by an earlier run of the same job in a
+long-lived store are handled the same way (dead ones are skipped); to keep runs apart
+entirely, use a job name per run (``$SLURM_JOB_ID``, ``$TORCHELASTIC_RUN_ID``) or a store
+that lives as long as the run (a trainer-hosted store, torchrun's own store).
+
+Who hosts the store: the trainer (``RPCReadingService(store="0.0.0.0:PORT",
+host_store=True)``, on one rank only), torchrun's existing store
+(``$MASTER_ADDR:$MASTER_PORT``), or a stand-alone one::
+
+    python -m rpc_reading_service.discovery serve --port 29700
+    python -m rpc_reading_service.discovery list --store HOST:29700 --job NAME
+
+Workers wait (``--store-timeout``) for the store to come up, so start order does not matter.
+
+Hostfile
+--------
+One ``host:port`` per line; ``#`` starts a comment; blank lines are ignored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+from .addresses import format_address, parse_address, unix_socket_path
+from .errors import ConfigurationError, DiscoveryTimeoutError
+
+__all__ = [
+    "DiscoveryTimeoutError",
+    "check_discovery_options",
+    "KEY_PREFIX",
+    "advertised_address",
+    "connect_store",
+    "discover_workers",
+    "read_hostfile",
+    "registered_workers",
+    "wait_for_hostfile",
+    "wait_for_workers",
+    "WorkerRegistration",
+]
+
+log = logging.getLogger(__name__)
+
+KEY_PREFIX = "rpc_reading_service"
+_POLL_SECONDS = 0.1
+_PROBE_TIMEOUT = 1.0
+_WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
+_MISSING = "\x00missing"
+
+
+def _key(job: str, *parts: str) -> str:
+    return "/".join((KEY_PREFIX, job, *parts))
+
+
+def _check_job(job: str) -> str:
+    if not isinstance(job, str) or not job.strip():
+        raise ConfigurationError(
+            f"job name {job!r} is empty: pick a name shared by the trainer and its workers"
+        )
+    return job.strip()
+
+
+# -- the store ----------------------------------------------------------------------------------
+def _wait_until_listening(host: str, port: int, deadline: float, address: str) -> None:
+    """Wait for something to listen at the store's address, with a plain error if nothing does.
+
+    TCPStore retries by itself too, but prints a C++ stack trace per attempt; this wait is
+    quiet and turns a typo in the host name into an immediate, readable error.
+    """
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ConfigurationError(
+            f"cannot resolve the host of store address {address!r}: {exc.strerror}; check the spelling"
+        ) from exc
+    last: Optional[OSError] = None
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(1.0, remaining))):
+                return
+        except OSError as exc:
+            last = exc
+        if time.monotonic() >= deadline:
+            raise ConfigurationError(
+                f"no TCPStore answers at {address} ({last}). Start one there (the trainer with "
+                "RPCReadingService(store='0.0.0.0:PORT', host_store=True), torchrun, or "
+                "`python -m rpc_reading_service.discovery serve --port PORT`), or fix the address"
+            )
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+def connect_store(address: str, timeout: float = 60.0, host: bool = False) -> Any:
+    """Open a ``torch.distributed.TCPStore`` at ``address`` (``HOST:PORT``).
+
+    ``host=True`` serves the store from this process (``is_master``), listening on every
+    interface at PORT (``0`` picks a free one: read it from ``store.port``). Otherwise this
+    connects as a client, waiting up to ``timeout`` seconds for the store to come up.
+    """
+    from torch.distributed import TCPStore
+
+    if unix_socket_path(address):
+        raise ConfigurationError(f"store address {address!r} must be HOST:PORT, not a Unix socket")
+    store_host, port = parse_address(address, what="store address")
+    store_timeout = datetime.timedelta(seconds=max(1.0, timeout))
+    if host:
+        try:
+            return TCPStore(store_host, port, is_master=True, wait_for_workers=False, timeout=store_timeout)
+        except RuntimeError as exc:
+            raise ConfigurationError(f"cannot host a TCPStore at {address}: {exc}") from exc
+    _wait_until_listening(store_host, port, time.monotonic() + timeout, address)
+    try:
+        return TCPStore(store_host, port, is_master=False, timeout=store_timeout)
+    except RuntimeError as exc:
+        raise ConfigurationError(f"cannot connect to the TCPStore at {address}: {exc}") from exc
+
+
+def registered_workers(store: Any, job: str) -> List[Tuple[int, str]]:
+    """``(slot, address)`` of every current registration of ``job``, oldest first."""
+    count = int(store.add(_key(job, "count"), 0))
+    found = []
+    for slot in range(1, count + 1):
+        # compare_set with expected == desired is a get that neither blocks on a missing key
+        # (deleted on a clean shutdown, or counted but not written yet) nor creates it.
+        value = store.compare_set(_key(job, "worker", str(slot)), _MISSING, _MISSING)
+        if value != _MISSING.encode():
+            found.append((slot, value.decode("utf-8")))
+    return found
+
+
+def _probe(address: str, timeout: float = _PROBE_TIMEOUT) -> Optional[str]:
+    """None if a TCP connect to ``address`` succeeds, else the reason it failed."""
+    try:
+        host, port = parse_address(address)
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except (OSError, ConfigurationError) as exc:
+        return str(exc) or type(exc).__name__
+
+
+def wait_for_workers(
+    store: Any,
+    job: str,
+    min_workers: int,
+    timeout: float,
+    store_address: str = "the store",
+    probe: Callable[[str], Optional[str]] = _probe,
+) -> List[str]:
+    """Wait until at least ``min_workers`` distinct registered workers answer a TCP connect.
+
+    Returns every live registered address (oldest registration first). Raises
+    :class:`DiscoveryTimeoutError` saying how many of ``min_workers`` registered and which
+    registered addresses did not answer.
+    """
+    job = _check_job(job)
+    deadline = time.monotonic() + timeout
+    answered: Set[str] = set()  # probed once each: a worker sees one bare connect per trainer
+    failed: Dict[str, Tuple[str, float]] = {}  # address -> (reason, when): re-probed every second
+    with ThreadPoolExecutor(max_workers=16, thread_name_prefix="rrs-probe") as pool:
+        while True:
+            now = time.monotonic()
+            addresses = list(dict.fromkeys(address for _, address in registered_workers(store, job)))
+            due = [
+                a for a in addresses if a not in answered and (a not in failed or now - failed[a][1] >= 1.0)
+            ]
+            for address, reason in zip(due, pool.map(probe, due)):
+                if reason is None:
+                    answered.add(address)
+                    failed.pop(address, None)
+                else:
+                    failed[address] = (reason, now)
+            live = [address for address in addresses if address in answered]
+            dead = {address: failed[address][0] for address in addresses if address in failed}
+            if len(live) >= min_workers:
+                if dead:
+                    log.warning("skipping registered workers that do not answer: %s", _describe(dead))
+                log.info("found %d live workers of job %r: %s", len(live), job, ", ".join(live))
+                return live
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(_POLL_SECONDS)
+    message = (
+        f"waited {timeout:.0f} s for {min_workers} workers of job {job!r} "
+        f"in the TCPStore at {store_address}: "
+        f"only {len(live)} of {min_workers} registered and answering"
+    )
+    if live:
+        message += f" ({', '.join(live)})"
+    if dead:
+        message += (
+            f"; registered but not answering: {_describe(dead)} (dead, or advertising an address this host "
+            "cannot reach: see --advertise-host)"
+        )
+    message += (
+        f". Start more workers with `rpc-reading-worker --store {store_address} --job {job} ...`, "
+        "lower min_workers, or raise discovery_timeout"
+    )
+    raise DiscoveryTimeoutError(message)
+
+
+def _describe(reasons: Dict[str, str]) -> str:
+    return ", ".join(f"{address} ({reason})" for address, reason in reasons.items())
+
+
+# -- hostfiles ----------------------------------------------------------------------------------
+def read_hostfile(path: str) -> List[str]:
+    """The ``host:port`` lines of a hostfile (``#`` comments and blank lines skipped).
+
+    A malformed line raises :class:`ConfigurationError` naming the file and line.
+    """
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError as exc:
+        raise ConfigurationError(f"cannot read hostfile {path!r}: {exc.strerror}") from exc
+    addresses = []
+    for number, line in enumerate(lines, 1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            parse_address(text)
+        except ConfigurationError as exc:
+            raise ConfigurationError(
+                f"hostfile {path}, line {number}: {exc} (each line holds one HOST:PORT; '#' starts a comment)"
+            ) from None
+        addresses.append(text)
+    return addresses
+
+
+def wait_for_hostfile(path: str, min_workers: Optional[int], timeout: float) -> List[str]:
+    """Read a hostfile; with ``min_workers``, wait until it exists and lists that many addresses."""
+    if min_workers is None:
+        addresses = read_hostfile(path)
+        if not addresses:
+            raise ConfigurationError(f"hostfile {path!r} lists no worker: put one HOST:PORT per line")
+        return addresses
+    deadline = time.monotonic() + timeout
+    addresses: List[str] = []
+    while True:
+        if os.path.exists(path):
+            addresses = list(dict.fromkeys(read_hostfile(path)))
+            if len(addresses) >= min_workers:
+                return addresses
+        if time.monotonic() >= deadline:
+            raise DiscoveryTimeoutError(
+                f"waited {timeout:.0f} s for hostfile {path!r} to list {min_workers} workers: it lists "
+                f"{len(addresses)}{'' if os.path.exists(path) else ' (the file does not exist)'}. Add "
+                "HOST:PORT lines, lower min_workers, or raise discovery_timeout"
+            )
+        time.sleep(_POLL_SECONDS * 2)
+
+
+def check_discovery_options(config: Dict[str, Any]) -> bool:
+    """Validate :class:`~rpc_reading_service.RPCReadingService`'s discovery arguments.
+
+    Returns True when the workers are to be discovered (``store=`` or ``hostfile=``).
+    Opens nothing: the reading service is cloned by pickling before it is initialised.
+    """
+    store, hostfile = config.get("store"), config.get("hostfile")
+    min_workers = config.get("min_workers")
+    sources = [name for name in ("worker_addresses", "store", "hostfile") if config.get(name) is not None]
+    if len(sources) > 1:
+        raise ConfigurationError(
+            f"give the workers one way, not {' and '.join(sources)}: worker_addresses=[...], "
+            "store='HOST:PORT' (with job= and min_workers=), or hostfile='FILE'"
+        )
+    if config.get("host_store") and store is None:
+        raise ConfigurationError(
+            "host_store=True needs store='0.0.0.0:PORT': the address to serve the TCPStore on"
+        )
+    if min_workers is not None and (not isinstance(min_workers, int) or min_workers < 1):
+        raise ConfigurationError(f"min_workers must be an int >= 1, got {min_workers!r}")
+    if min_workers is not None and store is None and hostfile is None:
+        raise ConfigurationError(
+            "min_workers is for discovery: use it with store='HOST:PORT' or hostfile='FILE'"
+        )
+    if store is not None:
+        if not isinstance(store, str) or unix_socket_path(store):
+            raise ConfigurationError(f"store address {store!r} must be a 'HOST:PORT' string")
+        parse_address(store, what="store address")
+        _check_job(config.get("job", "default"))
+    if hostfile is not None and not isinstance(hostfile, (str, os.PathLike)):
+        raise ConfigurationError(f"hostfile must be a path, got {hostfile!r}")
+    if config.get("discovery_timeout", 1.0) <= 0:
+        raise ConfigurationError(
+            f"discovery_timeout must be > 0 seconds, got {config.get('discovery_timeout')!r}"
+        )
+    return store is not None or hostfile is not None
+
+
+def discover_workers(
+    store: Optional[str] = None,
+    job: str = "default",
+    min_workers: Optional[int] = None,
+    hostfile: Optional[str] = None,
+    host_store: bool = False,
+    timeout: float = 300.0,
+) -> Tuple[List[str], Any]:
+    """Resolve worker addresses for :class:`~rpc_reading_service.RPCReadingService`.
+
+    Returns ``(addresses, hosted_store)``; ``hosted_store`` is the TCPStore this process
+    serves (``host_store=True``), which must stay alive while workers register and
+    deregister, or None.
+    """
+    if hostfile is not None:
+        return wait_for_hostfile(hostfile, min_workers, timeout), None
+    assert store is not None
+    handle = connect_store(store, timeout=timeout, host=host_store)
+    error: Optional[BaseException] = None
+    try:
+        addresses = wait_for_workers(handle, job, min_workers or 1, timeout, store_address=store)
+    except BaseException as exc:  # noqa: BLE001 - re-raised below, once the store is released
+        error = exc.with_traceback(None)  # the traceback's frames would keep a hosted store listening
+    if error is not None:
+        handle = None
+        raise error
+    return addresses, handle if host_store else None
+
+
+# -- the worker side ----------------------------------------------------------------------------
+def advertised_address(listen_address: str, advertise_host: Optional[str], store_address: str) -> str:
+    """The ``host:port`` a worker listening at ``listen_address`` registers.
+
+    ``advertise_host`` if given; else the listening host if it is a specific address; else
+    (listening on 0.0.0.0 or ::) this host's IP on the route towards the store host, which
+    the trainer (usually next to the store) can reach; failing that, the host name.
+    """
+    if unix_socket_path(listen_address):
+        raise ConfigurationError(
+            f"a worker listening on {listen_address} cannot register in a store: trainers on other hosts "
+            "cannot reach a Unix socket. Listen on TCP (--host 0.0.0.0 --port 29600)"
+        )
+    host, port = parse_address(listen_address)
+    if advertise_host:
+        return format_address(advertise_host.strip("[]"), port)
+    if host not in _WILDCARD_HOSTS:
+        return listen_address
+    store_host, store_port = parse_address(store_address, what="store address")
+    try:
+        family = socket.AF_INET6 if host == "::" else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((store_host, store_port or 9))  # UDP: no packet is sent, only a route chosen
+            local_ip = probe.getsockname()[0]
+    except OSError:
+        local_ip = ""
+    if not local_ip or local_ip in _WILDCARD_HOSTS:
+        local_ip = socket.gethostname()
+    return format_address(local_ip, port)
+
+
+class WorkerRegistration:
+    """A worker's entry in the store: registered in a background thread, deleted on stop.
+
+    Registering waits up to ``timeout`` seconds for the store to come up (so workers may
+    start before the trainer that hosts the store); meanwhile the worker already serves
+    trainers that dial it directly.
+    """
+
+    def __init__(self, store_address: str, job: str, timeout: float = 300.0):
+        parse_address(store_address, what="store address")
+        self.store_address = store_address
+        self.job = _check_job(job)
+        self.timeout = timeout
+        self.address: Optional[str] = None
+        self.slot: Optional[int] = None
+        self.error: Optional[BaseException] = None
+        self._store: Any = None
+        self._thread: Optional[threading.Thread] = None
+        self._lock = threading.Lock()
+        self._stopped = False
+
+    def start(self, address: str, on_failure: Callable[[], None] = lambda: None) -> None:
+        """Register ``address`` in the background; call ``on_failure`` if that fails."""
+        self.address = address
+
+        def run() -> None:
+            try:
+                self.register()
+            except BaseException as exc:  # noqa: BLE001 - reported through self.error
+                self.error = exc
+                log.error("could not register in the TCPStore at %s: %s", self.store_address, exc)
+                on_failure()
+
+        self._thread = threading.Thread(target=run, name="rrs-registration", daemon=True)
+        self._thread.start()
+
+    def register(self) -> int:
+        """Register now (blocking); returns the slot."""
+        assert self.address is not None
+        store = connect_store(self.store_address, timeout=self.timeout)
+        store.set_timeout(datetime.timedelta(seconds=10))
+        with self._lock:
+            if self._stopped:
+                return 0
+            slot = int(store.add(_key(self.job, "count"), 1))
+            store.set(_key(self.job, "worker", str(slot)), self.address)
+            self._store, self.slot = store, slot
+        log.info(
+            "registered %s as worker slot %d of job %r in the TCPStore at %s",
+            self.address, slot, self.job, self.store_address,
+        )  # fmt: skip
+        return slot
+
+    def stop(self) -> None:
+        """Delete this worker's entry (best effort: the store may be gone already)."""
+        with self._lock:
+            self._stopped = True
+            store, self._store = self._store, None
+        if store is not None and self.slot is not None:
+            try:
+                store.delete_key(_key(self.job, "worker", str(self.slot)))
+                log.info("deregistered worker slot %d of job %r", self.slot, self.job)
+            except Exception as exc:  # noqa: BLE001
+                log.info("could not deregister from the store (gone?): %s", exc)
+
+
+# -- command line: host a store, list a job's workers -------------------------------------------
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m rpc_reading_service.discovery serve|list``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m rpc_reading_service.discovery", description=__doc__.splitlines()[0]
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve = commands.add_parser("serve", help="host a TCPStore until interrupted")
+    serve.add_argument(
+        "--port", type=int, default=29700, help="port to listen on, all interfaces (default 29700)"
+    )
+    show = commands.add_parser("list", help="print the live registered workers of a job, one per line")
+    show.add_argument("--store", required=True, help="HOST:PORT of the TCPStore")
+    show.add_argument("--job", default="default", help="job name (default 'default')")
+    show.add_argument("--min-workers", type=int, default=0, help="first wait until this many answer")
+    show.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default 60)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            store = connect_store(f"0.0.0.0:{args.port}", host=True)
+            print(f"TCPStore listening on port {store.port}", flush=True)
+            stop = threading.Event()
+            import signal
+
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, lambda *_: stop.set())
+            stop.wait()
+            return 0
+        store = connect_store(args.store, timeout=args.timeout)
+        for address in wait_for_workers(store, args.job, args.min_workers, args.timeout, args.store):
+            print(address)
+        return 0
+    except (ConfigurationError, DiscoveryTimeoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""Configuration mistakes: each one error that says what is wrong and what to do.
+
+Address typos (no port, bad port, unknown host), nothing listening, a silent listener,
+a missing or wrong auth key, and a version mismatch between trainer and worker packages
+(protocol version byte in every frame, package version in HELLO and WELCOME).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import subprocess
+import sys
+import threading
+
+import pytest
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+from conftest import _pythonpath
+from rpc_reading_service import (
+    AuthenticationError,
+    ConfigurationError,
+    ProtocolError,
+    RPCReadingService,
+    WorkerLostError,
+    __version__,
+)
+from rpc_reading_service.protocol import (
+    HEADER,
+    MAGIC,
+    PROTOCOL_VERSION,
+    ClientHandshake,
+    FrameReader,
+    MessageKind,
+    encode_frame,
+)
+
+
+def run_epoch(**kwargs):
+    kwargs.setdefault("connect_timeout", 5.0)
+    dl = DataLoader2(IterableWrapper(range(8)).sharding_filter(), reading_service=RPCReadingService(**kwargs))
+    try:
+        return sorted(dl)
+    finally:
+        dl.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- address typos: caught in __init__, before anything is opened -----------------------------------
+@pytest.mark.parametrize(
+    "address, expected",
+    [
+        ("cpu-node-1", "worker address 'cpu-node-1' has no port: write it as HOST:PORT, e.g. cpu-node-1:29600"),
+        ("cpu-node-1:29x00", "worker address 'cpu-node-1:29x00' has port '29x00', which is not a number"),
+        ("cpu-node-1:296000", "worker address 'cpu-node-1:296000' has port 296000, outside 0-65535"),
+        (":29600", "worker address ':29600' has no host"),
+        ("fe80::1:29600", "IPv6 worker address 'fe80::1:29600' needs brackets: [fe80::1]:29600"),
+        ("", "worker address '' is empty"),
+    ],
+)
+def test_address_typos(address, expected):
+    with pytest.raises(ConfigurationError) as info:
+        RPCReadingService(worker_addresses=[address], auth_key="k")
+    assert expected in str(info.value)
+
+
+@pytest.mark.timeout(30)
+def test_unknown_host():
+    with pytest.raises(ConfigurationError) as info:
+        run_epoch(worker_addresses=["no-such-host.invalid:29600"], auth_key="k")
+    message = str(info.value)
+    assert "cannot resolve worker host 'no-such-host.invalid'" in message and "check the spelling" in message
+
+
+# -- nothing there, or something that does not answer ----------------------------------------------
+@pytest.mark.timeout(30)
+def test_nothing_listening():
+    port = free_port()
+    with pytest.raises(WorkerLostError) as info:
+        run_epoch(worker_addresses=[f"127.0.0.1:{port}"], auth_key="k")
+    message = str(info.value)
+    assert f"cannot connect to worker at 127.0.0.1:{port}" in message
+    assert f"Is `rpc-reading-worker --port {port}` running there" in message
+    assert info.value.address == f"127.0.0.1:{port}" and info.value.rank == 0
+
+
+@pytest.mark.timeout(30)
+def test_listener_that_never_answers():
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # connections complete in the backlog, nobody ever answers
+        address = "127.0.0.1:%d" % silent.getsockname()[1]
+        with pytest.raises(WorkerLostError) as info:
+            run_epoch(worker_addresses=[address], auth_key="k", connect_timeout=1.0)
+    message = str(info.value)
+    assert f"handshake with worker at {address} timed out after 1.0 s" in message
+    assert "does not answer like an rpc-reading-worker" in message and "connect_timeout" in message
+
+
+class FakePeer:
+    """A TCP server that answers every connection with fixed bytes, then closes."""
+
+    def __init__(self, reply: bytes):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.sock.settimeout(0.1)
+        self.reply = reply
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self.stopped.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(2)
+                try:
+                    conn.recv(4096)
+                    conn.sendall(self.reply)
+                    conn.shutdown(socket.SHUT_WR)
+                    conn.recv(4096)
+                except OSError:
+                    pass
+
+    def close(self):
+        self.stopped.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+@pytest.mark.timeout(30)
+def test_another_service_on_the_port():
+    peer = FakePeer(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+    try:
+        with pytest.raises(ProtocolError) as info:
+            run_epoch(worker_addresses=[peer.address], auth_key="k")
+    finally:
+        peer.close()
+    message = str(info.value)
+    assert message.startswith(f"worker at {peer.address}: not an rpc_reading_service frame")
+    assert "wrong port" in message
+
+
+# -- keys ---------------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_missing_key(worker_server):
+    with pytest.raises(AuthenticationError) as info:
+        run_epoch(worker_addresses=[worker_server.address])  # the server has a key, the trainer none
+    message = str(info.value)
+    assert f"worker at {worker_server.address}" in message
+    assert "this trainer has no auth key (auth_key=None) but the worker requires one" in message
+    assert "--auth-key-file" in message and "RPC_READING_SERVICE_AUTH_KEY" in message
+
+
+@pytest.mark.timeout(60)
+def test_wrong_key(worker_server):
+    with pytest.raises(AuthenticationError) as info:
+        run_epoch(worker_addresses=[worker_server.address], auth_key="not-" + worker_server.key)
+    message = str(info.value)
+    assert f"worker at {worker_server.address}" in message
+    assert "does not hold the same auth key as this trainer" in message and "auth_key=" in message
+    assert run_epoch(worker_addresses=[worker_server.address], auth_key=worker_server.key) == list(range(8))
+
+
+@pytest.mark.timeout(60)
+def test_worker_without_key_refuses_public_interfaces(tmp_path):
+    env = {"PYTHONPATH": _pythonpath(), "PATH": "/usr/bin:/bin"}
+    command = [sys.executable, "-m", "rpc_reading_service.worker", "--host", "0.0.0.0", "--port", "0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=45, env=env, cwd=str(tmp_path))
+    assert result.returncode == 2
+    assert "refusing to listen on 0.0.0.0 without an auth key" in result.stderr
+    assert "--auth-key-file" in result.stderr and "Traceback" not in result.stderr
+    result = subprocess.run(
+        [*command[:-4], "--auth-key-file", str(tmp_path / "absent")], capture_output=True, text=True, timeout=45,
+        env=env, cwd=str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 2 and "cannot read --auth-key-file" in result.stderr
+
+
+# -- versions -----------------------------------------------------------------------------------------
+def hello_with_protocol_version(version: int) -> bytes:
+    frame = b"".join(bytes(c) for c in ClientHandshake(b"k", "9.9.9").hello())
+    magic, _, kind, n_buffers, body_length = HEADER.unpack(frame[: HEADER.size])
+    return HEADER.pack(magic, version, kind, n_buffers, body_length) + frame[HEADER.size :]
+
+
+@pytest.mark.timeout(60)
+def test_trainer_with_another_protocol_version_is_told_by_the_server(worker_server):
+    """A trainer speaking protocol version N+1 gets a REJECT that says what to do; the server serves on."""
+    host, port = worker_server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(hello_with_protocol_version(PROTOCOL_VERSION + 1))
+        reader = FrameReader()
+        frame = None
+        while frame is None:
+            data = sock.recv(4096)
+            assert data, "server closed without a REJECT"
+            reader.feed(data)
+            frame = reader.next_frame()
+    assert frame.kind == MessageKind.REJECT
+    reason = bytes(frame.body).decode()
+    assert f"the peer speaks rpc_reading_service protocol version {PROTOCOL_VERSION + 1}" in reason
+    assert f"this process (rpc_reading_service {__version__}) speaks version {PROTOCOL_VERSION}" in reason
+    assert "Install the same rpc_reading_service version on the trainer and on every worker" in reason
+    assert "protocol version mismatch" in worker_server.stderr()
+    assert run_epoch(worker_addresses=[worker_server.address], auth_key=worker_server.key) == list(range(8))
+
+
+@pytest.mark.timeout(30)
+def test_worker_with_another_protocol_version():
+    """A worker answering in protocol version N+1: the trainer names it and says what to do."""
+    challenge = b"".join(bytes(c) for c in encode_frame(MessageKind.CHALLENGE, [b"x" * 64]))
+    reply = struct.pack("!4sB", MAGIC, PROTOCOL_VERSION + 1) + challenge[5:]
+    peer = FakePeer(reply)
+    try:
+        with pytest.raises(ProtocolError) as info:
+            run_epoch(worker_addresses=[peer.address], auth_key="k")
+    finally:
+        peer.close()
+    message = str(info.value)
+    assert message.startswith(f"worker at {peer.address}: protocol version mismatch")
+    assert f"the peer speaks rpc_reading_service protocol version {PROTOCOL_VERSION + 1}" in message
+    assert "Install the same rpc_reading_service version on the trainer and on every worker" in message
+
+
+@pytest.mark.timeout(90)
+def test_package_version_mismatch_with_the_same_protocol_warns_both_sides(fresh_server, caplog):
+    """Different package versions that speak the same protocol work, and both sides say so."""
+    code = (
+        "import sys, rpc_reading_service.transports.socket_transport as st; st.__version__ = '0.0.9'; "
+        "from rpc_reading_service.worker import main; sys.exit(main())"
+    )
+    server = fresh_server(command=[sys.executable, "-c", code])
+    with caplog.at_level(logging.WARNING, logger="rpc_reading_service"):
+        assert run_epoch(worker_addresses=[server.address], auth_key=server.key) == list(range(8))
+    assert f"worker at {server.address} runs rpc_reading_service 0.0.9, this trainer {__version__}" in caplog.text
+    assert "install the same version on both" in caplog.text
+    assert f"runs rpc_reading_service {__version__}, this worker 0.0.9" in server.stderr()

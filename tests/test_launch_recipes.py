@@ -1,0 +1,226 @@
+"""The launch recipes in examples/: the local fleet script and torchrun run here; the Slurm
+and Kubernetes files cannot, so they are checked for syntax (bash -n, YAML)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+from conftest import _pythonpath
+from rpc_reading_service import RPCReadingService
+from rpc_reading_service.discovery import connect_store, registered_workers
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def recipe_env() -> dict:
+    env = dict(os.environ)
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"  # rpc-reading-worker, torchrun
+    env["PYTHON"] = sys.executable
+    env["PYTHONPATH"] = _pythonpath()
+    env.pop("RPC_READING_SERVICE_AUTH_KEY", None)
+    return env
+
+
+def process_group_members(pgid: int):
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(entry))
+    return members
+
+
+class Fleet:
+    """examples/launch_local_fleet.sh running in its own process group."""
+
+    def __init__(self, *args: str):
+        self.proc = subprocess.Popen(
+            ["bash", str(EXAMPLES / "launch_local_fleet.sh"), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=recipe_env(), start_new_session=True, text=True,
+        )  # fmt: skip
+        self.lines = []
+        deadline = time.monotonic() + 120
+        while not any(line.startswith("Press Ctrl-C") for line in self.lines):
+            assert time.monotonic() < deadline, "fleet did not start in time:\n" + "".join(self.lines)
+            line = self.proc.stdout.readline()
+            assert line, "fleet script exited early:\n" + "".join(self.lines)
+            self.lines.append(line)
+        self.text = "".join(self.lines)
+
+    def value(self, label: str) -> str:
+        return re.search(rf"^{label}: (.*)$", self.text, re.M).group(1)
+
+    def service_lines(self):
+        return [line.strip() for line in self.lines if line.startswith("RPCReadingService(")]
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    """Two local workers from the fleet script, also registered (once it exists) in a store
+    at a port that torchrun will serve."""
+    store_port = free_port()
+    fleet = Fleet("-n", "2", "--store", f"127.0.0.1:{store_port}", "--job", "recipes")
+    fleet.store_port = store_port
+    try:
+        yield fleet
+    finally:
+        fleet.kill()
+
+
+@pytest.mark.timeout(180)
+def test_fleet_script_prints_working_service_lines(fleet):
+    lines = fleet.service_lines()
+    assert len(lines) == 3  # addresses, hostfile, store
+    key_file = Path(fleet.value("key file"))
+    assert len(key_file.read_text().strip()) == 64 and (key_file.stat().st_mode & 0o077) == 0
+    assert len(Path(fleet.value("hostfile")).read_text().split()) == 2
+    for line in lines[:2]:
+        service = eval(line, {"RPCReadingService": RPCReadingService})  # exactly what the user copies
+        dl = DataLoader2(IterableWrapper(range(50)).sharding_filter().map(lambda x: -x), reading_service=service)
+        try:
+            assert sorted(dl) == sorted(-x for x in range(50))
+            assert len(set(dl.reading_service.worker_addresses)) == 2
+        finally:
+            dl.shutdown()
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_recipe_with_torchruns_own_store(fleet):
+    """Two trainer ranks under torchrun find the fleet in torchrun's store (MASTER_ADDR:MASTER_PORT)."""
+    command = [
+        str(VENV_BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(fleet.store_port),
+        str(EXAMPLES / "torchrun_train.py"), "--store", "env", "--job", "recipes", "--min-workers", "2",
+        "--auth-key-file", fleet.value("key file"), "--items", "300", "--epochs", "2", "--step-ms", "0",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=150, env=recipe_env(), cwd=str(REPO))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("each exactly once: True") == 2, result.stdout
+    assert result.stdout.count("rank 1 epoch") == 2
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_recipe_with_a_hostfile(fleet):
+    command = [
+        str(VENV_BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "torchrun_train.py"),
+        "--hostfile", fleet.value("hostfile"), "--sessions", "3", "--auth-key-file", fleet.value("key file"),
+        "--items", "200", "--epochs", "1", "--step-ms", "0",
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=150, env=recipe_env(), cwd=str(REPO))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "each exactly once: True" in result.stdout
+
+
+@pytest.mark.timeout(60)
+def test_fleet_script_stops_everything_on_ctrl_c(fleet):
+    """Runs last in this module: Ctrl-C stops the workers and removes the temp dir."""
+    run_dir = Path(fleet.value("hostfile")).parent
+    assert len(process_group_members(fleet.proc.pid)) >= 3  # the script and two workers
+    start = time.monotonic()
+    fleet.proc.send_signal(signal.SIGINT)
+    assert fleet.proc.wait(20) == 130
+    assert time.monotonic() - start < 15
+    deadline = time.monotonic() + 5
+    while process_group_members(fleet.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process_group_members(fleet.proc.pid) == []
+    assert not run_dir.exists()
+
+
+@pytest.mark.timeout(60)
+def test_fleet_script_registers_in_a_store_and_cleans_up_on_sigterm(tmp_path):
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    fleet = Fleet("-n", "1", "--store", f"127.0.0.1:{store.port}", "--job", "sigterm", "--dir", str(tmp_path / "run"))
+    try:
+        deadline = time.monotonic() + 20
+        while not registered_workers(store, "sigterm"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        fleet.proc.send_signal(signal.SIGTERM)
+        assert fleet.proc.wait(20) == 143
+        assert registered_workers(store, "sigterm") == []  # the worker deleted its entry
+        assert (tmp_path / "run" / "key").exists()  # --dir is the user's: left in place
+    finally:
+        fleet.kill()
+
+
+# -- recipes that cannot run here --------------------------------------------------------------------
+def test_shell_recipes_parse():
+    for name in ("launch_local_fleet.sh", "slurm_hetjob.sbatch"):
+        result = subprocess.run(["bash", "-n", str(EXAMPLES / name)], capture_output=True, text=True)
+        assert result.returncode == 0, f"{name}: {result.stderr}"
+    sbatch = (EXAMPLES / "slurm_hetjob.sbatch").read_text()
+    assert "#SBATCH hetjob" in sbatch and "--het-group=0" in sbatch and "--het-group=1" in sbatch
+    assert "rpc-reading-worker" in sbatch and "torchrun" in sbatch
+
+
+def _load_yaml_documents(path: Path):
+    try:
+        import yaml
+    except ImportError:
+        yaml = None
+    if yaml is not None:
+        return list(yaml.safe_load_all(path.read_text()))
+    # Not in this venv: use another interpreter that has PyYAML, if any.
+    import json
+
+    for python in filter(None, (shutil.which("python3"), "/usr/bin/python3")):
+        code = "import json, sys, yaml; print(json.dumps(list(yaml.safe_load_all(open(sys.argv[1])))))"
+        result = subprocess.run([python, "-c", code, str(path)], capture_output=True, text=True)
+        if result.returncode == 0:
+            return json.loads(result.stdout)
+    pytest.skip("PyYAML is not available")
+
+
+def test_kubernetes_manifest():
+    docs = [d for d in _load_yaml_documents(EXAMPLES / "k8s" / "workers.yaml") if d]
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert set(by_name) == {
+        ("Secret", "rrs-auth-key"), ("Deployment", "rrs-store"), ("Service", "rrs-store"),
+        ("Deployment", "rrs-workers"), ("Service", "rrs-workers"),
+    }  # fmt: skip
+    pod = by_name[("Deployment", "rrs-workers")]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    mount = container["volumeMounts"][0]
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["secret"]["secretName"] == "rrs-auth-key"
+    assert f"--auth-key-file={mount['mountPath']}/key" in container["args"]
+    assert container["readinessProbe"]["tcpSocket"]["port"] == container["ports"][0]["name"]
+    assert "--host=0.0.0.0" in container["args"] and "--advertise-host=$(POD_IP)" in container["args"]
+    assert by_name[("Service", "rrs-workers")]["spec"]["clusterIP"] == "None"
+    deployment = by_name[("Deployment", "rrs-workers")]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
