@@ -49,10 +49,12 @@ class WorkerServer:
         max_frame_bytes: Optional[int] = None,
         max_sessions: Optional[int] = None,
         idle_timeout: float = 60.0,
+        stats_interval: float = 30.0,
     ):
         """``tls_cert``/``tls_key``: serve TLS. ``max_frame_bytes``: refuse larger frames from
         trainers. ``max_sessions``: refuse sessions beyond this many at once. ``idle_timeout``:
-        seconds an authenticated trainer may stay silent before sending SETUP."""
+        seconds an authenticated trainer may stay silent before sending SETUP. ``stats_interval``:
+        seconds between each session's throughput log lines (0 turns them off)."""
         if not auth_key and not is_loopback_host(host):
             raise ConfigurationError(
                 f"refusing to listen on {host} without an auth key: anyone who can reach the port could run "
@@ -71,6 +73,7 @@ class WorkerServer:
         self.tls = tls_cert is not None
         self.max_sessions = max_sessions
         self.idle_timeout = idle_timeout
+        self.stats_interval = stats_interval
         if session_mode is None:
             session_mode = "fork" if self._transport.supports_fork and hasattr(os, "fork") else "thread"
         if session_mode == "fork" and not (self._transport.supports_fork and hasattr(os, "fork")):
@@ -169,7 +172,7 @@ class WorkerServer:
             torch.set_num_threads(1)  # one core per session, as torch's own DataLoader workers do
         except Exception:  # noqa: BLE001
             pass
-        WorkerSession(conn, self.address, idle_timeout=self.idle_timeout).run()
+        WorkerSession(conn, self.address, idle_timeout=self.idle_timeout, stats_interval=self.stats_interval).run()
 
     def _reap(self) -> None:
         for pid in list(self._children):
@@ -224,6 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-timeout", type=float, default=60.0,
         help="seconds an authenticated trainer may stay silent before setting up its session (default 60); "
         "after that the trainer's own timeout applies (its heartbeats keep a session alive)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stats-interval", type=float, default=30.0, metavar="SECONDS",
+        help="log each session's throughput (items/s, MB/s, time waiting for trainer credit) this often "
+        "(default 30; 0 turns it off)",
     )  # fmt: skip
     parser.add_argument(
         "--max-sessions", type=int, metavar="N",
@@ -282,6 +290,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             max_frame_bytes=args.max_frame_bytes,
             max_sessions=args.max_sessions,
             idle_timeout=args.idle_timeout,
+            stats_interval=args.stats_interval,
         )
         if registration is not None:
             advertised = advertised_address(server.address, args.advertise_host, args.store)

@@ -83,6 +83,10 @@ class Outbox:
         self._final: Optional[List[Buffer]] = None
         self._sequence = 0
         self._closed = False
+        self.items_sent = 0
+        self.bytes_sent = 0
+        self.credit_wait_seconds = 0.0
+        self._credit_wait_since: Optional[float] = None
 
     def start_epoch(self, epoch: int, credits: int) -> None:
         """Drop whatever belongs to an older epoch and start ``epoch`` with ``credits``."""
@@ -144,6 +148,15 @@ class Outbox:
             self._final = final_frame
             self._cond.notify_all()
 
+    def _track_credit_wait(self, now: float) -> None:
+        """Account the time data was ready but the trainer had granted no credit."""
+        blocked = self._credits == 0 and bool(self._sealed or self._open)
+        if blocked and self._credit_wait_since is None:
+            self._credit_wait_since = now
+        elif not blocked and self._credit_wait_since is not None:
+            self.credit_wait_seconds += now - self._credit_wait_since
+            self._credit_wait_since = None
+
     def _check(self, epoch: int) -> None:
         if self._closed or epoch != self.epoch:
             raise _Cancelled()
@@ -172,6 +185,7 @@ class Outbox:
     def _next_frame(self, now: float) -> Tuple[Optional[List[Buffer]], float]:
         if self.epoch is None:
             return None, float("inf")
+        self._track_credit_wait(now)
         if self._credits > 0:
             if not self._sealed and self._open:
                 if self._final is not None or now - self._open_since >= self._options.linger:
@@ -182,6 +196,8 @@ class Outbox:
                 items = self._sealed.popleft()
                 self._cond.notify_all()  # a producer may wait for the sealed slot
                 self._credits -= 1
+                self.items_sent += len(items)
+                self.bytes_sent += sum(item.nbytes for item in items)
                 body, buffers = encode_data(self.epoch, self._sequence, items)
                 self._sequence += 1
                 return encode_frame(MessageKind.DATA, body, buffers), 0.0
@@ -192,12 +208,42 @@ class Outbox:
         return None, float("inf")
 
 
+class _ThroughputLog:
+    """Logs a session's throughput every ``interval`` seconds while it sends data."""
+
+    def __init__(self, outbox: Outbox, peer: str, interval: float):
+        self._outbox, self._peer, self._interval = outbox, peer, interval
+        self._last = time.monotonic()
+        self._items, self._bytes, self._waited = 0, 0, 0.0
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if self._interval <= 0 or now - self._last < self._interval:
+            return
+        outbox, span = self._outbox, now - self._last
+        items, sent, waited = outbox.items_sent, outbox.bytes_sent, outbox.credit_wait_seconds
+        if items > self._items:
+            log.info(
+                "session for %s: %.0f items/s, %.1f MB/s, waiting for trainer credit %.0f%% of the time",
+                self._peer, (items - self._items) / span, (sent - self._bytes) / span / 1e6,
+                min(100.0, 100 * (waited - self._waited) / span),
+            )  # fmt: skip
+        self._last, self._items, self._bytes, self._waited = now, items, sent, waited
+
+
 class WorkerSession:
     """Serves one trainer connection until it closes, goes silent, or says CLOSE."""
 
-    def __init__(self, conn: Connection, server_address: str = "", idle_timeout: Optional[float] = None):
+    def __init__(
+        self,
+        conn: Connection,
+        server_address: str = "",
+        idle_timeout: Optional[float] = None,
+        stats_interval: float = 30.0,
+    ):
         self.conn = conn
         self.server_address = server_address
+        self.stats_interval = stats_interval
         self.options = SessionOptions()
         if idle_timeout is not None:  # the server's --idle-timeout: how long to wait for SETUP
             self.options.setup_timeout = idle_timeout
@@ -321,8 +367,10 @@ class WorkerSession:
     def _send_loop(self) -> None:
         interval = self.options.heartbeat_interval
         heartbeat = encode_frame(MessageKind.HEARTBEAT)
+        throughput = _ThroughputLog(self.outbox, self.conn.peer, self.stats_interval)
         try:
             while not self._stopping.is_set():
+                throughput.maybe_log()
                 frame = self.outbox.take(timeout=max(0.0, self._last_sent + interval - time.monotonic()))
                 if frame is None:
                     if self._stopping.is_set():

@@ -321,3 +321,27 @@ def test_hung_worker_is_detected_by_heartbeat_timeout(worker_server):
     assert 1.0 < seconds < 6  # by the 2 s heartbeat timeout, not at once, not never
     assert error.rank == 0 and "worker 0" in str(error)
     assert "2.0 s" in str(error)
+
+
+def _slow_identity(x):
+    time.sleep(0.002)
+    return x
+
+
+@pytest.mark.timeout(60)
+def test_sessions_log_their_throughput_periodically(tmp_path):
+    server = start_server(tmp_path, args=["--stats-interval", "0.3"])
+    try:
+        dp = IterableWrapper(range(600)).sharding_filter().map(_slow_identity)
+        dl = DataLoader2(dp, reading_service=RPCReadingService(worker_addresses=[server.address], auth_key=server.key))
+        try:
+            assert sorted(dl) == list(range(600))
+        finally:
+            dl.shutdown()
+        lines = [line for line in server.stderr().splitlines() if "items/s" in line]
+        assert lines, server.stderr()
+        rate = float(lines[0].split("items/s")[0].rsplit(":", 1)[1])
+        assert 50 < rate < 600  # one 2 ms item at a time: at most 500 items/s
+        assert "waiting for trainer credit" in lines[0]
+    finally:
+        server.stop()
