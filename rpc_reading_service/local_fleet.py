@@ -3,9 +3,17 @@
 One local server is enough for any number of local workers: it forks one session
 process per worker. With the socket transport it listens on a Unix socket in a private
 directory (the same-host fast path: about twice the bandwidth of loopback TCP, and only
-this user can connect). The server gets a fresh random key through its environment (not its
-command line, which other users can read), the trainer's ``sys.path`` so that functions
-from the trainer's modules resolve, and the trainer's pid, so it exits if the trainer dies.
+this user can connect). The server gets a fresh random key and the trainer's pid, so it
+exits if the trainer dies.
+
+Two ways to start it:
+
+- ``"fork"`` (default on POSIX with the socket transport): the trainer forks the server,
+  which starts in milliseconds because torch is already imported (as torch's own
+  DataLoader workers do). The graph must then not use CUDA in the workers.
+- ``"spawn"``: a fresh ``python -m rpc_reading_service.worker`` with the key in its
+  environment (not its command line, which other users can read) and the trainer's
+  ``sys.path``; it pays for importing torch (a second or two).
 """
 
 from __future__ import annotations
@@ -13,29 +21,104 @@ from __future__ import annotations
 import os
 import selectors
 import shutil
+import signal
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
-from typing import List, Optional
+from typing import Any, List, Optional
 
-from .errors import WorkerStartupError
+from .errors import ConfigurationError, WorkerStartupError
 from .keys import AUTH_KEY_ENV
 
 __all__ = ["LocalWorkerServer"]
 
 
-class LocalWorkerServer:
-    """An ``rpc-reading-worker`` subprocess listening on a free loopback port."""
+class _ForkedProcess:
+    """Just enough of ``subprocess.Popen`` for a forked server: poll, wait, terminate, kill."""
 
-    def __init__(self, auth_key: bytes, transport: str = "socket", startup_timeout: float = 60.0, log_level: str = "WARNING"):
+    def __init__(self, pid: int, stdout_fd: int):
+        self.pid = pid
+        self.stdout = os.fdopen(stdout_fd, "rb", buffering=0)
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+
+def _fork_server(auth_key: bytes, host: str, transport: str) -> _ForkedProcess:
+    """Fork a worker server that writes ``listening on ADDRESS`` (or an error) to a pipe."""
+    from .worker import serve_until_signalled
+
+    read_end, write_end = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the server process
+        code = 0
+        try:
+            os.close(read_end)
+            code = serve_until_signalled(
+                dict(host=host, port=0, auth_key=auth_key, transport=transport, parent_pid=parent),
+                announce=lambda line: os.write(write_end, line.encode("utf-8") + b"\n"),
+            )
+        except BaseException as exc:  # noqa: BLE001 - report, never return into the trainer's code
+            try:
+                os.write(write_end, f"error: {exc}\n".encode("utf-8", "replace"))
+            except OSError:
+                pass
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    return _ForkedProcess(pid, read_end)
+
+
+class LocalWorkerServer:
+    """A worker server on this host (forked or spawned) listening on a private socket."""
+
+    def __init__(
+        self,
+        auth_key: bytes,
+        transport: str = "socket",
+        startup_timeout: float = 60.0,
+        log_level: str = "WARNING",
+        start_method: Optional[str] = None,
+    ):
+        if start_method is None:
+            start_method = "fork" if transport == "socket" and hasattr(os, "fork") else "spawn"
+        if start_method not in ("fork", "spawn"):
+            raise ConfigurationError(f"start_method must be 'fork' or 'spawn', got {start_method!r}")
+        self.start_method = start_method
         self.auth_key = auth_key
         self.transport = transport
         self.startup_timeout = startup_timeout
         self.log_level = log_level
         self.address: Optional[str] = None
-        self._process: Optional[subprocess.Popen] = None
+        self._process: Any = None  # subprocess.Popen or _ForkedProcess
         self._socket_dir: Optional[str] = None
 
     def _listen_host(self) -> str:
@@ -56,18 +139,22 @@ class LocalWorkerServer:
 
     def start(self) -> str:
         """Start the server and return its ``host:port`` once it listens."""
-        env = dict(os.environ)
-        env[AUTH_KEY_ENV] = self.auth_key.decode("ascii")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
-        self._process = subprocess.Popen(
-            self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, close_fds=True
-        )
+        if self.start_method == "fork":
+            self._process = _fork_server(self.auth_key, self._listen_host(), self.transport)
+        else:
+            self._process = self._spawn()
         try:
             self.address = self._read_address()
         except BaseException:
             self.stop()
             raise
         return self.address
+
+    def _spawn(self) -> subprocess.Popen:
+        env = dict(os.environ)
+        env[AUTH_KEY_ENV] = self.auth_key.decode("ascii")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+        return subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, close_fds=True)
 
     def _read_address(self) -> str:
         assert self._process is not None and self._process.stdout is not None
@@ -90,6 +177,8 @@ class LocalWorkerServer:
                         )
                     line += chunk
         text = line.decode("utf-8", "replace").strip()
+        if text.startswith("error: "):
+            raise WorkerStartupError(f"local worker server could not start: {text[len('error: '):]}")
         if not text.startswith("listening on "):
             raise WorkerStartupError(f"local worker server printed {text!r} instead of 'listening on HOST:PORT'")
         return text[len("listening on ") :]
@@ -113,7 +202,7 @@ class LocalWorkerServer:
             self._socket_dir = None
 
     @staticmethod
-    def _stop_process(process: subprocess.Popen, timeout: float) -> None:
+    def _stop_process(process: Any, timeout: float) -> None:
         if process.poll() is None:
             process.terminate()
             try:

@@ -7,6 +7,7 @@ import queue
 import threading
 import types
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import cloudpickle
@@ -91,6 +92,24 @@ class _DeliveryCounter(IterDataPipe):
         self.datapipe, self._service = state["datapipe"], None
 
 
+def _shutdown_trainer_side(dp: DataPipe, timeout: float = 10.0) -> None:
+    """Stop the threads of a DataPipe kept in the trainer (fullsync's prefetcher) from ``finalize``.
+
+    Left to the garbage collector, ``FullSync.__del__`` joins its thread at an arbitrary
+    moment (FullSync and its executor form a reference cycle), which can deadlock a thread
+    start. FullSync's pending prefetch ends in an ``all_reduce`` that the other ranks' pending
+    prefetches pair with: let it finish instead of cancelling it on this rank only.
+    """
+    pending = list(getattr(getattr(dp, "_executor", None), "_futures", None) or ())
+    if pending and wait_futures(pending, timeout=timeout).not_done:
+        log.warning("trainer-side %s still waits for other ranks after %.0f s; not stopping it", type(dp).__name__, timeout)
+        return
+    try:
+        dp.shutdown()
+    except Exception:  # noqa: BLE001 - finalize must go on
+        log.warning("shutting down trainer-side %s failed", type(dp).__name__, exc_info=True)
+
+
 def _rebuild_service(config: bytes) -> "RPCReadingService":
     service = RPCReadingService.__new__(RPCReadingService)
     service._configure(**cloudpickle.loads(config))
@@ -132,6 +151,9 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             giving up (a graph that kills its process at the same item every time).
         pin_memory: Receive tensors straight into pinned (page-locked) memory when CUDA
             is available, for fast ``.to("cuda", non_blocking=True)``.
+        start_method: How local workers start: ``"fork"`` (default on POSIX with the
+            socket transport; milliseconds, as torch's DataLoader workers; the workers must
+            not use CUDA) or ``"spawn"`` (a fresh interpreter importing torch; a second or two).
         tls_ca_file: Connect to the workers over TLS, verifying their certificates (servers
             started with ``--tls-cert/--tls-key``) against this CA bundle (PEM). The HMAC
             auth-key handshake runs inside TLS as well. Remote workers only.
@@ -175,6 +197,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         tls_server_hostname: Optional[str] = None,
         transport_options: Optional[Dict[str, Any]] = None,
         pin_memory: bool = False,
+        start_method: Optional[str] = None,
         store: Optional[str] = None,
         job: str = "default",
         min_workers: Optional[int] = None,
@@ -201,6 +224,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             tls_server_hostname=tls_server_hostname,
             transport_options=dict(transport_options or {}),
             pin_memory=pin_memory,
+            start_method=start_method,
             store=store,
             job=job,
             min_workers=min_workers,
@@ -227,6 +251,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             raise ConfigurationError(
                 f"timeout ({config['timeout']} s) must exceed heartbeat_interval ({config['heartbeat_interval']} s)"
             )
+        if config.get("start_method") not in (None, "fork", "spawn"):
+            raise ConfigurationError(f"start_method must be 'fork' or 'spawn', got {config['start_method']!r}")
         if config["on_worker_failure"] not in ("raise", "reassign"):
             raise ConfigurationError(
                 f"on_worker_failure must be 'raise' or 'reassign', got {config['on_worker_failure']!r}"
@@ -320,7 +346,9 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         addresses = self._discovered or self._config["worker_addresses"]
         if addresses is None:
             self._auth_key = self._auth_key or new_auth_key()
-            self._local_server = LocalWorkerServer(self._auth_key, self._config["transport"])
+            self._local_server = LocalWorkerServer(
+                self._auth_key, self._config["transport"], start_method=self._config["start_method"]
+            )
             addresses = [self._local_server.start()]
         return [addresses[rank % len(addresses)] for rank in range(self.num_workers)]
 
@@ -515,14 +543,9 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             self._finalized = True
         if isinstance(self._end_datapipe, _DeliveryCounter):
             # Stop trainer-side threads (fullsync's prefetcher) while the workers still answer.
-            # Left to the garbage collector, FullSync.__del__ joins its thread at an arbitrary
-            # moment (fullsync and its executor form a cycle), which can deadlock a thread start.
             for dp in self._trainer_side_dps():
                 if callable(getattr(dp, "shutdown", None)):
-                    try:
-                        dp.shutdown()
-                    except Exception:  # noqa: BLE001 - finalize must go on
-                        log.warning("shutting down trainer-side %s failed", type(dp).__name__, exc_info=True)
+                    _shutdown_trainer_side(dp)
         channels, self._channels = self._channels, []
         if channels:
             with ThreadPoolExecutor(max_workers=min(32, len(channels))) as pool:

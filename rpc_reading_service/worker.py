@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from . import __version__
 from .addresses import format_address, is_loopback_host
@@ -211,6 +211,32 @@ class _StopServing(BaseException):
     """Raised by the SIGTERM/SIGINT handler to leave the accept loop at once."""
 
 
+def serve_until_signalled(server: Union["WorkerServer", Dict[str, Any]], announce: Callable[[str], Any]) -> int:
+    """Serve until SIGTERM/SIGINT; ``announce("listening on ADDRESS")`` once ready.
+
+    ``server`` is a :class:`WorkerServer` or the keyword arguments to build one (a
+    :class:`~rpc_reading_service.errors.ConfigurationError` then propagates). Returns 0.
+    """
+    if isinstance(server, dict):
+        server = WorkerServer(**server)
+    running = server
+
+    def stop_now(signum: int, _frame: object) -> None:
+        # Raising (rather than setting a flag) interrupts the accept loop's select at once,
+        # so stopping takes milliseconds; serve_forever's finally still reaps every session.
+        running.stop()
+        raise _StopServing(signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, stop_now)
+    announce(f"listening on {server.address}")
+    try:
+        server.serve_forever()
+    except _StopServing:
+        pass
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``rpc-reading-worker``."""
     parser = argparse.ArgumentParser(
@@ -300,21 +326,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Import the heavy libraries before the first fork, so sessions start warm.
     import torchdata.dataloader2  # noqa: F401
 
-    def stop_now(signum: int, _frame: object) -> None:
-        # Raising (rather than setting a flag) interrupts the accept loop's select at once,
-        # so stopping takes milliseconds; serve_forever's finally still reaps every session.
-        server.stop()
-        raise _StopServing(signum)
+    def announce(line: str) -> None:
+        print(line, flush=True)
+        if registration is not None:
+            registration.start(advertised, on_failure=server.stop)
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, stop_now)
-    print(f"listening on {server.address}", flush=True)
-    if registration is not None:
-        registration.start(advertised, on_failure=server.stop)
-    try:
-        server.serve_forever()
-    except _StopServing:
-        pass
+    serve_until_signalled(server, announce)
     if registration is not None:
         registration.stop()
         if registration.error is not None:
