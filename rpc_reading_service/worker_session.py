@@ -46,7 +46,7 @@ class SessionOptions:
     """Tunables the trainer sends in SETUP (defaults used until then)."""
 
     batch_max_items: int = 1024
-    batch_max_bytes: int = 4 * 1024 * 1024
+    batch_max_bytes: int = 1024 * 1024
     linger: float = 0.002
     heartbeat_interval: float = 1.0
     peer_timeout: float = 10.0
