@@ -20,6 +20,8 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequenc
 from .errors import ProtocolError, WorkerLostError, WorkerStartupError, describe_worker
 from .protocol import (
     EncodedItem,
+    Frame,
+    data_epoch,
     MessageKind,
     decode_control,
     decode_data,
@@ -43,7 +45,7 @@ class Event:
     channel: "WorkerChannel"
     kind: str  # "data", "end", "error" or "lost"
     epoch: Optional[int]
-    items: Sequence[EncodedItem] = ()
+    frame: Optional[Frame] = None  # a DATA frame, decoded by the consumer
     error: Optional[BaseException] = None
 
 
@@ -183,12 +185,12 @@ class WorkerChannel:
         if kind == MessageKind.HEARTBEAT:
             return
         if kind == MessageKind.DATA:
-            epoch, _sequence, items = decode_data(frame)
+            # Only the header here: the consumer decodes, so this thread holds the GIL briefly.
+            epoch = data_epoch(frame)
             if epoch == self.epoch:
                 self.stats.frames += 1
-                self.stats.items += len(items)
                 self.stats.bytes += frame.nbytes
-                self.queue.put(Event(self, "data", epoch, items))
+                self.queue.put(Event(self, "data", epoch, frame))
         elif kind == MessageKind.END_OF_SHARD:
             epoch, _count = decode_end_of_shard(frame)
             self.queue.put(Event(self, "end", epoch))
@@ -222,8 +224,11 @@ def _take(event: Event, epoch: int) -> List[Any]:
         assert event.error is not None
         raise event.error
     if event.kind == "data":
+        assert event.frame is not None
         event.channel.grant(epoch)
-        return loads_items(event.items)
+        _epoch, _sequence, items = decode_data(event.frame)
+        event.channel.stats.items += len(items)
+        return loads_items(items)
     return []
 
 
@@ -246,22 +251,34 @@ class EpochProgress:
     #: graph has trainer-side DataPipes; and whether that graph ended the epoch.
     delivered: Optional[int] = None
     delivered_all: bool = False
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._resumed_at = sum(self.consumed)  # a resumed epoch starts with the checkpoint's positions
 
     def count(self, rank: int, next_rank: Optional[int] = None) -> None:
-        """Record one item of worker ``rank`` handed on (consistently with :meth:`positions`)."""
-        with self.lock:
-            self.consumed[rank] += 1
-            if next_rank is not None:
-                self.next_rank = next_rank
-            self.yielded += 1
-            self.recent.append(rank)
+        """Record one item of worker ``rank`` handed on (hot path: no lock, see :meth:`positions`)."""
+        self.consumed[rank] += 1
+        if next_rank is not None:
+            self.next_rank = next_rank
+        self.recent.append(rank)
+        self.yielded += 1  # last: positions() checks it against the sum of ``consumed``
+
+    def _snapshot(self) -> Tuple[List[int], int, List[int], int, Optional[int]]:
+        # The iterating thread may count while another one checkpoints: copy until the copy is
+        # consistent. count() updates consumed, then recent, then yielded; copying in the
+        # reverse order and checking yielded around it catches any interleaving.
+        while True:
+            yielded, delivered = self.yielded, self.delivered
+            recent = list(self.recent)
+            next_rank = self.next_rank
+            consumed = list(self.consumed)
+            if sum(consumed) - self._resumed_at == yielded == self.yielded:
+                return consumed, next_rank, recent, yielded, delivered
 
     def positions(self) -> Tuple[List[int], int]:
         """``(consumed, next_rank)`` as of the last item the training loop received."""
-        with self.lock:
-            consumed, next_rank, recent = list(self.consumed), self.next_rank, list(self.recent)
-            undelivered = 0 if self.delivered is None else self.yielded - self.delivered
+        consumed, next_rank, recent, yielded, delivered = self._snapshot()
+        undelivered = 0 if delivered is None else yielded - delivered
         if not 0 <= undelivered <= len(recent):
             raise RuntimeError(
                 f"cannot checkpoint: the trainer-side DataPipes after the workers' part took {self.yielded} items and "

@@ -53,6 +53,7 @@ __all__ = [
     "EncodedItem",
     "encode_data",
     "decode_data",
+    "data_epoch",
     "ClientHandshake",
     "ServerHandshake",
     "HANDSHAKE_MAX_FRAME_BYTES",
@@ -299,12 +300,17 @@ def decode_credit(frame: Frame) -> Tuple[int, int]:
 
 
 # -- DATA frames: many items packed into one frame ---------------------------------------------
-@dataclass
 class EncodedItem:
     """One pickled item: its pickle stream and the out-of-band buffers it refers to."""
 
-    payload: Buffer
-    buffers: List[Buffer] = field(default_factory=list)
+    __slots__ = ("payload", "buffers")  # one per item on the hot path: keep it light
+
+    def __init__(self, payload: Buffer, buffers: Optional[List[Buffer]] = None):
+        self.payload = payload
+        self.buffers = buffers if buffers is not None else []
+
+    def __repr__(self) -> str:
+        return f"EncodedItem({len(self.payload)} bytes, {len(self.buffers)} buffers)"
 
     @property
     def nbytes(self) -> int:
@@ -332,29 +338,36 @@ def encode_data(epoch: int, sequence: int, items: Sequence[EncodedItem]) -> Tupl
     return body, buffers
 
 
+def data_epoch(frame: Frame) -> int:
+    """The epoch of a DATA frame, read from its header alone (to drop stale frames cheaply)."""
+    if len(frame.body) < _DATA_HEAD.size:
+        raise ProtocolError("DATA frame too short for its header")
+    return _DATA_HEAD.unpack_from(frame.body)[0]
+
+
 def decode_data(frame: Frame) -> Tuple[int, int, List[EncodedItem]]:
     """Unpack a DATA frame into ``(epoch, sequence, items)``, without copying payloads."""
     body = memoryview(frame.body)
     if len(body) < _DATA_HEAD.size:
         raise ProtocolError("DATA frame too short for its header")
     epoch, sequence, count = _DATA_HEAD.unpack_from(body)
-    offset = _DATA_HEAD.size
-    payload_offset = offset + count * _DATA_ITEM.size
-    if payload_offset > len(body):
+    table_end = _DATA_HEAD.size + count * _DATA_ITEM.size
+    if table_end > len(body):
         raise ProtocolError(f"DATA frame announces {count} items but is too short for their table")
+    table = list(_DATA_ITEM.iter_unpack(body[_DATA_HEAD.size : table_end]))
+    if table_end + sum(length for length, _ in table) != len(body) or sum(n for _, n in table) != len(frame.buffers):
+        raise ProtocolError("DATA frame item table does not match its body and buffers")
     items: List[EncodedItem] = []
-    buffer_index = 0
-    for _ in range(count):
-        length, n_buffers = _DATA_ITEM.unpack_from(body, offset)
-        offset += _DATA_ITEM.size
-        end = payload_offset + length
-        if end > len(body) or buffer_index + n_buffers > len(frame.buffers):
-            raise ProtocolError("DATA frame item table does not match its body and buffers")
-        items.append(EncodedItem(body[payload_offset:end], list(frame.buffers[buffer_index : buffer_index + n_buffers])))
-        payload_offset = end
+    offset, buffer_index, buffers = table_end, 0, frame.buffers
+    if not buffers:  # the common case for small items: no out-of-band buffers at all
+        for length, _ in table:
+            items.append(EncodedItem(body[offset : offset + length]))
+            offset += length
+        return epoch, sequence, items
+    for length, n_buffers in table:
+        items.append(EncodedItem(body[offset : offset + length], buffers[buffer_index : buffer_index + n_buffers]))
+        offset += length
         buffer_index += n_buffers
-    if payload_offset != len(body) or buffer_index != len(frame.buffers):
-        raise ProtocolError("DATA frame has trailing bytes or buffers its item table does not account for")
     return epoch, sequence, items
 
 
