@@ -493,7 +493,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         skip = progress.consumed[0]
         for index, item in enumerate(self._in_process_graph):  # type: ignore[arg-type]
             if index >= skip:
-                progress.consumed[0] += 1
+                progress.count(0)
                 yield item
         progress.finish()
 
@@ -609,6 +609,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
                 items_per_second=progress.consumed[channel.rank] / elapsed,
                 queue_depth=channel.queue.qsize() if self.in_order else 0,
                 wait_seconds=channel.stats.wait_seconds,
+                pid=channel.info.get("pid"),
             )
             for channel in self._channels
         ]

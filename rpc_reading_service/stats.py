@@ -8,7 +8,7 @@ the trainer starves and more workers (or cheaper preprocessing) would help.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 __all__ = ["WorkerStats", "ReadingServiceStats"]
 
@@ -26,6 +26,7 @@ class WorkerStats:
     items_per_second: float
     queue_depth: int
     wait_seconds: float
+    pid: Optional[int] = None  # the session's process id on its host
 
 
 @dataclass
