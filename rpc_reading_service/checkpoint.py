@@ -16,7 +16,13 @@ from torchdata.dataloader2.graph import DataPipe, list_dps, traverse_dps
 
 from .errors import ConfigurationError
 
-__all__ = ["CHECKPOINT_VERSION", "ReadingServiceState", "graph_fingerprint", "seed_generator_state", "load_seed_generator_state"]
+__all__ = [
+    "CHECKPOINT_VERSION",
+    "ReadingServiceState",
+    "graph_fingerprint",
+    "seed_generator_state",
+    "load_seed_generator_state",
+]
 
 CHECKPOINT_VERSION = 1
 
@@ -89,12 +95,15 @@ class ReadingServiceState:
         except TypeError as exc:
             raise ConfigurationError(f"malformed RPCReadingService checkpoint: {exc}") from exc
 
-    def check_compatible(self, num_workers: int, graph: List[str], dist_rank: int = 0, dist_world_size: int = 1) -> None:
+    def check_compatible(
+        self, num_workers: int, graph: List[str], dist_rank: int = 0, dist_world_size: int = 1
+    ) -> None:
         """Refuse to resume with another number of workers, another graph, or another trainer rank."""
         if (dist_rank, dist_world_size) != (self.dist_rank, self.dist_world_size):
             raise ConfigurationError(
-                f"checkpoint was taken by trainer rank {self.dist_rank} of {self.dist_world_size}, this is rank "
-                f"{dist_rank} of {dist_world_size}: each rank must resume from its own state, with the same world size"
+                f"checkpoint was taken by trainer rank {self.dist_rank} of {self.dist_world_size}, this is "
+                f"rank {dist_rank} of {dist_world_size}: each rank must resume from its own state, with the "
+                "same world size"
             )
         if num_workers != self.num_workers:
             raise ConfigurationError(

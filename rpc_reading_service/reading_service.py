@@ -102,7 +102,9 @@ def _shutdown_trainer_side(dp: DataPipe, timeout: float = 10.0) -> None:
     """
     pending = list(getattr(getattr(dp, "_executor", None), "_futures", None) or ())
     if pending and wait_futures(pending, timeout=timeout).not_done:
-        log.warning("trainer-side %s still waits for other ranks after %.0f s; not stopping it", type(dp).__name__, timeout)
+        log.warning(
+            "trainer-side %s still waits for other ranks after %.0f s; not stopping it", type(dp).__name__, timeout
+        )
         return
     try:
         dp.shutdown()

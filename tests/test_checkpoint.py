@@ -1,0 +1,349 @@
+"""Mid-epoch checkpoint/resume: ``DataLoader2.state_dict()`` then ``from_state``/``load_state_dict``.
+
+The resumed run must continue with exactly the items, in exactly the order, of the
+uninterrupted run (the same multiset with ``in_order=False``), and the epochs after it
+must match too. The graph has randomness both before the sharding point (a shuffle with
+the shared seed) and after it (a map drawing from ``random``, seeded per worker).
+
+Workers are sessions on one keyed server shared by the module (a fork per session,
+fast); one test uses ``RPCReadingService(num_workers=N)``'s own local workers, one runs on
+each other registered transport. Trainer-side DataPipes that read ahead (as fullsync does)
+must not make a checkpoint skip the items they hold. Multi-trainer checkpoints (with
+DistributedReadingService and fullsync) are in ``test_multi_trainer.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import random
+from typing import Any, Callable
+
+import pytest
+from conftest import start_server
+from torchdata.dataloader2 import DataLoader2, SequentialReadingService
+from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
+
+from rpc_reading_service import ConfigurationError, RPCReadingService, available_transports
+from rpc_reading_service.checkpoint import CHECKPOINT_VERSION, ReadingServiceState
+from rpc_reading_service.client import EpochProgress
+
+SEED = 1234
+N_ITEMS = 23  # shards of 3 workers: 8, 8, 7 (uneven on purpose)
+EPOCHS = 2
+RS_STATE = "reading_service_state"
+
+
+def tag(x: int) -> tuple[int, int]:
+    """Randomness after the sharding point: a per-worker-seeded draw from ``random``."""
+    return (x, random.randint(0, 10**9))
+
+
+def make_graph(n: int = N_ITEMS):
+    return IterableWrapper(range(n)).shuffle().sharding_filter().map(tag)
+
+
+class ReadAhead(IterDataPipe):
+    """A trainer-side DataPipe (not replicable) that holds ``k`` items, as fullsync's prefetch holds one."""
+
+    def __init__(self, source, k: int):
+        self.source, self.k = source, k
+
+    def is_replicable(self) -> bool:
+        return False
+
+    def __iter__(self):
+        buffer: collections.deque = collections.deque()
+        for item in self.source:
+            buffer.append(item)
+            if len(buffer) > self.k:
+                yield buffer.popleft()
+        while buffer:
+            yield buffer.popleft()
+
+
+def read_ahead_graph():
+    return ReadAhead(make_graph(), 5)
+
+
+def other_graph():
+    return IterableWrapper(range(N_ITEMS)).sharding_filter().map(tag).batch(2)
+
+
+@pytest.fixture(scope="module")
+def rs_factory(worker_server):
+    """``make(num_workers, **kwargs)``: a fresh RPCReadingService (num_workers=0 runs in process)."""
+
+    def make(num_workers: int, **kwargs: Any) -> RPCReadingService:
+        if num_workers == 0:
+            return RPCReadingService(num_workers=0, **kwargs)
+        return RPCReadingService(
+            num_workers=num_workers,
+            worker_addresses=[worker_server.address],
+            auth_key=worker_server.key,
+            **kwargs,
+        )
+
+    return make
+
+
+_reference_cache: dict = {}
+
+
+def reference(make_rs: Callable[[], Any], key: Any) -> list[list[Any]]:
+    """The uninterrupted run: ``EPOCHS`` epochs with ``dl.seed(SEED)``."""
+    if key not in _reference_cache:
+        dl = DataLoader2(make_graph(), reading_service=make_rs())
+        dl.seed(SEED)
+        try:
+            _reference_cache[key] = [list(dl) for _ in range(EPOCHS)]
+        finally:
+            dl.shutdown()
+    return _reference_cache[key]
+
+
+def interrupted_run(
+    make_rs: Callable[[], Any],
+    epoch: int | None,
+    position: int | None,
+    how: str = "from_state",
+    graph: Callable[[], Any] = make_graph,
+) -> tuple[list[list[Any]], dict]:
+    """Run to the cut, take ``state_dict()``, shut down, restore in a new DataLoader2 and finish.
+
+    Cut at ``position`` items into epoch ``epoch`` (its iterator created), or, with
+    ``position=None``, between epoch ``epoch`` and the next (``epoch=-1``: before any
+    iteration). Returns the items of every epoch (before + after the cut) and the state.
+    """
+    dl = DataLoader2(graph(), reading_service=make_rs())
+    dl.seed(SEED)
+    epochs: list[list[Any]] = []
+    try:
+        for _ in range(epoch + (1 if position is None else 0)):
+            epochs.append(list(dl))
+        if position is not None:
+            it = iter(dl)
+            epochs.append([next(it) for _ in range(position)])
+        state = dl.state_dict()
+    finally:
+        dl.shutdown()
+
+    if how == "from_state":
+        dl2 = DataLoader2.from_state(state, make_rs())
+    else:
+        dl2 = DataLoader2(graph(), reading_service=make_rs())
+        dl2.load_state_dict(state)
+    try:
+        if position is not None:
+            epochs[-1].extend(dl2)  # the rest of the interrupted epoch
+        while len(epochs) < EPOCHS:
+            epochs.append(list(dl2))
+    finally:
+        dl2.shutdown()
+    return epochs, state
+
+
+# (epoch, position): before anything; 0 items into epoch 0; mid-way; after the last item (no
+# StopIteration yet); between the epochs (after StopIteration); mid-way through epoch 1.
+CUTS = {
+    "before-iter": (-1, None),
+    "after-0-items": (0, 0),
+    "mid-epoch": (0, 10),
+    "after-last-item": (0, N_ITEMS),
+    "between-epochs": (0, None),
+    "mid-epoch-2": (1, 13),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers", [0, 1, 3])
+@pytest.mark.parametrize("cut", list(CUTS), ids=list(CUTS))
+def test_resume_equals_uninterrupted_run(rs_factory, num_workers, cut):
+    make_rs = lambda: rs_factory(num_workers)  # noqa: E731
+    expected = reference(make_rs, ("in_order", num_workers))
+    assert sorted(x for x, _ in expected[0]) == list(range(N_ITEMS))
+    assert expected[0] != expected[1], "epochs should differ (fresh shared seed per epoch)"
+    epoch, position = CUTS[cut]
+    got, _ = _before_iter(make_rs) if epoch == -1 else interrupted_run(make_rs, epoch, position)
+    assert got == expected
+
+
+def _before_iter(make_rs):
+    """Checkpoint a DataLoader2 that was seeded but never iterated."""
+    dl = DataLoader2(make_graph(), reading_service=make_rs())
+    dl.seed(SEED)
+    state = dl.state_dict()
+    dl.shutdown()
+    dl2 = DataLoader2.from_state(state, make_rs())
+    try:
+        return [list(dl2) for _ in range(EPOCHS)], state
+    finally:
+        dl2.shutdown()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("num_workers, cut", [(0, "mid-epoch"), (3, "mid-epoch"), (3, "mid-epoch-2")])
+def test_resume_with_load_state_dict(rs_factory, num_workers, cut):
+    make_rs = lambda: rs_factory(num_workers)  # noqa: E731
+    expected = reference(make_rs, ("in_order", num_workers))
+    got, _ = interrupted_run(make_rs, *CUTS[cut], how="load_state_dict")
+    assert got == expected
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cut", ["after-0-items", "mid-epoch", "after-last-item", "mid-epoch-2"])
+def test_resume_out_of_order_gives_the_same_multiset(rs_factory, cut):
+    make_rs = lambda: rs_factory(3, in_order=False)  # noqa: E731
+    # Per-worker streams are deterministic, so the in-order run holds the same items per epoch.
+    expected = reference(lambda: rs_factory(3), ("in_order", 3))
+    got, _ = interrupted_run(make_rs, *CUTS[cut])
+    assert [sorted(epoch) for epoch in got] == [sorted(epoch) for epoch in expected]
+    for items in got:
+        assert len(items) == len(set(items)) == N_ITEMS  # exactly once, nothing replayed twice
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "cut, in_order",
+    [("mid-epoch", True), ("after-last-item", True), ("mid-epoch-2", True), ("mid-epoch", False)],
+)
+def test_items_held_by_trainer_side_datapipes_are_not_lost(rs_factory, cut, in_order):
+    """A trainer-side DataPipe after the stream (here reading 5 ahead) holds items taken from the
+    workers but not yet delivered: the checkpoint must record what the training loop received."""
+    make_rs = lambda: rs_factory(3, in_order=in_order)  # noqa: E731
+    expected = reference(lambda: rs_factory(3), ("in_order", 3))
+    got, _ = interrupted_run(make_rs, *CUTS[cut], graph=read_ahead_graph)
+    if in_order:
+        assert got == expected
+    else:
+        assert [sorted(epoch) for epoch in got] == [sorted(epoch) for epoch in expected]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", [t for t in available_transports() if t != "socket"])
+def test_resume_on_other_transports(rs_factory, tmp_path, transport):
+    """Positions are counted by the trainer and skipped by the worker: no transport is special."""
+    server = start_server(tmp_path, args=["--transport", transport])
+    try:
+        make_rs = lambda: RPCReadingService(  # noqa: E731
+            num_workers=3, worker_addresses=[server.address], auth_key=server.key, transport=transport
+        )
+        got, _ = interrupted_run(make_rs, 0, 10)
+    finally:
+        server.stop()
+    assert got == reference(lambda: rs_factory(3), ("in_order", 3))  # the socket transport's run
+
+
+@pytest.mark.timeout(60)
+def test_resume_with_local_workers(rs_factory):
+    """The default path: ``RPCReadingService(num_workers=3)`` starts its own local workers."""
+    make_rs = lambda: RPCReadingService(num_workers=3)  # noqa: E731
+    got, _ = interrupted_run(make_rs, 0, 10)
+    # Local workers shard and seed exactly as sessions on a shared server do.
+    assert got == reference(lambda: rs_factory(3), ("in_order", 3))
+
+
+@pytest.mark.timeout(60)
+def test_resume_through_sequential_reading_service(rs_factory):
+    """``SequentialReadingService`` checkpoints each member; ours restores mid-epoch."""
+    make_rs = lambda: SequentialReadingService(rs_factory(3))  # noqa: E731
+    expected = reference(lambda: rs_factory(3), ("in_order", 3))
+    got, state = interrupted_run(make_rs, 0, 9)
+    assert got == expected
+    assert len(state[RS_STATE]) < 2048
+
+
+@pytest.mark.timeout(60)
+def test_state_is_small_versioned_and_holds_positions_not_data(rs_factory):
+    dl = DataLoader2(make_graph(1000), reading_service=rs_factory(3))
+    dl.seed(SEED)
+    try:
+        it = iter(dl)
+        for _ in range(500):
+            next(it)
+        state = dl.state_dict()
+    finally:
+        dl.shutdown()
+    raw = state[RS_STATE]
+    assert isinstance(raw, bytes) and len(raw) < 2048, len(raw)
+    values = json.loads(raw)  # plain JSON: nothing to unpickle
+    assert values["version"] == CHECKPOINT_VERSION
+    assert values["num_workers"] == 3
+    assert values["in_epoch"] is True and values["epoch"] == 1
+    assert sum(values["consumed"]) == 500
+    assert values["consumed"] == [167, 167, 166] and values["next_rank"] == 2  # round-robin position
+
+
+def _state_of(make_rs, graph) -> dict:
+    dl = DataLoader2(graph, reading_service=make_rs())
+    dl.seed(SEED)
+    try:
+        it = iter(dl)
+        next(it)
+        return dl.state_dict()
+    finally:
+        dl.shutdown()
+
+
+def _resume(state, rs) -> None:
+    dl = DataLoader2.from_state(state, rs)
+    try:
+        list(dl)
+    finally:
+        dl.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_state_of_other_num_workers_is_refused(rs_factory):
+    state = _state_of(lambda: rs_factory(3), make_graph())
+    with pytest.raises(ConfigurationError, match=r"num_workers=3.*num_workers=2.*same number of workers"):
+        _resume(state, rs_factory(2))
+    with pytest.raises(ConfigurationError, match="num_workers"):
+        _resume(state, rs_factory(0))
+
+
+@pytest.mark.timeout(60)
+def test_state_of_other_graph_is_refused(rs_factory):
+    state = _state_of(lambda: rs_factory(1), make_graph())
+    mixed = dict(_state_of(lambda: rs_factory(1), other_graph()))
+    mixed[RS_STATE] = state[RS_STATE]  # our positions, someone else's graph
+    with pytest.raises(ConfigurationError, match="different DataPipe graph"):
+        _resume(mixed, rs_factory(1))
+
+
+def test_other_versions_and_garbage_are_refused():
+    good = ReadingServiceState(
+        num_workers=2, graph=["a.B"], epoch=1, epoch_seed=5, consumed=[1, 2], in_epoch=True
+    )
+    assert ReadingServiceState.from_bytes(good.to_bytes()) == good
+    future = json.loads(good.to_bytes())
+    future["version"] = CHECKPOINT_VERSION + 1
+    with pytest.raises(ConfigurationError, match="version"):
+        ReadingServiceState.from_bytes(json.dumps(future).encode())
+    with pytest.raises(ConfigurationError, match="not an RPCReadingService checkpoint"):
+        ReadingServiceState.from_bytes(b"\x80\x04garbage")
+    with pytest.raises(ConfigurationError):
+        ReadingServiceState.from_bytes(b"[1, 2]")
+    with pytest.raises(ConfigurationError, match="malformed"):
+        ReadingServiceState.from_bytes(json.dumps({"version": CHECKPOINT_VERSION, "bogus": 1}).encode())
+
+
+def test_state_of_another_trainer_rank_is_refused():
+    state = ReadingServiceState(num_workers=2, graph=["a.B"], dist_rank=1, dist_world_size=2)
+    state.check_compatible(2, ["a.B"], dist_rank=1, dist_world_size=2)
+    with pytest.raises(ConfigurationError, match="taken by trainer rank 1 of 2, this is rank 0 of 2"):
+        state.check_compatible(2, ["a.B"], dist_rank=0, dist_world_size=2)
+    with pytest.raises(ConfigurationError, match="same world size"):
+        state.check_compatible(2, ["a.B"], dist_rank=1, dist_world_size=4)
+
+
+def test_positions_give_back_items_not_yet_delivered():
+    progress = EpochProgress(1, [0, 0, 0])
+    for rank, next_rank in [(0, 1), (1, 2), (2, 0), (0, 1)]:
+        progress.count(rank, next_rank)
+    assert progress.positions() == ([2, 1, 1], 1)  # no trainer-side DataPipes: all delivered
+    progress.delivered = 2  # the last two (ranks 2 and 0) still sit in a trainer-side buffer
+    assert progress.positions() == ([1, 1, 0], 2)
+    progress.delivered = 5  # a trainer-side DataPipe that makes items: cannot be checkpointed
+    with pytest.raises(RuntimeError, match="one for one"):
+        progress.positions()
