@@ -32,7 +32,42 @@ from typing import Any, List, Optional
 from .errors import ConfigurationError, WorkerStartupError
 from .keys import AUTH_KEY_ENV
 
-__all__ = ["LocalWorkerServer"]
+__all__ = ["LocalWorkerServer", "read_line", "read_listening_address"]
+
+
+def read_line(process: Any, timeout: float) -> str:
+    """The next line ``process`` writes to its stdout pipe, within ``timeout`` seconds.
+
+    Raises ``TimeoutError`` when no full line came in time and ``EOFError`` when the
+    process closed its stdout (exited) first.
+    """
+    deadline = time.monotonic() + timeout
+    line = b""
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no line within {timeout:.0f} s (got {line!r})")
+            if selector.select(remaining):
+                chunk = os.read(process.stdout.fileno(), 1)  # one byte: never read past the line
+                if not chunk:
+                    raise EOFError(f"exited with code {process.wait(5)} (printed {line!r})")
+                line += chunk
+    return line.decode("utf-8", "replace").strip()
+
+
+def read_listening_address(process: Any, timeout: float) -> str:
+    """Wait for a worker server's ``listening on ADDRESS`` line and return ADDRESS.
+
+    A forked server reports ``error: ...`` instead when it could not start.
+    """
+    text = read_line(process, timeout)
+    if text.startswith("error: "):
+        raise WorkerStartupError(f"local worker server could not start: {text[len('error: '):]}")
+    if not text.startswith("listening on "):
+        raise WorkerStartupError(f"worker server printed {text!r} instead of 'listening on HOST:PORT'")
+    return text[len("listening on ") :]
 
 
 class _ForkedProcess:
@@ -157,31 +192,12 @@ class LocalWorkerServer:
         return subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, close_fds=True)
 
     def _read_address(self) -> str:
-        assert self._process is not None and self._process.stdout is not None
-        deadline = time.monotonic() + self.startup_timeout
-        line = b""
-        with selectors.DefaultSelector() as selector:
-            selector.register(self._process.stdout, selectors.EVENT_READ)
-            while not line.endswith(b"\n"):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise WorkerStartupError(
-                        f"local worker server did not start listening within {self.startup_timeout:.0f} s"
-                    )
-                if selector.select(remaining):
-                    chunk = os.read(self._process.stdout.fileno(), 256)
-                    if not chunk:
-                        code = self._process.wait(timeout=5)
-                        raise WorkerStartupError(
-                            f"local worker server exited with code {code} before listening; its error output is above"
-                        )
-                    line += chunk
-        text = line.decode("utf-8", "replace").strip()
-        if text.startswith("error: "):
-            raise WorkerStartupError(f"local worker server could not start: {text[len('error: '):]}")
-        if not text.startswith("listening on "):
-            raise WorkerStartupError(f"local worker server printed {text!r} instead of 'listening on HOST:PORT'")
-        return text[len("listening on ") :]
+        try:
+            return read_listening_address(self._process, self.startup_timeout)
+        except TimeoutError as exc:
+            raise WorkerStartupError(f"local worker server did not start listening: {exc}") from exc
+        except EOFError as exc:
+            raise WorkerStartupError(f"local worker server {exc}; its error output is above") from exc
 
     def alive(self) -> bool:
         """True while the server process runs."""

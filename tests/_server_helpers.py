@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import selectors
 import signal
 import socket
 import subprocess
@@ -22,6 +21,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 from rpc_reading_service import __version__
 from rpc_reading_service.addresses import parse_address
+from rpc_reading_service.local_fleet import read_line, read_listening_address  # noqa: F401 - re-exported for tests
 from rpc_reading_service.protocol import (
     HANDSHAKE_KINDS,
     ClientHandshake,
@@ -104,31 +104,12 @@ def start_server(workdir: Path, args: Sequence[str] = (), key: Optional[str] = N
         )  # fmt: skip
     server = Server(proc, "", key, log_path)
     try:
-        server.address = _read_listening_line(proc, timeout)
+        server.address = read_listening_address(proc, timeout)
     except BaseException:
         server.stop()
         raise
     return server
 
-
-def _read_listening_line(proc: subprocess.Popen, timeout: float) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    line = b""
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"server printed {line!r} in {timeout} s, no 'listening on' line")
-            if selector.select(remaining):
-                chunk = os.read(proc.stdout.fileno(), 256)
-                if not chunk:
-                    raise RuntimeError(f"server exited with {proc.wait(5)} before listening (printed {line!r})")
-                line += chunk
-    text = line.decode().strip()
-    assert text.startswith("listening on "), text
-    return text[len("listening on ") :]
 
 
 @contextlib.contextmanager
@@ -285,24 +266,6 @@ def reap(proc: subprocess.Popen) -> None:
             with contextlib.suppress(OSError):
                 stream.close()
 
-
-def read_line(proc: subprocess.Popen, timeout: float) -> str:
-    """One line of ``proc``'s stdout within ``timeout`` seconds."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    line = b""
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"no line within {timeout} s (got {line!r})")
-            if selector.select(remaining):
-                chunk = os.read(proc.stdout.fileno(), 1)
-                if not chunk:
-                    raise RuntimeError(f"process exited with {proc.wait(5)} (printed {line!r})")
-                line += chunk
-    return line.decode().strip()
 
 
 def big_item(item: int) -> tuple:

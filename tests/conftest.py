@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import selectors
 import signal
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
 import pytest
+
+from rpc_reading_service.local_fleet import read_listening_address
 
 AUTH_KEY_ENV = "RPC_READING_SERVICE_AUTH_KEY"
 VENV_BIN = Path(sys.executable).parent
@@ -109,23 +110,7 @@ def process_alive(pid: int) -> bool:
 
 def read_listening_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
     """Read the server's first stdout line (``listening on HOST:PORT``) and return the address."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    line = b""
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        while not line.endswith(b"\n"):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"server printed {line!r} within {timeout} s, no 'listening on' line")
-            if selector.select(remaining):
-                chunk = os.read(proc.stdout.fileno(), 256)
-                if not chunk:
-                    raise RuntimeError(f"server exited with {proc.wait(5)} before listening (printed {line!r})")
-                line += chunk
-    text = line.decode().strip()
-    assert text.startswith("listening on "), text
-    return text[len("listening on ") :]
+    return read_listening_address(proc, timeout)
 
 
 def start_server(
