@@ -167,18 +167,26 @@ class SocketConnection(Connection):
             except OSError as exc:
                 raise PeerLostError(f"lost connection to {self.peer}: {exc}") from exc
             if n == 0:
-                what = "in the middle of a frame" if self._reader.mid_frame else ""
-                raise PeerLostError(f"{self.peer} closed the connection {what}".rstrip())
+                raise self._closed_by_peer()
             return n
+
+    def _closed_by_peer(self) -> PeerLostError:
+        what = "in the middle of a frame" if self._reader.mid_frame else ""
+        return PeerLostError(f"{self.peer} closed the connection {what}".rstrip())
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            # The plain socket's shutdown (also for TLS: SSLSocket.shutdown would drop the SSL
+            # object under a thread that may still be reading); it wakes every waiting thread.
+            socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
         except OSError:
             pass
+        self._close_socket()
+
+    def _close_socket(self) -> None:
         self._sock.close()
 
     def release(self) -> None:
@@ -282,20 +290,10 @@ class TLSSocketConnection(SocketConnection):
                 self._wait(want_read, remaining)
                 continue
             if n == 0:
-                what = "in the middle of a frame" if self._reader.mid_frame else ""
-                raise PeerLostError(f"{self.peer} closed the connection {what}".rstrip())
+                raise self._closed_by_peer()
             return n
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            # The plain socket's shutdown: SSLSocket.shutdown would drop the SSL object under
-            # a thread that may still be reading. This wakes every thread waiting on the socket.
-            socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
-        except OSError:
-            pass
+    def _close_socket(self) -> None:
         with self._tls_lock:
             self._sock.close()
 
