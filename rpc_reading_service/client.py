@@ -361,14 +361,16 @@ def iterate_as_completed(
     """Yield items in arrival order from a queue shared by all channels."""
     epoch = progress.epoch
     current = {channel.rank: _Cursor(channel) for channel in channels}
-    running = len(channels)
-    while running:
+    finished: set[int] = set()  # ranks whose END_OF_SHARD arrived
+    while len(finished) < len(current):
         event = _next_frame(events, progress)
         cursor = current[event.channel.rank]
         if event.channel is not cursor.channel:
             continue  # left over from a replaced channel
         if event.kind == "end":
-            running -= 1
+            # A worker lost after its END is replaced too, and its replacement (which skips
+            # the whole shard) ends it again: count every rank once.
+            finished.add(cursor.channel.rank)
             continue
         _take_or_replace(cursor, event, epoch, replace)
         while cursor.pending:

@@ -1,0 +1,450 @@
+"""``RPCReadingService(on_worker_failure=...)`` against real faults: exactly-once recovery.
+
+A worker's session process is SIGKILLed (dies) or SIGSTOPped (hangs) at several points of
+an epoch, and the epoch is compared with a fault-free run of the same seeded graph:
+
+- ``"raise"``: :class:`WorkerLostError` naming the lost worker's rank and address, within
+  the ``timeout`` bound, after a prefix of the fault-free epoch.
+- ``"reassign"``: the lost worker's shard is replayed on a new session from the same seed,
+  skipping what the trainer already took; the epoch yields exactly the fault-free items (in
+  the same order with ``in_order=True``), including the randomness after the sharding
+  point, and so does the next epoch.
+
+The graph (three local workers) has uneven shards so that every kill point exists:
+worker 0 and 1 read 100 items each, worker 2 only 10 (``worker_init_fn``); worker 1's graph
+lingers after its last item before ending its shard, so the trainer can hold all of its
+items while its END_OF_SHARD is still to come.
+
+Also: remote servers (a session replaced on the same server; a whole server killed and
+its shards replayed on the other one), and a graph that kills its process at the same
+item every time (gives up after ``max_reassignments``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import random
+import re
+import signal
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import pytest
+from _server_helpers import wait_until
+from conftest import process_alive
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
+
+from rpc_reading_service import RPCReadingService, WorkerLostError
+
+TIMEOUT = 2.0  # the trainer's bound for a silent (stopped) worker
+HEARTBEAT = 0.5
+SEED = 5
+N = 300
+SHARDS = [100, 100, 10]  # items per worker rank (worker 2's shard is cut short)
+LINGER = 0.25  # worker 1 waits this long after its last item before ending its shard
+EPOCH_ITEMS = sum(SHARDS)
+
+
+# -- graph functions (module level: remote servers import them by reference) ------------------
+def tag(x: int) -> Tuple[int, int]:
+    """Some work, and randomness after the sharding point (per-worker seeds)."""
+    time.sleep(0.001)
+    return x, random.randint(0, 10**9)
+
+
+class LingerAtEnd(IterDataPipe):
+    """Yields its source's items, then waits ``seconds`` before ending."""
+
+    def __init__(self, datapipe: IterDataPipe, seconds: float):
+        self.datapipe, self.seconds = datapipe, seconds
+
+    def __iter__(self) -> Iterator[Any]:
+        yield from self.datapipe
+        time.sleep(self.seconds)
+
+
+def uneven_shards(datapipe: IterDataPipe, worker_info: Any) -> IterDataPipe:
+    if worker_info.worker_id == 1:
+        return LingerAtEnd(datapipe, LINGER)
+    if worker_info.worker_id == 2:
+        return datapipe.header(SHARDS[2])
+    return datapipe
+
+
+def exit_at(k: int, x: int) -> int:
+    """Kill the process at item ``k``, every time (a poison item)."""
+    if x == k:
+        os._exit(3)
+    return x
+
+
+def _graph(n: int = N) -> IterDataPipe:
+    return IterableWrapper(range(n)).shuffle().sharding_filter().map(tag)
+
+
+# -- helpers --------------------------------------------------------------------------------
+def _local_loader(**kwargs: Any) -> DataLoader2:
+    service = RPCReadingService(
+        num_workers=3, worker_init_fn=uneven_shards, timeout=TIMEOUT, heartbeat_interval=HEARTBEAT, **kwargs
+    )
+    dl = DataLoader2(_graph(), reading_service=service)
+    dl.seed(SEED)
+    return dl
+
+
+def _pids(dl: DataLoader2) -> List[Optional[int]]:
+    return [worker.pid for worker in dl.reading_service.stats().workers]
+
+
+def _consumed(dl: DataLoader2) -> List[int]:
+    return [worker.items_consumed for worker in dl.reading_service.stats().workers]
+
+
+def _assert_exactly_once(epoch: List[Any], reference: List[Any], in_order: bool) -> None:
+    ids = [x for x, _ in epoch]
+    assert len(ids) == len(set(ids)), "an item arrived twice"
+    assert sorted(epoch) == sorted(reference), "items lost, duplicated or with other random values"
+    if in_order:
+        assert epoch == reference
+
+
+def _wait_dead(pids: List[Optional[int]], timeout: float = 5.0) -> None:
+    alive = lambda: [pid for pid in pids if pid is not None and process_alive(pid)]  # noqa: E731
+    assert wait_until(lambda: not alive(), timeout), f"processes left behind: {alive()}"
+
+
+class _Victims:
+    """Signals session processes and ends them in cleanup (a stopped one too)."""
+
+    def __init__(self) -> None:
+        self.pids: List[int] = []
+
+    def hit(self, pid: Optional[int], fault: str) -> float:
+        assert pid is not None and pid != os.getpid()
+        self.pids.append(pid)
+        os.kill(pid, getattr(signal, fault))
+        return time.monotonic()
+
+    def cleanup(self) -> None:
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)  # also ends a stopped process
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture(scope="module")
+def reference() -> Dict[str, Any]:
+    """Two fault-free epochs of the local graph, and the shard sizes they had."""
+    dl = _local_loader()
+    try:
+        epochs = [list(dl)]
+        consumed = _consumed(dl)
+        epochs.append(list(dl))
+    finally:
+        dl.shutdown()
+    assert consumed == SHARDS, consumed
+    assert epochs[0] != epochs[1]  # a fresh seed every epoch
+    for epoch in epochs:
+        assert len({x for x, _ in epoch}) == len(epoch) == EPOCH_ITEMS
+    return {"epochs": epochs}
+
+
+# Kill points: (victim rank, when to strike given the per-rank consumed counts; None: right
+# after iter(dl), before the first item).
+POINTS: Dict[str, Tuple[int, Optional[Callable[[List[int]], bool]]]] = {
+    "before-first-item": (1, None),
+    "mid-epoch": (1, lambda consumed: consumed[1] == 40),
+    # The trainer took worker 1's last item; its END_OF_SHARD is held back by LINGER.
+    "end-of-shard": (1, lambda consumed: consumed[1] == SHARDS[1]),
+    # Worker 2's short shard is over (END received) while the others still stream.
+    "after-end-of-shard": (2, lambda consumed: consumed[2] == SHARDS[2] and sum(consumed) >= 40),
+}
+FAULTS = ["SIGKILL", "SIGSTOP"]
+
+
+class _Strike:
+    """What :func:`_epoch_with_fault` saw: the epoch's items, its error, and the victim."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.items: List[Any] = []
+        self.error: Optional[WorkerLostError] = None
+        self.at = 0.0  # time.monotonic() of the signal
+        self.error_at = 0.0
+        self.pids: List[Optional[int]] = []  # every worker's session pid when it struck
+        self.server_pid: Optional[int] = None  # the local worker server's
+        self.addresses: List[str] = []  # every worker's address
+
+    @property
+    def victim(self) -> Optional[int]:
+        return self.pids[self.rank] if self.pids else None
+
+
+def _epoch_with_fault(dl: DataLoader2, point: str, fault: str, victims: _Victims) -> _Strike:
+    """One epoch, signalling worker ``rank``'s session process at ``point``."""
+    rank, when = POINTS[point]
+    strike = _Strike(rank)
+
+    def hit() -> None:
+        strike.pids = _pids(dl)
+        strike.at = victims.hit(strike.victim, fault)
+
+    it = iter(dl)
+    strike.server_pid = dl.reading_service._local_server.pid
+    strike.addresses = dl.reading_service.worker_addresses
+    try:
+        if when is None:
+            hit()
+        for item in it:
+            strike.items.append(item)
+            if not strike.pids and when(_consumed(dl)):
+                hit()
+    except WorkerLostError as exc:
+        strike.error, strike.error_at = exc, time.monotonic()
+    assert strike.pids, f"the kill point {point!r} never came"
+    return strike
+
+
+def _assert_lost_error(error: BaseException, rank: int, address: str, fault: str, elapsed: float) -> None:
+    assert isinstance(error, WorkerLostError)
+    assert error.rank == rank and error.address == address
+    assert f"worker {rank} ({address})" in str(error)
+    bound = 1.5 if fault == "SIGKILL" else TIMEOUT + HEARTBEAT + 1.5
+    assert elapsed < bound, f"lost worker reported after {elapsed:.1f} s (bound {bound} s)"
+    if fault == "SIGSTOP":
+        assert "sent nothing" in str(error)
+
+
+# -- local workers: "raise" ---------------------------------------------------------------------
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("point", list(POINTS))
+def test_raise_names_the_lost_worker_within_the_bound(reference, point, fault):
+    dl = _local_loader(on_worker_failure="raise")
+    victims = _Victims()
+    try:
+        strike = _epoch_with_fault(dl, point, fault, victims)
+        items, error, rank = strike.items, strike.error, strike.rank
+        server_pid = strike.server_pid
+        address = strike.addresses[rank]
+        pids = list(strike.pids)
+        if error is None:
+            # Lost after its shard was complete (END received): this epoch is whole, and the
+            # loss is reported at the latest when the next epoch needs the worker.
+            assert point == "after-end-of-shard"
+            _assert_exactly_once(items, reference["epochs"][0], in_order=True)
+            with pytest.raises(WorkerLostError) as info:
+                list(dl)
+            error, strike.error_at = info.value, time.monotonic()
+        else:
+            assert items == reference["epochs"][0][: len(items)]  # a prefix of the fault-free epoch
+        _assert_lost_error(error, rank, address, fault, strike.error_at - strike.at)
+        # The error shut the other workers' sessions down (the victim may still be stopped).
+        _wait_dead([pid for r, pid in enumerate(pids) if r != rank], timeout=3)
+    finally:
+        victims.cleanup()
+        dl.shutdown()
+    _wait_dead([server_pid, *pids])  # the local server is gone, and every session
+
+
+# -- local workers: "reassign" ------------------------------------------------------------------
+REASSIGN_CASES = [(point, fault, True) for point in POINTS for fault in FAULTS] + [
+    (point, "SIGKILL", False) for point in POINTS
+] + [("mid-epoch", "SIGSTOP", False)]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("point,fault,in_order", REASSIGN_CASES)
+def test_reassign_yields_the_fault_free_epoch(reference, point, fault, in_order, caplog):
+    caplog.set_level(logging.WARNING, logger="rpc_reading_service.reading_service")
+    dl = _local_loader(on_worker_failure="reassign", in_order=in_order)
+    victims = _Victims()
+    try:
+        strike = _epoch_with_fault(dl, point, fault, victims)
+        assert strike.error is None, strike.error
+        first, rank, victim, pids_before = strike.items, strike.rank, strike.victim, strike.pids
+        # The next epoch after a reassignment: exactly once again.
+        second = list(dl)
+        pids_after = _pids(dl)
+        server_pid = strike.server_pid
+    finally:
+        victims.cleanup()
+        dl.shutdown()
+    _assert_exactly_once(first, reference["epochs"][0], in_order)
+    _assert_exactly_once(second, reference["epochs"][1], in_order)
+    # Only the lost worker was replaced (in this epoch, or when the next one needed it).
+    assert pids_after[rank] not in (None, victim)
+    others = [r for r in range(len(SHARDS)) if r != rank]
+    assert [pids_after[r] for r in others] == [pids_before[r] for r in others]
+    replayed = re.findall(rf"worker {rank} \(.*replaying its shard from item (\d+)", caplog.text)
+    replays = [int(n) for n in replayed]
+    assert len(replays) == 1, caplog.text
+    if point == "mid-epoch":
+        assert SHARDS[1] > replays[0] >= 40
+    elif point == "end-of-shard":
+        assert replays[0] == SHARDS[1]  # lost before its END_OF_SHARD: replayed to the end
+    elif point == "after-end-of-shard" and in_order:
+        assert replays[0] == 0  # this epoch did not need it any more; replaced for the next one
+    _wait_dead([server_pid, victim, *pids_before, *pids_after])
+
+
+def slow_tag(x: int) -> Tuple[int, int]:
+    time.sleep(0.002)
+    return x, random.randint(0, 10**9)
+
+
+def short_last_shard(datapipe: IterDataPipe, worker_info: Any) -> IterDataPipe:
+    return datapipe.header(5) if worker_info.worker_id == 2 else datapipe
+
+
+@pytest.mark.timeout(30)
+def test_reassign_out_of_order_counts_each_shard_end_once():
+    """in_order=False: a worker lost after its END_OF_SHARD is replaced, and the replacement
+    (skipping the whole shard) ends it again while the others still stream. That second END
+    must not end the epoch early (it did: items of the other workers went missing)."""
+
+    def loader() -> DataLoader2:
+        service = RPCReadingService(
+            num_workers=3, in_order=False, on_worker_failure="reassign", worker_init_fn=short_last_shard,
+            timeout=TIMEOUT, heartbeat_interval=HEARTBEAT,
+        )  # fmt: skip
+        graph = IterableWrapper(range(450)).shuffle().sharding_filter().map(slow_tag)
+        dl = DataLoader2(graph, reading_service=service)
+        dl.seed(SEED)
+        return dl
+
+    dl = loader()
+    try:
+        reference = [list(dl), list(dl)]
+    finally:
+        dl.shutdown()
+    dl, victims = loader(), _Victims()
+    try:
+        first = []
+        for item in dl:
+            first.append(item)
+            # Worker 2's 5 items are in and its END came right after; 250 more to go.
+            if not victims.pids and _consumed(dl)[2] == 5 and len(first) >= 60:
+                victims.hit(_pids(dl)[2], "SIGKILL")
+        second = list(dl)
+    finally:
+        victims.cleanup()
+        dl.shutdown()
+    assert victims.pids
+    _assert_exactly_once(first, reference[0], in_order=False)
+    _assert_exactly_once(second, reference[1], in_order=False)
+
+
+@pytest.mark.timeout(30)
+def test_reassign_gives_up_on_a_graph_that_kills_its_process_every_time():
+    """The poison item kills every replacement too: a WorkerLostError says so, no endless loop."""
+    service = RPCReadingService(
+        num_workers=3, on_worker_failure="reassign", max_reassignments=2,
+        timeout=TIMEOUT, heartbeat_interval=HEARTBEAT,
+    )  # fmt: skip
+    graph = IterableWrapper(range(60)).sharding_filter().map(functools.partial(exit_at, 17))
+    dl = DataLoader2(graph, reading_service=service)
+    start = time.monotonic()
+    try:
+        it = iter(dl)
+        server_pid = dl.reading_service._local_server.pid
+        pids = [pid for pid in _pids(dl) if pid is not None]
+        with pytest.raises(WorkerLostError) as info:
+            list(it)
+    finally:
+        dl.shutdown()
+    assert time.monotonic() - start < 15
+    error = info.value
+    assert error.rank == 17 % 3
+    assert "gave up after replaying worker 2's shard 2 times" in str(error)
+    assert "same item every time" in str(error)
+    _wait_dead([server_pid, *pids])
+
+
+
+# -- remote servers -------------------------------------------------------------------------------
+def _remote_loader(addresses: List[str], key: str, num_workers: int, in_order: bool = True) -> DataLoader2:
+    service = RPCReadingService(
+        num_workers=num_workers, worker_addresses=addresses, auth_key=key, on_worker_failure="reassign",
+        in_order=in_order, timeout=TIMEOUT, heartbeat_interval=HEARTBEAT,
+    )  # fmt: skip
+    dl = DataLoader2(_graph(200), reading_service=service)
+    dl.seed(SEED)
+    return dl
+
+
+def _wait_idle(server: Any, timeout: float = 5.0) -> None:
+    """Wait until the sessions of earlier loaders on ``server`` have ended."""
+    deadline = time.monotonic() + timeout
+    while server.session_pids() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not server.session_pids()
+
+
+def _two_epochs(dl: DataLoader2) -> List[List[Any]]:
+    try:
+        return [list(dl), list(dl)]
+    finally:
+        dl.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_remote_session_killed_is_replaced_on_the_same_server(fresh_server):
+    server = fresh_server()
+    addresses = [server.address, server.address]
+    reference = _two_epochs(_remote_loader(addresses, server.key, 2))
+    _wait_idle(server)
+    dl = _remote_loader(addresses, server.key, 2)
+    victims = _Victims()
+    try:
+        first = []
+        for item in dl:
+            first.append(item)
+            if len(first) == 50:
+                pids = _pids(dl)
+                assert sorted(pids) == sorted(server.session_pids())
+                victims.hit(pids[1], "SIGKILL")
+        second = list(dl)
+        pids_after = _pids(dl)
+        assert sorted(pids_after) == sorted(server.session_pids())  # the new session runs on the same server
+        assert dl.reading_service.worker_addresses == addresses
+    finally:
+        victims.cleanup()
+        dl.shutdown()
+    _assert_exactly_once(first, reference[0], in_order=True)
+    _assert_exactly_once(second, reference[1], in_order=True)
+    assert pids_after[0] == pids[0] and pids_after[1] not in (None, pids[1])
+    _wait_dead([*pids, *pids_after])
+    assert server.proc.poll() is None
+
+
+@pytest.mark.timeout(60)
+def test_killed_server_has_its_shards_replayed_on_the_other_server(fresh_server):
+    a = fresh_server()
+    b = fresh_server(key=a.key)
+    addresses = [a.address, b.address]
+    reference = _two_epochs(_remote_loader(addresses, a.key, 4))
+    _wait_idle(a)
+    _wait_idle(b)
+    dl = _remote_loader(addresses, a.key, 4)
+    try:
+        first = []
+        for item in dl:
+            first.append(item)
+            if len(first) == 60:
+                assert dl.reading_service.worker_addresses == [a.address, b.address, a.address, b.address]
+                os.killpg(a.pid, signal.SIGKILL)  # the server and every session it forked
+        second = list(dl)
+        assert dl.reading_service.worker_addresses == [b.address] * 4
+        pids_after = _pids(dl)
+        assert sorted(pids_after) == sorted(b.session_pids())
+    finally:
+        dl.shutdown()
+    _assert_exactly_once(first, reference[0], in_order=True)
+    _assert_exactly_once(second, reference[1], in_order=True)
+    _wait_dead(pids_after)
+    assert b.proc.poll() is None
