@@ -21,6 +21,7 @@ import types
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import cloudpickle
+import numpy
 import torch
 
 from .errors import RemoteWorkerError, describe_worker
@@ -126,11 +127,18 @@ def buffer_allocator(pin_memory: bool) -> Callable[[int], Any]:
     """Memory that received out-of-band buffers (tensor storage) land in.
 
     With ``pin_memory`` and CUDA available, page-locked memory, so received tensors can go
-    to the GPU with ``non_blocking=True`` without another copy; otherwise ``bytearray``.
+    to the GPU with ``non_blocking=True`` without another copy; otherwise uninitialised
+    memory (every byte is written by the receive before anyone reads it).
     """
     if pin_memory and torch.cuda.is_available():
         return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-    return bytearray
+    # Not bytearray: it zero-fills every buffer that recv_into is about to overwrite, which
+    # cost about half of the trainer's receive time on 8 MiB tensors.
+    return _uninitialised_bytes
+
+
+def _uninitialised_bytes(nbytes: int) -> Any:
+    return numpy.empty(nbytes, dtype=numpy.uint8)
 
 
 # -- graphs ------------------------------------------------------------------------------------
