@@ -1,0 +1,126 @@
+"""Workloads shared by ``bench.py`` and the processes it starts.
+
+Everything here lives at module level so that plain pickle (rpcdataloader) and
+cloudpickle (RPCReadingService) ship it by reference: every process the benchmark
+starts gets this directory on ``PYTHONPATH``.  The module imports only the standard
+library at import time; torch and torchdata are imported inside the functions that
+need them, so the raw-socket sender (``python -m workloads raw-sender ...``) starts in
+milliseconds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import socket
+import sys
+import time
+
+MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What one epoch yields: ``n_items`` items of one kind.
+
+    kind: ``"ints"`` (the index itself), ``"tensor"`` (a fresh ``torch.uint8`` tensor
+    of ``item_bytes`` bytes) or ``"sleep"`` (the index, after ``sleep_s`` seconds of
+    sleep in the producing worker).
+    """
+
+    kind: str
+    n_items: int
+    item_bytes: int = 0
+    sleep_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Workload":
+        return cls(**data)
+
+
+def make_tensor(index: int, nbytes: int):
+    """A fresh, uninitialised ``nbytes``-byte uint8 tensor (cheap to make)."""
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def sleep_then_return(index: int, seconds: float) -> int:
+    """A sleep-bound stage: ``map(lambda x: (time.sleep(s), x)[1])``."""
+    time.sleep(seconds)
+    return index
+
+
+def item_function(workload: Workload):
+    """The per-item map function of ``workload``, or None for plain ints."""
+    if workload.kind == "ints":
+        return None
+    if workload.kind == "tensor":
+        return functools.partial(make_tensor, nbytes=workload.item_bytes)
+    if workload.kind == "sleep":
+        return functools.partial(sleep_then_return, seconds=workload.sleep_s)
+    raise ValueError(f"unknown workload kind {workload.kind!r}")
+
+
+def build_datapipe(workload: Workload):
+    """``IterableWrapper(range(N)).sharding_filter()[.map(fn)]`` for ``workload``."""
+    from torchdata.datapipes.iter import IterableWrapper
+
+    datapipe = IterableWrapper(range(workload.n_items)).sharding_filter()
+    fn = item_function(workload)
+    return datapipe if fn is None else datapipe.map(fn)
+
+
+class MapDataset:
+    """The same workload as a map-style dataset (what rpcdataloader consumes)."""
+
+    def __init__(self, workload: dict):
+        self.workload = Workload.from_dict(workload)
+        self.fn = item_function(self.workload)
+
+    def __len__(self) -> int:
+        return self.workload.n_items
+
+    def __getitem__(self, index: int):
+        if not 0 <= index < self.workload.n_items:
+            raise IndexError(index)
+        return index if self.fn is None else self.fn(index)
+
+
+def connect(address: str) -> socket.socket:
+    """Connect to ``tcp:PORT`` (on 127.0.0.1) or ``unix:PATH``."""
+    kind, _, where = address.partition(":")
+    if kind == "tcp":
+        return socket.create_connection(("127.0.0.1", int(where)))
+    if kind == "unix":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(where)
+        return sock
+    raise ValueError(f"unknown address {address!r}")
+
+
+def raw_sender(address: str, nbytes: int, count: int) -> None:
+    """Connect to ``address`` and ``sendall`` the same ``nbytes`` buffer ``count`` times."""
+    buffer = bytes(nbytes)
+    with connect(address) as sock:
+        try:
+            for _ in range(count):
+                sock.sendall(buffer)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the receiver stopped early (time budget): not an error
+
+
+def main(argv: list[str]) -> int:
+    """``python -m workloads raw-sender tcp:PORT|unix:PATH NBYTES COUNT``."""
+    if len(argv) == 4 and argv[0] == "raw-sender":
+        raw_sender(argv[1], int(argv[2]), int(argv[3]))
+        return 0
+    print("usage: python -m workloads raw-sender tcp:PORT|unix:PATH NBYTES COUNT", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
