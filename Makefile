@@ -35,11 +35,11 @@ $(VENV)/bin/python:
 $(STAMP): $(VENV)/bin/python setup.cfg pyproject.toml
 	$(PIP) install "torch==$(TORCH_VERSION)"
 	$(PIP) install "torchdata==$(TORCHDATA_VERSION)"
-	$(PIP) install -e '.[test]'
+	$(PIP) install -e '.[test,examples]'
 	touch $(STAMP)
 
 $(BENCH_STAMP): $(STAMP)
-	$(PIP) install -e '.[test,bench]'
+	$(PIP) install -e '.[test,examples,bench]'
 	touch $(BENCH_STAMP)
 
 clean:
