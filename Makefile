@@ -5,7 +5,7 @@
 # would download a multi-GB CUDA build. With torch already present, torchdata and the
 # package's own `torch>=2` requirement install nothing more.
 #
-# $(STAMP) records that .venv is set up; it depends on setup.cfg and pyproject.toml, so the
+# $(STAMP) records that .venv is set up; it depends on setup.cfg, pyproject.toml and this Makefile, so the
 # install steps rerun only when those change (or after `make clean`).
 
 .POSIX:
@@ -32,7 +32,7 @@ bench: $(BENCH_STAMP)
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(VENV)/bin/python setup.cfg pyproject.toml
+$(STAMP): $(VENV)/bin/python setup.cfg pyproject.toml Makefile
 	$(PIP) install "torch==$(TORCH_VERSION)"
 	$(PIP) install "torchdata==$(TORCHDATA_VERSION)"
 	$(PIP) install -e '.[test,examples]'
