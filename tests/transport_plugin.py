@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from rpc_reading_service.protocol import Buffer, Frame
-from rpc_reading_service.transports.base import Allocator, Connection, Listener, Transport
+from rpc_reading_service.transports.base import Allocator, Connection, Transport, WrappingListener
 from rpc_reading_service.transports.socket_transport import SocketTransport
 
 PLUGIN_NAME = "test_plugin"
@@ -70,36 +70,10 @@ class CountingConnection(Connection):
         self._inner.set_max_frame_bytes(max_frame_bytes)
 
 
-class CountingListener(Listener):
-    supports_admission = True
-
-    def __init__(self, inner: Listener):
-        self._inner = inner
-        self.address = inner.address
-
-    @property  # type: ignore[override]
-    def admit(self) -> Any:
-        return self._inner.admit
-
-    @admit.setter
-    def admit(self, admit: Any) -> None:
-        self._inner.admit = admit
-
-    def queued(self) -> int:
-        return self._inner.queued()
-
-    def accept(self, timeout: Optional[float] = None) -> Optional[Connection]:
-        conn = self._inner.accept(timeout)
-        if conn is None:
-            return None
+class CountingListener(WrappingListener):
+    def wrap(self, conn: Connection) -> Connection:
         _log("accept")
         return CountingConnection(conn)
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def inheritable_fds(self) -> List[int]:
-        return self._inner.inheritable_fds()
 
 
 class CountingTransport(Transport):
@@ -114,6 +88,6 @@ class CountingTransport(Transport):
     def connect(self, address: str, auth_key: bytes, timeout: float, allocate: Optional[Allocator] = None) -> Connection:
         return CountingConnection(self._inner.connect(address, auth_key, timeout, allocate))
 
-    def listen(self, host: str, port: int, auth_key: bytes, handshake_timeout: float = 10.0) -> Listener:
+    def listen(self, host: str, port: int, auth_key: bytes, handshake_timeout: float = 10.0) -> WrappingListener:
         _log("listen")
         return CountingListener(self._inner.listen(host, port, auth_key, handshake_timeout))

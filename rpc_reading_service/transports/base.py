@@ -12,7 +12,7 @@ from typing import Callable, List, Optional, Sequence
 
 from ..protocol import Buffer, Frame
 
-__all__ = ["Connection", "Listener", "Transport", "PeerLostError", "Allocator"]
+__all__ = ["Connection", "Listener", "WrappingListener", "Transport", "PeerLostError", "Allocator"]
 
 Allocator = Callable[[int], Buffer]
 
@@ -87,6 +87,42 @@ class Listener(abc.ABC):
     def inheritable_fds(self) -> List[int]:
         """File descriptors a forked session process should close."""
         return []
+
+
+class WrappingListener(Listener):
+    """A listener that serves through another one (say, the socket transport's) and wraps
+    every connection it accepts with :meth:`wrap`. The usual base for a transport that
+    bootstraps over sockets."""
+
+    def __init__(self, inner: Listener):
+        self._inner = inner
+        self.address = inner.address
+        self.supports_admission = inner.supports_admission
+
+    @property  # type: ignore[override]
+    def admit(self) -> Optional[Callable[[str], Optional[str]]]:
+        return self._inner.admit
+
+    @admit.setter
+    def admit(self, admit: Optional[Callable[[str], Optional[str]]]) -> None:
+        self._inner.admit = admit
+
+    def wrap(self, conn: Connection) -> Connection:
+        """The connection to hand to the server for an accepted ``conn``."""
+        return conn
+
+    def queued(self) -> int:
+        return self._inner.queued()
+
+    def accept(self, timeout: Optional[float] = None) -> Optional[Connection]:
+        conn = self._inner.accept(timeout)
+        return None if conn is None else self.wrap(conn)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def inheritable_fds(self) -> List[int]:
+        return self._inner.inheritable_fds()
 
 
 class Transport(abc.ABC):

@@ -125,7 +125,7 @@ from ..protocol import (
     decode_control,
     encode_control,
 )
-from .base import Allocator, Connection, Listener, PeerLostError, Transport
+from .base import Allocator, Connection, PeerLostError, Transport, WrappingListener
 from .socket_transport import SocketConnection, SocketListener, SocketTransport
 
 __all__ = ["TorchRPCTransport", "TorchRPCConnection", "TorchRPCListener"]
@@ -908,38 +908,15 @@ class _SessionConnection(TorchRPCConnection):
             self._shutdown_agent()
 
 
-class TorchRPCListener(Listener):
+class TorchRPCListener(WrappingListener):
     """The socket listener of the worker server; sessions join RPC worlds after the fork."""
 
-    supports_admission = True
-
     def __init__(self, inner: SocketListener, max_frame_bytes: int):
-        self._inner = inner
+        super().__init__(inner)
         self._max_frame_bytes = max_frame_bytes
-        self.address = inner.address
 
-    @property  # type: ignore[override]
-    def admit(self) -> Any:
-        return self._inner.admit
-
-    @admit.setter
-    def admit(self, admit: Any) -> None:
-        self._inner.admit = admit
-
-    def queued(self) -> int:
-        return self._inner.queued()
-
-    def accept(self, timeout: Optional[float] = None) -> Optional[Connection]:
-        conn = self._inner.accept(timeout)
-        if conn is None:
-            return None
+    def wrap(self, conn: Connection) -> Connection:
         return _SessionConnection(conn, self._max_frame_bytes)
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def inheritable_fds(self) -> List[int]:
-        return self._inner.inheritable_fds()
 
     @property
     def refused_handshakes(self) -> int:
