@@ -207,33 +207,12 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         host_store: bool = False,
         discovery_timeout: float = 300.0,
     ) -> None:
-        self._configure(
-            num_workers=num_workers,
-            worker_addresses=list(worker_addresses) if worker_addresses is not None else None,
-            auth_key=auth_key,
-            transport=transport,
-            in_order=in_order,
-            prefetch=prefetch,
-            worker_init_fn=worker_init_fn,
-            worker_reset_fn=worker_reset_fn,
-            timeout=timeout,
-            connect_timeout=connect_timeout,
-            pickle_by_value=list(pickle_by_value),
-            heartbeat_interval=heartbeat_interval,
-            on_worker_failure=on_worker_failure,
-            max_reassignments=max_reassignments,
-            tls_ca_file=tls_ca_file,
-            tls_server_hostname=tls_server_hostname,
-            transport_options=dict(transport_options or {}),
-            pin_memory=pin_memory,
-            start_method=start_method,
-            store=store,
-            job=job,
-            min_workers=min_workers,
-            hostfile=hostfile,
-            host_store=host_store,
-            discovery_timeout=discovery_timeout,
-        )
+        config = dict(locals())  # exactly the parameters above, so the two cannot drift apart
+        del config["self"]
+        config["worker_addresses"] = list(worker_addresses) if worker_addresses is not None else None
+        config["pickle_by_value"] = list(pickle_by_value)
+        config["transport_options"] = dict(transport_options or {})
+        self._configure(**config)
 
     def _configure(self, **config: Any) -> None:
         """Check and store the configuration; opens nothing (DataLoader2 clones us by pickling)."""
