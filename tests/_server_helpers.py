@@ -30,6 +30,8 @@ from rpc_reading_service.protocol import (
     MessageKind,
 )
 
+from conftest import ServerProcess  # noqa: E402 - tests/ is on sys.path
+
 TESTS_DIR = Path(__file__).resolve().parent
 
 
@@ -38,28 +40,18 @@ def _pythonpath() -> str:
     return os.pathsep.join(dict.fromkeys(paths))
 
 
-class Server:
-    """A running ``rpc_reading_service.worker`` subprocess."""
-
-    def __init__(self, proc: subprocess.Popen, address: str, key: str, log_path: Path):
-        self.proc = proc
-        self.address = address
-        self.key = key
-        self.log_path = log_path
+class Server(ServerProcess):
+    """A running ``rpc_reading_service.worker`` subprocess, with helpers for fault tests."""
 
     @property
-    def pid(self) -> int:
-        return self.proc.pid
+    def log_path(self) -> Path:
+        return self.stderr_path
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def session_pids(self) -> List[int]:
-        """The server's live (non-zombie) children: its session processes."""
-        return children_of(self.pid)
+        return self.stderr()
 
     def rss_kib(self) -> int:
         return rss_kib(self.pid)
@@ -67,22 +59,6 @@ class Server:
     def wait_idle(self, timeout: float = 10.0) -> None:
         """Wait until no session process is left (earlier tests' sessions have ended)."""
         assert wait_until(lambda: not self.session_pids(), timeout), f"sessions still running: {self.session_pids()}"
-
-    def stop(self) -> None:
-        """Terminate the server, SIGKILL whatever is left of its process group, reap."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
 
 
 def start_server(workdir: Path, args: Sequence[str] = (), key: Optional[str] = None, timeout: float = 60.0) -> Server:
