@@ -19,6 +19,10 @@ from typing import Dict, List, Optional, Sequence
 
 import pytest
 
+# Tests talk to loopback only: gloo process groups (spawned trainers inherit this) would
+# otherwise use whatever address this host's name resolves to.
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
 from rpc_reading_service.local_fleet import read_listening_address
 
 AUTH_KEY_ENV = "RPC_READING_SERVICE_AUTH_KEY"
