@@ -72,6 +72,8 @@ class WorkerChannel:
         self.queue: "queue.SimpleQueue[Event]" = queue.SimpleQueue()
         self.stats = ChannelStats()
         self.info: Dict[str, Any] = {}
+        #: A loss noticed after this worker's shard ended, to report when the next epoch needs it.
+        self.held_loss: Optional[Event] = None
         self._closing = False
         self._receiver: Optional[threading.Thread] = None
         self._last_sent = time.monotonic()
@@ -358,15 +360,26 @@ def iterate_as_completed(
     progress: EpochProgress,
     replace: Optional[ReplaceFn] = None,
 ) -> Iterator[Any]:
-    """Yield items in arrival order from a queue shared by all channels."""
+    """Yield items in arrival order from a queue shared by all channels.
+
+    A worker lost after its shard ended is reported at the next epoch, which needs it (as
+    in order, where its own queue keeps the loss): this epoch has every one of its items.
+    """
     epoch = progress.epoch
     current = {channel.rank: _Cursor(channel) for channel in channels}
+    for channel in channels:
+        if channel.held_loss is not None:
+            events.put(channel.held_loss)
+            channel.held_loss = None
     finished: set[int] = set()  # ranks whose END_OF_SHARD arrived
     while len(finished) < len(current):
         event = _next_frame(events, progress)
         cursor = current[event.channel.rank]
         if event.channel is not cursor.channel:
             continue  # left over from a replaced channel
+        if event.kind == "lost" and replace is None and cursor.channel.rank in finished:
+            cursor.channel.held_loss = event
+            continue
         if event.kind == "end":
             # A worker lost after its END is replaced too, and its replacement (which skips
             # the whole shard) ends it again: count every rank once.

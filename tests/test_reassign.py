@@ -448,3 +448,22 @@ def test_killed_server_has_its_shards_replayed_on_the_other_server(fresh_server)
     _assert_exactly_once(second, reference[1], in_order=True)
     _wait_dead(pids_after)
     assert b.proc.poll() is None
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("in_order", [True, False])
+def test_raise_after_a_complete_shard_reports_at_the_next_epoch_in_both_orders(reference, in_order):
+    # The lost worker's items all arrived: the epoch completes in either order, and the next
+    # epoch, which needs that worker, raises.
+    dl = _local_loader(on_worker_failure="raise", in_order=in_order)
+    victims = _Victims()
+    try:
+        strike = _epoch_with_fault(dl, "after-end-of-shard", "SIGKILL", victims)
+        assert strike.error is None, strike.error
+        _assert_exactly_once(strike.items, reference["epochs"][0], in_order=in_order)
+        with pytest.raises(WorkerLostError) as info:
+            list(dl)
+        assert info.value.rank == strike.rank
+    finally:
+        victims.cleanup()
+        dl.shutdown()
