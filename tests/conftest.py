@@ -117,6 +117,16 @@ def read_listening_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
     return read_listening_address(proc, timeout)
 
 
+def run_epochs(datapipe, reading_service, n_epochs=2, seed=None):
+    """The items of ``n_epochs`` epochs of a DataLoader2 (seeded if ``seed``), shut down after."""
+    from torchdata.dataloader2 import DataLoader2
+
+    with DataLoader2(datapipe, reading_service=reading_service) as dl:
+        if seed is not None:
+            dl.seed(seed)
+        return [list(dl) for _ in range(n_epochs)]
+
+
 def start_server(
     tmp_path: Path,
     key: Optional[str] = None,

@@ -24,7 +24,8 @@ import torch.distributed.rpc as rpc
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from conftest import children_of, process_alive, start_server
+from _server_helpers import wait_until
+from conftest import run_epochs, children_of, process_alive, start_server
 from rpc_reading_service import ConfigurationError, RPCReadingService, WorkerLostError, WorkerStartupError
 from rpc_reading_service.errors import FrameTooLargeError, ProtocolError
 from rpc_reading_service.protocol import MessageKind, encode_control, encode_data, encode_frame
@@ -67,22 +68,6 @@ def cuda_item(x):
 
 def shuffled():
     return IterableWrapper(range(N_ITEMS)).shuffle().sharding_filter().map(with_noise)
-
-
-def run(dp, rs, n_epochs=2, seed=None):
-    with DataLoader2(dp, reading_service=rs) as dl:
-        if seed is not None:
-            dl.seed(seed)
-        return [list(dl) for _ in range(n_epochs)]
-
-
-def wait_for(condition, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def no_rpc_agent():
@@ -134,7 +119,7 @@ def listening_tcp_addresses():
 
 # -- end to end --------------------------------------------------------------------------------------
 def test_local_workers_give_the_socket_transports_order(worker_server):
-    expected = run(shuffled(), remote(worker_server, transport="socket"), seed=5)
+    expected = run_epochs(shuffled(), remote(worker_server, transport="socket"), seed=5)
     rpc_rs = RPCReadingService(num_workers=2, transport="torch_rpc", connect_timeout=30)
     with DataLoader2(shuffled(), reading_service=rpc_rs) as dl:
         dl.seed(5)
@@ -145,7 +130,7 @@ def test_local_workers_give_the_socket_transports_order(worker_server):
     assert got == expected
     assert all(sorted(x for x, _ in epoch) == list(range(N_ITEMS)) for epoch in got)
     assert got[0] != got[1]
-    assert wait_for(lambda: not process_alive(server_pid)), "local worker server left behind"
+    assert wait_until(lambda: not process_alive(server_pid), 5.0), "local worker server left behind"
     assert no_rpc_agent(), "the trainer's RPC world outlived its last connection"
 
 
@@ -162,12 +147,12 @@ def test_cli_server_with_more_sessions_than_addresses(rpc_server):
     assert all(torch.equal(item["t"], torch.full((40_000,), float(item["x"]))) for item in items)
     # A loopback world: the rendezvous store on 127.0.0.1, TensorPipe over shared memory only.
     assert listening and all(ip in ("127.0.0.1", "::1") for ip, _ in listening), listening
-    assert wait_for(lambda: not children_of(rpc_server.pid)), "session processes left behind"
+    assert wait_until(lambda: not children_of(rpc_server.pid), 5.0), "session processes left behind"
 
 
 def test_seeded_runs_repeat_against_the_cli_server(rpc_server):
-    first = run(shuffled(), remote(rpc_server), seed=9)
-    assert run(shuffled(), remote(rpc_server), seed=9) == first
+    first = run_epochs(shuffled(), remote(rpc_server), seed=9)
+    assert run_epochs(shuffled(), remote(rpc_server), seed=9) == first
     assert first[0] != first[1]
 
 
@@ -190,8 +175,8 @@ def test_early_break_then_next_epoch_then_bounded_shutdown(rpc_server):
     started = time.monotonic()
     dl.shutdown()
     assert time.monotonic() - started < 5.0
-    assert wait_for(lambda: not children_of(rpc_server.pid)), "session processes left behind"
-    assert wait_for(no_rpc_agent, 2.0)
+    assert wait_until(lambda: not children_of(rpc_server.pid), 5.0), "session processes left behind"
+    assert wait_until(no_rpc_agent, 2.0)
 
 
 def test_concurrent_loaders_share_one_world_and_departed_sessions_never_block_joins(rpc_server):
@@ -213,7 +198,7 @@ def test_concurrent_loaders_share_one_world_and_departed_sessions_never_block_jo
     finally:
         first.shutdown()
         second.shutdown()
-    assert wait_for(no_rpc_agent, 2.0)
+    assert wait_until(no_rpc_agent, 2.0)
 
 
 def test_a_dead_session_is_a_worker_lost_error_at_once(rpc_server):
@@ -224,22 +209,22 @@ def test_a_dead_session_is_a_worker_lost_error_at_once(rpc_server):
         with pytest.raises(WorkerLostError, match=rpc_server.address.replace(".", r"\.")):
             list(dl)
     assert time.monotonic() - started < 10.0
-    assert wait_for(lambda: not children_of(rpc_server.pid))
-    assert run(IterableWrapper(range(6)).sharding_filter(), remote(rpc_server), n_epochs=1) == [list(range(6))]
+    assert wait_until(lambda: not children_of(rpc_server.pid), 5.0)
+    assert run_epochs(IterableWrapper(range(6)).sharding_filter(), remote(rpc_server), n_epochs=1) == [list(range(6))]
 
 
 def test_a_lost_session_is_replaced_in_the_same_world(rpc_server, tmp_path):
     # The replacement joins a world whose member list still names the dead session.
     dp = IterableWrapper(range(N_ITEMS)).sharding_filter().map(functools.partial(die_once, str(tmp_path / "died")))
     rs = remote(rpc_server, on_worker_failure="reassign")
-    (epoch,) = run(dp, rs, n_epochs=1)
+    (epoch,) = run_epochs(dp, rs, n_epochs=1)
     assert sorted(epoch) == list(range(N_ITEMS))
     assert (tmp_path / "died").exists()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_tensors_arrive_on_the_cpu(rpc_server):
-    (epoch,) = run(IterableWrapper(range(4)).sharding_filter().map(cuda_item), remote(rpc_server), n_epochs=1)
+    (epoch,) = run_epochs(IterableWrapper(range(4)).sharding_filter().map(cuda_item), remote(rpc_server), n_epochs=1)
     assert all(t.device.type == "cpu" for t in epoch)
 
 
@@ -256,21 +241,21 @@ def test_a_trainer_with_its_own_rpc_agent_is_refused_clearly(rpc_server):
     try:
         started = time.monotonic()
         with pytest.raises(ConfigurationError, match="already initialised.*users_own_agent"):
-            run(IterableWrapper(range(4)).sharding_filter(), remote(rpc_server), n_epochs=1)
+            run_epochs(IterableWrapper(range(4)).sharding_filter(), remote(rpc_server), n_epochs=1)
         assert time.monotonic() - started < 5.0
     finally:
         rpc.shutdown()
         rpc.rendezvous_iterator = None  # torch keeps the static world's store alive through this
-    assert run(IterableWrapper(range(4)).sharding_filter(), remote(rpc_server), n_epochs=1) == [[0, 1, 2, 3]]
+    assert run_epochs(IterableWrapper(range(4)).sharding_filter(), remote(rpc_server), n_epochs=1) == [[0, 1, 2, 3]]
 
 
 def test_a_socket_worker_tells_a_torch_rpc_trainer(worker_server):
     started = time.monotonic()
     with pytest.raises(ConfigurationError, match="does not speak torch_rpc.*--transport torch_rpc"):
-        run(IterableWrapper(range(4)).sharding_filter(), remote(worker_server), n_epochs=1)
+        run_epochs(IterableWrapper(range(4)).sharding_filter(), remote(worker_server), n_epochs=1)
     assert time.monotonic() - started < 10.0
     assert no_rpc_agent()
-    assert run(IterableWrapper(range(4)).sharding_filter(), remote(worker_server, transport="socket"), n_epochs=1) == [
+    assert run_epochs(IterableWrapper(range(4)).sharding_filter(), remote(worker_server, transport="socket"), n_epochs=1) == [
         [0, 1, 2, 3]
     ]
 
@@ -278,7 +263,7 @@ def test_a_socket_worker_tells_a_torch_rpc_trainer(worker_server):
 def test_a_torch_rpc_worker_tells_a_socket_trainer(rpc_server):
     started = time.monotonic()
     with pytest.raises(WorkerStartupError, match="runs transport 'torch_rpc'.*transport='torch_rpc'"):
-        run(IterableWrapper(range(4)).sharding_filter(), remote(rpc_server, transport="socket"), n_epochs=1)
+        run_epochs(IterableWrapper(range(4)).sharding_filter(), remote(rpc_server, transport="socket"), n_epochs=1)
     assert time.monotonic() - started < 10.0
 
 
@@ -302,7 +287,7 @@ def test_a_rendezvous_that_never_completes_fails_within_the_timeout():
             num_workers=1, worker_addresses=[listener.address], auth_key=key, transport="torch_rpc", connect_timeout=2
         )
         with pytest.raises(WorkerLostError, match="rendezvous .* did not complete within 2.0 s.*tcp://127.0.0.1:"):
-            run(IterableWrapper(range(4)).sharding_filter(), rs, n_epochs=1)
+            run_epochs(IterableWrapper(range(4)).sharding_filter(), rs, n_epochs=1)
         assert time.monotonic() - started < 6.0  # connect_timeout plus DataLoader2 setup, on a busy host
     finally:
         release.set()

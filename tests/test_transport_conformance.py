@@ -23,7 +23,8 @@ import torch
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from conftest import _pythonpath, children_of, process_alive, start_server
+from _server_helpers import wait_until
+from conftest import run_epochs, _pythonpath, children_of, process_alive, start_server
 from rpc_reading_service import RPCReadingService, available_transports, register_transport
 from transport_plugin import DIST_DIR, LOG_ENV, PLUGIN_NAME, CountingTransport, Counters
 
@@ -84,37 +85,21 @@ def remote(server, transport, num_workers=2, **kwargs):
     )  # fmt: skip
 
 
-def run(dp, rs, n_epochs=2, seed=None):
-    with DataLoader2(dp, reading_service=rs) as dl:
-        if seed is not None:
-            dl.seed(seed)
-        return [list(dl) for _ in range(n_epochs)]
-
-
-def wait_for(condition, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 _reference = {}
 
 
 def socket_reference(servers):
     """The socket transport's epochs for seed 11: what every transport must reproduce."""
     if "order" not in _reference:
-        _reference["order"] = run(shuffled(), remote(servers("socket"), "socket"), seed=11)
+        _reference["order"] = run_epochs(shuffled(), remote(servers("socket"), "socket"), seed=11)
     return _reference["order"]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_exactly_once_seeded_and_epochs_differ(servers, transport):
     server = servers(transport)
-    first = run(shuffled(), remote(server, transport), seed=3)
-    second = run(shuffled(), remote(server, transport), seed=3)
+    first = run_epochs(shuffled(), remote(server, transport), seed=3)
+    second = run_epochs(shuffled(), remote(server, transport), seed=3)
     assert first == second, "same seed, different run"
     for epoch in first:
         assert sorted(x for x, _ in epoch) == list(range(N_ITEMS)), "not every item exactly once"
@@ -123,13 +108,13 @@ def test_exactly_once_seeded_and_epochs_differ(servers, transport):
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_same_order_as_every_other_transport(servers, transport):
-    assert run(shuffled(), remote(servers(transport), transport), seed=11) == socket_reference(servers)
+    assert run_epochs(shuffled(), remote(servers(transport), transport), seed=11) == socket_reference(servers)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_tensors_arrive_intact(servers, transport):
     dp = IterableWrapper(range(6)).sharding_filter().map(big_item)
-    (epoch,) = run(dp, remote(servers(transport), transport), n_epochs=1)
+    (epoch,) = run_epochs(dp, remote(servers(transport), transport), n_epochs=1)
     assert [item["index"] for item in epoch] == list(range(6))
     for item in epoch:
         assert torch.equal(item["tensor"], torch.full((40_000,), float(item["index"])))
@@ -166,7 +151,7 @@ def test_shutdown_is_bounded_and_reaps_sessions(servers, transport):
     started = time.monotonic()
     dl.shutdown()
     assert time.monotonic() - started < 5.0
-    assert wait_for(lambda: not children_of(server.pid)), "session processes left behind"
+    assert wait_until(lambda: not children_of(server.pid), 5.0), "session processes left behind"
     assert server.proc.poll() is None, "the server must outlive its sessions"
 
 
@@ -179,7 +164,7 @@ def test_local_workers(transport, monkeypatch, tmp_path):
     with DataLoader2(IterableWrapper(range(N_ITEMS)).sharding_filter(), reading_service=rs) as dl:
         assert sorted(dl) == list(range(N_ITEMS))
         server_pid = dl.reading_service._local_server.pid  # DataLoader2 works on a clone of rs
-    assert wait_for(lambda: not process_alive(server_pid)), "local worker server left behind"
+    assert wait_until(lambda: not process_alive(server_pid), 5.0), "local worker server left behind"
     if transport == PLUGIN_NAME:
         assert f"listen {server_pid}" in (tmp_path / "plugin.log").read_text()
 
@@ -187,7 +172,7 @@ def test_local_workers(transport, monkeypatch, tmp_path):
 def test_the_plugin_carried_the_traffic_on_both_sides(servers):
     server = servers(PLUGIN_NAME)
     sent, received = Counters.sent, Counters.received
-    assert run(IterableWrapper(range(10)).sharding_filter(), remote(server, PLUGIN_NAME), n_epochs=1) == [list(range(10))]
+    assert run_epochs(IterableWrapper(range(10)).sharding_filter(), remote(server, PLUGIN_NAME), n_epochs=1) == [list(range(10))]
     assert Counters.sent > sent and Counters.received > received  # this (trainer) side
     log = servers.plugin_log.read_text().split("\n")
     assert f"listen {server.pid}" in log  # the server found the plugin by its entry point
