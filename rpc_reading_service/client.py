@@ -19,7 +19,6 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequenc
 
 from .errors import ProtocolError, WorkerLostError, WorkerStartupError, describe_worker
 from .protocol import (
-    EncodedItem,
     Frame,
     data_epoch,
     MessageKind,

@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 from . import __version__
-from .addresses import format_address, is_loopback_host
+from .addresses import is_loopback_host
 from .discovery import WorkerRegistration, advertised_address
 from .errors import ConfigurationError
 from .keys import AUTH_KEY_ENV, load_auth_key

@@ -19,7 +19,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 from conftest import _pythonpath
 from rpc_reading_service import RPCReadingService
-from rpc_reading_service.discovery import connect_store, registered_workers
+from rpc_reading_service.discovery import registered_workers
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
