@@ -30,7 +30,7 @@ from rpc_reading_service import ConfigurationError, RPCReadingService, WorkerLos
 from rpc_reading_service.errors import FrameTooLargeError, ProtocolError
 from rpc_reading_service.protocol import MessageKind, encode_control, encode_data, encode_frame
 from rpc_reading_service.serialization import dumps_item
-from rpc_reading_service.transports import torch_rpc_transport as trt
+from rpc_reading_service.transports.torch_rpc import codec as trt
 from rpc_reading_service.transports.base import PeerLostError
 from rpc_reading_service.transports.socket_transport import SocketTransport
 

@@ -45,7 +45,7 @@ def _socket_factory(**options: Any) -> Transport:
 
 
 def _torch_rpc_factory(**options: Any) -> Transport:
-    from .torch_rpc_transport import TorchRPCTransport
+    from .torch_rpc import TorchRPCTransport
 
     return TorchRPCTransport(**options)
 
