@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import re
 import signal
 import socket
 import struct
@@ -295,6 +296,29 @@ def test_a_rendezvous_that_never_completes_fails_within_the_timeout():
         listener.close()
     assert seen and seen[0].kind == MessageKind.SETUP
     assert no_rpc_agent(), "a failed rendezvous must not leave the trainer's world open"
+
+
+# C++ (c10/TensorPipe) log lines at warning level or above, and Python log records of those levels.
+WARNING_LINE = re.compile(r"^\[[WEF]\d{4} |\] (WARNING|ERROR|CRITICAL) ", re.MULTILINE)
+
+
+@pytest.mark.timeout(30)
+def test_a_clean_run_prints_no_warnings_on_the_trainer_or_the_workers(rpc_server, capfd):
+    """An epoch and a shutdown against a CLI server: no TensorPipe warnings on the trainer's
+    stderr (captured at the file descriptor, where C++ writes) nor on the server's (where its
+    session processes write)."""
+    assert wait_until(lambda: not rpc_server.session_pids(), 10.0), "sessions of earlier tests still run"
+    server_log_start = len(rpc_server.stderr())
+    capfd.readouterr()
+    assert run_epochs(IterableWrapper(range(8)).sharding_filter(), remote(rpc_server), n_epochs=1)[0] != []
+    trainer_stderr = capfd.readouterr().err
+
+    def server_stderr() -> str:
+        return rpc_server.stderr()[server_log_start:]
+
+    assert wait_until(lambda: server_stderr().count(" ended") == 2, 10.0), server_stderr()
+    assert not WARNING_LINE.search(trainer_stderr), trainer_stderr
+    assert not WARNING_LINE.search(server_stderr()), server_stderr()
 
 
 # -- frames <-> RPC arguments (no processes) -----------------------------------------------------------

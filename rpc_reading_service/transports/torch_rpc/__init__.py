@@ -69,8 +69,12 @@ Timeouts and errors
     reply: both are a :class:`~rpc_reading_service.errors.ConfigurationError` /
     ``WorkerStartupError`` saying which ``--transport`` to use, never a hang. If the
     trainer process already runs its own ``rpc.init_rpc`` agent, ``connect`` raises
-    ``ConfigurationError`` at once (a process cannot be in two RPC worlds). Shutdown waits
-    at most ~1-2 s for in-flight calls, then ``rpc.shutdown(graceful=False)``.
+    ``ConfigurationError`` at once (a process cannot be in two RPC worlds). Closing waits
+    at most ~1-2 s for in-flight calls. TensorPipe warns about every pipe that closes under
+    an agent still in its group, so the world's shutdown is ordered: the trainer leaves the
+    group and half-closes the bootstrap sockets of its closed connections; each session,
+    which waited for that (at most ``goodbye_seconds``), leaves too and shuts its agent down;
+    then the trainer shuts its own down (``rpc.shutdown(graceful=False)``), all bounded.
 
 Interfaces
     TensorPipe listens where the host name resolves, often 127.0.1.1. Unless

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from ...errors import ConfigurationError
+
+log = logging.getLogger(__name__)
 
 
 def _rpc() -> Any:
@@ -36,3 +39,27 @@ def _short(exc: BaseException) -> str:
     """The first line of a (often many-line, C++) torch error, for one-line messages."""
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
+
+
+def _leave_group() -> None:
+    """Leave this process's dynamic RPC world before shutting its agent down.
+
+    TensorPipe logs a warning for every pipe that closes under an agent which has not left
+    its group (about ten lines per shutdown); after leaving, it takes them as expected. It
+    waits until no call of this agent is in flight and removes the agent's name from the
+    world's store, so call it only when both are known to be true: every call was answered
+    and the trainer (which hosts the store) is still there.
+    """
+    rpc = _rpc()
+    if not _agent_exists():
+        return
+    try:
+        rpc.api._get_current_rpc_agent().join(shutdown=True)  # noqa: SLF001 - a dynamic group's leave
+    except Exception as exc:  # noqa: BLE001 - leaving only quietens the shutdown that follows
+        log.debug("torch RPC agent could not leave its group: %s", exc)
+
+
+def _shutdown_agent() -> None:
+    """Shut this process's RPC agent down at once, without waiting for the other members."""
+    if _agent_exists():
+        _rpc().shutdown(graceful=False)

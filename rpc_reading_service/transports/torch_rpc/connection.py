@@ -4,9 +4,10 @@ tells each side at once when the other one is gone (both ends use it)."""
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from ...errors import ProtocolError
 from ...protocol import Buffer, Frame, MessageKind, encode_control
@@ -29,6 +30,9 @@ class TorchRPCConnection(Connection):
 
     #: How long ``close`` waits for frames still in flight (e.g. a CLOSE or a final ERROR).
     flush_seconds = 1.0
+    #: How long an end that closed waits for the other end to leave its RPC world (its
+    #: bootstrap EOF) before it leaves its own anyway (see :meth:`_say_goodbye`).
+    goodbye_seconds = 2.0
 
     def __init__(
         self,
@@ -37,7 +41,7 @@ class TorchRPCConnection(Connection):
         conn_id: str,
         inbox: _Inbox,
         rpc_timeout: float,
-        on_close: Optional[Any] = None,
+        on_close: Optional[Callable[["TorchRPCConnection"], None]] = None,
     ):
         self.peer = peer
         self._bootstrap = bootstrap
@@ -52,6 +56,9 @@ class TorchRPCConnection(Connection):
         self._in_flight = 0
         self._in_flight_cond = threading.Condition()
         self._watcher: Optional[threading.Thread] = None
+        self._peer_closing = threading.Event()  # the peer said CLOSE on the bootstrap socket
+        self._peer_gone = threading.Event()  # the bootstrap socket ended
+        self._lost_before_close = False
 
     def _start(self, peer_rpc_name: Optional[str]) -> None:
         """Begin sending to ``peer_rpc_name`` and watching the bootstrap socket."""
@@ -105,23 +112,72 @@ class TorchRPCConnection(Connection):
             if self._closed:
                 return
             self._closed = True
-        if not self._inbox.failed:  # a lost peer answers nothing more
+        self._lost_before_close = self._inbox.failed
+        if not self._lost_before_close:  # a lost peer answers nothing more
             self._flush(self.flush_seconds)
         self._inbox.fail(PeerLostError(f"connection to {self.peer} is closed"))
         try:
             self._bootstrap.send(encode_control(MessageKind.CLOSE, {"transport": TRANSPORT_NAME}))
         except (PeerLostError, OSError):
             pass
-        self._bootstrap.close()  # wakes the watcher
         _inboxes.pop(self._conn_id, None)
-        if self._watcher is not None and self._watcher is not threading.current_thread():
-            self._watcher.join(_WATCHER_JOIN_SECONDS)
+        self._leave()
+
+    def _leave(self) -> None:
+        """After ``close``: hand the bootstrap socket to the world (``on_close``), or end it."""
         if self._on_close is not None:
             on_close, self._on_close = self._on_close, None
-            on_close()
+            on_close(self)
+        else:
+            self._end()
 
     def release(self) -> None:
         self._bootstrap.release()
+
+    # -- the end of a connection ----------------------------------------------------------------------
+    # TensorPipe warns about every pipe that closes under an agent still in its group, so a
+    # clean close is ordered: the trainer says CLOSE but keeps the bootstrap socket open;
+    # when its world shuts down it leaves the group, then says goodbye (half-closes the
+    # socket); each session, waiting for that, leaves its own group, shuts its agent down and
+    # closes the socket; the trainer, having waited for that, shuts its agent down.
+    @property
+    def awaits_goodbye(self) -> bool:
+        """Whether the peer, alive and joined, waits for :meth:`_say_goodbye` to leave its world."""
+        return self._watcher is not None and not self._peer_gone.is_set() and not self._lost_before_close
+
+    @property
+    def peer_worker_info(self) -> Any:
+        """The peer's ``rpc.WorkerInfo`` (name and rank in the world), or None before the join."""
+        return self._peer_info
+
+    @property
+    def drained(self) -> bool:
+        """Whether no call sent on this connection is still waiting for its answer."""
+        with self._in_flight_cond:
+            return self._in_flight == 0
+
+    def _say_goodbye(self) -> None:
+        """Tell the peer (by EOF on the bootstrap socket) that it may leave its RPC world now."""
+        try:
+            sock = socket.socket(fileno=self._bootstrap.fileno())
+        except OSError:
+            return
+        try:
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+
+    def _wait_peer_gone(self, timeout: float) -> bool:
+        """Wait (bounded) for the peer to close the bootstrap socket; whether it did."""
+        return self._peer_gone.wait(max(0.0, timeout))
+
+    def _end(self) -> None:
+        """Close the bootstrap socket and stop watching it."""
+        self._bootstrap.close()  # wakes the watcher
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(_WATCHER_JOIN_SECONDS)
 
     # -- internals ----------------------------------------------------------------------------------
     def _flush(self, timeout: float) -> None:
@@ -139,14 +195,16 @@ class TorchRPCConnection(Connection):
         self._inbox.fail(PeerLostError(message))
 
     def _watch(self) -> None:
-        """Report the peer lost when its bootstrap socket ends (or says CLOSE)."""
+        """Report the peer lost when it says CLOSE on its bootstrap socket, or the socket ends."""
         try:
             while True:
                 frame = self._bootstrap.recv(timeout=None)
                 if frame is not None and frame.kind == MessageKind.CLOSE:
                     if not self._closed:
                         self._lost(f"{self.peer} closed the session")
-                    return
+                    self._peer_closing.set()  # its EOF follows once it has left its world
         except (PeerLostError, ProtocolError, OSError) as exc:
-            if not self._closed:
+            if not self._closed and not self._peer_closing.is_set():
                 self._lost(f"{self.peer} is gone (its process exited or the connection broke): {exc}")
+        finally:
+            self._peer_gone.set()

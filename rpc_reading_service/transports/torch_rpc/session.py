@@ -16,7 +16,7 @@ from ...errors import ConfigurationError, ProtocolError
 from ...protocol import Buffer, Frame, MessageKind, decode_control, encode_control
 from ..base import Connection, PeerLostError, WrappingListener
 from ..socket_transport import SocketConnection, SocketListener
-from .agent import _agent_exists, _current_agent_name, _rpc, _short
+from .agent import _agent_exists, _current_agent_name, _leave_group, _rpc, _short, _shutdown_agent
 from .codec import BOOTSTRAP_VERSION, TRANSPORT_NAME, _Inbox, _inboxes
 from .connection import TorchRPCConnection
 from .interfaces import _local_address, _pin_tensorpipe_interface
@@ -65,9 +65,16 @@ class _SessionConnection(TorchRPCConnection):
             self._bootstrap.close()
             return
         super().close()
-        self._shutdown_agent()
 
-    def _shutdown_agent(self) -> None:
+    def _leave(self) -> None:
+        # Wait for the trainer's goodbye: its world has left its group and answered every
+        # call of ours, so neither side's TensorPipe warns about the pipes closing.
+        self._wait_peer_gone(self.goodbye_seconds)
+        trainer_there = self._peer_closing.is_set() or not self._peer_gone.is_set()
+        self._shutdown_agent(leave_group=trainer_there and self.drained)
+        self._end()
+
+    def _shutdown_agent(self, leave_group: bool = False) -> None:
         global _session_agent_owner
         if not self._owns_agent:
             return
@@ -75,8 +82,9 @@ class _SessionConnection(TorchRPCConnection):
         if _session_agent_owner is self:
             _session_agent_owner = None
         try:
-            if _agent_exists():
-                _rpc().shutdown(graceful=False)
+            if leave_group:
+                _leave_group()
+            _shutdown_agent()
         except Exception as exc:  # noqa: BLE001
             log.debug("torch RPC shutdown failed: %s", exc)
 

@@ -82,7 +82,7 @@ class TorchRPCTransport(Transport):
         inbox = _Inbox(self.max_frame_bytes, allocate)
         conn_id = secrets.token_hex(16)
         conn = TorchRPCConnection(
-            bootstrap, address, conn_id, inbox, self.rpc_timeout, on_close=lambda: _release_world(world)
+            bootstrap, address, conn_id, inbox, self.rpc_timeout, on_close=lambda closed: _release_world(world, closed)
         )
         try:
             if not world.join_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):

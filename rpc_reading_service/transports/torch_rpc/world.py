@@ -9,12 +9,14 @@ import secrets
 import socket
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import List, Optional, Set, Tuple
 
 from ...addresses import format_address
 from ...errors import ConfigurationError
-from .agent import _agent_exists, _current_agent_name, _rpc
+from .agent import _agent_exists, _current_agent_name, _leave_group, _rpc, _shutdown_agent
+from .connection import TorchRPCConnection
 from .interfaces import _pin_tensorpipe_interface
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,8 @@ class _World:
         self.join_lock = threading.Lock()
         self._next_rank = 1
         self._abandoned: Set[str] = set()
+        self._retired: List[TorchRPCConnection] = []  # closed; their sessions wait for our goodbye
+        self._undrained: List[TorchRPCConnection] = []  # ended with calls still in flight
         # Loopback: shared memory only, no TCP listener; else TensorPipe's defaults.
         if loopback and sys.platform.startswith("linux"):
             self.transports: Optional[List[str]] = ["shm"]
@@ -109,6 +113,17 @@ class _World:
         if self._can_reset:
             self._members.set(_MEMBER_LIST_KEY, self._own_entry)
 
+    def _list_members(self, conns: List[TorchRPCConnection]) -> None:
+        """Put the sessions of ``conns`` back on the member list (``prepare_join`` took them off):
+        leaving the group removes one's own entry from it, and fails without one."""
+        if not self._can_reset:
+            return
+        infos = [conn.peer_worker_info for conn in conns if conn.peer_worker_info is not None]
+        try:
+            self._members.set(_MEMBER_LIST_KEY, self._own_entry + "".join(f"{i.name}-{i.id}," for i in infos))
+        except Exception as exc:  # noqa: BLE001 - the sessions then leave with warnings, nothing worse
+            log.debug("could not list the sessions of %s as members: %s", self.name, exc)
+
     def abandon(self, name: str) -> None:
         """A session gave up (or was given up on) while joining: free the join token it may hold."""
         self._abandoned.add(name)
@@ -122,13 +137,35 @@ class _World:
         except Exception as exc:  # noqa: BLE001
             log.debug("could not release the join token of %s: %s", name, exc)
 
+    def retire(self, conn: TorchRPCConnection) -> None:
+        """Keep a closed connection's bootstrap socket until the world shuts down: its session
+        leaves the world only after the trainer has left the group (see ``shutdown``)."""
+        self._retired.append(conn)
+        for done in [c for c in self._retired if not c.awaits_goodbye]:  # left already, or never joined
+            self._retired.remove(done)
+            done._end()
+            self._undrained.append(done)
+        self._undrained = [c for c in self._undrained if not c.drained]
+
     def shutdown(self) -> None:
-        rpc = _rpc()
+        """Leave the group, let every retired session leave (bounded), then shut the agent down."""
+        retired, self._retired = self._retired, []
         try:
             if _agent_exists():
-                rpc.shutdown(graceful=False)
+                if all(conn.drained for conn in retired + self._undrained):  # leaving waits for them
+                    self._list_members(retired)
+                    _leave_group()
+                for conn in retired:
+                    conn._say_goodbye()
+                deadline = time.monotonic() + TorchRPCConnection.goodbye_seconds
+                for conn in retired:
+                    conn._wait_peer_gone(deadline - time.monotonic())
+                _shutdown_agent()
         except Exception as exc:  # noqa: BLE001 - shutting down must not fail a close
             log.warning("torch RPC shutdown of %s failed: %s", self.name, exc)
+        finally:
+            for conn in retired:
+                conn._end()
         self._store = None
         self._members = None
         self._group_store = None
@@ -174,9 +211,10 @@ def _acquire_world(loopback: bool, advertise_host: str, rpc_timeout: float, num_
         return world
 
 
-def _release_world(world: _World) -> None:
+def _release_world(world: _World, conn: TorchRPCConnection) -> None:
     global _world
     with _world_lock:
+        world.retire(conn)
         world.refs -= 1
         if world.refs > 0 or _world is not world:
             return
