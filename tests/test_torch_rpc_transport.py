@@ -379,3 +379,27 @@ def test_the_inbox_restores_send_order_and_reports_loss_after_the_frames():
     assert [inbox.get(timeout=0) for _ in range(3)] == frames
     with pytest.raises(PeerLostError, match="gone"):
         inbox.get(timeout=0)
+
+
+def test_built_in_transports_are_found_without_their_entry_points(tmp_path, monkeypatch):
+    """An installed distribution whose entry points name the built-ins at stale module paths
+    (as an editable install made before a module moved does) changes nothing."""
+    from rpc_reading_service import transports as registry
+    from rpc_reading_service.transports.torch_rpc import TorchRPCTransport
+
+    dist_info = tmp_path / "rrs_stale-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: rrs-stale\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text(
+        f"[{registry.ENTRY_POINT_GROUP}]\n"
+        "socket = rpc_reading_service.transports.gone:SocketTransport\n"
+        "torch_rpc = rpc_reading_service.transports.torch_rpc_transport:TorchRPCTransport\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_factories", dict(registry._factories))
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    stale = {ep.name for ep in registry._entry_points() if ep.value.startswith("rpc_reading_service.transports.")}
+    assert stale >= {"socket", "torch_rpc"}  # the stale metadata is visible to the registry
+    assert {"socket", "torch_rpc"} <= set(registry.available_transports())
+    assert isinstance(registry.create_transport("torch_rpc"), TorchRPCTransport)
+    assert isinstance(registry.create_transport("socket"), SocketTransport)

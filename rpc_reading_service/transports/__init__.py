@@ -75,6 +75,7 @@ def _load_entry_points() -> None:
     _entry_points_loaded = True
     for entry_point in _entry_points():
         if entry_point.name in _factories:
+            # Built-ins and explicit registrations win: installed metadata may name a moved module.
             continue
 
         def factory(ep=entry_point, **options: Any) -> Transport:
