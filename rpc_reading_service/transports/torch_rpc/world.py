@@ -152,7 +152,9 @@ class _World:
         retired, self._retired = self._retired, []
         try:
             if _agent_exists():
-                if all(conn.drained for conn in retired + self._undrained):  # leaving waits for them
+                # Leaving waits for every call in flight: only once every connection closed
+                # (not at exit with connections still open) and none left a call behind.
+                if self.refs == 0 and all(conn.drained for conn in retired + self._undrained):
                     self._list_members(retired)
                     _leave_group()
                 for conn in retired:
