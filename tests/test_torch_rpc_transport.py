@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import re
 import signal
 import socket
 import struct
@@ -30,7 +31,7 @@ from rpc_reading_service import ConfigurationError, RPCReadingService, WorkerLos
 from rpc_reading_service.errors import FrameTooLargeError, ProtocolError
 from rpc_reading_service.protocol import MessageKind, encode_control, encode_data, encode_frame
 from rpc_reading_service.serialization import dumps_item
-from rpc_reading_service.transports import torch_rpc_transport as trt
+from rpc_reading_service.transports.torch_rpc import codec as trt
 from rpc_reading_service.transports.base import PeerLostError
 from rpc_reading_service.transports.socket_transport import SocketTransport
 
@@ -297,6 +298,29 @@ def test_a_rendezvous_that_never_completes_fails_within_the_timeout():
     assert no_rpc_agent(), "a failed rendezvous must not leave the trainer's world open"
 
 
+# C++ (c10/TensorPipe) log lines at warning level or above, and Python log records of those levels.
+WARNING_LINE = re.compile(r"^\[[WEF]\d{4} |\] (WARNING|ERROR|CRITICAL) ", re.MULTILINE)
+
+
+@pytest.mark.timeout(30)
+def test_a_clean_run_prints_no_warnings_on_the_trainer_or_the_workers(rpc_server, capfd):
+    """An epoch and a shutdown against a CLI server: no TensorPipe warnings on the trainer's
+    stderr (captured at the file descriptor, where C++ writes) nor on the server's (where its
+    session processes write)."""
+    assert wait_until(lambda: not rpc_server.session_pids(), 10.0), "sessions of earlier tests still run"
+    server_log_start = len(rpc_server.stderr())
+    capfd.readouterr()
+    assert run_epochs(IterableWrapper(range(8)).sharding_filter(), remote(rpc_server), n_epochs=1)[0] != []
+    trainer_stderr = capfd.readouterr().err
+
+    def server_stderr() -> str:
+        return rpc_server.stderr()[server_log_start:]
+
+    assert wait_until(lambda: server_stderr().count(" ended") == 2, 10.0), server_stderr()
+    assert not WARNING_LINE.search(trainer_stderr), trainer_stderr
+    assert not WARNING_LINE.search(server_stderr()), server_stderr()
+
+
 # -- frames <-> RPC arguments (no processes) -----------------------------------------------------------
 def _roundtrip(chunks, max_frame_bytes=1 << 30, allocate=None):
     head, body, buffers = trt._split_frame(chunks)
@@ -355,3 +379,27 @@ def test_the_inbox_restores_send_order_and_reports_loss_after_the_frames():
     assert [inbox.get(timeout=0) for _ in range(3)] == frames
     with pytest.raises(PeerLostError, match="gone"):
         inbox.get(timeout=0)
+
+
+def test_built_in_transports_are_found_without_their_entry_points(tmp_path, monkeypatch):
+    """An installed distribution whose entry points name the built-ins at stale module paths
+    (as an editable install made before a module moved does) changes nothing."""
+    from rpc_reading_service import transports as registry
+    from rpc_reading_service.transports.torch_rpc import TorchRPCTransport
+
+    dist_info = tmp_path / "rrs_stale-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: rrs-stale\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text(
+        f"[{registry.ENTRY_POINT_GROUP}]\n"
+        "socket = rpc_reading_service.transports.gone:SocketTransport\n"
+        "torch_rpc = rpc_reading_service.transports.torch_rpc_transport:TorchRPCTransport\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_factories", dict(registry._factories))
+    monkeypatch.setattr(registry, "_entry_points_loaded", False)
+    stale = {ep.name for ep in registry._entry_points() if ep.value.startswith("rpc_reading_service.transports.")}
+    assert stale >= {"socket", "torch_rpc"}  # the stale metadata is visible to the registry
+    assert {"socket", "torch_rpc"} <= set(registry.available_transports())
+    assert isinstance(registry.create_transport("torch_rpc"), TorchRPCTransport)
+    assert isinstance(registry.create_transport("socket"), SocketTransport)

@@ -45,7 +45,7 @@ def _socket_factory(**options: Any) -> Transport:
 
 
 def _torch_rpc_factory(**options: Any) -> Transport:
-    from .torch_rpc_transport import TorchRPCTransport
+    from .torch_rpc import TorchRPCTransport
 
     return TorchRPCTransport(**options)
 
@@ -75,6 +75,7 @@ def _load_entry_points() -> None:
     _entry_points_loaded = True
     for entry_point in _entry_points():
         if entry_point.name in _factories:
+            # Built-ins and explicit registrations win: installed metadata may name a moved module.
             continue
 
         def factory(ep=entry_point, **options: Any) -> Transport:
