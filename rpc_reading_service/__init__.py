@@ -4,9 +4,7 @@
 user changes; see :class:`RPCReadingService`.
 """
 
-__version__ = "0.1.0"
-
-from .errors import (  # noqa: E402
+from .errors import (
     AuthenticationError,
     ConfigurationError,
     DiscoveryTimeoutError,
@@ -18,8 +16,9 @@ from .errors import (  # noqa: E402
     WorkerRefusedError,
     WorkerStartupError,
 )
-from .reading_service import RPCReadingService  # noqa: E402
-from .transports import available_transports, register_transport  # noqa: E402
+from .reading_service import RPCReadingService
+from .transports import available_transports, register_transport
+from .version import __version__
 
 __all__ = [
     "__version__",

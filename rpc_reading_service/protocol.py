@@ -36,7 +36,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from . import __version__
+from .version import __version__
 from .errors import AuthenticationError, FrameTooLargeError, ProtocolError
 
 __all__ = [

@@ -112,7 +112,7 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
-from .. import __version__
+from ..version import __version__
 from ..addresses import format_address, is_loopback_host
 from ..errors import ConfigurationError, FrameTooLargeError, ProtocolError
 from ..protocol import (
