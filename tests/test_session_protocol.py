@@ -45,7 +45,13 @@ from rpc_reading_service.protocol import (
 
 WORKER = "worker 0 (127.0.0.1:29600)"
 TRAINER = "trainer at 127.0.0.1:40000"
-EXCEPTION = {"type_name": "ValueError", "type_module": "builtins", "message": "bad", "traceback": "tb", "pickled": None}
+EXCEPTION = {
+    "type_name": "ValueError",
+    "type_module": "builtins",
+    "message": "bad",
+    "traceback": "tb",
+    "pickled": None,
+}
 
 
 class FakeClock:
@@ -125,7 +131,11 @@ def test_setup_epochs_with_credits_and_close():
                 (credit,) = link.deliver(link.trainer.send(Credit(epoch, 1)), link.worker)
                 assert credit == Credit(epoch, 1)
             (event,) = link.to_trainer(Data(epoch, sequence, items(*batch)))
-            assert isinstance(event, DataReceived) and (event.epoch, event.sequence, event.count) == (epoch, sequence, len(batch))
+            assert isinstance(event, DataReceived) and (event.epoch, event.sequence, event.count) == (
+                epoch,
+                sequence,
+                len(batch),
+            )
             received += payloads(event.decode())
         assert received == [b"a", b"b", b"c", b"d", b"e"]
         assert link.to_trainer(EndOfShard(epoch, 5)) == [EndOfShard(epoch, 5)]
@@ -180,7 +190,9 @@ def test_setup_error_closes_the_session_on_both_sides():
 def test_dispatched_items_flow_with_the_workers_credit():
     link = Link().set_up().start(1, credits=1, dispatched=True)
     assert link.trainer.item_credits == 0
-    with pytest.raises(LocalProtocolError, match=r"this trainer broke .* ITEMS frame 0 of epoch 1 without credit"):
+    with pytest.raises(
+        LocalProtocolError, match=r"this trainer broke .* ITEMS frame 0 of epoch 1 without credit"
+    ):
         link.trainer.send(Items(1, 0, items(b"i0")))
     assert link.to_trainer(ItemCredit(1, 2)) == [ItemCredit(1, 2)]
     assert link.trainer.item_credits == 2
@@ -279,7 +291,11 @@ LOCAL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("prepare, side, message, rule", LOCAL_CASES, ids=[f"{c[1]}-{c[2].kind.name}-{c[3][:30]}" for c in LOCAL_CASES])
+@pytest.mark.parametrize(
+    "prepare, side, message, rule",
+    LOCAL_CASES,
+    ids=[f"{c[1]}-{c[2].kind.name}-{c[3][:30]}" for c in LOCAL_CASES],
+)
 def test_illegal_send_is_refused_as_local_with_state_unchanged(prepare, side, message, rule):
     link = prepare(Link())
     machine = getattr(link, side)
@@ -305,23 +321,43 @@ def _ready_without_pid():
 
 REMOTE_CASES = [
     # (setup, receiving side, raw chunks a misbehaving peer sends, words of the rule)
-    (lambda link: link, "worker", StartEpoch(1, 0, 0, 1).encode(), "sent START_EPOCH while the session is new"),
+    (
+        lambda link: link,
+        "worker",
+        StartEpoch(1, 0, 0, 1).encode(),
+        "sent START_EPOCH while the session is new",
+    ),
     (_set_up, "worker", Setup(b"g", 0, 1).encode(), "sent SETUP while the session is ready"),
     (_set_up, "worker", Credit(1, 1).encode(), "CREDIT for epoch 1, which was never started"),
     (_in_epoch, "worker", StartEpoch(1, 0, 0, 1).encode(), "epoch numbers of a session must increase"),
     (_in_epoch, "worker", Items(1, 0, items(b"x")).encode(), "not started with dispatched=True"),
     (_dispatched, "worker", Items(1, 0, items(b"x")).encode(), "ITEMS frame 0 of epoch 1 without credit"),
     (_in_epoch, "worker", Data(1, 0, []).encode(), "sent DATA, which a trainer never sends"),
-    (lambda link: link.to_worker(Setup(b"g", 0, 1)) and link, "trainer", Data(1, 0, []).encode(), "DATA while the session is setting up"),
+    (
+        lambda link: link.to_worker(Setup(b"g", 0, 1)) and link,
+        "trainer",
+        Data(1, 0, []).encode(),
+        "DATA while the session is setting up",
+    ),
     (_set_up, "trainer", Data(1, 0, []).encode(), "DATA for epoch 1, which was never started"),
     (_in_epoch, "trainer", Data(1, 1, []).encode(), "frame 1 of epoch 1 where frame 0 was due"),
-    (_in_epoch, "trainer", Data(1, 0, []).encode() + Data(1, 1, []).encode(), "DATA frame 1 of epoch 1 without credit"),
+    (
+        _in_epoch,
+        "trainer",
+        Data(1, 0, []).encode() + Data(1, 1, []).encode(),
+        "DATA frame 1 of epoch 1 without credit",
+    ),
     (_in_epoch, "trainer", EndOfShard(1, 9).encode(), "after 9 items, but its frames carried 0"),
     (_after_end, "trainer", Data(1, 0, []).encode(), "after ending that stream"),
     (_after_end, "trainer", EndOfShard(1, 0).encode(), "END_OF_SHARD for epoch 1 twice"),
     (_in_epoch, "trainer", StopEpoch(1).encode(), "STOP_EPOCH, which a worker never sends"),
     (_in_epoch, "trainer", ItemCredit(1, 1).encode(), "not started with dispatched=True"),
-    (lambda link: link.to_worker(Setup(b"g", 0, 1)) and link, "trainer", _ready_without_pid(), "malformed READY"),
+    (
+        lambda link: link.to_worker(Setup(b"g", 0, 1)) and link,
+        "trainer",
+        _ready_without_pid(),
+        "malformed READY",
+    ),
     (_set_up, "trainer", ClientHandshake(b"k").hello(), "HELLO, which a worker never sends"),
     (_in_epoch, "trainer", encode_frame(MessageKind.END_OF_SHARD, [b"\x00"]), "malformed END_OF_SHARD"),
     (_in_epoch, "worker", encode_frame(MessageKind.CREDIT, [b"\x00"]), "malformed CREDIT"),
@@ -329,7 +365,9 @@ REMOTE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("prepare, side, chunks, rule", REMOTE_CASES, ids=[f"at-{c[1]}-{c[3][:40]}" for c in REMOTE_CASES])
+@pytest.mark.parametrize(
+    "prepare, side, chunks, rule", REMOTE_CASES, ids=[f"at-{c[1]}-{c[3][:40]}" for c in REMOTE_CASES]
+)
 def test_illegal_frame_from_the_peer_is_remote_and_closes(prepare, side, chunks, rule):
     link = prepare(Link())
     machine = getattr(link, side)
@@ -344,7 +382,9 @@ def test_illegal_frame_from_the_peer_is_remote_and_closes(prepare, side, chunks,
 def test_frame_after_the_peers_close_is_remote():
     link = Link().set_up()
     link.to_trainer(Close())
-    with pytest.raises(RemoteProtocolError, match=r"worker 0 \(127.0.0.1:29600\) sent HEARTBEAT after its CLOSE"):
+    with pytest.raises(
+        RemoteProtocolError, match=r"worker 0 \(127.0.0.1:29600\) sent HEARTBEAT after its CLOSE"
+    ):
         link.deliver(Heartbeat().encode(), link.trainer)
 
 
@@ -358,12 +398,28 @@ def test_setup_with_a_non_positive_heartbeat_is_remote():
 @pytest.mark.parametrize(
     "kind, payload, words",
     [
-        (MessageKind.START_EPOCH, {"epoch": "1", "seed": 0, "global_worker_id": 0, "credits": 1}, "'epoch' is str"),
-        (MessageKind.START_EPOCH, {"epoch": 1, "seed": 0, "global_worker_id": 0}, "without its field 'credits'"),
-        (MessageKind.START_EPOCH, {"epoch": 1 << 32, "seed": 0, "global_worker_id": 0, "credits": 1}, "over the maximum"),
+        (
+            MessageKind.START_EPOCH,
+            {"epoch": "1", "seed": 0, "global_worker_id": 0, "credits": 1},
+            "'epoch' is str",
+        ),
+        (
+            MessageKind.START_EPOCH,
+            {"epoch": 1, "seed": 0, "global_worker_id": 0},
+            "without its field 'credits'",
+        ),
+        (
+            MessageKind.START_EPOCH,
+            {"epoch": 1 << 32, "seed": 0, "global_worker_id": 0, "credits": 1},
+            "over the maximum",
+        ),
         (MessageKind.STOP_EPOCH, {"epoch": True}, "'epoch' is bool"),
         (MessageKind.SETUP, {"graph": b"g", "worker_rank": 2, "num_workers": 2}, "rank 2 of only 2 workers"),
-        (MessageKind.SETUP, {"graph": b"g", "worker_rank": 0, "num_workers": 1, "options": {"linger": "x"}}, "option 'linger'"),
+        (
+            MessageKind.SETUP,
+            {"graph": b"g", "worker_rank": 0, "num_workers": 1, "options": {"linger": "x"}},
+            "option 'linger'",
+        ),
         (MessageKind.ERROR, {"epoch": 3, "phase": "setup", "exception": {}}, "setup errors have none"),
         (MessageKind.ERROR, {"epoch": 3, "phase": "later", "exception": {}}, "unknown phase"),
         (MessageKind.READY, {"pid": -1, "hostname": "h", "package_version": "v"}, "negative"),
@@ -378,7 +434,9 @@ def test_control_fields_are_checked_on_decode(kind, payload, words):
 def test_building_a_wrong_message_is_local_and_unknown_keys_are_ignored():
     with pytest.raises(LocalProtocolError, match="cannot build a CREDIT|cannot encode CREDIT"):
         Credit(-1, 1).encode()
-    with pytest.raises(LocalProtocolError, match="cannot build a START_EPOCH message whose field 'credits' is str"):
+    with pytest.raises(
+        LocalProtocolError, match="cannot build a START_EPOCH message whose field 'credits' is str"
+    ):
         StartEpoch(1, 0, 0, "2")  # type: ignore[arg-type]
     newer = {"epoch": 2, "seed": -5, "global_worker_id": 1, "credits": 3, "from_a_newer_trainer": [1, 2]}
     (frame,) = frames_of(encode_control(MessageKind.START_EPOCH, newer))
@@ -400,7 +458,9 @@ def test_golden_hello():
 
 
 def test_golden_credit():
-    assert wire(Credit(7, 3).encode()) == bytes.fromhex("52525356 01 14 0000 0000000000000008 00000007 00000003")
+    assert wire(Credit(7, 3).encode()) == bytes.fromhex(
+        "52525356 01 14 0000 0000000000000008 00000007 00000003"
+    )
 
 
 def test_golden_data_with_two_items_and_one_buffer():
@@ -438,14 +498,34 @@ encoded_items = st.lists(
 numbers = st.one_of(st.integers(0, 10**6), st.floats(0, 1e6, allow_nan=False))
 text = st.text(max_size=20)
 exceptions = st.fixed_dictionaries(
-    {"type_name": text, "type_module": text, "message": text, "traceback": text, "pickled": st.none() | st.binary(max_size=20)}
+    {
+        "type_name": text,
+        "type_module": text,
+        "message": text,
+        "traceback": text,
+        "pickled": st.none() | st.binary(max_size=20),
+    }
 )
 MESSAGES = st.one_of(
     st.integers(1, 64).flatmap(
-        lambda n: st.builds(Setup, st.binary(max_size=64), st.integers(0, n - 1), st.just(n), st.dictionaries(text, numbers, max_size=4))
+        lambda n: st.builds(
+            Setup,
+            st.binary(max_size=64),
+            st.integers(0, n - 1),
+            st.just(n),
+            st.dictionaries(text, numbers, max_size=4),
+        )
     ),
     st.builds(Ready, st.integers(0, 1 << 22), text, text),
-    st.builds(StartEpoch, u32, st.integers(-(1 << 63), 1 << 63), st.integers(0, 1 << 20), u32, st.integers(0, 1 << 40), st.booleans()),
+    st.builds(
+        StartEpoch,
+        u32,
+        st.integers(-(1 << 63), 1 << 63),
+        st.integers(0, 1 << 20),
+        u32,
+        st.integers(0, 1 << 40),
+        st.booleans(),
+    ),
     st.builds(StopEpoch, u32),
     st.builds(Error, st.none(), st.just("setup"), exceptions),
     st.builds(Error, u32, st.sampled_from(["epoch", "dispatch"]), exceptions),
@@ -463,13 +543,22 @@ MESSAGES = st.one_of(
 def comparable(message):
     """Messages with items compare by the bytes of their items (EncodedItem has no equality)."""
     if isinstance(message, Data):
-        return (type(message), message.epoch, message.sequence, [(bytes(i.payload), [bytes(b) for b in i.buffers]) for i in message.items])
+        return (
+            type(message),
+            message.epoch,
+            message.sequence,
+            [(bytes(i.payload), [bytes(b) for b in i.buffers]) for i in message.items],
+        )
     return message
 
 
 def test_every_kind_has_a_strategy():
     assert {kind for kind in MESSAGE_TYPES} == set(MessageKind) - {
-        MessageKind.HELLO, MessageKind.CHALLENGE, MessageKind.PROOF, MessageKind.WELCOME, MessageKind.REJECT
+        MessageKind.HELLO,
+        MessageKind.CHALLENGE,
+        MessageKind.PROOF,
+        MessageKind.WELCOME,
+        MessageKind.REJECT,
     }
 
 
@@ -483,8 +572,15 @@ def test_every_message_round_trips_through_bytes(message):
     assert comparable(decoded) == comparable(message)
 
 
-BINARY_KINDS = [MessageKind.CREDIT, MessageKind.DATA, MessageKind.END_OF_SHARD, MessageKind.HEARTBEAT,
-                MessageKind.ITEM_CREDIT, MessageKind.ITEMS, MessageKind.END_OF_INPUT]
+BINARY_KINDS = [
+    MessageKind.CREDIT,
+    MessageKind.DATA,
+    MessageKind.END_OF_SHARD,
+    MessageKind.HEARTBEAT,
+    MessageKind.ITEM_CREDIT,
+    MessageKind.ITEMS,
+    MessageKind.END_OF_INPUT,
+]
 
 
 @settings(max_examples=100, deadline=None)
@@ -501,5 +597,8 @@ def test_garbage_binary_bodies_decode_or_raise_remote(body, kind):
 def test_data_decode_makes_no_copies():
     body, frame = b"payload-" * 4, frames_of(Data(1, 0, [EncodedItem(b"payload-" * 4)]).encode())[0]
     (item,) = Data.decode(frame).items
-    assert isinstance(item.payload, memoryview) and item.payload.obj is frame.body and bytes(item.payload) == body
-
+    assert (
+        isinstance(item.payload, memoryview)
+        and item.payload.obj is frame.body
+        and bytes(item.payload) == body
+    )

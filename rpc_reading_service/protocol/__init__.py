@@ -54,7 +54,7 @@ from .messages import (
     StopEpoch,
     decode_message,
 )
-from .session import DataReceived, PeerTimedOut, SessionState, Tick, TrainerSession, WorkerProtocol
+from .session import DataReceived, Event, PeerTimedOut, SessionState, Tick, TrainerSession, WorkerProtocol
 
 __all__ = [
     # frames
@@ -104,6 +104,7 @@ __all__ = [
     "decode_message",
     # session state machines
     "SessionState",
+    "Event",
     "DataReceived",
     "PeerTimedOut",
     "Tick",

@@ -143,7 +143,9 @@ class _Control(Message):
                 continue
             value = values[f.name]
             if not _accepts(hints[f.name], value):
-                raise error(f"{where} whose field {f.name!r} is {type(value).__name__} {value!r:.80}, expected {hints[f.name]}")
+                raise error(
+                    f"{where} whose field {f.name!r} is {type(value).__name__} {value!r:.80}, expected {hints[f.name]}"
+                )
             if isinstance(value, int) and not isinstance(value, bool):
                 if value < 0 and f.name not in cls._signed:
                     raise error(f"{where} whose field {f.name!r} is negative ({value})")
@@ -173,7 +175,9 @@ class Setup(_Control):
             if not _accepts(float, value):
                 raise error(f"{where} whose option {name!r} is {type(value).__name__}, expected a number")
         if values["worker_rank"] >= values["num_workers"]:
-            raise error(f"{where} for worker rank {values['worker_rank']} of only {values['num_workers']} workers")
+            raise error(
+                f"{where} for worker rank {values['worker_rank']} of only {values['num_workers']} workers"
+            )
 
 
 @dataclass(frozen=True)
@@ -232,7 +236,9 @@ class Error(_Control):
         if phase not in cls.PHASES:
             raise error(f"{where} of unknown phase {phase!r} (one of {sorted(cls.PHASES)})")
         if (phase == "setup") != (epoch is None):
-            raise error(f"{where} of phase {phase!r} with epoch {epoch}: setup errors have none, the others have one")
+            raise error(
+                f"{where} of phase {phase!r} with epoch {epoch}: setup errors have none, the others have one"
+            )
 
 
 @dataclass(frozen=True)
@@ -345,7 +351,21 @@ class EndOfInput(EndOfShard):
 
 MESSAGE_TYPES: Dict[MessageKind, Type[Message]] = {
     cls.kind: cls
-    for cls in (Setup, Ready, StartEpoch, StopEpoch, Error, Close, Heartbeat, Credit, Data, EndOfShard, ItemCredit, Items, EndOfInput)
+    for cls in (
+        Setup,
+        Ready,
+        StartEpoch,
+        StopEpoch,
+        Error,
+        Close,
+        Heartbeat,
+        Credit,
+        Data,
+        EndOfShard,
+        ItemCredit,
+        Items,
+        EndOfInput,
+    )
 }
 
 
@@ -353,5 +373,7 @@ def decode_message(frame: Frame) -> Message:
     """The typed session message in ``frame`` (a handshake frame here is a remote error)."""
     cls = MESSAGE_TYPES.get(frame.kind)
     if cls is None:
-        raise RemoteProtocolError(f"received a {frame.kind.name} frame after the handshake, which only the handshake uses")
+        raise RemoteProtocolError(
+            f"received a {frame.kind.name} frame after the handshake, which only the handshake uses"
+        )
     return cls.decode(frame)

@@ -57,7 +57,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Dict, FrozenSet, List, NamedTuple, Optional, Tuple, Type, TypeVar
+from typing import Callable, ClassVar, Dict, FrozenSet, List, NamedTuple, Optional, Tuple, Type, TypeVar, Union
 
 from ..errors import LocalProtocolError, RemoteProtocolError
 from .frames import Buffer, Frame, MessageKind, data_header
@@ -79,7 +79,7 @@ from .messages import (
     StopEpoch,
 )
 
-__all__ = ["SessionState", "DataReceived", "PeerTimedOut", "Tick", "TrainerSession", "WorkerProtocol"]
+__all__ = ["SessionState", "Event", "DataReceived", "PeerTimedOut", "Tick", "TrainerSession", "WorkerProtocol"]
 
 K = MessageKind
 M = TypeVar("M", bound=Message)
@@ -147,6 +147,10 @@ class PeerTimedOut:
     peer: str
     silent_seconds: float
     message: str
+
+
+#: What ``receive_frame`` and ``tick`` return: the peer's typed messages, plus these two.
+Event = Union[Message, DataReceived, PeerTimedOut]
 
 
 class Tick(NamedTuple):
@@ -226,7 +230,7 @@ class _SessionProtocol:
         self._last_sent = self._clock()
         return chunks
 
-    def receive_frame(self, frame: Frame) -> List[object]:
+    def receive_frame(self, frame: Frame) -> List[Event]:
         """Check a frame from the peer against the rules; return the events it makes.
 
         Stale frames and heartbeats make none. Raises RemoteProtocolError (and closes the
@@ -255,7 +259,11 @@ class _SessionProtocol:
         if self.state is SessionState.CLOSED:
             return Tick([], [], math.inf)
         now = self._clock() if now is None else now
-        timeout = self.setup_timeout if self.state in (SessionState.NEW, SessionState.SETTING_UP) else self.peer_timeout
+        timeout = (
+            self.setup_timeout
+            if self.state in (SessionState.NEW, SessionState.SETTING_UP)
+            else self.peer_timeout
+        )
         silent = now - self._last_received
         if silent > timeout:
             self._close("timeout")
@@ -309,7 +317,9 @@ class _SessionProtocol:
     def _is_current(self, epoch: int, kind: MessageKind, error: Callable[[str], Exception]) -> bool:
         """True for the current, not stopped epoch; False for an older or stopped one."""
         if self.epoch is None or epoch > self.epoch:
-            raise error(f"it sent {kind.name} for epoch {epoch}, which was never started (the latest is {self.epoch})")
+            raise error(
+                f"it sent {kind.name} for epoch {epoch}, which was never started (the latest is {self.epoch})"
+            )
         return epoch == self.epoch and not self.stopped
 
     def _received_current(self, epoch: int, kind: MessageKind) -> bool:
@@ -320,11 +330,15 @@ class _SessionProtocol:
 
     def _sent_current(self, epoch: int, kind: MessageKind) -> None:
         if not self._is_current(epoch, kind, self._local):
-            raise self._local(f"it sent {kind.name} for epoch {epoch}, which is over (the current one is {self.epoch}, stopped: {self.stopped})")
+            raise self._local(
+                f"it sent {kind.name} for epoch {epoch}, which is over (the current one is {self.epoch}, stopped: {self.stopped})"
+            )
 
     def _start_epoch(self, message: StartEpoch, error: Callable[[str], Exception]) -> None:
         if self.epoch is not None and message.epoch <= self.epoch:
-            raise error(f"it sent START_EPOCH {message.epoch} after epoch {self.epoch}: epoch numbers of a session must increase")
+            raise error(
+                f"it sent START_EPOCH {message.epoch} after epoch {self.epoch}: epoch numbers of a session must increase"
+            )
         self.epoch, self.stopped, self.state = message.epoch, False, SessionState.IN_EPOCH
         self._data = _Flow(message.credits)
         self._input = _Flow(0) if message.dispatched else None
@@ -336,28 +350,45 @@ class _SessionProtocol:
         self._data.open = False
         self.state = SessionState.READY
 
-    def _frame_in_flow(self, flow: Optional[_Flow], kind: MessageKind, epoch: int, sequence: int, error: Callable[[str], Exception]) -> _Flow:
+    def _frame_in_flow(
+        self,
+        flow: Optional[_Flow],
+        kind: MessageKind,
+        epoch: int,
+        sequence: int,
+        error: Callable[[str], Exception],
+    ) -> _Flow:
         """Check one DATA/ITEMS frame against its flow's credit and numbering, and count it."""
         if flow is None:
             raise error(f"it sent {kind.name} for epoch {epoch}, which was not started with dispatched=True")
         if not flow.open:
             raise error(f"it sent {kind.name} frame {sequence} of epoch {epoch} after ending that stream")
         if flow.credits <= 0:
-            raise error(f"it sent {kind.name} frame {sequence} of epoch {epoch} without credit: only as many frames as the receiver granted may be sent")
+            raise error(
+                f"it sent {kind.name} frame {sequence} of epoch {epoch} without credit: only as many frames as the receiver granted may be sent"
+            )
         if sequence != flow.sequence:
-            raise error(f"it sent {kind.name} frame {sequence} of epoch {epoch} where frame {flow.sequence} was due: a frame was lost or reordered")
+            raise error(
+                f"it sent {kind.name} frame {sequence} of epoch {epoch} where frame {flow.sequence} was due: a frame was lost or reordered"
+            )
         flow.credits -= 1
         flow.sequence += 1
         return flow
 
-    def _end_flow(self, flow: Optional[_Flow], message: EndOfShard, error: Callable[[str], Exception]) -> None:
+    def _end_flow(
+        self, flow: Optional[_Flow], message: EndOfShard, error: Callable[[str], Exception]
+    ) -> None:
         kind = message.kind
         if flow is None:
-            raise error(f"it sent {kind.name} for epoch {message.epoch}, which was not started with dispatched=True")
+            raise error(
+                f"it sent {kind.name} for epoch {message.epoch}, which was not started with dispatched=True"
+            )
         if not flow.open:
             raise error(f"it sent {kind.name} for epoch {message.epoch} twice")
         if message.items_sent != flow.items:
-            raise error(f"it sent {kind.name} for epoch {message.epoch} after {message.items_sent} items, but its frames carried {flow.items}")
+            raise error(
+                f"it sent {kind.name} for epoch {message.epoch} after {message.items_sent} items, but its frames carried {flow.items}"
+            )
         flow.open = False
 
 
@@ -404,7 +435,7 @@ class TrainerSession(_SessionProtocol):
     def _apply_ready(self, message: Ready) -> None:
         self.state = SessionState.READY
 
-    def _receive_error(self, frame: Frame) -> List[object]:
+    def _receive_error(self, frame: Frame) -> List[Event]:
         message = self._decode(Error, frame)
         if message.epoch is None:
             if self.state is not SessionState.SETTING_UP:
@@ -418,7 +449,7 @@ class TrainerSession(_SessionProtocol):
         self._end_data()
         return [message]
 
-    def _receive_data(self, frame: Frame) -> List[object]:
+    def _receive_data(self, frame: Frame) -> List[Event]:
         epoch, sequence, count = self._header(frame)
         if not self._received_current(epoch, frame.kind):
             return []
@@ -426,7 +457,7 @@ class TrainerSession(_SessionProtocol):
         flow.items += count
         return [DataReceived(epoch, sequence, count, frame)]
 
-    def _receive_end_of_shard(self, frame: Frame) -> List[object]:
+    def _receive_end_of_shard(self, frame: Frame) -> List[Event]:
         message = self._decode(EndOfShard, frame)
         if not self._received_current(message.epoch, message.kind):
             return []
@@ -434,12 +465,14 @@ class TrainerSession(_SessionProtocol):
         self.state = SessionState.READY
         return [message]
 
-    def _receive_item_credit(self, frame: Frame) -> List[object]:
+    def _receive_item_credit(self, frame: Frame) -> List[Event]:
         message = self._decode(ItemCredit, frame)
         if not self._received_current(message.epoch, message.kind):
             return []
         if self._input is None:
-            raise self._remote(f"it sent ITEM_CREDIT for epoch {message.epoch}, which was not started with dispatched=True")
+            raise self._remote(
+                f"it sent ITEM_CREDIT for epoch {message.epoch}, which was not started with dispatched=True"
+            )
         if not self._input.open:
             return []  # granted before it saw END_OF_INPUT
         self._input.credits += message.credits
@@ -467,21 +500,21 @@ class WorkerProtocol(_SessionProtocol):
     def _apply_start_epoch(self, message: StartEpoch) -> None:
         self._start_epoch(message, self._remote)
 
-    def _receive_stop_epoch(self, frame: Frame) -> List[object]:
+    def _receive_stop_epoch(self, frame: Frame) -> List[Event]:
         message = self._decode(StopEpoch, frame)
         if not self._received_current(message.epoch, message.kind):
             return []
         self._stop_epoch(message)
         return [message]  # also when the shard just ended: the producer is gone either way
 
-    def _receive_credit(self, frame: Frame) -> List[object]:
+    def _receive_credit(self, frame: Frame) -> List[Event]:
         message = self._decode(Credit, frame)
         if not self._received_current(message.epoch, message.kind):
             return []
         self._data.credits += message.credits  # after END_OF_SHARD too: the trainer grants as it consumes
         return [message] if self._data.open else []
 
-    def _receive_items(self, frame: Frame) -> List[object]:
+    def _receive_items(self, frame: Frame) -> List[Event]:
         epoch, sequence, _count = self._header(frame)
         if not self._received_current(epoch, frame.kind) or not self._data.open:
             return []
@@ -490,7 +523,7 @@ class WorkerProtocol(_SessionProtocol):
         flow.items += len(message.items)
         return [message]
 
-    def _receive_end_of_input(self, frame: Frame) -> List[object]:
+    def _receive_end_of_input(self, frame: Frame) -> List[Event]:
         message = self._decode(EndOfInput, frame)
         if not self._received_current(message.epoch, message.kind) or not self._data.open:
             return []
@@ -528,9 +561,10 @@ class WorkerProtocol(_SessionProtocol):
     def _send_item_credit(self, message: ItemCredit) -> None:
         self._sent_current(message.epoch, message.kind)
         if self._input is None or not self._input.open or not self._data.open:
-            raise self._local(f"it sent ITEM_CREDIT for epoch {message.epoch}, whose dispatched input is not open")
+            raise self._local(
+                f"it sent ITEM_CREDIT for epoch {message.epoch}, whose dispatched input is not open"
+            )
         self._input.credits += message.credits
 
     def _send_close(self, message: Close) -> None:
         self._close("us")
-
