@@ -6,6 +6,7 @@ A misbehaving peer is simulated by encoding a message directly (bypassing its st
 
 from __future__ import annotations
 
+import collections
 from typing import List
 
 import pytest
@@ -214,6 +215,59 @@ def test_dispatched_items_flow_with_the_workers_credit():
         link.worker.send(ItemCredit(1, 1))
     link.to_trainer(Data(1, 0, items(b"out")))
     assert link.to_trainer(EndOfShard(1, 1)) == [EndOfShard(1, 1)]
+
+
+#: Moving data is likelier than starting and stopping epochs, so that epochs get somewhere.
+ACTIONS = st.sampled_from(["to_trainer"] * 4 + ["produce"] * 4 + ["to_worker"] * 3 + ["end", "start", "stop"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_any_interleaving_of_legal_drivers_keeps_the_rules_and_loses_nothing(data):
+    """Drivers that follow the public state (credits, state) never trip a rule, whatever is in flight.
+
+    Frames cross in flight in both directions (FIFO each way, as on one connection), epochs are
+    stopped and restarted at random; every epoch the trainer saw end has all its items, in order.
+    """
+    link = Link().set_up()
+    trainer, worker = link.trainer, link.worker
+    to_worker: "collections.deque" = collections.deque()
+    to_trainer: "collections.deque" = collections.deque()
+    sent = {}  # epoch -> items the worker sent
+    received = {}  # epoch -> items the trainer received
+    ended, stopped = set(), set()
+    epoch = 0
+    for _ in range(data.draw(st.integers(10, 120))):
+        action = data.draw(ACTIONS)
+        if action == "start" or (action == "stop" and trainer.state is SessionState.IN_EPOCH):
+            if action == "start":
+                epoch += 1
+                to_worker.append(trainer.send(StartEpoch(epoch, 0, 0, data.draw(st.integers(1, 3)))))
+            else:
+                to_worker.append(trainer.send(StopEpoch(epoch)))
+                stopped.add(epoch)
+        elif action == "produce" and worker.credits > 0:
+            batch = sent[worker.epoch]
+            payload = f"{worker.epoch}:{len(batch)}".encode()
+            batch.append(payload)
+            to_trainer.append(worker.send(Data(worker.epoch, len(batch) - 1, items(payload))))
+        elif action == "end" and worker.state is SessionState.IN_EPOCH:
+            to_trainer.append(worker.send(EndOfShard(worker.epoch, len(sent[worker.epoch]))))
+        elif action == "to_worker" and to_worker:
+            for event in link.deliver(to_worker.popleft(), worker):
+                if isinstance(event, StartEpoch):
+                    sent[event.epoch] = []
+        elif action == "to_trainer" and to_trainer:
+            for event in link.deliver(to_trainer.popleft(), trainer):
+                if isinstance(event, DataReceived):
+                    assert event.epoch == epoch and epoch not in stopped  # stale frames never surface
+                    received.setdefault(event.epoch, []).extend(payloads(event.decode()))
+                    to_worker.append(trainer.send(Credit(event.epoch, 1)))
+                elif isinstance(event, EndOfShard):
+                    ended.add(event.epoch)
+    for done in ended:
+        assert received.get(done, []) == sent[done]
+    assert set(received) <= set(sent)
 
 
 # -- liveness -------------------------------------------------------------------------------------
