@@ -437,7 +437,7 @@ def test_frame_after_the_peers_close_is_remote():
     link = Link().set_up()
     link.to_trainer(Close())
     with pytest.raises(
-        RemoteProtocolError, match=r"worker 0 \(127.0.0.1:29600\) sent HEARTBEAT after its CLOSE"
+        RemoteProtocolError, match=r"worker 0 \(127.0.0.1:29600\) broke the session protocol: it sent HEARTBEAT after its CLOSE"
     ):
         link.deliver(Heartbeat().encode(), link.trainer)
 

@@ -222,7 +222,7 @@ class _SessionProtocol:
         """
         kind = message.kind
         if self.state is SessionState.CLOSED:
-            raise self._local(f"it tried to send {kind.name} after the session closed ({self.closed_by})")
+            raise self._local(f"it tried to send {kind.name} after the session closed (closed by: {self.closed_by})")
         if kind not in _SENDS[self.role][self.state]:
             raise self._local(self._not_now(kind, self.role))
         chunks = message.encode()
@@ -238,7 +238,7 @@ class _SessionProtocol:
         """
         if self.state is SessionState.CLOSED:
             if self.closed_by == "peer":
-                raise RemoteProtocolError(f"{self.peer} sent {frame.kind.name} after its CLOSE")
+                raise self._remote(f"it sent {frame.kind.name} after its CLOSE")
             return []  # in flight when this side closed or gave up on the peer
         self._last_received = self._clock()
         try:
