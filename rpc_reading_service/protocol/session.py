@@ -57,7 +57,19 @@ import enum
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Dict, FrozenSet, List, NamedTuple, Optional, Tuple, Type, TypeVar, Union
+from typing import (
+    Callable,
+    ClassVar,
+    Dict,
+    FrozenSet,
+    List,
+    NamedTuple,
+    Optional,
+    Tuple,
+    Type,
+    TypeVar,
+    Union,
+)
 
 from ..errors import LocalProtocolError, RemoteProtocolError
 from .frames import Buffer, Frame, MessageKind, data_header
@@ -79,7 +91,15 @@ from .messages import (
     StopEpoch,
 )
 
-__all__ = ["SessionState", "Event", "DataReceived", "PeerTimedOut", "Tick", "TrainerSession", "WorkerProtocol"]
+__all__ = [
+    "SessionState",
+    "Event",
+    "DataReceived",
+    "PeerTimedOut",
+    "Tick",
+    "TrainerSession",
+    "WorkerProtocol",
+]
 
 K = MessageKind
 M = TypeVar("M", bound=Message)
@@ -176,6 +196,19 @@ class _SessionProtocol:
 
     role: ClassVar[str]
     peer_role: ClassVar[str]
+    #: Per kind, the method that checks and records it (looked up once per class, not per frame).
+    _on_send: ClassVar[Dict[MessageKind, Callable]]
+    _on_receive: ClassVar[Dict[MessageKind, Optional[Callable]]]
+    _on_apply: ClassVar[Dict[MessageKind, Callable]]
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)  # type: ignore[arg-type]
+        names = {kind: kind.name.lower() for kind in MessageKind}
+        cls._on_send = {kind: getattr(cls, f"_send_{name}", _nothing_method) for kind, name in names.items()}
+        cls._on_receive = {kind: getattr(cls, f"_receive_{name}", None) for kind, name in names.items()}
+        cls._on_apply = {
+            kind: getattr(cls, f"_apply_{name}", _nothing_method) for kind, name in names.items()
+        }
 
     def __init__(
         self,
@@ -222,11 +255,13 @@ class _SessionProtocol:
         """
         kind = message.kind
         if self.state is SessionState.CLOSED:
-            raise self._local(f"it tried to send {kind.name} after the session closed (closed by: {self.closed_by})")
+            raise self._local(
+                f"it tried to send {kind.name} after the session closed (closed by: {self.closed_by})"
+            )
         if kind not in _SENDS[self.role][self.state]:
             raise self._local(self._not_now(kind, self.role))
         chunks = message.encode()
-        getattr(self, f"_send_{kind.name.lower()}", _nothing)(message)
+        self._on_send[kind](self, message)
         self._last_sent = self._clock()
         return chunks
 
@@ -244,11 +279,11 @@ class _SessionProtocol:
         try:
             if frame.kind not in _SENDS[self.peer_role][self.state]:
                 raise self._remote(self._not_now(frame.kind, self.peer_role))
-            handler = getattr(self, f"_receive_{frame.kind.name.lower()}", None)
+            handler = self._on_receive[frame.kind]
             if handler is not None:
-                return handler(frame)
+                return handler(self, frame)
             message = self._decode(MESSAGE_TYPES[frame.kind], frame)
-            getattr(self, f"_apply_{frame.kind.name.lower()}", _nothing)(message)
+            self._on_apply[frame.kind](self, message)
             return [] if isinstance(message, Heartbeat) else [message]
         except RemoteProtocolError:
             self._close("error")
@@ -392,8 +427,8 @@ class _SessionProtocol:
         flow.open = False
 
 
-def _nothing(message: object) -> None:
-    """Messages whose sending or receiving changes no state."""
+def _nothing_method(self: object, message: object) -> None:
+    """For messages whose sending or receiving changes no state."""
 
 
 class TrainerSession(_SessionProtocol):
