@@ -4,22 +4,23 @@
 user changes; see :class:`RPCReadingService`.
 """
 
-__version__ = "0.1.0"
-
-from .errors import (  # noqa: E402
+from .errors import (
     AuthenticationError,
     ConfigurationError,
     DiscoveryTimeoutError,
     FrameTooLargeError,
+    LocalProtocolError,
     ProtocolError,
+    RemoteProtocolError,
     RemoteWorkerError,
     RPCReadingServiceError,
     WorkerLostError,
     WorkerRefusedError,
     WorkerStartupError,
 )
-from .reading_service import RPCReadingService  # noqa: E402
-from .transports import available_transports, register_transport  # noqa: E402
+from .reading_service import RPCReadingService
+from .transports import available_transports, register_transport
+from .version import __version__
 
 __all__ = [
     "__version__",
@@ -29,6 +30,8 @@ __all__ = [
     "RPCReadingServiceError",
     "ConfigurationError",
     "ProtocolError",
+    "LocalProtocolError",
+    "RemoteProtocolError",
     "FrameTooLargeError",
     "AuthenticationError",
     "WorkerLostError",

@@ -12,6 +12,8 @@ __all__ = [
     "RPCReadingServiceError",
     "ConfigurationError",
     "ProtocolError",
+    "LocalProtocolError",
+    "RemoteProtocolError",
     "FrameTooLargeError",
     "AuthenticationError",
     "WorkerRefusedError",
@@ -42,10 +44,26 @@ class ConfigurationError(RPCReadingServiceError, ValueError):
 
 
 class ProtocolError(RPCReadingServiceError):
-    """A peer sent bytes that are not a valid frame or message of this protocol version."""
+    """A rule of the wire protocol was broken; see which side broke it in the subclass.
+
+    Catch this to handle both kinds; the message names the side and the rule.
+    """
 
 
-class FrameTooLargeError(ProtocolError):
+class LocalProtocolError(ProtocolError):
+    """This process tried to send something the protocol does not allow at this point.
+
+    Nothing was sent. It is a bug in rpc_reading_service (or in a transport or driver
+    built on it): please report it with the message.
+    """
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent bytes that are not a valid frame or message, or a message the
+    protocol does not allow at this point. The session with that peer cannot continue."""
+
+
+class FrameTooLargeError(RemoteProtocolError):
     """A peer announced a frame larger than the configured maximum; it was refused unread."""
 
 

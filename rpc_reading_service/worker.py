@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
-from . import __version__
+from .version import __version__
 from .addresses import is_loopback_host
 from .discovery import WorkerRegistration, advertised_address
 from .errors import ConfigurationError

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Tuple
 
-from . import __version__
+from .version import __version__
 from .errors import ProtocolError
 from .graph import init_worker_graph, reset_worker_graph
 from .protocol import (

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
-from .. import __version__
+from ..version import __version__
 from ..addresses import format_address, parse_address, unix_socket_path
 from ..errors import AuthenticationError, ConfigurationError, ProtocolError, WorkerRefusedError
 from ..protocol import (

@@ -11,7 +11,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ... import __version__
+from ...version import __version__
 from ...errors import FrameTooLargeError, ProtocolError
 from ...protocol import HEADER, MAGIC, PROTOCOL_VERSION, Buffer, Frame, MessageKind
 from ..base import Allocator

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any, Dict, Optional, Sequence
 
-from ... import __version__
+from ...version import __version__
 from ...errors import ConfigurationError, ProtocolError
 from ...protocol import Buffer, Frame, MessageKind, decode_control, encode_control
 from ..base import Connection, PeerLostError, WrappingListener

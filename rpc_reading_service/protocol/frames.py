@@ -1,4 +1,4 @@
-"""The wire protocol, sans I/O: bytes in, frames and messages out. No sockets here.
+"""Frames: the byte layout of every message, sans I/O. No sockets here.
 
 A frame is::
 
@@ -13,36 +13,31 @@ arrays, pickle protocol 5 buffers) are received straight into their own
 preallocated memory: ``FrameReader.writable()`` hands out the exact memory the next
 bytes belong to, for ``socket.recv_into``.
 
-Handshake (before anything is unpickled), on a shared key K::
-
-    client -> HELLO      version, client nonce Nc, package version
-    server -> CHALLENGE  server nonce Ns, HMAC(K, "server" | Nc | Ns)
-    client -> PROOF      HMAC(K, "client" | Ns | Nc)          (after checking the server's proof)
-    server -> WELCOME                                         (or REJECT with a reason)
-
-Both sides prove the key, so a trainer never unpickles data from an impostor either.
-Handshake frames carry raw bytes only; control messages after it are pickled dicts;
-DATA frames pack many items into one frame.
+Bodies: handshake frames carry raw bytes (see :mod:`.handshake`); session-control
+messages are pickled dicts, after authentication only; CREDIT, DATA, END_OF_SHARD and
+their trainer-to-worker twins (ITEM_CREDIT, ITEMS, END_OF_INPUT) are compact binary,
+and DATA/ITEMS frames pack many items into one frame. :mod:`.messages` gives each
+kind its typed class.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
-import os
 import pickle
 import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from . import __version__
-from .errors import AuthenticationError, FrameTooLargeError, ProtocolError
+from ..errors import FrameTooLargeError, LocalProtocolError, RemoteProtocolError
+from ..version import __version__
 
 __all__ = [
     "PROTOCOL_VERSION",
     "MAGIC",
+    "HEADER",
+    "Buffer",
     "MessageKind",
+    "HANDSHAKE_KINDS",
     "Frame",
     "FrameReader",
     "encode_frame",
@@ -54,8 +49,9 @@ __all__ = [
     "encode_data",
     "decode_data",
     "data_epoch",
-    "ClientHandshake",
-    "ServerHandshake",
+    "data_header",
+    "encode_end_of_shard",
+    "decode_end_of_shard",
     "HANDSHAKE_MAX_FRAME_BYTES",
     "DEFAULT_MAX_FRAME_BYTES",
 ]
@@ -67,7 +63,6 @@ BUFFER_LENGTH = struct.Struct("!Q")
 MAX_BUFFERS_PER_FRAME = 4096
 HANDSHAKE_MAX_FRAME_BYTES = 4096
 DEFAULT_MAX_FRAME_BYTES = 1 << 31
-NONCE_BYTES = 32
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -93,6 +88,10 @@ class MessageKind(enum.IntEnum):
     DATA = 21
     END_OF_SHARD = 22
     HEARTBEAT = 23
+    # Trainer to worker, for dispatched items (the twins of CREDIT, DATA, END_OF_SHARD).
+    ITEM_CREDIT = 24
+    ITEMS = 25
+    END_OF_INPUT = 26
 
 
 HANDSHAKE_KINDS = frozenset(
@@ -121,7 +120,7 @@ def encode_frame(kind: MessageKind, body: Sequence[Buffer] = (), buffers: Sequen
     ``body`` is a sequence of chunks that together make the body; nothing is copied.
     """
     if len(buffers) > MAX_BUFFERS_PER_FRAME:
-        raise ProtocolError(f"a frame may carry at most {MAX_BUFFERS_PER_FRAME} out-of-band buffers, got {len(buffers)}")
+        raise LocalProtocolError(f"a frame may carry at most {MAX_BUFFERS_PER_FRAME} out-of-band buffers, got {len(buffers)}")
     body_length = sum(memoryview(part).nbytes for part in body)
     lengths = [memoryview(b).nbytes for b in buffers]
     head = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(kind), len(buffers), body_length)
@@ -216,23 +215,23 @@ class FrameReader:
     def _parse_header(self) -> None:
         magic, version, kind, n_buffers, body_length = HEADER.unpack(self._target)
         if magic != MAGIC:
-            raise ProtocolError(
+            raise RemoteProtocolError(
                 f"not an rpc_reading_service frame (magic {bytes(magic)!r}, expected {MAGIC!r}): "
                 "the other end is not rpc_reading_service (a wrong port, or another service on it?)"
             )
         if version != PROTOCOL_VERSION:
-            raise ProtocolError(
+            raise RemoteProtocolError(
                 f"protocol version mismatch: the peer speaks rpc_reading_service protocol version {version}, "
                 f"this process (rpc_reading_service {__version__}) speaks version {PROTOCOL_VERSION}. Install "
                 "the same rpc_reading_service version on the trainer and on every worker"
             )
         if kind not in _KNOWN_KINDS:
-            raise ProtocolError(f"unknown message kind {kind}")
+            raise RemoteProtocolError(f"unknown message kind {kind}")
         kind = MessageKind(kind)
         if self.allowed_kinds is not None and kind not in self.allowed_kinds:
-            raise ProtocolError(f"message {kind.name} is not allowed at this point of the session")
+            raise RemoteProtocolError(f"message {kind.name} is not allowed at this point of the session")
         if n_buffers > MAX_BUFFERS_PER_FRAME:
-            raise ProtocolError(f"frame announces {n_buffers} buffers, at most {MAX_BUFFERS_PER_FRAME} are allowed")
+            raise RemoteProtocolError(f"frame announces {n_buffers} buffers, at most {MAX_BUFFERS_PER_FRAME} are allowed")
         self._kind = kind
         self._n_buffers = n_buffers
         self._body_length = body_length
@@ -278,24 +277,31 @@ def decode_control(frame: Frame) -> Dict[str, Any]:
     try:
         payload = pickle.loads(frame.body)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure is a protocol violation
-        raise ProtocolError(f"could not decode {frame.kind.name} message: {exc!r}") from exc
+        raise RemoteProtocolError(f"could not decode {frame.kind.name} message: {exc!r}") from exc
     if not isinstance(payload, dict):
-        raise ProtocolError(f"{frame.kind.name} message is not a dict but {type(payload).__name__}")
+        raise RemoteProtocolError(f"{frame.kind.name} message is not a dict but {type(payload).__name__}")
     return payload
 
 
 _CREDIT = struct.Struct("!II")
 
 
-def encode_credit(epoch: int, credits: int) -> List[Buffer]:
-    """Encode a grant of ``credits`` more DATA frames for ``epoch``."""
-    return encode_frame(MessageKind.CREDIT, [_CREDIT.pack(epoch, credits)])
+def _pack(layout: struct.Struct, kind: MessageKind, *values: int) -> bytes:
+    try:
+        return layout.pack(*values)
+    except struct.error as exc:
+        raise LocalProtocolError(f"cannot encode {kind.name} {values}: {exc} (a value is negative or too large)") from exc
+
+
+def encode_credit(epoch: int, credits: int, kind: MessageKind = MessageKind.CREDIT) -> List[Buffer]:
+    """Encode a grant of ``credits`` more DATA frames (ITEMS frames for ITEM_CREDIT) for ``epoch``."""
+    return encode_frame(kind, [_pack(_CREDIT, kind, epoch, credits)])
 
 
 def decode_credit(frame: Frame) -> Tuple[int, int]:
-    """Decode a CREDIT frame into ``(epoch, credits)``."""
+    """Decode a CREDIT (or ITEM_CREDIT) frame into ``(epoch, credits)``."""
     if len(frame.body) != _CREDIT.size:
-        raise ProtocolError(f"CREDIT frame body has {len(frame.body)} bytes, expected {_CREDIT.size}")
+        raise RemoteProtocolError(f"{frame.kind.name} frame body has {len(frame.body)} bytes, expected {_CREDIT.size}")
     return _CREDIT.unpack(frame.body)
 
 
@@ -323,12 +329,12 @@ _DATA_ITEM = struct.Struct("!QI")
 
 
 def encode_data(epoch: int, sequence: int, items: Sequence[EncodedItem]) -> Tuple[List[Buffer], List[Buffer]]:
-    """Pack ``items`` into the body chunks and buffers of one DATA frame.
+    """Pack ``items`` into the body chunks and buffers of one DATA (or ITEMS) frame.
 
     Returns ``(body_chunks, buffers)`` for :func:`encode_frame`. ``sequence`` numbers the
     frames of one epoch from 0, so the receiver can verify nothing was lost.
     """
-    table = bytearray(_DATA_HEAD.pack(epoch, sequence, len(items)))
+    table = bytearray(_pack(_DATA_HEAD, MessageKind.DATA, epoch, sequence, len(items)))
     buffers: List[Buffer] = []
     for item in items:
         table += _DATA_ITEM.pack(len(item.payload), len(item.buffers))
@@ -338,25 +344,30 @@ def encode_data(epoch: int, sequence: int, items: Sequence[EncodedItem]) -> Tupl
     return body, buffers
 
 
+def data_header(frame: Frame) -> Tuple[int, int, int]:
+    """``(epoch, sequence, item count)`` of a DATA (or ITEMS) frame, from its header alone."""
+    if len(frame.body) < _DATA_HEAD.size:
+        raise RemoteProtocolError(f"{frame.kind.name} frame too short for its header")
+    return _DATA_HEAD.unpack_from(frame.body)
+
+
 def data_epoch(frame: Frame) -> int:
     """The epoch of a DATA frame, read from its header alone (to drop stale frames cheaply)."""
-    if len(frame.body) < _DATA_HEAD.size:
-        raise ProtocolError("DATA frame too short for its header")
-    return _DATA_HEAD.unpack_from(frame.body)[0]
+    return data_header(frame)[0]
 
 
 def decode_data(frame: Frame) -> Tuple[int, int, List[EncodedItem]]:
-    """Unpack a DATA frame into ``(epoch, sequence, items)``, without copying payloads."""
+    """Unpack a DATA (or ITEMS) frame into ``(epoch, sequence, items)``, without copying payloads."""
     body = memoryview(frame.body)
     if len(body) < _DATA_HEAD.size:
-        raise ProtocolError("DATA frame too short for its header")
+        raise RemoteProtocolError(f"{frame.kind.name} frame too short for its header")
     epoch, sequence, count = _DATA_HEAD.unpack_from(body)
     table_end = _DATA_HEAD.size + count * _DATA_ITEM.size
     if table_end > len(body):
-        raise ProtocolError(f"DATA frame announces {count} items but is too short for their table")
+        raise RemoteProtocolError(f"{frame.kind.name} frame announces {count} items but is too short for their table")
     table = list(_DATA_ITEM.iter_unpack(body[_DATA_HEAD.size : table_end]))
     if table_end + sum(length for length, _ in table) != len(body) or sum(n for _, n in table) != len(frame.buffers):
-        raise ProtocolError("DATA frame item table does not match its body and buffers")
+        raise RemoteProtocolError(f"{frame.kind.name} frame item table does not match its body and buffers")
     items: List[EncodedItem] = []
     offset, buffer_index, buffers = table_end, 0, frame.buffers
     if not buffers:  # the common case for small items: no out-of-band buffers at all
@@ -374,117 +385,14 @@ def decode_data(frame: Frame) -> Tuple[int, int, List[EncodedItem]]:
 _EPOCH_MARK = struct.Struct("!IQ")
 
 
-def encode_end_of_shard(epoch: int, items_sent: int) -> List[Buffer]:
-    """Encode the end of a worker's shard for ``epoch`` after ``items_sent`` items."""
-    return encode_frame(MessageKind.END_OF_SHARD, [_EPOCH_MARK.pack(epoch, items_sent)])
+def encode_end_of_shard(epoch: int, items_sent: int, kind: MessageKind = MessageKind.END_OF_SHARD) -> List[Buffer]:
+    """Encode the end of a worker's shard (of the dispatched input for END_OF_INPUT) for
+    ``epoch`` after ``items_sent`` items."""
+    return encode_frame(kind, [_pack(_EPOCH_MARK, kind, epoch, items_sent)])
 
 
 def decode_end_of_shard(frame: Frame) -> Tuple[int, int]:
-    """Decode an END_OF_SHARD frame into ``(epoch, items_sent)``."""
+    """Decode an END_OF_SHARD (or END_OF_INPUT) frame into ``(epoch, items_sent)``."""
     if len(frame.body) != _EPOCH_MARK.size:
-        raise ProtocolError("END_OF_SHARD frame has a malformed body")
+        raise RemoteProtocolError(f"{frame.kind.name} frame has a malformed body")
     return _EPOCH_MARK.unpack(frame.body)
-
-
-# -- handshake ---------------------------------------------------------------------------------
-_HELLO = struct.Struct(f"!{NONCE_BYTES}s")
-_DIGEST_BYTES = hashlib.sha256().digest_size
-
-
-def _proof(key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
-    return hmac.new(key, label + first + second, hashlib.sha256).digest()
-
-
-def _expect(frame: Frame, kind: MessageKind) -> None:
-    if frame.kind == MessageKind.REJECT:
-        reason = bytes(frame.body[:512]).decode("utf-8", "replace")
-        raise AuthenticationError(f"peer refused the connection: {reason}")
-    if frame.kind != kind:
-        raise ProtocolError(f"expected {kind.name} during the handshake, got {frame.kind.name}")
-
-
-def encode_reject(reason: str) -> List[Buffer]:
-    """Encode a REJECT frame carrying a human-readable reason (raw UTF-8, never pickled)."""
-    return encode_frame(MessageKind.REJECT, [reason.encode("utf-8")[:1024]])
-
-
-class ClientHandshake:
-    """The trainer's side of the mutual HMAC challenge-response."""
-
-    def __init__(self, key: bytes, package_version: str = "", nonce: Optional[bytes] = None):
-        self._key = key
-        self._nonce = nonce or os.urandom(NONCE_BYTES)
-        self._package_version = package_version.encode("utf-8")[:64]
-        self._server_nonce: Optional[bytes] = None
-        self.peer_package_version = ""
-        self.done = False
-
-    def hello(self) -> List[Buffer]:
-        """The first frame to send."""
-        return encode_frame(MessageKind.HELLO, [_HELLO.pack(self._nonce), self._package_version])
-
-    def receive_challenge(self, frame: Frame) -> List[Buffer]:
-        """Check the server's proof of the key; return the PROOF frame to send."""
-        _expect(frame, MessageKind.CHALLENGE)
-        body = bytes(frame.body)
-        if len(body) != NONCE_BYTES + _DIGEST_BYTES:
-            raise ProtocolError("malformed CHALLENGE frame")
-        server_nonce, server_proof = body[:NONCE_BYTES], body[NONCE_BYTES:]
-        if not hmac.compare_digest(server_proof, _proof(self._key, b"server", self._nonce, server_nonce)):
-            if not self._key:
-                raise AuthenticationError(
-                    "this trainer has no auth key (auth_key=None) but the worker requires one: pass "
-                    "auth_key= with the key the worker was started with (its --auth-key-file, or "
-                    "RPC_READING_SERVICE_AUTH_KEY in its environment)"
-                )
-            raise AuthenticationError(
-                "the worker does not hold the same auth key as this trainer: pass the key the worker "
-                "was started with (--auth-key-file / RPC_READING_SERVICE_AUTH_KEY) as auth_key="
-            )
-        self._server_nonce = server_nonce
-        return encode_frame(MessageKind.PROOF, [_proof(self._key, b"client", server_nonce, self._nonce)])
-
-    def receive_welcome(self, frame: Frame) -> None:
-        """Finish the handshake on the server's WELCOME."""
-        _expect(frame, MessageKind.WELCOME)
-        if self._server_nonce is None:
-            raise ProtocolError("WELCOME before CHALLENGE")
-        # Servers since 0.1.0 put their package version in WELCOME (older ones send nothing).
-        self.peer_package_version = bytes(frame.body[:64]).decode("utf-8", "replace")
-        self.done = True
-
-
-class ServerHandshake:
-    """The worker server's side of the mutual HMAC challenge-response."""
-
-    def __init__(self, key: bytes, nonce: Optional[bytes] = None, package_version: str = ""):
-        self._key = key
-        self._nonce = nonce or os.urandom(NONCE_BYTES)
-        self._package_version = package_version.encode("utf-8")[:64]
-        self._client_nonce: Optional[bytes] = None
-        self.peer_package_version = ""
-        self.done = False
-
-    def receive_hello(self, frame: Frame) -> List[Buffer]:
-        """Answer a HELLO with a CHALLENGE that also proves this server holds the key."""
-        _expect(frame, MessageKind.HELLO)
-        if self._client_nonce is not None:
-            raise ProtocolError("second HELLO in one handshake")
-        body = bytes(frame.body)
-        if len(body) < NONCE_BYTES:
-            raise ProtocolError("malformed HELLO frame")
-        self._client_nonce = body[:NONCE_BYTES]
-        self.peer_package_version = body[NONCE_BYTES:].decode("utf-8", "replace")
-        proof = _proof(self._key, b"server", self._client_nonce, self._nonce)
-        return encode_frame(MessageKind.CHALLENGE, [self._nonce, proof])
-
-    def receive_proof(self, frame: Frame) -> List[Buffer]:
-        """Verify the client's PROOF; return WELCOME, or raise AuthenticationError."""
-        _expect(frame, MessageKind.PROOF)
-        if self._client_nonce is None:
-            raise ProtocolError("PROOF before HELLO")
-        expected = _proof(self._key, b"client", self._nonce, self._client_nonce)
-        if not hmac.compare_digest(bytes(frame.body), expected):
-            raise AuthenticationError("client failed the auth-key challenge (wrong or missing auth key)")
-        self.done = True
-        return encode_frame(MessageKind.WELCOME, [self._package_version])

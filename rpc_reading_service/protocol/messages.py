@@ -1,0 +1,379 @@
+"""Typed session messages: one frozen dataclass per message kind, each with its encode/decode.
+
+After the handshake, every frame of a session is one of these. ``message.encode()``
+returns the chunks of its frame; ``decode_message(frame)`` returns the typed message,
+with every field checked (a wrong or missing field is a
+:class:`~rpc_reading_service.errors.RemoteProtocolError`; constructing a message with
+one is a :class:`~rpc_reading_service.errors.LocalProtocolError`).
+
+The wire is the one of :mod:`.frames`: control messages (SETUP, READY, START_EPOCH,
+STOP_EPOCH, ERROR, CLOSE) are pickled dicts whose keys are the field names, so a peer
+may add keys an older peer ignores; CREDIT, DATA, END_OF_SHARD and HEARTBEAT are compact
+binary; ITEM_CREDIT, ITEMS and END_OF_INPUT are the binary twins that carry dispatched
+items from the trainer to a worker. Which message may come when is not decided here but
+in :mod:`.session`.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+import functools
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Type, TypeVar, Union
+
+from ..errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from .frames import (
+    Buffer,
+    EncodedItem,
+    Frame,
+    MessageKind,
+    decode_control,
+    decode_credit,
+    decode_data,
+    decode_end_of_shard,
+    encode_control,
+    encode_credit,
+    encode_data,
+    encode_end_of_shard,
+    encode_frame,
+)
+
+__all__ = [
+    "Message",
+    "Setup",
+    "Ready",
+    "StartEpoch",
+    "StopEpoch",
+    "Error",
+    "Close",
+    "Heartbeat",
+    "Credit",
+    "Data",
+    "EndOfShard",
+    "ItemCredit",
+    "Items",
+    "EndOfInput",
+    "MESSAGE_TYPES",
+    "decode_message",
+]
+
+M = TypeVar("M", bound="Message")
+
+#: Epochs travel as u32 in binary frames, so a control message must not carry a larger one.
+MAX_EPOCH = (1 << 32) - 1
+
+
+class Message:
+    """Base of every session message: ``kind`` is its frame type."""
+
+    kind: ClassVar[MessageKind]
+
+    def encode(self) -> List[Buffer]:
+        """The chunks of this message's frame, ready for ``Connection.send``."""
+        raise NotImplementedError
+
+    @classmethod
+    def decode(cls: Type[M], frame: Frame) -> M:
+        """Decode a frame of this message's kind, checking every field."""
+        raise NotImplementedError
+
+
+# -- control messages: pickled dicts with checked fields -----------------------------------------
+def _accepts(hint: Any, value: Any) -> bool:
+    """Whether ``value`` fits the type ``hint`` (the few types control messages use)."""
+    origin = typing.get_origin(hint)
+    if origin is Union:
+        return any(_accepts(arg, value) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is Any:
+        return True
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if origin in (dict, collections.abc.Mapping):
+        return isinstance(value, dict) and all(isinstance(key, str) for key in value)
+    return isinstance(value, hint)
+
+
+@functools.lru_cache(maxsize=None)
+def _field_types(cls: type) -> Dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+class _Control(Message):
+    """A control message: its fields travel as a pickled dict keyed by field name."""
+
+    #: int fields that may be negative (all others must be >= 0).
+    _signed: ClassVar[frozenset] = frozenset()
+    #: int fields that must fit a u32 on the wire.
+    _u32: ClassVar[frozenset] = frozenset({"epoch"})
+
+    def __post_init__(self) -> None:
+        self._check(self.payload(), LocalProtocolError, "cannot build")
+
+    def payload(self) -> Dict[str, Any]:
+        """The dict this message travels as."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    def encode(self) -> List[Buffer]:
+        """The chunks of this message's frame (its payload, pickled)."""
+        return encode_control(self.kind, self.payload())
+
+    @classmethod
+    def decode(cls: Type[M], frame: Frame) -> M:
+        """Decode a control frame; unknown keys (from a newer peer) are ignored."""
+        payload = decode_control(frame)
+        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        values = {name: value for name, value in payload.items() if name in known}
+        cls._check(values, RemoteProtocolError, "received")  # type: ignore[attr-defined]
+        return cls(**values)
+
+    @classmethod
+    def _check(cls, values: Mapping[str, Any], error: Type[ProtocolError], verb: str) -> None:
+        """Raise ``error`` unless ``values`` are a valid set of this message's fields."""
+        hints, where = _field_types(cls), f"{verb} a {cls.kind.name} message"
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            if f.name not in values:
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                    raise error(f"{where} without its field {f.name!r}")
+                continue
+            value = values[f.name]
+            if not _accepts(hints[f.name], value):
+                raise error(
+                    f"{where} whose field {f.name!r} is {type(value).__name__} {value!r:.80}, expected {hints[f.name]}"
+                )
+            if isinstance(value, int) and not isinstance(value, bool):
+                if value < 0 and f.name not in cls._signed:
+                    raise error(f"{where} whose field {f.name!r} is negative ({value})")
+                if value > MAX_EPOCH and f.name in cls._u32:
+                    raise error(f"{where} whose field {f.name!r} is {value}, over the maximum of {MAX_EPOCH}")
+        cls._check_together(values, error, where)
+
+    @classmethod
+    def _check_together(cls, values: Mapping[str, Any], error: Type[ProtocolError], where: str) -> None:
+        """Rules between fields (each field's own type is already checked)."""
+
+
+@dataclass(frozen=True)
+class Setup(_Control):
+    """Trainer to worker, first after the handshake: the graph and this worker's place."""
+
+    kind: ClassVar[MessageKind] = MessageKind.SETUP
+    graph: bytes
+    worker_rank: int
+    num_workers: int
+    #: The session's tunables (``worker_session.SessionOptions`` fields: numbers).
+    options: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def _check_together(cls, values: Mapping[str, Any], error: Type[ProtocolError], where: str) -> None:
+        for name, value in values.get("options", {}).items():
+            if not _accepts(float, value):
+                raise error(f"{where} whose option {name!r} is {type(value).__name__}, expected a number")
+        if values["worker_rank"] >= values["num_workers"]:
+            raise error(
+                f"{where} for worker rank {values['worker_rank']} of only {values['num_workers']} workers"
+            )
+
+
+@dataclass(frozen=True)
+class Ready(_Control):
+    """Worker to trainer: setup succeeded; who serves this session."""
+
+    kind: ClassVar[MessageKind] = MessageKind.READY
+    pid: int
+    hostname: str
+    package_version: str
+
+
+@dataclass(frozen=True)
+class StartEpoch(_Control):
+    """Trainer to worker: start ``epoch`` (superseding any running one) with ``credits`` DATA frames.
+
+    ``skip`` items of the shard are not sent (a resumed epoch); with ``dispatched`` the
+    worker's input comes from the trainer in ITEMS frames, which it asks for with ITEM_CREDIT.
+    """
+
+    kind: ClassVar[MessageKind] = MessageKind.START_EPOCH
+    _signed: ClassVar[frozenset] = frozenset({"seed"})
+    epoch: int
+    seed: int
+    global_worker_id: int
+    credits: int
+    skip: int = 0
+    dispatched: bool = False
+
+
+@dataclass(frozen=True)
+class StopEpoch(_Control):
+    """Trainer to worker: abandon ``epoch``; its producer stops, frames in flight are dropped."""
+
+    kind: ClassVar[MessageKind] = MessageKind.STOP_EPOCH
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Error(_Control):
+    """Worker to trainer: setup (``epoch`` None, ``phase`` "setup") or an epoch failed.
+
+    ``exception`` is ``serialization.pack_exception``'s description of the exception.
+    """
+
+    kind: ClassVar[MessageKind] = MessageKind.ERROR
+    epoch: Optional[int]
+    phase: str
+    exception: Mapping[str, Any]
+
+    PHASES: ClassVar[frozenset] = frozenset({"setup", "epoch", "dispatch"})
+
+    @classmethod
+    def _check_together(cls, values: Mapping[str, Any], error: Type[ProtocolError], where: str) -> None:
+        phase, epoch = values["phase"], values["epoch"]
+        if phase not in cls.PHASES:
+            raise error(f"{where} of unknown phase {phase!r} (one of {sorted(cls.PHASES)})")
+        if (phase == "setup") != (epoch is None):
+            raise error(
+                f"{where} of phase {phase!r} with epoch {epoch}: setup errors have none, the others have one"
+            )
+
+
+@dataclass(frozen=True)
+class Close(_Control):
+    """Either side: the session is over; the sender closes the connection next."""
+
+    kind: ClassVar[MessageKind] = MessageKind.CLOSE
+
+
+# -- binary messages ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Heartbeat(Message):
+    """Either side: nothing to say, but alive (an empty frame)."""
+
+    kind: ClassVar[MessageKind] = MessageKind.HEARTBEAT
+    _CHUNKS: ClassVar[List[Buffer]] = encode_frame(MessageKind.HEARTBEAT)
+
+    def encode(self) -> List[Buffer]:
+        """The heartbeat frame (the same immutable chunks every time)."""
+        return list(self._CHUNKS)
+
+    @classmethod
+    def decode(cls, frame: Frame) -> "Heartbeat":
+        """Decode a heartbeat: it has no body."""
+        if frame.body or frame.buffers:
+            raise RemoteProtocolError("received a HEARTBEAT frame with a body: heartbeats are empty")
+        return cls()
+
+
+@dataclass(frozen=True)
+class Credit(Message):
+    """Trainer to worker: ``credits`` more DATA frames of ``epoch`` may be sent."""
+
+    kind: ClassVar[MessageKind] = MessageKind.CREDIT
+    epoch: int
+    credits: int
+
+    def encode(self) -> List[Buffer]:
+        """The chunks of this CREDIT frame."""
+        return encode_credit(self.epoch, self.credits, self.kind)
+
+    @classmethod
+    def decode(cls, frame: Frame) -> "Credit":
+        """Decode a CREDIT frame."""
+        return cls(*decode_credit(frame))
+
+
+@dataclass(frozen=True)
+class ItemCredit(Credit):
+    """Worker to trainer: ``credits`` more ITEMS frames of ``epoch`` may be sent (dispatching)."""
+
+    kind: ClassVar[MessageKind] = MessageKind.ITEM_CREDIT
+
+
+@dataclass(frozen=True)
+class Data(Message):
+    """Worker to trainer: frame ``sequence`` (from 0 in each epoch) of ``epoch``, packing ``items``.
+
+    The hot path: decoding makes the one ``EncodedItem`` per item it always made and no
+    copies; the items' payloads are views into the frame's body.
+    """
+
+    kind: ClassVar[MessageKind] = MessageKind.DATA
+    epoch: int
+    sequence: int
+    items: Sequence[EncodedItem]
+
+    def encode(self) -> List[Buffer]:
+        """The chunks of this frame: item table, payloads, then out-of-band buffers (no copies)."""
+        body, buffers = encode_data(self.epoch, self.sequence, self.items)
+        return encode_frame(self.kind, body, buffers)
+
+    @classmethod
+    def decode(cls, frame: Frame) -> "Data":
+        """Decode a DATA frame without copying its payloads."""
+        return cls(*decode_data(frame))
+
+
+@dataclass(frozen=True)
+class Items(Data):
+    """Trainer to worker: frame ``sequence`` of the dispatched input of ``epoch``."""
+
+    kind: ClassVar[MessageKind] = MessageKind.ITEMS
+
+
+@dataclass(frozen=True)
+class EndOfShard(Message):
+    """Worker to trainer: the shard of ``epoch`` ended after ``items_sent`` items."""
+
+    kind: ClassVar[MessageKind] = MessageKind.END_OF_SHARD
+    epoch: int
+    items_sent: int
+
+    def encode(self) -> List[Buffer]:
+        """The chunks of this frame."""
+        return encode_end_of_shard(self.epoch, self.items_sent, self.kind)
+
+    @classmethod
+    def decode(cls, frame: Frame) -> "EndOfShard":
+        """Decode an END_OF_SHARD frame."""
+        return cls(*decode_end_of_shard(frame))
+
+
+@dataclass(frozen=True)
+class EndOfInput(EndOfShard):
+    """Trainer to worker: the dispatched input of ``epoch`` ended after ``items_sent`` items."""
+
+    kind: ClassVar[MessageKind] = MessageKind.END_OF_INPUT
+
+
+MESSAGE_TYPES: Dict[MessageKind, Type[Message]] = {
+    cls.kind: cls
+    for cls in (
+        Setup,
+        Ready,
+        StartEpoch,
+        StopEpoch,
+        Error,
+        Close,
+        Heartbeat,
+        Credit,
+        Data,
+        EndOfShard,
+        ItemCredit,
+        Items,
+        EndOfInput,
+    )
+}
+
+
+def decode_message(frame: Frame) -> Message:
+    """The typed session message in ``frame`` (a handshake frame here is a remote error)."""
+    cls = MESSAGE_TYPES.get(frame.kind)
+    if cls is None:
+        raise RemoteProtocolError(
+            f"received a {frame.kind.name} frame after the handshake, which only the handshake uses"
+        )
+    return cls.decode(frame)

@@ -1,0 +1,605 @@
+"""The two session state machines, sans I/O: every rule about which message may come when.
+
+:class:`TrainerSession` is the trainer's end of one worker session, :class:`WorkerProtocol`
+the worker's end (the driver class that runs a worker's session is
+``worker_session.WorkerSession``; this is only its protocol). Neither does I/O, starts a
+thread or reads a clock it was not given: a driver moves bytes between a ``Connection``
+and its state machine, and acts on the events it gets back::
+
+    proto = TrainerSession(peer="worker 0 (10.0.0.2:29600)", heartbeat_interval=1.0, peer_timeout=10.0)
+    conn.send(proto.send(Setup(graph, worker_rank=0, num_workers=4, options=options)))
+    while running:
+        due = proto.tick()                      # heartbeats due, and PeerTimedOut after silence
+        if due.chunks:
+            conn.send(due.chunks)
+        events = list(due.events)
+        frame = conn.recv(timeout=due.wait)     # bytes -> frames: the transport's FrameReader
+        if frame is not None:
+            events += proto.receive_frame(frame)   # frames -> typed events (or a ProtocolError)
+        for event in events:
+            ...                                 # Ready, DataReceived, EndOfShard, Error, PeerTimedOut ...
+        conn.send(proto.send(Credit(epoch, 1)))  # messages -> chunks to write; refused if illegal
+
+The worker's driver is the mirror image: ``receive_frame`` yields ``Setup``,
+``StartEpoch``, ``StopEpoch``, ``Credit``, ``Items``, ``EndOfInput`` and ``Close``; it
+sends ``Ready``, ``Data`` (only while ``proto.credits`` > 0), ``EndOfShard``, ``Error``
+and ``ItemCredit``.
+
+The rules:
+
+- States: ``NEW`` (before SETUP) -> ``SETTING_UP`` -> ``READY`` (between epochs) <->
+  ``IN_EPOCH`` (the worker's shard of ``epoch`` has not ended) -> ``CLOSED``. Which kinds
+  each side may send in each state is the table ``_SENDS`` below; what one side may send
+  is exactly what the other may receive.
+- Epochs: START_EPOCH numbers increase strictly within a session and supersede the
+  running epoch; STOP_EPOCH abandons it. Frames of an older (or stopped) epoch still in
+  flight are legal and dropped (counted in ``stale_frames``); a frame of an epoch never
+  started is the peer's error.
+- Credits, in both directions: the worker may send a DATA frame of the current epoch only
+  while it holds credit (START_EPOCH's ``credits`` plus every CREDIT since); the trainer
+  may send an ITEMS frame only while it holds the worker's ITEM_CREDIT. Frames of one
+  epoch are numbered from 0 per direction, and END_OF_SHARD / END_OF_INPUT carry the item
+  count, so a lost or reordered frame is detected.
+- Liveness: ``tick(now)`` returns a heartbeat when nothing was sent for
+  ``heartbeat_interval`` and a :class:`PeerTimedOut` event (closing the session) after
+  ``peer_timeout`` of silence (``setup_timeout`` before READY).
+
+Errors: a :class:`~rpc_reading_service.errors.LocalProtocolError` means this side tried
+something illegal (nothing was sent, the state is unchanged: a bug); a
+:class:`~rpc_reading_service.errors.RemoteProtocolError` means the peer did (the session
+is closed). Both messages name the side and the rule. Not thread-safe: a driver with
+several threads holds one lock around each call.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass
+from typing import (
+    Callable,
+    ClassVar,
+    Dict,
+    FrozenSet,
+    List,
+    NamedTuple,
+    Optional,
+    Tuple,
+    Type,
+    TypeVar,
+    Union,
+)
+
+from ..errors import LocalProtocolError, RemoteProtocolError
+from .frames import Buffer, Frame, MessageKind, data_header
+from .messages import (
+    MESSAGE_TYPES,
+    Close,
+    Credit,
+    Data,
+    EndOfInput,
+    EndOfShard,
+    Error,
+    Heartbeat,
+    ItemCredit,
+    Items,
+    Message,
+    Ready,
+    Setup,
+    StartEpoch,
+    StopEpoch,
+)
+
+__all__ = [
+    "SessionState",
+    "Event",
+    "DataReceived",
+    "PeerTimedOut",
+    "Tick",
+    "TrainerSession",
+    "WorkerProtocol",
+]
+
+K = MessageKind
+M = TypeVar("M", bound=Message)
+
+
+class SessionState(enum.Enum):
+    """Where a session is; both ends pass through the same states."""
+
+    NEW = "new (before SETUP)"
+    SETTING_UP = "setting up (before READY)"
+    READY = "ready (between epochs)"
+    IN_EPOCH = "in an epoch"
+    CLOSED = "closed"
+
+
+_ALWAYS = frozenset({K.HEARTBEAT, K.CLOSE})
+_TRAINER_IN_SESSION = frozenset({K.START_EPOCH, K.STOP_EPOCH, K.CREDIT, K.ITEMS, K.END_OF_INPUT}) | _ALWAYS
+_WORKER_IN_SESSION = frozenset({K.DATA, K.END_OF_SHARD, K.ERROR, K.ITEM_CREDIT}) | _ALWAYS
+
+#: The kinds each role may send in each state (the peer may receive exactly these).
+_SENDS: Dict[str, Dict[SessionState, FrozenSet[MessageKind]]] = {
+    "trainer": {
+        SessionState.NEW: frozenset({K.SETUP}) | _ALWAYS,
+        SessionState.SETTING_UP: _ALWAYS,
+        SessionState.READY: _TRAINER_IN_SESSION,
+        SessionState.IN_EPOCH: _TRAINER_IN_SESSION,
+    },
+    "worker": {
+        SessionState.NEW: _ALWAYS,
+        SessionState.SETTING_UP: frozenset({K.READY, K.ERROR}) | _ALWAYS,
+        SessionState.READY: _WORKER_IN_SESSION,
+        SessionState.IN_EPOCH: _WORKER_IN_SESSION,
+    },
+}
+_EVER_SENT = {role: frozenset().union(*table.values()) for role, table in _SENDS.items()}
+
+
+@dataclass(frozen=True)
+class DataReceived:
+    """A DATA frame of the current epoch arrived (checked against credit and order).
+
+    Only its header is read here; :meth:`decode` unpacks the items, so a receiver thread
+    can hand the frame to the consumer cheaply.
+    """
+
+    epoch: int
+    sequence: int
+    count: int
+    frame: Frame
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the frame in memory."""
+        return self.frame.nbytes
+
+    def decode(self) -> Data:
+        """The typed DATA message, its item payloads views into the frame (no copies)."""
+        return Data.decode(self.frame)
+
+
+@dataclass(frozen=True)
+class PeerTimedOut:
+    """The peer sent nothing, not even a heartbeat, for too long; the session is closed."""
+
+    peer: str
+    silent_seconds: float
+    message: str
+
+
+#: What ``receive_frame`` and ``tick`` return: the peer's typed messages, plus these two.
+Event = Union[Message, DataReceived, PeerTimedOut]
+
+
+class Tick(NamedTuple):
+    """What :meth:`tick` found due: chunks to send, events, and seconds until the next tick."""
+
+    chunks: List[Buffer]
+    events: List[PeerTimedOut]
+    wait: float
+
+
+@dataclass
+class _Flow:
+    """One direction of one epoch's stream: frames allowed, frames and items so far."""
+
+    credits: int
+    sequence: int = 0
+    items: int = 0
+    open: bool = True
+
+
+class _SessionProtocol:
+    """What both ends share: states, epochs, liveness, and the checks around every call."""
+
+    role: ClassVar[str]
+    peer_role: ClassVar[str]
+    #: Per kind, the method that checks and records it (looked up once per class, not per frame).
+    _on_send: ClassVar[Dict[MessageKind, Callable]]
+    _on_receive: ClassVar[Dict[MessageKind, Optional[Callable]]]
+    _on_apply: ClassVar[Dict[MessageKind, Callable]]
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)  # type: ignore[arg-type]
+        names = {kind: kind.name.lower() for kind in MessageKind}
+        cls._on_send = {kind: getattr(cls, f"_send_{name}", _nothing_method) for kind, name in names.items()}
+        cls._on_receive = {kind: getattr(cls, f"_receive_{name}", None) for kind, name in names.items()}
+        cls._on_apply = {
+            kind: getattr(cls, f"_apply_{name}", _nothing_method) for kind, name in names.items()
+        }
+
+    def __init__(
+        self,
+        peer: str,
+        heartbeat_interval: float = 1.0,
+        peer_timeout: float = 10.0,
+        setup_timeout: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.peer = peer
+        self.heartbeat_interval = heartbeat_interval
+        self.peer_timeout = peer_timeout
+        self.setup_timeout = setup_timeout
+        self._clock = clock
+        self.state = SessionState.NEW
+        #: Who ended the session: "us", "peer", "timeout", or "error" (the peer broke a rule).
+        self.closed_by: Optional[str] = None
+        #: The latest epoch started (None before the first).
+        self.epoch: Optional[int] = None
+        self.stopped = False
+        self._data = _Flow(0, open=False)
+        self._input: Optional[_Flow] = None
+        #: Frames of older or stopped epochs that arrived and were dropped.
+        self.stale_frames = 0
+        now = clock()
+        self._last_sent = self._last_received = now
+
+    # -- public ---------------------------------------------------------------------------------
+    @property
+    def credits(self) -> int:
+        """DATA frames the worker may still send in the current epoch."""
+        return self._data.credits if self._data.open and not self.stopped else 0
+
+    @property
+    def item_credits(self) -> int:
+        """ITEMS frames the trainer may still send in the current epoch (dispatching)."""
+        flow = self._input
+        return flow.credits if flow is not None and flow.open and not self.stopped else 0
+
+    def send(self, message: Message) -> List[Buffer]:
+        """Check that this side may send ``message`` now, record it, and return its chunks.
+
+        Raises LocalProtocolError (with nothing sent and the state unchanged) if not.
+        """
+        kind = message.kind
+        if self.state is SessionState.CLOSED:
+            raise self._local(
+                f"it tried to send {kind.name} after the session closed (closed by: {self.closed_by})"
+            )
+        if kind not in _SENDS[self.role][self.state]:
+            raise self._local(self._not_now(kind, self.role))
+        chunks = message.encode()
+        self._on_send[kind](self, message)
+        self._last_sent = self._clock()
+        return chunks
+
+    def receive_frame(self, frame: Frame) -> List[Event]:
+        """Check a frame from the peer against the rules; return the events it makes.
+
+        Stale frames and heartbeats make none. Raises RemoteProtocolError (and closes the
+        session) if the peer broke a rule.
+        """
+        if self.state is SessionState.CLOSED:
+            if self.closed_by == "peer":
+                raise self._remote(f"it sent {frame.kind.name} after its CLOSE")
+            return []  # in flight when this side closed or gave up on the peer
+        self._last_received = self._clock()
+        try:
+            if frame.kind not in _SENDS[self.peer_role][self.state]:
+                raise self._remote(self._not_now(frame.kind, self.peer_role))
+            handler = self._on_receive[frame.kind]
+            if handler is not None:
+                return handler(self, frame)
+            message = self._decode(MESSAGE_TYPES[frame.kind], frame)
+            self._on_apply[frame.kind](self, message)
+            return [] if isinstance(message, Heartbeat) else [message]
+        except RemoteProtocolError:
+            self._close("error")
+            raise
+
+    def tick(self, now: Optional[float] = None) -> Tick:
+        """Heartbeats due, and PeerTimedOut after silence; ``wait`` is when to tick again."""
+        if self.state is SessionState.CLOSED:
+            return Tick([], [], math.inf)
+        now = self._clock() if now is None else now
+        timeout = (
+            self.setup_timeout
+            if self.state in (SessionState.NEW, SessionState.SETTING_UP)
+            else self.peer_timeout
+        )
+        silent = now - self._last_received
+        if silent > timeout:
+            self._close("timeout")
+            message = (
+                f"{self.peer} sent nothing (not even a heartbeat) for {timeout:.1f} s: its process is hung or "
+                "stopped, or the network is down"
+            )
+            return Tick([], [PeerTimedOut(self.peer, silent, message)], math.inf)
+        chunks: List[Buffer] = []
+        if now - self._last_sent >= self.heartbeat_interval:
+            chunks = Heartbeat().encode()
+            self._last_sent = now
+        wait = min(self._last_sent + self.heartbeat_interval, self._last_received + timeout) - now
+        return Tick(chunks, [], max(0.0, wait))
+
+    # -- rule helpers ---------------------------------------------------------------------------
+    def _local(self, rule: str) -> LocalProtocolError:
+        rule = rule.replace("it sent", "it tried to send", 1)  # the rules are worded for the sender
+        return LocalProtocolError(
+            f"this {self.role} broke the session protocol with {self.peer}: {rule}. This is a bug in "
+            "rpc_reading_service (or in the driver or transport using it): please report it with this message"
+        )
+
+    def _remote(self, rule: str) -> RemoteProtocolError:
+        return RemoteProtocolError(
+            f"{self.peer} broke the session protocol: {rule}. The session with it cannot continue; if this "
+            "repeats, check that both sides run the same rpc_reading_service version"
+        )
+
+    def _decode(self, cls: Type[M], frame: Frame) -> M:
+        try:
+            return cls.decode(frame)
+        except RemoteProtocolError as exc:
+            raise self._remote(f"it sent a malformed {frame.kind.name} ({exc})") from exc
+
+    def _header(self, frame: Frame) -> Tuple[int, int, int]:
+        try:
+            return data_header(frame)
+        except RemoteProtocolError as exc:
+            raise self._remote(f"it sent a malformed {frame.kind.name} ({exc})") from exc
+
+    def _not_now(self, kind: MessageKind, sender: str) -> str:
+        if kind not in _EVER_SENT[sender]:
+            return f"it sent {kind.name}, which a {sender} never sends"
+        return f"it sent {kind.name} while the session is {self.state.value}"
+
+    def _close(self, by: str) -> None:
+        self.state = SessionState.CLOSED
+        self.closed_by = by
+
+    def _is_current(self, epoch: int, kind: MessageKind, error: Callable[[str], Exception]) -> bool:
+        """True for the current, not stopped epoch; False for an older or stopped one."""
+        if self.epoch is None or epoch > self.epoch:
+            raise error(
+                f"it sent {kind.name} for epoch {epoch}, which was never started (the latest is {self.epoch})"
+            )
+        return epoch == self.epoch and not self.stopped
+
+    def _received_current(self, epoch: int, kind: MessageKind) -> bool:
+        if self._is_current(epoch, kind, self._remote):
+            return True
+        self.stale_frames += 1
+        return False
+
+    def _sent_current(self, epoch: int, kind: MessageKind) -> None:
+        if not self._is_current(epoch, kind, self._local):
+            raise self._local(
+                f"it sent {kind.name} for epoch {epoch}, which is over (the current one is {self.epoch}, stopped: {self.stopped})"
+            )
+
+    def _start_epoch(self, message: StartEpoch, error: Callable[[str], Exception]) -> None:
+        if self.epoch is not None and message.epoch <= self.epoch:
+            raise error(
+                f"it sent START_EPOCH {message.epoch} after epoch {self.epoch}: epoch numbers of a session must increase"
+            )
+        self.epoch, self.stopped, self.state = message.epoch, False, SessionState.IN_EPOCH
+        self._data = _Flow(message.credits)
+        self._input = _Flow(0) if message.dispatched else None
+
+    def _stop_epoch(self, message: StopEpoch) -> None:
+        self.stopped, self.state = True, SessionState.READY
+
+    def _end_data(self) -> None:
+        self._data.open = False
+        self.state = SessionState.READY
+
+    def _frame_in_flow(
+        self,
+        flow: Optional[_Flow],
+        kind: MessageKind,
+        epoch: int,
+        sequence: int,
+        error: Callable[[str], Exception],
+    ) -> _Flow:
+        """Check one DATA/ITEMS frame against its flow's credit and numbering, and count it."""
+        if flow is None:
+            raise error(f"it sent {kind.name} for epoch {epoch}, which was not started with dispatched=True")
+        if not flow.open:
+            raise error(f"it sent {kind.name} frame {sequence} of epoch {epoch} after ending that stream")
+        if flow.credits <= 0:
+            raise error(
+                f"it sent {kind.name} frame {sequence} of epoch {epoch} without credit: only as many frames as the receiver granted may be sent"
+            )
+        if sequence != flow.sequence:
+            raise error(
+                f"it sent {kind.name} frame {sequence} of epoch {epoch} where frame {flow.sequence} was due: a frame was lost or reordered"
+            )
+        flow.credits -= 1
+        flow.sequence += 1
+        return flow
+
+    def _end_flow(
+        self, flow: Optional[_Flow], message: EndOfShard, error: Callable[[str], Exception]
+    ) -> None:
+        kind = message.kind
+        if flow is None:
+            raise error(
+                f"it sent {kind.name} for epoch {message.epoch}, which was not started with dispatched=True"
+            )
+        if not flow.open:
+            raise error(f"it sent {kind.name} for epoch {message.epoch} twice")
+        if message.items_sent != flow.items:
+            raise error(
+                f"it sent {kind.name} for epoch {message.epoch} after {message.items_sent} items, but its frames carried {flow.items}"
+            )
+        flow.open = False
+
+
+def _nothing_method(self: object, message: object) -> None:
+    """For messages whose sending or receiving changes no state."""
+
+
+class TrainerSession(_SessionProtocol):
+    """The trainer's end of one worker session: Setup, epochs, credits, dispatched items."""
+
+    role = "trainer"
+    peer_role = "worker"
+
+    # -- what the trainer sends -----------------------------------------------------------------
+    def _send_setup(self, message: Setup) -> None:
+        self.state = SessionState.SETTING_UP
+        self._last_received = self._clock()  # the setup timeout counts from SETUP
+
+    def _send_start_epoch(self, message: StartEpoch) -> None:
+        self._start_epoch(message, self._local)
+
+    def _send_stop_epoch(self, message: StopEpoch) -> None:
+        self._sent_current(message.epoch, message.kind)
+        self._stop_epoch(message)
+
+    def _send_credit(self, message: Credit) -> None:
+        # Also after END_OF_SHARD: the consumer grants for frames it takes later.
+        self._sent_current(message.epoch, message.kind)
+        self._data.credits += message.credits
+
+    def _send_items(self, message: Items) -> None:
+        self._sent_current(message.epoch, message.kind)
+        flow = self._frame_in_flow(self._input, message.kind, message.epoch, message.sequence, self._local)
+        flow.items += len(message.items)
+
+    def _send_end_of_input(self, message: EndOfInput) -> None:
+        self._sent_current(message.epoch, message.kind)
+        self._end_flow(self._input, message, self._local)
+
+    def _send_close(self, message: Close) -> None:
+        self._close("us")
+
+    # -- what the worker sends ------------------------------------------------------------------
+    def _apply_ready(self, message: Ready) -> None:
+        self.state = SessionState.READY
+
+    def _receive_error(self, frame: Frame) -> List[Event]:
+        message = self._decode(Error, frame)
+        if message.epoch is None:
+            if self.state is not SessionState.SETTING_UP:
+                raise self._remote("it sent a setup ERROR (epoch None) after READY")
+            self._close("peer")  # a worker ends the session after a failed setup
+            return [message]
+        if not self._received_current(message.epoch, message.kind):
+            return []
+        if not self._data.open:
+            raise self._remote(f"it sent ERROR for epoch {message.epoch} after ending that epoch")
+        self._end_data()
+        return [message]
+
+    def _receive_data(self, frame: Frame) -> List[Event]:
+        epoch, sequence, count = self._header(frame)
+        if not self._received_current(epoch, frame.kind):
+            return []
+        flow = self._frame_in_flow(self._data, frame.kind, epoch, sequence, self._remote)
+        flow.items += count
+        return [DataReceived(epoch, sequence, count, frame)]
+
+    def _receive_end_of_shard(self, frame: Frame) -> List[Event]:
+        message = self._decode(EndOfShard, frame)
+        if not self._received_current(message.epoch, message.kind):
+            return []
+        self._end_flow(self._data, message, self._remote)
+        self.state = SessionState.READY
+        return [message]
+
+    def _receive_item_credit(self, frame: Frame) -> List[Event]:
+        message = self._decode(ItemCredit, frame)
+        if not self._received_current(message.epoch, message.kind):
+            return []
+        if self._input is None:
+            raise self._remote(
+                f"it sent ITEM_CREDIT for epoch {message.epoch}, which was not started with dispatched=True"
+            )
+        if not self._input.open:
+            return []  # granted before it saw END_OF_INPUT
+        self._input.credits += message.credits
+        return [message]
+
+    def _apply_close(self, message: Close) -> None:
+        self._close("peer")
+
+
+class WorkerProtocol(_SessionProtocol):
+    """The worker's end of one trainer session (the protocol of ``worker_session.WorkerSession``)."""
+
+    role = "worker"
+    peer_role = "trainer"
+
+    # -- what the trainer sends -----------------------------------------------------------------
+    def _apply_setup(self, message: Setup) -> None:
+        self.state = SessionState.SETTING_UP
+        for name in ("heartbeat_interval", "peer_timeout"):
+            value = message.options.get(name, getattr(self, name))
+            if not value > 0:
+                raise self._remote(f"it sent SETUP with {name}={value}, which must be positive")
+            setattr(self, name, float(value))
+
+    def _apply_start_epoch(self, message: StartEpoch) -> None:
+        self._start_epoch(message, self._remote)
+
+    def _receive_stop_epoch(self, frame: Frame) -> List[Event]:
+        message = self._decode(StopEpoch, frame)
+        if not self._received_current(message.epoch, message.kind):
+            return []
+        self._stop_epoch(message)
+        return [message]  # also when the shard just ended: the producer is gone either way
+
+    def _receive_credit(self, frame: Frame) -> List[Event]:
+        message = self._decode(Credit, frame)
+        if not self._received_current(message.epoch, message.kind):
+            return []
+        self._data.credits += message.credits  # after END_OF_SHARD too: the trainer grants as it consumes
+        return [message] if self._data.open else []
+
+    def _receive_items(self, frame: Frame) -> List[Event]:
+        epoch, sequence, _count = self._header(frame)
+        if not self._received_current(epoch, frame.kind) or not self._data.open:
+            return []
+        flow = self._frame_in_flow(self._input, frame.kind, epoch, sequence, self._remote)
+        message = self._decode(Items, frame)
+        flow.items += len(message.items)
+        return [message]
+
+    def _receive_end_of_input(self, frame: Frame) -> List[Event]:
+        message = self._decode(EndOfInput, frame)
+        if not self._received_current(message.epoch, message.kind) or not self._data.open:
+            return []
+        self._end_flow(self._input, message, self._remote)
+        return [message]
+
+    def _apply_close(self, message: Close) -> None:
+        self._close("peer")
+
+    # -- what the worker sends ------------------------------------------------------------------
+    def _send_ready(self, message: Ready) -> None:
+        self.state = SessionState.READY
+
+    def _send_error(self, message: Error) -> None:
+        if message.epoch is None:
+            if self.state is not SessionState.SETTING_UP:
+                raise self._local("it sent a setup ERROR (epoch None) after READY")
+            self._close("us")  # the session ends after a failed setup
+            return
+        self._sent_current(message.epoch, message.kind)
+        if not self._data.open:
+            raise self._local(f"it sent ERROR for epoch {message.epoch} after ending that epoch")
+        self._end_data()
+
+    def _send_data(self, message: Data) -> None:
+        self._sent_current(message.epoch, message.kind)
+        flow = self._frame_in_flow(self._data, message.kind, message.epoch, message.sequence, self._local)
+        flow.items += len(message.items)
+
+    def _send_end_of_shard(self, message: EndOfShard) -> None:
+        self._sent_current(message.epoch, message.kind)
+        self._end_flow(self._data, message, self._local)
+        self.state = SessionState.READY
+
+    def _send_item_credit(self, message: ItemCredit) -> None:
+        self._sent_current(message.epoch, message.kind)
+        if self._input is None or not self._input.open or not self._data.open:
+            raise self._local(
+                f"it sent ITEM_CREDIT for epoch {message.epoch}, whose dispatched input is not open"
+            )
+        self._input.credits += message.credits
+
+    def _send_close(self, message: Close) -> None:
+        self._close("us")

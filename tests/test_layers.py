@@ -1,0 +1,56 @@
+"""The layers of DESIGN.md, checked on the source: imports only go down."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "rpc_reading_service"
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.parent != PACKAGE)
+
+
+def imports_of(path: Path):
+    """``(level, module, names)`` of every import statement in ``path``."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            yield node.level, node.module or "", [alias.name for alias in node.names]
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield 0, alias.name, []
+
+
+def resolves_to_package_root(path: Path, level: int, module: str) -> bool:
+    if level == 0:
+        return module == "rpc_reading_service"
+    depth = len(path.relative_to(PACKAGE).parts) - 1  # folders below the package root
+    return not module and level == depth + 1
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_the_package_root(path):
+    # The root imports everything (the reading service, transports...): importing it from
+    # below runs imports upward and in circles. The version has its own module for this.
+    offending = [
+        (level, module, names)
+        for level, module, names in imports_of(path)
+        if resolves_to_package_root(path, level, module)
+    ]
+    assert offending == [], f"{path.relative_to(PACKAGE)} imports the package root: {offending}"
+
+
+IO_MODULES = {"socket", "selectors", "select", "ssl", "threading", "asyncio", "multiprocessing", "subprocess"}
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "protocol").glob("*.py")), ids=lambda p: p.name)
+def test_the_protocol_does_no_io_and_imports_only_below_it(path):
+    for level, module, names in imports_of(path):
+        top = module.split(".")[0]
+        assert level or top not in IO_MODULES, (
+            f"protocol/{path.name} imports {module}: the protocol is sans-I/O"
+        )
+        if level >= 2:  # out of protocol/: only the layers below (errors, version)
+            assert module in ("errors", "version", "serialization"), (
+                f"protocol/{path.name} imports ..{module}, not a layer below it"
+            )
