@@ -1,0 +1,16 @@
+"""Every contender by name (the registry the scenarios and the runner use)."""
+
+from __future__ import annotations
+
+from benchsuite.contenders.alternatives import MPRS, RPCDataloaderContender
+from benchsuite.contenders.base import Contender
+from benchsuite.contenders.limits import InProcess, RawSocket, RawUnixSocket
+from benchsuite.contenders.ours import RPCRSLocal, RPCRSTcp, RPCRSTorchRPC
+
+CONTENDERS: dict[str, type[Contender]] = {
+    c.name: c for c in (InProcess, MPRS, RPCRSLocal, RPCRSTcp, RPCRSTorchRPC, RPCDataloaderContender,
+                        RawSocket, RawUnixSocket)
+}
+ONE_STREAM = tuple(name for name, c in CONTENDERS.items() if c.one_stream)  # no worker count
+ONE_ROUND = tuple(name for name, c in CONTENDERS.items() if c.one_round)
+QUICK_SKIPS = tuple(name for name, c in CONTENDERS.items() if c.skipped_when_quick)
