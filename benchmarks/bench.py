@@ -5,12 +5,15 @@ One command measures every contender on every scenario in one run and prints a
 plain-text table per scenario (measured value, ratios), then a table of targets::
 
     python benchmarks/bench.py                  # full run
-    python benchmarks/bench.py --quick          # smaller sizes, fewer points
-    python benchmarks/bench.py --scenario tiny --contender MPRS --contender RPCRS-tcp
-    python benchmarks/bench.py --scenario tensor8m --json out.json --plot out.png
+    python benchmarks/bench.py --quick          # smoke run: small sizes, fewer points
+    python benchmarks/bench.py --only tiny --only MPRS --only RPCRS-tcp
+    python benchmarks/bench.py --only tensor8m --json out.json --plot out.png --results-md out.md
 
-Contenders: ``in-process`` (plain iteration of the graph), ``MPRS`` (torchdata
-MultiProcessingReadingService), ``RPCRS-local`` / ``RPCRS-torch_rpc``
+Contenders: ``in-process`` (plain iteration of the graph), ``production-limit`` (W
+processes that only make the items, nothing moved: the ceiling for local workers),
+``MPRS`` (torchdata MultiProcessingReadingService), ``torch-DataLoader``
+(``torch.utils.data.DataLoader(graph, num_workers=W, batch_size=None)``, what most users
+run), ``RPCRS-local`` / ``RPCRS-torch_rpc``
 (RPCReadingService with local workers, socket / torch_rpc transport), ``RPCRS-tcp``
 (RPCReadingService with ``worker_addresses=[addr] * W``: all W sessions on ONE
 ``python -m rpc_reading_service.worker`` that the benchmark starts itself, as a
@@ -18,7 +21,9 @@ deployment runs one worker server per host), ``RPCDataloader`` (the rpcdataloade
 package, map-style, one ``python -m rpcdataloader.launch`` process per worker, as its
 README says), ``raw-socket`` (sendall / recv_into over loopback TCP, one stream: the
 transport limit) and ``raw-unix`` (the same over a Unix socket, the path RPCRS-local
-takes to its local server).
+takes to its local server).  Every contender makes the same items the same way
+(``workloads.make_tensor``: a fresh tensor per item, every byte written), the raw
+senders and the production limit too.
 
 Scenarios: ``tiny`` (items/s, W=2), ``tensor1m`` / ``tensor8m`` (GB/s; the reading
 services at W=1 and W=2), ``scaling`` (a sleep-bound stage at W = 1..16), ``memory``
@@ -32,8 +37,8 @@ How it measures:
   reaped.  A contender that is missing or fails is printed as ``n/a (reason)``.
 * Throughputs are steady-state: counted from the first item received (worker startup
   is what the ``first_item`` scenario measures).  GB/s uses 1 GB = 1e9 bytes.
-* Each received buffer has its first and last byte read, so lazy transfers cannot
-  cheat.  Slow contenders get shorter epochs (item caps) and stop at a time budget;
+* Each received buffer has its first and last byte read and compared (every item is
+  one fill value), so lazy or partial transfers cannot cheat.  Slow contenders get shorter epochs (item caps) and stop at a time budget;
   their rate is computed from what they did.  MPRS always runs its epoch to the end
   (its mid-epoch shutdown can hang).
 * Full run: the throughput scenarios (tiny, tensor1m, tensor8m) run in two rounds,
@@ -45,8 +50,10 @@ How it measures:
   scenario.  A failed task restarts its contender's servers.
 * The trainer (the measuring child) runs torch with one intra-op thread.
 * The machine's load average is printed: other jobs on a 2-core box move every number.
-  Cost measured on the 2-core machine at a load of 1-3: full run ~100 s, --quick ~35 s.  Per-task
-  wall and CPU times go to stderr.
+  Per-task wall and CPU times go to stderr.
+
+The code is in ``benchsuite/`` (its ``__init__`` lists the modules); this file is the
+entry point.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ import signal
 import sys
 import time
 import warnings
+from datetime import datetime, timezone
 from typing import Optional
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -68,23 +76,39 @@ if BENCH_DIR not in sys.path:
 from benchsuite.contenders import CONTENDERS  # noqa: E402
 from benchsuite.plot import write_plot  # noqa: E402
 from benchsuite.processes import become_subreaper  # noqa: E402
+from benchsuite.report.results_md import results_markdown, source_revision  # noqa: E402
 from benchsuite.report.targets import evaluate_targets, report_targets  # noqa: E402
-from benchsuite.runner import Runner, load_average, print_header, progress  # noqa: E402
+from benchsuite.runner import Runner, header_text, load_average, progress  # noqa: E402
 from benchsuite.scenarios import SCENARIOS  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="smaller sizes, budgets and worker counts")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: smaller sizes, budgets and worker counts, one round")
+    parser.add_argument("--only", action="append", metavar="NAME", default=[],
+                        help="run only this scenario or contender (repeatable); scenarios: "
+                             f"{', '.join(SCENARIOS)}; contenders: {', '.join(CONTENDERS)}")
     parser.add_argument("--scenario", action="append", choices=list(SCENARIOS),
                         help="run only this scenario (repeatable)")
     parser.add_argument("--contender", action="append", choices=list(CONTENDERS),
                         help="run only this contender (repeatable)")
     parser.add_argument("--json", metavar="PATH", help="write all results to PATH")
     parser.add_argument("--plot", metavar="PATH", help="write a scaling + bandwidth figure (needs matplotlib)")
+    parser.add_argument("--results-md", metavar="PATH",
+                        help="write RESULTS.md (run details, targets as sentences, the tables verbatim) to PATH")
     parser.add_argument("--verbose", action="store_true", help="show the children's output")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in args.only:
+        if name in SCENARIOS:
+            args.scenario = (args.scenario or []) + [name]
+        elif name in CONTENDERS:
+            args.contender = (args.contender or []) + [name]
+        else:
+            parser.error(f"--only {name}: not a scenario ({', '.join(SCENARIOS)}) "
+                         f"nor a contender ({', '.join(CONTENDERS)})")
+    return args
 
 
 def setup_environment() -> None:
@@ -110,7 +134,13 @@ def write_json(path: str, document: dict) -> None:
         json.dump(document, out, indent=2, default=str)
 
 
+def utc_now() -> str:
+    """The current UTC time as ``2026-12-01 13:33``."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
+    """Run the selected scenarios, print their tables and the targets, write the files asked for."""
     args = parse_args(argv)
     setup_environment()
     become_subreaper()
@@ -118,29 +148,44 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch  # noqa: F401  (imported once here, before forking the children)
     import torchdata.dataloader2  # noqa: F401
 
-    started = time.monotonic()
+    started, started_utc, load_start = time.monotonic(), utc_now(), load_average()
     selected = [SCENARIOS[s] for s in (args.scenario or list(SCENARIOS))]
     all_results: dict[str, dict] = {}
+    printed: list[str] = []
+
+    def show(text: str) -> None:
+        print(text + "\n", flush=True)
+        printed.append(text + "\n")
+
     runner = Runner(args)
     try:
         info = runner.probe()
-        print_header(info, args.quick)
+        show(header_text(info, args.quick))
+        runner.start_servers(selected)
         for scenario in selected:
             result = all_results[scenario.name] = runner.run_scenario(scenario)
-            print(scenario.report(scenario, result["params"], result["contenders"]) + "\n", flush=True)
+            show(scenario.report(scenario, result["params"], result["contenders"]))
     except KeyboardInterrupt:
         progress("interrupted: stopping every process started")
         return 130
     finally:
         runner.close()
     targets = evaluate_targets(all_results)
-    print(report_targets(targets))
-    print(f"\ntotal wall time {time.monotonic() - started:.1f} s, load average at end: {load_average()}")
+    show(report_targets(targets))
+    wall_s, load_end = time.monotonic() - started, load_average()
+    print(f"total wall time {wall_s:.1f} s, load average at end: {load_end}")
     if args.json:
         write_json(args.json, {"info": info, "quick": args.quick, "results": all_results, "targets": targets})
         print(f"results written to {args.json}")
     if args.plot:
         print(write_plot(args.plot, all_results))
+    if args.results_md:
+        run = {"started": started_utc, "ended": utc_now(), "wall_s": wall_s, "load_start": load_start,
+               "load_end": load_end, "revision": source_revision(REPO_ROOT), "quick": args.quick,
+               "command": " ".join(["python benchmarks/bench.py"] + (argv if argv is not None else sys.argv[1:]))}
+        with open(args.results_md, "w") as out:
+            out.write(results_markdown(run, info, targets, "".join(printed), args.plot, args.json))
+        print(f"RESULTS.md written to {args.results_md}")
     return 0
 
 

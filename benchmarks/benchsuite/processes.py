@@ -122,16 +122,23 @@ class ServerPool:
         self.attempts = attempts
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[str] = []
+        self.pending: list[tuple[subprocess.Popen, Callable[[], Optional[str]], str]] = []
         self.log_dir = tempfile.mkdtemp(prefix=f"bench-{name}-")
+
+    def launch_missing(self, count: int, attempt: int = 0) -> None:
+        """Start, without waiting for them, the servers that bring the pool to ``count``
+        (so that several pools start at once; ``ensure`` waits for them)."""
+        started = len(self.procs) + len(self.pending)
+        self.pending += [self.launch(os.path.join(self.log_dir, f"server-{started + i}-{attempt}.log"))
+                         for i in range(count - started)]
 
     def ensure(self, count: int) -> list[str]:
         """Start servers until ``count`` run; return their ``host:port`` addresses."""
         for attempt in range(self.attempts):
-            missing = count - len(self.procs)
-            if missing <= 0:
+            self.launch_missing(count, attempt)
+            if not self.pending:
                 break
-            launched = [self.launch(os.path.join(self.log_dir, f"server-{len(self.procs) + i}-{attempt}.log"))
-                        for i in range(missing)]
+            launched, self.pending = self.pending, []
             failure: Optional[BaseException] = None
             for proc, ready, what in launched:
                 try:
@@ -150,11 +157,13 @@ class ServerPool:
         return self.addresses[:count]
 
     def pids(self) -> set[int]:
-        return {p.pid for p in self.procs}
+        """The process ids of the pool's servers, started or starting."""
+        return {p.pid for p in self.procs} | {p.pid for p, _, _ in self.pending}
 
     def stop(self) -> None:
-        stop_processes(self.procs)
-        self.procs, self.addresses = [], []
+        """Kill and reap every server of the pool."""
+        stop_processes(self.procs + [p for p, _, _ in self.pending])
+        self.procs, self.addresses, self.pending = [], [], []
 
 
 def launch_rpcrs_server(auth_key: str) -> Launch:

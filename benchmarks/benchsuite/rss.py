@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
+
 def rss_kib(field: str = "VmRSS") -> Optional[int]:
     """A ``/proc/self/status`` memory field in KiB (VmRSS, VmHWM), or None."""
     try:

@@ -14,8 +14,12 @@ from typing import Any, Callable, Optional
 
 from benchsuite.contenders import CONTENDERS, ONE_ROUND, QUICK_SKIPS
 from benchsuite.isolation import describe_exception, run_task
-from benchsuite.processes import (ServerPool, launch_rpcdataloader_server, launch_rpcrs_server,
-                                  reap_adopted_children)
+from benchsuite.processes import (
+    ServerPool,
+    launch_rpcdataloader_server,
+    launch_rpcrs_server,
+    reap_adopted_children,
+)
 from benchsuite.report.format import fmt_num
 from benchsuite.scenarios import SCENARIOS
 from benchsuite.scenarios.base import Scenario, worker_counts
@@ -27,7 +31,8 @@ def probe() -> dict:
     import torchdata
 
     info: dict[str, Any] = {
-        "python": platform.python_version(), "torch": torch.__version__,
+        "python": platform.python_version(), "platform": f"{platform.system()} {platform.release()}",
+        "torch": torch.__version__,
         "torchdata": torchdata.__version__, "cpus": os.cpu_count(), "unavailable": {},
     }
     try:
@@ -141,6 +146,31 @@ class Runner:
             progress(f"  started {name} servers: {len(addresses)} running ({time.monotonic() - t0:.1f} s, untimed)")
         return {"addresses": addresses, "auth_key": self.auth_keys.get(name)}
 
+    def selected(self, scenario: Scenario) -> list[str]:
+        """The contenders of ``scenario`` this run measures (``--only`` / ``--contender``)."""
+        return [name for name in scenario.contenders if not self.args.contender or name in self.args.contender]
+
+    def start_servers(self, scenarios: list[Scenario]) -> None:
+        """Start, untimed and all at once, the servers the selected scenarios will need, so
+        that their startups overlap.  A failure is left for :meth:`run_one` to report."""
+        needed: dict[str, int] = {}
+        for scenario in scenarios:
+            params = scenario.plan(self.args.quick)
+            for name in self.selected(scenario):
+                if name in self.pools and name not in self.unavailable:
+                    needed[name] = max(needed.get(name, 0), servers_needed(name, params))
+        if not needed:
+            return
+        t0 = time.monotonic()
+        for name, count in needed.items():
+            self.pools[name].launch_missing(count)
+        for name, count in needed.items():
+            try:
+                self.pools[name].ensure(count)
+            except Exception:
+                self.pools[name].stop()
+        progress(f"  started servers of {', '.join(needed)} ({time.monotonic() - t0:.1f} s, untimed)")
+
     def run_one(self, scenario: Scenario, name: str, params: dict) -> dict:
         """One contender on one scenario; never raises for a contender's failure."""
         if name in self.unavailable:
@@ -172,9 +202,7 @@ class Runner:
         params = scenario.plan(self.args.quick)
         rounds: dict[str, list[dict]] = {}
         for round_index in range(params.get("rounds", 1)):
-            for name in scenario.contenders:
-                if self.args.contender and name not in self.args.contender:
-                    continue
+            for name in self.selected(scenario):
                 if self.args.quick and name in QUICK_SKIPS and not self.args.contender:
                     rounds[name] = [{"ok": False, "wall_s": 0.0,
                                      "reason": "skipped with --quick (select it with --contender)"}]
@@ -200,14 +228,16 @@ class Runner:
         reap_adopted_children(set())
 
 
-def print_header(info: dict, quick: bool) -> None:
-    print(f"rpc_reading_service benchmark ({'quick' if quick else 'full'} run): "
-          f"python {info.get('python')}, torch {info.get('torch')}, torchdata {info.get('torchdata')}, "
-          f"{info.get('cpus')} CPUs, rpcdataloader {info.get('rpcdataloader', 'n/a')}")
-    print(f"rpc_reading_service: {info.get('rpc_reading_service') or 'n/a'}"
-          + (f" (transports: {', '.join(info['transports'])})" if info.get("transports") else ""))
-    print(f"load average at start: {load_average()} (other jobs on this machine make every number noisy)\n",
-          flush=True)
+def header_text(info: dict, quick: bool) -> str:
+    """The first lines of a run's output: versions, where the package is, the load."""
+    return "\n".join([
+        f"rpc_reading_service benchmark ({'quick' if quick else 'full'} run): "
+        f"python {info.get('python')}, torch {info.get('torch')}, torchdata {info.get('torchdata')}, "
+        f"{info.get('cpus')} CPUs, rpcdataloader {info.get('rpcdataloader', 'n/a')}",
+        f"rpc_reading_service: {info.get('rpc_reading_service') or 'n/a'}"
+        + (f" (transports: {', '.join(info['transports'])})" if info.get("transports") else ""),
+        f"load average at start: {load_average()} (other jobs on this machine make every number noisy)",
+    ])
 
 
 def load_average() -> str:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from benchsuite.contenders.alternatives import MPRS, RPCDataloaderContender
+from benchsuite.contenders.alternatives import MPRS, RPCDataloaderContender, TorchDataLoader
 from benchsuite.contenders.base import Contender
-from benchsuite.contenders.limits import InProcess, RawSocket, RawUnixSocket
+from benchsuite.contenders.limits import InProcess, ProductionLimit, RawSocket, RawUnixSocket
 from benchsuite.contenders.ours import RPCRSLocal, RPCRSTcp, RPCRSTorchRPC
 
 CONTENDERS: dict[str, type[Contender]] = {
-    c.name: c for c in (InProcess, MPRS, RPCRSLocal, RPCRSTcp, RPCRSTorchRPC, RPCDataloaderContender,
-                        RawSocket, RawUnixSocket)
+    c.name: c for c in (InProcess, ProductionLimit, MPRS, TorchDataLoader, RPCRSLocal, RPCRSTcp, RPCRSTorchRPC,
+                        RPCDataloaderContender, RawSocket, RawUnixSocket)
 }
 ONE_STREAM = tuple(name for name, c in CONTENDERS.items() if c.one_stream)  # no worker count
 ONE_ROUND = tuple(name for name, c in CONTENDERS.items() if c.one_round)

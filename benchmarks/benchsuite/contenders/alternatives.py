@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import gc
 
+from workloads import MapDataset, build_datapipe
+
 from benchsuite.contenders.base import Contender, DataLoader2Contender
-from workloads import MapDataset
+
 
 class MPRS(DataLoader2Contender):
     """torchdata's MultiProcessingReadingService, default settings.
@@ -23,6 +25,27 @@ class MPRS(DataLoader2Contender):
         from torchdata.dataloader2 import MultiProcessingReadingService
 
         return MultiProcessingReadingService(num_workers=num_workers)
+
+
+class TorchDataLoader(Contender):
+    """``torch.utils.data.DataLoader(graph, num_workers=N, batch_size=None)``: what most users
+    run today.  It shards a DataPipe graph by worker itself (``sharding_filter``), so every
+    worker makes the same items as under the reading services.  Default settings otherwise
+    (fork, ``prefetch_factor=2``, no pinning).
+    """
+
+    name = "torch-DataLoader"
+
+    @contextlib.contextmanager
+    def epoch(self, workload, num_workers):
+        from torch.utils.data import DataLoader
+
+        loader = DataLoader(build_datapipe(workload), batch_size=None, num_workers=num_workers)
+        iterator = iter(loader)
+        try:
+            yield iterator
+        finally:
+            del iterator  # stops and joins its workers, also in the middle of an epoch
 
 
 class RPCDataloaderContender(Contender):

@@ -29,6 +29,10 @@ class Contender:
     def epoch(self, workload: Workload, num_workers: int) -> Iterator[Iterable]:
         raise NotImplementedError
 
+    def credit_window_bytes(self, workload: Workload, num_workers: int) -> Optional[int]:
+        """Bytes the trainer may hold in flight by design (its credit window), if known."""
+        return None
+
 
 class DataLoader2Contender(Contender):
     """``DataLoader2(graph, reading_service=...)``; subclasses make the reading service."""

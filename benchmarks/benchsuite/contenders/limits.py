@@ -1,18 +1,23 @@
-"""The limits the reading services are compared with: making the items in-process, and
-one raw socket stream (TCP and Unix)."""
+"""The limits the reading services are compared with: making the items in-process, N
+processes that only make them (the ceiling for local workers), and one raw socket stream
+(TCP and Unix) with the same per-item production cost."""
 
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import socket
 import sys
 import tempfile
 from typing import Iterator
 
+from workloads import build_datapipe, produce_share
+
 from benchsuite.contenders.base import Contender
+from benchsuite.measure import MadeElsewhere
 from benchsuite.processes import SERVER_START_TIMEOUT_S, spawn, stop_processes
-from workloads import build_datapipe
+
 
 class InProcess(Contender):
     """Plain iteration of the DataPipe graph, no reading service."""
@@ -25,9 +30,54 @@ class InProcess(Contender):
         yield build_datapipe(workload)
 
 
+class ProductionLimit(Contender):
+    """The ceiling for local workers: ``num_workers`` processes that only make their share
+    of the items (the same items as every contender) and drop them; nothing is moved.
+
+    Each producer writes one byte per item made to a pipe; the epoch yields one
+    :class:`MadeElsewhere` per byte, so the rate is the producers' aggregate rate.
+    """
+
+    name = "production-limit"
+
+    @contextlib.contextmanager
+    def epoch(self, workload, num_workers):
+        context = multiprocessing.get_context("fork")
+        read_fd, write_fd = os.pipe()
+        producers = [context.Process(target=produce_share, args=(workload, rank, num_workers, write_fd),
+                                     daemon=True) for rank in range(num_workers)]
+        try:
+            for producer in producers:
+                producer.start()
+            os.close(write_fd)
+            write_fd = None
+            yield self._count(read_fd, workload)
+        finally:
+            for producer in producers:
+                if producer.pid is not None:
+                    producer.terminate()
+                    producer.join()
+            os.close(read_fd)
+            if write_fd is not None:
+                os.close(write_fd)
+
+    @staticmethod
+    def _count(read_fd: int, workload) -> Iterator[MadeElsewhere]:
+        item = MadeElsewhere(workload.item_bytes)
+        made = 0
+        while made < workload.n_items:
+            chunk = os.read(read_fd, 4096)
+            if not chunk:
+                raise ConnectionError(f"producers exited after {made} of {workload.n_items} items")
+            for _ in chunk:
+                yield item
+            made += len(chunk)
+
+
 class RawSocket(Contender):
-    """The transport limit: a sender process ``sendall``s one buffer per item over
-    loopback TCP; this process ``recv_into``s a preallocated bytearray."""
+    """The transport limit: a sender process makes each item as every contender does
+    (``workloads.make_tensor``) and ``sendall``s it over loopback TCP; this process
+    ``recv_into``s a preallocated bytearray."""
 
     name = "raw-socket"
     one_stream = True

@@ -3,9 +3,27 @@ running worker server."""
 
 from __future__ import annotations
 
+import inspect
+from typing import Optional
+
 from benchsuite.contenders.base import DataLoader2Contender
 
-class RPCRSLocal(DataLoader2Contender):
+
+class RPCRSContender(DataLoader2Contender):
+    """What every RPCReadingService contender shares: its credit window."""
+
+    def credit_window_bytes(self, workload, num_workers: int) -> Optional[int]:
+        """``num_workers x prefetch`` frames of one item each: what the trainer may hold in
+        flight by design (``prefetch`` at its default)."""
+        from rpc_reading_service import RPCReadingService
+
+        prefetch = inspect.signature(RPCReadingService).parameters.get("prefetch")
+        if prefetch is None or not isinstance(prefetch.default, int) or not workload.item_bytes:
+            return None
+        return num_workers * prefetch.default * workload.item_bytes
+
+
+class RPCRSLocal(RPCRSContender):
     """RPCReadingService with ``num_workers`` local workers (socket transport)."""
 
     name = "RPCRS-local"
@@ -28,7 +46,7 @@ class RPCRSTorchRPC(RPCRSLocal):
     transport = "torch_rpc"
 
 
-class RPCRSTcp(DataLoader2Contender):
+class RPCRSTcp(RPCRSContender):
     """RPCReadingService against ONE running ``python -m rpc_reading_service.worker``.
 
     As in a deployment (one ``rpc-reading-worker`` per host): the server forks one

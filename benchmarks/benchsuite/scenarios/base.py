@@ -37,4 +37,4 @@ def timeout_budgeted(params: dict) -> float:
     return STARTUP_ALLOWANCE_S + points * (10 + 2 * params["budget_s"])
 
 
-DATALOADERS = ("in-process", "MPRS", "RPCRS-local", "RPCRS-tcp")  # the contenders of most scenarios
+DATALOADERS = ("in-process", "MPRS", "torch-DataLoader", "RPCRS-local", "RPCRS-tcp")  # the contenders of most scenarios

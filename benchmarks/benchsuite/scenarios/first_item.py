@@ -6,10 +6,12 @@ import statistics
 import time
 from typing import Callable
 
+from workloads import Workload
+
 from benchsuite.contenders.base import Contender
 from benchsuite.report.format import fmt_num, fmt_ratio, na, ratio, render_table, value
 from benchsuite.scenarios.base import DATALOADERS, STARTUP_ALLOWANCE_S, Scenario
-from workloads import Workload
+
 
 def plan_first_item(quick: bool) -> dict:
     return {"workload": Workload("ints", 32).to_dict(), "workers": 2, "repeats": 2 if quick else 3}

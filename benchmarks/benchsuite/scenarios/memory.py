@@ -5,15 +5,17 @@ from __future__ import annotations
 import gc
 from typing import Callable
 
+from workloads import MIB, Workload
+
 from benchsuite.contenders.base import Contender
 from benchsuite.measure import drain, read_all
 from benchsuite.report.format import budget_note, fmt_num, fmt_ratio, na, ratio, render_table, value
 from benchsuite.rss import PeakRss, rss_kib
 from benchsuite.scenarios.base import DATALOADERS, Scenario, timeout_budgeted
-from workloads import MIB, Workload
+
 
 def plan_memory(quick: bool) -> dict:
-    return {"workload": Workload("tensor", 100 if quick else 250, item_bytes=MIB).to_dict(),
+    return {"workload": Workload("tensor", 40 if quick else 250, item_bytes=MIB).to_dict(),
             "workers": 2, "consumer_sleep_s": 0.005, "budget_s": 20.0}
 
 
@@ -36,14 +38,17 @@ def measure_memory(contender: Contender, params: dict, emit: Callable[[dict], No
     with PeakRss() as peak:
         data = drain(contender, workload, params["workers"], params["budget_s"],
                      consume=read_all, consumer_sleep_s=params["consumer_sleep_s"])
+    window = contender.credit_window_bytes(workload, params["workers"])
     data.update(baseline_mib=baseline / 1024, peak_mib=peak.peak_kib / 1024,
-                growth_mib=max(0, peak.peak_kib - baseline) / 1024)
+                growth_mib=max(0, peak.peak_kib - baseline) / 1024,
+                credit_window_mib=window / MIB if window else None)
     return data
 
 
 def report_memory(scenario: Scenario, params: dict, results: dict) -> str:
     w = Workload.from_dict(params["workload"])
     mprs = value(results, "MPRS", "growth_mib")
+    dataloader = value(results, "torch-DataLoader", "growth_mib")
     rows = []
     for name, outcome in results.items():
         if not outcome.get("ok"):
@@ -51,11 +56,17 @@ def report_memory(scenario: Scenario, params: dict, results: dict) -> str:
             continue
         d = outcome["data"]
         rows.append([name, fmt_num(d["growth_mib"], ".1f", " MiB"), fmt_num(d["baseline_mib"], ".0f", " MiB"),
-                     f"{d['items']:,}", fmt_ratio(ratio(d["growth_mib"], mprs)), budget_note(d)])
+                     f"{d['items']:,}", fmt_num(d.get("credit_window_mib"), ".0f", " MiB"),
+                     fmt_ratio(ratio(d["growth_mib"], d.get("credit_window_mib"))),
+                     fmt_ratio(ratio(d["growth_mib"], mprs)), fmt_ratio(ratio(d["growth_mib"], dataloader)),
+                     budget_note(d)])
     title = (f"== memory: trainer peak RSS above baseline, {w.n_items} x {w.item_bytes // MIB} MiB tensors, "
              f"consumer reads each and sleeps {params['consumer_sleep_s'] * 1000:.0f} ms, "
              f"{params['workers']} workers ==")
-    return render_table(title, ["contender", "peak growth", "baseline", "items", "vs MPRS", "note"], rows)
+    headers = ["contender", "peak growth", "baseline", "items", "credit window", "vs window", "vs MPRS",
+               "vs DataLoader", "note"]
+    return render_table(title, headers, rows, notes=[
+        "credit window: W x prefetch (default) x item size, what RPCReadingService may hold in flight by design"])
 
 
 SCENARIOS = [

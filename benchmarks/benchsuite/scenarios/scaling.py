@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from typing import Callable
 
+from workloads import Workload
+
 from benchsuite.contenders.base import Contender
 from benchsuite.isolation import describe_exception
 from benchsuite.measure import drain
 from benchsuite.report.format import fmt_num, na, render_table
 from benchsuite.scenarios.base import STARTUP_ALLOWANCE_S, Scenario
-from workloads import Workload
+
 
 def plan_scaling(quick: bool) -> dict:
     # RPCRS-tcp: the W sessions of every point run on ONE worker server (it forks a
     # process per session), as a deployment with one rpc-reading-worker per host.
-    return {"workers_list": [1, 4, 16] if quick else [1, 2, 4, 8, 16], "sleep_s": 0.01,
-            "point_s": 0.5 if quick else 1.0, "budget_s": 2.0 if quick else 3.0}
+    return {"workers_list": [1, 4] if quick else [1, 2, 4, 8, 16], "sleep_s": 0.01,
+            "point_s": 0.25 if quick else 1.0, "budget_s": 1.0 if quick else 3.0}
 
 
 def timeout_scaling(params: dict) -> float:
@@ -62,6 +64,6 @@ def report_scaling(scenario: Scenario, params: dict, results: dict) -> str:
 
 
 SCENARIOS = [
-    Scenario("scaling", ("MPRS", "RPCRS-local", "RPCRS-tcp"), plan_scaling, measure_scaling,
+    Scenario("scaling", ("MPRS", "torch-DataLoader", "RPCRS-local", "RPCRS-tcp"), plan_scaling, measure_scaling,
              report_scaling, timeout_scaling),
 ]
