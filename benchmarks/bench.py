@@ -145,9 +145,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     setup_environment()
     become_subreaper()
     signal.signal(signal.SIGTERM, _interrupt)
-    import torch  # noqa: F401  (imported once here, before forking the children)
-    import torchdata.dataloader2  # noqa: F401
-
     started, started_utc, load_start = time.monotonic(), utc_now(), load_average()
     selected = [SCENARIOS[s] for s in (args.scenario or list(SCENARIOS))]
     all_results: dict[str, dict] = {}
@@ -159,6 +156,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     runner = Runner(args)
     try:
+        runner.launch_servers(selected)  # they import torch while this process does
+        import torch  # noqa: F401  (imported once here, before forking the children)
+        import torchdata.dataloader2  # noqa: F401
+
         info = runner.probe()
         show(header_text(info, args.quick))
         runner.start_servers(selected)

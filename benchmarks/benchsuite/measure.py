@@ -43,11 +43,16 @@ def touch(item) -> int:
 
 
 def read_all(item) -> int:
-    """Read every byte of a received tensor (a consumer that uses its data)."""
+    """Read every byte of a received tensor (a consumer that uses its data).
+
+    ``max`` reads every byte and allocates nothing; ``sum`` of a uint8 tensor accumulates in
+    int64, and behind torch's DataLoader it left ~7 MiB per 1 MiB item in the trainer's
+    resident memory: the consumer, not the contender, would be measured.
+    """
     import torch
 
     if isinstance(item, torch.Tensor):
-        item.reshape(-1).sum()
+        item.reshape(-1).max()
     return touch(item)
 
 

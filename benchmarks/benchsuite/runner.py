@@ -127,9 +127,13 @@ class Runner:
             "RPCDataloader": ServerPool("rpcdataloader", launch_rpcdataloader_server),
         }
 
+    def server_pids(self) -> frozenset:
+        """The pids of every pool's servers: the processes a finished task must not reap."""
+        return frozenset(pid for pool in self.pools.values() for pid in pool.pids())
+
     def probe(self) -> dict:
         """Versions and unavailable contenders (checked in a child, once)."""
-        outcome = run_task({"kind": "probe"}, execute, 120, self.args.verbose)
+        outcome = run_task({"kind": "probe"}, execute, 120, self.args.verbose, keep=self.server_pids())
         if not outcome.get("ok"):
             progress(f"probe failed: {outcome.get('reason')}")
         info = outcome.get("data") or {"unavailable": {}}
@@ -150,26 +154,39 @@ class Runner:
         """The contenders of ``scenario`` this run measures (``--only`` / ``--contender``)."""
         return [name for name in scenario.contenders if not self.args.contender or name in self.args.contender]
 
-    def start_servers(self, scenarios: list[Scenario]) -> None:
-        """Start, untimed and all at once, the servers the selected scenarios will need, so
-        that their startups overlap.  A failure is left for :meth:`run_one` to report."""
+    def servers_wanted(self, scenarios: list[Scenario]) -> dict[str, int]:
+        """How many servers each pooled contender of the selected scenarios needs."""
         needed: dict[str, int] = {}
         for scenario in scenarios:
             params = scenario.plan(self.args.quick)
             for name in self.selected(scenario):
                 if name in self.pools and name not in self.unavailable:
                     needed[name] = max(needed.get(name, 0), servers_needed(name, params))
+        return needed
+
+    def launch_servers(self, scenarios: list[Scenario]) -> None:
+        """Start, untimed and without waiting, the servers the selected scenarios will need,
+        so that their startups overlap each other and this process's own imports."""
+        for name, count in self.servers_wanted(scenarios).items():
+            self.pools[name].launch_missing(count)
+
+    def start_servers(self, scenarios: list[Scenario]) -> None:
+        """:meth:`launch_servers`, then wait until they are ready.  A failure is left for
+        :meth:`run_one` to report (its pool is stopped, and restarted there)."""
+        self.launch_servers(scenarios)
+        needed = self.servers_wanted(scenarios)
+        for name, pool in self.pools.items():
+            if name not in needed:
+                pool.stop()  # launched for a contender the probe found unavailable
         if not needed:
             return
         t0 = time.monotonic()
-        for name, count in needed.items():
-            self.pools[name].launch_missing(count)
         for name, count in needed.items():
             try:
                 self.pools[name].ensure(count)
             except Exception:
                 self.pools[name].stop()
-        progress(f"  started servers of {', '.join(needed)} ({time.monotonic() - t0:.1f} s, untimed)")
+        progress(f"  started servers of {', '.join(needed)} (waited {time.monotonic() - t0:.1f} s, untimed)")
 
     def run_one(self, scenario: Scenario, name: str, params: dict) -> dict:
         """One contender on one scenario; never raises for a contender's failure."""
@@ -182,7 +199,7 @@ class Runner:
             return {"ok": False, "reason": "servers did not start: " + describe_exception(exc), "wall_s": 0.0}
         task = {"kind": "measure", "scenario": scenario.name, "contender": name, "params": params,
                 "servers": servers}
-        keep = frozenset(pid for pool in self.pools.values() for pid in pool.pids())
+        keep = self.server_pids()
         cpu_before = children_cpu_s()
         outcome = run_task(task, execute, scenario.timeout_s(params), self.args.verbose, keep=keep,
                            on_partial=lambda p: progress(f"    {name} W={p.get('workers')}: "

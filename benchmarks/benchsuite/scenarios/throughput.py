@@ -18,6 +18,7 @@ from benchsuite.report.format import (
     fmt_ratio,
     point_rows,
     point_value,
+    points_of,
     ratio,
     render_table,
     rounds_notes,
@@ -39,11 +40,12 @@ SAME_W_REFERENCES = ("production-limit", "MPRS", "torch-DataLoader", "RPCDataloa
 
 
 def plan_tensor(mib: int) -> Callable[[bool], dict]:
-    """Bandwidth: the reading services at W=1 and W=2.  W=1 is one stream, as the raw
-    socket limit; W=2 puts three busy processes (trainer + 2 workers) on a 2-core box."""
+    """Bandwidth: the reading services at W=1 and W=2 (``--quick``: W=2 only).  W=1 is one
+    stream, as the raw socket limit; W=2 puts three busy processes (trainer + 2 workers)
+    on a 2-core box."""
     def plan(quick: bool) -> dict:
         total = (256 if quick else 768) * MIB
-        both = [1, 2]
+        both = [2] if quick else [1, 2]  # a smoke run: one point per contender
         return {"workload": Workload("tensor", total // (mib * MIB), item_bytes=mib * MIB).to_dict(),
                 "workers": [2],  # RPCRS-torch_rpc: one point, at the default W
                 "workers_by_contender": {**{name: [1] for name in ONE_STREAM},
@@ -115,8 +117,9 @@ def report_tensor(scenario: Scenario, params: dict, results: dict) -> str:
                  fmt_num(rate / GB if rate else None, ".2f", " GB/s"), rounds_text(d, GB, ".2f")]
                 + [fmt_ratio(ratio(rate, ref)) for ref in list(raw.values()) + same_w] + [budget_note(d)])
 
+    counts = sorted({p["workers"] for name in results if name not in ONE_STREAM for p in points_of(results, name)})
     title = (f"== {scenario.name}: {w.n_items} x {w.item_bytes // MIB} MiB torch.uint8 tensors made in the "
-             f"workers, W = 1 and 2 workers ==")
+             f"workers, W = {' and '.join(map(str, counts))} workers ==")
     headers = ["contender", "items", "moved", "rate", "rounds", "vs raw-socket", "vs raw-unix",
                "vs prod. limit", "vs MPRS", "vs DataLoader", "vs RPCDataloader", "note"]
     return render_table(title, headers, point_rows(results, cells), notes=[
