@@ -26,7 +26,7 @@ takes to its local server).  Every contender makes the same items the same way
 senders and the production limit too.
 
 Scenarios: ``tiny`` (items/s, W=2), ``tensor1m`` / ``tensor8m`` (GB/s; the reading
-services at W=1 and W=2), ``scaling`` (a sleep-bound stage at W = 1..16), ``memory``
+services at W=1 and W=2, ``--quick``: W=2), ``scaling`` (a sleep-bound stage at W = 1..16), ``memory``
 (trainer peak RSS with a slow consumer), ``first_item`` (loader construction to first
 item).  Then a table of targets (PASS / MISS with the measured ratio and both rates).
 
@@ -38,19 +38,23 @@ How it measures:
 * Throughputs are steady-state: counted from the first item received (worker startup
   is what the ``first_item`` scenario measures).  GB/s uses 1 GB = 1e9 bytes.
 * Each received buffer has its first and last byte read and compared (every item is
-  one fill value), so lazy or partial transfers cannot cheat.  Slow contenders get shorter epochs (item caps) and stop at a time budget;
-  their rate is computed from what they did.  MPRS always runs its epoch to the end
-  (its mid-epoch shutdown can hang).
+  one fill value), so lazy or partial transfers cannot cheat.  The memory scenario's
+  consumer reads every byte (``max``, which allocates nothing).  Slow contenders get
+  shorter epochs (item caps) and stop at a time budget; their rate is computed from
+  what they did.  MPRS always runs its epoch to the end (its mid-epoch shutdown can
+  hang).
 * Full run: the throughput scenarios (tiny, tensor1m, tensor8m) run in two rounds,
   every contender once per round, interleaved, and keep each (contender, W)'s best
   round; every round's rate is printed.  A burst of load from other jobs then hits
   all contenders alike instead of one.
 * Worker servers (one RPCRS server, two rpcdataloader launchers) are started once,
-  before the clock starts, as they would be in a deployment, and reused by every
-  scenario.  A failed task restarts its contender's servers.
+  all at once and before the clock starts, as they would be in a deployment, and
+  reused by every scenario.  A failed task restarts its contender's servers.
 * The trainer (the measuring child) runs torch with one intra-op thread.
 * The machine's load average is printed: other jobs on a 2-core box move every number.
   Per-task wall and CPU times go to stderr.
+* ``--results-md`` writes RESULTS.md: the run's details, each target as a sentence made
+  from the same row as the targets table, and every table verbatim.
 
 The code is in ``benchsuite/`` (its ``__init__`` lists the modules); this file is the
 entry point.
@@ -83,6 +87,7 @@ from benchsuite.scenarios import SCENARIOS  # noqa: E402
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    """The command line, checked: ``--only`` names become ``--scenario`` / ``--contender``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true",
@@ -97,7 +102,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="write all results to PATH")
     parser.add_argument("--plot", metavar="PATH", help="write a scaling + bandwidth figure (needs matplotlib)")
     parser.add_argument("--results-md", metavar="PATH",
-                        help="write RESULTS.md (run details, targets as sentences, the tables verbatim) to PATH")
+                        help="write RESULTS.md (run details, targets as sentences, tables verbatim) to PATH")
     parser.add_argument("--verbose", action="store_true", help="show the children's output")
     args = parser.parse_args(argv)
     for name in args.only:
@@ -183,7 +188,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.results_md:
         run = {"started": started_utc, "ended": utc_now(), "wall_s": wall_s, "load_start": load_start,
                "load_end": load_end, "revision": source_revision(REPO_ROOT), "quick": args.quick,
-               "command": " ".join(["python benchmarks/bench.py"] + (argv if argv is not None else sys.argv[1:]))}
+               "command": " ".join(["python benchmarks/bench.py", *(sys.argv[1:] if argv is None else argv)])}
         with open(args.results_md, "w") as out:
             out.write(results_markdown(run, info, targets, "".join(printed), args.plot, args.json))
         print(f"RESULTS.md written to {args.results_md}")

@@ -7,10 +7,10 @@ library at import time; torch and torchdata are imported inside the functions th
 need them.
 
 Every contender makes its items with :func:`item_function` (the raw-socket sender with
-:func:`make_array`, its numpy half), the production limit too: one fresh tensor per item, every byte written, as a real
-pipeline's decode or augmentation writes its output.  A tensor made once and yielded
-again would let MPRS skip its copy into shared memory (it is already shared), and a
-buffer that is never written costs its producer nothing.
+:func:`make_array`, its numpy half), the production limit too: one fresh tensor per item,
+every byte written, as a real pipeline's decode or augmentation writes its output.  A
+tensor made once and yielded again would let MPRS skip its copy into shared memory (it
+is already shared), and a buffer that is never written costs its producer nothing.
 """
 
 from __future__ import annotations

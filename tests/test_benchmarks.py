@@ -47,10 +47,13 @@ def table_of(output: str, scenario: str) -> str:
 
 @pytest.mark.timeout(90)
 def test_quick_run_prints_a_row_for_every_contender(tmp_path):
-    results_json, results_md, plot = tmp_path / "results.json", tmp_path / "RESULTS.md", tmp_path / "results.png"
+    """--quick --only tensor8m: a row per contender (numbers for all but the skipped or
+    uninstalled ones), the targets, JSON, RESULTS.md quoting both tables, a figure; no leftovers."""
+    results_json, results_md, plot = (tmp_path / f for f in ("results.json", "RESULTS.md", "results.png"))
     command = [sys.executable, str(BENCH_DIR / "bench.py"), "--quick", "--only", SCENARIO,
                "--json", str(results_json), "--results-md", str(results_md), "--plot", str(plot)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(BENCH_DIR.parent), os.environ.get("PYTHONPATH", "")]))
+    pythonpath = os.pathsep.join([str(BENCH_DIR.parent), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=pythonpath)
     with open(tmp_path / "stdout.txt", "wb") as stdout, open(tmp_path / "stderr.txt", "wb") as stderr:
         proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env,
                                 cwd=str(tmp_path), start_new_session=True)
@@ -64,7 +67,8 @@ def test_quick_run_prints_a_row_for_every_contender(tmp_path):
     assert proc.returncode == 0, output + (tmp_path / "stderr.txt").read_text()
 
     table = table_of(output, SCENARIO)
-    rows = {line.split()[0]: line for line in table.splitlines()[3:] if line.strip() and not line.startswith("  ")}
+    rows = {line.split()[0]: line for line in table.splitlines()[3:]  # after title, header, dashes
+            if line.strip() and not line.startswith("  ")}  # notes are indented
     assert set(rows) == set(CONTENDERS), table
     may_be_missing = set(QUICK_SKIPS)
     try:

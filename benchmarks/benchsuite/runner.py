@@ -32,8 +32,8 @@ def probe() -> dict:
 
     info: dict[str, Any] = {
         "python": platform.python_version(), "platform": f"{platform.system()} {platform.release()}",
-        "torch": torch.__version__,
-        "torchdata": torchdata.__version__, "cpus": os.cpu_count(), "unavailable": {},
+        "torch": torch.__version__, "torchdata": torchdata.__version__, "cpus": os.cpu_count(),
+        "unavailable": {},
     }
     try:
         import rpc_reading_service
@@ -70,9 +70,8 @@ def execute(task: dict, emit: Callable[[dict], None]) -> Any:
 
 
 def progress(message: str) -> None:
+    """A line of progress on stderr (the tables go to stdout)."""
     print(message, file=sys.stderr, flush=True)
-
-
 
 
 def best_of_rounds(outcomes: list[dict], rate_key: Optional[str]) -> dict:
@@ -152,7 +151,8 @@ class Runner:
 
     def selected(self, scenario: Scenario) -> list[str]:
         """The contenders of ``scenario`` this run measures (``--only`` / ``--contender``)."""
-        return [name for name in scenario.contenders if not self.args.contender or name in self.args.contender]
+        chosen = self.args.contender
+        return [name for name in scenario.contenders if not chosen or name in chosen]
 
     def servers_wanted(self, scenarios: list[Scenario]) -> dict[str, int]:
         """How many servers each pooled contender of the selected scenarios needs."""

@@ -8,8 +8,8 @@ from benchsuite.contenders.limits import InProcess, ProductionLimit, RawSocket, 
 from benchsuite.contenders.ours import RPCRSLocal, RPCRSTcp, RPCRSTorchRPC
 
 CONTENDERS: dict[str, type[Contender]] = {
-    c.name: c for c in (InProcess, ProductionLimit, MPRS, TorchDataLoader, RPCRSLocal, RPCRSTcp, RPCRSTorchRPC,
-                        RPCDataloaderContender, RawSocket, RawUnixSocket)
+    c.name: c for c in (InProcess, ProductionLimit, MPRS, TorchDataLoader, RPCRSLocal, RPCRSTcp,
+                        RPCRSTorchRPC, RPCDataloaderContender, RawSocket, RawUnixSocket)
 }
 ONE_STREAM = tuple(name for name, c in CONTENDERS.items() if c.one_stream)  # no worker count
 ONE_ROUND = tuple(name for name, c in CONTENDERS.items() if c.one_round)

@@ -27,6 +27,8 @@ class Contender:
 
     @contextlib.contextmanager
     def epoch(self, workload: Workload, num_workers: int) -> Iterator[Iterable]:
+        """Build the loader for one epoch of ``workload`` on ``num_workers`` workers, yield
+        an iterable of its items, shut it down on exit."""
         raise NotImplementedError
 
     def credit_window_bytes(self, workload: Workload, num_workers: int) -> Optional[int]:
@@ -38,6 +40,7 @@ class DataLoader2Contender(Contender):
     """``DataLoader2(graph, reading_service=...)``; subclasses make the reading service."""
 
     def reading_service(self, num_workers: int):
+        """The reading service to run ``num_workers`` workers with."""
         raise NotImplementedError
 
     @contextlib.contextmanager

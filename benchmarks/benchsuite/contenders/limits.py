@@ -76,7 +76,7 @@ class ProductionLimit(Contender):
 
 class RawSocket(Contender):
     """The transport limit: a sender process makes each item as every contender does
-    (``workloads.make_tensor``) and ``sendall``s it over loopback TCP; this process
+    (``workloads.make_array``) and ``sendall``s it over loopback TCP; this process
     ``recv_into``s a preallocated bytearray."""
 
     name = "raw-socket"

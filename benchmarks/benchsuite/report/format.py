@@ -10,6 +10,7 @@ from benchsuite.contenders import ONE_ROUND, ONE_STREAM
 GB = 1e9
 
 def fmt_ratio(value: Optional[float]) -> str:
+    """``79.8x``, ``0.86x``, ``0.0047x`` (three significant digits at most), or ``-``."""
     if value is None or not math.isfinite(value):
         return "-"
     if value >= 100:
@@ -22,12 +23,14 @@ def fmt_ratio(value: Optional[float]) -> str:
 
 
 def fmt_num(value: Optional[float], spec: str, unit: str = "") -> str:
+    """``value`` formatted with ``spec`` and ``unit``, or ``-``."""
     if value is None:
         return "-"
     return f"{value:{spec}}{unit}"
 
 
 def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    """``a / b``, or None when either is missing (or ``b`` is zero)."""
     return a / b if a is not None and b else None
 
 
@@ -115,6 +118,7 @@ def point_rows(results: dict, cells: Callable[[str, dict], list]) -> list:
 
 
 def rounds_notes(params: dict) -> list[str]:
+    """The note under a table whose rates are the best of several rounds."""
     if params.get("rounds", 1) < 2:
         return []
     return [f"rate: the best of {params['rounds']} rounds (all contenders once per round, interleaved; "

@@ -55,7 +55,8 @@ def results_markdown(run: dict, info: dict, targets: list[dict], printed: str,
         "rerun `make bench`). Every number below is the one its table prints.",
         "",
         f"- **Date**: {run['started']} to {run['ended']} UTC ({'quick' if run['quick'] else 'full'} run)",
-        f"- **Machine**: {info.get('cpus')} CPUs, {info.get('platform', 'Linux')}, python {info.get('python')}, "
+        f"- **Machine**: {info.get('cpus')} CPUs, {info.get('platform', 'Linux')}, "
+        f"python {info.get('python')}, "
         f"torch {info.get('torch')}, torchdata {info.get('torchdata')}, "
         f"rpcdataloader {info.get('rpcdataloader', 'n/a')}; package at `{run['revision']}`",
         f"- **Load average (1 min)**: {run['load_start']} at start, {run['load_end']} at the end (which "

@@ -36,6 +36,7 @@ def outcome_of(all_results: dict, scenario: str, contender: str) -> tuple[Option
 
 
 def rate_text(key: str, rate: float) -> str:
+    """A rate as printed in a target's detail: ``3.10 GB/s`` or ``122,624/s``."""
     return f"{rate / GB:.2f} GB/s" if key == "bytes_per_s" else f"{rate:,.0f}/s"
 
 
@@ -119,7 +120,8 @@ def ratio_target(scenario: str, contender: str, workers: int, threshold: float, 
     reference_workers = 1 if one_stream else (reference_workers or workers)
     goal = (f"{scenario}: {contender} W={workers} {'items/s ' if key == 'items_per_s' else ''}>= "
             f"{threshold}x {reference}{'' if one_stream else f' W={reference_workers}'}{note}")
-    return Target(goal, threshold, ratio_at(scenario, key, (contender, workers), (reference, reference_workers)))
+    measure = ratio_at(scenario, key, (contender, workers), (reference, reference_workers))
+    return Target(goal, threshold, measure)
 
 
 TARGETS = [
@@ -184,6 +186,7 @@ def report_targets(rows: list[dict]) -> str:
         if row["measured"] is None:
             table_rows.append((row["goal"], f"n/a ({row['detail'][:80]})"))
         else:
-            table_rows.append([row["goal"], measured_text(row), needed_text(row), row["status"], row["detail"]])
+            table_rows.append([row["goal"], measured_text(row), needed_text(row), row["status"],
+                               row["detail"]])
     return render_table("== targets ==", ["goal", "measured", "needed", "status", "detail"], table_rows,
                         notes=TARGET_NOTES)

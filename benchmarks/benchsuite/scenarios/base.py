@@ -33,8 +33,10 @@ def worker_counts(params: dict, name: str) -> list[int]:
 
 
 def timeout_budgeted(params: dict) -> float:
+    """A task's timeout: startup allowance, then per point its budget twice and some slack."""
     points = max(len(worker_counts(params, name)) for name in CONTENDERS)
     return STARTUP_ALLOWANCE_S + points * (10 + 2 * params["budget_s"])
 
 
-DATALOADERS = ("in-process", "MPRS", "torch-DataLoader", "RPCRS-local", "RPCRS-tcp")  # the contenders of most scenarios
+# the contenders of most scenarios
+DATALOADERS = ("in-process", "MPRS", "torch-DataLoader", "RPCRS-local", "RPCRS-tcp")

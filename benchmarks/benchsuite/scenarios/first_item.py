@@ -14,10 +14,12 @@ from benchsuite.scenarios.base import DATALOADERS, STARTUP_ALLOWANCE_S, Scenario
 
 
 def plan_first_item(quick: bool) -> dict:
+    """A short epoch of ints on 2 workers, repeated (the first epoch is the cold one)."""
     return {"workload": Workload("ints", 32).to_dict(), "workers": 2, "repeats": 2 if quick else 3}
 
 
 def timeout_first_item(params: dict) -> float:
+    """Startup allowance plus 20 s per repeat."""
     return STARTUP_ALLOWANCE_S + 20 * params["repeats"]
 
 
@@ -46,6 +48,7 @@ def measure_first_item(contender: Contender, params: dict, emit: Callable[[dict]
 
 
 def report_first_item(scenario: Scenario, params: dict, results: dict) -> str:
+    """The first_item table: cold and warm time to the first item, vs MPRS, shutdown."""
     mprs = value(results, "MPRS", "cold_s")
     rows = []
     for name, outcome in results.items():

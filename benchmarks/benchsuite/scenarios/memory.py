@@ -15,6 +15,7 @@ from benchsuite.scenarios.base import DATALOADERS, Scenario, timeout_budgeted
 
 
 def plan_memory(quick: bool) -> dict:
+    """1 MiB tensors on 2 workers, a consumer that reads each and sleeps 5 ms."""
     return {"workload": Workload("tensor", 40 if quick else 250, item_bytes=MIB).to_dict(),
             "workers": 2, "consumer_sleep_s": 0.005, "budget_s": 20.0}
 
@@ -46,6 +47,7 @@ def measure_memory(contender: Contender, params: dict, emit: Callable[[dict], No
 
 
 def report_memory(scenario: Scenario, params: dict, results: dict) -> str:
+    """The memory table: peak growth, baseline, credit window and ratios."""
     w = Workload.from_dict(params["workload"])
     mprs = value(results, "MPRS", "growth_mib")
     dataloader = value(results, "torch-DataLoader", "growth_mib")
@@ -66,7 +68,8 @@ def report_memory(scenario: Scenario, params: dict, results: dict) -> str:
     headers = ["contender", "peak growth", "baseline", "items", "credit window", "vs window", "vs MPRS",
                "vs DataLoader", "note"]
     return render_table(title, headers, rows, notes=[
-        "credit window: W x prefetch (default) x item size, what RPCReadingService may hold in flight by design"])
+        "credit window: W x prefetch (default) x item size, what RPCReadingService may hold in flight "
+        "by design"])
 
 
 SCENARIOS = [

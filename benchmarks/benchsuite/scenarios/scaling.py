@@ -14,6 +14,7 @@ from benchsuite.scenarios.base import STARTUP_ALLOWANCE_S, Scenario
 
 
 def plan_scaling(quick: bool) -> dict:
+    """A 10 ms sleep per item at W = 1..16 (``--quick``: 1 and 4)."""
     # RPCRS-tcp: the W sessions of every point run on ONE worker server (it forks a
     # process per session), as a deployment with one rpc-reading-worker per host.
     return {"workers_list": [1, 4] if quick else [1, 2, 4, 8, 16], "sleep_s": 0.01,
@@ -21,6 +22,7 @@ def plan_scaling(quick: bool) -> dict:
 
 
 def timeout_scaling(params: dict) -> float:
+    """Startup allowance, then per worker count its budget twice and some slack."""
     return STARTUP_ALLOWANCE_S + len(params["workers_list"]) * (10 + 2 * params["budget_s"])
 
 
@@ -43,6 +45,7 @@ def measure_scaling(contender: Contender, params: dict, emit: Callable[[dict], N
 
 
 def report_scaling(scenario: Scenario, params: dict, results: dict) -> str:
+    """The scaling table: items/s against the ideal W / sleep, per worker count."""
     rows = []
     for name, outcome in results.items():
         points = (outcome.get("data") or {}).get("points") or outcome.get("partial") or []
@@ -64,6 +67,7 @@ def report_scaling(scenario: Scenario, params: dict, results: dict) -> str:
 
 
 SCENARIOS = [
-    Scenario("scaling", ("MPRS", "torch-DataLoader", "RPCRS-local", "RPCRS-tcp"), plan_scaling, measure_scaling,
+    Scenario("scaling", ("MPRS", "torch-DataLoader", "RPCRS-local", "RPCRS-tcp"), plan_scaling,
+             measure_scaling,
              report_scaling, timeout_scaling),
 ]
