@@ -134,13 +134,15 @@ def raw_sender(address: str, nbytes: int, count: int) -> None:
             pass  # the receiver stopped early (time budget): not an error
 
 
-def produce_share(workload: Workload, rank: int, num_workers: int, done_fd: int) -> None:
-    """Make worker ``rank``'s share of ``workload`` and drop each item: nothing is moved.
+def produce_share(workload: Workload, rank: int, num_workers: int, done_fd: int, go) -> None:
+    """Once ``go`` (an event) is set, make worker ``rank``'s share of ``workload`` and drop
+    each item: nothing is moved.
 
     One byte per item goes to ``done_fd`` (a pipe), so the measuring process counts items
     as they are made.
     """
     make = item_function(workload)
+    go.wait()
     for index in range(rank, workload.n_items, num_workers):
         item = index if make is None else make(index)
         del item

@@ -17,6 +17,9 @@ class MadeElsewhere:
     nbytes: int
 
 
+CLOCK_START = MadeElsewhere(0)  # yielded before the first item: the rate counts from here, not from it
+
+
 class CorruptItem(AssertionError):
     """A received buffer whose first and last bytes differ: every item is one fill value."""
 
@@ -63,7 +66,8 @@ def drain(contender, workload: Workload, num_workers: int, budget_s: float,
 
     Stops after ``budget_s`` seconds of items (unless the contender cannot stop early
     cleanly).  The rate is steady-state: counted from the item at ``warmup_fraction``
-    of the epoch (the first item by default).
+    of the epoch (the first item by default), or from ``CLOCK_START`` if the loader
+    yields it first.
     """
     warmup_items = max(1, int(workload.n_items * warmup_fraction))
     items = nbytes = 0
@@ -74,13 +78,16 @@ def drain(contender, workload: Workload, num_workers: int, budget_s: float,
     t0 = time.perf_counter()
     with contender.epoch(workload, num_workers) as loader:
         for item in loader:
+            if item is CLOCK_START:
+                t_first = t_start = time.perf_counter()
+                continue
             size = consume(item)
             now = time.perf_counter()
             items += 1
             nbytes += size
             if t_first is None:
                 t_first = now
-            if items == warmup_items:
+            if items == warmup_items and t_start is None:
                 t_start, start_items, start_bytes = now, items, nbytes
             if consumer_sleep_s:
                 time.sleep(consumer_sleep_s)

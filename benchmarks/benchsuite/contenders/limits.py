@@ -15,7 +15,7 @@ from typing import Iterator
 from workloads import build_datapipe, produce_share
 
 from benchsuite.contenders.base import Contender
-from benchsuite.measure import MadeElsewhere
+from benchsuite.measure import CLOCK_START, MadeElsewhere
 from benchsuite.processes import SERVER_START_TIMEOUT_S, spawn, stop_processes
 
 
@@ -34,8 +34,10 @@ class ProductionLimit(Contender):
     """The ceiling for local workers: ``num_workers`` processes that only make their share
     of the items (the same items as every contender) and drop them; nothing is moved.
 
-    Each producer writes one byte per item made to a pipe; the epoch yields one
-    :class:`MadeElsewhere` per byte, so the rate is the producers' aggregate rate.
+    The producers start together when the epoch's iterator starts, which first yields
+    ``CLOCK_START`` (so that the first items' making is timed too), then one
+    :class:`MadeElsewhere` per byte the producers write to a pipe (one per item made).  A
+    late wakeup of this process can only lower the rate, never raise it.
     """
 
     name = "production-limit"
@@ -44,14 +46,15 @@ class ProductionLimit(Contender):
     def epoch(self, workload, num_workers):
         context = multiprocessing.get_context("fork")
         read_fd, write_fd = os.pipe()
-        producers = [context.Process(target=produce_share, args=(workload, rank, num_workers, write_fd),
+        go = context.Event()
+        producers = [context.Process(target=produce_share, args=(workload, rank, num_workers, write_fd, go),
                                      daemon=True) for rank in range(num_workers)]
         try:
             for producer in producers:
                 producer.start()
             os.close(write_fd)
             write_fd = None
-            yield self._count(read_fd, workload)
+            yield self._count(read_fd, workload, go)
         finally:
             for producer in producers:
                 if producer.pid is not None:
@@ -62,7 +65,9 @@ class ProductionLimit(Contender):
                 os.close(write_fd)
 
     @staticmethod
-    def _count(read_fd: int, workload) -> Iterator[MadeElsewhere]:
+    def _count(read_fd: int, workload, go) -> Iterator[MadeElsewhere]:
+        go.set()
+        yield CLOCK_START
         item = MadeElsewhere(workload.item_bytes)
         made = 0
         while made < workload.n_items:
