@@ -52,7 +52,9 @@ How it measures:
   reused by every scenario.  A failed task restarts its contender's servers.
 * The trainer (the measuring child) runs torch with one intra-op thread.
 * The machine's load average is printed: other jobs on a 2-core box move every number.
-  Per-task wall and CPU times go to stderr.
+  Per-task wall and CPU times go to stderr.  Cost on the 2-core machine at a load of
+  5-9 from other jobs: full run ~250 s, ``--quick`` ~55 s, ``--quick --only tensor8m``
+  25-30 s.
 * ``--results-md`` writes RESULTS.md: the run's details, each target as a sentence made
   from the same row as the targets table, and every table verbatim.
 
