@@ -4,14 +4,20 @@ Everything here lives at module level so that plain pickle (rpcdataloader) and
 cloudpickle (RPCReadingService) ship it by reference: every process the benchmark
 starts gets this directory on ``PYTHONPATH``.  The module imports only the standard
 library at import time; torch and torchdata are imported inside the functions that
-need them, so the raw-socket sender (``python -m workloads raw-sender ...``) starts in
-milliseconds.
+need them.
+
+Every contender makes its items with :func:`item_function` (the raw-socket sender with
+:func:`make_array`, its numpy half), the production limit too: one fresh tensor per item,
+every byte written, as a real pipeline's decode or augmentation writes its output.  A
+tensor made once and yielded again would let MPRS skip its copy into shared memory (it
+is already shared), and a buffer that is never written costs its producer nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import socket
 import sys
 import time
@@ -24,7 +30,7 @@ class Workload:
     """What one epoch yields: ``n_items`` items of one kind.
 
     kind: ``"ints"`` (the index itself), ``"tensor"`` (a fresh ``torch.uint8`` tensor
-    of ``item_bytes`` bytes) or ``"sleep"`` (the index, after ``sleep_s`` seconds of
+    of ``item_bytes`` bytes, see :func:`make_tensor`) or ``"sleep"`` (the index, after ``sleep_s`` seconds of
     sleep in the producing worker).
     """
 
@@ -41,11 +47,25 @@ class Workload:
         return cls(**data)
 
 
+def fill_value(index: int) -> int:
+    """The byte every element of item ``index`` holds (a receiver can check it)."""
+    return index % 251
+
+
+def make_array(index: int, nbytes: int):
+    """A fresh ``nbytes``-byte uint8 numpy array, every byte written with :func:`fill_value`
+    (by one thread, whatever torch's thread settings in the producing process)."""
+    import numpy
+
+    return numpy.full(nbytes, fill_value(index), dtype=numpy.uint8)
+
+
 def make_tensor(index: int, nbytes: int):
-    """A fresh, uninitialised ``nbytes``-byte uint8 tensor (cheap to make)."""
+    """:func:`make_array` handed over with ``torch.from_numpy`` (no copy), as a decoder's
+    output usually is: a fresh ``nbytes``-byte uint8 tensor, every byte written."""
     import torch
 
-    return torch.empty(nbytes, dtype=torch.uint8)
+    return torch.from_numpy(make_array(index, nbytes))
 
 
 def sleep_then_return(index: int, seconds: float) -> int:
@@ -103,14 +123,30 @@ def connect(address: str) -> socket.socket:
 
 
 def raw_sender(address: str, nbytes: int, count: int) -> None:
-    """Connect to ``address`` and ``sendall`` the same ``nbytes`` buffer ``count`` times."""
-    buffer = bytes(nbytes)
+    """Connect to ``address`` and ``sendall`` ``count`` items of ``nbytes`` bytes, each a fresh
+    array made by :func:`make_array` (the production cost of every contender's items; the
+    sender does not import torch, so it starts fast)."""
     with connect(address) as sock:
         try:
-            for _ in range(count):
-                sock.sendall(buffer)
+            for index in range(count):
+                sock.sendall(make_array(index, nbytes))
         except (BrokenPipeError, ConnectionResetError):
             pass  # the receiver stopped early (time budget): not an error
+
+
+def produce_share(workload: Workload, rank: int, num_workers: int, done_fd: int, go) -> None:
+    """Once ``go`` (an event) is set, make worker ``rank``'s share of ``workload`` and drop
+    each item: nothing is moved.
+
+    One byte per item goes to ``done_fd`` (a pipe), so the measuring process counts items
+    as they are made.
+    """
+    make = item_function(workload)
+    go.wait()
+    for index in range(rank, workload.n_items, num_workers):
+        item = index if make is None else make(index)
+        del item
+        os.write(done_fd, b"\0")
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,54 @@
+"""What a contender is: one way of running an epoch of a workload (child side)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator, Optional
+
+from workloads import Workload, build_datapipe
+
+
+class Contender:
+    """One way of running an epoch of a workload.
+
+    ``servers`` (RPCRS-tcp, RPCDataloader) holds the addresses of worker servers that
+    the parent started ahead of time, untimed.  ``epoch`` builds the loader (timed: it is
+    part of the time to the first item), yields an iterable of items, and shuts it down.
+    """
+
+    name = "?"
+    stops_early_cleanly = True  # may an epoch be abandoned when the time budget runs out?
+    one_stream = False  # a limit with no worker count: compared at any W
+    one_round = False  # full run: measured in one round only (no target depends on it)
+    skipped_when_quick = False  # --quick leaves it out unless selected by name
+
+    def __init__(self, servers: Optional[dict] = None):
+        self.servers = servers or {}
+
+    @contextlib.contextmanager
+    def epoch(self, workload: Workload, num_workers: int) -> Iterator[Iterable]:
+        """Build the loader for one epoch of ``workload`` on ``num_workers`` workers, yield
+        an iterable of its items, shut it down on exit."""
+        raise NotImplementedError
+
+    def credit_window_bytes(self, workload: Workload, num_workers: int) -> Optional[int]:
+        """Bytes the trainer may hold in flight by design (its credit window), if known."""
+        return None
+
+
+class DataLoader2Contender(Contender):
+    """``DataLoader2(graph, reading_service=...)``; subclasses make the reading service."""
+
+    def reading_service(self, num_workers: int):
+        """The reading service to run ``num_workers`` workers with."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def epoch(self, workload, num_workers):
+        from torchdata.dataloader2 import DataLoader2
+
+        loader = DataLoader2(build_datapipe(workload), reading_service=self.reading_service(num_workers))
+        try:
+            yield loader
+        finally:
+            loader.shutdown()

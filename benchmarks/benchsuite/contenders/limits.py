@@ -1,0 +1,140 @@
+"""The limits the reading services are compared with: making the items in-process, N
+processes that only make them (the ceiling for local workers), and one raw socket stream
+(TCP and Unix) with the same per-item production cost."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import socket
+import sys
+import tempfile
+from typing import Iterator
+
+from workloads import build_datapipe, produce_share
+
+from benchsuite.contenders.base import Contender
+from benchsuite.measure import CLOCK_START, MadeElsewhere
+from benchsuite.processes import SERVER_START_TIMEOUT_S, spawn, stop_processes
+
+
+class InProcess(Contender):
+    """Plain iteration of the DataPipe graph, no reading service."""
+
+    name = "in-process"
+    one_stream = True
+
+    @contextlib.contextmanager
+    def epoch(self, workload, num_workers):
+        yield build_datapipe(workload)
+
+
+class ProductionLimit(Contender):
+    """The ceiling for local workers: ``num_workers`` processes that only make their share
+    of the items (the same items as every contender) and drop them; nothing is moved.
+
+    The producers start together when the epoch's iterator starts, which first yields
+    ``CLOCK_START`` (so that the first items' making is timed too), then one
+    :class:`MadeElsewhere` per byte the producers write to a pipe (one per item made).  A
+    late wakeup of this process can only lower the rate, never raise it.
+    """
+
+    name = "production-limit"
+
+    @contextlib.contextmanager
+    def epoch(self, workload, num_workers):
+        context = multiprocessing.get_context("fork")
+        read_fd, write_fd = os.pipe()
+        go = context.Event()
+        producers = [context.Process(target=produce_share, args=(workload, rank, num_workers, write_fd, go),
+                                     daemon=True) for rank in range(num_workers)]
+        try:
+            for producer in producers:
+                producer.start()
+            os.close(write_fd)
+            write_fd = None
+            yield self._count(read_fd, workload, go)
+        finally:
+            for producer in producers:
+                if producer.pid is not None:
+                    producer.terminate()
+                    producer.join()
+            os.close(read_fd)
+            if write_fd is not None:
+                os.close(write_fd)
+
+    @staticmethod
+    def _count(read_fd: int, workload, go) -> Iterator[MadeElsewhere]:
+        go.set()
+        yield CLOCK_START
+        item = MadeElsewhere(workload.item_bytes)
+        made = 0
+        while made < workload.n_items:
+            chunk = os.read(read_fd, 4096)
+            if not chunk:
+                raise ConnectionError(f"producers exited after {made} of {workload.n_items} items")
+            for _ in chunk:
+                yield item
+            made += len(chunk)
+
+
+class RawSocket(Contender):
+    """The transport limit: a sender process makes each item as every contender does
+    (``workloads.make_array``) and ``sendall``s it over loopback TCP; this process
+    ``recv_into``s a preallocated bytearray."""
+
+    name = "raw-socket"
+    one_stream = True
+    family = socket.AF_INET
+
+    @contextlib.contextmanager
+    def listen(self) -> Iterator[tuple[socket.socket, str]]:
+        """A listening socket and the address the sender dials."""
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            yield listener, f"tcp:{listener.getsockname()[1]}"
+
+    @contextlib.contextmanager
+    def epoch(self, workload, num_workers):
+        if workload.kind != "tensor":
+            raise ValueError(f"{self.name} only moves byte buffers")
+        nbytes, count = workload.item_bytes, workload.n_items
+        with self.listen() as (listener, address):
+            listener.settimeout(SERVER_START_TIMEOUT_S)
+            sender = spawn([sys.executable, "-m", "workloads", "raw-sender", address, str(nbytes), str(count)])
+            try:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.settimeout(SERVER_START_TIMEOUT_S)
+                    yield self._receive(conn, nbytes, count)
+            finally:
+                stop_processes([sender])
+
+    @staticmethod
+    def _receive(conn: socket.socket, nbytes: int, count: int) -> Iterator[bytearray]:
+        buffer = bytearray(nbytes)
+        view = memoryview(buffer)
+        for _ in range(count):
+            received = 0
+            while received < nbytes:
+                n = conn.recv_into(view[received:])
+                if not n:
+                    raise ConnectionError("raw sender closed early")
+                received += n
+            yield buffer
+
+
+class RawUnixSocket(RawSocket):
+    """The same over a Unix domain socket: the limit for local workers, which
+    RPCReadingService(num_workers=N) reaches through a Unix socket."""
+
+    name = "raw-unix"
+
+    @contextlib.contextmanager
+    def listen(self):
+        with tempfile.TemporaryDirectory(prefix="bench-unix-") as directory:
+            path = os.path.join(directory, "raw.sock")
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+                listener.bind(path)
+                listener.listen(1)
+                yield listener, f"unix:{path}"

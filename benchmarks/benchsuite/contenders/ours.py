@@ -1,0 +1,62 @@
+"""RPCReadingService: local workers (socket and torch_rpc transports), and over TCP to one
+running worker server."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+from benchsuite.contenders.base import DataLoader2Contender
+
+
+class RPCRSContender(DataLoader2Contender):
+    """What every RPCReadingService contender shares: its credit window."""
+
+    def credit_window_bytes(self, workload, num_workers: int) -> Optional[int]:
+        """``num_workers x prefetch`` frames of one item each: what the trainer may hold in
+        flight by design (``prefetch`` at its default)."""
+        from rpc_reading_service import RPCReadingService
+
+        prefetch = inspect.signature(RPCReadingService).parameters.get("prefetch")
+        if prefetch is None or not isinstance(prefetch.default, int) or not workload.item_bytes:
+            return None
+        return num_workers * prefetch.default * workload.item_bytes
+
+
+class RPCRSLocal(RPCRSContender):
+    """RPCReadingService with ``num_workers`` local workers (socket transport)."""
+
+    name = "RPCRS-local"
+    transport = "socket"
+
+    def reading_service(self, num_workers):
+        from rpc_reading_service import RPCReadingService
+
+        if self.transport == "socket":
+            return RPCReadingService(num_workers=num_workers)
+        return RPCReadingService(num_workers=num_workers, transport=self.transport)
+
+
+class RPCRSTorchRPC(RPCRSLocal):
+    """RPCReadingService with local workers over the torch_rpc transport."""
+
+    name = "RPCRS-torch_rpc"
+    one_round = True  # no target depends on it; its worker startup costs seconds
+    skipped_when_quick = True  # a second transport: same code path, its own worker startup
+    transport = "torch_rpc"
+
+
+class RPCRSTcp(RPCRSContender):
+    """RPCReadingService against ONE running ``python -m rpc_reading_service.worker``.
+
+    As in a deployment (one ``rpc-reading-worker`` per host): the server forks one
+    session process per worker, so all ``num_workers`` sessions name the same address.
+    """
+
+    name = "RPCRS-tcp"
+
+    def reading_service(self, num_workers):
+        from rpc_reading_service import RPCReadingService
+
+        (address,) = self.servers["addresses"]
+        return RPCReadingService(worker_addresses=[address] * num_workers, auth_key=self.servers["auth_key"])

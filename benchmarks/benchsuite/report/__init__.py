@@ -1,0 +1,2 @@
+"""Reporting: formatted tables (``format``), targets and their ratios (``targets``), RESULTS.md
+(``results_md``)."""

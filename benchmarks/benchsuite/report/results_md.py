@@ -1,0 +1,75 @@
+"""RESULTS.md, written from one run: every sentence in it is made from the same numbers as
+the tables it quotes verbatim."""
+
+from __future__ import annotations
+
+import subprocess
+from typing import Optional
+
+from benchsuite.report.targets import measured_text, needed_text
+
+PUBLISHED_FILES = ("benchmarks/RESULTS.md", "benchmarks/results.json", "benchmarks/results.png")
+
+
+def source_revision(repo_root: str) -> str:
+    """``abc1234`` (the commit measured), with ``+ uncommitted changes`` when the tree
+    differs from it outside the published result files; ``unknown`` without git."""
+    try:
+        commit = subprocess.run(["git", "-C", repo_root, "rev-parse", "--short", "HEAD"], check=True,
+                                capture_output=True, text=True).stdout.strip()
+        status = subprocess.run(["git", "-C", repo_root, "status", "--porcelain", "--untracked-files=no"],
+                                check=True, capture_output=True, text=True).stdout.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    changed = [line[3:] for line in status if line[3:] not in PUBLISHED_FILES]
+    return f"{commit} + uncommitted changes" if changed else commit
+
+
+def target_sentence(row: dict) -> str:
+    """One target as a sentence, from the same row the targets table prints."""
+    if row["measured"] is None:
+        return f"- **not measured**: {row['goal']} ({row['detail']})."
+    if row["status"] == "info":
+        return f"- **info**: {row['goal']}: {measured_text(row)} ({row['detail']})."
+    return (f"- **{row['status']}**: {row['goal']}: measured {measured_text(row)}, needed "
+            f"{needed_text(row)} ({row['detail']}).")
+
+
+def summary_sentence(rows: list[dict]) -> str:
+    """How many targets passed, missed, were not measured."""
+    judged = [r for r in rows if r["threshold"] is not None]
+    counts = {status: sum(r["status"] == status for r in judged) for status in ("PASS", "MISS", "n/a")}
+    return (f"{counts['PASS']} of {len(judged)} targets pass, {counts['MISS']} missed, "
+            f"{counts['n/a']} not measured in this run.")
+
+
+def results_markdown(run: dict, info: dict, targets: list[dict], printed: str,
+                     plot_file: Optional[str], json_file: Optional[str]) -> str:
+    """The whole of RESULTS.md.  ``run``: started / ended (UTC text), wall_s, load_start,
+    load_end, revision, command, quick."""
+    files = [f"`{name}`" for name in (json_file, plot_file) if name]
+    lines = [
+        "# Benchmark results",
+        "",
+        "Written by `benchmarks/bench.py --results-md` from the run it describes (do not edit by hand:",
+        "rerun `make bench`). Every number below is the one its table prints.",
+        "",
+        f"- **Date**: {run['started']} to {run['ended']} UTC ({'quick' if run['quick'] else 'full'} run)",
+        f"- **Machine**: {info.get('cpus')} CPUs, {info.get('platform', 'Linux')}, "
+        f"python {info.get('python')}, "
+        f"torch {info.get('torch')}, torchdata {info.get('torchdata')}, "
+        f"rpcdataloader {info.get('rpcdataloader', 'n/a')}; package at `{run['revision']}`",
+        f"- **Load average (1 min)**: {run['load_start']} at start, {run['load_end']} at the end (which "
+        "includes the benchmark's own busy processes); on a 2-core machine other jobs move every number.",
+        f"- **Command**: `{run['command']}`",
+        f"- **Runtime**: {run['wall_s']:.0f} s wall",
+    ]
+    if files:
+        lines.append(f"- **Files**: {', '.join(files)} (every number of this run)")
+    lines += ["", "## Targets", "", summary_sentence(targets), ""]
+    lines += [target_sentence(row) for row in targets]
+    if plot_file:
+        lines += ["", f"![scaling and bandwidth]({plot_file.rsplit('/', 1)[-1]})"]
+    lines += ["", "## Printed tables (verbatim)", "", "```", printed.rstrip("\n"), "```", "",
+              "The profile of an earlier run and what bounded its numbers: [ANALYSIS.md](ANALYSIS.md).", ""]
+    return "\n".join(lines)

@@ -1,0 +1,192 @@
+"""The targets of the issues: each a ratio of two measured numbers, PASS / MISS, in one table.
+
+A later issue's targets (distribution policies: 13, cache: 14, many sessions: 16) are rows
+added to ``TARGETS`` with a measure built from the helpers below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+from benchsuite.contenders import ONE_STREAM
+from benchsuite.report.format import GB, fmt_ratio, point_value, points_of, render_table
+
+
+@dataclasses.dataclass
+class Target:
+    """A goal: ``measured(results) >= threshold``; measured returns (value, detail or why
+    missing).  A ``threshold`` of None reports the ratio without a verdict (``info``)."""
+
+    goal: str
+    threshold: Optional[float]
+    measured: Callable[[dict], tuple[Optional[float], str]]
+
+
+def outcome_of(all_results: dict, scenario: str, contender: str) -> tuple[Optional[dict], str]:
+    """A contender's data in a scenario, or (None, why not)."""
+    if scenario not in all_results:
+        return None, f"{scenario} not run"
+    outcome = all_results[scenario]["contenders"].get(contender)
+    if outcome is None:
+        return None, f"{contender} not run"
+    if not outcome.get("ok"):
+        return None, f"{contender}: {outcome.get('reason', '?')}"
+    return outcome["data"], ""
+
+
+def rate_text(key: str, rate: float) -> str:
+    """A rate as printed in a target's detail: ``3.10 GB/s`` or ``122,624/s``."""
+    return f"{rate / GB:.2f} GB/s" if key == "bytes_per_s" else f"{rate:,.0f}/s"
+
+
+def ratio_at(scenario: str, key: str, contender: tuple[str, int], reference: tuple[str, int]):
+    """A measure: ``contender``'s ``key`` at its W over ``reference``'s at its W."""
+    def measured(all_results: dict) -> tuple[Optional[float], str]:
+        if scenario not in all_results:
+            return None, f"{scenario} not run"
+        results = all_results[scenario]["contenders"]
+        values = []
+        for name, workers in (contender, reference):
+            v = point_value(results, name, key, workers)
+            if v is None:
+                outcome = results.get(name)
+                return None, (f"{name} not run" if outcome is None else
+                              outcome.get("reason") or f"{name}: no W={workers} point")
+            values.append(v)
+        return values[0] / values[1], f"{rate_text(key, values[0])} vs {rate_text(key, values[1])}"
+    return measured
+
+
+def best_ratio(scenario: str, key: str, contender: str, reference: str):
+    """A measure: the best W of ``contender`` over the best W of ``reference`` (labelled)."""
+    def measured(all_results: dict) -> tuple[Optional[float], str]:
+        if scenario not in all_results:
+            return None, f"{scenario} not run"
+        results = all_results[scenario]["contenders"]
+        best = []
+        for name in (contender, reference):
+            points = [p for p in points_of(results, name) if "error" not in p and p.get(key)]
+            if not points:
+                outcome = results.get(name) or {}
+                return None, outcome.get("reason") or f"{name}: no point"
+            best.append(max(points, key=lambda p: p[key]))
+        (a, b) = best
+        return a[key] / b[key], (f"W={a['workers']} {rate_text(key, a[key])} vs "
+                                 f"W={b['workers']} {rate_text(key, b[key])}")
+    return measured
+
+
+def efficiency_at(contender: str, workers: int):
+    """A measure: ``contender``'s scaling efficiency at ``workers`` workers."""
+    def measured(all_results: dict) -> tuple[Optional[float], str]:
+        if "scaling" not in all_results:
+            return None, "scaling not run"
+        outcome = all_results["scaling"]["contenders"].get(contender) or {}
+        points = (outcome.get("data") or {}).get("points") or outcome.get("partial") or []
+        for p in points:
+            if p.get("workers") == workers and p.get("efficiency") is not None:
+                ideal = workers / all_results["scaling"]["params"]["sleep_s"]
+                return p["efficiency"], f"{p['items_per_s']:,.0f} of {ideal:,.0f} items/s"
+        return None, outcome.get("reason") or f"no W={workers} point"
+    return measured
+
+
+def memory_vs_window(contender: str):
+    """A measure: ``contender``'s trainer peak growth over its credit window (slow consumer)."""
+    def measured(all_results: dict) -> tuple[Optional[float], str]:
+        data, why = outcome_of(all_results, "memory", contender)
+        if data is None:
+            return None, why
+        if not data.get("credit_window_mib"):
+            return None, f"{contender}: credit window unknown"
+        others = []
+        for reference in ("MPRS", "torch-DataLoader"):
+            other, _ = outcome_of(all_results, "memory", reference)
+            if other is not None:
+                others.append(f"{reference} {other['growth_mib']:.1f} MiB")
+        return (data["growth_mib"] / data["credit_window_mib"],
+                f"{data['growth_mib']:.1f} MiB vs window {data['credit_window_mib']:.0f} MiB"
+                + (f" ({', '.join(others)})" if others else ""))
+    return measured
+
+
+def ratio_target(scenario: str, contender: str, workers: int, threshold: float, reference: str,
+                 reference_workers: Optional[int] = None, note: str = "") -> Target:
+    """``contender`` at ``workers`` >= ``threshold`` x ``reference`` (at the same W unless
+    given; a one-stream reference has no W), its goal text made from the same arguments."""
+    key = "items_per_s" if scenario == "tiny" else "bytes_per_s"
+    one_stream = reference in ONE_STREAM
+    reference_workers = 1 if one_stream else (reference_workers or workers)
+    goal = (f"{scenario}: {contender} W={workers} {'items/s ' if key == 'items_per_s' else ''}>= "
+            f"{threshold}x {reference}{'' if one_stream else f' W={reference_workers}'}{note}")
+    measure = ratio_at(scenario, key, (contender, workers), (reference, reference_workers))
+    return Target(goal, threshold, measure)
+
+
+TARGETS = [
+    ratio_target("tiny", "RPCRS-local", 2, 50, "MPRS"),
+    ratio_target("tiny", "RPCRS-tcp", 2, 50, "MPRS"),
+    ratio_target("tiny", "RPCRS-local", 2, 5, "torch-DataLoader"),
+    ratio_target("tiny", "RPCRS-tcp", 2, 5, "torch-DataLoader"),
+    ratio_target("tensor8m", "RPCRS-local", 2, 0.6, "production-limit"),
+    ratio_target("tensor8m", "RPCRS-local", 2, 4, "MPRS"),
+    ratio_target("tensor8m", "RPCRS-local", 2, 3, "torch-DataLoader"),
+    ratio_target("tensor8m", "RPCRS-tcp", 1, 0.85, "raw-socket", note=" (both one stream)"),
+    Target("tensor8m: RPCRS-tcp >= 2x RPCDataloader (best W of each) *", 2,
+           best_ratio("tensor8m", "bytes_per_s", "RPCRS-tcp", "RPCDataloader")),
+    Target("scaling: RPCRS-local efficiency at W=16 >= 0.9", 0.9, efficiency_at("RPCRS-local", 16)),
+    Target("scaling: RPCRS-tcp efficiency at W=16 >= 0.9", 0.9, efficiency_at("RPCRS-tcp", 16)),
+    Target("memory: RPCRS-local trainer peak growth / credit window", None, memory_vs_window("RPCRS-local")),
+]
+TARGET_NOTES = [
+    "* best W of each side (W=1 or 2, labelled in 'detail'); the same-W ratios are in the tensor8m table "
+    "(column 'vs RPCDataloader')",
+    "production-limit: W processes that only make the items (nothing moved), the ceiling for local workers; "
+    "raw-socket makes every item as the workers do",
+    "memory (info, no target): issue 15 asks that it stays bounded by prefetch; the credit window is "
+    "W x prefetch x item size",
+    "raw-socket is one TCP stream, so it is compared with RPCRS-tcp at W=1 (one stream); at W=2 three busy "
+    "processes share 2 cores",
+]
+
+
+def evaluate_targets(all_results: dict) -> list[dict]:
+    """Each target with its measured value and PASS / MISS / n/a."""
+    rows = []
+    for target in TARGETS:
+        measured, detail = target.measured(all_results)
+        if measured is None:
+            status = "n/a"
+        elif target.threshold is None:
+            status = "info"
+        else:
+            status = "PASS" if measured >= target.threshold else "MISS"
+        rows.append({"goal": target.goal, "threshold": target.threshold, "measured": measured,
+                     "status": status, "detail": detail})
+    return rows
+
+
+def needed_text(row: dict) -> str:
+    """A target row's threshold as printed: ``50x``, ``0.9`` (an efficiency) or ``-``."""
+    if row["threshold"] is None:
+        return "-"
+    return str(row["threshold"]) if "efficiency" in row["goal"] else f"{row['threshold']}x"
+
+
+def measured_text(row: dict) -> str:
+    """A target row's measured value as printed: ``79.8x`` or ``0.98`` (an efficiency)."""
+    return f"{row['measured']:.2f}" if "efficiency" in row["goal"] else fmt_ratio(row["measured"])
+
+
+def report_targets(rows: list[dict]) -> str:
+    """The table of targets: goal, measured, needed, PASS / MISS / info / n/a, detail."""
+    table_rows = []
+    for row in rows:
+        if row["measured"] is None:
+            table_rows.append((row["goal"], f"n/a ({row['detail'][:80]})"))
+        else:
+            table_rows.append([row["goal"], measured_text(row), needed_text(row), row["status"],
+                               row["detail"]])
+    return render_table("== targets ==", ["goal", "measured", "needed", "status", "detail"], table_rows,
+                        notes=TARGET_NOTES)

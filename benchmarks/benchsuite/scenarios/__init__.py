@@ -1,0 +1,16 @@
+"""Every scenario by name, in the order a run measures them.
+
+One module per scenario family holds its plan (parent side), its measurement (child side) and
+its table.  Later tables go here as modules of their own: distribution policies, a sleep-bound
+stage and one slow worker (issue 13), the worker-side cache (issue 14), scaling to 2-128
+sessions (issue 16).
+"""
+
+from __future__ import annotations
+
+from benchsuite.scenarios import first_item, memory, scaling, throughput
+from benchsuite.scenarios.base import Scenario
+
+SCENARIOS: dict[str, Scenario] = {
+    s.name: s for module in (throughput, scaling, memory, first_item) for s in module.SCENARIOS
+}

@@ -1,0 +1,42 @@
+"""What a scenario is, and what every scenario shares: worker counts, rounds, timeouts."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from benchsuite.contenders import CONTENDERS
+from benchsuite.contenders.base import Contender
+
+ROUNDS = 2  # full run: throughput scenarios run every contender twice, interleaved; best round kept
+STARTUP_ALLOWANCE_S = 40.0
+
+
+@dataclasses.dataclass
+class Scenario:
+    """A named measurement: which contenders, their parameters, how to report them."""
+
+    name: str
+    contenders: tuple[str, ...]
+    plan: Callable[[bool], dict]
+    measure: Callable[[Contender, dict, Callable], dict]
+    report: Callable[["Scenario", dict, dict], str]
+    timeout_s: Callable[[dict], float]
+
+
+def worker_counts(params: dict, name: str) -> list[int]:
+    """The worker counts contender ``name`` runs in a scenario, smallest first."""
+    if "workers_list" in params:
+        return list(params["workers_list"])
+    counts = (params.get("workers_by_contender") or {}).get(name, params.get("workers", 1))
+    return list(counts) if isinstance(counts, (list, tuple)) else [counts]
+
+
+def timeout_budgeted(params: dict) -> float:
+    """A task's timeout: startup allowance, then per point its budget twice and some slack."""
+    points = max(len(worker_counts(params, name)) for name in CONTENDERS)
+    return STARTUP_ALLOWANCE_S + points * (10 + 2 * params["budget_s"])
+
+
+# the contenders of most scenarios
+DATALOADERS = ("in-process", "MPRS", "torch-DataLoader", "RPCRS-local", "RPCRS-tcp")

@@ -1,0 +1,165 @@
+"""Throughput: tiny items (items/s) and 1 / 8 MiB tensors (GB/s), per worker count."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from workloads import MIB, Workload
+
+from benchsuite.contenders import ONE_STREAM
+from benchsuite.contenders.base import Contender
+from benchsuite.isolation import describe_exception
+from benchsuite.measure import drain
+from benchsuite.report.format import (
+    GB,
+    budget_note,
+    fmt_num,
+    fmt_ratio,
+    point_rows,
+    point_value,
+    points_of,
+    ratio,
+    render_table,
+    rounds_notes,
+    rounds_text,
+)
+from benchsuite.scenarios.base import DATALOADERS, ROUNDS, Scenario, timeout_budgeted, worker_counts
+
+SLOW_ON_TINY_ITEMS = ("MPRS", "RPCDataloader")  # ~1-2k items/s: capped so they finish in seconds
+
+
+def plan_tiny(quick: bool) -> dict:
+    """Small ints at W=2; the slow contenders' epochs capped so that they finish in seconds."""
+    n, cap = (20_000, 600) if quick else (150_000, 3_000)
+    return {"workload": Workload("ints", n).to_dict(), "workers": 2, "budget_s": 0.5 if quick else 3.0,
+            "item_caps": {name: cap for name in SLOW_ON_TINY_ITEMS},
+            "rounds": 1 if quick else ROUNDS, "rate_key": "items_per_s"}
+
+
+SAME_W_REFERENCES = ("production-limit", "MPRS", "torch-DataLoader", "RPCDataloader")
+
+
+def plan_tensor(mib: int) -> Callable[[bool], dict]:
+    """Bandwidth: the reading services at W=1 and W=2 (``--quick``: W=2 only).  W=1 is one
+    stream, as the raw socket limit; W=2 puts three busy processes (trainer + 2 workers)
+    on a 2-core box."""
+    def plan(quick: bool) -> dict:
+        total = (256 if quick else 768) * MIB
+        both = [2] if quick else [1, 2]  # a smoke run: one point per contender
+        return {"workload": Workload("tensor", total // (mib * MIB), item_bytes=mib * MIB).to_dict(),
+                "workers": [2],  # RPCRS-torch_rpc: one point, at the default W
+                "workers_by_contender": {**{name: [1] for name in ONE_STREAM},
+                                         **{name: both for name in ("production-limit", "MPRS",
+                                                                    "torch-DataLoader", "RPCRS-local",
+                                                                    "RPCRS-tcp", "RPCDataloader")}},
+                # MPRS runs its epochs to the end (see MPRS): ~0.3-0.7 GB/s here, so a shorter one
+                "item_caps": {"MPRS": total // 2 // (mib * MIB)},
+                # it makes items at memory speed: a longer epoch, so that its rate is not one of a
+                # few milliseconds (it stops at the time budget)
+                "epoch_scales": {"production-limit": 8},
+                "budget_s": 0.5 if quick else 1.5, "rounds": 1 if quick else ROUNDS,
+                "rate_key": "bytes_per_s"}
+    return plan
+
+
+def measure_throughput(contender: Contender, params: dict, emit: Callable[[dict], None]) -> dict:
+    """One epoch of ``params['workload']`` per worker count of the contender
+    (:func:`worker_counts`); one point per count.
+
+    A contender in ``params['item_caps']`` runs a shorter epoch: slow ones finish in
+    seconds, and MPRS must run its epochs to their end (see :class:`MPRS`).  One in
+    ``params['epoch_scales']`` runs a longer one (that many times the items).
+    """
+    workload = Workload.from_dict(params["workload"])
+    cap = params.get("item_caps", {}).get(contender.name)
+    if cap:
+        workload = dataclasses.replace(workload, n_items=min(cap, workload.n_items))
+    scale = params.get("epoch_scales", {}).get(contender.name)
+    if scale:
+        workload = dataclasses.replace(workload, n_items=scale * workload.n_items)
+    points = []
+    for workers in worker_counts(params, contender.name):
+        try:
+            point = drain(contender, workload, workers, params["budget_s"])
+        except Exception as exc:  # one broken worker count must not hide the others
+            point = {"error": describe_exception(exc)}
+        point["workers"] = workers
+        emit(point)
+        points.append(point)
+    if all("error" in p for p in points):
+        raise RuntimeError(points[0]["error"])
+    return {"points": points}
+
+
+def report_tiny(scenario: Scenario, params: dict, results: dict) -> str:
+    """The tiny table: items/s, vs MPRS and torch's DataLoader at the same W, vs in-process."""
+    w = Workload.from_dict(params["workload"])
+    base = point_value(results, "in-process", "items_per_s", 1)
+
+    def cells(name: str, d: dict) -> list:
+        same_w = [point_value(results, ref, "items_per_s", d["workers"])
+                  for ref in ("MPRS", "torch-DataLoader")]
+        return ([f"{d['items']:,}", fmt_num(d["steady_s"], ".2f", " s"), fmt_num(d["items_per_s"], ",.0f"),
+                 rounds_text(d, 1, ",.0f")] + [fmt_ratio(ratio(d["items_per_s"], ref)) for ref in same_w]
+                + [fmt_ratio(ratio(d["items_per_s"], base)), budget_note(d)])
+
+    title = (f"== tiny: up to {w.n_items:,} small ints, IterableWrapper(range(N)).sharding_filter(), "
+             f"W = {params['workers']} workers ==")
+    caps = params.get("item_caps") or {}
+    notes = ["vs MPRS, vs DataLoader (torch.utils.data.DataLoader): at the same W"] + rounds_notes(params)
+    if caps:
+        notes.append(f"{', '.join(caps)}: epoch capped at {min(caps.values()):,} items "
+                     "(rate from what they did)")
+    headers = ["contender", "items", "time", "items/s", "rounds", "vs MPRS", "vs DataLoader", "vs in-process",
+               "note"]
+    return render_table(title, headers, point_rows(results, cells), notes=notes)
+
+
+def report_tensor(scenario: Scenario, params: dict, results: dict) -> str:
+    """A tensor table: GB/s, vs the raw limits, vs the production limit and the others at the same W."""
+    w = Workload.from_dict(params["workload"])
+    raw = {ref: point_value(results, ref, "bytes_per_s", 1) for ref in ("raw-socket", "raw-unix")}
+
+    def cells(name: str, d: dict) -> list:
+        rate = d["bytes_per_s"]
+        same_w = [point_value(results, ref, "bytes_per_s", d["workers"]) for ref in SAME_W_REFERENCES]
+        return ([f"{d['items']:,}", fmt_num(d["bytes"] / GB, ".2f", " GB"),
+                 fmt_num(rate / GB if rate else None, ".2f", " GB/s"), rounds_text(d, GB, ".2f")]
+                + [fmt_ratio(ratio(rate, ref)) for ref in list(raw.values()) + same_w] + [budget_note(d)])
+
+    counts = sorted({p["workers"] for name in results if name not in ONE_STREAM
+                     for p in points_of(results, name)})
+    title = (f"== {scenario.name}: {w.n_items} x {w.item_bytes // MIB} MiB torch.uint8 tensors made in the "
+             f"workers, W = {' and '.join(map(str, counts))} workers ==")
+    headers = ["contender", "items", "moved", "rate", "rounds", "vs raw-socket", "vs raw-unix",
+               "vs prod. limit", "vs MPRS", "vs DataLoader", "vs RPCDataloader", "note"]
+    return render_table(title, headers, point_rows(results, cells), notes=[
+        "GB = 1e9 bytes; every item a fresh tensor with every byte written (workloads.make_tensor), made the "
+        "same way by every contender; first and last byte of every item read",
+        "vs prod. limit (production-limit), MPRS, DataLoader (torch.utils.data.DataLoader), RPCDataloader: "
+        "at the same W",
+        "production-limit: W processes that only make the items, nothing moved "
+        "(the ceiling for local workers); its epoch is longer, it stops at the time budget",
+        "raw-socket: one TCP stream over loopback; raw-unix: one Unix socket stream "
+        "(RPCRS-local talks to its local server over a Unix socket, RPCRS-tcp over TCP to one worker server)",
+        "raw-*: the sender makes every item as the workers do; the receiver recv_into's one reused "
+        "buffer (a 1 MiB one stays in the CPU cache); the reading "
+        "services hand a fresh buffer to the consumer for every item",
+        "W=1 is one stream, like the raw limits; "
+        "at W=2 three busy processes (trainer + 2 workers) share 2 cores",
+        "in-process moves nothing: it is the cost of making the items in one process"] + rounds_notes(params)
+        + [f"{', '.join(caps)}: epoch capped at {min(caps.values()):,} items (runs its epochs to the end)"
+           for caps in [params.get("item_caps") or {}] if caps])
+
+
+TENSOR_CONTENDERS = (("raw-socket", "raw-unix", "production-limit") + DATALOADERS
+                     + ("RPCRS-torch_rpc", "RPCDataloader"))
+SCENARIOS = [
+    Scenario("tiny", DATALOADERS + ("RPCRS-torch_rpc", "RPCDataloader"), plan_tiny,
+             measure_throughput, report_tiny, timeout_budgeted),
+    Scenario("tensor1m", TENSOR_CONTENDERS, plan_tensor(1), measure_throughput, report_tensor,
+             timeout_budgeted),
+    Scenario("tensor8m", TENSOR_CONTENDERS, plan_tensor(8), measure_throughput, report_tensor,
+             timeout_budgeted),
+]

@@ -1,0 +1,89 @@
+"""benchmarks/bench.py --quick end to end: every contender gets its row, the files are written,
+and nothing the benchmark started outlives it."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _server_helpers import reap, wait_until
+
+BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH_DIR))
+
+from benchsuite.contenders import CONTENDERS, QUICK_SKIPS  # noqa: E402
+
+# the one scenario every contender takes part in
+SCENARIO = "tensor8m"
+
+
+def session_members(sid: int) -> list[int]:
+    """Pids of the live processes of session ``sid`` (the benchmark runs in its own)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[4]) == sid and fields[0] != "Z":
+            members.append(int(entry))
+    return members
+
+
+def table_of(output: str, scenario: str) -> str:
+    """The text of one scenario's table in the benchmark's output."""
+    match = re.search(rf"^== {scenario}\b.*?(?=\n\n|\Z)", output, re.M | re.S)
+    assert match, f"no {scenario} table in:\n{output}"
+    return match.group(0)
+
+
+@pytest.mark.timeout(90)
+def test_quick_run_prints_a_row_for_every_contender(tmp_path):
+    """--quick --only tensor8m: a row per contender (numbers for all but the skipped or
+    uninstalled ones), the targets, JSON, RESULTS.md quoting both tables, a figure; no leftovers."""
+    results_json, results_md, plot = (tmp_path / f for f in ("results.json", "RESULTS.md", "results.png"))
+    command = [sys.executable, str(BENCH_DIR / "bench.py"), "--quick", "--only", SCENARIO,
+               "--json", str(results_json), "--results-md", str(results_md), "--plot", str(plot)]
+    pythonpath = os.pathsep.join([str(BENCH_DIR.parent), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=pythonpath)
+    with open(tmp_path / "stdout.txt", "wb") as stdout, open(tmp_path / "stderr.txt", "wb") as stderr:
+        proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env,
+                                cwd=str(tmp_path), start_new_session=True)
+    try:
+        proc.wait(timeout=80)
+        assert wait_until(lambda: not session_members(proc.pid), timeout=5), \
+            f"left running: {session_members(proc.pid)}"
+    finally:
+        reap(proc)
+    output = (tmp_path / "stdout.txt").read_text()
+    assert proc.returncode == 0, output + (tmp_path / "stderr.txt").read_text()
+
+    table = table_of(output, SCENARIO)
+    rows = {line.split()[0]: line for line in table.splitlines()[3:]  # after title, header, dashes
+            if line.strip() and not line.startswith("  ")}  # notes are indented
+    assert set(rows) == set(CONTENDERS), table
+    may_be_missing = set(QUICK_SKIPS)
+    try:
+        import rpcdataloader  # noqa: F401
+    except ImportError:
+        may_be_missing.add("RPCDataloader")
+    failed = {name: row for name, row in rows.items() if "n/a" in row and name not in may_be_missing}
+    assert not failed, table
+
+    targets = table_of(output, "targets")
+    assert "tensor8m: RPCRS-local W=2 >= 0.6x production-limit W=2" in targets
+    document = json.loads(results_json.read_text())
+    assert set(document["results"][SCENARIO]["contenders"]) == set(CONTENDERS)
+    markdown = results_md.read_text()
+    assert table in markdown and targets in markdown
+    for row in document["targets"]:
+        assert row["goal"] in markdown
+    assert plot.stat().st_size > 0
