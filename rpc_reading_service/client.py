@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .errors import ProtocolError, WorkerLostError, WorkerStartupError, describe_worker
+from .errors import ItemTimeoutError, ProtocolError, WorkerLostError, WorkerStartupError, describe_worker
 from .protocol import (
     Frame,
     data_epoch,
@@ -104,7 +104,10 @@ class WorkerChannel:
                 self.info = decode_control(frame)
                 return
             if frame.kind == MessageKind.ERROR:
-                error = rebuild_exception(decode_control(frame)["exception"], self.rank, self.address)
+                reply = decode_control(frame)
+                error = rebuild_exception(reply["exception"], self.rank, self.address)
+                if isinstance(reply.get("message"), str):  # a refusal with its reason (e.g. another transport)
+                    raise WorkerStartupError(f"{self.name} refused the session: {reply['message']}") from error
                 raise WorkerStartupError(
                     f"{self.name} could not set up the graph (unpickling it or running worker_init_fn): {error}"
                 ) from error
@@ -197,10 +200,22 @@ class WorkerChannel:
             self.queue.put(Event(self, "end", epoch))
         elif kind == MessageKind.ERROR:
             payload = decode_control(frame)
-            error = rebuild_exception(payload["exception"], self.rank, self.address)
+            if payload.get("phase") == "item_timeout":
+                error: BaseException = self._item_timeout_error(payload)
+            else:
+                error = rebuild_exception(payload["exception"], self.rank, self.address)
             self.queue.put(Event(self, "error", payload.get("epoch"), error=error))
         else:
             raise ProtocolError(f"unexpected {kind.name} during an epoch")
+
+    def _item_timeout_error(self, payload: Dict[str, Any]) -> ItemTimeoutError:
+        position, stack = int(payload.get("position", -1)), str(payload.get("stack", ""))
+        message = (
+            f"{self.name} spent more than {payload.get('item_timeout')} s (item_timeout) producing item {position} "
+            f"of its shard in epoch {payload.get('epoch')} and ended its session. Its graph was here:\n{stack}"
+            "Fix what blocks there, or raise item_timeout if items legitimately take that long"
+        )
+        return ItemTimeoutError(message, self.rank, self.address, position=position, stack=stack)
 
 
 # -- merging the workers' streams ---------------------------------------------------------------
