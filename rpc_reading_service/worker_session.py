@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 from . import __version__
 from .errors import ConfigurationError, ProtocolError
@@ -157,9 +157,7 @@ class Outbox:
         turns true once the frame is taken: the session ends after sending it.
         """
         with self._cond:
-            self._check(epoch)
-            if self._final_ends_session:
-                raise _Cancelled()  # the watchdog already ended this epoch
+            self._check(epoch)  # also refuses a producer after the watchdog ended the session
             self._final = final_frame
             self._final_ends_session = end_session
             self._cond.notify_all()
@@ -338,7 +336,7 @@ class WorkerSession:
         if isinstance(transport, str):
             message = (
                 f"the trainer at {self.conn.peer} uses transport {transport!r}, but this worker server at "
-                f"{self.server_address or '?'} runs another one (socket): start the worker with "
+                f"{self.server_address or '?'} was started with another --transport (socket, the default): start it with "
                 f"`rpc-reading-worker --transport {transport}`, or pass the worker's transport to RPCReadingService"
             )
         else:
@@ -389,26 +387,20 @@ class WorkerSession:
         sent = 0
         try:
             try:
-                ident = threading.get_ident()
-                self._producing = (epoch, 0, time.monotonic(), ident)
+                watched = self.options.item_timeout is not None
+                if watched:  # worker_reset_fn and the graph's reset count as producing item 0
+                    self._producing = (epoch, 0, time.monotonic(), threading.get_ident())
                 self._graph = reset_worker_graph(
                     self._graph, self._worker_info, int(request["seed"]), int(request["global_worker_id"]), self._reset_fn
                 )
                 skip = int(request.get("skip", 0))
-                encode, put, clock = ItemEncoder().encode, self.outbox.put, time.monotonic
-                iterator, index = iter(self._graph), 0
-                while True:
-                    self._producing = (epoch, index, clock(), ident)
-                    try:
-                        item = next(iterator)
-                    except StopIteration:
-                        break
-                    self._producing = None  # waiting for credit in put() is not producing
-                    if index >= skip:
-                        put(epoch, encode(item))
-                        sent += 1
-                    index += 1
-                self._producing = None
+                encode, put = ItemEncoder().encode, self.outbox.put
+                items = self._watched(epoch, iter(self._graph)) if watched else self._graph
+                for index, item in enumerate(items):
+                    if index < skip:
+                        continue
+                    put(epoch, encode(item))
+                    sent += 1
             except _Cancelled:
                 raise
             except BaseException as exc:  # noqa: BLE001 - report everything, even SystemExit
@@ -428,6 +420,21 @@ class WorkerSession:
                 self.outbox.finish(epoch, encode_control(MessageKind.ERROR, {"epoch": epoch, "phase": "epoch", "exception": info}))
             except _Cancelled:
                 pass
+
+    def _watched(self, epoch: int, iterator: Iterator[Any]) -> Iterator[Any]:
+        """Yield ``iterator``'s items, telling the watchdog while the producer waits for one
+        (and not while it waits for credit: the trainer sets that pace)."""
+        ident, clock, index = threading.get_ident(), time.monotonic, 0
+        while True:
+            self._producing = (epoch, index, clock(), ident)
+            try:
+                item = next(iterator)
+            except StopIteration:
+                self._producing = None
+                return
+            self._producing = None
+            yield item
+            index += 1
 
     # -- watchdog -----------------------------------------------------------------------------
     def _watch_items(self) -> None:
