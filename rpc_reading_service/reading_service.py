@@ -155,6 +155,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             limit). Past it the worker ends its session and the trainer raises
             :class:`~rpc_reading_service.errors.ItemTimeoutError` with the item's position and
             the worker's Python stack at that moment; a lost worker for ``on_worker_failure``.
+            Time spent waiting for the trainer to take items does not count. Not applied
+            with ``num_workers=0`` (the graph runs in the trainer).
         pin_memory: Receive tensors straight into pinned (page-locked) memory when CUDA
             is available, for fast ``.to("cuda", non_blocking=True)``.
         start_method: How local workers start: ``"fork"`` (default on POSIX with the

@@ -235,6 +235,20 @@ def test_a_stuck_item_is_replayed_elsewhere_with_reassign(tmp_path):
     assert os.path.exists(marker)
 
 
+@pytest.mark.timeout(30)
+def test_waiting_for_a_slow_trainer_is_not_a_stuck_item():
+    # 5000 tiny items fill more than two packed frames (1024 items each): with one credit
+    # the producer waits in the outbox for as long as the trainer sleeps, past item_timeout.
+    rs = RPCReadingService(num_workers=1, item_timeout=0.5, prefetch=1)
+    with DataLoader2(IterableWrapper(range(5000)).sharding_filter(), reading_service=rs) as dl:
+        received = []
+        for item in dl:
+            if not received:
+                time.sleep(2.0)
+            received.append(item)
+    assert received == list(range(5000))
+
+
 @pytest.mark.parametrize("value", [0, -1.0, math.nan, math.inf, "1"])
 def test_item_timeout_must_be_a_positive_number(value):
     with pytest.raises(ConfigurationError, match="item_timeout"):
