@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 from . import __version__
 from .errors import ConfigurationError, ProtocolError
@@ -395,7 +395,9 @@ class WorkerSession:
                 )
                 skip = int(request.get("skip", 0))
                 encode, put = ItemEncoder().encode, self.outbox.put
-                items = self._watched(epoch, iter(self._graph)) if watched else self._graph
+                items = self._graph
+                if watched:
+                    items, put = self._watched(epoch, iter(self._graph)), self._unwatched(put)
                 for index, item in enumerate(items):
                     if index < skip:
                         continue
@@ -422,8 +424,8 @@ class WorkerSession:
                 pass
 
     def _watched(self, epoch: int, iterator: Iterator[Any]) -> Iterator[Any]:
-        """Yield ``iterator``'s items, telling the watchdog while the producer waits for one
-        (and not while it waits for credit: the trainer sets that pace)."""
+        """Yield ``iterator``'s items, telling the watchdog which one the producer works on
+        (computing and pickling it, until :meth:`_unwatched` hands it to the outbox)."""
         ident, clock, index = threading.get_ident(), time.monotonic, 0
         while True:
             self._producing = (epoch, index, clock(), ident)
@@ -432,9 +434,18 @@ class WorkerSession:
             except StopIteration:
                 self._producing = None
                 return
-            self._producing = None
             yield item
             index += 1
+
+    def _unwatched(self, put: Callable[[int, EncodedItem], None]) -> Callable[[int, EncodedItem], None]:
+        """``put``, first telling the watchdog the item is done: waiting for the trainer's
+        credit is not producing (the trainer sets that pace)."""
+
+        def put_done(epoch: int, item: EncodedItem) -> None:
+            self._producing = None
+            put(epoch, item)
+
+        return put_done
 
     # -- watchdog -----------------------------------------------------------------------------
     def _watch_items(self) -> None:

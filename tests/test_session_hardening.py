@@ -72,6 +72,17 @@ def block_forever_at_5(x):
     return x
 
 
+class BlocksWhenPickled:
+    """An item whose pickling never ends."""
+
+    def __reduce__(self):
+        threading.Event().wait()
+
+
+def unpicklable_at_2(x):
+    return BlocksWhenPickled() if x == 2 else x
+
+
 def block_at_5_in_first_session(marker, x):
     if x == 5 and not os.path.exists(marker):
         open(marker, "w").close()
@@ -224,6 +235,14 @@ def test_a_stuck_item_is_reported_with_its_position_and_the_workers_stack(fresh_
     assert "item 5 of the shard took more than 1.0 s" in server.stderr()
     rs = RPCReadingService(num_workers=1, worker_addresses=[server.address], auth_key=server.key)
     assert run_epochs(IterableWrapper(range(4)).sharding_filter(), rs, n_epochs=1) == [[0, 1, 2, 3]]
+
+
+@pytest.mark.timeout(30)
+def test_an_item_whose_pickling_never_ends_is_a_stuck_item():
+    rs = RPCReadingService(num_workers=1, item_timeout=1.0, timeout=30)
+    with pytest.raises(ItemTimeoutError, match="item 2 of its shard") as caught:
+        run_epochs(IterableWrapper(range(N)).sharding_filter().map(unpicklable_at_2), rs, n_epochs=1)
+    assert "in __reduce__" in caught.value.stack and "encode" in caught.value.stack
 
 
 @pytest.mark.timeout(30)
