@@ -212,7 +212,7 @@ class WorkerChannel:
         position, stack = int(payload.get("position", -1)), str(payload.get("stack", ""))
         message = (
             f"{self.name} spent more than {payload.get('item_timeout')} s (item_timeout) producing item {position} "
-            f"of its shard in epoch {payload.get('epoch')} and ended its session. Its graph was here:\n{stack}"
+            f"of its shard in epoch {payload.get('stuck_epoch', payload.get('epoch'))} and ended its session. Its graph was here:\n{stack}"
             "Fix what blocks there, or raise item_timeout if items legitimately take that long"
         )
         return ItemTimeoutError(message, self.rank, self.address, position=position, stack=stack)

@@ -272,6 +272,8 @@ class WorkerSession:
         #: ``(epoch, position in the shard, monotonic start, thread id)`` while the producer
         #: waits for the graph's next item; None otherwise. Read by the watchdog.
         self._producing: Optional[Tuple[int, int, float, int]] = None
+        #: An epoch the trainer started that waits for the previous epoch's producer to stop.
+        self._awaited_epoch: Optional[int] = None
         self._stopping = threading.Event()
         self._last_sent = time.monotonic()
 
@@ -373,11 +375,12 @@ class WorkerSession:
         # The graph supports one iterator at a time: wait for the old epoch's producer to
         # reach an item boundary and notice it was cancelled (unless the session ends first:
         # a producer stuck in one item never does).
+        epoch = self._awaited_epoch = int(request["epoch"])
         while self._producer is not None and self._producer.is_alive():
             self._producer.join(timeout=0.1)
             if self._stopping.is_set():
                 return
-        epoch = int(request["epoch"])
+        self._awaited_epoch = None
         self.outbox.start_epoch(epoch, int(request["credits"]))
         self._producer = threading.Thread(target=self._produce, args=(epoch, request), name=f"rrs-producer-{epoch}", daemon=True)
         self._producer.start()
@@ -464,14 +467,23 @@ class WorkerSession:
                 "epoch %d: item %d of the shard took more than %.1f s (item_timeout); ending the session of %s. "
                 "The producer's stack:\n%s", epoch, position, limit, self.conn.peer, stack,
             )  # fmt: skip
-            error = {"epoch": epoch, "phase": "item_timeout", "position": position, "item_timeout": limit,
-                     "seconds": seconds, "stack": stack}  # fmt: skip
+            error = {"epoch": epoch, "stuck_epoch": epoch, "phase": "item_timeout", "position": position,
+                     "item_timeout": limit, "seconds": seconds, "stack": stack}  # fmt: skip
             try:
                 self.outbox.finish(epoch, encode_control(MessageKind.ERROR, error), end_session=True)
-            except _Cancelled:  # the epoch was stopped meanwhile: nobody waits for it, just end
-                self._stopping.set()
-                self.conn.close()
+            except _Cancelled:  # the trainer stopped that epoch: tell the one it waits for, if any
+                self._end_for_awaited_epoch(error)
             return
+
+    def _end_for_awaited_epoch(self, error: Dict[str, Any]) -> None:
+        awaited = self._awaited_epoch
+        if awaited is not None:
+            try:
+                self.conn.send(encode_control(MessageKind.ERROR, dict(error, epoch=awaited)))
+            except PeerLostError:
+                pass
+        self._stopping.set()
+        self.conn.close()
 
     # -- sender -------------------------------------------------------------------------------
     def _send_loop(self) -> None:

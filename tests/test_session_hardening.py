@@ -238,6 +238,20 @@ def test_a_stuck_item_is_reported_with_its_position_and_the_workers_stack(fresh_
 
 
 @pytest.mark.timeout(30)
+def test_a_stuck_item_of_an_abandoned_epoch_is_reported_in_the_next_one():
+    rs = RPCReadingService(num_workers=1, item_timeout=1.0, timeout=30)
+    with DataLoader2(IterableWrapper(range(N)).sharding_filter().map(block_forever_at_5), reading_service=rs) as dl:
+        for index, _item in enumerate(dl):
+            if index == 1:
+                break  # epoch 1 abandoned; its producer goes on to item 5 and sticks there
+        started = time.monotonic()
+        with pytest.raises(ItemTimeoutError, match="item 5 of its shard in epoch 1") as caught:
+            list(dl)
+        assert time.monotonic() - started < 6.0
+    assert "block_forever_at_5" in caught.value.stack
+
+
+@pytest.mark.timeout(30)
 def test_an_item_whose_pickling_never_ends_is_a_stuck_item():
     rs = RPCReadingService(num_workers=1, item_timeout=1.0, timeout=30)
     with pytest.raises(ItemTimeoutError, match="item 2 of its shard") as caught:
