@@ -73,6 +73,8 @@ class WorkerChannel:
         self.info: Dict[str, Any] = {}
         #: A loss noticed after this worker's shard ended, to report when the next epoch needs it.
         self.held_loss: Optional[Event] = None
+        #: Why the worker ended the session, if it said (item_timeout).
+        self._ended_by: Optional[ItemTimeoutError] = None
         self._closing = False
         self._receiver: Optional[threading.Thread] = None
         self._last_sent = time.monotonic()
@@ -154,7 +156,8 @@ class WorkerChannel:
     # -- receiver thread ------------------------------------------------------------------------
     def _lost(self, message: str) -> None:
         if not self._closing:
-            error = WorkerLostError(message, self.rank, self.address)
+            # A session the worker ended for a stuck item: say so also in a later epoch.
+            error = self._ended_by or WorkerLostError(message, self.rank, self.address)
             self.queue.put(Event(self, "lost", None, error=error))
 
     def _receive_loop(self) -> None:
@@ -165,7 +168,9 @@ class WorkerChannel:
                 frame = self.conn.recv(timeout=self.heartbeat_interval)
                 now = time.monotonic()
                 if now - self._last_sent >= self.heartbeat_interval:
-                    self._send(heartbeat)
+                    # A failed send is not the end yet: the peer's last frames (an ERROR that
+                    # explains why it closed) may still wait to be read; recv reports the loss.
+                    self._send_or_report(heartbeat)
                 if frame is None:
                     if now - last_received > self.peer_timeout:
                         self._lost(
@@ -201,7 +206,8 @@ class WorkerChannel:
         elif kind == MessageKind.ERROR:
             payload = decode_control(frame)
             if payload.get("phase") == "item_timeout":
-                error: BaseException = self._item_timeout_error(payload)
+                self._ended_by = self._item_timeout_error(payload)
+                error: BaseException = self._ended_by
             else:
                 error = rebuild_exception(payload["exception"], self.rank, self.address)
             self.queue.put(Event(self, "error", payload.get("epoch"), error=error))

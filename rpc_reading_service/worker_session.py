@@ -274,6 +274,9 @@ class WorkerSession:
         self._producing: Optional[Tuple[int, int, float, int]] = None
         #: An epoch the trainer started that waits for the previous epoch's producer to stop.
         self._awaited_epoch: Optional[int] = None
+        #: The watchdog's ERROR payload once it fired (the session is then over).
+        self._timed_out: Optional[Dict[str, Any]] = None
+        self._timeout_lock = threading.Lock()
         self._stopping = threading.Event()
         self._last_sent = time.monotonic()
 
@@ -378,7 +381,7 @@ class WorkerSession:
         epoch = self._awaited_epoch = int(request["epoch"])
         while self._producer is not None and self._producer.is_alive():
             self._producer.join(timeout=0.1)
-            if self._stopping.is_set():
+            if self._stopping.is_set() or self._report_item_timeout():
                 return
         self._awaited_epoch = None
         self.outbox.start_epoch(epoch, int(request["credits"]))
@@ -469,21 +472,29 @@ class WorkerSession:
             )  # fmt: skip
             error = {"epoch": epoch, "stuck_epoch": epoch, "phase": "item_timeout", "position": position,
                      "item_timeout": limit, "seconds": seconds, "stack": stack}  # fmt: skip
+            self._timed_out = error
             try:
                 self.outbox.finish(epoch, encode_control(MessageKind.ERROR, error), end_session=True)
             except _Cancelled:  # the trainer stopped that epoch: tell the one it waits for, if any
-                self._end_for_awaited_epoch(error)
+                self._report_item_timeout()
             return
 
-    def _end_for_awaited_epoch(self, error: Dict[str, Any]) -> None:
-        awaited = self._awaited_epoch
-        if awaited is not None:
+    def _report_item_timeout(self) -> bool:
+        """Send the watchdog's error for the epoch the trainer started after the stuck one
+        and end the session; False while no such epoch waits (or the watchdog did not fire).
+
+        The stuck epoch's own ERROR may never leave: starting a new epoch drops it."""
+        with self._timeout_lock:
+            error, awaited = self._timed_out, self._awaited_epoch
+            if error is None or awaited is None or self._stopping.is_set():
+                return False
             try:
                 self.conn.send(encode_control(MessageKind.ERROR, dict(error, epoch=awaited)))
             except PeerLostError:
                 pass
-        self._stopping.set()
+            self._stopping.set()
         self.conn.close()
+        return True
 
     # -- sender -------------------------------------------------------------------------------
     def _send_loop(self) -> None:

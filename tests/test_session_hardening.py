@@ -238,12 +238,14 @@ def test_a_stuck_item_is_reported_with_its_position_and_the_workers_stack(fresh_
 
 
 @pytest.mark.timeout(30)
-def test_a_stuck_item_of_an_abandoned_epoch_is_reported_in_the_next_one():
+@pytest.mark.parametrize("pause", [0.0, 2.0], ids=["next-epoch-at-once", "next-epoch-after-the-timeout"])
+def test_a_stuck_item_of_an_abandoned_epoch_is_reported_in_the_next_one(pause):
     rs = RPCReadingService(num_workers=1, item_timeout=1.0, timeout=30)
     with DataLoader2(IterableWrapper(range(N)).sharding_filter().map(block_forever_at_5), reading_service=rs) as dl:
         for index, _item in enumerate(dl):
             if index == 1:
                 break  # epoch 1 abandoned; its producer goes on to item 5 and sticks there
+        time.sleep(pause)  # the worker's watchdog fires before (or after) the next epoch starts
         started = time.monotonic()
         with pytest.raises(ItemTimeoutError, match="item 5 of its shard in epoch 1") as caught:
             list(dl)
