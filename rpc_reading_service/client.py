@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .errors import ProtocolError, WorkerLostError, WorkerStartupError, describe_worker
+from .errors import ItemTimeoutError, ProtocolError, WorkerLostError, WorkerStartupError, describe_worker
 from .protocol import (
     Frame,
     data_epoch,
@@ -73,6 +73,8 @@ class WorkerChannel:
         self.info: Dict[str, Any] = {}
         #: A loss noticed after this worker's shard ended, to report when the next epoch needs it.
         self.held_loss: Optional[Event] = None
+        #: Why the worker ended the session, if it said (item_timeout).
+        self._ended_by: Optional[ItemTimeoutError] = None
         self._closing = False
         self._receiver: Optional[threading.Thread] = None
         self._last_sent = time.monotonic()
@@ -104,7 +106,10 @@ class WorkerChannel:
                 self.info = decode_control(frame)
                 return
             if frame.kind == MessageKind.ERROR:
-                error = rebuild_exception(decode_control(frame)["exception"], self.rank, self.address)
+                reply = decode_control(frame)
+                error = rebuild_exception(reply["exception"], self.rank, self.address)
+                if isinstance(reply.get("message"), str):  # a refusal with its reason (e.g. another transport)
+                    raise WorkerStartupError(f"{self.name} refused the session: {reply['message']}") from error
                 raise WorkerStartupError(
                     f"{self.name} could not set up the graph (unpickling it or running worker_init_fn): {error}"
                 ) from error
@@ -151,7 +156,8 @@ class WorkerChannel:
     # -- receiver thread ------------------------------------------------------------------------
     def _lost(self, message: str) -> None:
         if not self._closing:
-            error = WorkerLostError(message, self.rank, self.address)
+            # A session the worker ended for a stuck item: say so also in a later epoch.
+            error = self._ended_by or WorkerLostError(message, self.rank, self.address)
             self.queue.put(Event(self, "lost", None, error=error))
 
     def _receive_loop(self) -> None:
@@ -162,7 +168,9 @@ class WorkerChannel:
                 frame = self.conn.recv(timeout=self.heartbeat_interval)
                 now = time.monotonic()
                 if now - self._last_sent >= self.heartbeat_interval:
-                    self._send(heartbeat)
+                    # A failed send is not the end yet: the peer's last frames (an ERROR that
+                    # explains why it closed) may still wait to be read; recv reports the loss.
+                    self._send_or_report(heartbeat)
                 if frame is None:
                     if now - last_received > self.peer_timeout:
                         self._lost(
@@ -197,10 +205,23 @@ class WorkerChannel:
             self.queue.put(Event(self, "end", epoch))
         elif kind == MessageKind.ERROR:
             payload = decode_control(frame)
-            error = rebuild_exception(payload["exception"], self.rank, self.address)
+            if payload.get("phase") == "item_timeout":
+                self._ended_by = self._item_timeout_error(payload)
+                error: BaseException = self._ended_by
+            else:
+                error = rebuild_exception(payload["exception"], self.rank, self.address)
             self.queue.put(Event(self, "error", payload.get("epoch"), error=error))
         else:
             raise ProtocolError(f"unexpected {kind.name} during an epoch")
+
+    def _item_timeout_error(self, payload: Dict[str, Any]) -> ItemTimeoutError:
+        position, stack = int(payload.get("position", -1)), str(payload.get("stack", ""))
+        message = (
+            f"{self.name} spent more than {payload.get('item_timeout')} s (item_timeout) producing item {position} "
+            f"of its shard in epoch {payload.get('stuck_epoch', payload.get('epoch'))} and ended its session. Its graph was here:\n{stack}"
+            "Fix what blocks there, or raise item_timeout if items legitimately take that long"
+        )
+        return ItemTimeoutError(message, self.rank, self.address, position=position, stack=stack)
 
 
 # -- merging the workers' streams ---------------------------------------------------------------

@@ -18,6 +18,7 @@ __all__ = [
     "AuthenticationError",
     "WorkerRefusedError",
     "WorkerLostError",
+    "ItemTimeoutError",
     "WorkerStartupError",
     "RemoteWorkerError",
     "DiscoveryTimeoutError",
@@ -83,6 +84,22 @@ class WorkerLostError(RPCReadingServiceError, ConnectionError):
         super().__init__(message)
         self.rank = rank
         self.address = address
+
+
+class ItemTimeoutError(WorkerLostError):
+    """A worker spent longer than ``item_timeout`` producing one item and ended its session.
+
+    ``position`` is the item's index in the worker's shard and ``stack`` the Python stack of
+    the worker's producer thread at that moment (also in the message). A lost worker as far
+    as ``on_worker_failure="reassign"`` is concerned: its shard is replayed elsewhere.
+    """
+
+    def __init__(
+        self, message: str, rank: Optional[int] = None, address: Optional[str] = None, position: int = -1, stack: str = ""
+    ):
+        super().__init__(message, rank, address)
+        self.position = position
+        self.stack = stack
 
 
 class WorkerStartupError(RPCReadingServiceError):

@@ -151,6 +151,12 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             needs a graph that is deterministic given the seed.
         max_reassignments: How often one worker's shard may be replayed in a run before
             giving up (a graph that kills its process at the same item every time).
+        item_timeout: Seconds one worker may spend producing one item (default ``None``: no
+            limit). Past it the worker ends its session and the trainer raises
+            :class:`~rpc_reading_service.errors.ItemTimeoutError` with the item's position and
+            the worker's Python stack at that moment; a lost worker for ``on_worker_failure``.
+            Time spent waiting for the trainer to take items does not count. Not applied
+            with ``num_workers=0`` (the graph runs in the trainer).
         pin_memory: Receive tensors straight into pinned (page-locked) memory when CUDA
             is available, for fast ``.to("cuda", non_blocking=True)``.
         start_method: How local workers start: ``"fork"`` (default on POSIX with the
@@ -195,6 +201,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         heartbeat_interval: float = 1.0,
         on_worker_failure: str = "raise",
         max_reassignments: int = 3,
+        item_timeout: Optional[float] = None,
         tls_ca_file: Optional[str] = None,
         tls_server_hostname: Optional[str] = None,
         transport_options: Optional[Dict[str, Any]] = None,
@@ -238,6 +245,9 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             raise ConfigurationError(
                 f"on_worker_failure must be 'raise' or 'reassign', got {config['on_worker_failure']!r}"
             )
+        item_timeout = config.get("item_timeout")
+        if item_timeout is not None and not (isinstance(item_timeout, (int, float)) and 0 < item_timeout < float("inf")):
+            raise ConfigurationError(f"item_timeout must be a positive number of seconds or None, got {item_timeout!r}")
         if config["transport"] not in available_transports():
             raise ConfigurationError(
                 f"unknown transport {config['transport']!r}; available transports: {', '.join(available_transports())}"
@@ -353,7 +363,11 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             channel.start_receiver(self._receiver_queue())
 
     def _session_options(self) -> SessionOptions:
-        return SessionOptions(heartbeat_interval=self._config["heartbeat_interval"], peer_timeout=self._config["timeout"])
+        return SessionOptions(
+            heartbeat_interval=self._config["heartbeat_interval"],
+            peer_timeout=self._config["timeout"],
+            item_timeout=self._config.get("item_timeout"),
+        )
 
     def _receiver_queue(self) -> "queue.SimpleQueue[Event]":
         return self._events if not self.in_order else queue.SimpleQueue()

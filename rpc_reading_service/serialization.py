@@ -3,16 +3,21 @@
 - Items use pickle protocol 5. CPU tensors and numpy arrays larger than
   ``OUT_OF_BAND_MIN_BYTES`` travel as out-of-band buffers: the sender hands their memory
   to a scatter/gather send, the receiver rebuilds them on the memory they were received
-  into. Nothing is copied through the pickle stream.
+  into. Nothing is copied through the pickle stream. A class the worker got by value with
+  the graph (defined in the trainer's ``__main__`` or in a ``pickle_by_value`` module)
+  travels back by name and is resolved in the trainer, which has it: the trainer gets
+  instances of its own class.
 - Graphs use cloudpickle, so lambdas and functions defined in ``__main__`` (or in a
   ``torch.multiprocessing.spawn`` child's ``__mp_main__``) travel by value.
 - Exceptions travel as their type, message, traceback text and, where possible, the
-  pickled exception itself.
+  pickled exception itself. Packing never fails: what cannot be printed or pickled is
+  replaced by a placeholder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import pickle
 import sys
@@ -37,6 +42,7 @@ __all__ = [
     "dumps_graph",
     "loads_graph",
     "pack_exception",
+    "fallback_exception_info",
     "rebuild_exception",
 ]
 
@@ -56,10 +62,63 @@ def _same(obj: Any) -> Any:
     return obj
 
 
+def _lookup(module_name: str, qualname: str) -> Any:
+    obj: Any = sys.modules.get(module_name)
+    if obj is None:
+        return None
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _class_by_name(module_name: str, qualname: str) -> type:
+    """Resolve, in the receiving process, a class a worker sent by name (see :func:`_class_reduction`)."""
+    try:
+        module = sys.modules.get(module_name) or importlib.import_module(module_name)
+    except ImportError:
+        module = None
+    cls = _lookup(module_name, qualname) if module is not None else None
+    if not isinstance(cls, type):
+        raise pickle.UnpicklingError(
+            f"a worker sent an item of class {module_name}.{qualname}, which this process does not define: "
+            "define it in the training script (or a module the trainer imports) under the same name"
+        )
+    return cls
+
+
+def _class_reduction(cls: type) -> Any:
+    """How an item's class travels: by plain pickle when this process can name it, else by name.
+
+    A worker unpickled the graph's ``__main__`` and ``pickle_by_value`` classes by value
+    (cloudpickle), so plain pickle cannot find them under their names here; the trainer
+    defines them, so they travel by name and the trainer resolves its own class (``isinstance``
+    holds there). Classes local to a function have no name to resolve: they travel by value.
+    """
+    module_name = getattr(cls, "__module__", None)
+    qualname = getattr(cls, "__qualname__", None)
+    if not isinstance(module_name, str) or not isinstance(qualname, str):
+        return NotImplemented
+    if _lookup(module_name, qualname) is cls:
+        return NotImplemented
+    if "<locals>" in qualname:
+        return cloudpickle.loads, (cloudpickle.dumps(cls, protocol=pickle.HIGHEST_PROTOCOL),)
+    return _class_by_name, (module_name, qualname)
+
+
 class _ItemPickler(pickle.Pickler):
-    """Pickler that sends CPU tensor storage as a pickle protocol 5 buffer."""
+    """Pickler that sends CPU tensor storage as a pickle protocol 5 buffer, and classes
+    this process cannot name by the name the trainer knows them by."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._class_reductions: Dict[type, Any] = {}
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, type):
+            reduction = self._class_reductions.get(obj)
+            if reduction is None:
+                reduction = self._class_reductions[obj] = _class_reduction(obj)
+            return reduction
         if type(obj) is torch.Tensor and obj.device.type not in ("cpu", "meta"):
             # CUDA (and other accelerator) tensors cross as CPU tensors, on every transport:
             # no device maps, and a trainer without that device can still read them.
@@ -173,24 +232,84 @@ def dumps_graph(graph: Any, pickle_by_value: Sequence[types.ModuleType] = ()) ->
 
 
 def loads_graph(data: bytes) -> Any:
-    """Rebuild a graph serialised by :func:`dumps_graph`."""
-    return pickle.loads(data)
+    """Rebuild a graph serialised by :func:`dumps_graph`.
+
+    A module the graph needs but this process cannot import raises ``ModuleNotFoundError``
+    saying how to fix it (install it here, or ship it with ``pickle_by_value``).
+    """
+    try:
+        return pickle.loads(data)
+    except ModuleNotFoundError as exc:
+        top = (exc.name or "?").split(".")[0]
+        raise ModuleNotFoundError(
+            f"the graph uses module {exc.name!r}, which this worker cannot import: install {top!r} on the worker "
+            f"(the same version as on the trainer), or pass pickle_by_value=[{top}] to RPCReadingService so that "
+            "its code travels with the graph",
+            name=exc.name,
+        ) from exc
 
 
 # -- exceptions ---------------------------------------------------------------------------------
-def pack_exception(exc: BaseException) -> Dict[str, Any]:
-    """Describe an exception raised in a worker for the trainer."""
+def _type_attribute(exc: BaseException, attribute: str, default: str) -> str:
+    try:  # a metaclass may compute these attributes in user code
+        value = getattr(type(exc), attribute, None)
+    except BaseException:  # noqa: BLE001
+        value = None
+    return str.__str__(value) if isinstance(value, str) else default
+
+
+def _type_name(exc: BaseException) -> str:
+    return _type_attribute(exc, "__qualname__", "exception")
+
+
+def _text_or_placeholder(render: Callable[[], Any], exc: BaseException) -> str:
+    """``render()`` as a plain ``str``, or ``<unprintable T object>`` when user code in it fails."""
     try:
-        pickled: Optional[bytes] = cloudpickle.dumps(exc)
+        return str.__str__(render())  # a str subclass could misbehave later: copy to a plain str
+    except BaseException:  # noqa: BLE001 - a broken __str__/__repr__ may raise anything
+        return f"<unprintable {_type_name(exc)} object>"
+
+
+def _rebuildable_pickle(exc: BaseException) -> Optional[bytes]:
+    try:
+        pickled = cloudpickle.dumps(exc)
         pickle.loads(pickled)  # an exception that pickles but cannot be rebuilt is useless
-    except Exception:  # noqa: BLE001 - any exception type may fail to pickle
-        pickled = None
+    except BaseException:  # noqa: BLE001 - any exception type may fail to pickle or rebuild
+        return None
+    return pickled
+
+
+def pack_exception(exc: BaseException) -> Dict[str, Any]:
+    """Describe an exception raised in a worker for the trainer.
+
+    Never raises for the exception's sake: a message or traceback that cannot be
+    rendered becomes ``<unprintable T object>``, an exception that cannot be pickled
+    and rebuilt travels as text only.
+    """
     return {
-        "type_name": type(exc).__qualname__,
-        "type_module": type(exc).__module__,
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        "pickled": pickled,
+        "type_name": _type_name(exc),
+        "type_module": _type_attribute(exc, "__module__", "?"),
+        "message": _text_or_placeholder(lambda: str(exc), exc),
+        "traceback": _text_or_placeholder(
+            lambda: "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)), exc
+        ),
+        "pickled": _rebuildable_pickle(exc),
+    }
+
+
+def fallback_exception_info(exc: Optional[BaseException], failure: BaseException) -> Dict[str, Any]:
+    """A RuntimeError description built without calling user code: the last resort when
+    describing ``exc`` (or ending an epoch, when ``exc`` is None) raised ``failure``."""
+    if exc is None:
+        message = f"the worker failed while ending the epoch ({_type_name(failure)}); see the worker's log"
+    else:
+        message = f"the worker could not describe the {_type_name(exc)} its graph raised ({_type_name(failure)} while describing it)"
+    return {
+        "type_name": "RuntimeError",
+        "type_module": "builtins",
+        "message": message,
+        "traceback": f"RuntimeError: {message}\n",
+        "pickled": None,
     }
 
 
@@ -212,7 +331,7 @@ def rebuild_exception(info: Dict[str, Any], rank: Optional[int], address: Option
     if info.get("pickled"):
         try:
             original = pickle.loads(info["pickled"])
-        except Exception:  # noqa: BLE001 - the type may not exist here
+        except Exception:  # noqa: BLE001 - the type may not exist here, or not rebuild here
             original = None
     rebuilt: BaseException
     if original is not None:
@@ -221,7 +340,8 @@ def rebuild_exception(info: Dict[str, Any], rank: Optional[int], address: Option
             message = _ReprIsStr(message)
         try:
             rebuilt = type(original)(message)
-        except Exception:  # noqa: BLE001 - constructors with required extra arguments
+            str(rebuilt)  # a type whose __str__ fails would hide the message: use ours then
+        except Exception:  # noqa: BLE001 - constructors with required extra arguments, broken __str__
             rebuilt = RemoteWorkerError(message)
     else:
         rebuilt = RemoteWorkerError(message)

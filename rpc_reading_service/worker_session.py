@@ -5,7 +5,9 @@ Threads (all in the session's own process when the server forks sessions):
 - the control loop (the caller of :meth:`WorkerSession.run`) reads the trainer's messages;
 - a producer per epoch iterates the graph and pickles items into the :class:`Outbox`;
 - one sender writes packed DATA frames while it holds credits, plus heartbeats, so that
-  graph compute overlaps sending and the trainer's memory stays bounded.
+  graph compute overlaps sending and the trainer's memory stays bounded;
+- with ``item_timeout``, a watchdog that ends the session with an ERROR (the item's position
+  and the producer's stack) when the producer spends longer than that on one item.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ import collections
 import logging
 import os
 import socket
+import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 from .version import __version__
-from .errors import ProtocolError
+from .errors import ConfigurationError, ProtocolError
 from .graph import init_worker_graph, reset_worker_graph
 from .protocol import (
     Buffer,
@@ -33,7 +37,7 @@ from .protocol import (
     encode_end_of_shard,
     encode_frame,
 )
-from .serialization import ItemEncoder, loads_graph, pack_exception
+from .serialization import ItemEncoder, fallback_exception_info, loads_graph, pack_exception
 from .transports.base import Connection, PeerLostError
 
 __all__ = ["SessionOptions", "Outbox", "WorkerSession"]
@@ -51,6 +55,8 @@ class SessionOptions:
     heartbeat_interval: float = 1.0
     peer_timeout: float = 10.0
     setup_timeout: float = 60.0
+    #: Seconds the producer may spend on one item before the session ends with an error (None: no limit).
+    item_timeout: Optional[float] = None
 
     @classmethod
     def from_dict(cls, values: Dict[str, Any]) -> "SessionOptions":
@@ -81,6 +87,9 @@ class Outbox:
         self._open_since = 0.0
         self._sealed: Deque[List[EncodedItem]] = collections.deque()
         self._final: Optional[List[Buffer]] = None
+        self._final_ends_session = False
+        #: True once a final frame queued with ``end_session`` has been taken for sending.
+        self.session_over = False
         self._sequence = 0
         self._closed = False
         self.items_sent = 0
@@ -141,11 +150,16 @@ class Outbox:
                 if self._open:  # the sender may have taken it while we waited
                     self._seal()
 
-    def finish(self, epoch: int, final_frame: List[Buffer]) -> None:
-        """Queue the frame that ends ``epoch`` (END_OF_SHARD or ERROR) after its data."""
+    def finish(self, epoch: int, final_frame: List[Buffer], end_session: bool = False) -> None:
+        """Queue the frame that ends ``epoch`` (END_OF_SHARD or ERROR) after its data.
+
+        With ``end_session``, nothing more of ``epoch`` is accepted and :attr:`session_over`
+        turns true once the frame is taken: the session ends after sending it.
+        """
         with self._cond:
-            self._check(epoch)
+            self._check(epoch)  # also refuses a producer after the watchdog ended the session
             self._final = final_frame
+            self._final_ends_session = end_session
             self._cond.notify_all()
 
     def _track_credit_wait(self, now: float) -> None:
@@ -158,7 +172,7 @@ class Outbox:
             self._credit_wait_since = None
 
     def _check(self, epoch: int) -> None:
-        if self._closed or epoch != self.epoch:
+        if self._closed or epoch != self.epoch or self._final_ends_session:
             raise _Cancelled()
 
     def _seal(self) -> None:
@@ -203,6 +217,7 @@ class Outbox:
                 return encode_frame(MessageKind.DATA, body, buffers), 0.0
         if self._final is not None and not self._sealed and not self._open:
             final, self._final = self._final, None
+            self.session_over = self._final_ends_session
             self.epoch = None
             return final, 0.0
         return None, float("inf")
@@ -253,6 +268,15 @@ class WorkerSession:
         self._reset_fn: Any = None
         self._producer: Optional[threading.Thread] = None
         self._sender: Optional[threading.Thread] = None
+        self._watchdog: Optional[threading.Thread] = None
+        #: ``(epoch, position in the shard, monotonic start, thread id)`` while the producer
+        #: waits for the graph's next item; None otherwise. Read by the watchdog.
+        self._producing: Optional[Tuple[int, int, float, int]] = None
+        #: An epoch the trainer started that waits for the previous epoch's producer to stop.
+        self._awaited_epoch: Optional[int] = None
+        #: The watchdog's ERROR payload once it fired (the session is then over).
+        self._timed_out: Optional[Dict[str, Any]] = None
+        self._timeout_lock = threading.Lock()
         self._stopping = threading.Event()
         self._last_sent = time.monotonic()
 
@@ -264,6 +288,9 @@ class WorkerSession:
                 return
             self._sender = threading.Thread(target=self._send_loop, name="rrs-sender", daemon=True)
             self._sender.start()
+            if self.options.item_timeout is not None:
+                self._watchdog = threading.Thread(target=self._watch_items, name="rrs-item-watchdog", daemon=True)
+                self._watchdog.start()
             self._control_loop()
         except PeerLostError as exc:
             log.info("session with %s ended: %s", self.conn.peer, exc)
@@ -285,6 +312,8 @@ class WorkerSession:
             log.warning("%s sent %s before SETUP; closing", self.conn.peer, frame.kind.name)
             return False
         payload = decode_control(frame)
+        if "graph" not in payload:
+            return self._refuse_foreign_setup(payload)
         self.options = SessionOptions.from_dict(payload.get("options", {}))
         self.outbox = Outbox(self.options)
         try:
@@ -294,8 +323,9 @@ class WorkerSession:
             self._worker_info = WorkerInfo(payload["num_workers"], payload["worker_rank"])
             self._graph = init_worker_graph(datapipe, self._worker_info, init_fn)
         except BaseException as exc:  # noqa: BLE001 - includes SystemExit from user code
-            log.warning("session setup for %s failed: %r", self.conn.peer, exc)
-            self.conn.send(encode_control(MessageKind.ERROR, {"epoch": None, "phase": "setup", "exception": pack_exception(exc)}))
+            info = _describe(exc)
+            log.warning("session setup for %s failed: %s: %s", self.conn.peer, info["type_name"], info["message"])
+            self.conn.send(encode_control(MessageKind.ERROR, {"epoch": None, "phase": "setup", "exception": info}))
             return False
         self.conn.send(
             encode_control(
@@ -304,6 +334,23 @@ class WorkerSession:
             )
         )
         return True
+
+    def _refuse_foreign_setup(self, payload: Dict[str, Any]) -> bool:
+        """A SETUP without a graph: most likely a trainer of another transport (torch_rpc's rendezvous)."""
+        transport = payload.get("transport")
+        if isinstance(transport, str):
+            message = (
+                f"the trainer at {self.conn.peer} uses transport {transport!r}, but this worker server at "
+                f"{self.server_address or '?'} was started with another --transport (socket, the default): start it with "
+                f"`rpc-reading-worker --transport {transport}`, or pass the worker's transport to RPCReadingService"
+            )
+        else:
+            message = f"the trainer at {self.conn.peer} sent a SETUP without a graph; is it an RPCReadingService of the same version?"
+        log.warning("refused the session of %s: %s", self.conn.peer, message)
+        error = {"epoch": None, "phase": "setup", "reason": "transport", "message": message,
+                 "exception": pack_exception(ConfigurationError(message))}  # fmt: skip
+        self.conn.send(encode_control(MessageKind.ERROR, error))
+        return False
 
     def _control_loop(self) -> None:
         while not self._stopping.is_set():
@@ -328,11 +375,15 @@ class WorkerSession:
 
     def _start_epoch(self, request: Dict[str, Any]) -> None:
         self.outbox.stop_epoch()
-        if self._producer is not None:
-            # The graph supports one iterator at a time: wait for the old epoch's producer
-            # to reach an item boundary and notice it was cancelled.
-            self._producer.join()
-        epoch = int(request["epoch"])
+        # The graph supports one iterator at a time: wait for the old epoch's producer to
+        # reach an item boundary and notice it was cancelled (unless the session ends first:
+        # a producer stuck in one item never does).
+        epoch = self._awaited_epoch = int(request["epoch"])
+        while self._producer is not None and self._producer.is_alive():
+            self._producer.join(timeout=0.1)
+            if self._stopping.is_set() or self._report_item_timeout():
+                return
+        self._awaited_epoch = None
         self.outbox.start_epoch(epoch, int(request["credits"]))
         self._producer = threading.Thread(target=self._produce, args=(epoch, request), name=f"rrs-producer-{epoch}", daemon=True)
         self._producer.start()
@@ -342,12 +393,18 @@ class WorkerSession:
         sent = 0
         try:
             try:
+                watched = self.options.item_timeout is not None
+                if watched:  # worker_reset_fn and the graph's reset count as producing item 0
+                    self._producing = (epoch, 0, time.monotonic(), threading.get_ident())
                 self._graph = reset_worker_graph(
                     self._graph, self._worker_info, int(request["seed"]), int(request["global_worker_id"]), self._reset_fn
                 )
                 skip = int(request.get("skip", 0))
                 encode, put = ItemEncoder().encode, self.outbox.put
-                for index, item in enumerate(self._graph):
+                items = self._graph
+                if watched:
+                    items, put = self._watched(epoch, iter(self._graph)), self._unwatched(put)
+                for index, item in enumerate(items):
                     if index < skip:
                         continue
                     put(epoch, encode(item))
@@ -355,13 +412,89 @@ class WorkerSession:
             except _Cancelled:
                 raise
             except BaseException as exc:  # noqa: BLE001 - report everything, even SystemExit
-                log.info("epoch %d raised %r after %d items", epoch, exc, sent)
-                error = {"epoch": epoch, "phase": "epoch", "exception": pack_exception(exc)}
+                self._producing = None
+                info = _describe(exc)
+                log.info("epoch %d raised %s: %s after %d items", epoch, info["type_name"], info["message"], sent)
+                error = {"epoch": epoch, "phase": "epoch", "exception": info}
                 self.outbox.finish(epoch, encode_control(MessageKind.ERROR, error))
                 return
             self.outbox.finish(epoch, encode_end_of_shard(epoch, sent))
         except _Cancelled:
             log.debug("epoch %d cancelled after %d items", epoch, sent)
+        except BaseException as failure:  # noqa: BLE001 - the epoch must end with an error, never in silence
+            log.exception("producer of epoch %d failed in its own error handling", epoch)
+            info = fallback_exception_info(None, failure)
+            try:
+                self.outbox.finish(epoch, encode_control(MessageKind.ERROR, {"epoch": epoch, "phase": "epoch", "exception": info}))
+            except _Cancelled:
+                pass
+
+    def _watched(self, epoch: int, iterator: Iterator[Any]) -> Iterator[Any]:
+        """Yield ``iterator``'s items, telling the watchdog which one the producer works on
+        (computing and pickling it, until :meth:`_unwatched` hands it to the outbox)."""
+        ident, clock, index = threading.get_ident(), time.monotonic, 0
+        while True:
+            self._producing = (epoch, index, clock(), ident)
+            try:
+                item = next(iterator)
+            except StopIteration:
+                self._producing = None
+                return
+            yield item
+            index += 1
+
+    def _unwatched(self, put: Callable[[int, EncodedItem], None]) -> Callable[[int, EncodedItem], None]:
+        """``put``, first telling the watchdog the item is done: waiting for the trainer's
+        credit is not producing (the trainer sets that pace)."""
+
+        def put_done(epoch: int, item: EncodedItem) -> None:
+            self._producing = None
+            put(epoch, item)
+
+        return put_done
+
+    # -- watchdog -----------------------------------------------------------------------------
+    def _watch_items(self) -> None:
+        """End the session when the producer spends longer than ``item_timeout`` on one item."""
+        limit = self.options.item_timeout
+        assert limit is not None
+        while not self._stopping.wait(min(1.0, limit / 4)):
+            producing = self._producing
+            if producing is None or time.monotonic() - producing[2] <= limit:
+                continue
+            epoch, position, started, ident = producing
+            frame = sys._current_frames().get(ident)  # noqa: SLF001 - documented for exactly this use
+            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(the producer thread is gone)\n"
+            seconds = time.monotonic() - started
+            log.warning(
+                "epoch %d: item %d of the shard took more than %.1f s (item_timeout); ending the session of %s. "
+                "The producer's stack:\n%s", epoch, position, limit, self.conn.peer, stack,
+            )  # fmt: skip
+            error = {"epoch": epoch, "stuck_epoch": epoch, "phase": "item_timeout", "position": position,
+                     "item_timeout": limit, "seconds": seconds, "stack": stack}  # fmt: skip
+            self._timed_out = error
+            try:
+                self.outbox.finish(epoch, encode_control(MessageKind.ERROR, error), end_session=True)
+            except _Cancelled:  # the trainer stopped that epoch: tell the one it waits for, if any
+                self._report_item_timeout()
+            return
+
+    def _report_item_timeout(self) -> bool:
+        """Send the watchdog's error for the epoch the trainer started after the stuck one
+        and end the session; False while no such epoch waits (or the watchdog did not fire).
+
+        The stuck epoch's own ERROR may never leave: starting a new epoch drops it."""
+        with self._timeout_lock:
+            error, awaited = self._timed_out, self._awaited_epoch
+            if error is None or awaited is None or self._stopping.is_set():
+                return False
+            try:
+                self.conn.send(encode_control(MessageKind.ERROR, dict(error, epoch=awaited)))
+            except PeerLostError:
+                pass
+            self._stopping.set()
+        self.conn.close()
+        return True
 
     # -- sender -------------------------------------------------------------------------------
     def _send_loop(self) -> None:
@@ -380,6 +513,11 @@ class WorkerSession:
                     frame = heartbeat
                 self.conn.send(frame)
                 self._last_sent = time.monotonic()
+                if self.outbox.session_over:
+                    log.info("session for %s ended after its last frame", self.conn.peer)
+                    self._stopping.set()
+                    self.conn.close()  # wakes the control loop
+                    return
         except PeerLostError as exc:
             log.info("lost trainer %s while sending: %s", self.conn.peer, exc)
             self._stopping.set()
@@ -395,3 +533,11 @@ class WorkerSession:
         self.conn.close()
         if self._sender is not None:
             self._sender.join(timeout=2.0)
+
+
+def _describe(exc: BaseException) -> Dict[str, Any]:
+    """:func:`pack_exception`, falling back to a description built without user code."""
+    try:
+        return pack_exception(exc)
+    except BaseException as failure:  # noqa: BLE001 - pack_exception is meant to be total; be sure
+        return fallback_exception_info(exc, failure)

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import pickle
+import sys
 import threading
+import types
+
+import cloudpickle
 
 import numpy as np
 import pytest
@@ -15,6 +19,7 @@ from rpc_reading_service.serialization import (
     OUT_OF_BAND_MIN_BYTES,
     dumps_graph,
     dumps_item,
+    fallback_exception_info,
     loads_graph,
     loads_item,
     pack_exception,
@@ -227,3 +232,97 @@ def test_exception_of_unknown_type_becomes_remote_worker_error():
     info = raise_and_pack(ValueError("x"))
     info["pickled"] = b"\x80\x05\x95\x1d\x00\x00\x00\x00\x00\x00\x00\x8c\x0cno_such_mod\x94\x8c\x03Err\x94\x93\x94."
     assert isinstance(rebuild_exception(info, 0, "a:1"), RemoteWorkerError)
+
+
+class BrokenStrError(ValueError):
+    def __str__(self):
+        raise RuntimeError("no str")
+
+    def __repr__(self):
+        raise RuntimeError("no repr")
+
+
+class BrokenReduceError(Exception):
+    def __reduce__(self):
+        raise SystemExit("reduce says exit")
+
+
+def test_pack_exception_of_an_unprintable_exception_uses_a_placeholder():
+    info = raise_and_pack(BrokenStrError("hidden"))
+    assert info["type_name"] == "BrokenStrError"
+    assert info["message"] == "<unprintable BrokenStrError object>"
+    assert "BrokenStrError" in info["traceback"]
+    rebuilt = rebuild_exception(info, 1, "h:1")
+    # The same type would hide the message again behind its broken __str__: ours is readable.
+    assert isinstance(rebuilt, RemoteWorkerError)
+    assert str(rebuilt).startswith("Caught BrokenStrError in worker 1 (h:1).")
+
+
+def test_pack_exception_of_an_exception_whose_pickling_raises_base_exception():
+    info = raise_and_pack(BrokenReduceError("x"))
+    assert info["pickled"] is None and info["message"] == "x"
+    assert isinstance(rebuild_exception(info, 0, None), RemoteWorkerError)
+
+
+def test_fallback_exception_info_is_a_plain_runtime_error():
+    info = fallback_exception_info(BrokenStrError(), MemoryError())
+    rebuilt = rebuild_exception(info, 3, "h:3")
+    assert isinstance(rebuilt, RemoteWorkerError)
+    assert "Caught RuntimeError in worker 3 (h:3)" in str(rebuilt)
+    assert "could not describe the BrokenStrError" in str(rebuilt) and "MemoryError" in str(rebuilt)
+
+
+def test_a_class_received_by_value_travels_back_by_name():
+    # The trainer's module, shipped by value to a "worker" that cannot import it (in one
+    # process cloudpickle hands back the same class object; the real-process tests in
+    # test_session_hardening.py cover distinct ones).
+    module = types.ModuleType("rrs_trainer_only_module")
+    exec("class Point:\n    def __init__(self, x):\n        self.x = x\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    try:
+        cloudpickle.register_pickle_by_value(module)
+        try:
+            shipped = cloudpickle.dumps(module.Point)
+        finally:
+            cloudpickle.unregister_pickle_by_value(module)
+        del sys.modules[module.__name__]  # the worker side: the module is not importable
+        worker_class = pickle.loads(shipped)
+        encoded = dumps_item([worker_class(3), worker_class(4)])
+        sys.modules[module.__name__] = module  # the trainer side
+        received = loads_item(over_the_wire(encoded))
+        assert [type(p) for p in received] == [module.Point, module.Point] and [p.x for p in received] == [3, 4]
+    finally:
+        sys.modules.pop(module.__name__, None)
+
+
+def test_a_local_class_travels_by_value():
+    def make():
+        class Local:
+            def __init__(self, x):
+                self.x = x
+
+        return Local
+
+    item = roundtrip(make()(5))
+    assert type(item).__name__ == "Local" and item.x == 5
+
+
+def test_an_item_class_the_trainer_lacks_is_named_in_the_error():
+    module = types.ModuleType("rrs_worker_only_module")
+    exec("class Thing:\n    pass\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        worker_class = pickle.loads(cloudpickle.dumps(module.Thing))
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+        del sys.modules[module.__name__]
+    with pytest.raises(pickle.UnpicklingError, match="rrs_worker_only_module.Thing"):
+        loads_item(dumps_item(worker_class()))
+
+
+def test_a_graph_needing_a_missing_module_names_it_and_the_fix():
+    data = pickle.dumps(pickle.PickleBuffer).replace(b"pickle", b"nosuch")  # a reference into a missing module
+    with pytest.raises(ModuleNotFoundError, match=r"'nosuch'.*install.*pickle_by_value=\[nosuch\]") as caught:
+        loads_graph(data)
+    assert caught.value.name == "nosuch"

@@ -108,3 +108,18 @@ def test_close_wakes_the_sender():
     outbox.close()
     sender.join(2.0)
     assert not sender.is_alive() and result == [None]
+
+
+def test_a_final_frame_that_ends_the_session_goes_after_the_data_and_refuses_more():
+    outbox = Outbox(SessionOptions(batch_max_items=10, linger=0.0))
+    outbox.start_epoch(1, credits=2)
+    outbox.put(1, item(1))
+    outbox.finish(1, encode_end_of_shard(1, 1), end_session=True)  # as the item watchdog does
+    with pytest.raises(_Cancelled):
+        outbox.put(1, item(2))  # a producer that came unstuck afterwards
+    with pytest.raises(_Cancelled):
+        outbox.finish(1, encode_end_of_shard(1, 1))
+    assert data_items(outbox.take(1.0)) == (1, 0, [1])
+    assert not outbox.session_over
+    assert frame_of(outbox.take(1.0)).kind == MessageKind.END_OF_SHARD
+    assert outbox.session_over
