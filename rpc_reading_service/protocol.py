@@ -38,6 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import __version__
 from .errors import AuthenticationError, FrameTooLargeError, ProtocolError
+from .safe_text import printable
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -408,6 +409,11 @@ def encode_reject(reason: str) -> List[Buffer]:
     return encode_frame(MessageKind.REJECT, [reason.encode("utf-8")[:1024]])
 
 
+def decode_reject(frame: Frame) -> str:
+    """The reason of a REJECT frame, escaped: the peer may not have authenticated."""
+    return printable(bytes(frame.body[:1024]).decode("utf-8", "replace"))
+
+
 class ClientHandshake:
     """The trainer's side of the mutual HMAC challenge-response."""
 
@@ -431,6 +437,12 @@ class ClientHandshake:
             raise ProtocolError("malformed CHALLENGE frame")
         server_nonce, server_proof = body[:NONCE_BYTES], body[NONCE_BYTES:]
         if not hmac.compare_digest(server_proof, _proof(self._key, b"server", self._nonce, server_nonce)):
+            if self._key and hmac.compare_digest(server_proof, _proof(b"", b"server", self._nonce, server_nonce)):
+                raise AuthenticationError(
+                    "the worker has no auth key, but this trainer passes one: start the worker with the same key "
+                    "(rpc-reading-worker --auth-key-file FILE, or RPC_READING_SERVICE_AUTH_KEY in its environment), "
+                    "or connect with auth_key=None (a worker without a key listens on loopback only)"
+                )
             if not self._key:
                 raise AuthenticationError(
                     "this trainer has no auth key (auth_key=None) but the worker requires one: pass "
