@@ -114,7 +114,7 @@ import torch
 
 from .. import __version__
 from ..addresses import format_address, is_loopback_host
-from ..errors import ConfigurationError, FrameTooLargeError, ProtocolError
+from ..errors import ConfigurationError, FrameTooLargeError, ProtocolError, WorkerRefusedError
 from ..protocol import (
     HEADER,
     MAGIC,
@@ -123,6 +123,7 @@ from ..protocol import (
     Frame,
     MessageKind,
     decode_control,
+    decode_reject,
     encode_control,
 )
 from .base import Allocator, Connection, PeerLostError, Transport, WrappingListener
@@ -765,6 +766,14 @@ class _SessionConnection(TorchRPCConnection):
         super().close()
         self._shutdown_agent()
 
+    def refuse(self, reason: str, linger: float = 0.0) -> None:
+        if self._bootstrapped:
+            super().refuse(reason, linger)
+            return
+        with self._send_lock:
+            self._closed = True
+        self._bootstrap.refuse(reason, linger)
+
     def _shutdown_agent(self) -> None:
         global _session_agent_owner
         if not self._owns_agent:
@@ -1054,6 +1063,9 @@ class TorchRPCTransport(Transport):
                 f"session must reach this trainer's rendezvous store at {request['init_method']} and the "
                 "trainer's TensorPipe ports (set TP_SOCKET_IFNAME to pick the interface); see docs/transports.md"
             )
+        if frame.kind == MessageKind.REJECT:
+            world.abandon(name)
+            raise WorkerRefusedError(f"worker at {address} refused the session: {decode_reject(frame)}")
         reply = decode_control(frame) if frame.kind in (MessageKind.READY, MessageKind.ERROR) else {}
         if reply.get("transport") != TRANSPORT_NAME:
             world.abandon(name)
