@@ -4,6 +4,8 @@
 user changes; see :class:`RPCReadingService`.
 """
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
 from .errors import (  # noqa: E402
@@ -18,8 +20,20 @@ from .errors import (  # noqa: E402
     WorkerRefusedError,
     WorkerStartupError,
 )
-from .reading_service import RPCReadingService  # noqa: E402
 from .transports import available_transports, register_transport  # noqa: E402
+
+if TYPE_CHECKING:
+    from .reading_service import RPCReadingService
+
+
+def __getattr__(name: str) -> Any:
+    # RPCReadingService (and torchdata with it) loads on first use, so that the worker server
+    # (``rpc_reading_service.worker``) decides how torchdata is first imported in its process.
+    if name == "RPCReadingService":
+        from .reading_service import RPCReadingService
+
+        return RPCReadingService
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "__version__",
