@@ -809,40 +809,41 @@ class SocketListener(Listener):
         if self._accepting_again_at is not None:
             self._accepting_again_at = time.monotonic()  # a descriptor frees up: accept again
 
+    def _end_handshake(
+        self, pending: _PendingHandshake, message: str, exc: Exception, answer: bool = True, level: int = logging.WARNING
+    ) -> None:
+        """Log why ``pending``'s handshake failed (escaped: its text may come from the peer),
+        drop it, and close, answering the peer with the reason if ``answer``."""
+        if isinstance(exc, _Refused):
+            self.refused_sessions += 1
+        else:
+            self.refused_handshakes += 1
+        log.log(level, message, pending.peer, printable(str(exc)))
+        self._drop(pending)
+        if answer:
+            _refuse_quietly(pending.sock, str(exc))
+        else:
+            pending.sock.close()
+
     def _advance(self, pending: _PendingHandshake) -> None:
         try:
             authenticated = pending.on_readable()
         except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except _Refused as exc:
-            self.refused_sessions += 1
-            log.warning("refused a session to %s: %s", pending.peer, printable(str(exc)))
-            self._drop(pending)
-            _refuse_quietly(pending.sock, str(exc))
+            self._end_handshake(pending, "refused a session to %s: %s", exc)
             return
         except AuthenticationError as exc:
-            self.refused_handshakes += 1
-            log.warning("authentication failed for %s: %s", pending.peer, printable(str(exc)))
-            self._drop(pending)
-            _refuse_quietly(pending.sock, str(exc))
+            self._end_handshake(pending, "authentication failed for %s: %s", exc)
             return
         except ProtocolError as exc:
-            self.refused_handshakes += 1
-            log.warning("refused connection from %s: %s", pending.peer, printable(str(exc)))
-            self._drop(pending)
-            _refuse_quietly(pending.sock, str(exc))
+            self._end_handshake(pending, "refused connection from %s: %s", exc)
             return
         except ssl.SSLError as exc:
-            self.refused_handshakes += 1
-            log.warning("refused connection from %s: TLS handshake failed: %s", pending.peer, printable(str(exc)))
-            self._drop(pending)
-            pending.sock.close()
+            self._end_handshake(pending, "refused connection from %s: TLS handshake failed: %s", exc, answer=False)
             return
         except OSError as exc:
-            self.refused_handshakes += 1
-            log.info("connection from %s ended during the handshake: %s", pending.peer, printable(str(exc)))
-            self._drop(pending)
-            pending.sock.close()
+            self._end_handshake(pending, "connection from %s ended during the handshake: %s", exc, False, logging.INFO)
             return
         if authenticated:
             self._drop(pending)
