@@ -291,7 +291,7 @@ class WorkerSession:
         frame = self.conn.recv(timeout=self.options.setup_timeout)
         if frame is None:
             log.warning("%s sent no SETUP within %.0f s; closing", self.conn.peer, self.options.setup_timeout)
-            self.conn.refuse(f"no SETUP within {self.options.setup_timeout:.0f} s of connecting (the server's --idle-timeout)")
+            self.conn.refuse(f"no SETUP within {self.options.setup_timeout:g} s of connecting (the server's --idle-timeout)")
             return False
         if frame.kind == MessageKind.CLOSE:
             return False

@@ -58,12 +58,13 @@ def _log_lines(server, text: str) -> List[str]:
 
 
 @contextlib.contextmanager
-def _pids_limit(pid: int) -> Iterator[None]:
-    """Move ``pid`` into a cgroup-v1 pids group of its own whose limit is below the tasks it
+def _pids_limit(server) -> Iterator[None]:
+    """Move the ``server`` process into a cgroup-v1 pids group of its own whose limit is below the tasks it
     has, so that its every fork (or new thread) fails with EAGAIN, as at a container's pids
     limit (RLIMIT_NPROC does not apply to root); move it back and remove the group afterwards."""
     if not os.access(PIDS_CGROUPS / "cgroup.procs", os.W_OK):
         pytest.skip(f"needs a writable cgroup-v1 pids controller at {PIDS_CGROUPS}")
+    pid = server.pid
     with open(f"/proc/{pid}/cgroup") as handle:
         home = next(line.split(":", 2)[2].strip() for line in handle if line.split(":")[1] == "pids")
     group = PIDS_CGROUPS / f"rrs-test-{os.getpid()}-{secrets.token_hex(3)}"
@@ -76,10 +77,18 @@ def _pids_limit(pid: int) -> Iterator[None]:
         (group / "pids.max").write_text("1")
         yield
     finally:
+        server.proc.poll()  # a server that died is reaped, so that it leaves the group
         with contextlib.suppress(OSError):  # the process may be gone
             (PIDS_CGROUPS / home.lstrip("/") / "cgroup.procs").write_text(str(pid))
-        assert wait_until(lambda: not (group / "cgroup.procs").read_text().strip(), 5)
+        assert wait_until(lambda: _removed(group), 5), f"could not remove {group}"
+
+
+def _removed(group: Path) -> bool:
+    try:
         group.rmdir()
+    except OSError:  # EBUSY while a task is still in it
+        return False
+    return True
 
 
 # -- 1. a failed fork refuses one session; the server and its other sessions go on -------------
@@ -95,7 +104,7 @@ def test_failed_fork_refuses_only_the_new_session(tmp_path, mode):
     try:
         items = iter(busy)
         taken = [next(items) for _ in range(4)]  # trainer A holds running sessions
-        with _pids_limit(server.pid):
+        with _pids_limit(server):
             start = time.monotonic()
             with pytest.raises(WorkerRefusedError) as info:
                 _small_epoch(server)
@@ -116,7 +125,7 @@ def test_failed_fork_refuses_only_the_new_session(tmp_path, mode):
 def test_server_serves_again_once_it_can_fork(tmp_path):
     server = start_server(tmp_path)
     try:
-        with _pids_limit(server.pid):
+        with _pids_limit(server):
             with pytest.raises(WorkerRefusedError, match="fork failed"):
                 _small_epoch(server)
         assert _small_epoch(server) == list(range(6))
