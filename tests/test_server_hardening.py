@@ -232,7 +232,11 @@ def test_silent_sockets_neither_fill_the_server_nor_lock_out_a_trainer(server):
 
 
 def _reject_or_none(sock: socket.socket, timeout: float):
-    frame = recv_frame(sock, FrameReader(allowed_kinds=HANDSHAKE_KINDS), timeout)
+    """The reason of the REJECT ``sock`` receives within ``timeout``, else None."""
+    try:
+        frame = recv_frame(sock, FrameReader(allowed_kinds=HANDSHAKE_KINDS), timeout)
+    except socket.timeout:
+        return None
     return None if frame is None or frame.kind != MessageKind.REJECT else bytes(frame.body).decode()
 
 
@@ -304,3 +308,60 @@ def test_help_prints_no_warnings():
     )
     assert helped.returncode == 0 and "--max-frame-bytes" in helped.stdout
     assert helped.stderr == ""
+
+
+@pytest.mark.timeout(30)
+def test_overall_handshake_cap_answers_server_busy(monkeypatch):
+    """The cap over all peer addresses (one address can reach it only with a small cap)."""
+    import threading
+
+    from rpc_reading_service.transports import socket_transport
+
+    monkeypatch.setattr(socket_transport, "_MAX_PENDING_HANDSHAKES", 4)
+    monkeypatch.setattr(socket_transport, "_STALE_HANDSHAKE_SECONDS", 0.3)
+    transport = socket_transport.SocketTransport()
+    listener = transport.listen("127.0.0.1", 0, b"k" * 16, handshake_timeout=10.0)
+    silent: List[socket.socket] = []
+    try:
+        silent = [connect(listener.address) for _ in range(6)]
+        assert listener.accept(timeout=0.2) is None
+        # None of the 4 in progress is stale yet: the 2 newcomers are told the server is busy.
+        assert [_reject_or_none(sock, 0.1) for sock in silent[:4]] == [None] * 4
+        for sock in silent[4:]:
+            assert (_reject_or_none(sock, 2.0) or "").startswith("server busy: 4 connections (at most 4)")
+        time.sleep(0.3)
+        accepted: list = []
+        serving = threading.Thread(target=lambda: accepted.append(listener.accept(timeout=5.0)), name="test-accept")
+        serving.start()
+        good = transport.connect(listener.address, b"k" * 16, timeout=5.0)  # room made: the oldest goes
+        serving.join(5.0)
+        good.close()
+        assert accepted and accepted[0] is not None
+        accepted[0].close()
+        assert (_reject_or_none(silent[0], 2.0) or "").startswith("server busy: ")
+    finally:
+        for sock in silent:
+            sock.close()
+        listener.close()
+
+
+def test_protocol_tells_a_keyed_trainer_that_the_worker_has_no_key():
+    """The sans-I/O side of the keyless-worker message, and of escaped REJECT reasons."""
+    from rpc_reading_service.protocol import ServerHandshake, decode_reject
+
+    def challenge(client_key: bytes, server_key: bytes):
+        client, server = ClientHandshake(client_key), ServerHandshake(server_key)
+        reader = FrameReader(allowed_kinds=HANDSHAKE_KINDS)
+        reader.feed(frame_bytes(client.hello()))
+        reader.feed(frame_bytes(server.receive_hello(reader.next_frame())))
+        return client, reader.next_frame()
+
+    client, frame = challenge(b"a key", b"")
+    with pytest.raises(AuthenticationError, match="the worker has no auth key, but this trainer passes one"):
+        client.receive_challenge(frame)
+    client, frame = challenge(b"a key", b"another key")
+    with pytest.raises(AuthenticationError, match="does not hold the same auth key"):
+        client.receive_challenge(frame)
+    reader = FrameReader(allowed_kinds=HANDSHAKE_KINDS)
+    reader.feed(frame_bytes(encode_reject("line one\nline two\x1b[0m \\ end")))
+    assert decode_reject(reader.next_frame()) == "line one\\nline two\\x1b[0m \\\\ end"
