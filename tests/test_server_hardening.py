@@ -133,6 +133,21 @@ def test_server_serves_again_once_it_can_fork(tmp_path):
         server.stop()
 
 
+@pytest.mark.timeout(60)
+def test_failed_fork_reaches_a_torch_rpc_trainer_too(tmp_path):
+    server = start_server(tmp_path, args=["--transport", "torch_rpc"])
+    try:
+        service = RPCReadingService(
+            worker_addresses=[server.address], num_workers=1, auth_key=server.key, transport="torch_rpc", connect_timeout=20
+        )
+        with _pids_limit(server):
+            with pytest.raises(WorkerRefusedError, match="refused the session: server cannot start a session: fork failed"):
+                run_epochs(IterableWrapper(range(3)), service, n_epochs=1)
+            assert server.proc.poll() is None
+    finally:
+        server.stop()
+
+
 # -- 2. out of file descriptors: back off, log once, serve again -------------------------------
 @pytest.mark.timeout(60)
 def test_out_of_descriptors_backs_off_quietly_and_serves_again(tmp_path):
