@@ -4,6 +4,8 @@
 user changes; see :class:`RPCReadingService`.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     AuthenticationError,
     ConfigurationError,
@@ -19,9 +21,21 @@ from .errors import (
     WorkerRefusedError,
     WorkerStartupError,
 )
-from .reading_service import RPCReadingService
 from .transports import available_transports, register_transport
 from .version import __version__
+
+if TYPE_CHECKING:
+    from .reading_service import RPCReadingService
+
+
+def __getattr__(name: str) -> Any:
+    # RPCReadingService (and torchdata with it) loads on first use, so that the worker server
+    # (``rpc_reading_service.worker``) decides how torchdata is first imported in its process.
+    if name == "RPCReadingService":
+        from .reading_service import RPCReadingService
+
+        return RPCReadingService
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "__version__",

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from .errors import ItemTimeoutError, ProtocolError, WorkerLostError, WorkerStartupError, describe_worker
+from .errors import ItemTimeoutError, ProtocolError, WorkerLostError, WorkerRefusedError, WorkerStartupError, describe_worker
 from .protocol import (
     Frame,
     data_epoch,
@@ -25,6 +25,7 @@ from .protocol import (
     decode_control,
     decode_data,
     decode_end_of_shard,
+    decode_reject,
     encode_control,
     encode_credit,
     encode_frame,
@@ -90,8 +91,14 @@ class WorkerChannel:
 
     # -- setup ----------------------------------------------------------------------------------
     def setup(self, payload: Dict[str, Any], timeout: float) -> None:
-        """Send SETUP and wait for READY; raise the worker's error if setup failed there."""
-        self._send(encode_control(MessageKind.SETUP, payload))
+        """Send SETUP and wait for READY; raise the worker's error if setup failed there, or
+        :class:`WorkerRefusedError` with the server's reason if it refused the session."""
+        try:
+            self._send(encode_control(MessageKind.SETUP, payload))
+        except PeerLostError as exc:
+            # A server that refuses the session may close before reading all of SETUP: its
+            # REJECT is still there to read below.
+            log.debug("sending SETUP to %s failed: %s", self.name, exc)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -105,6 +112,8 @@ class WorkerChannel:
             if frame.kind == MessageKind.READY:
                 self.info = decode_control(frame)
                 return
+            if frame.kind == MessageKind.REJECT:
+                raise WorkerRefusedError(f"{self.name} refused the session: {decode_reject(frame)}")
             if frame.kind == MessageKind.ERROR:
                 reply = decode_control(frame)
                 error = rebuild_exception(reply["exception"], self.rank, self.address)
@@ -180,6 +189,9 @@ class WorkerChannel:
                         return
                     continue
                 last_received = now
+                if frame.kind == MessageKind.REJECT:
+                    self._lost(f"{self.name} ended the session: {decode_reject(frame)}")
+                    return
                 self._dispatch(frame)
         except PeerLostError as exc:
             self._lost(f"lost {self.name}: {exc}. Its process died or the connection broke")

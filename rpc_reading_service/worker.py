@@ -15,7 +15,8 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Union
 
 from .version import __version__
 from .addresses import is_loopback_host
@@ -25,7 +26,15 @@ from .keys import AUTH_KEY_ENV, load_auth_key
 from .protocol import DEFAULT_MAX_FRAME_BYTES
 from .transports import available_transports, create_transport
 from .transports.base import Connection, Listener
-from .worker_session import WorkerSession
+
+# torchdata prints an 8-line deprecation banner on the first import of its datapipes (here,
+# through the session code): noise in every server's log and `--help`. Only that one warning
+# is muted; a graph's own warnings still show.
+with warnings.catch_warnings():
+    warnings.filterwarnings(
+        "ignore", message=r"\s*#+\s*WARNING!\s*The 'datapipes', 'dataloader2' modules are deprecated", category=UserWarning
+    )
+    from .worker_session import WorkerSession  # noqa: E402
 
 __all__ = ["WorkerServer", "build_parser", "main"]
 
@@ -85,6 +94,7 @@ class WorkerServer:
             self._listener.admit = self._admit
         self._parent_pid = parent_pid
         self._children: Dict[int, str] = {}
+        self._terminated: Set[int] = set()  # sessions this server SIGTERMed itself, when shutting down
         self._threads: List[threading.Thread] = []
         self._stop = threading.Event()
 
@@ -138,13 +148,23 @@ class WorkerServer:
         return self._refusal()
 
     def _start_session(self, conn: Connection) -> None:
+        """Run ``conn``'s session in a new process (or thread); if the host cannot start one
+        (a process limit, out of memory), refuse only this session and say why."""
         if self.session_mode == "thread":
             thread = threading.Thread(target=self._run_session, args=(conn,), name=f"rrs-session-{conn.peer}", daemon=True)
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError as exc:  # "can't start new thread"
+                self._refuse_session(conn, f"cannot start a thread: {exc}")
+                return
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             return
         inherited = self._listener.inheritable_fds()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # BlockingIOError (EAGAIN) at a pids limit, ENOMEM
+            self._refuse_session(conn, f"fork failed: {exc}")
+            return
         if pid == 0:  # the session process
             code = 0
             try:
@@ -165,6 +185,15 @@ class WorkerServer:
         self._children[pid] = conn.peer
         log.info("session for %s runs in process %d", conn.peer, pid)
 
+    def _refuse_session(self, conn: Connection, failure: str) -> None:
+        reason = (
+            f"server cannot start a session: {failure}. This worker host is at a process or memory limit (a "
+            f"container's pids limit, `ulimit -u`); its {self.active_sessions()} running sessions go on. Raise the "
+            "limit, start the server with a lower --max-sessions, or retry when a session ends"
+        )
+        log.error("refused a session to %s: %s", conn.peer, reason)
+        conn.refuse(reason)  # without lingering: other trainers wait on this loop
+
     def _run_session(self, conn: Connection) -> None:
         try:
             import torch
@@ -182,8 +211,10 @@ class WorkerServer:
                 done, status = pid, 0
             if done:
                 peer = self._children.pop(pid)
-                if os.WIFSIGNALED(status):
+                if os.WIFSIGNALED(status) and not (pid in self._terminated and os.WTERMSIG(status) == signal.SIGTERM):
                     log.warning("session process %d for %s was killed by signal %d", pid, peer, os.WTERMSIG(status))
+                elif os.WIFSIGNALED(status):
+                    log.debug("session process %d for %s ended on this server's SIGTERM", pid, peer)
                 else:
                     log.info("session process %d for %s ended", pid, peer)
 
@@ -191,6 +222,7 @@ class WorkerServer:
         self._listener.close()
         for pid in self._children:
             try:
+                self._terminated.add(pid)
                 os.kill(pid, signal.SIGTERM)
                 # A stopped (SIGSTOP) session acts on SIGTERM only once continued; without
                 # this, shutting down waited the full 3 s below for it.

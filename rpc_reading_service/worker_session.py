@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 from .version import __version__
-from .errors import ConfigurationError, ProtocolError
+from .errors import ConfigurationError, FrameTooLargeError, ProtocolError
 from .graph import init_worker_graph, reset_worker_graph
 from .protocol import (
     Buffer,
@@ -43,6 +43,9 @@ from .transports.base import Connection, PeerLostError
 __all__ = ["SessionOptions", "Outbox", "WorkerSession"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds a refused session waits for its trainer to read the reason (and stop sending).
+REFUSAL_LINGER = 5.0
 
 
 @dataclass
@@ -294,10 +297,20 @@ class WorkerSession:
             self._control_loop()
         except PeerLostError as exc:
             log.info("session with %s ended: %s", self.conn.peer, exc)
-        except ProtocolError as exc:  # a malformed or oversized frame: refused unread
+        except FrameTooLargeError as exc:
             log.warning("refused a frame from %s: %s; ending its session", self.conn.peer, exc)
-        except Exception:  # noqa: BLE001 - a session must never take its server down
+            self.conn.refuse(
+                f"a frame from this trainer is over the worker server's size limit ({exc}). Start "
+                "rpc-reading-worker with a larger --max-frame-bytes, or send less (a smaller graph)",
+                REFUSAL_LINGER,
+            )
+        except ProtocolError as exc:  # a malformed frame
+            log.warning("refused a frame from %s: %s; ending its session", self.conn.peer, exc)
+            self.conn.refuse(f"refused a malformed frame: {exc}", REFUSAL_LINGER)
+        except Exception as exc:  # noqa: BLE001 - a session must never take its server down
             log.exception("session with %s failed", self.conn.peer)
+            # E.g. "can't start new thread" at a process limit: the trainer learns why.
+            self.conn.refuse(f"the worker session failed: {exc!r} (its traceback is in the worker server's log)")
         finally:
             self._shutdown()
 
@@ -305,11 +318,13 @@ class WorkerSession:
         frame = self.conn.recv(timeout=self.options.setup_timeout)
         if frame is None:
             log.warning("%s sent no SETUP within %.0f s; closing", self.conn.peer, self.options.setup_timeout)
+            self.conn.refuse(f"no SETUP within {self.options.setup_timeout:g} s of connecting (the server's --idle-timeout)")
             return False
         if frame.kind == MessageKind.CLOSE:
             return False
         if frame.kind != MessageKind.SETUP:
             log.warning("%s sent %s before SETUP; closing", self.conn.peer, frame.kind.name)
+            self.conn.refuse(f"expected SETUP, got {frame.kind.name}: is the trainer the same rpc_reading_service version?", REFUSAL_LINGER)
             return False
         payload = decode_control(frame)
         if "graph" not in payload:
@@ -371,6 +386,7 @@ class WorkerSession:
                 return
             else:
                 log.warning("unexpected %s from %s; ending its session", kind.name, self.conn.peer)
+                self.conn.refuse(f"unexpected {kind.name} during the session", REFUSAL_LINGER)
                 return
 
     def _start_epoch(self, request: Dict[str, Any]) -> None:

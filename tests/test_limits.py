@@ -13,7 +13,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import authenticate, connect, frame_bytes, read_until_closed, running_server, wait_until
 from rpc_reading_service import RPCReadingService, WorkerRefusedError
-from rpc_reading_service.protocol import MAGIC, PROTOCOL_VERSION, ClientHandshake, MessageKind
+from rpc_reading_service.protocol import MAGIC, PROTOCOL_VERSION, ClientHandshake, FrameReader, MessageKind
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,9 +66,14 @@ def test_idle_timeout_drops_a_trainer_that_never_sends_setup(server):
         peer = _peer(sock)
         assert wait_until(lambda: len(server.session_pids()) == 1, 5)
         start = time.monotonic()
-        _, closed = read_until_closed(sock, timeout=6)
+        data, closed = read_until_closed(sock, timeout=6)
         assert closed, "a trainer that never sent SETUP kept its session"
         assert 1.0 < time.monotonic() - start < 4
+        reader = FrameReader()
+        reader.feed(data)
+        frame = reader.next_frame()  # the reason comes along (heartbeats do not start before SETUP)
+        assert frame is not None and frame.kind == MessageKind.REJECT, data
+        assert "no SETUP within 1.5 s of connecting (the server's --idle-timeout)" in bytes(frame.body).decode()
     finally:
         sock.close()
     server.wait_idle(5)

@@ -35,7 +35,7 @@ from .frames import (
     encode_end_of_shard,
     encode_frame,
 )
-from .handshake import NONCE_BYTES, ClientHandshake, ServerHandshake, _proof, encode_reject  # noqa: F401 - _proof: tests forge proofs
+from .handshake import NONCE_BYTES, ClientHandshake, ServerHandshake, _proof, decode_reject, encode_reject  # noqa: F401 - _proof: tests forge proofs
 from .messages import (
     MESSAGE_TYPES,
     Close,
@@ -85,6 +85,7 @@ __all__ = [
     "ClientHandshake",
     "ServerHandshake",
     "encode_reject",
+    "decode_reject",
     # messages
     "Message",
     "Setup",

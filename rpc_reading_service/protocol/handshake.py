@@ -18,9 +18,10 @@ import struct
 from typing import List, Optional
 
 from ..errors import AuthenticationError, RemoteProtocolError
+from ..safe_text import printable
 from .frames import Buffer, Frame, MessageKind, encode_frame
 
-__all__ = ["NONCE_BYTES", "ClientHandshake", "ServerHandshake", "encode_reject"]
+__all__ = ["NONCE_BYTES", "ClientHandshake", "ServerHandshake", "encode_reject", "decode_reject"]
 
 NONCE_BYTES = 32
 _HELLO = struct.Struct(f"!{NONCE_BYTES}s")
@@ -42,6 +43,11 @@ def _expect(frame: Frame, kind: MessageKind) -> None:
 def encode_reject(reason: str) -> List[Buffer]:
     """Encode a REJECT frame carrying a human-readable reason (raw UTF-8, never pickled)."""
     return encode_frame(MessageKind.REJECT, [reason.encode("utf-8")[:1024]])
+
+
+def decode_reject(frame: Frame) -> str:
+    """The reason of a REJECT frame, escaped: the peer may not have authenticated."""
+    return printable(bytes(frame.body[:1024]).decode("utf-8", "replace"))
 
 
 class ClientHandshake:
@@ -67,6 +73,12 @@ class ClientHandshake:
             raise RemoteProtocolError("malformed CHALLENGE frame")
         server_nonce, server_proof = body[:NONCE_BYTES], body[NONCE_BYTES:]
         if not hmac.compare_digest(server_proof, _proof(self._key, b"server", self._nonce, server_nonce)):
+            if self._key and hmac.compare_digest(server_proof, _proof(b"", b"server", self._nonce, server_nonce)):
+                raise AuthenticationError(
+                    "the worker has no auth key, but this trainer passes one: start the worker with the same key "
+                    "(rpc-reading-worker --auth-key-file FILE, or RPC_READING_SERVICE_AUTH_KEY in its environment), "
+                    "or connect with auth_key=None (a worker without a key listens on loopback only)"
+                )
             if not self._key:
                 raise AuthenticationError(
                     "this trainer has no auth key (auth_key=None) but the worker requires one: pass "

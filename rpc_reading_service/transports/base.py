@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 from typing import Callable, List, Optional, Sequence
 
-from ..protocol import Buffer, Frame
+from ..protocol import Buffer, Frame, encode_reject
 
 __all__ = ["Connection", "Listener", "WrappingListener", "Transport", "PeerLostError", "Allocator"]
 
@@ -46,6 +46,18 @@ class Connection(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Close the connection (idempotent). Wakes a thread blocked in ``recv``."""
+
+    def refuse(self, reason: str, linger: float = 0.0) -> None:
+        """End the connection with ``reason``, which the peer receives in a REJECT frame
+        (raised there as :class:`~rpc_reading_service.errors.WorkerRefusedError`), then close.
+
+        Never raises. ``linger``: seconds this call may wait for the peer to read the reason
+        (0 never blocks)."""
+        try:
+            self.send(encode_reject(reason))
+        except (PeerLostError, OSError):
+            pass
+        self.close()
 
     def release(self) -> None:
         """Drop this process's handle without disturbing the peer (after handing it to a child)."""

@@ -16,6 +16,7 @@ own send/receive path; the plain-TCP fast path is untouched.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -30,6 +31,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 from ..version import __version__
 from ..addresses import format_address, parse_address, unix_socket_path
 from ..errors import AuthenticationError, ConfigurationError, ProtocolError, WorkerRefusedError
+from ..safe_text import printable
 from ..protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     HANDSHAKE_KINDS,
@@ -40,6 +42,7 @@ from ..protocol import (
     Frame,
     FrameReader,
     ServerHandshake,
+    decode_reject,
     encode_reject,
 )
 from .base import Allocator, Connection, Listener, PeerLostError, Transport
@@ -50,10 +53,20 @@ log = logging.getLogger(__name__)
 
 _STAGING_BYTES = 256 * 1024
 _IOV_MAX = 512
-_MAX_PENDING_HANDSHAKES = 256
+# Handshakes in progress at once, in all and per peer address. A good handshake takes a few
+# round trips; one that waited past _STALE_HANDSHAKE_SECONDS makes room for a newcomer, so
+# silent sockets can neither lock out a good trainer for the handshake timeout nor, from one
+# host, crowd out the others.
+_MAX_PENDING_HANDSHAKES = 512
+_MAX_PENDING_PER_HOST = 128
+_STALE_HANDSHAKE_SECONDS = 1.0
+_ACCEPT_BACKOFF_SECONDS = (0.05, 1.0)  # first and longest pause of accept() when out of descriptors
+_RECURRING_LOG_SECONDS = 10.0
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _TLS_WRITE_BYTES = 256 * 1024  # one SSL_write call
 _TLS_COALESCE_BYTES = 64 * 1024  # chunks below this are joined, so small frames make few TLS records
 _TLS_HANDSHAKE_RECORD = 0x16  # first byte of a TLS ClientHello; a plain frame starts with MAGIC ("R")
+_KEY_MISMATCH = "the trainer's auth key does not match this worker's (or one of the two has none)"
 
 
 def _tune(sock: socket.socket) -> None:
@@ -189,6 +202,18 @@ class SocketConnection(Connection):
     def _close_socket(self) -> None:
         self._sock.close()
 
+    def refuse(self, reason: str, linger: float = 0.0) -> None:
+        deadline = time.monotonic() + linger
+        try:
+            self.send(encode_reject(reason))
+            # FIN after the REJECT, then take in what the peer still sends (a SETUP, say) until
+            # it has read the reason and closed: closing on unread input would reset.
+            socket.socket.shutdown(self._sock, socket.SHUT_WR)
+        except (PeerLostError, OSError):
+            pass
+        _discard_input(self._sock, deadline)
+        self.close()
+
     def release(self) -> None:
         self._closed = True
         self._sock.close()
@@ -304,16 +329,32 @@ def _connection(sock: socket.socket, peer: str, reader: FrameReader) -> SocketCo
     return SocketConnection(sock, peer, reader)
 
 
-def _refuse_quietly(sock: socket.socket, reject: Optional[str]) -> None:
-    """Answer a refused peer with a REJECT frame (if any) and close, without a reset.
+def _discard_input(sock: socket.socket, deadline: float) -> None:
+    """Read and drop what the peer sends until it closes or ``deadline`` passes (reading
+    at least what has arrived already; never blocking past ``deadline``).
 
-    Unread input makes close() send a TCP reset, which can destroy the REJECT before the
-    peer reads it: read what has arrived first.
+    Unread input makes close() send a TCP reset, which can destroy a REJECT before the peer
+    reads it. Raw reads (also under TLS): the connection is being closed anyway.
     """
-    try:
-        sock.recv(65536)
-    except (OSError, ValueError):
-        pass
+    while True:
+        try:
+            if not socket.socket.recv(sock, 65536, socket.MSG_DONTWAIT):
+                return
+        except (BlockingIOError, InterruptedError):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                select.select([sock], [], [], remaining)
+            except (OSError, ValueError):
+                return
+        except (OSError, ValueError):
+            return
+
+
+def _refuse_quietly(sock: socket.socket, reject: Optional[str]) -> None:
+    """Answer a refused peer with a REJECT frame (if any) and close, without a reset."""
+    _discard_input(sock, time.monotonic())
     if reject is not None:
         try:
             sock.send(b"".join(bytes(c) for c in encode_reject(reject)))
@@ -356,8 +397,7 @@ def _recv_handshake_frame(sock: socket.socket, reader: FrameReader, deadline: fl
     while True:
         frame = reader.next_frame()
         if frame is not None and frame.kind == MessageKind.REJECT:
-            reason = bytes(frame.body[:1024]).decode("utf-8", "replace")
-            raise WorkerRefusedError(f"worker at {peer} refused the connection: {reason}")
+            raise WorkerRefusedError(f"worker at {peer} refused the connection: {decode_reject(frame)}")
         if frame is not None:
             return frame
         remaining = deadline - time.monotonic()
@@ -448,7 +488,14 @@ class SocketTransport(Transport):
             handshake = ClientHandshake(auth_key, __version__)
             sock.sendall(b"".join(bytes(c) for c in handshake.hello()))
             challenge = _recv_handshake_frame(sock, reader, deadline, address)
-            sock.sendall(b"".join(bytes(c) for c in handshake.receive_challenge(challenge)))
+            try:
+                proof = handshake.receive_challenge(challenge)
+            except AuthenticationError:
+                # Tell the worker, so that it logs an authentication failure (not a dropped connection).
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"".join(bytes(c) for c in encode_reject(_KEY_MISMATCH)))
+                raise
+            sock.sendall(b"".join(bytes(c) for c in proof))
             handshake.receive_welcome(_recv_handshake_frame(sock, reader, deadline, address))
             sock.settimeout(None)
         except (socket.timeout, TimeoutError) as exc:
@@ -469,7 +516,7 @@ class SocketTransport(Transport):
         if handshake.peer_package_version and handshake.peer_package_version != __version__:
             log.warning(
                 "worker at %s runs rpc_reading_service %s, this trainer %s: the protocol matches, but install "
-                "the same version on both", address, handshake.peer_package_version, __version__,
+                "the same version on both", address, printable(handshake.peer_package_version, limit=64), __version__,
             )  # fmt: skip
         reader.max_frame_bytes = self.max_frame_bytes
         reader.allowed_kinds = None
@@ -494,6 +541,7 @@ class _PendingHandshake:
         self,
         sock: socket.socket,
         peer: str,
+        host: str,
         auth_key: bytes,
         deadline: float,
         tls_context: Optional[ssl.SSLContext] = None,
@@ -502,6 +550,7 @@ class _PendingHandshake:
         self.sock: Union[socket.socket, ssl.SSLSocket] = sock
         self.fd = sock.fileno()
         self.peer = peer
+        self.host = host
         self.deadline = deadline
         self.reader = FrameReader(HANDSHAKE_MAX_FRAME_BYTES, allowed_kinds=HANDSHAKE_KINDS)
         self.handshake = ServerHandshake(auth_key, package_version=__version__)
@@ -571,8 +620,44 @@ class _PendingHandshake:
             raise PeerLostError("peer is not reading its end of the handshake")
 
 
+class _RecurringWarning:
+    """Logs a condition that may recur many times a second at most once per interval,
+    saying how often it recurred in between."""
+
+    def __init__(self, interval: float = _RECURRING_LOG_SECONDS):
+        self._interval = interval
+        self._last = -interval
+        self._unlogged = 0
+
+    def __call__(self, message: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last < self._interval:
+            self._unlogged += 1
+            return
+        if self._unlogged:
+            message += " (%d more times since the last such line)"
+            args += (self._unlogged,)
+        log.warning(message, *args)
+        self._last, self._unlogged = now, 0
+
+
+def _descriptor_limit() -> str:
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return "?"
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+
+
 class SocketListener(Listener):
-    """A listening TCP socket that authenticates peers before handing them out."""
+    """A listening TCP socket that authenticates peers before handing them out.
+
+    Bounded under abuse: at most ``_MAX_PENDING_PER_HOST`` handshakes in progress per peer
+    address and ``_MAX_PENDING_HANDSHAKES`` in all (past either, the longest-waiting one is
+    answered "server busy" and dropped); out of file descriptors, it stops accepting for a
+    growing pause (or until a handshake ends) instead of spinning.
+    """
 
     supports_admission = True
 
@@ -617,6 +702,10 @@ class SocketListener(Listener):
         self._ready: List[SocketConnection] = []
         self.refused_handshakes = 0
         self.refused_sessions = 0
+        self._accept_backoff = 0.0
+        self._accepting_again_at: Optional[float] = None  # set while accept() is paused
+        self._warn_out_of_descriptors = _RecurringWarning()
+        self._warn_busy = _RecurringWarning()
 
     def inheritable_fds(self) -> List[int]:
         # Connections still queued belong to other sessions: a child must not hold them open.
@@ -632,6 +721,8 @@ class SocketListener(Listener):
             waits = [p.deadline - now for p in self._pending.values()]
             if deadline is not None:
                 waits.append(deadline - now)
+            if self._accepting_again_at is not None:
+                waits.append(self._accepting_again_at - now)
             wait = max(0.0, min(waits)) if waits else None
             for key, _ in self._selector.select(wait):
                 if key.data is None:
@@ -639,6 +730,9 @@ class SocketListener(Listener):
                 else:
                     self._advance(key.data)
             self._expire(time.monotonic())
+            if self._accepting_again_at is not None and time.monotonic() >= self._accepting_again_at:
+                self._accepting_again_at = None
+                self._selector.register(self._sock, selectors.EVENT_READ, None)
             if not self._ready and deadline is not None and time.monotonic() >= deadline:
                 return None
         return self._ready.pop(0)
@@ -649,24 +743,87 @@ class SocketListener(Listener):
                 sock, addr = self._sock.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as exc:  # e.g. EMFILE: log and keep serving
-                log.warning("accept failed: %s", exc)
+            except OSError as exc:
+                if exc.errno in _OUT_OF_DESCRIPTORS:
+                    self._pause_accepting(exc)
+                else:  # e.g. ECONNABORTED: that peer is gone already
+                    log.info("accept failed: %s", exc)
                 return
+            self._accept_backoff = 0.0
+            host = addr[0] if isinstance(addr, tuple) else "local"
             peer = format_address(addr[0], addr[1]) if isinstance(addr, tuple) else f"{self.address} peer"
-            if len(self._pending) >= _MAX_PENDING_HANDSHAKES:
-                log.warning("refused %s: too many handshakes in progress", peer)
-                sock.close()
+            busy = self._make_room(host)
+            if busy is not None:
+                _refuse_quietly(sock, busy)
                 continue
             sock.setblocking(False)
             pending = _PendingHandshake(
-                sock, peer, self._auth_key, time.monotonic() + self._handshake_timeout, self._tls_context, self.admit
+                sock, peer, host, self._auth_key, time.monotonic() + self._handshake_timeout, self._tls_context, self.admit
             )
             self._pending[pending.fd] = pending
             self._selector.register(pending.fd, selectors.EVENT_READ, pending)
 
+    def _pause_accepting(self, exc: OSError) -> None:
+        """Out of file descriptors: stop polling the listening socket for a while (connections
+        wait in its backlog); a handshake that ends frees a descriptor and resumes at once."""
+        first, longest = _ACCEPT_BACKOFF_SECONDS
+        self._accept_backoff = min(longest, max(first, 2 * self._accept_backoff))
+        if self._accepting_again_at is None:
+            self._selector.unregister(self._sock)
+        self._accepting_again_at = time.monotonic() + self._accept_backoff
+        self._warn_out_of_descriptors(
+            "cannot accept connections: %s (this process may open %s file descriptors, `ulimit -n`; %d "
+            "handshakes in progress): pausing accepts until descriptors free up. Raise the limit, or lower "
+            "--max-sessions", exc, _descriptor_limit(), len(self._pending),
+        )  # fmt: skip
+
+    def _make_room(self, host: str) -> Optional[str]:
+        """Make room for a new handshake from ``host``; or return why the server is too busy.
+
+        At a cap (``host``'s or everybody's), the longest-waiting handshake under it is
+        answered "server busy" and dropped if it is stale; if none is, the newcomer is."""
+        same_host = [p for p in self._pending.values() if p.host == host]
+        if len(same_host) >= _MAX_PENDING_PER_HOST:
+            crowd, scope = same_host, f"{len(same_host)} connections from {host} (at most {_MAX_PENDING_PER_HOST} per address)"
+        elif len(self._pending) >= _MAX_PENDING_HANDSHAKES:
+            crowd, scope = list(self._pending.values()), f"{len(self._pending)} connections (at most {_MAX_PENDING_HANDSHAKES})"
+        else:
+            return None
+        self.refused_handshakes += 1
+        reason = (
+            f"server busy: {scope} were waiting to authenticate. Retry; if this trainer did not open that many, "
+            "something else floods the worker"
+        )
+        oldest = min(crowd, key=lambda p: p.deadline)
+        if oldest.deadline - self._handshake_timeout + _STALE_HANDSHAKE_SECONDS > time.monotonic():
+            self._warn_busy("refused a connection from %s: %s", host, reason)
+            return reason
+        self._warn_busy("dropped the connection from %s that waited longest to authenticate: %s", oldest.peer, reason)
+        self._drop(oldest)
+        _refuse_quietly(oldest.sock, reason)
+        return None
+
     def _drop(self, pending: _PendingHandshake) -> None:
         self._pending.pop(pending.fd, None)
         self._selector.unregister(pending.fd)
+        if self._accepting_again_at is not None:
+            self._accepting_again_at = time.monotonic()  # a descriptor frees up: accept again
+
+    def _end_handshake(
+        self, pending: _PendingHandshake, message: str, exc: Exception, answer: bool = True, level: int = logging.WARNING
+    ) -> None:
+        """Log why ``pending``'s handshake failed (escaped: its text may come from the peer),
+        drop it, and close, answering the peer with the reason if ``answer``."""
+        if isinstance(exc, _Refused):
+            self.refused_sessions += 1
+        else:
+            self.refused_handshakes += 1
+        log.log(level, message, pending.peer, printable(str(exc)))
+        self._drop(pending)
+        if answer:
+            _refuse_quietly(pending.sock, str(exc))
+        else:
+            pending.sock.close()
 
     def _advance(self, pending: _PendingHandshake) -> None:
         try:
@@ -674,28 +831,19 @@ class SocketListener(Listener):
         except (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
             return
         except _Refused as exc:
-            self.refused_sessions += 1
-            log.warning("refused a session to %s: %s", pending.peer, exc)
-            self._drop(pending)
-            _refuse_quietly(pending.sock, str(exc))
+            self._end_handshake(pending, "refused a session to %s: %s", exc)
             return
-        except (ProtocolError, AuthenticationError) as exc:
-            self.refused_handshakes += 1
-            log.warning("refused connection from %s: %s", pending.peer, exc)
-            self._drop(pending)
-            _refuse_quietly(pending.sock, str(exc))
+        except AuthenticationError as exc:
+            self._end_handshake(pending, "authentication failed for %s: %s", exc)
+            return
+        except ProtocolError as exc:
+            self._end_handshake(pending, "refused connection from %s: %s", exc)
             return
         except ssl.SSLError as exc:
-            self.refused_handshakes += 1
-            log.warning("refused connection from %s: TLS handshake failed: %s", pending.peer, exc)
-            self._drop(pending)
-            pending.sock.close()
+            self._end_handshake(pending, "refused connection from %s: TLS handshake failed: %s", exc, answer=False)
             return
         except OSError as exc:
-            self.refused_handshakes += 1
-            log.info("connection from %s ended during the handshake: %s", pending.peer, exc)
-            self._drop(pending)
-            pending.sock.close()
+            self._end_handshake(pending, "connection from %s ended during the handshake: %s", exc, False, logging.INFO)
             return
         if authenticated:
             self._drop(pending)
@@ -705,11 +853,12 @@ class SocketListener(Listener):
             reader = pending.reader
             reader.max_frame_bytes = self._max_frame_bytes
             reader.allowed_kinds = None
-            log.info("authenticated %s (package %s)", pending.peer, pending.handshake.peer_package_version or "?")
+            version = printable(pending.handshake.peer_package_version, limit=64)
+            log.info("authenticated %s (package %s)", pending.peer, version or "?")
             if pending.handshake.peer_package_version not in ("", __version__):
                 log.warning(
                     "trainer %s runs rpc_reading_service %s, this worker %s: the protocol matches, but install "
-                    "the same version on both", pending.peer, pending.handshake.peer_package_version, __version__,
+                    "the same version on both", pending.peer, version, __version__,
                 )  # fmt: skip
             self._ready.append(_connection(pending.sock, pending.peer, reader))
         elif pending.fd in self._pending:

@@ -66,6 +66,14 @@ class _SessionConnection(TorchRPCConnection):
             return
         super().close()
 
+    def refuse(self, reason: str, linger: float = 0.0) -> None:
+        if self._bootstrapped:
+            super().refuse(reason, linger)
+            return
+        with self._send_lock:
+            self._closed = True
+        self._bootstrap.refuse(reason, linger)
+
     def _leave(self) -> None:
         # Wait for the trainer's goodbye: its world has left its group and answered every
         # call of ours, so neither side's TensorPipe warns about the pipes closing.

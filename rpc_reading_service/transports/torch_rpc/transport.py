@@ -9,8 +9,8 @@ import time
 from typing import Any, Optional
 
 from ...addresses import format_address, is_loopback_host
-from ...errors import ConfigurationError
-from ...protocol import MessageKind, decode_control, encode_control
+from ...errors import ConfigurationError, WorkerRefusedError
+from ...protocol import MessageKind, decode_control, decode_reject, encode_control
 from ..base import Allocator, PeerLostError, Transport
 from ..socket_transport import SocketConnection, SocketTransport
 from .agent import _rpc
@@ -153,6 +153,9 @@ class TorchRPCTransport(Transport):
                 f"session must reach this trainer's rendezvous store at {request['init_method']} and the "
                 "trainer's TensorPipe ports (set TP_SOCKET_IFNAME to pick the interface); see docs/transports.md"
             )
+        if frame.kind == MessageKind.REJECT:
+            world.abandon(name)
+            raise WorkerRefusedError(f"worker at {address} refused the session: {decode_reject(frame)}")
         reply = decode_control(frame) if frame.kind in (MessageKind.READY, MessageKind.ERROR) else {}
         if reply.get("transport") != TRANSPORT_NAME:
             world.abandon(name)
