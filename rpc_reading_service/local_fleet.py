@@ -1,9 +1,10 @@
 """Starting and stopping a worker server on this host for ``RPCReadingService(num_workers=N)``.
 
 One local server is enough for any number of local workers: it forks one session
-process per worker. With the socket transport it listens on a Unix socket in a private
-directory (the same-host fast path: about twice the bandwidth of loopback TCP, and only
-this user can connect). The server gets a fresh random key and the trainer's pid, so it
+process per worker. With the socket transport it listens on a Unix socket (the same-host
+fast path: about twice the bandwidth of loopback TCP): on Linux an abstract one, which
+leaves no file behind whatever ends the trainer; elsewhere one in a private directory that
+only this user can enter. The server gets a fresh random key and the trainer's pid, so it
 exits if the trainer dies.
 
 Two ways to start it:
@@ -23,6 +24,7 @@ trainer reads once: no pipe is left for a graph that prints to fill.
 from __future__ import annotations
 
 import os
+import secrets
 import selectors
 import shutil
 import signal
@@ -163,6 +165,10 @@ class LocalWorkerServer:
         self._socket_dir: Optional[str] = None
 
     def _listen_host(self) -> str:
+        if self.transport == "socket" and sys.platform.startswith("linux"):
+            # An abstract socket: no file or directory that a SIGKILL could leave behind. Any
+            # local user could dial it, as loopback TCP, and meets the server's fresh random key.
+            return f"unix:@rrs-{os.getpid()}-{secrets.token_hex(8)}"
         if self.transport == "socket" and hasattr(socket, "AF_UNIX"):
             self._socket_dir = tempfile.mkdtemp(prefix="rrs-")  # mode 0700: only this user
             return "unix:" + os.path.join(self._socket_dir, "worker.sock")
