@@ -28,10 +28,10 @@ def print_a_lot(item: int) -> int:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_worker_output_reaches_the_trainer_and_never_blocks_the_graph(start_method, capfd):
+@pytest.mark.parametrize("start_method, transport", [("fork", "socket"), ("spawn", "socket"), ("spawn", "torch_rpc")])
+def test_worker_output_reaches_the_trainer_and_never_blocks_the_graph(start_method, transport, capfd):
     """16 items x 128 KiB: 1 MiB per worker on each of stdout and stderr, far past a 64 KiB pipe."""
-    service = RPCReadingService(num_workers=2, start_method=start_method, timeout=30)
+    service = RPCReadingService(num_workers=2, start_method=start_method, transport=transport, timeout=30)
     [items] = run_epochs(IterableWrapper(range(16)).sharding_filter().map(print_a_lot), service, n_epochs=1)
     assert sorted(items) == list(range(16))
     out, err = capfd.readouterr()
