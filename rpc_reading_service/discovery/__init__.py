@@ -28,10 +28,13 @@ Who hosts the store: the trainer (``RPCReadingService(store="0.0.0.0:PORT",
 host_store=True)``, on one rank only), torchrun's existing store
 (``$MASTER_ADDR:$MASTER_PORT``), or a stand-alone one::
 
-    python -m rpc_reading_service.discovery serve --port 29700
+    python -m rpc_reading_service.discovery serve --port 29700   # --host 127.0.0.1: loopback only
     python -m rpc_reading_service.discovery list --store HOST:29700 --job NAME
 
 Workers wait (``--store-timeout``) for the store to come up, so start order does not matter.
+A store that goes away (restarted, or the trainer that hosted it exited) loses every entry:
+each worker notices at once (it holds an idle connection to the store), logs it once, and
+registers again when a store answers at the same address, so the next trainer finds it.
 
 Hostfile
 --------
