@@ -30,8 +30,9 @@ def load_auth_key(auth_key_file: Optional[str]) -> bytes:
             raise ConfigurationError(f"--auth-key-file {auth_key_file!r} is empty: put the shared key in it")
         if mode & (stat.S_IRGRP | stat.S_IROTH | stat.S_IWGRP | stat.S_IWOTH):
             log.warning(
-                "--auth-key-file %r can be read or changed by other users (mode %s), and the key lets its holder run "
-                "code on this worker: run `chmod 600 %s`", auth_key_file, stat.filemode(mode), auth_key_file,
+                "--auth-key-file %r can be read or changed by other users (mode %s), and the key lets "
+                "its holder run code on this worker: run `chmod 600 %s`",
+                auth_key_file, stat.filemode(mode), auth_key_file,
             )  # fmt: skip
         return key
     return os.environ.get(AUTH_KEY_ENV, "").strip().encode("utf-8")

@@ -113,7 +113,9 @@ class _ForkedProcess:
             os.kill(self.pid, signum)
 
 
-def _fork_server(auth_key: bytes, host: str, transport: str, announce_fd: int, read_end: int) -> _ForkedProcess:
+def _fork_server(
+    auth_key: bytes, host: str, transport: str, announce_fd: int, read_end: int
+) -> _ForkedProcess:
     """Fork a worker server that writes ``listening on ADDRESS`` (or an error) to ``announce_fd``."""
     from .worker import serve_until_signalled
 
@@ -194,7 +196,8 @@ class LocalWorkerServer:
         read_end, write_end = os.pipe()
         try:
             if self.start_method == "fork":
-                self._process = _fork_server(self.auth_key, self._listen_host(), self.transport, write_end, read_end)
+                host = self._listen_host()
+                self._process = _fork_server(self.auth_key, host, self.transport, write_end, read_end)
             else:
                 self._process = self._spawn(write_end)
         except BaseException:
@@ -215,7 +218,9 @@ class LocalWorkerServer:
         env[AUTH_KEY_ENV] = self.auth_key.decode("ascii")
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         command = [*self.command(), "--announce-fd", str(announce_fd)]
-        return subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env, close_fds=True, pass_fds=(announce_fd,))
+        return subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, env=env, close_fds=True, pass_fds=(announce_fd,)
+        )
 
     def _read_address(self, announcements: Any) -> str:
         try:

@@ -7,10 +7,10 @@ import secrets
 from pathlib import Path
 
 import pytest
-from torchdata.datapipes.iter import IterableWrapper
-
 from _server_helpers import children_of, process_alive, read_line, reap, spawn_python, wait_until
 from conftest import run_epochs
+from torchdata.datapipes.iter import IterableWrapper
+
 from rpc_reading_service import RPCReadingService
 
 PRINT_LINE = "rrs-test-print " + "x" * 1009  # 1 KiB with its newline
@@ -28,7 +28,9 @@ def print_a_lot(item: int) -> int:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("start_method, transport", [("fork", "socket"), ("spawn", "socket"), ("spawn", "torch_rpc")])
+@pytest.mark.parametrize(
+    "start_method, transport", [("fork", "socket"), ("spawn", "socket"), ("spawn", "torch_rpc")]
+)
 def test_worker_output_reaches_the_trainer_and_never_blocks_the_graph(start_method, transport, capfd):
     """16 items x 128 KiB: 1 MiB per worker on each of stdout and stderr, far past a 64 KiB pipe."""
     service = RPCReadingService(num_workers=2, start_method=start_method, transport=transport, timeout=30)
@@ -49,7 +51,8 @@ from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 from rpc_reading_service import RPCReadingService
 
-dl = DataLoader2(IterableWrapper(range(1000)).sharding_filter(), reading_service=RPCReadingService(num_workers=2))
+service = RPCReadingService(num_workers=2)
+dl = DataLoader2(IterableWrapper(range(1000)).sharding_filter(), reading_service=service)
 it = iter(dl)
 next(it)
 print("started", flush=True)

@@ -171,7 +171,9 @@ def _bound_listener(host: str, port: int, address: str) -> Optional[int]:
         sock.listen(socket.SOMAXCONN)
     except OSError as exc:
         sock.close()
-        raise ConfigurationError(f"cannot host a TCPStore at {address}: {exc.strerror}; pick another port") from exc
+        raise ConfigurationError(
+            f"cannot host a TCPStore at {address}: {exc.strerror}; pick another port"
+        ) from exc
     return sock.detach()  # the store owns it from now on
 
 
@@ -452,8 +454,9 @@ class WorkerRegistration:
         with self._lock:
             if self._stopped.is_set():
                 return 0
-            if self.slot is not None and _value(store, _key(self.job, "worker", str(self.slot))) == self.address:
-                return self.slot
+            slot = self.slot
+            if slot is not None and _value(store, _key(self.job, "worker", str(slot))) == self.address:
+                return slot
             slot = int(store.add(_key(self.job, "count"), 1))
             store.set(_key(self.job, "worker", str(slot)), self.address)
             self.slot = slot
@@ -479,7 +482,10 @@ class WorkerRegistration:
                 with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT) as watch:
                     slot = self.register(timeout=self.timeout if first else _PROBE_TIMEOUT)
                     if gone:
-                        log.warning("the TCPStore at %s answers again: %s is worker slot %d", self.store_address, self.address, slot)
+                        log.warning(
+                            "the TCPStore at %s answers again: %s is worker slot %d",
+                            self.store_address, self.address, slot,
+                        )  # fmt: skip
                     first, gone = False, False
                     watch.settimeout(self.retry_interval)
                     while not self._stopped.is_set():

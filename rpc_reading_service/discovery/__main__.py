@@ -31,7 +31,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--host", default="0.0.0.0",
         help="address to listen on (default 0.0.0.0: all interfaces; 127.0.0.1 keeps the store on loopback)",
     )  # fmt: skip
-    serve.add_argument("--port", type=int, default=29700, help="port to listen on (default 29700; 0 picks a free one)")
+    serve.add_argument(
+        "--port", type=int, default=29700, help="port to listen on (default 29700; 0 picks a free one)"
+    )
     show = commands.add_parser("list", help="print the live registered workers of a job, one per line")
     show.add_argument("--store", required=True, help="HOST:PORT of the TCPStore")
     show.add_argument("--job", default="default", help="job name (default 'default')")
