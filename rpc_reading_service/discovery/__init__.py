@@ -182,12 +182,18 @@ def registered_workers(store: Any, job: str) -> List[Tuple[int, str]]:
     count = int(store.add(_key(job, "count"), 0))
     found = []
     for slot in range(1, count + 1):
-        # compare_set with expected == desired is a get that neither blocks on a missing key
-        # (deleted on a clean shutdown, or counted but not written yet) nor creates it.
-        value = store.compare_set(_key(job, "worker", str(slot)), _MISSING, _MISSING)
-        if value != _MISSING.encode():
-            found.append((slot, value.decode("utf-8")))
+        value = _value(store, _key(job, "worker", str(slot)))
+        if value is not None:
+            found.append((slot, value))
     return found
+
+
+def _value(store: Any, key: str) -> Optional[str]:
+    """The value at ``key``, or None if it is missing (deleted on a clean shutdown, or counted
+    but not written yet). compare_set with expected == desired is a get that neither blocks on
+    a missing key nor creates it."""
+    value = store.compare_set(key, _MISSING, _MISSING)
+    return None if value == _MISSING.encode() else value.decode("utf-8")
 
 
 def _probe(address: str, timeout: float = _PROBE_TIMEOUT) -> Optional[str]:
@@ -529,9 +535,3 @@ class WorkerRegistration:
             except Exception as exc:  # noqa: BLE001
                 reason = str(exc)
         log.info("could not deregister from the TCPStore at %s (gone?): %s", self.store_address, reason)
-
-
-def _value(store: Any, key: str) -> Optional[str]:
-    """The value at ``key``, or None, without blocking on a missing key (see registered_workers)."""
-    value = store.compare_set(key, _MISSING, _MISSING)
-    return None if value == _MISSING.encode() else value.decode("utf-8")
