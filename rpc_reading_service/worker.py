@@ -143,8 +143,8 @@ class WorkerServer:
             thread.start()
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             return
-        inherited = self._listener.inheritable_fds()
         _flush_lines()
+        inherited = self._listener.inheritable_fds()
         pid = os.fork()
         if pid == 0:  # the session process
             code = 0
