@@ -41,7 +41,26 @@ if [ -n "${RPC_READING_WORKER:-}" ]; then
 elif command -v rpc-reading-worker >/dev/null 2>&1; then
     worker_cmd=(rpc-reading-worker)
 else
-    worker_cmd=("${PYTHON:-python3}" -m rpc_reading_service.worker)
+    python="${PYTHON:-python3}"
+    venv_hint=".venv"
+    here="$(cd "$(dirname "$0")/.." && pwd)"
+    [ -x "$here/.venv/bin/python" ] && venv_hint="$here/.venv"
+    # find_spec imports nothing, so this check takes milliseconds (not torch's seconds).
+    check='import importlib.util as u; print(" ".join(m for m in ("rpc_reading_service", "torch", "torchdata", "cloudpickle") if u.find_spec(m) is None))'
+    problem=""
+    if ! command -v "$python" >/dev/null 2>&1; then
+        problem="there is no $python"
+    else
+        missing="$("$python" -c "$check" 2>&1 || echo "(it failed to start)")"
+        [ -n "$missing" ] && problem="$python cannot import $missing"
+    fi
+    if [ -n "$problem" ]; then
+        echo "launch_local_fleet.sh: rpc-reading-worker is not on PATH, and $problem." >&2
+        echo "Activate the project's virtualenv (source $venv_hint/bin/activate; 'make demo' creates it), or set" >&2
+        echo "PYTHON=/path/to/venv/bin/python (or RPC_READING_WORKER='command ...') and run this again." >&2
+        exit 2
+    fi
+    worker_cmd=("$python" -m rpc_reading_service.worker)
 fi
 
 own_dir=0

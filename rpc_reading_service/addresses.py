@@ -13,8 +13,15 @@ UNIX_PREFIX = "unix:"
 
 
 def unix_socket_path(address: str) -> str:
-    """The filesystem path of a ``unix:/path`` address, or "" for a TCP address."""
-    return address[len(UNIX_PREFIX) :] if address.startswith(UNIX_PREFIX) else ""
+    """The socket path of a ``unix:/path`` address, or "" for a TCP address.
+
+    ``unix:@NAME`` is a Linux abstract socket: no file, so nothing to clean up after a
+    crash; its path is ``"\\0NAME"``, as ``socket.bind`` and ``connect`` take it.
+    """
+    if not address.startswith(UNIX_PREFIX):
+        return ""
+    path = address[len(UNIX_PREFIX) :]
+    return "\0" + path[1:] if path.startswith("@") else path
 
 
 def parse_address(address: str, what: str = "worker address") -> Tuple[str, int]:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
+import stat
 from typing import Optional
 
 from .errors import ConfigurationError
@@ -12,6 +14,8 @@ __all__ = ["AUTH_KEY_ENV", "load_auth_key", "new_auth_key"]
 
 AUTH_KEY_ENV = "RPC_READING_SERVICE_AUTH_KEY"
 
+log = logging.getLogger(__name__)
+
 
 def load_auth_key(auth_key_file: Optional[str]) -> bytes:
     """The shared key from ``auth_key_file`` or ``$RPC_READING_SERVICE_AUTH_KEY`` (b"" if neither)."""
@@ -19,10 +23,17 @@ def load_auth_key(auth_key_file: Optional[str]) -> bytes:
         try:
             with open(auth_key_file, "rb") as handle:
                 key = handle.read().strip()
+                mode = os.fstat(handle.fileno()).st_mode
         except OSError as exc:
             raise ConfigurationError(f"cannot read --auth-key-file {auth_key_file!r}: {exc.strerror}") from exc
         if not key:
             raise ConfigurationError(f"--auth-key-file {auth_key_file!r} is empty: put the shared key in it")
+        if mode & (stat.S_IRGRP | stat.S_IROTH | stat.S_IWGRP | stat.S_IWOTH):
+            log.warning(
+                "--auth-key-file %r can be read or changed by other users (mode %s), and the key lets "
+                "its holder run code on this worker: run `chmod 600 %s`",
+                auth_key_file, stat.filemode(mode), auth_key_file,
+            )  # fmt: skip
         return key
     return os.environ.get(AUTH_KEY_ENV, "").strip().encode("utf-8")
 

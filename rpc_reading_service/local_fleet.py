@@ -1,9 +1,10 @@
 """Starting and stopping a worker server on this host for ``RPCReadingService(num_workers=N)``.
 
 One local server is enough for any number of local workers: it forks one session
-process per worker. With the socket transport it listens on a Unix socket in a private
-directory (the same-host fast path: about twice the bandwidth of loopback TCP, and only
-this user can connect). The server gets a fresh random key and the trainer's pid, so it
+process per worker. With the socket transport it listens on a Unix socket (the same-host
+fast path: about twice the bandwidth of loopback TCP): on Linux an abstract one, which
+leaves no file behind whatever ends the trainer; elsewhere one in a private directory that
+only this user can enter. The server gets a fresh random key and the trainer's pid, so it
 exits if the trainer dies.
 
 Two ways to start it:
@@ -14,11 +15,16 @@ Two ways to start it:
 - ``"spawn"``: a fresh ``python -m rpc_reading_service.worker`` with the key in its
   environment (not its command line, which other users can read) and the trainer's
   ``sys.path``; it pays for importing torch (a second or two).
+
+Either way the server and its sessions write to the trainer's own stdout and stderr (as
+torch's DataLoader workers do), and announce their address on a pipe of its own that the
+trainer reads once: no pipe is left for a graph that prints to fill.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import selectors
 import shutil
 import signal
@@ -35,34 +41,36 @@ from .keys import AUTH_KEY_ENV
 __all__ = ["LocalWorkerServer", "read_line", "read_listening_address"]
 
 
-def read_line(process: Any, timeout: float) -> str:
-    """The next line ``process`` writes to its stdout pipe, within ``timeout`` seconds.
+def read_line(process: Any, timeout: float, stream: Any = None) -> str:
+    """The next line ``process`` writes to ``stream`` (default: its stdout pipe), within ``timeout`` seconds.
 
     Raises ``TimeoutError`` when no full line came in time and ``EOFError`` when the
-    process closed its stdout (exited) first.
+    process closed the pipe (exited) first.
     """
+    stream = process.stdout if stream is None else stream
     deadline = time.monotonic() + timeout
     line = b""
     with selectors.DefaultSelector() as selector:
-        selector.register(process.stdout, selectors.EVENT_READ)
+        selector.register(stream, selectors.EVENT_READ)
         while not line.endswith(b"\n"):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(f"no line within {timeout:.0f} s (got {line!r})")
             if selector.select(remaining):
-                chunk = os.read(process.stdout.fileno(), 1)  # one byte: never read past the line
+                chunk = os.read(stream.fileno(), 1)  # one byte: never read past the line
                 if not chunk:
                     raise EOFError(f"exited with code {process.wait(5)} (printed {line!r})")
                 line += chunk
     return line.decode("utf-8", "replace").strip()
 
 
-def read_listening_address(process: Any, timeout: float) -> str:
-    """Wait for a worker server's ``listening on ADDRESS`` line and return ADDRESS.
+def read_listening_address(process: Any, timeout: float, stream: Any = None) -> str:
+    """Wait for a worker server's ``listening on ADDRESS`` line (on ``stream``, default its
+    stdout) and return ADDRESS.
 
     A forked server reports ``error: ...`` instead when it could not start.
     """
-    text = read_line(process, timeout)
+    text = read_line(process, timeout, stream)
     if text.startswith("error: "):
         raise WorkerStartupError(f"local worker server could not start: {text[len('error: '):]}")
     if not text.startswith("listening on "):
@@ -73,9 +81,9 @@ def read_listening_address(process: Any, timeout: float) -> str:
 class _ForkedProcess:
     """Just enough of ``subprocess.Popen`` for a forked server: poll, wait, terminate, kill."""
 
-    def __init__(self, pid: int, stdout_fd: int):
+    def __init__(self, pid: int):
         self.pid = pid
-        self.stdout = os.fdopen(stdout_fd, "rb", buffering=0)
+        self.stdout = None
         self.returncode: Optional[int] = None
 
     def poll(self) -> Optional[int]:
@@ -105,12 +113,15 @@ class _ForkedProcess:
             os.kill(self.pid, signum)
 
 
-def _fork_server(auth_key: bytes, host: str, transport: str) -> _ForkedProcess:
-    """Fork a worker server that writes ``listening on ADDRESS`` (or an error) to a pipe."""
+def _fork_server(
+    auth_key: bytes, host: str, transport: str, announce_fd: int, read_end: int
+) -> _ForkedProcess:
+    """Fork a worker server that writes ``listening on ADDRESS`` (or an error) to ``announce_fd``."""
     from .worker import serve_until_signalled
 
-    read_end, write_end = os.pipe()
     parent = os.getpid()
+    sys.stdout.flush()  # the server shares the trainer's streams: it must not inherit their buffers
+    sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # the server process
         code = 0
@@ -118,18 +129,17 @@ def _fork_server(auth_key: bytes, host: str, transport: str) -> _ForkedProcess:
             os.close(read_end)
             code = serve_until_signalled(
                 dict(host=host, port=0, auth_key=auth_key, transport=transport, parent_pid=parent),
-                announce=lambda line: os.write(write_end, line.encode("utf-8") + b"\n"),
+                announce=lambda line: os.write(announce_fd, line.encode("utf-8") + b"\n"),
             )
         except BaseException as exc:  # noqa: BLE001 - report, never return into the trainer's code
             try:
-                os.write(write_end, f"error: {exc}\n".encode("utf-8", "replace"))
+                os.write(announce_fd, f"error: {exc}\n".encode("utf-8", "replace"))
             except OSError:
                 pass
             code = 1
         finally:
             os._exit(code)
-    os.close(write_end)
-    return _ForkedProcess(pid, read_end)
+    return _ForkedProcess(pid)
 
 
 class LocalWorkerServer:
@@ -157,6 +167,10 @@ class LocalWorkerServer:
         self._socket_dir: Optional[str] = None
 
     def _listen_host(self) -> str:
+        if self.transport == "socket" and sys.platform.startswith("linux"):
+            # An abstract socket: no file or directory that a SIGKILL could leave behind. Any
+            # local user could dial it, as loopback TCP, and meets the server's fresh random key.
+            return f"unix:@rrs-{os.getpid()}-{secrets.token_hex(8)}"
         if self.transport == "socket" and hasattr(socket, "AF_UNIX"):
             self._socket_dir = tempfile.mkdtemp(prefix="rrs-")  # mode 0700: only this user
             return "unix:" + os.path.join(self._socket_dir, "worker.sock")
@@ -173,27 +187,44 @@ class LocalWorkerServer:
         ]  # fmt: skip
 
     def start(self) -> str:
-        """Start the server and return its ``host:port`` once it listens."""
-        if self.start_method == "fork":
-            self._process = _fork_server(self.auth_key, self._listen_host(), self.transport)
-        else:
-            self._process = self._spawn()
+        """Start the server and return its ``host:port`` once it listens.
+
+        The server writes to the trainer's own stdout and stderr (as torch's DataLoader
+        workers do); its address comes on a pipe of its own, read once, so no pipe is left
+        for the graph's output to fill.
+        """
+        read_end, write_end = os.pipe()
         try:
-            self.address = self._read_address()
+            if self.start_method == "fork":
+                host = self._listen_host()
+                self._process = _fork_server(self.auth_key, host, self.transport, write_end, read_end)
+            else:
+                self._process = self._spawn(write_end)
         except BaseException:
-            self.stop()
+            os.close(read_end)
             raise
+        finally:
+            os.close(write_end)
+        with os.fdopen(read_end, "rb", buffering=0) as announcements:
+            try:
+                self.address = self._read_address(announcements)
+            except BaseException:
+                self.stop()
+                raise
         return self.address
 
-    def _spawn(self) -> subprocess.Popen:
+    def _spawn(self, announce_fd: int) -> subprocess.Popen:
         env = dict(os.environ)
         env[AUTH_KEY_ENV] = self.auth_key.decode("ascii")
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
-        return subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env=env, close_fds=True)
+        command = [*self.command(), "--announce-fd", str(announce_fd)]
+        return subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, env=env, close_fds=True, pass_fds=(announce_fd,)
+        )
 
-    def _read_address(self) -> str:
+    def _read_address(self, announcements: Any) -> str:
         try:
-            return read_listening_address(self._process, self.startup_timeout)
+            return read_listening_address(self._process, self.startup_timeout, announcements)
         except TimeoutError as exc:
             raise WorkerStartupError(f"local worker server did not start listening: {exc}") from exc
         except EOFError as exc:

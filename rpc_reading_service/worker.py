@@ -159,6 +159,7 @@ class WorkerServer:
                 return
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             return
+        _flush_lines()
         inherited = self._listener.inheritable_fds()
         try:
             pid = os.fork()
@@ -180,6 +181,7 @@ class WorkerServer:
                 code = 1
             finally:
                 logging.shutdown()
+                _flush_lines()
                 os._exit(code)
         conn.release()
         self._children[pid] = conn.peer
@@ -240,6 +242,18 @@ class WorkerServer:
             except (ProcessLookupError, ChildProcessError):
                 pass
             self._children.pop(pid, None)
+
+
+def _flush_lines() -> None:
+    """Flush stdout/stderr (so a fork does not copy their buffers) and make them line-buffered:
+    a session ends in ``os._exit`` or SIGTERM, which would drop what its graph printed into a
+    block buffer, and whole lines keep the output of sessions sharing one stream readable."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+            stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+        except (AttributeError, OSError, ValueError):
+            pass
 
 
 class _StopServing(BaseException):
@@ -319,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--store-timeout", type=float, default=300.0, help="seconds to wait for the --store to come up (default 300)"
     )
     parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--announce-fd", type=int, help=argparse.SUPPRESS)  # local servers: address on this pipe
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.add_argument("--version", action="version", version=f"rpc_reading_service {__version__}")
     return parser
@@ -362,7 +377,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import torchdata.dataloader2  # noqa: F401
 
     def announce(line: str) -> None:
-        print(line, flush=True)
+        if args.announce_fd is None:
+            print(line, flush=True)
+        else:  # stdout is the trainer's: the address goes to the pipe it reads once
+            os.write(args.announce_fd, line.encode("utf-8") + b"\n")
+            os.close(args.announce_fd)
         if registration is not None:
             registration.start(advertised, on_failure=server.stop)
 

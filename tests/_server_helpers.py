@@ -66,6 +66,7 @@ def start_server(workdir: Path, args: Sequence[str] = (), key: Optional[str] = N
     key = secrets.token_hex(32) if key is None else key
     key_file = workdir / f"key-{secrets.token_hex(4)}.txt"
     key_file.write_text(key + "\n")
+    key_file.chmod(0o600)  # as a careful user keeps it (the server warns otherwise)
     log_path = workdir / f"server-{secrets.token_hex(4)}.log"
     env = dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONWARNINGS="ignore")
     env.pop("RPC_READING_SERVICE_AUTH_KEY", None)

@@ -17,11 +17,13 @@ from torch.distributed import TCPStore
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
+from _server_helpers import wait_until
 from conftest import _pythonpath, start_server
 from rpc_reading_service import ConfigurationError, DiscoveryTimeoutError, RPCReadingService
 from rpc_reading_service.discovery import (
     KEY_PREFIX,
     advertised_address,
+    connect_store,
     read_hostfile,
     registered_workers,
     wait_for_hostfile,
@@ -316,3 +318,79 @@ def test_hostfile_end_to_end(fleet, tmp_path):
     items, used = epoch(RPCReadingService(hostfile=str(path), auth_key=KEY))
     assert items == [2 * i for i in range(40)]
     assert used == [s.address for s in servers]
+
+
+# -- a store that goes away and comes back ----------------------------------------------------------
+def serve_store(tmp_path, port):
+    """``python -m rpc_reading_service.discovery serve`` on loopback at ``port``; returns (proc, stderr file)."""
+    stderr_path = tmp_path / f"store-{secrets.token_hex(4)}.log"
+    with open(stderr_path, "wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rpc_reading_service.discovery", "serve", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL, text=True, cwd=str(tmp_path),
+            env={"PYTHONPATH": _pythonpath(), "PATH": "/usr/bin:/bin"},
+        )  # fmt: skip
+    try:
+        line = proc.stdout.readline()
+        assert line == f"TCPStore listening on 127.0.0.1:{port}\n", line + stderr_path.read_text()
+    except BaseException:
+        stop_store(proc)
+        raise
+    return proc, stderr_path
+
+
+def stop_store(proc):
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+
+
+def listening_sockets(port):
+    """The local addresses (hex, as in /proc/net/tcp*) of the TCP sockets listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                found.append(local.rsplit(":", 1)[0])
+    return found
+
+
+@pytest.mark.timeout(60)
+def test_store_cli_serves_on_loopback_only_and_warns_nothing(tmp_path):
+    port = free_port()
+    proc, stderr_path = serve_store(tmp_path, port)
+    try:
+        assert listening_sockets(port) == ["0100007F"]  # 127.0.0.1, not every interface
+        client = TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=10))
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+    finally:
+        stop_store(proc)
+    assert "RuntimeWarning" not in stderr_path.read_text()
+
+
+@pytest.mark.timeout(90)
+def test_workers_register_again_when_the_store_comes_back_and_exit_quietly_without_it(tmp_path):
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    store = connect_store(address, host=True)  # as a trainer with host_store=True hosts it
+    (server,) = start_workers(tmp_path, 1, address, "comeback")
+    try:
+        assert wait_registered(store, "comeback", 1) == [server.address]
+        store = None  # the trainer that hosted it exits (or the store restarts) ...
+        assert wait_until(lambda: "is gone" in server.stderr(), timeout=10), server.stderr()
+        time.sleep(2.5)  # ... the worker keeps waiting for it, and says so once
+        items, used = epoch(
+            RPCReadingService(store=address, host_store=True, job="comeback", min_workers=1, auth_key=KEY, discovery_timeout=20)
+        )  # a second trainer hosts a new, empty store at the same address, and finds the worker
+        assert items == [2 * i for i in range(40)] and used == [server.address]
+        assert "answers again" in server.stderr()
+        # The second trainer has shut down, with its store: gone again, said once more.
+        assert wait_until(lambda: server.stderr().count("is gone") == 2, timeout=10), server.stderr()
+        server.proc.terminate()  # the worker exits cleanly, without a C++ stack trace
+        assert server.proc.wait(10) == 0
+        log = server.stderr()
+        assert "frame #" not in log and "TCPStore.cpp" not in log and "Traceback" not in log, log
+    finally:
+        server.stop()

@@ -178,6 +178,24 @@ def test_fleet_script_registers_in_a_store_and_cleans_up_on_sigterm(tmp_path):
         fleet.kill()
 
 
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("python", [None, "/nonexistent/python3"])
+def test_fleet_script_without_the_venv_says_to_set_python_or_activate_it(tmp_path, python):
+    """No rpc-reading-worker on PATH, and a Python without the package: a hint, not a worker's traceback."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "TMPDIR": str(tmp_path)}
+    if python is not None:
+        env["PYTHON"] = python
+    result = subprocess.run(
+        ["bash", str(EXAMPLES / "launch_local_fleet.sh"), "-n", "1"],
+        capture_output=True, text=True, timeout=20, env=env, cwd=str(tmp_path), stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "rpc-reading-worker is not on PATH" in result.stderr
+    assert "PYTHON=/path/to/venv/bin/python" in result.stderr and ".venv/bin/activate" in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert list(tmp_path.iterdir()) == []  # no run directory was made
+
+
 # -- recipes that cannot run here --------------------------------------------------------------------
 def test_shell_recipes_parse():
     for name in ("launch_local_fleet.sh", "slurm_hetjob.sbatch"):

@@ -886,7 +886,7 @@ class SocketListener(Listener):
             pass
         self._selector.close()
         self._sock.close()
-        if self._unix_path:
+        if self._unix_path and not self._unix_path.startswith("\0"):  # an abstract socket has no file
             try:
                 os.unlink(self._unix_path)
             except OSError:

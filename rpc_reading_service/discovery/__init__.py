@@ -28,10 +28,13 @@ Who hosts the store: the trainer (``RPCReadingService(store="0.0.0.0:PORT",
 host_store=True)``, on one rank only), torchrun's existing store
 (``$MASTER_ADDR:$MASTER_PORT``), or a stand-alone one::
 
-    python -m rpc_reading_service.discovery serve --port 29700
+    python -m rpc_reading_service.discovery serve --port 29700   # --host 127.0.0.1: loopback only
     python -m rpc_reading_service.discovery list --store HOST:29700 --job NAME
 
 Workers wait (``--store-timeout``) for the store to come up, so start order does not matter.
+A store that goes away (restarted, or the trainer that hosted it exited) loses every entry:
+each worker notices at once (it holds an idle connection to the store), logs it once, and
+registers again when a store answers at the same address, so the next trainer finds it.
 
 Hostfile
 --------
@@ -40,19 +43,18 @@ One ``host:port`` per line; ``#`` starts a comment; blank lines are ignored.
 
 from __future__ import annotations
 
-import argparse
 import datetime
+import ipaddress
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from .addresses import format_address, parse_address, unix_socket_path
-from .errors import ConfigurationError, DiscoveryTimeoutError
+from ..addresses import format_address, parse_address, unix_socket_path
+from ..errors import ConfigurationError, DiscoveryTimeoutError
 
 __all__ = [
     "DiscoveryTimeoutError",
@@ -122,8 +124,10 @@ def _wait_until_listening(host: str, port: int, deadline: float, address: str) -
 def connect_store(address: str, timeout: float = 60.0, host: bool = False) -> Any:
     """Open a ``torch.distributed.TCPStore`` at ``address`` (``HOST:PORT``).
 
-    ``host=True`` serves the store from this process (``is_master``), listening on every
-    interface at PORT (``0`` picks a free one: read it from ``store.port``). Otherwise this
+    ``host=True`` serves the store from this process (``is_master``) at PORT (``0`` picks a
+    free one: read it from ``store.port``): on HOST alone when it is an IP address or
+    ``localhost`` (so ``127.0.0.1`` keeps it on loopback), else on every interface (a host
+    name may resolve to a loopback alias such as Debian's 127.0.1.1). Otherwise this
     connects as a client, waiting up to ``timeout`` seconds for the store to come up.
     """
     from torch.distributed import TCPStore
@@ -133,9 +137,15 @@ def connect_store(address: str, timeout: float = 60.0, host: bool = False) -> An
     store_host, port = parse_address(address, what="store address")
     store_timeout = datetime.timedelta(seconds=max(1.0, timeout))
     if host:
+        listen_fd = _bound_listener(store_host, port, address)
         try:
-            return TCPStore(store_host, port, is_master=True, wait_for_workers=False, timeout=store_timeout)
+            return TCPStore(
+                store_host, port, is_master=True, wait_for_workers=False, timeout=store_timeout,
+                master_listen_fd=listen_fd,
+            )  # fmt: skip
         except RuntimeError as exc:
+            if listen_fd is not None:
+                os.close(listen_fd)
             raise ConfigurationError(f"cannot host a TCPStore at {address}: {exc}") from exc
     _wait_until_listening(store_host, port, time.monotonic() + timeout, address)
     try:
@@ -144,17 +154,46 @@ def connect_store(address: str, timeout: float = 60.0, host: bool = False) -> An
         raise ConfigurationError(f"cannot connect to the TCPStore at {address}: {exc}") from exc
 
 
+def _bound_listener(host: str, port: int, address: str) -> Optional[int]:
+    """A listening socket's fd on ``host`` for the store to serve on, or None for every interface."""
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if ip.is_unspecified:
+        return None
+    sock = socket.socket(socket.AF_INET6 if ip.version == 6 else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as exc:
+        sock.close()
+        raise ConfigurationError(
+            f"cannot host a TCPStore at {address}: {exc.strerror}; pick another port"
+        ) from exc
+    return sock.detach()  # the store owns it from now on
+
+
 def registered_workers(store: Any, job: str) -> List[Tuple[int, str]]:
     """``(slot, address)`` of every current registration of ``job``, oldest first."""
     count = int(store.add(_key(job, "count"), 0))
     found = []
     for slot in range(1, count + 1):
-        # compare_set with expected == desired is a get that neither blocks on a missing key
-        # (deleted on a clean shutdown, or counted but not written yet) nor creates it.
-        value = store.compare_set(_key(job, "worker", str(slot)), _MISSING, _MISSING)
-        if value != _MISSING.encode():
-            found.append((slot, value.decode("utf-8")))
+        value = _value(store, _key(job, "worker", str(slot)))
+        if value is not None:
+            found.append((slot, value))
     return found
+
+
+def _value(store: Any, key: str) -> Optional[str]:
+    """The value at ``key``, or None if it is missing (deleted on a clean shutdown, or counted
+    but not written yet). compare_set with expected == desired is a get that neither blocks on
+    a missing key nor creates it."""
+    value = store.compare_set(key, _MISSING, _MISSING)
+    return None if value == _MISSING.encode() else value.decode("utf-8")
 
 
 def _probe(address: str, timeout: float = _PROBE_TIMEOUT) -> Optional[str]:
@@ -379,107 +418,120 @@ def advertised_address(listen_address: str, advertise_host: Optional[str], store
 
 
 class WorkerRegistration:
-    """A worker's entry in the store: registered in a background thread, deleted on stop.
+    """A worker's entry in the store: registered in a background thread, kept, deleted on stop.
 
     Registering waits up to ``timeout`` seconds for the store to come up (so workers may
     start before the trainer that hosts the store); meanwhile the worker already serves
-    trainers that dial it directly.
+    trainers that dial it directly. Once registered, the thread keeps an idle connection to
+    the store open, which breaks the moment the store goes away (a restart, or the trainer
+    that hosted it exits): it logs that once, and registers again as soon as a store answers
+    at the same address, so the next trainer finds this worker there.
+
+    Every store call goes through a fresh client connection made after a quiet TCP probe:
+    a call on a dead connection would make torch print a C++ stack trace.
     """
 
-    def __init__(self, store_address: str, job: str, timeout: float = 300.0):
+    def __init__(self, store_address: str, job: str, timeout: float = 300.0, retry_interval: float = 1.0):
         parse_address(store_address, what="store address")
         self.store_address = store_address
         self.job = _check_job(job)
         self.timeout = timeout
+        self.retry_interval = retry_interval
         self.address: Optional[str] = None
         self.slot: Optional[int] = None
         self.error: Optional[BaseException] = None
-        self._store: Any = None
         self._thread: Optional[threading.Thread] = None
         self._lock = threading.Lock()
-        self._stopped = False
+        self._stopped = threading.Event()
 
     def start(self, address: str, on_failure: Callable[[], None] = lambda: None) -> None:
-        """Register ``address`` in the background; call ``on_failure`` if that fails."""
+        """Register ``address`` in the background and keep it registered; call
+        ``on_failure`` if the first registration fails."""
         self.address = address
-
-        def run() -> None:
-            try:
-                self.register()
-            except BaseException as exc:  # noqa: BLE001 - reported through self.error
-                self.error = exc
-                log.error("could not register in the TCPStore at %s: %s", self.store_address, exc)
-                on_failure()
-
-        self._thread = threading.Thread(target=run, name="rrs-registration", daemon=True)
+        self._thread = threading.Thread(
+            target=self._keep_registered, args=(on_failure,), name="rrs-registration", daemon=True
+        )
         self._thread.start()
 
-    def register(self) -> int:
-        """Register now (blocking); returns the slot."""
+    def register(self, timeout: Optional[float] = None) -> int:
+        """Register now (blocking) unless this address is registered already; returns the slot."""
         assert self.address is not None
-        store = connect_store(self.store_address, timeout=self.timeout)
-        store.set_timeout(datetime.timedelta(seconds=10))
+        store = self._client(self.timeout if timeout is None else timeout)
         with self._lock:
-            if self._stopped:
+            if self._stopped.is_set():
                 return 0
+            slot = self.slot
+            if slot is not None and _value(store, _key(self.job, "worker", str(slot))) == self.address:
+                return slot
             slot = int(store.add(_key(self.job, "count"), 1))
             store.set(_key(self.job, "worker", str(slot)), self.address)
-            self._store, self.slot = store, slot
+            self.slot = slot
         log.info(
             "registered %s as worker slot %d of job %r in the TCPStore at %s",
             self.address, slot, self.job, self.store_address,
         )  # fmt: skip
         return slot
 
-    def stop(self) -> None:
-        """Delete this worker's entry (best effort: the store may be gone already)."""
-        with self._lock:
-            self._stopped = True
-            store, self._store = self._store, None
-        if store is not None and self.slot is not None:
+    def _client(self, timeout: float) -> Any:
+        store = connect_store(self.store_address, timeout=timeout)
+        store.set_timeout(datetime.timedelta(seconds=10))
+        return store
+
+    def _keep_registered(self, on_failure: Callable[[], None]) -> None:
+        host, port = parse_address(self.store_address, what="store address")
+        first, gone = True, False
+        while not self._stopped.is_set():
             try:
-                store.delete_key(_key(self.job, "worker", str(self.slot)))
-                log.info("deregistered worker slot %d of job %r", self.slot, self.job)
+                if first:
+                    _wait_until_listening(host, port, time.monotonic() + self.timeout, self.store_address)
+                # Opened before registering, so that a restart after the check cannot go unseen.
+                with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT) as watch:
+                    slot = self.register(timeout=self.timeout if first else _PROBE_TIMEOUT)
+                    if gone:
+                        log.warning(
+                            "the TCPStore at %s answers again: %s is worker slot %d",
+                            self.store_address, self.address, slot,
+                        )  # fmt: skip
+                    first, gone = False, False
+                    watch.settimeout(self.retry_interval)
+                    while not self._stopped.is_set():
+                        try:
+                            if not watch.recv(1):
+                                break
+                        except socket.timeout:
+                            continue
+                reason = "it closed the connection"
+            except Exception as exc:  # noqa: BLE001 - the store is gone (or going): wait for it
+                if first:
+                    self.error = exc
+                    log.error("could not register in the TCPStore at %s: %s", self.store_address, exc)
+                    on_failure()
+                    return
+                reason = str(exc) or type(exc).__name__
+            if self._stopped.is_set():
+                return
+            if not gone:
+                log.warning(
+                    "the TCPStore at %s is gone (%s); worker %s registers again when it answers",
+                    self.store_address, reason, self.address,
+                )  # fmt: skip
+                gone = True
+            while not self._stopped.wait(self.retry_interval) and _probe(self.store_address) is not None:
+                pass
+
+    def stop(self) -> None:
+        """Stop keeping the entry and delete it (best effort: the store may be gone already)."""
+        with self._lock:
+            self._stopped.set()
+            slot, self.slot = self.slot, None
+        if slot is None:
+            return
+        reason = _probe(self.store_address)
+        if reason is None:
+            try:
+                self._client(_PROBE_TIMEOUT).delete_key(_key(self.job, "worker", str(slot)))
+                log.info("deregistered worker slot %d of job %r", slot, self.job)
+                return
             except Exception as exc:  # noqa: BLE001
-                log.info("could not deregister from the store (gone?): %s", exc)
-
-
-# -- command line: host a store, list a job's workers -------------------------------------------
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m rpc_reading_service.discovery serve|list``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m rpc_reading_service.discovery", description=__doc__.splitlines()[0]
-    )
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve = commands.add_parser("serve", help="host a TCPStore until interrupted")
-    serve.add_argument(
-        "--port", type=int, default=29700, help="port to listen on, all interfaces (default 29700)"
-    )
-    show = commands.add_parser("list", help="print the live registered workers of a job, one per line")
-    show.add_argument("--store", required=True, help="HOST:PORT of the TCPStore")
-    show.add_argument("--job", default="default", help="job name (default 'default')")
-    show.add_argument("--min-workers", type=int, default=0, help="first wait until this many answer")
-    show.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default 60)")
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "serve":
-            store = connect_store(f"0.0.0.0:{args.port}", host=True)
-            print(f"TCPStore listening on port {store.port}", flush=True)
-            stop = threading.Event()
-            import signal
-
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(signum, lambda *_: stop.set())
-            stop.wait()
-            return 0
-        store = connect_store(args.store, timeout=args.timeout)
-        for address in wait_for_workers(store, args.job, args.min_workers, args.timeout, args.store):
-            print(address)
-        return 0
-    except (ConfigurationError, DiscoveryTimeoutError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+                reason = str(exc)
+        log.info("could not deregister from the TCPStore at %s (gone?): %s", self.store_address, reason)

@@ -1,0 +1,99 @@
+"""Local worker servers (``RPCReadingService(num_workers=N)``): where their output goes, and
+that they leave nothing behind. Real forked and spawned servers, real sockets."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+import pytest
+from _server_helpers import children_of, process_alive, read_line, reap, spawn_python, wait_until
+from conftest import run_epochs
+from torchdata.datapipes.iter import IterableWrapper
+
+from rpc_reading_service import RPCReadingService
+
+PRINT_LINE = "rrs-test-print " + "x" * 1009  # 1 KiB with its newline
+LINES_PER_ITEM = 128  # 128 KiB per item
+
+
+def print_a_lot(item: int) -> int:
+    """A graph step that prints 128 KiB to stdout and to stderr (imported by reference)."""
+    import sys
+
+    for _ in range(LINES_PER_ITEM):
+        print(PRINT_LINE)
+        print(PRINT_LINE, file=sys.stderr)
+    return item
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "start_method, transport", [("fork", "socket"), ("spawn", "socket"), ("spawn", "torch_rpc")]
+)
+def test_worker_output_reaches_the_trainer_and_never_blocks_the_graph(start_method, transport, capfd):
+    """16 items x 128 KiB: 1 MiB per worker on each of stdout and stderr, far past a 64 KiB pipe."""
+    service = RPCReadingService(num_workers=2, start_method=start_method, transport=transport, timeout=30)
+    [items] = run_epochs(IterableWrapper(range(16)).sharding_filter().map(print_a_lot), service, n_epochs=1)
+    assert sorted(items) == list(range(16))
+    out, err = capfd.readouterr()
+    # (capfd's sys.stdout writes print's newline separately, so a line of one worker may end
+    # after the next line of the other: count the lines' text, which is one write each.)
+    assert out.count(PRINT_LINE) == 16 * LINES_PER_ITEM
+    assert err.count(PRINT_LINE) == 16 * LINES_PER_ITEM
+    assert "listening on" not in out  # the address travels on a pipe of its own
+
+
+TRAINER = """
+import os, sys, tempfile
+tempfile.tempdir = {tmp!r}
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+from rpc_reading_service import RPCReadingService
+
+service = RPCReadingService(num_workers=2)
+dl = DataLoader2(IterableWrapper(range(1000)).sharding_filter(), reading_service=service)
+it = iter(dl)
+next(it)
+print("started", flush=True)
+if sys.stdin.readline().strip() == "exit":
+    os._exit(0)  # exits without shutdown(), without atexit hooks
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("end", ["SIGKILL", "exit without shutdown"])
+def test_a_trainer_that_dies_leaves_no_file_and_no_worker(end, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    trainer = spawn_python(TRAINER.format(tmp=str(tmp)), tmp_path)
+    try:
+        assert read_line(trainer, timeout=45) == "started"
+        server_pids = children_of(trainer.pid)
+        workers = server_pids + [pid for server in server_pids for pid in children_of(server)]
+        assert len(workers) == 3, workers  # the local server and its two sessions
+        if end == "SIGKILL":
+            trainer.kill()
+        else:
+            trainer.stdin.write(b"exit\n")
+            trainer.stdin.flush()
+        trainer.wait(10)
+        assert wait_until(lambda: not any(process_alive(pid) for pid in workers), timeout=10), (
+            f"workers still running after the trainer ended: {[p for p in workers if process_alive(p)]}"
+        )
+        assert list(tmp.iterdir()) == []
+    finally:
+        reap(trainer)
+
+
+@pytest.mark.timeout(60)
+def test_a_server_on_an_abstract_unix_socket_serves_and_leaves_no_file(fresh_server, tmp_path):
+    name = f"unix:@rrs-test-{secrets.token_hex(6)}"
+    server = fresh_server(args=["--host", name])
+    assert server.address == name
+    service = RPCReadingService(worker_addresses=[server.address], num_workers=2, auth_key=server.key)
+    [items] = run_epochs(IterableWrapper(range(10)).sharding_filter(), service, n_epochs=1)
+    assert sorted(items) == list(range(10))
+    server.stop()
+    assert list(tmp_path.iterdir()) == [server.stderr_path]  # nothing but the test's own log
+    assert "@" + name[len("unix:@"):] not in Path("/proc/net/unix").read_text()  # the socket is gone
