@@ -4,8 +4,10 @@
 user changes; see :class:`RPCReadingService`.
 """
 
+from . import cache as _cache  # noqa: F401 - registers dp.cached_map
 from .errors import (
     AuthenticationError,
+    CacheKeyError,
     ConfigurationError,
     DiscoveryTimeoutError,
     FrameTooLargeError,
@@ -39,4 +41,5 @@ __all__ = [
     "WorkerStartupError",
     "RemoteWorkerError",
     "DiscoveryTimeoutError",
+    "CacheKeyError",
 ]

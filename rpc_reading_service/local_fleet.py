@@ -14,6 +14,9 @@ Two ways to start it:
 - ``"spawn"``: a fresh ``python -m rpc_reading_service.worker`` with the key in its
   environment (not its command line, which other users can read) and the trainer's
   ``sys.path``; it pays for importing torch (a second or two).
+
+The server caches ``cached_map`` results for its sessions in a temporary directory removed
+when it stops, or in the caller's ``cache_dir``, which is kept (and reused by the next run).
 """
 
 from __future__ import annotations
@@ -29,10 +32,13 @@ import tempfile
 import time
 from typing import Any, List, Optional
 
+from .cache.config import CacheConfig
 from .errors import ConfigurationError, WorkerStartupError
 from .keys import AUTH_KEY_ENV
 
-__all__ = ["LocalWorkerServer", "read_line", "read_listening_address"]
+__all__ = ["LocalWorkerServer", "read_line", "read_listening_address", "DEFAULT_LOCAL_CACHE_BYTES"]
+
+DEFAULT_LOCAL_CACHE_BYTES = 1 << 30
 
 
 def read_line(process: Any, timeout: float) -> str:
@@ -105,7 +111,7 @@ class _ForkedProcess:
             os.kill(self.pid, signum)
 
 
-def _fork_server(auth_key: bytes, host: str, transport: str) -> _ForkedProcess:
+def _fork_server(auth_key: bytes, host: str, transport: str, cache: Optional[CacheConfig]) -> _ForkedProcess:
     """Fork a worker server that writes ``listening on ADDRESS`` (or an error) to a pipe."""
     from .worker import serve_until_signalled
 
@@ -117,7 +123,7 @@ def _fork_server(auth_key: bytes, host: str, transport: str) -> _ForkedProcess:
         try:
             os.close(read_end)
             code = serve_until_signalled(
-                dict(host=host, port=0, auth_key=auth_key, transport=transport, parent_pid=parent),
+                dict(host=host, port=0, auth_key=auth_key, transport=transport, parent_pid=parent, cache=cache),
                 announce=lambda line: os.write(write_end, line.encode("utf-8") + b"\n"),
             )
         except BaseException as exc:  # noqa: BLE001 - report, never return into the trainer's code
@@ -142,7 +148,11 @@ class LocalWorkerServer:
         startup_timeout: float = 60.0,
         log_level: str = "WARNING",
         start_method: Optional[str] = None,
+        cache_dir: Optional[str] = None,
+        cache_size: int = DEFAULT_LOCAL_CACHE_BYTES,
     ):
+        """``cache_dir``: keep the ``cached_map`` cache there (default: a temporary directory
+        removed by :meth:`stop`); ``cache_size``: its bound in bytes."""
         if start_method is None:
             start_method = "fork" if transport == "socket" and hasattr(os, "fork") else "spawn"
         if start_method not in ("fork", "spawn"):
@@ -155,6 +165,10 @@ class LocalWorkerServer:
         self.address: Optional[str] = None
         self._process: Any = None  # subprocess.Popen or _ForkedProcess
         self._socket_dir: Optional[str] = None
+        self.cache_dir = cache_dir
+        self.cache_size = cache_size
+        self._cache: Optional[CacheConfig] = None
+        self._cache_temp_dir: Optional[str] = None
 
     def _listen_host(self) -> str:
         if self.transport == "socket" and hasattr(socket, "AF_UNIX"):
@@ -170,20 +184,28 @@ class LocalWorkerServer:
             "--transport", self.transport,
             "--parent-pid", str(os.getpid()),
             "--log-level", self.log_level,
+            *(["--cache-dir", self._cache.directory, "--cache-size", str(self._cache.max_bytes)] if self._cache else []),
         ]  # fmt: skip
 
     def start(self) -> str:
         """Start the server and return its ``host:port`` once it listens."""
-        if self.start_method == "fork":
-            self._process = _fork_server(self.auth_key, self._listen_host(), self.transport)
-        else:
-            self._process = self._spawn()
         try:
+            self._cache = self._cache_config()
+            if self.start_method == "fork":
+                self._process = _fork_server(self.auth_key, self._listen_host(), self.transport, self._cache)
+            else:
+                self._process = self._spawn()
             self.address = self._read_address()
         except BaseException:
             self.stop()
             raise
         return self.address
+
+    def _cache_config(self) -> Optional[CacheConfig]:
+        directory = self.cache_dir
+        if directory is None:
+            self._cache_temp_dir = directory = tempfile.mkdtemp(prefix="rrs-cache-")
+        return CacheConfig.create(directory, self.cache_size)
 
     def _spawn(self) -> subprocess.Popen:
         env = dict(os.environ)
@@ -216,6 +238,9 @@ class LocalWorkerServer:
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             self._socket_dir = None
+        if self._cache_temp_dir is not None:
+            shutil.rmtree(self._cache_temp_dir, ignore_errors=True)
+            self._cache_temp_dir = None
 
     @staticmethod
     def _stop_process(process: Any, timeout: float) -> None:
