@@ -14,15 +14,18 @@ __all__ = ["function_namespace", "cache_key"]
 
 def function_namespace(fn: Callable[..., Any], namespace: str = "") -> str:
     """What tells ``fn``'s results apart from other functions' over one server: its module and
-    qualified name (plus the line of a lambda, as all lambdas are called ``<lambda>``), the
-    wrapped function of a ``functools.partial``, and the user's ``namespace``."""
+    qualified name (plus the line and a hash of the bytecode of a lambda, as all lambdas are
+    called ``<lambda>``), the wrapped function of a ``functools.partial``, and the user's
+    ``namespace``."""
     target = fn.func if isinstance(fn, functools.partial) else fn
     if not hasattr(target, "__qualname__"):
         target = type(target)  # a callable object: its class
     name = f"{getattr(target, '__module__', '?')}.{target.__qualname__}"
     code = getattr(target, "__code__", None)
     if code is not None and target.__name__ == "<lambda>":
-        name += f"@{code.co_filename}:{code.co_firstlineno}"
+        consts = repr([c for c in code.co_consts if not hasattr(c, "co_code")])  # nested code reprs hold addresses
+        digest = hashlib.blake2b(code.co_code + consts.encode(), digest_size=8).hexdigest()
+        name += f"@{code.co_firstlineno}:{digest}"
     return f"{name}|{namespace}"
 
 
