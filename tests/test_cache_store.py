@@ -167,3 +167,17 @@ def test_config_is_checked_once(tmp_path):
         (tmp_path / "file").write_text("")
         with pytest.raises(ConfigurationError):
             CacheConfig.create(**bad)
+
+
+def test_a_payload_that_does_not_unpickle_is_computed_again(tmp_path):
+    cache = WorkerCache(CacheConfig.create(str(tmp_path), "1M"))
+    cache.disk.put(KEYS[0], b"intact on disk, but not a pickle")
+    assert cache.get_or_compute(KEYS[0], lambda: "computed") == "computed"
+    assert cache.get_or_compute(KEYS[0], lambda: pytest.fail("computed on a hit")) == "computed"
+
+
+def test_a_memory_only_cache_needs_no_directory():
+    cache = WorkerCache(CacheConfig.create(None, memory_bytes="1K"))
+    assert cache.disk is None
+    assert cache.get_or_compute(KEYS[0], lambda: 5) == 5
+    assert cache.get_or_compute(KEYS[0], lambda: pytest.fail("computed on a hit")) == 5

@@ -15,6 +15,8 @@ __all__ = ["WorkerCache"]
 
 log = logging.getLogger("rpc_reading_service.cache")
 
+_MISSING = object()
+
 
 class WorkerCache:
     """Values by key in the tiers of a :class:`~rpc_reading_service.cache.config.CacheConfig`.
@@ -35,16 +37,26 @@ class WorkerCache:
         While one process computes a key, others asking for it wait for its result (up to the
         store's lock timeout) instead of computing it too.
         """
-        found = self._lookup(key)
-        if found is not None:
-            return pickle.loads(found)
+        found = self._load(key)
+        if found is not _MISSING:
+            return found
         if self.disk is None:
             return self._store(key, compute())
         with self.disk.computing(key):
-            found = self._lookup(key)  # the holder we waited for may have stored it
-            if found is not None:
-                return pickle.loads(found)
+            found = self._load(key)  # the holder we waited for may have stored it
+            if found is not _MISSING:
+                return found
             return self._store(key, compute())
+
+    def _load(self, key: str) -> Any:
+        payload = self._lookup(key)
+        if payload is None:
+            return _MISSING
+        try:
+            return pickle.loads(payload)
+        except Exception as exc:  # noqa: BLE001 - e.g. the class of a cached value is gone
+            log.warning("cached_map: a cached value cannot be unpickled (%s); computing it again", exc)
+            return _MISSING
 
     def _lookup(self, key: str) -> Optional[bytes]:
         payload = self.memory.get(key) if self.memory is not None else None
