@@ -123,7 +123,8 @@ def _fork_server(auth_key: bytes, host: str, transport: str, cache: Optional[Cac
         try:
             os.close(read_end)
             code = serve_until_signalled(
-                dict(host=host, port=0, auth_key=auth_key, transport=transport, parent_pid=parent, cache=cache),
+                dict(host=host, port=0, auth_key=auth_key, transport=transport, parent_pid=parent,
+                     cache=cache),  # fmt: skip
                 announce=lambda line: os.write(write_end, line.encode("utf-8") + b"\n"),
             )
         except BaseException as exc:  # noqa: BLE001 - report, never return into the trainer's code
@@ -184,8 +185,13 @@ class LocalWorkerServer:
             "--transport", self.transport,
             "--parent-pid", str(os.getpid()),
             "--log-level", self.log_level,
-            *(["--cache-dir", self._cache.directory, "--cache-size", str(self._cache.max_bytes)] if self._cache else []),
+            *self._cache_args(),
         ]  # fmt: skip
+
+    def _cache_args(self) -> List[str]:
+        if self._cache is None or self._cache.directory is None:
+            return []
+        return ["--cache-dir", self._cache.directory, "--cache-size", str(self._cache.max_bytes)]
 
     def start(self) -> str:
         """Start the server and return its ``host:port`` once it listens."""

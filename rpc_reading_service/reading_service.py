@@ -252,9 +252,10 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         discovering = check_discovery_options(config)
         if config.get("cache_dir") is not None and (addresses is not None or discovering):
             raise ConfigurationError(
-                "cache_dir is for local workers; remote worker servers cache in their own rpc-reading-worker --cache-dir"
+                "cache_dir is for local workers; remote worker servers cache in their own "
+                "rpc-reading-worker --cache-dir"
             )
-        self._cache_size = parse_size(config.get("cache_size", DEFAULT_LOCAL_CACHE_BYTES))
+        self._cache_size = parse_size(config.get("cache_size", DEFAULT_LOCAL_CACHE_BYTES), "cache_size")
         if self._cache_size <= 0:
             raise ConfigurationError(f"cache_size must be positive, got {config['cache_size']!r}")
         if config.get("tls_ca_file") and addresses is None and not discovering:

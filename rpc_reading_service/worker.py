@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     parser.add_argument(
         "--cache-dir", metavar="DIR",
-        help="cache cached_map results in DIR, shared by all sessions and kept across runs (needs --cache-size)",
+        help="cache cached_map results in DIR, shared by all sessions, kept across runs (needs --cache-size)",
     )  # fmt: skip
     parser.add_argument(
         "--cache-size", metavar="BYTES",

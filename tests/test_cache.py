@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import subprocess
@@ -13,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_epochs  # noqa: E402 - tests/ is on sys.path
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from rpc_reading_service import CacheKeyError, RPCReadingService
+from rpc_reading_service import CacheKeyError, ConfigurationError, RPCReadingService
 from rpc_reading_service.cache import DiskStore
-
-from conftest import run_epochs  # noqa: E402 - tests/ is on sys.path
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,7 +45,11 @@ def calls(path: Path) -> int:
 
 
 def cached(items, calls_file: Path, **kwargs):
-    return IterableWrapper(items).sharding_filter().cached_map(functools.partial(decode, str(calls_file), **kwargs))
+    return (
+        IterableWrapper(items)
+        .sharding_filter()
+        .cached_map(functools.partial(decode, str(calls_file), **kwargs))
+    )
 
 
 def remote(*servers, num_workers: int = 2) -> RPCReadingService:
@@ -155,9 +157,8 @@ def tiny_disk(tmp_path):
     mountpoint = tmp_path / "tiny"
     mountpoint.mkdir()
     try:
-        mounted = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mountpoint)], capture_output=True, timeout=10
-        ).returncode == 0  # fmt: skip
+        command = ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mountpoint)]
+        mounted = subprocess.run(command, capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         mounted = False
     if not mounted:
@@ -185,7 +186,9 @@ def test_an_unpicklable_key_is_a_clear_error_and_the_server_lives(fresh_server, 
     with pytest.raises(CacheKeyError, match="key_fn"):
         run_epochs(dp, remote(server), 1)
     assert server.proc.poll() is None
-    assert sorted(run_epochs(cached(range(4), tmp_path / "calls"), remote(server), 1)[0]) == expected(range(4))
+    assert sorted(run_epochs(cached(range(4), tmp_path / "calls"), remote(server), 1)[0]) == expected(
+        range(4)
+    )
 
 
 # -- local fleets ----------------------------------------------------------------------------------
@@ -199,10 +202,13 @@ def test_local_workers_share_a_temporary_cache_removed_at_the_end(tmp_path):
     assert not os.path.exists(directory)
 
 
-def test_local_workers_keep_a_given_cache_dir_for_the_next_run(tmp_path):
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_local_workers_keep_a_given_cache_dir_for_the_next_run(tmp_path, start_method):
     calls_file = tmp_path / "calls"
     for _ in range(2):
-        service = RPCReadingService(num_workers=2, cache_dir=str(tmp_path / "cache"), cache_size="1M")
+        service = RPCReadingService(
+            num_workers=2, cache_dir=str(tmp_path / "cache"), cache_size="1M", start_method=start_method
+        )
         assert sorted(run_epochs(cached(range(16), calls_file), service, 1)[0]) == expected(range(16))
     assert calls(calls_file) == 16
 
@@ -218,5 +224,16 @@ def test_the_cli_documents_and_checks_the_cache_flags(tmp_path):
         (["--cache-dir", str(tmp_path)], "needs --cache-size"),
         (["--cache-dir", str(tmp_path), "--cache-size", "lots"], "not a size"),
     ]:
-        refused = subprocess.run([*worker, "--port", "0", *args], capture_output=True, text=True, timeout=20, env=env)
+        refused = subprocess.run(
+            [*worker, "--port", "0", *args], capture_output=True, text=True, timeout=20, env=env
+        )
         assert refused.returncode == 2 and words in refused.stderr, refused.stderr
+
+
+def test_the_reading_service_checks_its_cache_options():
+    with pytest.raises(ConfigurationError, match="cache_dir is for local workers"):
+        RPCReadingService(worker_addresses=["127.0.0.1:1"], cache_dir="/tmp/x")
+    with pytest.raises(ConfigurationError, match="cache_size 'lots' is not a size"):
+        RPCReadingService(num_workers=1, cache_size="lots")
+    with pytest.raises(ConfigurationError, match="cache_size must be positive"):
+        RPCReadingService(num_workers=1, cache_size=0)

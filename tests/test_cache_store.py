@@ -27,7 +27,14 @@ def test_an_entry_round_trips_and_any_damage_is_detected():
     assert decode_entry(entry) == payload
     flipped = bytearray(entry)
     flipped[HEADER_BYTES + 500] ^= 0x01
-    for damaged in (bytes(flipped), entry[:-1], entry + b"x", entry[: HEADER_BYTES - 1], b"", b"XX" + entry[2:]):
+    for damaged in (
+        bytes(flipped),
+        entry[:-1],
+        entry + b"x",
+        entry[: HEADER_BYTES - 1],
+        b"",
+        b"XX" + entry[2:],
+    ):
         assert decode_entry(damaged) is None
 
 
@@ -123,7 +130,8 @@ def test_processes_racing_on_one_key_compute_it_once(tmp_path):
     context = multiprocessing.get_context("fork")
     barrier = context.Barrier(3)
     processes = [
-        context.Process(target=_compute_slowly, args=(str(tmp_path / "cache"), str(calls), barrier)) for _ in range(3)
+        context.Process(target=_compute_slowly, args=(str(tmp_path / "cache"), str(calls), barrier))
+        for _ in range(3)
     ]
     try:
         for process in processes:
@@ -146,7 +154,9 @@ def test_cache_keys_are_stable_and_tell_functions_apart():
     assert function_namespace(parse_size, "v2") != function_namespace(parse_size)
     first, second = (lambda x: x), (lambda x: x + 1)
     assert function_namespace(first) != function_namespace(second)
-    assert function_namespace(functools.partial(parse_size)).startswith("rpc_reading_service.cache.config.parse_size")
+    assert function_namespace(functools.partial(parse_size)).startswith(
+        "rpc_reading_service.cache.config.parse_size"
+    )
     with pytest.raises(CacheKeyError, match="key_fn"):
         cache_key("ns", lambda: None)
     assert pickle.loads(pickle.dumps(CacheKeyError("x"))).args == ("x",)

@@ -15,16 +15,19 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 
 
-def parse_size(text: Union[str, int]) -> int:
+def parse_size(text: Union[str, int], what: str = "size") -> int:
     """Bytes from ``"1048576"``, ``"64K"``, ``"512M"``, ``"10G"`` or ``"10GiB"`` (powers of 1024).
 
-    Raises :class:`~rpc_reading_service.errors.ConfigurationError` for anything else.
+    Raises :class:`~rpc_reading_service.errors.ConfigurationError` naming ``what`` (the
+    option) for anything else.
     """
     if isinstance(text, int) and not isinstance(text, bool):
         return text
     match = _SIZE.match(str(text))
     if match is None:
-        raise ConfigurationError(f"{text!r} is not a size in bytes; write e.g. 1048576, 64K, 512M or 10G")
+        raise ConfigurationError(
+            f"{what} {text!r} is not a size in bytes; write e.g. 1048576, 64K, 512M or 10G"
+        )
     return int(match.group(1)) * _UNITS[match.group(2).upper()]
 
 
@@ -48,15 +51,15 @@ class CacheConfig:
         directory: Optional[str],
         max_bytes: Union[str, int, None] = None,
         memory_bytes: Union[str, int, None] = None,
-    ) -> Optional["CacheConfig"]:
+    ) -> Optional[CacheConfig]:
         """A checked configuration, or ``None`` when neither tier is asked for.
 
         Creates ``directory`` if needed; raises
         :class:`~rpc_reading_service.errors.ConfigurationError` when it cannot be written
         or a size is missing, malformed or not positive.
         """
-        size = parse_size(max_bytes) if max_bytes is not None else None
-        memory = parse_size(memory_bytes) if memory_bytes is not None else 0
+        size = parse_size(max_bytes, "--cache-size") if max_bytes is not None else None
+        memory = parse_size(memory_bytes, "--cache-memory") if memory_bytes is not None else 0
         if directory is None:
             if size is not None:
                 raise ConfigurationError("--cache-size bounds the disk cache: give --cache-dir DIR with it")
@@ -64,14 +67,23 @@ class CacheConfig:
                 raise ConfigurationError(f"--cache-memory must be positive, got {memory}")
             return cls(None, 0, memory) if memory else None
         if size is None:
-            raise ConfigurationError(f"--cache-dir {directory} needs --cache-size BYTES (e.g. 10G): the cache is bounded")
+            raise ConfigurationError(
+                f"--cache-dir {directory} needs --cache-size BYTES (e.g. 10G): the cache is bounded"
+            )
         if size <= 0 or memory < 0:
-            raise ConfigurationError(f"--cache-size must be positive (got {size}) and --cache-memory not negative")
+            raise ConfigurationError(
+                f"--cache-size must be positive (got {size}) and --cache-memory not negative"
+            )
         directory = os.path.abspath(directory)
         try:
-            os.makedirs(directory, exist_ok=True)
+            # Private: entries are pickles, so whoever can write them can run code in the worker.
+            os.makedirs(directory, mode=0o700, exist_ok=True)
         except OSError as exc:
-            raise ConfigurationError(f"cannot create the cache directory {directory}: {exc}; pick a writable one") from exc
+            raise ConfigurationError(
+                f"cannot create the cache directory {directory}: {exc}; pick a writable one"
+            ) from exc
         if not os.access(directory, os.W_OK | os.X_OK):
-            raise ConfigurationError(f"the cache directory {directory} is not writable by this user; pick another one")
+            raise ConfigurationError(
+                f"the cache directory {directory} is not writable by this user; pick another one"
+            )
         return cls(directory, size, memory)

@@ -3,7 +3,9 @@ and runs."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, TypeVar
+import functools
+from collections.abc import Iterator
+from typing import Any, Callable, Optional, TypeVar
 
 from torchdata.datapipes import functional_datapipe
 from torchdata.datapipes.iter import IterDataPipe
@@ -58,7 +60,7 @@ class CachedMapperIterDataPipe(IterDataPipe):
                 yield self.fn(item)
                 continue
             key = cache_key(self.namespace, item if self.key_fn is None else self.key_fn(item))
-            yield cache.get_or_compute(key, lambda: self.fn(item))
+            yield cache.get_or_compute(key, functools.partial(self.fn, item))
 
     def __len__(self) -> int:
         return len(self.source_datapipe)

@@ -30,10 +30,11 @@ def set_worker_cache(config: Optional[CacheConfig]) -> None:
     with _lock:
         _config, _opened = config, None
     if config is not None:
-        log.info(
-            "cached_map results are cached%s%s", f" in {config.directory} (up to {config.max_bytes} bytes)" if config.directory else "",
-            f", and up to {config.memory_bytes} bytes in each session's memory" if config.memory_bytes else "",
-        )  # fmt: skip
+        disk = f" in {config.directory} (up to {config.max_bytes} bytes)" if config.directory else ""
+        memory = (
+            f", up to {config.memory_bytes} bytes in each session's memory" if config.memory_bytes else ""
+        )
+        log.info("cached_map results are cached%s%s", disk, memory)
 
 
 def worker_cache() -> Optional[WorkerCache]:

@@ -23,7 +23,9 @@ def function_namespace(fn: Callable[..., Any], namespace: str = "") -> str:
     name = f"{getattr(target, '__module__', '?')}.{target.__qualname__}"
     code = getattr(target, "__code__", None)
     if code is not None and target.__name__ == "<lambda>":
-        consts = repr([c for c in code.co_consts if not hasattr(c, "co_code")])  # nested code reprs hold addresses
+        consts = repr(
+            [c for c in code.co_consts if not hasattr(c, "co_code")]
+        )  # nested code reprs hold addresses
         digest = hashlib.blake2b(code.co_code + consts.encode(), digest_size=8).hexdigest()
         name += f"@{code.co_firstlineno}:{digest}"
     return f"{name}|{namespace}"

@@ -17,7 +17,7 @@ class MemoryTier:
 
     def __init__(self, max_bytes: int):
         self.max_bytes = max_bytes
-        self._payloads: "OrderedDict[str, bytes]" = OrderedDict()
+        self._payloads: OrderedDict[str, bytes] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 

@@ -23,7 +23,8 @@ import os
 import socket
 import threading
 import time
-from typing import Iterator, List, Optional, Tuple
+from collections.abc import Iterator
+from typing import List, Optional, Tuple
 
 from .entry import decode_entry, encode_entry
 
@@ -76,7 +77,11 @@ class DiskStore:
             return None
         payload = decode_entry(data)
         if payload is None:
-            log.warning("cache entry %s is corrupt or partial (%d bytes): deleted, computing it again", path, len(data))
+            log.warning(
+                "cache entry %s is corrupt or partial (%d bytes): deleted, computing it again",
+                path,
+                len(data),
+            )
             with contextlib.suppress(OSError):
                 os.unlink(path)
                 self._account(-len(data))
@@ -151,7 +156,10 @@ class DiskStore:
                 return True
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    log.warning("waited %.0f s for another session to compute a cache entry; computing it here", self.lock_timeout)
+                    log.warning(
+                        "waited %.0f s for another session to compute a cache entry; computing it here",
+                        self.lock_timeout,
+                    )
                     return False
                 time.sleep(pause)
                 pause = min(pause * 2, 0.02)
@@ -208,6 +216,7 @@ class DiskStore:
         self.writable = False
         log.warning(
             "worker cache %s on %s (process %d): writing an entry failed (%s); this session stores no more "
-            "entries and computes what it cannot find. Free space, or lower --cache-size below the disk's free space",
+            "entries and computes what it cannot find. Free space, or lower --cache-size below the "
+            "disk's free space",
             self.directory, socket.gethostname(), os.getpid(), exc,
         )  # fmt: skip

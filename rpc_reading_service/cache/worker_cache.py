@@ -59,6 +59,8 @@ class WorkerCache:
             return _MISSING
 
     def _lookup(self, key: str) -> Optional[bytes]:
+        # A memory hit leaves the disk entry's recency alone: the disk tier ranks what the
+        # sessions' memory tiers do not hold, which is what it is there for.
         payload = self.memory.get(key) if self.memory is not None else None
         if payload is None and self.disk is not None:
             payload = self.disk.get(key)
@@ -72,7 +74,11 @@ class WorkerCache:
         except Exception as exc:  # noqa: BLE001 - pickling raises many types
             if not self._warned_unpicklable:
                 self._warned_unpicklable = True
-                log.warning("cached_map: a result of type %s cannot be pickled (%s); such results are not cached", type(value).__name__, exc)
+                log.warning(
+                    "cached_map: a result of type %s cannot be pickled (%s); such results are not cached",
+                    type(value).__name__,
+                    exc,
+                )
             return value
         if self.disk is not None:
             self.disk.put(key, payload)
