@@ -89,6 +89,14 @@ def test_without_a_cache_cached_map_just_calls_fn(fresh_server, tmp_path):
     assert sorted(in_trainer[0]) == expected(range(10)) and calls(calls_file) == 30
 
 
+def test_a_memory_tier_alone_serves_later_epochs_of_a_session(fresh_server, tmp_path):
+    server = fresh_server(args=["--cache-memory", "1M"])
+    calls_file = tmp_path / "calls"
+    epochs = run_epochs(cached(range(10), calls_file), remote(server), 2)
+    assert [sorted(e) for e in epochs] == [expected(range(10))] * 2
+    assert calls(calls_file) == 10
+
+
 def test_random_augmentation_after_cached_map_stays_random(fresh_server, tmp_path):
     server = fresh_server(args=cache_args(tmp_path / "cache"))
     calls_file = tmp_path / "calls"
@@ -115,8 +123,9 @@ def test_lru_eviction_keeps_the_disk_cache_under_its_size(fresh_server, tmp_path
 
 
 # -- concurrency, corruption, restarts, full disks ------------------------------------------------
-def test_two_sessions_racing_on_one_key_compute_it_once(fresh_server, tmp_path):
-    server = fresh_server(args=cache_args(tmp_path / "cache"))
+@pytest.mark.parametrize("session_mode", ["fork", "thread"])
+def test_two_sessions_racing_on_one_key_compute_it_once(fresh_server, tmp_path, session_mode):
+    server = fresh_server(args=[*cache_args(tmp_path / "cache"), "--session-mode", session_mode])
     calls_file = tmp_path / "calls"
     # Round-robin sharding gives each of the two sessions one of the two equal items, at once.
     items = run_epochs(cached([7, 7], calls_file, delay=0.5), remote(server), 1)[0]
