@@ -6,8 +6,13 @@ user changes; see :class:`RPCReadingService`.
 
 from typing import TYPE_CHECKING, Any
 
+from .quiet_imports import torchdata_banner_muted
+
+with torchdata_banner_muted():
+    from . import cache as _cache  # noqa: F401 - registers dp.cached_map
 from .errors import (
     AuthenticationError,
+    CacheKeyError,
     ConfigurationError,
     DiscoveryTimeoutError,
     FrameTooLargeError,
@@ -55,4 +60,5 @@ __all__ = [
     "WorkerStartupError",
     "RemoteWorkerError",
     "DiscoveryTimeoutError",
+    "CacheKeyError",
 ]

@@ -22,6 +22,7 @@ __all__ = [
     "WorkerStartupError",
     "RemoteWorkerError",
     "DiscoveryTimeoutError",
+    "CacheKeyError",
 ]
 
 
@@ -117,3 +118,8 @@ class RemoteWorkerError(RPCReadingServiceError, RuntimeError):
 class DiscoveryTimeoutError(RPCReadingServiceError, TimeoutError):
     """Fewer workers than ``min_workers`` registered in the store (or answered, or were
     listed in the hostfile) before ``discovery_timeout``. The message says how many came."""
+
+
+class CacheKeyError(RPCReadingServiceError, TypeError):
+    """``cached_map`` could not turn an item's key into a cache key (the key cannot be pickled).
+    The message names the function; pass a ``key_fn`` that returns a str, bytes, int or tuple."""

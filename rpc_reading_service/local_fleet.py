@@ -19,6 +19,9 @@ Two ways to start it:
 Either way the server and its sessions write to the trainer's own stdout and stderr (as
 torch's DataLoader workers do), and announce their address on a pipe of its own that the
 trainer reads once: no pipe is left for a graph that prints to fill.
+
+The server caches ``cached_map`` results for its sessions in a temporary directory removed
+when it stops, or in the caller's ``cache_dir``, which is kept (and reused by the next run).
 """
 
 from __future__ import annotations
@@ -35,10 +38,13 @@ import tempfile
 import time
 from typing import Any, List, Optional
 
+from .cache.config import CacheConfig
 from .errors import ConfigurationError, WorkerStartupError
 from .keys import AUTH_KEY_ENV
 
-__all__ = ["LocalWorkerServer", "read_line", "read_listening_address"]
+__all__ = ["LocalWorkerServer", "read_line", "read_listening_address", "DEFAULT_LOCAL_CACHE_BYTES"]
+
+DEFAULT_LOCAL_CACHE_BYTES = 1 << 30
 
 
 def read_line(process: Any, timeout: float, stream: Any = None) -> str:
@@ -114,7 +120,7 @@ class _ForkedProcess:
 
 
 def _fork_server(
-    auth_key: bytes, host: str, transport: str, announce_fd: int, read_end: int
+    auth_key: bytes, host: str, transport: str, cache: Optional[CacheConfig], announce_fd: int, read_end: int
 ) -> _ForkedProcess:
     """Fork a worker server that writes ``listening on ADDRESS`` (or an error) to ``announce_fd``."""
     from .worker import serve_until_signalled
@@ -128,7 +134,7 @@ def _fork_server(
         try:
             os.close(read_end)
             code = serve_until_signalled(
-                dict(host=host, port=0, auth_key=auth_key, transport=transport, parent_pid=parent),
+                dict(host=host, port=0, auth_key=auth_key, transport=transport, parent_pid=parent, cache=cache),
                 announce=lambda line: os.write(announce_fd, line.encode("utf-8") + b"\n"),
             )
         except BaseException as exc:  # noqa: BLE001 - report, never return into the trainer's code
@@ -152,7 +158,11 @@ class LocalWorkerServer:
         startup_timeout: float = 60.0,
         log_level: str = "WARNING",
         start_method: Optional[str] = None,
+        cache_dir: Optional[str] = None,
+        cache_size: int = DEFAULT_LOCAL_CACHE_BYTES,
     ):
+        """``cache_dir``: keep the ``cached_map`` cache there (default: a temporary directory
+        removed by :meth:`stop`); ``cache_size``: its bound in bytes."""
         if start_method is None:
             start_method = "fork" if transport == "socket" and hasattr(os, "fork") else "spawn"
         if start_method not in ("fork", "spawn"):
@@ -165,6 +175,10 @@ class LocalWorkerServer:
         self.address: Optional[str] = None
         self._process: Any = None  # subprocess.Popen or _ForkedProcess
         self._socket_dir: Optional[str] = None
+        self.cache_dir = cache_dir
+        self.cache_size = cache_size
+        self._cache: Optional[CacheConfig] = None
+        self._cache_temp_dir: Optional[str] = None
 
     def _listen_host(self) -> str:
         if self.transport == "socket" and sys.platform.startswith("linux"):
@@ -184,7 +198,19 @@ class LocalWorkerServer:
             "--transport", self.transport,
             "--parent-pid", str(os.getpid()),
             "--log-level", self.log_level,
+            *self._cache_args(),
         ]  # fmt: skip
+
+    def _cache_args(self) -> List[str]:
+        if self._cache is None or self._cache.directory is None:
+            return []
+        return ["--cache-dir", self._cache.directory, "--cache-size", str(self._cache.max_bytes)]
+
+    def _cache_config(self) -> Optional[CacheConfig]:
+        directory = self.cache_dir
+        if directory is None:
+            self._cache_temp_dir = directory = tempfile.mkdtemp(prefix="rrs-cache-")
+        return CacheConfig.create(directory, self.cache_size)
 
     def start(self) -> str:
         """Start the server and return its ``host:port`` once it listens.
@@ -193,11 +219,12 @@ class LocalWorkerServer:
         workers do); its address comes on a pipe of its own, read once, so no pipe is left
         for the graph's output to fill.
         """
+        self._cache = self._cache_config()
         read_end, write_end = os.pipe()
         try:
             if self.start_method == "fork":
                 host = self._listen_host()
-                self._process = _fork_server(self.auth_key, host, self.transport, write_end, read_end)
+                self._process = _fork_server(self.auth_key, host, self.transport, self._cache, write_end, read_end)
             else:
                 self._process = self._spawn(write_end)
         except BaseException:
@@ -247,6 +274,9 @@ class LocalWorkerServer:
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             self._socket_dir = None
+        if self._cache_temp_dir is not None:
+            shutil.rmtree(self._cache_temp_dir, ignore_errors=True)
+            self._cache_temp_dir = None
 
     @staticmethod
     def _stop_process(process: Any, timeout: float) -> None:

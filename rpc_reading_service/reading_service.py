@@ -32,7 +32,8 @@ from .graph import (
     split_replicable,
 )
 from .keys import new_auth_key
-from .local_fleet import LocalWorkerServer
+from .cache.config import parse_size
+from .local_fleet import DEFAULT_LOCAL_CACHE_BYTES, LocalWorkerServer
 from .serialization import buffer_allocator, dumps_graph
 from .stats import ReadingServiceStats, WorkerStats
 from .transports import available_transports, create_transport
@@ -183,6 +184,10 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             ``finalize``; with several trainer ranks, on one rank only.
         discovery_timeout: Seconds to wait for the store and for ``min_workers``; then a
             :class:`~rpc_reading_service.discovery.DiscoveryTimeoutError` says how many came.
+        cache_dir: Local workers only: where their server caches ``cached_map`` results, kept
+            for later runs (default: a temporary directory removed when the run ends). Remote
+            servers have their own (``rpc-reading-worker --cache-dir``).
+        cache_size: Local workers only: the bound of that cache in bytes (an int, or ``"2G"``).
     """
 
     def __init__(
@@ -213,6 +218,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         hostfile: Optional[str] = None,
         host_store: bool = False,
         discovery_timeout: float = 300.0,
+        cache_dir: Optional[str] = None,
+        cache_size: Union[int, str] = DEFAULT_LOCAL_CACHE_BYTES,
     ) -> None:
         config = dict(locals())  # exactly the parameters above, so the two cannot drift apart
         del config["self"]
@@ -253,6 +260,14 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
                 f"unknown transport {config['transport']!r}; available transports: {', '.join(available_transports())}"
             )
         discovering = check_discovery_options(config)
+        if config.get("cache_dir") is not None and (addresses is not None or discovering):
+            raise ConfigurationError(
+                "cache_dir is for local workers; remote worker servers cache in their own "
+                "rpc-reading-worker --cache-dir"
+            )
+        self._cache_size = parse_size(config.get("cache_size", DEFAULT_LOCAL_CACHE_BYTES), "cache_size")
+        if self._cache_size <= 0:
+            raise ConfigurationError(f"cache_size must be positive, got {config['cache_size']!r}")
         if config.get("tls_ca_file") and addresses is None and not discovering:
             raise ConfigurationError("tls_ca_file is for remote workers (worker_addresses=...); local workers use no TLS")
         key = config["auth_key"]
@@ -338,8 +353,9 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         if addresses is None:
             self._auth_key = self._auth_key or new_auth_key()
             self._local_server = LocalWorkerServer(
-                self._auth_key, self._config["transport"], start_method=self._config["start_method"]
-            )
+                self._auth_key, self._config["transport"], start_method=self._config["start_method"],
+                cache_dir=self._config.get("cache_dir"), cache_size=self._cache_size,
+            )  # fmt: skip
             addresses = [self._local_server.start()]
         return [addresses[rank % len(addresses)] for rank in range(self.num_workers)]
 

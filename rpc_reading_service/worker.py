@@ -15,11 +15,12 @@ import signal
 import sys
 import threading
 import time
-import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Union
 
 from .version import __version__
 from .addresses import is_loopback_host
+from .cache.config import CacheConfig
+from .cache.handle import set_worker_cache
 from .discovery import WorkerRegistration, advertised_address
 from .errors import ConfigurationError
 from .keys import AUTH_KEY_ENV, load_auth_key
@@ -27,13 +28,9 @@ from .protocol import DEFAULT_MAX_FRAME_BYTES
 from .transports import available_transports, create_transport
 from .transports.base import Connection, Listener
 
-# torchdata prints an 8-line deprecation banner on the first import of its datapipes (here,
-# through the session code): noise in every server's log and `--help`. Only that one warning
-# is muted; a graph's own warnings still show.
-with warnings.catch_warnings():
-    warnings.filterwarnings(
-        "ignore", message=r"\s*#+\s*WARNING!\s*The 'datapipes', 'dataloader2' modules are deprecated", category=UserWarning
-    )
+from .quiet_imports import torchdata_banner_muted
+
+with torchdata_banner_muted():  # the session code imports torchdata's datapipes
     from .worker_session import WorkerSession  # noqa: E402
 
 __all__ = ["WorkerServer", "build_parser", "main"]
@@ -59,11 +56,13 @@ class WorkerServer:
         max_sessions: Optional[int] = None,
         idle_timeout: float = 60.0,
         stats_interval: float = 30.0,
+        cache: Optional[CacheConfig] = None,
     ):
         """``tls_cert``/``tls_key``: serve TLS. ``max_frame_bytes``: refuse larger frames from
         trainers. ``max_sessions``: refuse sessions beyond this many at once. ``idle_timeout``:
         seconds an authenticated trainer may stay silent before sending SETUP. ``stats_interval``:
-        seconds between each session's throughput log lines (0 turns them off)."""
+        seconds between each session's throughput log lines (0 turns them off). ``cache``: the
+        worker cache every session's ``cached_map`` shares (None: ``cached_map`` just calls fn)."""
         if not auth_key and not is_loopback_host(host):
             raise ConfigurationError(
                 f"refusing to listen on {host} without an auth key: anyone who can reach the port could run "
@@ -97,6 +96,7 @@ class WorkerServer:
         self._terminated: Set[int] = set()  # sessions this server SIGTERMed itself, when shutting down
         self._threads: List[threading.Thread] = []
         self._stop = threading.Event()
+        set_worker_cache(cache)  # before any session forks, so every session finds it
 
     def stop(self) -> None:
         """Ask :meth:`serve_forever` to return (safe from signal handlers and other threads)."""
@@ -316,6 +316,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-frame-bytes", type=int, metavar="BYTES",
         help=f"refuse frames from trainers larger than this, unread (default {DEFAULT_MAX_FRAME_BYTES})",
     )  # fmt: skip
+    parser.add_argument(
+        "--cache-dir", metavar="DIR",
+        help="cache cached_map results in DIR, shared by all sessions, kept across runs (needs --cache-size)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cache-size", metavar="BYTES",
+        help="bound of --cache-dir, e.g. 500M or 20G; least recently used entries go first",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cache-memory", metavar="BYTES",
+        help="also keep up to BYTES of cached_map results in each session's memory (default 0: none)",
+    )  # fmt: skip
     parser.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate (chain), PEM")
     parser.add_argument("--tls-key", metavar="FILE", help="private key of --tls-cert, PEM (if not in the same file)")
     parser.add_argument(
@@ -367,6 +379,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             max_sessions=args.max_sessions,
             idle_timeout=args.idle_timeout,
             stats_interval=args.stats_interval,
+            cache=CacheConfig.create(args.cache_dir, args.cache_size, args.cache_memory),
         )
         if registration is not None:
             advertised = advertised_address(server.address, args.advertise_host, args.store)

@@ -1,0 +1,222 @@
+"""The disk tier: an LRU store of byte payloads under one directory, bounded in size, safe to
+share between processes (the sessions of a worker server) and kept across runs.
+
+Layout under the directory::
+
+    entries/ab/abcdef....entry   one entry per key (see entry.py), written to a temp file and
+                                 renamed into place, so a reader never sees half an entry
+    locks/abc.lock               flock stripes: who computes a key (4096 stripes, so the number
+                                 of lock files stays bounded however many keys there are)
+    usage, usage.lock            the running total of entry bytes, updated under the flock
+
+Recency is the entry's mtime, set on every write and every hit. When the total passes the
+bound, the least recently used entries are deleted until it is at most 90% of the bound (so a
+full cache does not rescan the directory at every write). Keys are hex strings (hashes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import List, Optional, Tuple
+
+from .entry import decode_entry, encode_entry
+
+__all__ = ["DiskStore"]
+
+log = logging.getLogger("rpc_reading_service.cache")
+
+LOW_WATER = 0.9
+STALE_TEMP_SECONDS = 3600.0  # a temp file this old was left by a writer that died
+
+
+def _touch(path: str) -> None:
+    # An explicit nanosecond time, not the kernel's coarse clock: two hits milliseconds apart
+    # must still be ordered for LRU.
+    now = time.time_ns()
+    os.utime(path, ns=(now, now))
+
+
+class DiskStore:
+    """Payloads by key in ``directory``, at most ``max_bytes`` of entries in all.
+
+    Never raises for I/O: a read that fails is a miss, a corrupt entry is deleted and is a
+    miss, and the first write that fails (full disk, quota, permissions) logs one warning and
+    turns writing off for this process.
+    """
+
+    def __init__(self, directory: str, max_bytes: int, lock_timeout: float = 60.0):
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self.lock_timeout = lock_timeout
+        self.writable = True
+        self._entries = os.path.join(directory, "entries")
+        self._locks = os.path.join(directory, "locks")
+        self._usage = os.path.join(directory, "usage")
+
+    def entry_path(self, key: str) -> str:
+        """The file that holds ``key``'s entry."""
+        return os.path.join(self._entries, key[:2], key + ".entry")
+
+    def get(self, key: str) -> Optional[bytes]:
+        """``key``'s payload (and mark it recently used), or ``None`` on a miss or a corrupt entry."""
+        path = self.entry_path(key)
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            log.warning("cannot read cache entry %s (%s); computing the item instead", path, exc)
+            return None
+        payload = decode_entry(data)
+        if payload is None:
+            log.warning(
+                "cache entry %s is corrupt or partial (%d bytes): deleted, computing it again",
+                path,
+                len(data),
+            )
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                self._account(-len(data))
+            return None
+        with contextlib.suppress(OSError):  # a concurrent eviction may have deleted it
+            _touch(path)
+        return payload
+
+    def put(self, key: str, payload: bytes) -> bool:
+        """Store ``payload`` under ``key``; False when it was not stored (too big, or writing is off)."""
+        if not self.writable:
+            return False
+        data = encode_entry(payload)
+        if len(data) > self.max_bytes:
+            return False
+        path = self.entry_path(key)
+        temp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(temp, "wb") as handle:
+                handle.write(data)
+            _touch(temp)
+            try:
+                replaced = os.stat(path).st_size
+            except FileNotFoundError:
+                replaced = 0
+            os.replace(temp, path)
+            self._account(len(data) - replaced)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            self._stop_writing(exc)
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def computing(self, key: str) -> Iterator[bool]:
+        """Hold the lock on ``key`` while computing it, so that other processes wait for this
+        one's result instead of computing it too.
+
+        Yields True once locked; False after ``lock_timeout`` seconds (the holder is stuck)
+        or when no lock file can be made: the caller then computes without it. A holder
+        that dies releases the lock with its process.
+        """
+        fd = self._open_lock(key)
+        locked = fd is not None and self._wait_for_lock(fd)
+        try:
+            yield locked
+        finally:
+            if fd is not None:
+                os.close(fd)  # releases the flock
+
+    def total_bytes(self) -> int:
+        """The bytes of all entries now on disk (scans the directory)."""
+        return sum(size for _, size, _ in self._scan())
+
+    # -- internals ---------------------------------------------------------------------------
+    def _open_lock(self, key: str) -> Optional[int]:
+        path = os.path.join(self._locks, key[:3] + ".lock")
+        try:
+            os.makedirs(self._locks, exist_ok=True)
+            return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return None
+
+    def _wait_for_lock(self, fd: int) -> bool:
+        deadline = time.monotonic() + self.lock_timeout
+        pause = 0.001
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    log.warning(
+                        "waited %.0f s for another session to compute a cache entry; computing it here",
+                        self.lock_timeout,
+                    )
+                    return False
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
+
+    def _account(self, delta: int) -> None:
+        """Add ``delta`` to the running total; evict when it passes the bound."""
+        with open(self._usage + ".lock", "a+b") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                with open(self._usage, "rb") as handle:
+                    total = int(handle.read()) + delta
+            except (OSError, ValueError):
+                total = self.total_bytes()  # first use, or a damaged usage file: count
+            if total > self.max_bytes:
+                total = self._evict()
+            temp = f"{self._usage}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(temp, "wb") as handle:
+                handle.write(str(max(total, 0)).encode("ascii"))
+            os.replace(temp, self._usage)
+
+    def _scan(self) -> List[Tuple[int, int, str]]:
+        """``(mtime_ns, size, path)`` of every entry; deletes temp files of writers that died."""
+        found: List[Tuple[int, int, str]] = []
+        stale = time.time() - STALE_TEMP_SECONDS
+        try:
+            shards = [entry.path for entry in os.scandir(self._entries) if entry.is_dir()]
+        except FileNotFoundError:
+            return found
+        for shard in shards:
+            with contextlib.suppress(FileNotFoundError):
+                for entry in os.scandir(shard):
+                    with contextlib.suppress(FileNotFoundError):
+                        stat = entry.stat()
+                        if entry.name.endswith(".entry"):
+                            found.append((stat.st_mtime_ns, stat.st_size, entry.path))
+                        elif entry.name.endswith(".tmp") and stat.st_mtime < stale:
+                            os.unlink(entry.path)
+        return found
+
+    def _evict(self) -> int:
+        """Delete least recently used entries until at most LOW_WATER of the bound; the new total."""
+        entries = sorted(self._scan())
+        total = sum(size for _, size, _ in entries)
+        target = int(self.max_bytes * LOW_WATER)
+        for _, size, path in entries:
+            if total <= target:
+                break
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                total -= size
+        return total
+
+    def _stop_writing(self, exc: OSError) -> None:
+        self.writable = False
+        log.warning(
+            "worker cache %s on %s (process %d): writing an entry failed (%s); this session stores no more "
+            "entries and computes what it cannot find. Free space, or lower --cache-size below the "
+            "disk's free space",
+            self.directory, socket.gethostname(), os.getpid(), exc,
+        )  # fmt: skip

@@ -1,0 +1,87 @@
+"""The cache a worker session uses: the memory tier over the disk tier, values pickled, and each
+key computed once however many sessions ask for it at the same time."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from typing import Any, Callable, Optional
+
+from .config import CacheConfig
+from .memory import MemoryTier
+from .store import DiskStore
+
+__all__ = ["WorkerCache"]
+
+log = logging.getLogger("rpc_reading_service.cache")
+
+_MISSING = object()
+
+
+class WorkerCache:
+    """Values by key in the tiers of a :class:`~rpc_reading_service.cache.config.CacheConfig`.
+
+    Values travel through the tiers as pickles (protocol 5), so every hit is a fresh copy: a
+    step after ``cached_map`` that changes its input in place cannot change the cache.
+    """
+
+    def __init__(self, config: CacheConfig):
+        self.config = config
+        self.disk = DiskStore(config.directory, config.max_bytes) if config.directory else None
+        self.memory = MemoryTier(config.memory_bytes) if config.memory_bytes else None
+        self._warned_unpicklable = False
+
+    def get_or_compute(self, key: str, compute: Callable[[], Any]) -> Any:
+        """The cached value of ``key``, or ``compute()`` stored under it.
+
+        While one process computes a key, others asking for it wait for its result (up to the
+        store's lock timeout) instead of computing it too.
+        """
+        found = self._load(key)
+        if found is not _MISSING:
+            return found
+        if self.disk is None:
+            return self._store(key, compute())
+        with self.disk.computing(key):
+            found = self._load(key)  # the holder we waited for may have stored it
+            if found is not _MISSING:
+                return found
+            return self._store(key, compute())
+
+    def _load(self, key: str) -> Any:
+        payload = self._lookup(key)
+        if payload is None:
+            return _MISSING
+        try:
+            return pickle.loads(payload)
+        except Exception as exc:  # noqa: BLE001 - e.g. the class of a cached value is gone
+            log.warning("cached_map: a cached value cannot be unpickled (%s); computing it again", exc)
+            return _MISSING
+
+    def _lookup(self, key: str) -> Optional[bytes]:
+        # A memory hit leaves the disk entry's recency alone: the disk tier ranks what the
+        # sessions' memory tiers do not hold, which is what it is there for.
+        payload = self.memory.get(key) if self.memory is not None else None
+        if payload is None and self.disk is not None:
+            payload = self.disk.get(key)
+            if payload is not None and self.memory is not None:
+                self.memory.put(key, payload)
+        return payload
+
+    def _store(self, key: str, value: Any) -> Any:
+        try:
+            payload = pickle.dumps(value, protocol=5)
+        except Exception as exc:  # noqa: BLE001 - pickling raises many types
+            if not self._warned_unpicklable:
+                self._warned_unpicklable = True
+                log.warning(
+                    "cached_map: a result of type %s cannot be pickled (%s); such results are not cached",
+                    type(value).__name__,
+                    exc,
+                )
+            return value
+        if self.disk is not None:
+            self.disk.put(key, payload)
+        if self.memory is not None:
+            self.memory.put(key, payload)
+        return value

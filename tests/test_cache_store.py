@@ -1,0 +1,193 @@
+"""The worker cache's parts without servers: the entry format, the disk store (LRU bound,
+corrupt entries, a full disk, compute-once across processes), the memory tier, keys, config."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import multiprocessing
+import os
+import pickle
+import time
+
+import pytest
+
+from rpc_reading_service.cache import CacheConfig, DiskStore, WorkerCache, parse_size
+from rpc_reading_service.cache.entry import HEADER_BYTES, decode_entry, encode_entry
+from rpc_reading_service.cache.keys import cache_key, function_namespace
+from rpc_reading_service.cache.memory import MemoryTier
+from rpc_reading_service.errors import CacheKeyError, ConfigurationError
+
+KEYS = [cache_key("test|", name) for name in "abcdefgh"]
+
+
+def test_an_entry_round_trips_and_any_damage_is_detected():
+    payload = os.urandom(1000)
+    entry = encode_entry(payload)
+    assert decode_entry(entry) == payload
+    flipped = bytearray(entry)
+    flipped[HEADER_BYTES + 500] ^= 0x01
+    for damaged in (
+        bytes(flipped),
+        entry[:-1],
+        entry + b"x",
+        entry[: HEADER_BYTES - 1],
+        b"",
+        b"XX" + entry[2:],
+    ):
+        assert decode_entry(damaged) is None
+
+
+def test_store_hit_miss_and_restart(tmp_path):
+    store = DiskStore(str(tmp_path), 1 << 20)
+    assert store.get(KEYS[0]) is None
+    assert store.put(KEYS[0], b"value")
+    assert store.get(KEYS[0]) == b"value"
+    assert DiskStore(str(tmp_path), 1 << 20).get(KEYS[0]) == b"value"  # another process, a later run
+
+
+def test_lru_eviction_keeps_the_store_under_its_bound(tmp_path):
+    payload = b"x" * 1000
+    entry_bytes = len(encode_entry(payload))
+    store = DiskStore(str(tmp_path), int(entry_bytes * 3.5))  # room for three entries
+    for key in KEYS[:3]:
+        assert store.put(key, payload)
+    assert store.get(KEYS[0]) == payload  # KEYS[0] is now more recent than KEYS[1] and KEYS[2]
+    assert store.put(KEYS[3], payload)  # over the bound: the least recently used (KEYS[1]) goes
+    present = [key for key in KEYS[:4] if store.get(key) is not None]
+    assert present == [KEYS[0], KEYS[2], KEYS[3]]
+    assert store.total_bytes() == 3 * entry_bytes <= store.max_bytes
+    for key in KEYS[4:]:
+        store.put(key, payload)
+    assert store.total_bytes() <= store.max_bytes
+    assert store.get(KEYS[-1]) == payload  # the newest survives
+
+
+def test_an_entry_larger_than_the_bound_is_not_stored(tmp_path):
+    store = DiskStore(str(tmp_path), 100)
+    assert not store.put(KEYS[0], b"x" * 200)
+    assert store.get(KEYS[0]) is None
+
+
+def test_a_corrupt_entry_is_a_miss_and_is_deleted(tmp_path, caplog):
+    store = DiskStore(str(tmp_path), 1 << 20)
+    store.put(KEYS[0], b"good value")
+    path = store.entry_path(KEYS[0])
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    with caplog.at_level(logging.WARNING, "rpc_reading_service.cache"):
+        assert store.get(KEYS[0]) is None
+    assert not os.path.exists(path)
+    assert "corrupt" in caplog.text and path in caplog.text
+
+
+def test_a_failing_write_warns_once_and_stops_writing(tmp_path, caplog):
+    store = DiskStore(str(tmp_path), 1 << 20)
+    (tmp_path / "entries").write_text("not a directory")  # every write fails with an OSError
+    with caplog.at_level(logging.WARNING, "rpc_reading_service.cache"):
+        assert not store.put(KEYS[0], b"v")
+        assert not store.put(KEYS[1], b"v")
+    assert not store.writable
+    assert len([r for r in caplog.records if "writing an entry failed" in r.getMessage()]) == 1
+    assert store.get(KEYS[0]) is None
+
+
+def test_memory_tier_is_lru_bounded_in_bytes():
+    tier = MemoryTier(250)
+    for key in KEYS[:2]:
+        tier.put(key, b"x" * 100)
+    assert tier.get(KEYS[0]) is not None
+    tier.put(KEYS[2], b"x" * 100)
+    assert [tier.get(k) is not None for k in KEYS[:3]] == [True, False, True]
+    tier.put(KEYS[3], b"x" * 300)  # larger than the bound: not kept, nothing evicted for it
+    assert tier.get(KEYS[3]) is None and tier.get(KEYS[2]) is not None
+
+
+def test_hits_are_fresh_copies(tmp_path):
+    cache = WorkerCache(CacheConfig.create(str(tmp_path), "1M", "1M"))
+    first = cache.get_or_compute(KEYS[0], lambda: [1, 2])
+    first.append(3)  # a later step changing its input in place
+    assert cache.get_or_compute(KEYS[0], lambda: pytest.fail("computed on a hit")) == [1, 2]
+
+
+def _compute_slowly(directory: str, calls: str, barrier) -> None:
+    cache = WorkerCache(CacheConfig.create(directory, "1M"))
+
+    def compute():
+        with open(calls, "a") as handle:
+            handle.write("call\n")
+        time.sleep(0.3)
+        return {"value": 42}
+
+    barrier.wait()
+    assert cache.get_or_compute(KEYS[0], compute) == {"value": 42}
+
+
+@pytest.mark.timeout(20)
+def test_processes_racing_on_one_key_compute_it_once(tmp_path):
+    calls = tmp_path / "calls"
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(3)
+    processes = [
+        context.Process(target=_compute_slowly, args=(str(tmp_path / "cache"), str(calls), barrier))
+        for _ in range(3)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(15)
+        assert [p.exitcode for p in processes] == [0, 0, 0]
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    assert calls.read_text().count("call") == 1
+
+
+def test_cache_keys_are_stable_and_tell_functions_apart():
+    assert cache_key("ns", ("a.jpg", 3)) == cache_key("ns", ("a.jpg", 3))
+    assert cache_key("ns", "a.jpg") != cache_key("other", "a.jpg")
+    assert function_namespace(parse_size) != function_namespace(cache_key)
+    assert function_namespace(parse_size, "v2") != function_namespace(parse_size)
+    first, second = (lambda x: x), (lambda x: x + 1)
+    assert function_namespace(first) != function_namespace(second)
+    assert function_namespace(functools.partial(parse_size)).startswith(
+        "rpc_reading_service.cache.config.parse_size"
+    )
+    with pytest.raises(CacheKeyError, match="key_fn"):
+        cache_key("ns", lambda: None)
+    assert pickle.loads(pickle.dumps(CacheKeyError("x"))).args == ("x",)
+
+
+def test_config_is_checked_once(tmp_path):
+    assert parse_size("64K") == 65536 and parse_size("2GiB") == 2 << 30 and parse_size(7) == 7
+    assert CacheConfig.create(None) is None
+    config = CacheConfig.create(str(tmp_path / "new"), "1M", "1K")
+    assert (config.max_bytes, config.memory_bytes) == (1 << 20, 1024) and os.path.isdir(tmp_path / "new")
+    for bad in [
+        dict(directory=str(tmp_path), max_bytes=None),
+        dict(directory=str(tmp_path), max_bytes="lots"),
+        dict(directory=str(tmp_path), max_bytes=0),
+        dict(directory=None, max_bytes="1M"),
+        dict(directory=str(tmp_path / "file" / "sub"), max_bytes="1M"),
+    ]:
+        (tmp_path / "file").write_text("")
+        with pytest.raises(ConfigurationError):
+            CacheConfig.create(**bad)
+
+
+def test_a_payload_that_does_not_unpickle_is_computed_again(tmp_path):
+    cache = WorkerCache(CacheConfig.create(str(tmp_path), "1M"))
+    cache.disk.put(KEYS[0], b"intact on disk, but not a pickle")
+    assert cache.get_or_compute(KEYS[0], lambda: "computed") == "computed"
+    assert cache.get_or_compute(KEYS[0], lambda: pytest.fail("computed on a hit")) == "computed"
+
+
+def test_a_memory_only_cache_needs_no_directory():
+    cache = WorkerCache(CacheConfig.create(None, memory_bytes="1K"))
+    assert cache.disk is None
+    assert cache.get_or_compute(KEYS[0], lambda: 5) == 5
+    assert cache.get_or_compute(KEYS[0], lambda: pytest.fail("computed on a hit")) == 5
