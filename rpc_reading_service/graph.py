@@ -7,6 +7,7 @@ deliberate difference: a fresh shared seed is drawn for every epoch, so epochs d
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
@@ -33,6 +34,11 @@ __all__ = [
 
 InitFn = Callable[[DataPipe, WorkerInfo], DataPipe]
 ResetFn = Callable[[DataPipe, WorkerInfo, SeedGenerator], DataPipe]
+
+# torch traverses a graph by pickling it under a process-wide reduce_ex hook, and refuses
+# ("Attempt to override existing reduce_ex_hook") when another thread traverses at the same
+# time: sessions of a thread-mode server set up and reset their graphs one at a time.
+_traversal_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,8 @@ def worker_seed_generator(epoch_seed: int, global_worker_id: int) -> SeedGenerat
 
 def init_worker_graph(datapipe: DataPipe, worker_info: WorkerInfo, worker_init_fn: Optional[InitFn]) -> DataPipe:
     """Shard the graph for one worker and run the user's ``worker_init_fn`` (torchdata's code)."""
-    return process_init_fn(datapipe, worker_info, worker_init_fn)
+    with _traversal_lock:
+        return process_init_fn(datapipe, worker_info, worker_init_fn)
 
 
 def reset_worker_graph(
@@ -127,4 +134,5 @@ def reset_worker_graph(
 ) -> DataPipe:
     """Seed the graph and the global RNGs of one worker for an epoch, then run ``worker_reset_fn``."""
     generator = worker_seed_generator(epoch_seed, global_worker_id)
-    return process_reset_fn(datapipe, worker_info, generator, custom_reset_fn=worker_reset_fn)
+    with _traversal_lock:
+        return process_reset_fn(datapipe, worker_info, generator, custom_reset_fn=worker_reset_fn)

@@ -26,6 +26,7 @@ when it stops, or in the caller's ``cache_dir``, which is kept (and reused by th
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import selectors
@@ -204,13 +205,16 @@ class LocalWorkerServer:
     def _cache_args(self) -> List[str]:
         if self._cache is None or self._cache.directory is None:
             return []
-        return ["--cache-dir", self._cache.directory, "--cache-size", str(self._cache.max_bytes)]
+        temporary = ["--cache-dir-temporary"] if self._cache.temporary else []
+        return ["--cache-dir", self._cache.directory, "--cache-size", str(self._cache.max_bytes), *temporary]
 
     def _cache_config(self) -> Optional[CacheConfig]:
-        directory = self.cache_dir
-        if directory is None:
-            self._cache_temp_dir = directory = tempfile.mkdtemp(prefix="rrs-cache-")
-        return CacheConfig.create(directory, self.cache_size)
+        if self.cache_dir is not None:
+            return CacheConfig.create(self.cache_dir, self.cache_size)
+        # The server removes it when it stops, also after the trainer was killed; stop() too.
+        self._cache_temp_dir = tempfile.mkdtemp(prefix="rrs-cache-")
+        cache = CacheConfig.create(self._cache_temp_dir, self.cache_size)
+        return None if cache is None else dataclasses.replace(cache, temporary=True)
 
     def start(self) -> str:
         """Start the server and return its ``host:port`` once it listens.

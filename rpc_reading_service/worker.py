@@ -9,8 +9,10 @@ segfault in a user's graph ends only that session); elsewhere sessions run in th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -96,6 +98,7 @@ class WorkerServer:
         self._terminated: Set[int] = set()  # sessions this server SIGTERMed itself, when shutting down
         self._threads: List[threading.Thread] = []
         self._stop = threading.Event()
+        self._cache = cache
         set_worker_cache(cache)  # before any session forks, so every session finds it
 
     def stop(self) -> None:
@@ -242,6 +245,8 @@ class WorkerServer:
             except (ProcessLookupError, ChildProcessError):
                 pass
             self._children.pop(pid, None)
+        if self._cache is not None and self._cache.temporary and self._cache.directory:
+            shutil.rmtree(self._cache.directory, ignore_errors=True)
 
 
 def _flush_lines() -> None:
@@ -286,6 +291,13 @@ def serve_until_signalled(server: Union["WorkerServer", Dict[str, Any]], announc
     return 0
 
 
+def _cache_config(args: argparse.Namespace) -> Optional[CacheConfig]:
+    cache = CacheConfig.create(args.cache_dir, args.cache_size, args.cache_memory)
+    if cache is not None and args.cache_dir_temporary:
+        cache = dataclasses.replace(cache, temporary=True)
+    return cache
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line interface of ``rpc-reading-worker``."""
     parser = argparse.ArgumentParser(
@@ -328,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-memory", metavar="BYTES",
         help="also keep up to BYTES of cached_map results in each session's memory (default 0: none)",
     )  # fmt: skip
+    parser.add_argument("--cache-dir-temporary", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--tls-cert", metavar="FILE", help="serve TLS with this certificate (chain), PEM")
     parser.add_argument("--tls-key", metavar="FILE", help="private key of --tls-cert, PEM (if not in the same file)")
     parser.add_argument(
@@ -379,7 +392,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             max_sessions=args.max_sessions,
             idle_timeout=args.idle_timeout,
             stats_interval=args.stats_interval,
-            cache=CacheConfig.create(args.cache_dir, args.cache_size, args.cache_memory),
+            cache=_cache_config(args),
         )
         if registration is not None:
             advertised = advertised_address(server.address, args.advertise_host, args.store)

@@ -38,12 +38,15 @@ class CacheConfig:
     ``directory``: the disk tier, shared by every session of the server and kept across
     runs (``None``: no disk tier). ``max_bytes``: the disk tier's bound (entries, headers
     included). ``memory_bytes``: an in-process tier of each session on top (0: none).
-    Build it with :meth:`create`, which checks everything once.
+    ``temporary``: the server removes ``directory`` when it stops. Build it with :meth:`create`, which checks everything once.
     """
 
     directory: Optional[str]
     max_bytes: int
     memory_bytes: int = 0
+    #: The directory belongs to this one server (a local fleet's): removed when it stops,
+    #: by the server itself, so that it goes even when the trainer that made it was killed.
+    temporary: bool = False
 
     @classmethod
     def create(
