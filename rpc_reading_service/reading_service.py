@@ -34,6 +34,7 @@ from .graph import (
 from .keys import new_auth_key
 from .local_fleet import LocalWorkerServer
 from .serialization import buffer_allocator, dumps_graph
+from .settings import check_settings
 from .stats import ReadingServiceStats, WorkerStats
 from .transports import available_transports, create_transport
 from .transports.base import PeerLostError
@@ -219,15 +220,12 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         self._config = config
         num_workers = config["num_workers"]
         addresses = config["worker_addresses"]
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ConfigurationError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        check_settings(config)
         if addresses is not None:
             if not addresses:
                 raise ConfigurationError("worker_addresses is empty: give at least one 'host:port'")
             for address in addresses:
                 parse_address(address)
-        if config["prefetch"] < 1:
-            raise ConfigurationError(f"prefetch must be >= 1 frame per worker, got {config['prefetch']}")
         if config["timeout"] <= config["heartbeat_interval"]:
             raise ConfigurationError(
                 f"timeout ({config['timeout']} s) must exceed heartbeat_interval ({config['heartbeat_interval']} s)"

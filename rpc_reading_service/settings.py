@@ -1,0 +1,80 @@
+"""Checks of the numeric and on/off settings of :class:`~rpc_reading_service.RPCReadingService`.
+
+One table says what each setting allows; :func:`check_settings` applies it once, at
+construction, so that ``timeout=float("nan")`` or ``prefetch=0`` is refused with a message
+naming the parameter instead of failing obscurely (or busy-looping) mid-run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from .errors import ConfigurationError
+
+__all__ = ["NumberRule", "RPC_READING_SERVICE_NUMBERS", "RPC_READING_SERVICE_FLAGS", "check_number", "check_settings"]
+
+
+@dataclass(frozen=True)
+class NumberRule:
+    """What one numeric setting allows: an int or a finite float, at least (or above) ``minimum``."""
+
+    name: str
+    integer: bool
+    minimum: float
+    #: The value must be strictly greater than ``minimum`` (seconds that must not be zero).
+    exclusive: bool = False
+    #: ``None`` is allowed (the setting is off or derived).
+    optional: bool = False
+    unit: str = ""
+
+    def allowed(self) -> str:
+        """The allowed values in words, e.g. ``an int >= 1`` or ``a finite number > 0 (seconds)``."""
+        kind = "an int" if self.integer else "a finite number"
+        bound = f"{'>' if self.exclusive else '>='} {self.minimum:g}"
+        unit = f" ({self.unit})" if self.unit else ""
+        return f"{kind} {bound}{unit}{' or None' if self.optional else ''}"
+
+
+RPC_READING_SERVICE_NUMBERS = (
+    NumberRule("num_workers", integer=True, minimum=0),
+    NumberRule("prefetch", integer=True, minimum=1, unit="frames per worker"),
+    NumberRule("max_reassignments", integer=True, minimum=0),
+    NumberRule("min_workers", integer=True, minimum=1, optional=True),
+    NumberRule("timeout", integer=False, minimum=0, exclusive=True, unit="seconds"),
+    NumberRule("connect_timeout", integer=False, minimum=0, exclusive=True, unit="seconds"),
+    NumberRule("heartbeat_interval", integer=False, minimum=0, exclusive=True, unit="seconds"),
+    NumberRule("discovery_timeout", integer=False, minimum=0, exclusive=True, unit="seconds"),
+)
+RPC_READING_SERVICE_FLAGS = ("in_order", "pin_memory", "host_store")
+
+
+def check_number(rule: NumberRule, value: Any) -> None:
+    """Raise :class:`ConfigurationError` unless ``value`` is allowed by ``rule``."""
+    if value is None and rule.optional:
+        return
+    # bool is an int subclass, but True is no count of workers or seconds.
+    numeric = isinstance(value, int) if rule.integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not numeric:
+        raise ConfigurationError(
+            f"{rule.name} must be {rule.allowed()}, got {value!r} of type {type(value).__name__}"
+        )
+    if not math.isfinite(value):
+        raise ConfigurationError(f"{rule.name} must be {rule.allowed()}, got {value!r}")
+    if value < rule.minimum or (rule.exclusive and value == rule.minimum):
+        raise ConfigurationError(f"{rule.name} must be {rule.allowed()}, got {value!r}")
+
+
+def check_settings(
+    config: Mapping[str, Any],
+    numbers: Sequence[NumberRule] = RPC_READING_SERVICE_NUMBERS,
+    flags: Sequence[str] = RPC_READING_SERVICE_FLAGS,
+) -> None:
+    """Check every numeric setting and on/off flag in ``config`` that the tables name."""
+    for rule in numbers:
+        if rule.name in config:
+            check_number(rule, config[rule.name])
+    for name in flags:
+        if name in config and not isinstance(config[name], bool):
+            raise ConfigurationError(f"{name} must be True or False, got {config[name]!r}")
