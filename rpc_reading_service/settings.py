@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from .errors import ConfigurationError
 
-__all__ = ["NumberRule", "RPC_READING_SERVICE_NUMBERS", "RPC_READING_SERVICE_FLAGS", "check_number", "check_settings"]
+__all__ = [
+    "NumberRule",
+    "RPC_READING_SERVICE_NUMBERS",
+    "RPC_READING_SERVICE_FLAGS",
+    "check_number",
+    "check_settings",
+]
 
 
 @dataclass(frozen=True)
@@ -28,11 +34,14 @@ class NumberRule:
     #: ``None`` is allowed (the setting is off or derived).
     optional: bool = False
     unit: str = ""
+    maximum: Optional[float] = None
 
     def allowed(self) -> str:
         """The allowed values in words, e.g. ``an int >= 1`` or ``a finite number > 0 (seconds)``."""
         kind = "an int" if self.integer else "a finite number"
-        bound = f"{'>' if self.exclusive else '>='} {self.minimum:g}"
+        bound = f"{'>' if self.exclusive else '>='} {self.minimum}"
+        if self.maximum is not None:
+            bound += f" and <= {self.maximum}"
         unit = f" ({self.unit})" if self.unit else ""
         return f"{kind} {bound}{unit}{' or None' if self.optional else ''}"
 
@@ -60,9 +69,10 @@ def check_number(rule: NumberRule, value: Any) -> None:
         raise ConfigurationError(
             f"{rule.name} must be {rule.allowed()}, got {value!r} of type {type(value).__name__}"
         )
-    if not math.isfinite(value):
+    if isinstance(value, float) and not math.isfinite(value):
         raise ConfigurationError(f"{rule.name} must be {rule.allowed()}, got {value!r}")
-    if value < rule.minimum or (rule.exclusive and value == rule.minimum):
+    too_big = rule.maximum is not None and value > rule.maximum
+    if value < rule.minimum or (rule.exclusive and value == rule.minimum) or too_big:
         raise ConfigurationError(f"{rule.name} must be {rule.allowed()}, got {value!r}")
 
 
