@@ -594,7 +594,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         ]
         items = sum(progress.consumed)
         return ReadingServiceStats(
-            epoch=progress.epoch,
+            epoch=progress.epoch - 1,  # counted from 1 on the wire; users count from 0 (range(epochs))
             elapsed_seconds=elapsed,
             items=items,
             items_per_second=items / elapsed,
