@@ -8,7 +8,7 @@ import threading
 import types
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 from torchdata.dataloader2.graph import DataPipe, list_dps, set_graph_random_seed, traverse_dps
@@ -150,8 +150,10 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             server, or a new local server) from the same seed, skipping the items already
             delivered, so the epoch yields exactly the items of a fault-free run. This
             needs a graph that is deterministic given the seed.
-        max_reassignments: How often one worker's shard may be replayed in a run before
-            giving up (a graph that kills its process at the same item every time).
+        max_reassignments: How often one worker's shard may be replayed from the same
+            position within an epoch before giving up (a graph that kills its process at
+            the same item every time). Counted afresh every epoch; a replay that gets
+            further starts a new count, so unrelated faults never add up.
         pin_memory: Receive tensors straight into pinned (page-locked) memory when CUDA
             is available, for fast ``.to("cuda", non_blocking=True)``.
         start_method: How local workers start: ``"fork"`` (default on POSIX with the
@@ -266,7 +268,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         self._resume_state: Optional[ReadingServiceState] = None
         self._seed_generator: Optional[SeedGenerator] = None
         self._fingerprint: List[str] = []
-        self._reassignments: Dict[int, int] = {}
+        #: Worker losses this epoch by (rank, items of its shard the trainer had): see _replace_worker.
+        self._reassignments: Dict[Tuple[int, int], int] = {}
         self._finalized = False
         self._lock = threading.Lock()
 
@@ -384,15 +387,23 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         """
         rank, progress = lost.rank, self._progress
         assert progress is not None
-        self._reassignments[rank] = self._reassignments.get(rank, 0) + 1
-        if self._reassignments[rank] > self._config["max_reassignments"]:
+        # Losses at one position of one shard, this epoch: a replay that gets further is progress
+        # (unrelated faults), one that dies at the same place again points at the graph.
+        position, limit = progress.consumed[rank], self._config["max_reassignments"]
+        losses = self._reassignments[(rank, position)] = self._reassignments.get((rank, position), 0) + 1
+        if losses > limit:
             raise WorkerLostError(
-                f"{error} -- gave up after replaying worker {rank}'s shard {self._config['max_reassignments']} times "
-                "(does the graph crash its process at the same item every time?)",
+                f"{error} -- gave up: worker {rank}'s shard was lost {losses} times in this epoch with the trainer "
+                f"at the same position (after {position} of its items), and max_reassignments={limit} allows "
+                f"{limit} replays from one position. Does the graph crash its process at that item every time? "
+                "on_worker_failure='raise' shows the first loss",
                 rank,
                 lost.address,
             ) from error
-        log.warning("%s; replaying its shard from item %d on a new session", error, progress.consumed[rank])
+        log.warning(
+            "%s; replaying its shard from item %d on a new session (replay %d of %d from there this epoch)",
+            error, position, losses, limit,
+        )  # fmt: skip
         lost.close(timeout=0.5)
         if self._local_server is not None and not self._local_server.alive():
             self._local_server.stop()
@@ -425,6 +436,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         """Start an epoch on every worker with a fresh shared seed."""
         assert self._end_datapipe is not None, "initialize() must run first"
         self._seed_generator = seed_generator  # DataLoader2's own: checkpoint() records its state
+        self._reassignments.clear()  # max_reassignments counts within one epoch
         resume, self._resume_state = self._resume_state, None
         if resume is not None:
             # Continue the checkpointed epoch: its seed, and skip what was consumed.
