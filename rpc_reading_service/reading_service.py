@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import queue
 import threading
 import types
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -111,6 +114,34 @@ def _shutdown_trainer_side(dp: DataPipe, timeout: float = 10.0) -> None:
         dp.shutdown()
     except Exception:  # noqa: BLE001 - finalize must go on
         log.warning("shutting down trainer-side %s failed", type(dp).__name__, exc_info=True)
+
+
+def _close_channels(channels: Sequence[WorkerChannel]) -> None:
+    """Close every channel, in parallel; one by one at interpreter exit, when
+    ``concurrent.futures`` no longer schedules work ("cannot schedule new futures")."""
+    try:
+        with ThreadPoolExecutor(max_workers=min(32, len(channels))) as pool:
+            list(pool.map(lambda channel: channel.close(), channels))
+    except RuntimeError:
+        for channel in channels:
+            channel.close()  # idempotent: the ones closed above return at once
+
+
+#: Reading services with workers that have not been finalized, and the process that owns them.
+_unfinalized: "weakref.WeakKeyDictionary[RPCReadingService, int]" = weakref.WeakKeyDictionary()
+
+
+@atexit.register
+def _finalize_at_exit() -> None:
+    """Stop the workers of every reading service still running when the interpreter exits.
+
+    DataLoader2 finalizes its reading service in ``shutdown()`` or ``__del__``; a script that
+    never calls ``shutdown()`` leaves that to ``__del__``, which runs late in interpreter
+    shutdown or never (reference cycles), so local workers would outlive the trainer.
+    """
+    for service, owner in list(_unfinalized.items()):
+        if owner == os.getpid():  # not in a forked child that inherited the trainer's memory
+            service.finalize()
 
 
 def _rebuild_service(config: bytes) -> "RPCReadingService":
@@ -299,6 +330,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
                 import torch.distributed as dist
 
                 self._seed_group = dist.new_group(backend="gloo")
+            _unfinalized[self] = os.getpid()
             self._connect(graph)
         except BaseException:
             self.finalize()
@@ -532,6 +564,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             if self._finalized:
                 return
             self._finalized = True
+        _unfinalized.pop(self, None)
         if isinstance(self._end_datapipe, _DeliveryCounter):
             # Stop trainer-side threads (fullsync's prefetcher) while the workers still answer.
             for dp in self._trainer_side_dps():
@@ -539,8 +572,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
                     _shutdown_trainer_side(dp)
         channels, self._channels = self._channels, []
         if channels:
-            with ThreadPoolExecutor(max_workers=min(32, len(channels))) as pool:
-                list(pool.map(lambda channel: channel.close(), channels))
+            _close_channels(channels)
         if self._local_server is not None:
             self._local_server.stop()
             self._local_server = None
