@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import logging
 import os
 import queue
@@ -114,6 +116,68 @@ def _shutdown_trainer_side(dp: DataPipe, timeout: float = 10.0) -> None:
         dp.shutdown()
     except Exception:  # noqa: BLE001 - finalize must go on
         log.warning("shutting down trainer-side %s failed", type(dp).__name__, exc_info=True)
+
+
+class _OneIterationAtATime:
+    """Refuses a second thread that starts or steps an iteration while one thread is in one.
+
+    DataLoader2 serves one iterator at a time but does not lock: two threads iterating one
+    DataLoader2 would share the workers' streams (one thread receiving both threads' items,
+    the other waiting forever). Holding this guard while setting up an epoch and while taking
+    each item makes the second thread fail at once instead. Sequential use from any number
+    of threads (a new epoch after an abandoned one, an iterator handed to another thread) is
+    not affected: the guard is only held inside those calls.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # reentrant: restore() calls initialize()
+        self._depth = 0  # only the holding thread touches it
+        self.holder: Optional[threading.Thread] = None
+        self.doing = ""
+
+    def acquire(self, doing: str) -> None:
+        """Take the guard for ``doing`` (e.g. ``"starting an epoch"``) or raise ``RuntimeError``
+        naming the thread that holds it and what it is doing."""
+        if not self._lock.acquire(blocking=False):
+            holder = self.holder
+            raise RuntimeError(
+                f"two threads use one DataLoader2 at once: thread {threading.current_thread().name!r} is {doing} "
+                f"while thread {holder.name if holder else '?'!r} is {self.doing}. A DataLoader2 serves one "
+                "iteration at a time: give each thread its own DataLoader2, or share one iterator behind a lock"
+            )
+        self._depth += 1
+        if self._depth == 1:
+            self.holder, self.doing = threading.current_thread(), doing
+
+    def release(self) -> None:
+        """Give the guard back (the outermost release of a thread frees it)."""
+        self._depth -= 1
+        if self._depth == 0:
+            self.holder = None
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def held(self, doing: str) -> Iterator[None]:
+        """Hold the guard for the ``with`` block."""
+        self.acquire(doing)
+        try:
+            yield
+        finally:
+            self.release()
+
+
+def _exclusive(doing: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run a method of RPCReadingService holding its :class:`_OneIterationAtATime` guard."""
+
+    def decorate(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def exclusive(self: "RPCReadingService", *args: Any, **kwargs: Any) -> Any:
+            with self._guard.held(doing):
+                return method(self, *args, **kwargs)
+
+        return exclusive
+
+    return decorate
 
 
 def _close_channels(channels: Sequence[WorkerChannel]) -> None:
@@ -303,6 +367,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         self._reassignments: Dict[Tuple[int, int], int] = {}
         self._finalized = False
         self._lock = threading.Lock()
+        self._guard = _OneIterationAtATime()
 
     def __reduce__(self) -> Any:
         if self._channels or self._local_server is not None:
@@ -311,6 +376,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         return _rebuild_service, (cloudpickle.dumps(self._config),)
 
     # -- ReadingServiceInterface ----------------------------------------------------------------
+    @_exclusive("setting up the workers")
     def initialize(self, datapipe: DataPipe) -> DataPipe:
         """Ship the graph to the workers and return the trainer's graph that streams from them."""
         self._fingerprint = graph_fingerprint(datapipe)
@@ -462,6 +528,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             return channel
         raise WorkerLostError(f"{error}; no server could take over its shard: {'; '.join(failures)}", rank, lost.address) from error
 
+    @_exclusive("starting an epoch")
     def initialize_iteration(
         self, seed_generator: SeedGenerator, iter_reset_fn: Optional[Callable[[DataPipe], DataPipe]] = None
     ) -> Optional[Callable[[DataPipe], DataPipe]]:
@@ -506,11 +573,35 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         progress = self._progress
         assert progress is not None, "initialize_iteration() must run first"
         if self._in_process_graph is not None:
-            return self._iterate_in_process(progress)
+            return self._one_step_at_a_time(self._iterate_in_process(progress), progress)
         replace = self._replace_worker if self._config["on_worker_failure"] == "reassign" else None
         if self.in_order:
-            return iterate_in_order(self._channels, progress, replace)
-        return iterate_as_completed(self._channels, self._events, progress, replace)
+            items = iterate_in_order(self._channels, progress, replace)
+        else:
+            items = iterate_as_completed(self._channels, self._events, progress, replace)
+        return self._one_step_at_a_time(items, progress)
+
+    def _one_step_at_a_time(self, items: Iterator[Any], progress: EpochProgress) -> Iterator[Any]:
+        """``items``, each taken holding the guard, and only while their epoch is the current one.
+
+        An iterator of an epoch that a newer one superseded must not take the newer epoch's
+        frames from the shared queues: that would lose them for its own iterator.
+        """
+        guard = self._guard
+        while True:
+            guard.acquire("taking an item")
+            try:
+                if progress is not self._progress:
+                    raise RuntimeError(
+                        "this iterator of a DataLoader2 was invalidated because a newer iteration of the same "
+                        "DataLoader2 started a new epoch; iterate the newest iterator only"
+                    )
+                item = next(items)
+            except StopIteration:
+                return
+            finally:
+                guard.release()
+            yield item
 
     def _iterate_in_process(self, progress: EpochProgress) -> Iterator[Any]:
         skip = progress.consumed[0]
@@ -543,6 +634,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         )
         return state.to_bytes()
 
+    @_exclusive("restoring a checkpoint")
     def restore(self, datapipe: DataPipe, serialized_state: bytes) -> DataPipe:
         """Initialise from a checkpoint; the next epoch continues the checkpointed one."""
         state = ReadingServiceState.from_bytes(serialized_state)
