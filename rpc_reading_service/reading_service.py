@@ -13,7 +13,7 @@ import types
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 from torchdata.dataloader2.graph import DataPipe, list_dps, set_graph_random_seed, traverse_dps
@@ -130,31 +130,34 @@ class _OneIterationAtATime:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()  # reentrant: restore() calls initialize()
-        self._depth = 0  # only the holding thread touches it
-        self.holder: Optional[threading.Thread] = None
+        self.lock = threading.RLock()  # reentrant: restore() calls initialize()
+        self.depth = 0  # only the holding thread touches it
+        self.holder: Optional[int] = None  # its threading.get_ident()
         self.doing = ""
 
     def acquire(self, doing: str) -> None:
-        """Take the guard for ``doing`` (e.g. ``"starting an epoch"``) or raise ``RuntimeError``
-        naming the thread that holds it and what it is doing."""
-        if not self._lock.acquire(blocking=False):
-            holder = self.holder
-            raise RuntimeError(
-                f"two threads use one DataLoader2 at once: thread {threading.current_thread().name!r} is {doing} "
-                f"while thread {holder.name if holder else '?'!r} is {self.doing}. A DataLoader2 serves one "
-                "iteration at a time: give each thread its own DataLoader2, or share one iterator behind a lock"
-            )
-        self._depth += 1
-        if self._depth == 1:
-            self.holder, self.doing = threading.current_thread(), doing
+        """Take the guard for ``doing`` (e.g. ``"starting an epoch"``) or :meth:`refuse`."""
+        if not self.lock.acquire(blocking=False):
+            self.refuse(doing)
+        self.depth += 1
+        if self.depth == 1:
+            self.holder, self.doing = threading.get_ident(), doing
 
     def release(self) -> None:
         """Give the guard back (the outermost release of a thread frees it)."""
-        self._depth -= 1
-        if self._depth == 0:
+        self.depth -= 1
+        if self.depth == 0:
             self.holder = None
-        self._lock.release()
+        self.lock.release()
+
+    def refuse(self, doing: str) -> NoReturn:
+        """Raise the ``RuntimeError`` that names both threads and what they are doing."""
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        raise RuntimeError(
+            f"two threads use one DataLoader2 at once: thread {threading.current_thread().name!r} is {doing} "
+            f"while thread {names.get(self.holder, '?')!r} is {self.doing}. A DataLoader2 serves one "
+            "iteration at a time: give each thread its own DataLoader2, or share one iterator behind a lock"
+        )
 
     @contextlib.contextmanager
     def held(self, doing: str) -> Iterator[None]:
@@ -587,9 +590,13 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         An iterator of an epoch that a newer one superseded must not take the newer epoch's
         frames from the shared queues: that would lose them for its own iterator.
         """
-        guard = self._guard
+        guard, get_ident = self._guard, threading.get_ident
+        lock, doing = guard.lock, "taking an item"
         while True:
-            guard.acquire("taking an item")
+            # guard.acquire()/release() inlined: this runs once per item.
+            if not lock.acquire(False):
+                guard.refuse(doing)
+            guard.depth, guard.holder, guard.doing = 1, get_ident(), doing
             try:
                 if progress is not self._progress:
                     raise RuntimeError(
@@ -600,7 +607,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             except StopIteration:
                 return
             finally:
-                guard.release()
+                guard.depth, guard.holder = 0, None
+                lock.release()
             yield item
 
     def _iterate_in_process(self, progress: EpochProgress) -> Iterator[Any]:
