@@ -311,8 +311,11 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         config = dict(locals())  # exactly the parameters above, so the two cannot drift apart
         del config["self"]
         config["worker_addresses"] = list(worker_addresses) if worker_addresses is not None else None
-        config["pickle_by_value"] = list(pickle_by_value)
-        config["transport_options"] = dict(transport_options or {})
+        # Copies (the caller may change theirs); anything else is left for _configure to refuse.
+        if not isinstance(pickle_by_value, (str, bytes)):
+            config["pickle_by_value"] = list(pickle_by_value)
+        options = transport_options or {}
+        config["transport_options"] = dict(options) if isinstance(options, dict) else options
         self._configure(**config)
 
     def _configure(self, **config: Any) -> None:

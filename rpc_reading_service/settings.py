@@ -8,8 +8,9 @@ naming the parameter instead of failing obscurely (or busy-looping) mid-run.
 from __future__ import annotations
 
 import math
+import types
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 
 from .errors import ConfigurationError
 
@@ -17,6 +18,7 @@ __all__ = [
     "NumberRule",
     "RPC_READING_SERVICE_NUMBERS",
     "RPC_READING_SERVICE_FLAGS",
+    "RPC_READING_SERVICE_KINDS",
     "check_number",
     "check_settings",
 ]
@@ -59,6 +61,32 @@ RPC_READING_SERVICE_NUMBERS = (
 RPC_READING_SERVICE_FLAGS = ("in_order", "pin_memory", "host_store")
 
 
+def _is_key(value: Any) -> bool:
+    return value is None or isinstance(value, (str, bytes))
+
+
+def _is_optional_callable(value: Any) -> bool:
+    return value is None or callable(value)
+
+
+def _is_module_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(module, types.ModuleType) for module in value)
+
+
+def _is_dict(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+#: Settings that are no numbers: (name, check, what is allowed).
+RPC_READING_SERVICE_KINDS = (
+    ("auth_key", _is_key, "a str, bytes or None"),
+    ("worker_init_fn", _is_optional_callable, "a function fn(datapipe, worker_info) or None"),
+    ("worker_reset_fn", _is_optional_callable, "a function fn(datapipe, worker_info, seed_generator) or None"),
+    ("pickle_by_value", _is_module_list, "a list of imported modules, e.g. [my_package.transforms]"),
+    ("transport_options", _is_dict, "a dict of keyword arguments for the transport"),
+)
+
+
 def check_number(rule: NumberRule, value: Any) -> None:
     """Raise :class:`ConfigurationError` unless ``value`` is allowed by ``rule``."""
     if value is None and rule.optional:
@@ -80,11 +108,15 @@ def check_settings(
     config: Mapping[str, Any],
     numbers: Sequence[NumberRule] = RPC_READING_SERVICE_NUMBERS,
     flags: Sequence[str] = RPC_READING_SERVICE_FLAGS,
+    kinds: Sequence[Tuple[str, Callable[[Any], bool], str]] = RPC_READING_SERVICE_KINDS,
 ) -> None:
-    """Check every numeric setting and on/off flag in ``config`` that the tables name."""
+    """Check every numeric setting, on/off flag and typed setting in ``config`` that the tables name."""
     for rule in numbers:
         if rule.name in config:
             check_number(rule, config[rule.name])
     for name in flags:
         if name in config and not isinstance(config[name], bool):
             raise ConfigurationError(f"{name} must be True or False, got {config[name]!r}")
+    for name, allowed, description in kinds:
+        if name in config and not allowed(config[name]):
+            raise ConfigurationError(f"{name} must be {description}, got {config[name]!r}")

@@ -300,3 +300,20 @@ def test_good_numeric_settings_are_accepted():
         discovery_timeout=0.5, in_order=False, pin_memory=False,
     )  # fmt: skip
     assert service.num_workers == 0 and service.in_order is False
+
+
+@pytest.mark.parametrize(
+    "setting, value, allowed",
+    [
+        ("auth_key", 1234, "a str, bytes or None"),
+        ("worker_init_fn", "my_init", "a function fn(datapipe, worker_info) or None"),
+        ("worker_reset_fn", 3, "a function fn(datapipe, worker_info, seed_generator) or None"),
+        ("pickle_by_value", "my_package", "a list of imported modules"),
+        ("pickle_by_value", ["my_package"], "a list of imported modules"),
+        ("transport_options", [("max_frame_bytes", 1)], "a dict of keyword arguments for the transport"),
+    ],
+)
+def test_settings_of_the_wrong_kind_are_refused_at_construction(setting, value, allowed):
+    with pytest.raises(ConfigurationError) as info:
+        RPCReadingService(**{setting: value})
+    assert str(info.value).startswith(f"{setting} must be {allowed}") and repr(value) in str(info.value)
