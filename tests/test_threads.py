@@ -138,3 +138,33 @@ def test_shutdown_from_another_thread_wakes_the_iterating_thread(blocked_iterati
     assert time.monotonic() - start < 5.0
     assert isinstance(first.error, RuntimeError)
     assert "the DataLoader2 was shut down while this iteration waited for items from worker" in str(first.error)
+
+
+@pytest.mark.timeout(60)
+def test_two_threads_starting_together_get_a_whole_epoch_or_a_runtime_error(tmp_path):
+    """Whoever wins, nobody hangs, and nobody gets a partial or duplicated epoch without an error."""
+    gate = tmp_path / "gate"
+    gate.touch()
+    dl = _loader(gate)
+    start = threading.Barrier(2)
+    outcomes: Dict[str, Any] = {}
+
+    def iterate(name: str) -> None:
+        start.wait()
+        try:
+            outcomes[name] = sorted(dl)
+        except RuntimeError as exc:
+            outcomes[name] = exc
+
+    threads = [threading.Thread(target=iterate, args=(name,), name=name, daemon=True) for name in "AB"]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert not any(thread.is_alive() for thread in threads), f"a thread hangs: {outcomes}"
+        for name, outcome in outcomes.items():
+            assert isinstance(outcome, RuntimeError) or outcome == list(range(N)), (name, outcome)
+        assert any(isinstance(outcome, RuntimeError) for outcome in outcomes.values()), outcomes
+    finally:
+        dl.shutdown()
