@@ -9,12 +9,13 @@ skips the consumed items, so the rest of the epoch comes out exactly as it would
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Dict, List, Optional, Tuple
 
 from torchdata.dataloader2.graph import DataPipe, list_dps, traverse_dps
 
 from .errors import ConfigurationError
+from .settings import NumberRule, check_number
 
 __all__ = [
     "CHECKPOINT_VERSION",
@@ -85,15 +86,13 @@ class ReadingServiceState:
             values: Any = json.loads(bytes(data).decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
             raise ConfigurationError(f"not an RPCReadingService checkpoint: {exc}") from exc
-        if not isinstance(values, dict) or values.get("version") != CHECKPOINT_VERSION:
-            version = values.get("version") if isinstance(values, dict) else None
+        version = values.get("version") if isinstance(values, dict) else None
+        if type(version) is not int or version != CHECKPOINT_VERSION:  # not True, which == 1
             raise ConfigurationError(
                 f"checkpoint has version {version!r}, this rpc_reading_service reads version {CHECKPOINT_VERSION}"
             )
-        try:
-            return cls(**values)
-        except TypeError as exc:
-            raise ConfigurationError(f"malformed RPCReadingService checkpoint: {exc}") from exc
+        _check_fields(values)
+        return cls(**values)
 
     def check_compatible(
         self, num_workers: int, graph: List[str], dist_rank: int = 0, dist_world_size: int = 1
@@ -116,3 +115,79 @@ class ReadingServiceState:
                 "checkpoint was taken with a different DataPipe graph "
                 f"({' -> '.join(c.rsplit('.', 1)[-1] for c in self.graph)}); resume with the same graph"
             )
+
+
+#: Positions past this are no position in any shard (and would overflow the worker's counters).
+MAX_POSITION = 2**63 - 1
+_UINT32 = 2**32 - 1
+_SEED_GENERATOR_LENGTHS = {"_seed": 2, "_ctr": 4, "_generated_seeds": 4, "_spawn_seed": 2}
+
+
+def _refuse(field_name: str, problem: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"malformed RPCReadingService checkpoint: field {field_name!r} {problem}. The checkpoint was edited, "
+        "truncated or written by another program: resume from an unmodified state_dict()"
+    )
+
+
+def _check_int(field_name: str, value: Any, minimum: int = 0, maximum: Optional[int] = None) -> int:
+    try:
+        check_number(NumberRule("value", integer=True, minimum=minimum, maximum=maximum), value)
+    except ConfigurationError as exc:
+        raise _refuse(field_name, str(exc).replace("value must", "must", 1)) from None
+    return value
+
+
+def _check_list(field_name: str, value: Any, lengths: Optional[Tuple[int, ...]] = None) -> List[Any]:
+    if not isinstance(value, list):
+        raise _refuse(field_name, f"must be a list, got {value!r} of type {type(value).__name__}")
+    if lengths is not None and len(value) not in lengths:
+        wanted = " or ".join(str(n) for n in lengths)
+        raise _refuse(field_name, f"has {len(value)} entries, expected {wanted}")
+    return value
+
+
+def _check_seed_generator(state: Any) -> None:
+    if not isinstance(state, dict) or set(state) != set(_RNGS):
+        problem = f"must be null or an object with the keys {list(_RNGS)}, got {state!r}"
+        raise _refuse("seed_generator", problem)
+    for rng in _RNGS:
+        engine = state[rng]
+        if not isinstance(engine, dict) or set(engine) != set(_ENGINE_FIELDS):
+            problem = f"must be an object with the keys {list(_ENGINE_FIELDS)}, got {engine!r}"
+            raise _refuse(f"seed_generator.{rng}", problem)
+        for name, length in _SEED_GENERATOR_LENGTHS.items():
+            path = f"seed_generator.{rng}.{name}"
+            if name == "_generated_seeds" and engine[name] is None:
+                continue
+            for index, word in enumerate(_check_list(path, engine[name], (length,))):
+                _check_int(f"{path}[{index}]", word, 0, _UINT32)
+
+
+def _check_fields(values: Dict[str, Any]) -> None:
+    """Refuse a checkpoint with a missing, unknown or out-of-range field, naming the field."""
+    expected = [f.name for f in fields(ReadingServiceState)]
+    missing = [name for name in expected if name not in values]
+    if missing:
+        raise _refuse(missing[0], "is missing")
+    unknown = sorted(set(values) - set(expected))
+    if unknown:
+        raise _refuse(unknown[0], "is not a field of this checkpoint version")
+    num_workers = _check_int("num_workers", values["num_workers"])
+    for index, name in enumerate(_check_list("graph", values["graph"])):
+        if not isinstance(name, str):
+            raise _refuse(f"graph[{index}]", f"must be a DataPipe class name, got {name!r}")
+    _check_int("epoch", values["epoch"])
+    _check_int("epoch_seed", values["epoch_seed"], 0, 2**64 - 1)
+    if not isinstance(values["in_epoch"], bool):
+        raise _refuse("in_epoch", f"must be true or false, got {values['in_epoch']!r}")
+    ranks = max(1, num_workers)  # the trainer's own graph (num_workers=0) has one position
+    # Taken before the first epoch, a checkpoint holds no positions; in an epoch, one per worker.
+    lengths = (ranks,) if values["in_epoch"] else (0, ranks)
+    for rank, position in enumerate(_check_list("consumed", values["consumed"], lengths)):
+        _check_int(f"consumed[{rank}]", position, 0, MAX_POSITION)
+    _check_int("next_rank", values["next_rank"], 0, ranks - 1)
+    world_size = _check_int("dist_world_size", values["dist_world_size"], 1)
+    _check_int("dist_rank", values["dist_rank"], 0, world_size - 1)
+    if values["seed_generator"] is not None:
+        _check_seed_generator(values["seed_generator"])

@@ -43,7 +43,7 @@ class Event:
     """Something a worker channel reports to the consumer."""
 
     channel: "WorkerChannel"
-    kind: str  # "data", "end", "error" or "lost"
+    kind: str  # "data", "end", "error", "lost" or "closed" (the trainer shut the channel down)
     epoch: Optional[int]
     frame: Optional[Frame] = None  # a DATA frame, decoded by the consumer
     error: Optional[BaseException] = None
@@ -150,7 +150,11 @@ class WorkerChannel:
             log.debug("send to %s failed: %s", self.name, exc)
 
     def close(self, timeout: float = 2.0) -> None:
-        """Say CLOSE, close the connection and stop the receiver thread (idempotent)."""
+        """Say CLOSE, close the connection and stop the receiver thread (idempotent).
+
+        A consumer still waiting for this channel's items (another thread) is woken with an
+        error: no frame will come any more.
+        """
         if self._closing:
             return
         self._closing = True
@@ -161,6 +165,11 @@ class WorkerChannel:
         self.conn.close()
         if self._receiver is not None and self._receiver is not threading.current_thread():
             self._receiver.join(timeout)
+        closed = RuntimeError(
+            f"the DataLoader2 was shut down while this iteration waited for items from {self.name} "
+            "(dl.shutdown() or an error in another thread); start a new DataLoader2 to go on"
+        )
+        self.queue.put(Event(self, "closed", None, error=closed))
 
     # -- receiver thread ------------------------------------------------------------------------
     def _lost(self, message: str) -> None:
@@ -247,14 +256,14 @@ def _next_frame(event_source: "queue.SimpleQueue[Event]", progress: EpochProgres
     epoch = progress.epoch
     while True:
         event = progress.wait(event_source, stats)
-        if event.kind == "lost" or event.epoch == epoch:
+        if event.kind in ("lost", "closed") or event.epoch == epoch:
             return event
         # A stale frame of an abandoned epoch: drop it.
 
 
 def _take(event: Event, epoch: int) -> List[Any]:
     """Return the unpickled items of a current-epoch event, raising for errors and lost workers."""
-    if event.kind in ("error", "lost"):
+    if event.kind in ("error", "lost", "closed"):
         assert event.error is not None
         raise event.error
     if event.kind == "data":

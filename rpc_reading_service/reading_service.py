@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
 import logging
+import os
 import queue
 import threading
 import types
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 from torchdata.dataloader2.graph import DataPipe, list_dps, set_graph_random_seed, traverse_dps
@@ -35,6 +40,7 @@ from .keys import new_auth_key
 from .cache.config import parse_size
 from .local_fleet import DEFAULT_LOCAL_CACHE_BYTES, LocalWorkerServer
 from .serialization import buffer_allocator, dumps_graph
+from .settings import check_settings
 from .stats import ReadingServiceStats, WorkerStats
 from .transports import available_transports, create_transport
 from .transports.base import PeerLostError
@@ -113,6 +119,99 @@ def _shutdown_trainer_side(dp: DataPipe, timeout: float = 10.0) -> None:
         log.warning("shutting down trainer-side %s failed", type(dp).__name__, exc_info=True)
 
 
+class _OneIterationAtATime:
+    """Refuses a second thread that starts or steps an iteration while one thread is in one.
+
+    DataLoader2 serves one iterator at a time but does not lock: two threads iterating one
+    DataLoader2 would share the workers' streams (one thread receiving both threads' items,
+    the other waiting forever). Holding this guard while setting up an epoch and while taking
+    each item makes the second thread fail at once instead. Sequential use from any number
+    of threads (a new epoch after an abandoned one, an iterator handed to another thread) is
+    not affected: the guard is only held inside those calls.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()  # reentrant: restore() calls initialize()
+        self.depth = 0  # only the holding thread touches it
+        self.holder: Optional[int] = None  # its threading.get_ident()
+        self.doing = ""
+
+    def acquire(self, doing: str) -> None:
+        """Take the guard for ``doing`` (e.g. ``"starting an epoch"``) or :meth:`refuse`."""
+        if not self.lock.acquire(blocking=False):
+            self.refuse(doing)
+        self.depth += 1
+        if self.depth == 1:
+            self.holder, self.doing = threading.get_ident(), doing
+
+    def release(self) -> None:
+        """Give the guard back (the outermost release of a thread frees it)."""
+        self.depth -= 1
+        if self.depth == 0:
+            self.holder = None
+        self.lock.release()
+
+    def refuse(self, doing: str) -> NoReturn:
+        """Raise the ``RuntimeError`` that names both threads and what they are doing."""
+        names = {thread.ident: thread.name for thread in threading.enumerate()}
+        raise RuntimeError(
+            f"two threads use one DataLoader2 at once: thread {threading.current_thread().name!r} is {doing} "
+            f"while thread {names.get(self.holder, '?')!r} is {self.doing}. A DataLoader2 serves one "
+            "iteration at a time: give each thread its own DataLoader2, or share one iterator behind a lock"
+        )
+
+    @contextlib.contextmanager
+    def held(self, doing: str) -> Iterator[None]:
+        """Hold the guard for the ``with`` block."""
+        self.acquire(doing)
+        try:
+            yield
+        finally:
+            self.release()
+
+
+def _exclusive(doing: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run a method of RPCReadingService holding its :class:`_OneIterationAtATime` guard."""
+
+    def decorate(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def exclusive(self: "RPCReadingService", *args: Any, **kwargs: Any) -> Any:
+            with self._guard.held(doing):
+                return method(self, *args, **kwargs)
+
+        return exclusive
+
+    return decorate
+
+
+def _close_channels(channels: Sequence[WorkerChannel]) -> None:
+    """Close every channel, in parallel; one by one at interpreter exit, when
+    ``concurrent.futures`` no longer schedules work ("cannot schedule new futures")."""
+    try:
+        with ThreadPoolExecutor(max_workers=min(32, len(channels))) as pool:
+            list(pool.map(lambda channel: channel.close(), channels))
+    except RuntimeError:
+        for channel in channels:
+            channel.close()  # idempotent: the ones closed above return at once
+
+
+#: Reading services with workers that have not been finalized, and the process that owns them.
+_unfinalized: "weakref.WeakKeyDictionary[RPCReadingService, int]" = weakref.WeakKeyDictionary()
+
+
+@atexit.register
+def _finalize_at_exit() -> None:
+    """Stop the workers of every reading service still running when the interpreter exits.
+
+    DataLoader2 finalizes its reading service in ``shutdown()`` or ``__del__``; a script that
+    never calls ``shutdown()`` leaves that to ``__del__``, which runs late in interpreter
+    shutdown or never (reference cycles), so local workers would outlive the trainer.
+    """
+    for service, owner in list(_unfinalized.items()):
+        if owner == os.getpid():  # not in a forked child that inherited the trainer's memory
+            service.finalize()
+
+
 def _rebuild_service(config: bytes) -> "RPCReadingService":
     service = RPCReadingService.__new__(RPCReadingService)
     service._configure(**cloudpickle.loads(config))
@@ -150,8 +249,10 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             server, or a new local server) from the same seed, skipping the items already
             delivered, so the epoch yields exactly the items of a fault-free run. This
             needs a graph that is deterministic given the seed.
-        max_reassignments: How often one worker's shard may be replayed in a run before
-            giving up (a graph that kills its process at the same item every time).
+        max_reassignments: How often one worker's shard may be replayed from the same
+            position within an epoch before giving up (a graph that kills its process at
+            the same item every time). Counted afresh every epoch; a replay that gets
+            further starts a new count, so unrelated faults never add up.
         item_timeout: Seconds one worker may spend producing one item (default ``None``: no
             limit). Past it the worker ends its session and the trainer raises
             :class:`~rpc_reading_service.errors.ItemTimeoutError` with the item's position and
@@ -224,8 +325,11 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         config = dict(locals())  # exactly the parameters above, so the two cannot drift apart
         del config["self"]
         config["worker_addresses"] = list(worker_addresses) if worker_addresses is not None else None
-        config["pickle_by_value"] = list(pickle_by_value)
-        config["transport_options"] = dict(transport_options or {})
+        # Copies (the caller may change theirs); anything else is left for _configure to refuse.
+        if not isinstance(pickle_by_value, (str, bytes)):
+            config["pickle_by_value"] = list(pickle_by_value)
+        options = transport_options or {}
+        config["transport_options"] = dict(options) if isinstance(options, dict) else options
         self._configure(**config)
 
     def _configure(self, **config: Any) -> None:
@@ -233,15 +337,12 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         self._config = config
         num_workers = config["num_workers"]
         addresses = config["worker_addresses"]
-        if not isinstance(num_workers, int) or num_workers < 0:
-            raise ConfigurationError(f"num_workers must be an int >= 0, got {num_workers!r}")
+        check_settings(config)
         if addresses is not None:
             if not addresses:
                 raise ConfigurationError("worker_addresses is empty: give at least one 'host:port'")
             for address in addresses:
                 parse_address(address)
-        if config["prefetch"] < 1:
-            raise ConfigurationError(f"prefetch must be >= 1 frame per worker, got {config['prefetch']}")
         if config["timeout"] <= config["heartbeat_interval"]:
             raise ConfigurationError(
                 f"timeout ({config['timeout']} s) must exceed heartbeat_interval ({config['heartbeat_interval']} s)"
@@ -252,9 +353,6 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             raise ConfigurationError(
                 f"on_worker_failure must be 'raise' or 'reassign', got {config['on_worker_failure']!r}"
             )
-        item_timeout = config.get("item_timeout")
-        if item_timeout is not None and not (isinstance(item_timeout, (int, float)) and 0 < item_timeout < float("inf")):
-            raise ConfigurationError(f"item_timeout must be a positive number of seconds or None, got {item_timeout!r}")
         if config["transport"] not in available_transports():
             raise ConfigurationError(
                 f"unknown transport {config['transport']!r}; available transports: {', '.join(available_transports())}"
@@ -293,9 +391,11 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         self._resume_state: Optional[ReadingServiceState] = None
         self._seed_generator: Optional[SeedGenerator] = None
         self._fingerprint: List[str] = []
-        self._reassignments: Dict[int, int] = {}
+        #: Worker losses this epoch by (rank, items of its shard the trainer had): see _replace_worker.
+        self._reassignments: Dict[Tuple[int, int], int] = {}
         self._finalized = False
         self._lock = threading.Lock()
+        self._guard = _OneIterationAtATime()
 
     def __reduce__(self) -> Any:
         if self._channels or self._local_server is not None:
@@ -304,6 +404,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         return _rebuild_service, (cloudpickle.dumps(self._config),)
 
     # -- ReadingServiceInterface ----------------------------------------------------------------
+    @_exclusive("setting up the workers")
     def initialize(self, datapipe: DataPipe) -> DataPipe:
         """Ship the graph to the workers and return the trainer's graph that streams from them."""
         self._fingerprint = graph_fingerprint(datapipe)
@@ -323,6 +424,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
                 import torch.distributed as dist
 
                 self._seed_group = dist.new_group(backend="gloo")
+            _unfinalized[self] = os.getpid()
             self._connect(graph)
         except BaseException:
             self.finalize()
@@ -416,15 +518,23 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         """
         rank, progress = lost.rank, self._progress
         assert progress is not None
-        self._reassignments[rank] = self._reassignments.get(rank, 0) + 1
-        if self._reassignments[rank] > self._config["max_reassignments"]:
+        # Losses at one position of one shard, this epoch: a replay that gets further is progress
+        # (unrelated faults), one that dies at the same place again points at the graph.
+        position, limit = progress.consumed[rank], self._config["max_reassignments"]
+        losses = self._reassignments[(rank, position)] = self._reassignments.get((rank, position), 0) + 1
+        if losses > limit:
             raise WorkerLostError(
-                f"{error} -- gave up after replaying worker {rank}'s shard {self._config['max_reassignments']} times "
-                "(does the graph crash its process at the same item every time?)",
+                f"{error} -- gave up: worker {rank}'s shard was lost {losses} times in this epoch with the trainer "
+                f"at the same position (after {position} of its items), and max_reassignments={limit} allows "
+                f"{limit} replays from one position. Does the graph crash its process at that item every time? "
+                "on_worker_failure='raise' shows the first loss",
                 rank,
                 lost.address,
             ) from error
-        log.warning("%s; replaying its shard from item %d on a new session", error, progress.consumed[rank])
+        log.warning(
+            "%s; replaying its shard from item %d on a new session (replay %d of %d from there this epoch)",
+            error, position, losses, limit,
+        )  # fmt: skip
         lost.close(timeout=0.5)
         if self._local_server is not None and not self._local_server.alive():
             self._local_server.stop()
@@ -451,12 +561,14 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             return channel
         raise WorkerLostError(f"{error}; no server could take over its shard: {'; '.join(failures)}", rank, lost.address) from error
 
+    @_exclusive("starting an epoch")
     def initialize_iteration(
         self, seed_generator: SeedGenerator, iter_reset_fn: Optional[Callable[[DataPipe], DataPipe]] = None
     ) -> Optional[Callable[[DataPipe], DataPipe]]:
         """Start an epoch on every worker with a fresh shared seed."""
         assert self._end_datapipe is not None, "initialize() must run first"
         self._seed_generator = seed_generator  # DataLoader2's own: checkpoint() records its state
+        self._reassignments.clear()  # max_reassignments counts within one epoch
         resume, self._resume_state = self._resume_state, None
         if resume is not None:
             # Continue the checkpointed epoch: its seed, and skip what was consumed.
@@ -494,11 +606,40 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         progress = self._progress
         assert progress is not None, "initialize_iteration() must run first"
         if self._in_process_graph is not None:
-            return self._iterate_in_process(progress)
+            return self._one_step_at_a_time(self._iterate_in_process(progress), progress)
         replace = self._replace_worker if self._config["on_worker_failure"] == "reassign" else None
         if self.in_order:
-            return iterate_in_order(self._channels, progress, replace)
-        return iterate_as_completed(self._channels, self._events, progress, replace)
+            items = iterate_in_order(self._channels, progress, replace)
+        else:
+            items = iterate_as_completed(self._channels, self._events, progress, replace)
+        return self._one_step_at_a_time(items, progress)
+
+    def _one_step_at_a_time(self, items: Iterator[Any], progress: EpochProgress) -> Iterator[Any]:
+        """``items``, each taken holding the guard, and only while their epoch is the current one.
+
+        An iterator of an epoch that a newer one superseded must not take the newer epoch's
+        frames from the shared queues: that would lose them for its own iterator.
+        """
+        guard, get_ident = self._guard, threading.get_ident
+        lock, doing = guard.lock, "taking an item"
+        while True:
+            # guard.acquire()/release() inlined: this runs once per item.
+            if not lock.acquire(False):
+                guard.refuse(doing)
+            guard.depth, guard.holder, guard.doing = 1, get_ident(), doing
+            try:
+                if progress is not self._progress:
+                    raise RuntimeError(
+                        "this iterator of a DataLoader2 was invalidated because a newer iteration of the same "
+                        "DataLoader2 started a new epoch; iterate the newest iterator only"
+                    )
+                item = next(items)
+            except StopIteration:
+                return
+            finally:
+                guard.depth, guard.holder = 0, None
+                lock.release()
+            yield item
 
     def _iterate_in_process(self, progress: EpochProgress) -> Iterator[Any]:
         skip = progress.consumed[0]
@@ -531,6 +672,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         )
         return state.to_bytes()
 
+    @_exclusive("restoring a checkpoint")
     def restore(self, datapipe: DataPipe, serialized_state: bytes) -> DataPipe:
         """Initialise from a checkpoint; the next epoch continues the checkpointed one."""
         state = ReadingServiceState.from_bytes(serialized_state)
@@ -552,6 +694,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             if self._finalized:
                 return
             self._finalized = True
+        _unfinalized.pop(self, None)
         if isinstance(self._end_datapipe, _DeliveryCounter):
             # Stop trainer-side threads (fullsync's prefetcher) while the workers still answer.
             for dp in self._trainer_side_dps():
@@ -559,8 +702,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
                     _shutdown_trainer_side(dp)
         channels, self._channels = self._channels, []
         if channels:
-            with ThreadPoolExecutor(max_workers=min(32, len(channels))) as pool:
-                list(pool.map(lambda channel: channel.close(), channels))
+            _close_channels(channels)
         if self._local_server is not None:
             self._local_server.stop()
             self._local_server = None
@@ -626,7 +768,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         ]
         items = sum(progress.consumed)
         return ReadingServiceStats(
-            epoch=progress.epoch,
+            epoch=progress.epoch - 1,  # counted from 1 on the wire; users count from 0 (range(epochs))
             elapsed_seconds=elapsed,
             items=items,
             items_per_second=items / elapsed,

@@ -3,12 +3,15 @@
 The data stall is the share of the trainer's wall time spent waiting for the next item
 from the workers. Near 0, the workers keep up and more of them would not help; near 1,
 the trainer starves and more workers (or cheaper preprocessing) would help.
+
+``print(rs.stats())`` shows the summary line and a table with one line per worker.
+Epochs are numbered from 0, as in ``for epoch in range(n): for batch in dl: ...``.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 __all__ = ["WorkerStats", "ReadingServiceStats"]
 
@@ -33,6 +36,7 @@ class WorkerStats:
 class ReadingServiceStats:
     """Trainer-side statistics of the current (or last) epoch."""
 
+    #: 0 for the first epoch of this DataLoader2, 1 for the second, ...
     epoch: int
     elapsed_seconds: float
     items: int
@@ -51,3 +55,37 @@ class ReadingServiceStats:
             f"epoch {self.epoch}: {self.items} items in {self.elapsed_seconds:.1f} s "
             f"({self.items_per_second:,.0f} items/s), data stall {self.data_stall:.0%}"
         )
+
+    def table(self) -> str:
+        """One line per worker: rank, address, items, items/s, wait, queue depth and pid."""
+        rows = [_WORKER_COLUMNS] + [
+            (
+                str(w.rank),
+                w.address,
+                f"{w.items_consumed:,}",
+                f"{w.items_per_second:,.0f}",
+                f"{w.wait_seconds:.2f}",
+                str(w.queue_depth),
+                "-" if w.pid is None else str(w.pid),
+            )
+            for w in self.workers
+        ]
+        widths = [max(len(row[column]) for row in rows) for column in range(len(_WORKER_COLUMNS))]
+        return "\n".join(_format_row(row, widths) for row in rows)
+
+    def __str__(self) -> str:
+        if not self.workers:
+            return self.summary()
+        return f"{self.summary()}\n{self.table()}"
+
+
+_WORKER_COLUMNS = ("rank", "address", "items", "items/s", "wait s", "queue", "pid")
+_TEXT_COLUMNS = {"address"}  # left-aligned; numbers are right-aligned
+
+
+def _format_row(row: Sequence[str], widths: Sequence[int]) -> str:
+    cells = (
+        cell.ljust(width) if name in _TEXT_COLUMNS else cell.rjust(width)
+        for name, cell, width in zip(_WORKER_COLUMNS, row, widths)
+    )
+    return "  ".join(cells).rstrip()

@@ -347,3 +347,118 @@ def test_positions_give_back_items_not_yet_delivered():
     progress.delivered = 5  # a trainer-side DataPipe that makes items: cannot be checkpointed
     with pytest.raises(RuntimeError, match="one for one"):
         progress.positions()
+
+
+# -- tampered checkpoints: refused naming the field, never IndexError/KeyError or wrong counts --------
+def _good_state_values() -> dict:
+    from torchdata.dataloader2.random import SeedGenerator
+
+    from rpc_reading_service.checkpoint import seed_generator_state
+
+    generator = SeedGenerator(SEED)
+    generator.generate_shared_seed()
+    state = ReadingServiceState(
+        num_workers=3, graph=["a.B", "c.D"], epoch=2, epoch_seed=99, consumed=[4, 3, 3], next_rank=1,
+        in_epoch=True, seed_generator=seed_generator_state(generator),
+    )  # fmt: skip
+    return json.loads(state.to_bytes())
+
+
+def _set(values: dict, path: str, value: Any) -> dict:
+    """``values`` with the entry at ``path`` (``a.b.2``) replaced, or deleted when ``value`` is DELETE."""
+    *parents, last = path.split(".")
+    target = values
+    for key in parents:
+        target = target[int(key)] if isinstance(target, list) else target[key]
+    if value is DELETE:
+        del target[last]
+    elif isinstance(target, list):
+        target[int(last)] = value
+    else:
+        target[last] = value
+    return values
+
+
+DELETE = object()
+TAMPERED = {
+    "consumed too short": ("consumed", [4, 3], "'consumed' has 2 entries, expected 3"),
+    "consumed too long": ("consumed", [4, 3, 3, 0], "'consumed' has 4 entries, expected 3"),
+    "consumed not a list": ("consumed", {"0": 4}, "'consumed' must be a list"),
+    "negative position": ("consumed.1", -3, f"'consumed[1]' must be an int >= 0 and <= {2**63 - 1}, got -3"),
+    "huge position": ("consumed.2", 10**30, f"'consumed[2]' must be an int >= 0 and <= {2**63 - 1}"),
+    "position as float": ("consumed.0", 4.0, "'consumed[0]' must be an int >= 0"),
+    "position as string": ("consumed.0", "4", "'consumed[0]' must be an int >= 0"),
+    "position as bool": ("consumed.0", True, "'consumed[0]' must be an int >= 0"),
+    "next_rank past the workers": ("next_rank", 3, "'next_rank' must be an int >= 0 and <= 2, got 3"),
+    "negative epoch": ("epoch", -1, "'epoch' must be an int >= 0, got -1"),
+    "seed too large": ("epoch_seed", 2**64, f"'epoch_seed' must be an int >= 0 and <= {2**64 - 1}"),
+    "num_workers as string": ("num_workers", "3", "'num_workers' must be an int >= 0"),
+    "in_epoch as int": ("in_epoch", 1, "'in_epoch' must be true or false, got 1"),
+    "graph not a list": ("graph", "a.B", "'graph' must be a list"),
+    "graph entry not a string": ("graph.0", 7, "'graph[0]' must be a DataPipe class name, got 7"),
+    "dist_rank past the world": ("dist_rank", 1, "'dist_rank' must be an int >= 0 and <= 0, got 1"),
+    "dist_world_size zero": ("dist_world_size", 0, "'dist_world_size' must be an int >= 1, got 0"),
+    "missing field": ("consumed", DELETE, "'consumed' is missing"),
+    "missing num_workers": ("num_workers", DELETE, "'num_workers' is missing"),
+    "unknown field": ("surprise", 1, "'surprise' is not a field of this checkpoint version"),
+    "seed generator not an object": ("seed_generator", [1, 2], "'seed_generator' must be null or an object"),
+    "seed generator without an rng": (
+        "seed_generator._worker_rng", DELETE, "'seed_generator' must be null or an object"
+    ),
+    "seed generator engine field missing": (
+        "seed_generator._shared_rng._ctr", DELETE, "'seed_generator._shared_rng' must be an object with the keys"
+    ),
+    "seed generator counter too short": (
+        "seed_generator._shared_rng._ctr", [1, 0], "'seed_generator._shared_rng._ctr' has 2 entries, expected 4"
+    ),
+    "seed generator word too large": (
+        "seed_generator._worker_rng._seed.0", 2**32,
+        f"'seed_generator._worker_rng._seed[0]' must be an int >= 0 and <= {2**32 - 1}",
+    ),
+    "seed generator word a string": (
+        "seed_generator._worker_rng._spawn_seed.1", "x",
+        "'seed_generator._worker_rng._spawn_seed[1]' must be an int",
+    ),
+}
+
+
+def test_the_untampered_state_round_trips():
+    values = _good_state_values()
+    state = ReadingServiceState.from_bytes(json.dumps(values).encode())
+    assert state.to_bytes() == json.dumps(values, sort_keys=True).encode()
+    before_any_epoch = ReadingServiceState(num_workers=3, graph=[])
+    assert ReadingServiceState.from_bytes(before_any_epoch.to_bytes()) == before_any_epoch  # no positions yet
+    in_process = ReadingServiceState(num_workers=0, graph=["a.B"], epoch=1, consumed=[5], in_epoch=True)
+    assert ReadingServiceState.from_bytes(in_process.to_bytes()) == in_process  # one position: the trainer's
+
+
+@pytest.mark.parametrize("case", list(TAMPERED), ids=list(TAMPERED))
+def test_tampered_fields_are_refused_naming_the_field(case):
+    path, value, expected = TAMPERED[case]
+    data = json.dumps(_set(_good_state_values(), path, value)).encode()
+    with pytest.raises(ConfigurationError) as info:
+        ReadingServiceState.from_bytes(data)
+    message = str(info.value)
+    assert message.startswith("malformed RPCReadingService checkpoint: field ") and expected in message, message
+    assert "resume from an unmodified state_dict()" in message
+
+
+def test_version_must_be_the_int_this_package_reads():
+    for version in (True, "1", 1.0, None):
+        values = _set(_good_state_values(), "version", version)
+        expected = f"checkpoint has version {version!r}, this rpc_reading_service"
+        with pytest.raises(ConfigurationError, match=expected):
+            ReadingServiceState.from_bytes(json.dumps(values).encode())
+
+
+@pytest.mark.timeout(60)
+def test_tampered_positions_are_refused_before_any_worker_starts(rs_factory, worker_server):
+    """Through DataLoader2.from_state: the error comes from restore(), naming the field."""
+    state = _state_of(lambda: rs_factory(3), make_graph())
+    values = json.loads(state[RS_STATE])
+    values["consumed"] = values["consumed"][:2]  # one worker's position dropped
+    tampered = dict(state, **{RS_STATE: json.dumps(values).encode()})
+    sessions_before = set(worker_server.session_pids())
+    with pytest.raises(ConfigurationError, match="field 'consumed' has 2 entries, expected 3"):
+        _resume(tampered, rs_factory(3))
+    assert set(worker_server.session_pids()) <= sessions_before  # refused before any session started

@@ -250,3 +250,70 @@ def test_package_version_mismatch_with_the_same_protocol_warns_both_sides(fresh_
     assert f"worker at {server.address} runs rpc_reading_service 0.0.9, this trainer {__version__}" in caplog.text
     assert "install the same version on both" in caplog.text
     assert f"runs rpc_reading_service {__version__}, this worker 0.0.9" in server.stderr()
+
+
+# -- numeric and on/off settings: refused at construction, naming the parameter ---------------------
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    "setting, value, allowed",
+    [
+        ("timeout", INF, "a finite number > 0 (seconds)"),
+        ("timeout", NAN, "a finite number > 0 (seconds)"),
+        ("timeout", -1.0, "a finite number > 0 (seconds)"),
+        ("timeout", "10", "a finite number > 0 (seconds)"),
+        ("heartbeat_interval", 0, "a finite number > 0 (seconds)"),
+        ("heartbeat_interval", -0.5, "a finite number > 0 (seconds)"),
+        ("heartbeat_interval", NAN, "a finite number > 0 (seconds)"),
+        ("connect_timeout", 0.0, "a finite number > 0 (seconds)"),
+        ("connect_timeout", INF, "a finite number > 0 (seconds)"),
+        ("discovery_timeout", NAN, "a finite number > 0 (seconds)"),
+        ("discovery_timeout", -INF, "a finite number > 0 (seconds)"),
+        ("prefetch", 0, "an int >= 1 (frames per worker)"),
+        ("prefetch", 2.5, "an int >= 1 (frames per worker)"),
+        ("prefetch", True, "an int >= 1 (frames per worker)"),
+        ("max_reassignments", -1, "an int >= 0"),
+        ("max_reassignments", INF, "an int >= 0"),
+        ("num_workers", -2, "an int >= 0"),
+        ("num_workers", 2.0, "an int >= 0"),
+        ("num_workers", None, "an int >= 0"),
+        ("min_workers", 0, "an int >= 1 or None"),
+        ("min_workers", NAN, "an int >= 1 or None"),
+    ],
+)
+def test_bad_numeric_settings_are_refused_at_construction(setting, value, allowed):
+    with pytest.raises(ConfigurationError) as info:
+        RPCReadingService(**{setting: value})
+    assert str(info.value).startswith(f"{setting} must be {allowed}, got {value!r}")
+
+
+@pytest.mark.parametrize("setting", ["in_order", "pin_memory", "host_store"])
+def test_flags_must_be_booleans(setting):
+    with pytest.raises(ConfigurationError, match=f"^{setting} must be True or False, got 'no'$"):
+        RPCReadingService(**{setting: "no"})
+
+
+def test_good_numeric_settings_are_accepted():
+    service = RPCReadingService(
+        timeout=2, heartbeat_interval=0.25, connect_timeout=1e6, prefetch=1, max_reassignments=0,
+        discovery_timeout=0.5, in_order=False, pin_memory=False,
+    )  # fmt: skip
+    assert service.num_workers == 0 and service.in_order is False
+
+
+@pytest.mark.parametrize(
+    "setting, value, allowed",
+    [
+        ("auth_key", 1234, "a str, bytes or None"),
+        ("worker_init_fn", "my_init", "a function fn(datapipe, worker_info) or None"),
+        ("worker_reset_fn", 3, "a function fn(datapipe, worker_info, seed_generator) or None"),
+        ("pickle_by_value", "my_package", "a list of imported modules"),
+        ("pickle_by_value", ["my_package"], "a list of imported modules"),
+        ("transport_options", [("max_frame_bytes", 1)], "a dict of keyword arguments for the transport"),
+    ],
+)
+def test_settings_of_the_wrong_kind_are_refused_at_construction(setting, value, allowed):
+    with pytest.raises(ConfigurationError) as info:
+        RPCReadingService(**{setting: value})
+    assert str(info.value).startswith(f"{setting} must be {allowed}") and repr(value) in str(info.value)

@@ -360,8 +360,37 @@ def test_reassign_gives_up_on_a_graph_that_kills_its_process_every_time():
     assert time.monotonic() - start < 15
     error = info.value
     assert error.rank == 17 % 3
-    assert "gave up after replaying worker 2's shard 2 times" in str(error)
-    assert "same item every time" in str(error)
+    message = str(error)
+    position = int(re.search(r"after (\d+) of its items", message).group(1))
+    assert 0 <= position <= 17 // 3  # the poison item is worker 2's item 5
+    assert "gave up: worker 2's shard was lost 3 times in this epoch with the trainer at the same position" in message
+    assert "max_reassignments=2 allows 2 replays from one position" in message
+    assert "crash its process at that item every time" in message
+    _wait_dead([server_pid, *pids])
+
+
+@pytest.mark.timeout(30)
+def test_unrelated_losses_in_successive_epochs_do_not_add_up(caplog):
+    """One loss of worker 1 in each of four epochs: each epoch counts its own (max_reassignments=3)."""
+    caplog.set_level(logging.WARNING, logger="rpc_reading_service.reading_service")
+    dl = _local_loader(on_worker_failure="reassign")
+    victims = _Victims()
+    pids: List[Optional[int]] = []
+    try:
+        server_pid = dl.reading_service._local_server.pid if dl.reading_service._local_server else None
+        for epoch in range(4):
+            strike = _epoch_with_fault(dl, "mid-epoch", "SIGKILL", victims)
+            assert strike.error is None, f"epoch {epoch}: {strike.error}"
+            ids = [x for x, _ in strike.items]
+            assert len(ids) == len(set(ids)) == EPOCH_ITEMS, f"epoch {epoch}: items lost or duplicated"
+            pids += strike.pids
+            server_pid = strike.server_pid
+        pids += _pids(dl)
+    finally:
+        victims.cleanup()
+        dl.shutdown()
+    replays = re.findall(r"worker 1 \(.*replaying its shard from item \d+ .*\(replay (\d+) of 3", caplog.text)
+    assert replays == ["1", "1", "1", "1"], caplog.text  # a fresh count every epoch
     _wait_dead([server_pid, *pids])
 
 

@@ -18,6 +18,23 @@ def sleepy(x: int) -> int:
     return x
 
 
+def _assert_table(stats) -> None:
+    """``str(stats)``: the summary line, a header, then one aligned line per worker."""
+    lines = str(stats).splitlines()
+    assert lines[0] == stats.summary()
+    assert lines[1].split() == ["rank", "address", "items", "items/s", "wait", "s", "queue", "pid"]
+    assert len(lines) == 2 + len(stats.workers)
+    for line, worker in zip(lines[2:], stats.workers):
+        rank, address, items, rate, wait, queue, pid = line.split()
+        assert (int(rank), address, int(items.replace(",", "")), int(pid)) == (
+            worker.rank, worker.address, worker.items_consumed, worker.pid,
+        )  # fmt: skip
+        assert float(rate.replace(",", "")) == pytest.approx(worker.items_per_second, abs=0.5)
+        assert float(wait) == pytest.approx(worker.wait_seconds, abs=0.005) and int(queue) == worker.queue_depth
+    # Aligned: the last column (pid) is right-aligned, so the header and every row end together.
+    assert len({len(line) for line in lines[1:]}) == 1, lines
+
+
 @pytest.mark.timeout(60)
 def test_counts_add_up_to_the_epoch_and_pids_are_the_session_processes(worker_server):
     addresses = [worker_server.address] * 3
@@ -29,7 +46,7 @@ def test_counts_add_up_to_the_epoch_and_pids_are_the_session_processes(worker_se
         for _ in range(50):
             next(it)
         mid = dl.reading_service.stats()
-        assert mid.epoch == 1 and mid.items == 50 == sum(w.items_consumed for w in mid.workers)
+        assert mid.epoch == 0 and mid.items == 50  # the first epoch, as in range(epochs) == sum(w.items_consumed for w in mid.workers)
         rest = list(it)
         assert len(rest) == 150
         first = dl.reading_service.stats()
@@ -39,7 +56,7 @@ def test_counts_add_up_to_the_epoch_and_pids_are_the_session_processes(worker_se
     finally:
         dl.shutdown()
 
-    for stats, epoch in ((first, 1), (second, 2)):
+    for stats, epoch in ((first, 0), (second, 1)):
         assert stats.epoch == epoch
         assert stats.items == 200  # this epoch's, not the run's
         assert [w.rank for w in stats.workers] == [0, 1, 2]
@@ -54,6 +71,7 @@ def test_counts_add_up_to_the_epoch_and_pids_are_the_session_processes(worker_se
         summary = stats.summary()
         assert "\n" not in summary and f"epoch {epoch}: 200 items" in summary and "data stall" in summary
         assert stats.as_dict()["workers"][0]["items_consumed"] == 67
+        _assert_table(stats)
     # pid: each worker's own session process on the server, the same in every epoch.
     pids = [w.pid for w in first.workers]
     assert pids == [w.pid for w in second.workers]

@@ -1,0 +1,123 @@
+"""Checks of the numeric and on/off settings of :class:`~rpc_reading_service.RPCReadingService`.
+
+One table says what each setting allows; :func:`check_settings` applies it once, at
+construction, so that ``timeout=float("nan")`` or ``prefetch=0`` is refused with a message
+naming the parameter instead of failing obscurely (or busy-looping) mid-run.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
+
+from .errors import ConfigurationError
+
+__all__ = [
+    "NumberRule",
+    "RPC_READING_SERVICE_NUMBERS",
+    "RPC_READING_SERVICE_FLAGS",
+    "RPC_READING_SERVICE_KINDS",
+    "check_number",
+    "check_settings",
+]
+
+
+@dataclass(frozen=True)
+class NumberRule:
+    """What one numeric setting allows: an int or a finite float, at least (or above) ``minimum``."""
+
+    name: str
+    integer: bool
+    minimum: float
+    #: The value must be strictly greater than ``minimum`` (seconds that must not be zero).
+    exclusive: bool = False
+    #: ``None`` is allowed (the setting is off or derived).
+    optional: bool = False
+    unit: str = ""
+    maximum: Optional[float] = None
+
+    def allowed(self) -> str:
+        """The allowed values in words, e.g. ``an int >= 1`` or ``a finite number > 0 (seconds)``."""
+        kind = "an int" if self.integer else "a finite number"
+        bound = f"{'>' if self.exclusive else '>='} {self.minimum}"
+        if self.maximum is not None:
+            bound += f" and <= {self.maximum}"
+        unit = f" ({self.unit})" if self.unit else ""
+        return f"{kind} {bound}{unit}{' or None' if self.optional else ''}"
+
+
+RPC_READING_SERVICE_NUMBERS = (
+    NumberRule("num_workers", integer=True, minimum=0),
+    NumberRule("prefetch", integer=True, minimum=1, unit="frames per worker"),
+    NumberRule("max_reassignments", integer=True, minimum=0),
+    NumberRule("min_workers", integer=True, minimum=1, optional=True),
+    NumberRule("timeout", integer=False, minimum=0, exclusive=True, unit="seconds"),
+    NumberRule("connect_timeout", integer=False, minimum=0, exclusive=True, unit="seconds"),
+    NumberRule("heartbeat_interval", integer=False, minimum=0, exclusive=True, unit="seconds"),
+    NumberRule("discovery_timeout", integer=False, minimum=0, exclusive=True, unit="seconds"),
+    NumberRule("item_timeout", integer=False, minimum=0, exclusive=True, optional=True, unit="seconds"),
+)
+RPC_READING_SERVICE_FLAGS = ("in_order", "pin_memory", "host_store")
+
+
+def _is_key(value: Any) -> bool:
+    return value is None or isinstance(value, (str, bytes))
+
+
+def _is_optional_callable(value: Any) -> bool:
+    return value is None or callable(value)
+
+
+def _is_module_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(module, types.ModuleType) for module in value)
+
+
+def _is_dict(value: Any) -> bool:
+    return isinstance(value, dict)
+
+
+#: Settings that are no numbers: (name, check, what is allowed).
+RPC_READING_SERVICE_KINDS = (
+    ("auth_key", _is_key, "a str, bytes or None"),
+    ("worker_init_fn", _is_optional_callable, "a function fn(datapipe, worker_info) or None"),
+    ("worker_reset_fn", _is_optional_callable, "a function fn(datapipe, worker_info, seed_generator) or None"),
+    ("pickle_by_value", _is_module_list, "a list of imported modules, e.g. [my_package.transforms]"),
+    ("transport_options", _is_dict, "a dict of keyword arguments for the transport"),
+)
+
+
+def check_number(rule: NumberRule, value: Any) -> None:
+    """Raise :class:`ConfigurationError` unless ``value`` is allowed by ``rule``."""
+    if value is None and rule.optional:
+        return
+    # bool is an int subclass, but True is no count of workers or seconds.
+    numeric = isinstance(value, int) if rule.integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not numeric:
+        raise ConfigurationError(
+            f"{rule.name} must be {rule.allowed()}, got {value!r} of type {type(value).__name__}"
+        )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigurationError(f"{rule.name} must be {rule.allowed()}, got {value!r}")
+    too_big = rule.maximum is not None and value > rule.maximum
+    if value < rule.minimum or (rule.exclusive and value == rule.minimum) or too_big:
+        raise ConfigurationError(f"{rule.name} must be {rule.allowed()}, got {value!r}")
+
+
+def check_settings(
+    config: Mapping[str, Any],
+    numbers: Sequence[NumberRule] = RPC_READING_SERVICE_NUMBERS,
+    flags: Sequence[str] = RPC_READING_SERVICE_FLAGS,
+    kinds: Sequence[Tuple[str, Callable[[Any], bool], str]] = RPC_READING_SERVICE_KINDS,
+) -> None:
+    """Check every numeric setting, on/off flag and typed setting in ``config`` that the tables name."""
+    for rule in numbers:
+        if rule.name in config:
+            check_number(rule, config[rule.name])
+    for name in flags:
+        if name in config and not isinstance(config[name], bool):
+            raise ConfigurationError(f"{name} must be True or False, got {config[name]!r}")
+    for name, allowed, description in kinds:
+        if name in config and not allowed(config[name]):
+            raise ConfigurationError(f"{name} must be {description}, got {config[name]!r}")
