@@ -26,6 +26,7 @@ from .errors import (
     WorkerRefusedError,
     WorkerStartupError,
 )
+from .config import TLS, Hostfile, Liveness, LocalWorkers, Reassign, StoreDiscovery, TransportConfig, WorkerAddresses
 from .transports import available_transports, register_transport
 from .version import __version__
 
@@ -45,6 +46,14 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "__version__",
     "RPCReadingService",
+    "LocalWorkers",
+    "WorkerAddresses",
+    "StoreDiscovery",
+    "Hostfile",
+    "TransportConfig",
+    "TLS",
+    "Liveness",
+    "Reassign",
     "register_transport",
     "available_transports",
     "RPCReadingServiceError",

@@ -16,7 +16,7 @@ from conftest import run_epochs  # noqa: E402 - tests/ is on sys.path
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from rpc_reading_service import CacheKeyError, ConfigurationError, RPCReadingService
+from rpc_reading_service import CacheKeyError, ConfigurationError, LocalWorkers, RPCReadingService
 from rpc_reading_service.cache import DiskStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,9 +53,7 @@ def cached(items, calls_file: Path, **kwargs):
 
 
 def remote(*servers, num_workers: int = 2) -> RPCReadingService:
-    return RPCReadingService(
-        num_workers=num_workers, worker_addresses=[s.address for s in servers], auth_key=servers[0].key
-    )
+    return RPCReadingService(num_workers=num_workers, workers=[s.address for s in servers], auth_key=servers[0].key)
 
 
 def cache_args(directory: Path, size: str = "10M"):
@@ -215,9 +213,7 @@ def test_local_workers_share_a_temporary_cache_removed_at_the_end(tmp_path):
 def test_local_workers_keep_a_given_cache_dir_for_the_next_run(tmp_path, start_method):
     calls_file = tmp_path / "calls"
     for _ in range(2):
-        service = RPCReadingService(
-            num_workers=2, cache_dir=str(tmp_path / "cache"), cache_size="1M", start_method=start_method
-        )
+        service = RPCReadingService(num_workers=2, workers=LocalWorkers(start_method=start_method, cache_dir=str(tmp_path / "cache"), cache_size="1M"))
         assert sorted(run_epochs(cached(range(16), calls_file), service, 1)[0]) == expected(range(16))
     assert calls(calls_file) == 16
 
@@ -241,8 +237,8 @@ def test_the_cli_documents_and_checks_the_cache_flags(tmp_path):
 
 def test_the_reading_service_checks_its_cache_options():
     with pytest.raises(ConfigurationError, match="cache_dir is for local workers"):
-        RPCReadingService(worker_addresses=["127.0.0.1:1"], cache_dir="/tmp/x")
+        RPCReadingService(workers=["127.0.0.1:1"])
     with pytest.raises(ConfigurationError, match="cache_size 'lots' is not a size"):
-        RPCReadingService(num_workers=1, cache_size="lots")
+        RPCReadingService(num_workers=1, workers=LocalWorkers(cache_size="lots"))
     with pytest.raises(ConfigurationError, match="cache_size must be positive"):
-        RPCReadingService(num_workers=1, cache_size=0)
+        RPCReadingService(num_workers=1, workers=LocalWorkers(cache_size=0))

@@ -28,7 +28,7 @@ def double(x):
 
 
 def remote(server, num_workers=2, **kwargs):
-    return RPCReadingService(num_workers=num_workers, worker_addresses=[server.address], auth_key=server.key, **kwargs)
+    return RPCReadingService(num_workers=num_workers, workers=[server.address], auth_key=server.key, **kwargs)
 
 
 def run(dp, rs, n_epochs=1, seed=None):
@@ -77,7 +77,7 @@ OFFSET = 1
 
 def load(address, key):
     dp = IterableWrapper(range(10)).sharding_filter().map(triple_plus)
-    rs = RPCReadingService(num_workers=2, worker_addresses=[address], auth_key=key)
+    rs = RPCReadingService(num_workers=2, workers=[address], auth_key=key)
     with DataLoader2(dp, reading_service=rs) as dl:
         return list(dl)
 
@@ -178,7 +178,7 @@ def distributed_trainer(rank, world_size, port, address, key, out_dir):
 
 
 def remote_at(address, key):
-    return RPCReadingService(num_workers=2, worker_addresses=[address], auth_key=key)
+    return RPCReadingService(num_workers=2, workers=[address], auth_key=key)
 
 
 def test_distributed_ranks_get_disjoint_global_shards(worker_server, tmp_path):

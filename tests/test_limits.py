@@ -36,7 +36,7 @@ def _peer(sock) -> str:
 
 
 def _epoch(server, num_workers: int = 1, n: int = 20) -> list:
-    service = RPCReadingService(worker_addresses=[server.address], num_workers=num_workers, auth_key=server.key)
+    service = RPCReadingService(workers=[server.address], num_workers=num_workers, auth_key=server.key)
     dl = DataLoader2(IterableWrapper(range(n)).sharding_filter(), reading_service=service)
     try:
         return sorted(dl)
@@ -98,7 +98,7 @@ def test_oversized_frame_is_refused_unread(server):
 
 def test_session_cap(server):
     server.wait_idle()
-    service = RPCReadingService(worker_addresses=[server.address], num_workers=2, auth_key=server.key)
+    service = RPCReadingService(workers=[server.address], num_workers=2, auth_key=server.key)
     busy = DataLoader2(IterableWrapper(range(10)).sharding_filter(), reading_service=service)
     try:
         it = iter(busy)

@@ -25,7 +25,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import wait_until
 from conftest import run_epochs, _pythonpath, children_of, process_alive, start_server
-from rpc_reading_service import RPCReadingService, available_transports, register_transport
+from rpc_reading_service import Liveness, RPCReadingService, available_transports, register_transport
 from transport_plugin import DIST_DIR, LOG_ENV, PLUGIN_NAME, CountingTransport, Counters
 
 # The plugin path, trainer side. (Worker processes import this module to unpickle the
@@ -79,10 +79,7 @@ def servers(tmp_path_factory):
 
 
 def remote(server, transport, num_workers=2, **kwargs):
-    return RPCReadingService(
-        num_workers=num_workers, worker_addresses=[server.address], auth_key=server.key, transport=transport,
-        connect_timeout=30, **kwargs,
-    )  # fmt: skip
+    return RPCReadingService(num_workers=num_workers, workers=[server.address], transport=transport, liveness=Liveness(connect_timeout=30), auth_key=server.key, **kwargs)  # fmt: skip
 
 
 _reference = {}
@@ -160,7 +157,7 @@ def test_local_workers(transport, monkeypatch, tmp_path):
     # Local workers run `rpc-reading-worker --transport NAME` with the trainer's sys.path.
     monkeypatch.syspath_prepend(DIST_DIR)
     monkeypatch.setenv(LOG_ENV, str(tmp_path / "plugin.log"))
-    rs = RPCReadingService(num_workers=2, transport=transport, connect_timeout=30)
+    rs = RPCReadingService(num_workers=2, transport=transport, liveness=Liveness(connect_timeout=30))
     with DataLoader2(IterableWrapper(range(N_ITEMS)).sharding_filter(), reading_service=rs) as dl:
         assert sorted(dl) == list(range(N_ITEMS))
         server_pid = dl.reading_service._local_server.pid  # DataLoader2 works on a clone of rs

@@ -319,42 +319,15 @@ def wait_for_hostfile(path: str, min_workers: Optional[int], timeout: float) -> 
         time.sleep(_POLL_SECONDS * 2)
 
 
-def check_discovery_options(config: Dict[str, Any]) -> bool:
-    """Validate :class:`~rpc_reading_service.RPCReadingService`'s discovery arguments.
+def check_discovery_options(store: Any, job: Any = "default") -> None:
+    """Validate a store address and job name for :class:`~rpc_reading_service.StoreDiscovery`.
 
-    Returns True when the workers are to be discovered (``store=`` or ``hostfile=``).
     Opens nothing: the reading service is cloned by pickling before it is initialised.
     """
-    store, hostfile = config.get("store"), config.get("hostfile")
-    min_workers = config.get("min_workers")
-    sources = [name for name in ("worker_addresses", "store", "hostfile") if config.get(name) is not None]
-    if len(sources) > 1:
-        raise ConfigurationError(
-            f"give the workers one way, not {' and '.join(sources)}: worker_addresses=[...], "
-            "store='HOST:PORT' (with job= and min_workers=), or hostfile='FILE'"
-        )
-    if config.get("host_store") and store is None:
-        raise ConfigurationError(
-            "host_store=True needs store='0.0.0.0:PORT': the address to serve the TCPStore on"
-        )
-    if min_workers is not None and (not isinstance(min_workers, int) or min_workers < 1):
-        raise ConfigurationError(f"min_workers must be an int >= 1, got {min_workers!r}")
-    if min_workers is not None and store is None and hostfile is None:
-        raise ConfigurationError(
-            "min_workers is for discovery: use it with store='HOST:PORT' or hostfile='FILE'"
-        )
-    if store is not None:
-        if not isinstance(store, str) or unix_socket_path(store):
-            raise ConfigurationError(f"store address {store!r} must be a 'HOST:PORT' string")
-        parse_address(store, what="store address")
-        _check_job(config.get("job", "default"))
-    if hostfile is not None and not isinstance(hostfile, (str, os.PathLike)):
-        raise ConfigurationError(f"hostfile must be a path, got {hostfile!r}")
-    if config.get("discovery_timeout", 1.0) <= 0:
-        raise ConfigurationError(
-            f"discovery_timeout must be > 0 seconds, got {config.get('discovery_timeout')!r}"
-        )
-    return store is not None or hostfile is not None
+    if not isinstance(store, str) or unix_socket_path(store):
+        raise ConfigurationError(f"store address {store!r} must be a 'HOST:PORT' string")
+    parse_address(store, what="store address")
+    _check_job(job)
 
 
 def discover_workers(
