@@ -110,7 +110,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         auth_key: Optional[Union[str, bytes]] = None,
         transport: Union[str, TransportConfig] = "socket",
         in_order: bool = True,
-        prefetch: Optional[int] = None,
+        prefetch: int = 4,
         worker_init_fn: Optional[InitFn] = None,
         worker_reset_fn: Optional[ResetFn] = None,
         timeout: float = 10.0,
@@ -123,14 +123,14 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         main_prefetch_cnt: int = 0,
         multiprocessing_context: Optional[str] = None,
     ) -> None:
-        if prefetch is not None and worker_prefetch_cnt is not None and prefetch != worker_prefetch_cnt:
+        if worker_prefetch_cnt is not None and prefetch not in (4, worker_prefetch_cnt):
             raise ConfigurationError("give prefetch or worker_prefetch_cnt (its MPRS name), not both")
         if multiprocessing_context is not None:
             workers = _local_with_start_method(workers, multiprocessing_context)
-        credits = prefetch if prefetch is not None else worker_prefetch_cnt
+        credits = prefetch if worker_prefetch_cnt is None else worker_prefetch_cnt
         self._configure(ReadingServiceConfig.create(
             num_workers=num_workers, workers=workers, auth_key=auth_key, transport=transport, in_order=in_order,
-            prefetch=4 if credits is None else credits, main_prefetch_cnt=main_prefetch_cnt,
+            prefetch=credits, main_prefetch_cnt=main_prefetch_cnt,
             worker_init_fn=worker_init_fn, worker_reset_fn=worker_reset_fn, timeout=timeout,
             item_timeout=item_timeout, pickle_by_value=pickle_by_value, liveness=liveness,
             on_worker_failure=on_worker_failure, pin_memory=pin_memory,

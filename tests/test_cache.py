@@ -236,8 +236,9 @@ def test_the_cli_documents_and_checks_the_cache_flags(tmp_path):
 
 
 def test_the_reading_service_checks_its_cache_options():
-    with pytest.raises(ConfigurationError, match="cache_dir is for local workers"):
-        RPCReadingService(workers=["127.0.0.1:1"])
+    # The cache options belong to LocalWorkers: remote servers have their own --cache-dir.
+    with pytest.raises(TypeError, match="cache_dir"):
+        RPCReadingService(workers=["127.0.0.1:1"], cache_dir="/tmp/x")  # type: ignore[call-arg]
     with pytest.raises(ConfigurationError, match="cache_size 'lots' is not a size"):
         RPCReadingService(num_workers=1, workers=LocalWorkers(cache_size="lots"))
     with pytest.raises(ConfigurationError, match="cache_size must be positive"):

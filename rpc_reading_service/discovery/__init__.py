@@ -3,8 +3,8 @@
 Store discovery
 ---------------
 A worker started with ``rpc-reading-worker --store HOST:PORT --job NAME`` registers the
-address the trainer should dial; ``RPCReadingService(store="HOST:PORT", job="NAME",
-min_workers=N)`` waits until N registered workers answer, then uses them. Keys, all
+address the trainer should dial; ``RPCReadingService(workers=StoreDiscovery("HOST:PORT", job="NAME",
+min_workers=N))`` waits until N registered workers answer, then uses them. Keys, all
 under ``rpc_reading_service/<job>/``::
 
     count       a TCPStore ``add`` counter: how many registrations ever happened
@@ -24,7 +24,7 @@ long-lived store are handled the same way (dead ones are skipped); to keep runs 
 entirely, use a job name per run (``$SLURM_JOB_ID``, ``$TORCHELASTIC_RUN_ID``) or a store
 that lives as long as the run (a trainer-hosted store, torchrun's own store).
 
-Who hosts the store: the trainer (``RPCReadingService(store="0.0.0.0:PORT",
+Who hosts the store: the trainer (``StoreDiscovery("0.0.0.0:PORT",
 host_store=True)``, on one rank only), torchrun's existing store
 (``$MASTER_ADDR:$MASTER_PORT``), or a stand-alone one::
 
@@ -115,7 +115,7 @@ def _wait_until_listening(host: str, port: int, deadline: float, address: str) -
         if time.monotonic() >= deadline:
             raise ConfigurationError(
                 f"no TCPStore answers at {address} ({last}). Start one there (the trainer with "
-                "RPCReadingService(store='0.0.0.0:PORT', host_store=True), torchrun, or "
+                "StoreDiscovery('0.0.0.0:PORT', host_store=True), torchrun, or "
                 "`python -m rpc_reading_service.discovery serve --port PORT`), or fix the address"
             )
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
@@ -261,7 +261,7 @@ def wait_for_workers(
         )
     message += (
         f". Start more workers with `rpc-reading-worker --store {store_address} --job {job} ...`, "
-        "lower min_workers, or raise discovery_timeout"
+        "lower min_workers, or raise the timeout of StoreDiscovery/Hostfile"
     )
     raise DiscoveryTimeoutError(message)
 
@@ -314,7 +314,7 @@ def wait_for_hostfile(path: str, min_workers: Optional[int], timeout: float) -> 
             raise DiscoveryTimeoutError(
                 f"waited {timeout:.0f} s for hostfile {path!r} to list {min_workers} workers: it lists "
                 f"{len(addresses)}{'' if os.path.exists(path) else ' (the file does not exist)'}. Add "
-                "HOST:PORT lines, lower min_workers, or raise discovery_timeout"
+                "HOST:PORT lines, lower min_workers, or raise the timeout of StoreDiscovery/Hostfile"
             )
         time.sleep(_POLL_SECONDS * 2)
 
