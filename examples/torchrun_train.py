@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from torchdata.dataloader2 import DataLoader2  # noqa: E402
 from torchdata.datapipes.iter import IterableWrapper  # noqa: E402
 
-from rpc_reading_service import Hostfile, RPCReadingService  # noqa: E402, StoreDiscovery
+from rpc_reading_service import Hostfile, RPCReadingService, StoreDiscovery  # noqa: E402
 
 
 def featurize(index):
@@ -60,7 +60,9 @@ def reading_service(args):
     store = args.store
     if store == "env":  # the TCPStore torchrun itself runs, at MASTER_ADDR:MASTER_PORT
         store = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    return RPCReadingService(workers=StoreDiscovery(store, job=args.job, min_workers=args.min_workers), **common)
+    return RPCReadingService(
+        workers=StoreDiscovery(store, job=args.job, min_workers=args.min_workers), **common
+    )
 
 
 def main(argv=None):

@@ -10,6 +10,16 @@ from .quiet_imports import torchdata_banner_muted
 
 with torchdata_banner_muted():
     from . import cache as _cache  # noqa: F401 - registers dp.cached_map
+from .config import (
+    TLS,
+    Hostfile,
+    Liveness,
+    LocalWorkers,
+    Reassign,
+    StoreDiscovery,
+    TransportConfig,
+    WorkerAddresses,
+)
 from .errors import (
     AuthenticationError,
     CacheKeyError,
@@ -26,7 +36,6 @@ from .errors import (
     WorkerRefusedError,
     WorkerStartupError,
 )
-from .config import TLS, Hostfile, Liveness, LocalWorkers, Reassign, StoreDiscovery, TransportConfig, WorkerAddresses
 from .transports import available_transports, register_transport
 from .version import __version__
 

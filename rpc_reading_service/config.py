@@ -201,7 +201,9 @@ class TransportConfig:
                 f"unknown transport {self.name!r}; available transports: {', '.join(available_transports())}"
             )
         if self.tls is not None and not isinstance(self.tls, TLS):
-            raise ConfigurationError(f"TransportConfig.tls must be a TLS(ca_file=...) or None, got {self.tls!r}")
+            raise ConfigurationError(
+                f"TransportConfig.tls must be a TLS(ca_file=...) or None, got {self.tls!r}"
+            )
         _check("TransportConfig", {"max_frame_bytes": self.max_frame_bytes, "options": self.options})
         object.__setattr__(self, "options", dict(self.options))  # a copy: the caller may change theirs
 
@@ -230,7 +232,10 @@ class Liveness:
     connect_timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        _check("Liveness", {"heartbeat_interval": self.heartbeat_interval, "connect_timeout": self.connect_timeout})
+        _check(
+            "Liveness",
+            {"heartbeat_interval": self.heartbeat_interval, "connect_timeout": self.connect_timeout},
+        )
 
 
 @dataclass(frozen=True)
@@ -263,6 +268,20 @@ def _workers(value: Any) -> WorkerSource:
         "workers must be LocalWorkers(...), WorkerAddresses([...]) or a list of 'host:port' strings, "
         f"StoreDiscovery(store=...) or Hostfile(path), got {value!r}"
     )
+
+
+def _local_with_start_method(workers: Any, start_method: str) -> LocalWorkers:
+    """``workers`` with MPRS's ``multiprocessing_context`` as the local workers' start method."""
+    if start_method not in ("fork", "spawn"):
+        raise ConfigurationError(f"multiprocessing_context must be 'fork' or 'spawn', got {start_method!r}")
+    if workers is None:
+        return LocalWorkers(start_method=start_method)
+    if not isinstance(workers, LocalWorkers) or workers.start_method not in (None, start_method):
+        raise ConfigurationError(
+            f"multiprocessing_context={start_method!r} is for local workers: give it, or "
+            f"LocalWorkers(start_method=...), not both with {workers!r}"
+        )
+    return dataclasses.replace(workers, start_method=start_method)
 
 
 def _transport(value: Any) -> TransportConfig:
@@ -317,11 +336,21 @@ class ReadingServiceConfig:
         liveness: Optional[Liveness] = None,
         auth_key: Optional[Union[str, bytes]] = None,
         pickle_by_value: Sequence[types.ModuleType] = (),
+        worker_prefetch_cnt: Optional[int] = None,
+        multiprocessing_context: Optional[str] = None,
         **settings: Any,
     ) -> "ReadingServiceConfig":
         """Check every setting and build the configuration; shorthands are turned into option objects
         (a list of addresses into :class:`WorkerAddresses`, a transport name into
-        :class:`TransportConfig`, ``"raise"``/``"reassign"`` into the failure policy)."""
+        :class:`TransportConfig`, ``"raise"``/``"reassign"`` into the failure policy), and
+        MultiProcessingReadingService's names into ours (``worker_prefetch_cnt`` is ``prefetch``,
+        ``multiprocessing_context`` the local workers' start method)."""
+        if worker_prefetch_cnt is not None:
+            if settings.get("prefetch", worker_prefetch_cnt) not in (cls.prefetch, worker_prefetch_cnt):
+                raise ConfigurationError("give prefetch or worker_prefetch_cnt (its MPRS name), not both")
+            settings["prefetch"] = worker_prefetch_cnt
+        if multiprocessing_context is not None:
+            workers = _local_with_start_method(workers, multiprocessing_context)
         if not isinstance(pickle_by_value, (str, bytes)) and isinstance(pickle_by_value, Sequence):
             pickle_by_value = list(pickle_by_value)
         check_settings({"auth_key": auth_key, "pickle_by_value": pickle_by_value, **settings})
@@ -348,7 +377,8 @@ class ReadingServiceConfig:
             )
         if self.transport.tls is not None and self.local:
             raise ConfigurationError(
-                "TLS is for remote workers (workers=WorkerAddresses([...]) or discovery); local workers use no TLS"
+                "TLS is for remote workers (workers=WorkerAddresses([...]) or discovery); "
+                "local workers use no TLS"
             )
 
     @property

@@ -7,62 +7,40 @@ sessions and epochs are the :class:`~rpc_reading_service.engine.Engine`'s.
 
 from __future__ import annotations
 
-import logging
 import types
-from concurrent.futures import wait as wait_futures
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
 import cloudpickle
-from torchdata.dataloader2.graph import DataPipe, list_dps, set_graph_random_seed, traverse_dps
+from torchdata.dataloader2.graph import DataPipe, set_graph_random_seed
 from torchdata.dataloader2.random import SeedGenerator, dist_share_seed
 from torchdata.dataloader2.reading_service import CheckpointableReadingServiceInterface
-from torchdata.datapipes.iter import IterDataPipe
 
-from .checkpoint import ReadingServiceState, graph_fingerprint, load_seed_generator_state, seed_generator_state
-from .config import LocalWorkers, Liveness, ReadingServiceConfig, Reassign, TransportConfig, WorkerSource
+from .checkpoint import (
+    ReadingServiceState,
+    graph_fingerprint,
+    load_seed_generator_state,
+    seed_generator_state,
+)
+from .config import Liveness, ReadingServiceConfig, Reassign, TransportConfig, WorkerSource
 from .engine import Engine, Positions
-from .errors import ConfigurationError
-from .graph import InitFn, ResetFn, apply_distributed_sharding, distributed_info, draw_epoch_seed, split_replicable
+from .graph import (
+    InitFn,
+    ResetFn,
+    apply_distributed_sharding,
+    distributed_info,
+    draw_epoch_seed,
+    split_replicable,
+)
 from .stats import ReadingServiceStats
+from .trainer_graph import (
+    RemoteStream,
+    delivered_count,
+    pause_trainer_side,
+    resume_trainer_side,
+    shutdown_trainer_side,
+)
 
 __all__ = ["RPCReadingService"]
-
-log = logging.getLogger(__name__)
-
-
-class _RemoteStream(IterDataPipe):
-    """The trainer-side stand-in for the graph that runs on the workers: the current epoch's items."""
-
-    def __init__(self, engine: Engine):
-        self._engine: Optional[Engine] = engine
-
-    def __iter__(self) -> Iterator[Any]:
-        assert self._engine is not None and self._engine.epoch is not None, "initialize_iteration() must run first"
-        return iter(self._engine.epoch)
-
-    def __getstate__(self) -> dict:
-        return {}  # torchdata traverses graphs by pickling them; the engine (sockets, threads) stays out
-
-    def __setstate__(self, state: dict) -> None:
-        self._engine = None  # a detached copy: iterating it is an error
-
-
-def _shutdown_trainer_side(dp: DataPipe, timeout: float = 10.0) -> None:
-    """Stop the threads of a DataPipe kept in the trainer (fullsync's prefetcher) from ``finalize``.
-
-    Left to the garbage collector, ``FullSync.__del__`` joins its thread at an arbitrary
-    moment (FullSync and its executor form a reference cycle), which can deadlock a thread
-    start. FullSync's pending prefetch ends in an ``all_reduce`` that the other ranks' pending
-    prefetches pair with: let it finish instead of cancelling it on this rank only.
-    """
-    pending = list(getattr(getattr(dp, "_executor", None), "_futures", None) or ())
-    if pending and wait_futures(pending, timeout=timeout).not_done:
-        log.warning("trainer-side %s still waits for other ranks after %.0f s; not stopping it", type(dp).__name__, timeout)
-        return
-    try:
-        dp.shutdown()
-    except Exception:  # noqa: BLE001 - finalize must go on
-        log.warning("shutting down trainer-side %s failed", type(dp).__name__, exc_info=True)
 
 
 def _rebuild_service(config: bytes) -> "RPCReadingService":
@@ -85,22 +63,23 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         auth_key: The servers' shared key (``str`` or ``bytes``); local workers get a fresh one.
         transport: A registered transport's name (``"socket"``) or a
             :class:`~rpc_reading_service.TransportConfig` (TLS, frame limit, options).
-        in_order: Round-robin over workers, deterministic (default); ``False``: first come first served.
+        in_order: Round-robin over workers, deterministic (default); ``False``: first come, first served.
         prefetch: Packed frames each worker may have in flight (the credit window).
         worker_init_fn: ``fn(datapipe, worker_info) -> datapipe``, once per worker.
-        worker_reset_fn: ``fn(datapipe, worker_info, seed_generator) -> datapipe``, every epoch on every worker.
+        worker_reset_fn: ``fn(datapipe, worker_info, seed_generator) -> datapipe``, every epoch.
         timeout: Seconds without any word from a worker before it is declared lost
             (:class:`~rpc_reading_service.errors.WorkerLostError`).
         item_timeout: Seconds one worker may spend producing one item (``None``: no limit); past
             it :class:`~rpc_reading_service.errors.ItemTimeoutError` with the worker's stack.
         pickle_by_value: Modules not installed on the workers whose code travels by value.
         liveness: :class:`~rpc_reading_service.Liveness` (heartbeat interval, connect timeout).
-        on_worker_failure: ``"raise"`` (default), or ``"reassign"`` / :class:`~rpc_reading_service.Reassign`
-            to replay a lost worker's shard on a new session (exactly the items of a fault-free run).
+        on_worker_failure: ``"raise"`` (default), or ``"reassign"`` /
+            :class:`~rpc_reading_service.Reassign` to replay a lost worker's shard on a new session
+            (exactly the items of a fault-free run).
         pin_memory: Receive tensors into pinned memory when CUDA is available.
         worker_prefetch_cnt: MultiProcessingReadingService's name for ``prefetch``.
         main_prefetch_cnt: Items a trainer-side thread takes ahead of the training loop (default 0).
-        multiprocessing_context: MultiProcessingReadingService's name for ``LocalWorkers(start_method=...)``.
+        multiprocessing_context: MPRS's name for ``LocalWorkers(start_method=...)``.
     """
 
     def __init__(
@@ -123,17 +102,14 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         main_prefetch_cnt: int = 0,
         multiprocessing_context: Optional[str] = None,
     ) -> None:
-        if worker_prefetch_cnt is not None and prefetch not in (4, worker_prefetch_cnt):
-            raise ConfigurationError("give prefetch or worker_prefetch_cnt (its MPRS name), not both")
-        if multiprocessing_context is not None:
-            workers = _local_with_start_method(workers, multiprocessing_context)
-        credits = prefetch if worker_prefetch_cnt is None else worker_prefetch_cnt
         self._configure(ReadingServiceConfig.create(
-            num_workers=num_workers, workers=workers, auth_key=auth_key, transport=transport, in_order=in_order,
-            prefetch=credits, main_prefetch_cnt=main_prefetch_cnt,
-            worker_init_fn=worker_init_fn, worker_reset_fn=worker_reset_fn, timeout=timeout,
-            item_timeout=item_timeout, pickle_by_value=pickle_by_value, liveness=liveness,
-            on_worker_failure=on_worker_failure, pin_memory=pin_memory,
+            num_workers=num_workers, workers=workers, auth_key=auth_key, transport=transport,
+            in_order=in_order, prefetch=prefetch, worker_prefetch_cnt=worker_prefetch_cnt,
+            main_prefetch_cnt=main_prefetch_cnt, multiprocessing_context=multiprocessing_context,
+            worker_init_fn=worker_init_fn,
+            worker_reset_fn=worker_reset_fn, timeout=timeout, item_timeout=item_timeout,
+            pickle_by_value=pickle_by_value, liveness=liveness, on_worker_failure=on_worker_failure,
+            pin_memory=pin_memory,
         ))  # fmt: skip
 
     def _configure(self, config: ReadingServiceConfig) -> None:
@@ -146,7 +122,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         self.worker_init_fn, self.worker_reset_fn = config.worker_init_fn, config.worker_reset_fn
         self.multiprocessing_context = config.workers.start_method if config.local else None  # type: ignore[union-attr]
         self._end_datapipe: Optional[DataPipe] = None
-        self._stream: Optional[_RemoteStream] = None
+        self._stream: Optional[RemoteStream] = None
         self._seed_group: Any = None
         self._seed_generator: Optional[SeedGenerator] = None
         self._resume_state: Optional[ReadingServiceState] = None  # not "_resume": DataLoader2's hook below
@@ -156,7 +132,9 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
 
     def __reduce__(self) -> Any:
         if self._engine.channels or self._engine.fleet.local_server is not None:
-            raise TypeError("an initialised RPCReadingService cannot be pickled; pickle it before DataLoader2 uses it")
+            raise TypeError(
+                "an initialised RPCReadingService cannot be pickled; pickle it before DataLoader2 uses it"
+            )
         return _rebuild_service, (cloudpickle.dumps(self._config),)  # cloudpickle: lambdas as worker_init_fn
 
     @property
@@ -176,7 +154,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
 
     def _initialize(self, datapipe: DataPipe) -> DataPipe:
         self._fingerprint = graph_fingerprint(datapipe)
-        self._stream = _RemoteStream(self._engine)
+        self._stream = RemoteStream(self._engine)
         if self._engine.discover() == 0:
             self._engine.start(datapipe)
             self._end_datapipe = self._stream
@@ -193,8 +171,14 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         except BaseException:
             self.finalize()
             raise
-        stream = self._stream.prefetch(self._config.main_prefetch_cnt) if self._config.main_prefetch_cnt else self._stream
-        self._end_datapipe = attach(stream)  # the user's own last DataPipe, or ours when the graph is all replicable
+        stream = (
+            self._stream.prefetch(self._config.main_prefetch_cnt)
+            if self._config.main_prefetch_cnt
+            else self._stream
+        )
+        self._end_datapipe = attach(
+            stream
+        )  # the user's own last DataPipe, or ours when the graph is all replicable
         return self._end_datapipe
 
     def initialize_iteration(
@@ -218,30 +202,26 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
                     seed = dist_share_seed(seed, self._seed_group)
                 self._engine.start_epoch(seed)
                 if self._engine.in_process_graph is None:
-                    set_graph_random_seed(self._end_datapipe, seed_generator)  # trainer-side DataPipes, as MPRS
+                    set_graph_random_seed(
+                        self._end_datapipe, seed_generator
+                    )  # trainer-side DataPipes, as MPRS
             self._end_iterator_id = self._end_datapipe._valid_iterator_id
         return None
 
     # -- CheckpointableReadingServiceInterface ----------------------------------------------------
-    def _delivered(self) -> Optional[int]:
-        """Items the training loop received this epoch, counted by torch's iterator hook on the
-        last DataPipe of the trainer's graph (fullsync and prefetch there hold items back)."""
-        end = self._end_datapipe
-        if end is None or end is self._stream:
-            return None
-        return end._number_of_samples_yielded if end._valid_iterator_id != self._end_iterator_id else 0
-
     def checkpoint(self) -> bytes:
         """Seeds and per-worker positions of the current epoch (small; no data)."""
-        epoch, dist, delivered = self._engine.epoch, distributed_info(), self._delivered()
+        epoch, dist = self._engine.epoch, distributed_info()
+        delivered = delivered_count(self._end_datapipe, self._stream, self._end_iterator_id)
         positions = epoch.positions(delivered) if epoch is not None else Positions(())
         # With trainer-side DataPipes, the epoch ends when the trainer's graph ends (fullsync: early).
         ended = epoch is None or (self._ended_epoch is epoch if delivered is not None else epoch.finished)
+        generator = self._seed_generator
         state = ReadingServiceState(
             num_workers=self.num_workers, graph=self._fingerprint, epoch=self._engine.epoch_number,
             epoch_seed=epoch.seed if epoch is not None else 0, consumed=list(positions.consumed),
             next_rank=positions.next_rank, in_epoch=not ended,
-            seed_generator=seed_generator_state(self._seed_generator) if self._seed_generator is not None else None,
+            seed_generator=None if generator is None else seed_generator_state(generator),
             dist_rank=dist.rank, dist_world_size=dist.world_size,
         )  # fmt: skip
         return state.to_bytes()
@@ -266,9 +246,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
     def finalize(self) -> None:
         """Stop trainer-side threads, close every session and stop local workers; idempotent."""
         if self._end_datapipe is not self._stream and self._engine.channels:
-            for dp in self._trainer_side_dps():  # fullsync's prefetcher, while the workers still answer
-                if callable(getattr(dp, "shutdown", None)):
-                    _shutdown_trainer_side(dp)
+            shutdown_trainer_side(self._end_datapipe)  # fullsync's prefetcher, while the workers still answer
         self._engine.close()
         if self._seed_group is not None:
             import torch.distributed
@@ -280,23 +258,21 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             self._seed_group = None
 
     # -- DataLoader2 pause / resume / limit -----------------------------------------------------
-    def _trainer_side_dps(self) -> List[DataPipe]:
-        assert self._end_datapipe is not None
-        return list_dps(traverse_dps(self._end_datapipe))
-
     def _pause(self, pause_fn: Optional[Callable[[DataPipe], DataPipe]] = None) -> None:
         """Pause trainer-side DataPipes; workers stop by themselves once their credits run out."""
-        for dp in self._trainer_side_dps():
-            if callable(getattr(dp, "pause", None)):
-                dp.pause()
+        assert self._end_datapipe is not None
+        pause_trainer_side(self._end_datapipe)
 
     def _resume(self, resume_fn: Optional[Callable[[DataPipe], DataPipe]] = None) -> None:
         """Resume trainer-side DataPipes (in reverse order, as torchdata does)."""
-        for dp in reversed(self._trainer_side_dps()):
-            if callable(getattr(dp, "resume", None)):
-                dp.resume()
+        assert self._end_datapipe is not None
+        resume_trainer_side(self._end_datapipe)
 
-    def _limit(self, num_batches: Optional[int], limit_fn: Optional[Callable[[DataPipe, Optional[int]], DataPipe]] = None) -> None:
+    def _limit(
+        self,
+        num_batches: Optional[int],
+        limit_fn: Optional[Callable[[DataPipe, Optional[int]], DataPipe]] = None,
+    ) -> None:
         """Apply ``limit_fn`` to the trainer's graph; DataLoader2 counts and pauses itself."""
         if limit_fn is not None:
             limit_fn(self._end_datapipe, num_batches)  # type: ignore[arg-type]
@@ -313,17 +289,3 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
     def worker_addresses(self) -> List[str]:
         """Addresses of the connected worker sessions, by rank."""
         return self._engine.worker_addresses
-
-
-def _local_with_start_method(workers: Any, start_method: str) -> LocalWorkers:
-    """``workers`` with MPRS's ``multiprocessing_context`` as the local workers' start method."""
-    if start_method not in ("fork", "spawn"):
-        raise ConfigurationError(f"multiprocessing_context must be 'fork' or 'spawn', got {start_method!r}")
-    if workers is None:
-        return LocalWorkers(start_method=start_method)
-    if not isinstance(workers, LocalWorkers) or workers.start_method not in (None, start_method):
-        raise ConfigurationError(
-            f"multiprocessing_context={start_method!r} is for local workers: give it, or "
-            f"LocalWorkers(start_method=...), not both with {workers!r}"
-        )
-    return LocalWorkers(start_method, workers.cache_dir, workers.cache_size)

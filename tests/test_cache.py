@@ -53,7 +53,9 @@ def cached(items, calls_file: Path, **kwargs):
 
 
 def remote(*servers, num_workers: int = 2) -> RPCReadingService:
-    return RPCReadingService(num_workers=num_workers, workers=[s.address for s in servers], auth_key=servers[0].key)
+    return RPCReadingService(
+        num_workers=num_workers, workers=[s.address for s in servers], auth_key=servers[0].key
+    )
 
 
 def cache_args(directory: Path, size: str = "10M"):
@@ -213,7 +215,12 @@ def test_local_workers_share_a_temporary_cache_removed_at_the_end(tmp_path):
 def test_local_workers_keep_a_given_cache_dir_for_the_next_run(tmp_path, start_method):
     calls_file = tmp_path / "calls"
     for _ in range(2):
-        service = RPCReadingService(num_workers=2, workers=LocalWorkers(start_method=start_method, cache_dir=str(tmp_path / "cache"), cache_size="1M"))
+        service = RPCReadingService(
+            num_workers=2,
+            workers=LocalWorkers(
+                start_method=start_method, cache_dir=str(tmp_path / "cache"), cache_size="1M"
+            ),
+        )
         assert sorted(run_epochs(cached(range(16), calls_file), service, 1)[0]) == expected(range(16))
     assert calls(calls_file) == 16
 

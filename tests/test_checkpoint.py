@@ -77,7 +77,9 @@ def rs_factory(worker_server):
     def make(num_workers: int, **kwargs: Any) -> RPCReadingService:
         if num_workers == 0:
             return RPCReadingService(num_workers=0, **kwargs)
-        return RPCReadingService(num_workers=num_workers, workers=[worker_server.address], auth_key=worker_server.key, **kwargs)
+        return RPCReadingService(
+            num_workers=num_workers, workers=[worker_server.address], auth_key=worker_server.key, **kwargs
+        )
 
     return make
 
@@ -220,7 +222,9 @@ def test_resume_on_other_transports(rs_factory, tmp_path, transport):
     """Positions are counted by the trainer and skipped by the worker: no transport is special."""
     server = start_server(tmp_path, args=["--transport", transport])
     try:
-        make_rs = lambda: RPCReadingService(num_workers=3, workers=[server.address], transport=transport, auth_key=server.key)
+        make_rs = lambda: RPCReadingService(
+            num_workers=3, workers=[server.address], transport=transport, auth_key=server.key
+        )
         got, _ = interrupted_run(make_rs, 0, 10)
     finally:
         server.stop()

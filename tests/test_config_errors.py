@@ -15,18 +15,18 @@ import sys
 import threading
 
 import pytest
+from conftest import _pythonpath
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from conftest import _pythonpath
 from rpc_reading_service import (
     AuthenticationError,
     ConfigurationError,
     Hostfile,
     Liveness,
     ProtocolError,
-    RPCReadingService,
     Reassign,
+    RPCReadingService,
     StoreDiscovery,
     TransportConfig,
     WorkerLostError,
@@ -339,7 +339,11 @@ def test_good_numeric_settings_are_accepted():
         ("worker_reset_fn", 3, "a function fn(datapipe, worker_info, seed_generator) or None"),
         ("pickle_by_value", "my_package", "a list of imported modules"),
         ("pickle_by_value", ["my_package"], "a list of imported modules"),
-        ("TransportConfig.options", [("max_frame_bytes", 1)], "a dict of keyword arguments for the transport"),
+        (
+            "TransportConfig.options",
+            [("max_frame_bytes", 1)],
+            "a dict of keyword arguments for the transport",
+        ),
     ],
 )
 def test_settings_of_the_wrong_kind_are_refused_at_construction(setting, value, allowed):

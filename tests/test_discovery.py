@@ -13,12 +13,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from _server_helpers import wait_until
+from conftest import _pythonpath, start_server
 from torch.distributed import TCPStore
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import wait_until
-from conftest import _pythonpath, start_server
 from rpc_reading_service import (
     ConfigurationError,
     DiscoveryTimeoutError,
@@ -94,7 +94,9 @@ def fleet(tmp_path_factory):
 @pytest.mark.timeout(90)
 def test_trainer_finds_n_registered_workers(fleet):
     store, address, servers = fleet
-    service = RPCReadingService(workers=StoreDiscovery(address, job="fleet", min_workers=2, timeout=30), auth_key=KEY)
+    service = RPCReadingService(
+        workers=StoreDiscovery(address, job="fleet", min_workers=2, timeout=30), auth_key=KEY
+    )
     assert service.num_workers == 2  # one session per worker, known before initialize
     items, used = epoch(service)
     assert items == [2 * i for i in range(40)]
@@ -104,7 +106,11 @@ def test_trainer_finds_n_registered_workers(fleet):
 @pytest.mark.timeout(60)
 def test_more_sessions_than_workers_spread_round_robin(fleet):
     _, address, servers = fleet
-    items, used = epoch(RPCReadingService(workers=StoreDiscovery(address, job="fleet", min_workers=2), num_workers=4, auth_key=KEY))
+    items, used = epoch(
+        RPCReadingService(
+            workers=StoreDiscovery(address, job="fleet", min_workers=2), num_workers=4, auth_key=KEY
+        )
+    )
     assert items == [2 * i for i in range(40)]
     assert len(used) == 4 and set(used) == {s.address for s in servers}
 
@@ -112,7 +118,9 @@ def test_more_sessions_than_workers_spread_round_robin(fleet):
 @pytest.mark.timeout(60)
 def test_timeout_when_fewer_than_min_workers_register(fleet):
     _, address, _ = fleet
-    service = RPCReadingService(workers=StoreDiscovery(address, job="fleet", min_workers=3, timeout=1.5), auth_key=KEY)
+    service = RPCReadingService(
+        workers=StoreDiscovery(address, job="fleet", min_workers=3, timeout=1.5), auth_key=KEY
+    )
     start = time.monotonic()
     with pytest.raises(DiscoveryTimeoutError) as info:
         epoch(service)
@@ -127,7 +135,9 @@ def test_timeout_when_fewer_than_min_workers_register(fleet):
 def test_unknown_job_times_out_with_zero_registered(fleet):
     _, address, _ = fleet
     with pytest.raises(DiscoveryTimeoutError, match="only 0 of 1 registered"):
-        epoch(RPCReadingService(workers=StoreDiscovery(address, job="no-such-job", timeout=0.5), auth_key=KEY))
+        epoch(
+            RPCReadingService(workers=StoreDiscovery(address, job="no-such-job", timeout=0.5), auth_key=KEY)
+        )
 
 
 @pytest.mark.timeout(60)
@@ -159,7 +169,9 @@ def test_killed_worker_is_skipped_and_clean_stop_deregisters(tmp_path):
         (third,) = start_workers(tmp_path, 1, address, "restart")  # "the restarted worker"
         try:
             assert wait_for_workers(store, "restart", 1, timeout=20) == [third.address]
-            items, used = epoch(RPCReadingService(workers=StoreDiscovery(address, job="restart", min_workers=1), auth_key=KEY))
+            items, used = epoch(
+                RPCReadingService(workers=StoreDiscovery(address, job="restart", min_workers=1), auth_key=KEY)
+            )
             assert items == [2 * i for i in range(40)] and used == [third.address]
         finally:
             third.stop()
@@ -175,7 +187,12 @@ def test_trainer_hosts_the_store_and_workers_wait_for_it(tmp_path):
     (server,) = start_workers(tmp_path, 1, f"127.0.0.1:{port}", "hosted", extra=["--store-timeout", "60"])
     try:
         time.sleep(0.5)  # the worker is now retrying the (absent) store
-        service = RPCReadingService(workers=StoreDiscovery(f"127.0.0.1:{port}", job="hosted", min_workers=1, host_store=True, timeout=30), auth_key=KEY)
+        service = RPCReadingService(
+            workers=StoreDiscovery(
+                f"127.0.0.1:{port}", job="hosted", min_workers=1, host_store=True, timeout=30
+            ),
+            auth_key=KEY,
+        )
         items, used = epoch(service)
         assert items == [2 * i for i in range(40)] and used == [server.address]
         with pytest.raises(OSError):  # finalize released the hosted store
@@ -241,7 +258,9 @@ def test_worker_refuses_to_register_a_unix_socket(tmp_path):
 def test_discovery_opens_nothing_before_initialize():
     port = free_port()  # nothing listens here
     start = time.monotonic()
-    service = RPCReadingService(workers=StoreDiscovery(f"127.0.0.1:{port}", job="x", min_workers=3, timeout=0.5))
+    service = RPCReadingService(
+        workers=StoreDiscovery(f"127.0.0.1:{port}", job="x", min_workers=3, timeout=0.5)
+    )
     clone = pickle.loads(pickle.dumps(service))  # DataLoader2 clones the service like this
     assert time.monotonic() - start < 0.5
     assert clone.num_workers == 3
@@ -385,7 +404,10 @@ def test_workers_register_again_when_the_store_comes_back_and_exit_quietly_witho
         assert wait_until(lambda: "is gone" in server.stderr(), timeout=10), server.stderr()
         time.sleep(2.5)  # ... the worker keeps waiting for it, and says so once
         items, used = epoch(
-            RPCReadingService(workers=StoreDiscovery(address, job="comeback", min_workers=1, host_store=True, timeout=20), auth_key=KEY)
+            RPCReadingService(
+                workers=StoreDiscovery(address, job="comeback", min_workers=1, host_store=True, timeout=20),
+                auth_key=KEY,
+            )
         )  # a second trainer hosts a new, empty store at the same address, and finds the worker
         assert items == [2 * i for i in range(40)] and used == [server.address]
         assert "answers again" in server.stderr()

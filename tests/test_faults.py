@@ -14,10 +14,19 @@ import signal
 import time
 
 import pytest
+from _server_helpers import (
+    process_alive,
+    process_state,
+    read_line,
+    reap,
+    running_server,
+    slow_identity,
+    spawn_python,
+    wait_until,
+)
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import process_alive, process_state, read_line, reap, running_server, slow_identity, spawn_python, wait_until
 from rpc_reading_service import Liveness, RPCReadingService, WorkerLostError
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,7 +43,10 @@ def server(tmp_path_factory):
 
 
 def _service(server, **kwargs) -> RPCReadingService:
-    return RPCReadingService(workers=[server.address], liveness=Liveness(heartbeat_interval=HEARTBEAT), num_workers=2, auth_key=server.key, timeout=TIMEOUT, **kwargs)  # fmt: skip
+    return RPCReadingService(
+        workers=[server.address], liveness=Liveness(heartbeat_interval=HEARTBEAT), num_workers=2,
+        auth_key=server.key, timeout=TIMEOUT, **kwargs,
+    )  # fmt: skip
 
 
 def _long_epoch() -> IterableWrapper:

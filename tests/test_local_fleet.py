@@ -33,7 +33,9 @@ def print_a_lot(item: int) -> int:
 )
 def test_worker_output_reaches_the_trainer_and_never_blocks_the_graph(start_method, transport, capfd):
     """16 items x 128 KiB: 1 MiB per worker on each of stdout and stderr, far past a 64 KiB pipe."""
-    service = RPCReadingService(num_workers=2, workers=LocalWorkers(start_method=start_method), transport=transport, timeout=30)
+    service = RPCReadingService(
+        num_workers=2, workers=LocalWorkers(start_method=start_method), transport=transport, timeout=30
+    )
     [items] = run_epochs(IterableWrapper(range(16)).sharding_filter().map(print_a_lot), service, n_epochs=1)
     assert sorted(items) == list(range(16))
     out, err = capfd.readouterr()

@@ -37,7 +37,7 @@ from conftest import process_alive
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
-from rpc_reading_service import Liveness, RPCReadingService, Reassign, WorkerLostError
+from rpc_reading_service import Liveness, Reassign, RPCReadingService, WorkerLostError
 
 TIMEOUT = 2.0  # the trainer's bound for a silent (stopped) worker
 HEARTBEAT = 0.5
@@ -87,7 +87,13 @@ def _graph(n: int = N) -> IterDataPipe:
 
 # -- helpers --------------------------------------------------------------------------------
 def _local_loader(**kwargs: Any) -> DataLoader2:
-    service = RPCReadingService(num_workers=3, worker_init_fn=uneven_shards, timeout=TIMEOUT, liveness=Liveness(heartbeat_interval=HEARTBEAT), **kwargs)
+    service = RPCReadingService(
+        num_workers=3,
+        worker_init_fn=uneven_shards,
+        timeout=TIMEOUT,
+        liveness=Liveness(heartbeat_interval=HEARTBEAT),
+        **kwargs,
+    )
     dl = DataLoader2(_graph(), reading_service=service)
     dl.seed(SEED)
     return dl
@@ -306,7 +312,10 @@ def test_reassign_out_of_order_counts_each_shard_end_once():
     must not end the epoch early (it did: items of the other workers went missing)."""
 
     def loader() -> DataLoader2:
-        service = RPCReadingService(num_workers=3, in_order=False, liveness=Liveness(heartbeat_interval=HEARTBEAT), on_worker_failure="reassign", worker_init_fn=short_last_shard, timeout=TIMEOUT)  # fmt: skip
+        service = RPCReadingService(
+            num_workers=3, in_order=False, liveness=Liveness(heartbeat_interval=HEARTBEAT),
+            on_worker_failure="reassign", worker_init_fn=short_last_shard, timeout=TIMEOUT,
+        )  # fmt: skip
         graph = IterableWrapper(range(450)).shuffle().sharding_filter().map(slow_tag)
         dl = DataLoader2(graph, reading_service=service)
         dl.seed(SEED)
@@ -337,7 +346,10 @@ def test_reassign_out_of_order_counts_each_shard_end_once():
 @pytest.mark.timeout(30)
 def test_reassign_gives_up_on_a_graph_that_kills_its_process_every_time():
     """The poison item kills every replacement too: a WorkerLostError says so, no endless loop."""
-    service = RPCReadingService(num_workers=3, liveness=Liveness(heartbeat_interval=HEARTBEAT), on_worker_failure=Reassign(max_reassignments=2), timeout=TIMEOUT)  # fmt: skip
+    service = RPCReadingService(
+        num_workers=3, liveness=Liveness(heartbeat_interval=HEARTBEAT),
+        on_worker_failure=Reassign(max_reassignments=2), timeout=TIMEOUT,
+    )  # fmt: skip
     graph = IterableWrapper(range(60)).sharding_filter().map(functools.partial(exit_at, 17))
     dl = DataLoader2(graph, reading_service=service)
     start = time.monotonic()
@@ -389,7 +401,10 @@ def test_unrelated_losses_in_successive_epochs_do_not_add_up(caplog):
 
 # -- remote servers -------------------------------------------------------------------------------
 def _remote_loader(addresses: List[str], key: str, num_workers: int, in_order: bool = True) -> DataLoader2:
-    service = RPCReadingService(num_workers=num_workers, workers=addresses, liveness=Liveness(heartbeat_interval=HEARTBEAT), on_worker_failure="reassign", auth_key=key, in_order=in_order, timeout=TIMEOUT)  # fmt: skip
+    service = RPCReadingService(
+        num_workers=num_workers, workers=addresses, liveness=Liveness(heartbeat_interval=HEARTBEAT),
+        on_worker_failure="reassign", auth_key=key, in_order=in_order, timeout=TIMEOUT,
+    )  # fmt: skip
     dl = DataLoader2(_graph(200), reading_service=service)
     dl.seed(SEED)
     return dl

@@ -38,7 +38,9 @@ def server(tmp_path_factory):
 
 
 def _service(server, num_workers: int = 1, key=None) -> RPCReadingService:
-    return RPCReadingService(workers=[server.address], num_workers=num_workers, auth_key=server.key if key is None else key)
+    return RPCReadingService(
+        workers=[server.address], num_workers=num_workers, auth_key=server.key if key is None else key
+    )
 
 
 def _small_epoch(server, n: int = 6) -> List[int]:
@@ -135,7 +137,13 @@ def test_server_serves_again_once_it_can_fork(tmp_path):
 def test_failed_fork_reaches_a_torch_rpc_trainer_too(tmp_path):
     server = start_server(tmp_path, args=["--transport", "torch_rpc"])
     try:
-        service = RPCReadingService(workers=[server.address], transport="torch_rpc", liveness=Liveness(connect_timeout=20), num_workers=1, auth_key=server.key)
+        service = RPCReadingService(
+            workers=[server.address],
+            transport="torch_rpc",
+            liveness=Liveness(connect_timeout=20),
+            num_workers=1,
+            auth_key=server.key,
+        )
         with _pids_limit(server):
             with pytest.raises(WorkerRefusedError, match="refused the session: server cannot start a session: fork failed"):
                 run_epochs(IterableWrapper(range(3)), service, n_epochs=1)

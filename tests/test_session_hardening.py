@@ -135,7 +135,7 @@ class Point:
         self.x = x
 '''
 
-TRAINING_SCRIPT = '''
+TRAINING_SCRIPT = """
 import json
 import sys
 from dataclasses import dataclass
@@ -180,7 +180,7 @@ if __name__ == "__main__":
         except Exception as exc:
             result = {"error": repr(exc)}
         print(kind, json.dumps(result), flush=True)
-'''
+"""
 
 
 def run_script(directory, args, timeout=40.0):
@@ -219,7 +219,9 @@ def test_items_of_script_classes_arrive_as_the_trainers_own_classes(tmp_path, fr
 @pytest.mark.timeout(30)
 def test_a_stuck_item_is_reported_with_its_position_and_the_workers_stack(fresh_server):
     server = fresh_server()
-    rs = RPCReadingService(num_workers=1, workers=[server.address], auth_key=server.key, item_timeout=1.0, timeout=30)
+    rs = RPCReadingService(
+        num_workers=1, workers=[server.address], auth_key=server.key, item_timeout=1.0, timeout=30
+    )
     received = []
     with DataLoader2(IterableWrapper(range(N)).sharding_filter().map(block_forever_at_5), reading_service=rs) as dl:
         started = time.monotonic()
@@ -319,7 +321,13 @@ def test_a_module_missing_on_the_worker_is_named_with_the_fix(tmp_path, worker_s
 @pytest.mark.timeout(60)
 def test_a_socket_worker_logs_a_torch_rpc_trainer_as_a_transport_mismatch(fresh_server):
     server = fresh_server()
-    rs = RPCReadingService(num_workers=1, workers=[server.address], transport="torch_rpc", liveness=Liveness(connect_timeout=20), auth_key=server.key)
+    rs = RPCReadingService(
+        num_workers=1,
+        workers=[server.address],
+        transport="torch_rpc",
+        liveness=Liveness(connect_timeout=20),
+        auth_key=server.key,
+    )
     with pytest.raises(ConfigurationError, match="does not speak torch_rpc"):
         run_epochs(IterableWrapper(range(4)).sharding_filter(), rs, n_epochs=1)
     assert wait_until(lambda: "uses transport 'torch_rpc'" in server.stderr(), 5.0), server.stderr()

@@ -92,7 +92,9 @@ def rpc_server(tmp_path_factory):
 
 def remote(server, num_workers=2, transport="torch_rpc", **kwargs):
     kwargs.setdefault("liveness", Liveness(connect_timeout=30))
-    return RPCReadingService(num_workers=num_workers, workers=[server.address], transport=transport, auth_key=server.key, **kwargs)
+    return RPCReadingService(
+        num_workers=num_workers, workers=[server.address], transport=transport, auth_key=server.key, **kwargs
+    )
 
 
 def listening_tcp_addresses():
@@ -288,7 +290,13 @@ def test_a_rendezvous_that_never_completes_fails_within_the_timeout():
     thread.start()
     try:
         started = time.monotonic()
-        rs = RPCReadingService(num_workers=1, workers=[listener.address], transport="torch_rpc", liveness=Liveness(connect_timeout=2), auth_key=key)
+        rs = RPCReadingService(
+            num_workers=1,
+            workers=[listener.address],
+            transport="torch_rpc",
+            liveness=Liveness(connect_timeout=2),
+            auth_key=key,
+        )
         with pytest.raises(WorkerLostError, match="rendezvous .* did not complete within 2.0 s.*tcp://127.0.0.1:"):
             run_epochs(IterableWrapper(range(4)).sharding_filter(), rs, n_epochs=1)
         assert time.monotonic() - started < 6.0  # connect_timeout plus DataLoader2 setup, on a busy host

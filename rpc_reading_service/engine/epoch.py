@@ -91,8 +91,8 @@ class Epoch:
             try:
                 if self is not engine.epoch:
                     raise RuntimeError(
-                        "this iterator of a DataLoader2 was invalidated because a newer iteration of the same "
-                        "DataLoader2 started a new epoch; iterate the newest iterator only"
+                        "this iterator of a DataLoader2 was invalidated because a newer iteration of the "
+                        "same DataLoader2 started a new epoch; iterate the newest iterator only"
                     )
                 item = next(items)
             except StopIteration:
@@ -121,10 +121,10 @@ class Epoch:
         losses = self._losses[(rank, position)] = self._losses.get((rank, position), 0) + 1
         if losses > limit:
             raise WorkerLostError(
-                f"{error} -- gave up: worker {rank}'s shard was lost {losses} times in this epoch with the trainer "
-                f"at the same position (after {position} of its items), and max_reassignments={limit} allows "
-                f"{limit} replays from one position. Does the graph crash its process at that item every time? "
-                "on_worker_failure='raise' shows the first loss",
+                f"{error} -- gave up: worker {rank}'s shard was lost {losses} times in this epoch with the "
+                f"trainer at the same position (after {position} of its items), and "
+                f"max_reassignments={limit} allows {limit} replays from one position. Does the graph crash "
+                "its process at that item every time? on_worker_failure='raise' shows the first loss",
                 rank,
                 lost.address,
             ) from error
@@ -137,4 +137,3 @@ class Epoch:
         engine.start_channel(channel, self, skip=progress.consumed[rank])
         engine.channels[rank] = channel
         return channel
-

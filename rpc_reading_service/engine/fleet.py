@@ -98,13 +98,17 @@ class Fleet:
     def connect(self, graph: bytes) -> List[WorkerChannel]:
         """Start local workers if configured, then open and set up one channel per worker rank
         (in parallel); on any failure close those that opened and raise the first error."""
-        self._transport = create_transport(self.config.transport.name, **self.config.transport.factory_options())
+        self._transport = create_transport(
+            self.config.transport.name, **self.config.transport.factory_options()
+        )
         self._graph = graph
         addresses = self._addresses()
         channels: List[WorkerChannel] = []
         errors: List[BaseException] = []
         with ThreadPoolExecutor(max_workers=min(32, self.num_workers)) as pool:
-            futures = [pool.submit(self.open_channel, rank, addresses[rank]) for rank in range(self.num_workers)]
+            futures = [
+                pool.submit(self.open_channel, rank, addresses[rank]) for rank in range(self.num_workers)
+            ]
             for future in futures:
                 try:
                     channels.append(future.result())
@@ -129,7 +133,12 @@ class Fleet:
         channel = WorkerChannel(conn, rank, options.heartbeat_interval, options.peer_timeout)
         try:
             channel.setup(
-                {"graph": self._graph, "worker_rank": rank, "num_workers": self.num_workers, "options": options.__dict__},
+                {
+                    "graph": self._graph,
+                    "worker_rank": rank,
+                    "num_workers": self.num_workers,
+                    "options": options.__dict__,
+                },
                 timeout,
             )
         except BaseException:
@@ -137,7 +146,9 @@ class Fleet:
             raise
         return channel
 
-    def reopen(self, rank: int, lost: WorkerChannel, others: Sequence[WorkerChannel], error: WorkerLostError) -> WorkerChannel:
+    def reopen(
+        self, rank: int, lost: WorkerChannel, others: Sequence[WorkerChannel], error: WorkerLostError
+    ) -> WorkerChannel:
         """A new session for worker ``rank``, whose channel ``lost`` was lost with ``error``.
 
         Tries the lost worker's server first (only its session may have died), then the
@@ -157,7 +168,9 @@ class Fleet:
                 return self.open_channel(rank, address)
             except (WorkerLostError, OSError) as exc:
                 failures.append(f"{address}: {exc}")
-        raise WorkerLostError(f"{error}; no server could take over its shard: {'; '.join(failures)}", rank, lost.address) from error
+        raise WorkerLostError(
+            f"{error}; no server could take over its shard: {'; '.join(failures)}", rank, lost.address
+        ) from error
 
     def close(self) -> None:
         """Stop local workers and a TCPStore this process hosted (idempotent)."""
@@ -165,4 +178,3 @@ class Fleet:
             self.local_server.stop()
             self.local_server = None
         self._hosted_store = None  # stops a TCPStore this trainer hosted (StoreDiscovery(host_store=True))
-

@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import weakref
-from typing import Any, List, Optional
+from typing import List, Optional
 
 from torchdata.dataloader2.graph import DataPipe
 from torchdata.dataloader2.utils import WorkerInfo
@@ -87,12 +87,12 @@ class Engine:
         """Find the workers of a store or hostfile (once) and return the number of sessions."""
         return self.fleet.discover()
 
-    def start(self, graph: DataPipe, dist: DistributedInfo = DistributedInfo()) -> None:
+    def start(self, graph: DataPipe, dist: Optional[DistributedInfo] = None) -> None:
         """Find and start the workers and set up every session with ``graph``, the DataPipes the
         workers run (already sharded for ``dist``, this trainer's place in a torch.distributed
         job: worker ``i`` runs global shard ``dist.rank * num_workers + i``); with
         ``num_workers=0`` the graph runs in this process."""
-        self.dist = dist
+        self.dist = dist or DistributedInfo()
         self.discover()
         config = self.config
         if self.num_workers == 0:
@@ -112,7 +112,9 @@ class Engine:
         """Where a new channel delivers: the shared queue, or (in order) a queue of its own."""
         return self.events if not self.config.in_order else queue.SimpleQueue()
 
-    def start_epoch(self, seed: int, positions: Optional[Positions] = None, number: Optional[int] = None) -> Epoch:
+    def start_epoch(
+        self, seed: int, positions: Optional[Positions] = None, number: Optional[int] = None
+    ) -> Epoch:
         """Start an epoch with the shared ``seed`` on every worker and return it.
 
         ``positions`` (from :meth:`Epoch.positions`) and ``number`` resume a checkpointed
