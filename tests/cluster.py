@@ -132,6 +132,10 @@ class Host:
         """Bring the host's link up or down (down: a network partition, the host's processes live on)."""
         _ip("-n", self.netns, "link", "set", self.link(network), "up" if up else "down")
 
+    def route(self, network: int, via: str, add: bool = True) -> None:
+        """Add (or delete) a route from this host to ``network`` through ``via`` (a router on its own network)."""
+        _ip("-n", self.netns, "route", "add" if add else "del", str(Cluster.subnet(network)), "via", via)
+
     def cap_link(self, rate_bits: Optional[int], network: Optional[int] = None) -> None:
         """Cap what the host sends on its link with a token bucket (``tc tbf``); ``None`` removes the cap."""
         device = self.link(network)

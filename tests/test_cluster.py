@@ -98,11 +98,11 @@ def partitioned_epoch(**options):
 class Trainer:
     """A trainer script running inside the trainer host (stdin/stdout pipes, stderr to a log)."""
 
-    def __init__(self, host: cluster_module.Host, body: str, args: dict, workdir: Path, key: str):
+    def __init__(self, host: cluster_module.Host, body: str, args: dict, workdir: Path, key: str, env: Dict[str, str]):
         script = workdir / f"trainer-{secrets.token_hex(4)}.py"
         script.write_text(PRELUDE + PARTITION + textwrap.dedent(body))
         self.log_path = workdir / f"{script.stem}.log"
-        env = dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONWARNINGS="ignore", RRS_TEST_KEY=key)
+        env = dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONWARNINGS="ignore", RRS_TEST_KEY=key, **env)
         with open(self.log_path, "wb") as log:
             self.proc = host.popen(
                 [sys.executable, str(script), json.dumps(args)],
@@ -198,8 +198,8 @@ def servers(cluster, certs, tmp_path_factory):
             server.stop()
 
 
-def run_trainer(cluster, servers, tmp_path, body: str, args: dict) -> Trainer:
-    return Trainer(cluster["trainer"], body, args, tmp_path, servers["key"])
+def run_trainer(cluster, servers, tmp_path, body: str, args: dict, env: Dict[str, str] = {}) -> Trainer:  # noqa: B006
+    return Trainer(cluster["trainer"], body, args, tmp_path, servers["key"], env)
 
 
 def result_of(trainer: Trainer, timeout: float = 40.0) -> dict:
@@ -273,17 +273,47 @@ def test_tcpstore_discovery_store_on_one_host_workers_on_others(cluster, servers
 
 
 def test_trainer_with_two_networks_reaches_workers_on_both(cluster, servers, tmp_path):
-    # w0 is on network 1 only, w3 on network 2 only: neither can reach the other network.
+    # w0 is on network 1 only, w3 on network 2 only, and neither has a route to the other network.
     trainer = run_trainer(cluster, servers, tmp_path, '''
-        report(**{
-            transport: tagged_epoch(40, worker_addresses=ARGS[transport], num_workers=2, transport=transport,
-                                    connect_timeout=20)
-            for transport in ("socket", "torch_rpc")
-        })
-    ''', {t: [servers[t]["w0"], servers[t]["w3"]] for t in ("socket", "torch_rpc")})  # fmt: skip
-    result = result_of(trainer)
-    assert_exactly_once(result["socket"], 40, ["w0", "w3"])
-    assert_exactly_once(result["torch_rpc"], 40, ["w0", "w3"])
+        report(items=tagged_epoch(40, worker_addresses=ARGS, num_workers=2, connect_timeout=20))
+    ''', [servers["socket"]["w0"], servers["socket"]["w3"]])  # fmt: skip
+    assert_exactly_once(result_of(trainer)["items"], 40, ["w0", "w3"])
+
+
+def test_torch_rpc_trainer_with_two_networks(cluster, servers, tmp_path):
+    """TensorPipe listens on one address per trainer process (here on network 1, TP_SOCKET_IFNAME):
+    a worker host on network 2 without a route to it is refused at once with what to do (it used
+    to time out, its session killed by TensorPipe's abort); with a route, both networks work."""
+    trainer = run_trainer(cluster, servers, tmp_path, '''
+        def attempt():
+            start = time.monotonic()
+            try:
+                return tagged_epoch(40, worker_addresses=ARGS, num_workers=2, transport="torch_rpc",
+                                    connect_timeout=20), None, time.monotonic() - start
+            except WorkerLostError as exc:
+                return None, str(exc), time.monotonic() - start
+        items, error, seconds = attempt()
+        report(error=error, seconds=seconds)
+        sys.stdin.readline()
+        items, error, _ = attempt()
+        report(items=items, error=error)
+    ''', [servers["torch_rpc"]["w0"], servers["torch_rpc"]["w3"]], env={"TP_SOCKET_IFNAME": "eth1"})  # fmt: skip
+    refused = trainer.next()
+    trainer_tensorpipe = cluster["trainer"].addresses[1]
+    assert refused["error"] and servers["torch_rpc"]["w3"] in refused["error"], refused
+    assert f"cannot reach the trainer's torch RPC (TensorPipe) address {trainer_tensorpipe}:" in refused["error"]
+    assert "TP_SOCKET_IFNAME" in refused["error"] and "transport='socket'" in refused["error"]
+    assert refused["seconds"] < 15, refused  # not the 20 s connect_timeout
+    w3_server = servers["procs"][("torch_rpc", "w3")]
+    assert w3_server.proc.poll() is None and "killed by signal" not in w3_server.stderr()
+    cluster["w3"].route(1, via=cluster["trainer"].addresses[2])
+    try:
+        trainer.tell()
+        result = result_of(trainer)
+    finally:
+        cluster["w3"].route(1, via=cluster["trainer"].addresses[2], add=False)
+    assert result["error"] is None, result["error"]
+    assert_exactly_once(result["items"], 40, ["w0", "w3"])
 
 
 @pytest.fixture
