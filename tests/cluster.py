@@ -249,10 +249,9 @@ class Cluster:
             self._route = False
 
 
-def json_lines(proc: subprocess.Popen):
-    """Yield the JSON objects a trainer script prints, one per stdout line, until it exits."""
-    assert proc.stdout is not None
-    for line in proc.stdout:
+def json_lines(stream):
+    """Yield the JSON objects a trainer script prints, one per line of ``stream``, until it ends."""
+    for line in stream:
         line = line.strip()
         if line.startswith(b"{"):
             yield json.loads(line)
