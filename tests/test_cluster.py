@@ -423,3 +423,20 @@ def test_partition_mid_epoch_reassign_gives_the_fault_free_epoch(cluster, server
     assert sorted(result["fault_free"]) == list(range(300))
     assert result["got"] == result["fault_free"]
     assert result["seconds"] < 2.0 + 3.0 + 5.0, result["seconds"]  # timeout + connect_timeout + the replay
+
+
+def test_a_new_cluster_sweeps_what_an_interrupted_run_left(tmp_path):
+    """Objects named after a run whose process is gone (a crash, a SIGKILL) are removed."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    leftover = f"{cluster_module.PREFIX}{dead.pid}-w0"
+    subprocess.run(["ip", "netns", "add", leftover], check=True)
+    subprocess.run(["ip", "route", "add", "blackhole", cluster_module.TEST_RANGE, "metric", str(dead.pid)], check=True)
+    try:
+        assert cluster_module.leftovers(dead.pid)
+        cluster_module.sweep_leftovers()
+        assert cluster_module.leftovers(dead.pid) == []
+    finally:
+        subprocess.run(["ip", "netns", "del", leftover], capture_output=True)
+        subprocess.run(["ip", "route", "del", "blackhole", cluster_module.TEST_RANGE, "metric", str(dead.pid)],
+                       capture_output=True)  # fmt: skip
