@@ -1,7 +1,7 @@
 """The deployment paths between hosts, on a cluster in miniature (tests/cluster.py).
 
-One cluster per module: a trainer host on networks 1 and 2, worker hosts w0, w1, w2 on
-network 1 and w3 on network 2. Worker servers listen on 0.0.0.0 with a key, each in its
+One cluster per module: a trainer host on networks 1 and 2, worker hosts w0 and w1 on
+network 1 and w3 on network 2, and w2 on network 1 hosting a TCPStore. Worker servers listen on 0.0.0.0 with a key, each in its
 host; the trainer is a script run inside the trainer host, which prints JSON results.
 Needs root (network namespaces): skipped elsewhere.
 """
@@ -241,8 +241,10 @@ def servers(cluster, certs, tmp_path_factory):
     try:
         with ThreadPoolExecutor(len(plans)) as pool:
             futures = {plan: pool.submit(start, (plan, args)) for plan, args in plans.items()}
-            for plan, future in futures.items():
-                started[plan] = future.result()
+        failed = [future.exception() for future in futures.values() if future.exception() is not None]
+        started.update((plan, future.result()) for plan, future in futures.items() if future.exception() is None)
+        if failed:
+            raise failed[0]
         addresses: Dict[str, Dict[str, str]] = {}
         for (kind, name), server in started.items():
             port = server.address.rsplit(":", 1)[1]
@@ -254,7 +256,7 @@ def servers(cluster, certs, tmp_path_factory):
             server.stop()
 
 
-def run_trainer(cluster, servers, tmp_path, body: str, args: dict, env: Dict[str, str] = {}) -> Trainer:  # noqa: B006
+def run_trainer(servers, tmp_path, body: str, args: dict, env: Dict[str, str] = {}) -> Trainer:  # noqa: B006
     return Trainer(servers["zygote"], body, args, tmp_path, {"RRS_TEST_KEY": servers["key"], **env})
 
 
@@ -273,7 +275,7 @@ def assert_exactly_once(items: List, n: int, hosts: List[str]) -> None:
 # -- transports between hosts ------------------------------------------------------------------
 def test_socket_transport_between_hosts_on_all_interfaces_with_a_key(cluster, servers, tmp_path):
     addresses = [servers["socket"][h] for h in ("w0", "w1", "w3")]
-    trainer = run_trainer(cluster, servers, tmp_path, '''
+    trainer = run_trainer(servers, tmp_path, '''
         items = tagged_epoch(60, worker_addresses=ARGS["addresses"], num_workers=3)
         try:
             tagged_epoch(6, worker_addresses=ARGS["addresses"][:1], auth_key="not the key")
@@ -289,7 +291,7 @@ def test_socket_transport_between_hosts_on_all_interfaces_with_a_key(cluster, se
 
 def test_torch_rpc_transport_between_hosts(cluster, servers, tmp_path):
     addresses = [servers["torch_rpc"][h] for h in ("w0", "w1")]
-    trainer = run_trainer(cluster, servers, tmp_path, '''
+    trainer = run_trainer(servers, tmp_path, '''
         dp = IterableWrapper(range(40)).sharding_filter().map(tensor_item)
         items = epoch(dp, worker_addresses=ARGS["addresses"], num_workers=2, transport="torch_rpc")
         report(items=[(i, host) for i, host, _ in items], tensors_ok=all(bool((t == i).all()) for i, _, t in items))
@@ -302,7 +304,7 @@ def test_torch_rpc_transport_between_hosts(cluster, servers, tmp_path):
 def test_tls_with_certificates_for_host_names_and_addresses(cluster, servers, certs, tmp_path):
     by_address = [servers["tls"][h] for h in ("w0", "w1")]
     by_name = [f"{cluster[h].fqdn}:{a.rsplit(':', 1)[1]}" for h, a in zip(("w0", "w1"), by_address)]
-    trainer = run_trainer(cluster, servers, tmp_path, '''
+    trainer = run_trainer(servers, tmp_path, '''
         results = {}
         for how in ("by_name", "by_address"):
             results[how] = tagged_epoch(30, worker_addresses=ARGS[how], num_workers=2, tls_ca_file=ARGS["ca"])
@@ -321,7 +323,7 @@ def test_tls_with_certificates_for_host_names_and_addresses(cluster, servers, ce
 
 
 def test_tcpstore_discovery_store_on_one_host_workers_on_others(cluster, servers, tmp_path):
-    trainer = run_trainer(cluster, servers, tmp_path, '''
+    trainer = run_trainer(servers, tmp_path, '''
         report(items=tagged_epoch(40, store=ARGS["store"], job=ARGS["job"], min_workers=2, discovery_timeout=30))
     ''', {"store": servers["store"], "job": JOB})  # fmt: skip
     assert_exactly_once(result_of(trainer)["items"], 40, ["w0", "w1"])
@@ -329,7 +331,7 @@ def test_tcpstore_discovery_store_on_one_host_workers_on_others(cluster, servers
 
 def test_trainer_with_two_networks_reaches_workers_on_both(cluster, servers, tmp_path):
     # w0 is on network 1 only, w3 on network 2 only, and neither has a route to the other network.
-    trainer = run_trainer(cluster, servers, tmp_path, '''
+    trainer = run_trainer(servers, tmp_path, '''
         report(items=tagged_epoch(40, worker_addresses=ARGS, num_workers=2, connect_timeout=20))
     ''', [servers["socket"]["w0"], servers["socket"]["w3"]])  # fmt: skip
     assert_exactly_once(result_of(trainer)["items"], 40, ["w0", "w3"])
@@ -339,7 +341,7 @@ def test_torch_rpc_trainer_with_two_networks(cluster, servers, tmp_path):
     """TensorPipe listens on one address per trainer process (here on network 1, TP_SOCKET_IFNAME):
     a worker host on network 2 without a route to it is refused at once with what to do (it used
     to time out, its session killed by TensorPipe's abort); with a route, both networks work."""
-    trainer = run_trainer(cluster, servers, tmp_path, '''
+    trainer = run_trainer(servers, tmp_path, '''
         def attempt():
             start = time.monotonic()
             try:
@@ -387,7 +389,7 @@ def partition(cluster):
 
 def test_partition_mid_epoch_raises_within_timeout_and_the_host_comes_back(cluster, servers, partition, tmp_path):
     addresses = [servers["socket"][h] for h in ("w0", "w1")]
-    trainer = run_trainer(cluster, servers, tmp_path, '''
+    trainer = run_trainer(servers, tmp_path, '''
         got, error, seconds = partitioned_epoch()
         report(event="lost", error=error, seconds=seconds)
         sys.stdin.readline()
@@ -408,7 +410,7 @@ def test_partition_mid_epoch_raises_within_timeout_and_the_host_comes_back(clust
 
 def test_partition_mid_epoch_reassign_gives_the_fault_free_epoch(cluster, servers, partition, tmp_path):
     addresses = [servers["socket"][h] for h in ("w0", "w1")]
-    trainer = run_trainer(cluster, servers, tmp_path, '''
+    trainer = run_trainer(servers, tmp_path, '''
         fault_free, _, _ = partitioned_epoch()
         got, error, seconds = partitioned_epoch(on_worker_failure="reassign")
         report(fault_free=fault_free, got=got, error=error, seconds=seconds)
