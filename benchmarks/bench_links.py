@@ -14,7 +14,7 @@ Contenders: ``RPCReadingService`` over the socket transport and over the torch_r
 and rpcdataloader 0.2.1 if it is installed. Both hosts share this machine's cores, so the
 10 Gbit/s rows are CPU-bound on a small machine. TensorPipe would move tensors between the
 namespaces by cross-memory attach or shared memory (same machine, no link at all), so the
-trainer offers it only what it has between real hosts: the uv transport, mpt_uv and basic channels.
+trainer offers it only what it has between real hosts (``cluster.restrict_tensorpipe_to_links``).
 
 Needs root (network namespaces) and iproute2; prints a markdown table::
 
@@ -62,17 +62,6 @@ class TensorDataset:
 
 
 # -- the trainer (runs inside the trainer host) --------------------------------------------------
-def _restrict_tensorpipe_to_links() -> None:
-    import torch.distributed.rpc as rpc
-
-    class BetweenHosts(rpc.TensorPipeRpcBackendOptions):
-        def __init__(self, *args, _transports=None, _channels=None, **kwargs):
-            super().__init__(*args, _transports=_transports or ["uv"], _channels=_channels or ["mpt_uv", "basic"],
-                             **kwargs)  # fmt: skip
-
-    rpc.TensorPipeRpcBackendOptions = BetweenHosts
-
-
 def _timed_second_epoch(loader_epochs, payload_bytes) -> Dict[str, float]:
     epochs = loader_epochs()
     for _ in next(epochs):  # warm-up: connections, imports, first allocations
@@ -116,7 +105,9 @@ def trainer_main(config: dict) -> None:
     # By reference (benchmarks/ is on the workers' path), not as this __main__'s copy.
     from bench_links import fresh_tensor
 
-    _restrict_tensorpipe_to_links()
+    from cluster import restrict_tensorpipe_to_links
+
+    restrict_tensorpipe_to_links()
     n_tensors = config["tensors"]
     for transport in ("socket", "torch_rpc", "rpcdataloader"):
         if transport not in config["addresses"]:

@@ -46,6 +46,7 @@ from rpc_reading_service import RPCReadingService
 from rpc_reading_service.errors import WorkerLostError
 
 KEY = os.environ["RRS_TEST_KEY"]
+import cluster; cluster.restrict_tensorpipe_to_links()  # torch_rpc's tensors cross the links, as between hosts
 ARGS = json.loads(sys.argv[1])
 
 def tagged(item):
