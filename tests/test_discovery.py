@@ -17,8 +17,7 @@ from torch.distributed import TCPStore
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import wait_until
-from conftest import _pythonpath, start_server
+from _server_helpers import _pythonpath, free_port, start_server, wait_until
 from rpc_reading_service import ConfigurationError, DiscoveryTimeoutError, RPCReadingService
 from rpc_reading_service.discovery import (
     KEY_PREFIX,
@@ -31,12 +30,6 @@ from rpc_reading_service.discovery import (
 )
 
 KEY = secrets.token_hex(16)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def host_store() -> TCPStore:

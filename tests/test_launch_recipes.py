@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,19 +16,12 @@ import pytest
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from conftest import _pythonpath
+from _server_helpers import VENV_BIN, _pythonpath, free_port, process_group_members
 from rpc_reading_service import RPCReadingService
 from rpc_reading_service.discovery import registered_workers
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
-VENV_BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def recipe_env() -> dict:
@@ -39,19 +31,6 @@ def recipe_env() -> dict:
     env["PYTHONPATH"] = _pythonpath()
     env.pop("RPC_READING_SERVICE_AUTH_KEY", None)
     return env
-
-
-def process_group_members(pgid: int):
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                members.append(int(entry))
-    return members
 
 
 class Fleet:

@@ -16,7 +16,7 @@ import pytest
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from conftest import AUTH_KEY_ENV, VENV_BIN, process_alive, start_server
+from _server_helpers import AUTH_KEY_ENV, VENV_BIN, process_alive, remote, start_server
 from rpc_reading_service import AuthenticationError, ConfigurationError, RPCReadingService, WorkerLostError
 from rpc_reading_service.addresses import parse_address
 from rpc_reading_service.protocol import (
@@ -42,10 +42,6 @@ def exit_on_5(x):
     if x == 5:
         os._exit(3)  # the graph kills its own session process
     return x
-
-
-def remote(server, num_workers=2, **kwargs):
-    return RPCReadingService(num_workers=num_workers, worker_addresses=[server.address], auth_key=server.key, **kwargs)
 
 
 def run_epoch(server, n=20, **kwargs):
