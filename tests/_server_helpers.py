@@ -176,7 +176,8 @@ def start_server(
 @contextlib.contextmanager
 def running_server(workdir: Path, args: Sequence[str] = (), key: Optional[str] = None) -> Iterator[Server]:
     """A plain-CLI server keyed by a key file, warnings silenced, stopped on exit."""
-    server = start_server(workdir, args, key, key_file=True, command=WORKER_CLI, env={"PYTHONWARNINGS": "ignore"})
+    quiet = {"PYTHONWARNINGS": "ignore"}
+    server = start_server(workdir, args, key, key_file=True, command=WORKER_CLI, env=quiet)
     try:
         yield server
     finally:
@@ -193,9 +194,8 @@ def remote(server, num_workers: int = 2, **kwargs):
     from rpc_reading_service import RPCReadingService
 
     servers = list(server) if isinstance(server, (list, tuple)) else [server]
-    return RPCReadingService(
-        num_workers=num_workers, worker_addresses=[s.address for s in servers], auth_key=servers[0].key, **kwargs
-    )
+    addresses, key = [s.address for s in servers], servers[0].key
+    return RPCReadingService(num_workers=num_workers, worker_addresses=addresses, auth_key=key, **kwargs)
 
 
 def run_epochs(datapipe, reading_service, n_epochs=2, seed=None):
@@ -284,7 +284,9 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
         time.sleep(interval)
 
 
-def wait_dead(pids: Iterable[Optional[int]], timeout: float = 5.0, what: str = "processes left behind") -> None:
+def wait_dead(
+    pids: Iterable[Optional[int]], timeout: float = 5.0, what: str = "processes left behind"
+) -> None:
     """Assert that every pid in ``pids`` (None entries ignored) is gone within ``timeout``."""
     pids = list(pids)
     alive = lambda: [pid for pid in pids if pid is not None and process_alive(pid)]  # noqa: E731
@@ -309,7 +311,8 @@ def threads_left_behind(
     known: Set[int] = {id(t) for t in before}
 
     def leaked() -> List[threading.Thread]:
-        return [t for t in threading.enumerate() if id(t) not in known and t.is_alive() and not t.name.startswith(prefixes)]
+        new = (t for t in threading.enumerate() if id(t) not in known and t.is_alive())
+        return [t for t in new if not t.name.startswith(prefixes)]
 
     wait_until(lambda: not leaked(), timeout)
     return leaked()

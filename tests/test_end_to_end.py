@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import uuid
 
 import pytest
 import torch.multiprocessing as mp
+from _server_helpers import free_port, reap, remote, run_epochs
 from torchdata.dataloader2 import DataLoader2, MultiProcessingReadingService
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import free_port, remote, run_epochs
 from rpc_reading_service import RPCReadingService, WorkerStartupError
 
 pytestmark = pytest.mark.timeout(90)
@@ -39,7 +38,8 @@ def test_same_items_as_multiprocessing_reading_service(worker_server):
     assert run_epochs(shuffled, remote(worker_server), n_epochs=2, seed=5) == ours
     # Without a shuffle both merge the workers round-robin: identical order, not just items.
     mprs_ordered = run_epochs(ordered, MultiProcessingReadingService(num_workers=2), n_epochs=1)
-    assert run_epochs(ordered, remote(worker_server), n_epochs=1) == mprs_ordered == [[2 * x for x in range(41)]]
+    ours_ordered = run_epochs(ordered, remote(worker_server), n_epochs=1)
+    assert ours_ordered == mprs_ordered == [[2 * x for x in range(41)]]
 
 
 # -- functions the workers cannot import ----------------------------------------------------------
@@ -96,9 +96,7 @@ def test_functions_from_main_script_and_spawn_child(worker_server, tmp_path):
     try:
         stdout, stderr = proc.communicate(timeout=80)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        reap(proc)  # the script's process group: its spawn child too
     assert proc.returncode == 0, stderr[-3000:]
     outputs = {}
     for line in stdout.splitlines():
@@ -134,7 +132,8 @@ def test_pickle_by_value_for_a_module_workers_cannot_import(worker_server, tmp_p
         with pytest.raises(WorkerStartupError, match=f"No module named '{name}'"):
             run_epochs(dp, remote(worker_server), n_epochs=1)
         # ...by value, its function and the class and global it uses travel with the graph.
-        assert run_epochs(dp, remote(worker_server, pickle_by_value=[module]), n_epochs=1) == [[4 * x for x in range(8)]]
+        by_value = remote(worker_server, pickle_by_value=[module])
+        assert run_epochs(dp, by_value, n_epochs=1) == [[4 * x for x in range(8)]]
     finally:
         sys.modules.pop(name, None)
 

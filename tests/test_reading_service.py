@@ -20,7 +20,7 @@ import torch
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import children_of, process_alive, remote, run_epochs
+from _server_helpers import children_of, remote, run_epochs, wait_dead
 from rpc_reading_service import (
     ConfigurationError,
     RemoteWorkerError,
@@ -324,11 +324,7 @@ def test_local_workers_exactly_once_then_fast_shutdown_after_early_break():
         dl.shutdown()
         elapsed = time.monotonic() - start
     assert elapsed < 5.0
-    for pid in (server_pid, *sessions):
-        deadline = time.monotonic() + 2.0
-        while process_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not process_alive(pid), f"process {pid} outlived shutdown()"
+    wait_dead([server_pid, *sessions], timeout=5.0, what="processes outlived shutdown()")
     assert not (rrs_threads() - threads_before), "threads outlived shutdown()"
     dl.shutdown()  # idempotent
 
@@ -377,8 +373,5 @@ def test_session_processes_end_with_their_dataloader(worker_server):
     sessions = set(worker_server.session_pids()) - before
     assert len(sessions) == 2
     dl.shutdown()
-    deadline = time.monotonic() + 5
-    while set(worker_server.session_pids()) & sessions and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not set(worker_server.session_pids()) & sessions
+    wait_dead(sessions, timeout=5, what="sessions outlived their DataLoader2")
     assert os.getpid() not in sessions
