@@ -143,6 +143,8 @@ def start_server(
     is added to its environment. The server runs in ``workdir`` (outside the repo, so that only
     PYTHONPATH decides what it can import) and logs to a file there.
     """
+    if isinstance(args, str):  # conftest's old start_server took the key second
+        raise TypeError(f"start_server(workdir, args, key): args is a list of CLI arguments, not {args!r}")
     key = secrets.token_hex(16) if key is None else key
     full_env = dict(os.environ)
     full_env.pop(AUTH_KEY_ENV, None)

@@ -11,7 +11,9 @@ import pytest
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import authenticate, connect, frame_bytes, read_until_closed, running_server, wait_until
+from _server_helpers import (
+    authenticate, connect, frame_bytes, read_until_closed, remote, run_epochs, running_server, wait_until,
+)
 from rpc_reading_service import RPCReadingService, WorkerRefusedError
 from rpc_reading_service.protocol import MAGIC, PROTOCOL_VERSION, ClientHandshake, FrameReader, MessageKind
 
@@ -36,12 +38,7 @@ def _peer(sock) -> str:
 
 
 def _epoch(server, num_workers: int = 1, n: int = 20) -> list:
-    service = RPCReadingService(worker_addresses=[server.address], num_workers=num_workers, auth_key=server.key)
-    dl = DataLoader2(IterableWrapper(range(n)).sharding_filter(), reading_service=service)
-    try:
-        return sorted(dl)
-    finally:
-        dl.shutdown()
+    return sorted(run_epochs(IterableWrapper(range(n)).sharding_filter(), remote(server, num_workers), n_epochs=1)[0])
 
 
 @pytest.mark.parametrize("stage", ["silent", "after HELLO"])

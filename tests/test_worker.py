@@ -16,7 +16,7 @@ import pytest
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import AUTH_KEY_ENV, VENV_BIN, remote, start_server, wait_dead
+from _server_helpers import AUTH_KEY_ENV, VENV_BIN, remote, run_epochs, start_server, wait_dead
 from rpc_reading_service import AuthenticationError, ConfigurationError, RPCReadingService, WorkerLostError
 from rpc_reading_service.addresses import parse_address
 from rpc_reading_service.protocol import (
@@ -45,8 +45,7 @@ def exit_on_5(x):
 
 
 def run_epoch(server, n=20, **kwargs):
-    with DataLoader2(IterableWrapper(range(n)).sharding_filter(), reading_service=remote(server, **kwargs)) as dl:
-        return list(dl)
+    return run_epochs(IterableWrapper(range(n)).sharding_filter(), remote(server, **kwargs), n_epochs=1)[0]
 
 
 @pytest.fixture(scope="module")
