@@ -132,7 +132,8 @@ def test_fleet_script_stops_everything_on_ctrl_c(fleet):
     fleet.proc.send_signal(signal.SIGINT)
     assert fleet.proc.wait(20) == 130
     assert time.monotonic() - start < 15
-    assert wait_until(lambda: not process_group_members(fleet.proc.pid), 5), process_group_members(fleet.proc.pid)
+    group = fleet.proc.pid
+    assert wait_until(lambda: not process_group_members(group), 5), process_group_members(group)
     assert not run_dir.exists()
 
 
@@ -143,7 +144,7 @@ def test_fleet_script_registers_in_a_store_and_cleans_up_on_sigterm(tmp_path):
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     fleet = Fleet("-n", "1", "--store", f"127.0.0.1:{store.port}", "--job", "sigterm", "--dir", str(tmp_path / "run"))
     try:
-        assert wait_until(lambda: registered_workers(store, "sigterm"), 20), "the fleet's worker never registered"
+        assert wait_until(lambda: registered_workers(store, "sigterm"), 20), "the worker never registered"
         fleet.proc.send_signal(signal.SIGTERM)
         assert fleet.proc.wait(20) == 143
         assert registered_workers(store, "sigterm") == []  # the worker deleted its entry
@@ -174,7 +175,8 @@ def test_fleet_script_without_the_venv_says_to_set_python_or_activate_it(tmp_pat
 @pytest.mark.timeout(30)
 def test_shell_recipes_parse():
     for name in ("launch_local_fleet.sh", "slurm_hetjob.sbatch"):
-        result = subprocess.run(["bash", "-n", str(EXAMPLES / name)], capture_output=True, text=True, timeout=20)
+        command = ["bash", "-n", str(EXAMPLES / name)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=20)
         assert result.returncode == 0, f"{name}: {result.stderr}"
     sbatch = (EXAMPLES / "slurm_hetjob.sbatch").read_text()
     assert "#SBATCH hetjob" in sbatch and "--het-group=0" in sbatch and "--het-group=1" in sbatch

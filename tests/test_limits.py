@@ -38,7 +38,8 @@ def _peer(sock) -> str:
 
 
 def _epoch(server, num_workers: int = 1, n: int = 20) -> list:
-    return sorted(run_epochs(IterableWrapper(range(n)).sharding_filter(), remote(server, num_workers), n_epochs=1)[0])
+    (items,) = run_epochs(IterableWrapper(range(n)).sharding_filter(), remote(server, num_workers), 1)
+    return sorted(items)
 
 
 @pytest.mark.parametrize("stage", ["silent", "after HELLO"])
