@@ -17,8 +17,7 @@ from torch.distributed import TCPStore
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import wait_until
-from conftest import _pythonpath, start_server
+from _server_helpers import _pythonpath, free_port, start_server, wait_until
 from rpc_reading_service import ConfigurationError, DiscoveryTimeoutError, RPCReadingService
 from rpc_reading_service.discovery import (
     KEY_PREFIX,
@@ -31,12 +30,6 @@ from rpc_reading_service.discovery import (
 )
 
 KEY = secrets.token_hex(16)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def host_store() -> TCPStore:
@@ -53,10 +46,9 @@ def start_workers(tmp_path, count, store_address, job, extra=()):
 
 
 def wait_registered(store, job, count, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while len(registered_workers(store, job)) < count:
-        assert time.monotonic() < deadline, f"only {registered_workers(store, job)} registered"
-        time.sleep(0.05)
+    """The addresses of ``job``'s workers in ``store``, once ``count`` have registered."""
+    registered = lambda: len(registered_workers(store, job)) >= count  # noqa: E731
+    assert wait_until(registered, timeout), f"only {registered_workers(store, job)} registered"
     return [address for _, address in registered_workers(store, job)]
 
 
@@ -237,9 +229,9 @@ def test_worker_refuses_to_register_a_unix_socket(tmp_path):
 def test_discovery_opens_nothing_before_initialize():
     port = free_port()  # nothing listens here
     start = time.monotonic()
-    service = RPCReadingService(store=f"127.0.0.1:{port}", job="x", min_workers=3, discovery_timeout=0.5)
+    service = RPCReadingService(store=f"127.0.0.1:{port}", job="x", min_workers=3, discovery_timeout=10)
     clone = pickle.loads(pickle.dumps(service))  # DataLoader2 clones the service like this
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 5  # a look-up would wait out the 10 s discovery timeout
     assert clone.num_workers == 3
 
 

@@ -108,7 +108,7 @@ def test_an_unprintable_exception_reaches_the_trainer_at_once(fn, type_name):
     text = str(caught.value)
     assert f"Caught {type_name} in worker 1 (" in text
     assert f"<unprintable {type_name} object>" in text or "<exception str() failed>" in text
-    assert elapsed < 2.0, f"the error took {elapsed:.1f} s"
+    assert elapsed < 5.0, f"the error took {elapsed:.1f} s"  # at once, not by the 30 s timeout
 
 
 @pytest.mark.timeout(30)

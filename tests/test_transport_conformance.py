@@ -23,8 +23,8 @@ import torch
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import wait_until
-from conftest import run_epochs, _pythonpath, children_of, process_alive, start_server
+from _server_helpers import _pythonpath, children_of, process_alive, run_epochs, start_server, wait_until
+from _server_helpers import remote as shared_remote
 from rpc_reading_service import RPCReadingService, available_transports, register_transport
 from transport_plugin import DIST_DIR, LOG_ENV, PLUGIN_NAME, CountingTransport, Counters
 
@@ -79,10 +79,8 @@ def servers(tmp_path_factory):
 
 
 def remote(server, transport, num_workers=2, **kwargs):
-    return RPCReadingService(
-        num_workers=num_workers, worker_addresses=[server.address], auth_key=server.key, transport=transport,
-        connect_timeout=30, **kwargs,
-    )  # fmt: skip
+    """A reading service on ``server`` over ``transport``, with a generous connect timeout."""
+    return shared_remote(server, num_workers, transport=transport, connect_timeout=30, **kwargs)
 
 
 _reference = {}
