@@ -222,7 +222,7 @@ def servers(cluster, certs, tmp_path_factory):
         [sys.executable, "-c", ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         env=dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONWARNINGS="ignore"), cwd=str(workdir),
     )  # fmt: skip
-    store_port = int(store_proc.stdout.readline().split()[-1])
+    store_port = int(store_proc.stdout.readline().split()[-1].rsplit(b":", 1)[-1])  # "TCPStore listening on HOST:PORT"
     store = f"{cluster['w2'].address}:{store_port}"
     plans = {
         **{("socket", h): ["--store", store, "--job", JOB] if h in ("w0", "w1") else [] for h in ("w0", "w1", "w3")},
