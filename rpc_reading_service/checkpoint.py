@@ -44,7 +44,8 @@ def seed_generator_state(generator: Any) -> Optional[Dict[str, Dict[str, Any]]]:
     list, which later draws change in place): states compare equal across a checkpoint.
     """
     try:
-        return {rng: {f: _snapshot(getattr(getattr(generator, rng), f)) for f in _ENGINE_FIELDS} for rng in _RNGS}
+        engines = {rng: getattr(generator, rng) for rng in _RNGS}
+        return {rng: {f: _snapshot(getattr(e, f)) for f in _ENGINE_FIELDS} for rng, e in engines.items()}
     except AttributeError:
         return None
 

@@ -10,7 +10,8 @@ The second half ports a selection of torchdata 0.9's own reading-service tests
 exit, re-iteration, invalidated iterators, pause/resume/limit, worker_init_fn/worker_reset_fn
 with WorkerInfo, determinism, checkpoint at the start of an epoch. Cases that need
 ``sharding_round_robin_dispatch`` (issue 12 item 1) or the user's own DataPipe as
-``_end_datapipe`` (issue 12 item 2) are strict xfails for RPCReadingService until those land.
+``_end_datapipe`` (issue 12 item 2) are strict xfails for RPCReadingService until those land;
+the dispatching cases skip MPRS, whose shutdown with a dispatching process is unreliable here.
 
 Workers are local (two per reading service, forked) and reaped after every test; graph
 functions are module level so that the workers find them by reference.
@@ -21,11 +22,13 @@ from __future__ import annotations
 import os
 import random
 import re
-from typing import Any, Callable, Iterator, List
+from collections.abc import Iterator
+from typing import Any, Callable
 
 import numpy as np
 import pytest
 import torch
+from _server_helpers import children_of, wait_until
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2, DataLoader2Iterator, MultiProcessingReadingService
 from torchdata.dataloader2.graph import list_dps, set_datapipes_seed, traverse_dps
@@ -33,15 +36,18 @@ from torchdata.dataloader2.random import SeedGenerator
 from torchdata.dataloader2.utils import WorkerInfo
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
-from _server_helpers import children_of, wait_until
 from rpc_reading_service import RPCReadingService
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(30)
 
 NUM_WORKERS = 2
 N = 20
 
 NEEDS_DISPATCH = "sharding_round_robin_dispatch is not built yet for RPCReadingService (issue 12 item 1)"
+MPRS_DISPATCH_SHUTDOWN = (
+    "torchdata 0.9's MPRS often needs 20 s (join timeouts) to shut down with a dispatching process "
+    "on a loaded machine, and leaves that process running: no reference to compare with"
+)
 NEEDS_USERS_END = "RPCReadingService wraps the trainer's last DataPipe in _DeliveryCounter (issue 12 item 2)"
 
 
@@ -62,7 +68,7 @@ def boom_on_7(x: int) -> int:
 
 
 def tag_worker(datapipe: IterDataPipe, info: WorkerInfo) -> IterDataPipe:
-    """worker_init_fn: shard the graph by WorkerInfo and tag items with it (torchdata's test does the sharding)."""
+    """worker_init_fn: shard by WorkerInfo (as torchdata's test does) and tag each item with it."""
     datapipe = datapipe.sharding_filter()
     torch.utils.data.graph_settings.apply_sharding(
         datapipe, info.num_workers, info.worker_id, SHARDING_PRIORITIES.MULTIPROCESSING
@@ -124,14 +130,18 @@ def kind(request) -> str:
 
 @pytest.fixture
 def make_rs(kind) -> Iterator[Callable[..., Any]]:
-    """``make_rs(**kwargs)``: the parametrized class with two workers; every worker process is reaped after."""
+    """``make_rs(**kwargs)``: the parametrized class with two workers; all its processes are reaped after."""
 
     def make(**kwargs: Any) -> Any:
+        if kind == "mprs":
+            # MPRS's main-process prefetch thread (main_prefetch_cnt=10 by default) makes its
+            # shutdown after an early exit hang now and then, in torchdata 0.9: off, to test us.
+            kwargs.setdefault("main_prefetch_cnt", 0)
         return KINDS[kind](num_workers=kwargs.pop("num_workers", NUM_WORKERS), **kwargs)
 
     yield make
     me = os.getpid()
-    if not wait_until(lambda: not children_of(me), timeout=10.0):
+    if not wait_until(lambda: not children_of(me), timeout=5.0):
         left = children_of(me)
         for pid in left:
             os.kill(pid, 9)
@@ -139,11 +149,13 @@ def make_rs(kind) -> Iterator[Callable[..., Any]]:
 
 
 def needs_dispatch(request, kind: str) -> None:
-    if kind == "rpc":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=NEEDS_DISPATCH))
+    """A dispatching case: a strict xfail for RPCReadingService until issue 12 item 1 lands."""
+    if kind == "mprs":
+        pytest.skip(MPRS_DISPATCH_SHUTDOWN)
+    request.applymarker(pytest.mark.xfail(strict=True, reason=NEEDS_DISPATCH))
 
 
-def epochs(dl: DataLoader2, n: int, before_each: Callable[[], None] = lambda: None) -> List[list]:
+def epochs(dl: DataLoader2, n: int, before_each: Callable[[], None] = lambda: None) -> list[list]:
     out = []
     for _ in range(n):
         before_each()
@@ -155,6 +167,16 @@ def reseed_globals() -> None:
     torch.manual_seed(123)
     random.seed(123)
     np.random.seed(123)
+
+
+def assert_two_epochs_follow_the_seed(dl: DataLoader2, seed: Callable[[int], Any]) -> None:
+    """torchdata's determinism check: ``seed(123)`` before two epochs repeats them, ``seed(321)`` does not."""
+    seed(123)
+    res = list(dl) + list(dl)
+    seed(123)
+    assert res == list(dl) + list(dl)
+    seed(321)
+    assert res != list(dl) + list(dl)
 
 
 # -- seeds ---------------------------------------------------------------------------------------
@@ -183,44 +205,33 @@ def test_dl_seed_reproduces_runs(make_rs, kind):
     if kind == "rpc":
         assert first != second, "epochs of a dl.seed(s) run differ: the generator advances"
     else:
-        assert first == second, "MPRS repeats the epoch: spawning worker generators does not advance DataLoader2's"
+        # MPRS repeats the epoch: spawning the workers' generators does not advance DataLoader2's.
+        assert first == second
 
 
 def test_multi_worker_determinism(make_rs):
     """torchdata's test_multi_worker_determinism: manual_seed or dl.seed before two epochs."""
     dp = IterableWrapper(range(100)).shuffle().sharding_filter().batch(2)
     with DataLoader2(dp, reading_service=make_rs()) as dl:
-        torch.manual_seed(123)
-        res = list(dl) + list(dl)
-        torch.manual_seed(123)
-        assert res == list(dl) + list(dl)
-        torch.manual_seed(321)
-        assert res != list(dl) + list(dl)
-        dl.seed(123)
-        res = list(dl) + list(dl)
-        dl.seed(123)
-        assert res == list(dl) + list(dl)
-        dl.seed(321)
-        assert res != list(dl) + list(dl)
+        assert_two_epochs_follow_the_seed(dl, lambda seed: torch.manual_seed(seed))
+        assert_two_epochs_follow_the_seed(dl, dl.seed)
 
 
 def test_dispatching_worker_determinism(make_rs, kind, request):
     needs_dispatch(request, kind)
     # An even count: MPRS takes ~20 s to end a dispatched epoch with uneven shards.
-    dp = IterableWrapper(range(20)).shuffle().sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    dp = IterableWrapper(range(20)).shuffle()
+    dp = dp.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
     with DataLoader2(dp.batch(2), reading_service=make_rs()) as dl:
-        torch.manual_seed(123)
-        res = list(dl) + list(dl)
-        torch.manual_seed(123)
-        assert res == list(dl) + list(dl)
-        dl.seed(321)
-        assert res != list(dl) + list(dl)
+        assert_two_epochs_follow_the_seed(dl, lambda seed: torch.manual_seed(seed))
+        assert_two_epochs_follow_the_seed(dl, dl.seed)
 
 
 def test_worker_fns_get_worker_info_and_the_seed_generator(make_rs):
     """torchdata's test_worker_fns: worker_reset_fn reseeding to 123 repeats the epoch."""
     dp = IterableWrapper(range(40)).batch(2).shuffle()
-    with DataLoader2(dp, reading_service=make_rs(worker_init_fn=tag_worker, worker_reset_fn=reseed_123)) as dl:
+    rs = make_rs(worker_init_fn=tag_worker, worker_reset_fn=reseed_123)
+    with DataLoader2(dp, reading_service=rs) as dl:
         first, second = epochs(dl, 2)
     assert first == second
     assert sorted(tuple(batch) for batch, _, _ in first) == [(2 * i, 2 * i + 1) for i in range(20)]
@@ -229,7 +240,8 @@ def test_worker_fns_get_worker_info_and_the_seed_generator(make_rs):
 
 # -- errors ----------------------------------------------------------------------------------------
 def test_worker_error_has_mprs_words(make_rs, kind):
-    with DataLoader2(IterableWrapper(range(N)).sharding_filter().map(boom_on_7), reading_service=make_rs()) as dl:
+    dp = IterableWrapper(range(N)).sharding_filter().map(boom_on_7)
+    with DataLoader2(dp, reading_service=make_rs()) as dl:
         with pytest.raises(ValueError) as caught:
             list(dl)
     message = str(caught.value)
@@ -331,12 +343,7 @@ def test_trainer_side_non_replicable_datapipe_is_seeded_like_mprs(make_rs):
     """torchdata's test_non_replicable_datapipe, without its _end_datapipe check (next test)."""
     dp = NonShardable(IterableWrapper(range(100)).shuffle().sharding_filter().batch(2))
     with DataLoader2(dp, reading_service=make_rs()) as dl:
-        torch.manual_seed(123)
-        res = list(dl) + list(dl)
-        torch.manual_seed(123)
-        assert res == list(dl) + list(dl)
-        torch.manual_seed(321)
-        assert res != list(dl) + list(dl)
+        assert_two_epochs_follow_the_seed(dl, lambda seed: torch.manual_seed(seed))
 
 
 def test_end_datapipe_is_the_users_non_replicable_datapipe(make_rs, kind, request):
