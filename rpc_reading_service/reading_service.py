@@ -29,6 +29,7 @@ from .client import EpochProgress, Event, WorkerChannel, iterate_as_completed, i
 from .errors import ConfigurationError, WorkerLostError
 from .graph import (
     DistributedInfo,
+    advance_trainer_rng,
     apply_distributed_sharding,
     distributed_info,
     draw_epoch_seed,
@@ -390,6 +391,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         # Not "_resume": that name is DataLoader2's pause/resume hook (a method below).
         self._resume_state: Optional[ReadingServiceState] = None
         self._seed_generator: Optional[SeedGenerator] = None
+        self._epoch_start_generator: Optional[Dict[str, Dict[str, Any]]] = None  # its state as the epoch began
         self._fingerprint: List[str] = []
         #: Worker losses this epoch by (rank, items of its shard the trainer had): see _replace_worker.
         self._reassignments: Dict[Tuple[int, int], int] = {}
@@ -570,9 +572,12 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         self._seed_generator = seed_generator  # DataLoader2's own: checkpoint() records its state
         self._reassignments.clear()  # max_reassignments counts within one epoch
         resume, self._resume_state = self._resume_state, None
+        if resume is not None and resume.replays_epoch(seed_generator):
+            self._epoch, resume = resume.epoch - 1, None  # _restore_checkpoint_beginning_of_epoch()
         if resume is not None:
             # Continue the checkpointed epoch: its seed, and skip what was consumed.
             self._epoch, self._epoch_seed = resume.epoch, resume.epoch_seed
+            self._epoch_start_generator = resume.epoch_start_seed_generator
             self._progress = EpochProgress(self._epoch, list(resume.consumed), resume.next_rank)
             if resume.seed_generator is not None:
                 # Undo draws made while resuming (DistributedReadingService draws every epoch),
@@ -580,10 +585,12 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
                 load_seed_generator_state(seed_generator, resume.seed_generator)
         else:
             self._epoch += 1
-            self._epoch_seed = draw_epoch_seed(seed_generator, self._epoch)
+            self._epoch_start_generator = seed_generator_state(seed_generator)
+            self._epoch_seed = draw_epoch_seed(seed_generator)
             if self._seed_group is not None:
                 self._epoch_seed = dist_share_seed(self._epoch_seed, self._seed_group)
             self._progress = EpochProgress(self._epoch, [0] * max(1, self.num_workers))
+        advance_trainer_rng()
         if self._in_process_graph is not None:
             self._in_process_graph = reset_worker_graph(
                 self._in_process_graph, WorkerInfo(1, 0), self._epoch_seed, self._dist.rank, self._config["worker_reset_fn"]
@@ -669,6 +676,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             seed_generator=seed_generator_state(self._seed_generator) if self._seed_generator is not None else None,
             dist_rank=distributed_info().rank,
             dist_world_size=distributed_info().world_size,
+            epoch_start_seed_generator=self._epoch_start_generator,
         )
         return state.to_bytes()
 

@@ -188,7 +188,8 @@ def test_same_seed_reproduces_runs_epochs_differ_seeds_differ(worker_server):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_epochs_differ_without_a_seed(worker_server, num_workers):
     # DataLoader2 reseeds its generator from torch's global RNG without advancing it; with
-    # nothing else drawing from torch in between, epochs must differ all the same.
+    # nothing else drawing from torch in between, epochs differ because every epoch takes one
+    # draw from torch's RNG (as torch's DataLoader does), not because the epoch number is mixed in.
     dp = IterableWrapper(range(30)).shuffle().sharding_filter()
     rs = remote(worker_server, num_workers) if num_workers else RPCReadingService()
     first, second, third = run_epochs(dp, rs, n_epochs=3)
@@ -226,7 +227,7 @@ def test_remote_exception_keeps_type_message_traceback_and_worker(worker_server)
                 seen.append(x)
     message = str(info.value)
     assert "boom 7" in message
-    assert "Caught ValueError in worker 1" in message  # item 7 belongs to worker 1 of 2
+    assert "Caught ValueError in worker process 1" in message  # item 7 belongs to worker 1 of 2
     assert worker_server.address in message
     assert "Original Traceback" in message and "boom_on_7" in message
     assert info.value.worker_rank == 1 and info.value.worker_address == worker_server.address
@@ -239,7 +240,7 @@ def test_unrebuildable_exception_type_becomes_remote_worker_error(worker_server)
         run_epochs(dp, remote(worker_server, 2), n_epochs=1)
     message = str(info.value)
     assert "TwoArgError" in message and "cannot be rebuilt with one argument" in message
-    assert "worker 1" in message and worker_server.address in message
+    assert "worker process 1" in message and worker_server.address in message
 
 
 def test_worker_init_fn_raising_is_a_startup_error_not_a_hang(worker_server):
