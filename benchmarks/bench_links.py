@@ -18,7 +18,7 @@ trainer offers it only what it has between real hosts (``cluster.restrict_tensor
 
 Needs root (network namespaces) and iproute2; prints a markdown table::
 
-    sudo .venv/bin/python benchmarks/bench_links.py [--rates 1,10] [--sessions 2]
+    sudo .venv/bin/python benchmarks/bench_links.py [--rates 1,10] [--sessions 2] [--results-md benchmarks/LINKS.md]
 """
 
 from __future__ import annotations
@@ -165,11 +165,75 @@ def _gbit(bits: float) -> str:
     return f"{bits / 1e9:.2f}"
 
 
+CONTENDER_NAMES = {"socket": "RPCReadingService, socket", "torch_rpc": "RPCReadingService, torch_rpc",
+                   "rpcdataloader": "rpcdataloader 0.2.1"}
+TARGET = (1.0, "socket", 0.9)  # link Gbit/s, transport, fraction of the link for 8 MiB tensors
+
+
+def _utc_now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+
+
+def links_table(rows: List[Dict]) -> str:
+    """The markdown table of one run's results (rows as the trainers reported them)."""
+    lines = ["| link | contender | 8 MiB tensors: Gbit/s | fraction of link | tiny items: items/s |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    by_key = {(r["rate"], r["transport"], r["workload"]): r for r in rows}
+    for rate in sorted({r["rate"] for r in rows}):
+        for transport, name in CONTENDER_NAMES.items():
+            tensors, tiny = by_key.get((rate, transport, "tensors")), by_key.get((rate, transport, "tiny"))
+            if tensors is None:
+                continue
+            if "error" in tensors:
+                big = f"failed: {tensors['error']}", "-"
+            else:
+                big = _gbit(tensors["bits_per_s"]), f"{tensors['bits_per_s'] / (rate * 1e9):.2f}"
+            if tiny is None:
+                small = "-"
+            else:
+                small = f"failed: {tiny['error']}" if "error" in tiny else f"{tiny['items'] / tiny['seconds']:,.0f}"
+            lines.append(f"| {rate:g} Gbit/s | {name} | {big[0]} | {big[1]} | {small} |")
+    return "\n".join(lines)
+
+
+def links_markdown(run: Dict, rows: List[Dict], table: str) -> str:
+    """benchmarks/LINKS.md: the table with the facts of the run that made it (``run``: started,
+    ended, load_start, load_end, command, sessions)."""
+    from benchsuite.report.results_md import source_revision
+
+    rate, transport, needed = TARGET
+    measured = next((r["bits_per_s"] / (rate * 1e9) for r in rows if (r["rate"], r["transport"], r["workload"])
+                     == (rate, transport, "tensors") and "error" not in r), None)  # fmt: skip
+    verdict = "not measured" if measured is None else f"{measured:.3f}: {'pass' if measured >= needed else 'MISS'}"
+    return "\n".join([
+        "# Link-rate benchmark",
+        "",
+        "Written by `benchmarks/bench_links.py --results-md benchmarks/LINKS.md` (as root) from the run it",
+        "describes; `make bench` rewrites RESULTS.md, not this file. A trainer host and a worker host are",
+        "network namespaces joined by a bridge; what the worker host sends is capped with `tc tbf` at each",
+        "link rate. Payload only: TCP/IP headers take about 3 % of a link at MTU 1500.",
+        "",
+        f"- **Date**: {run['started']} to {run['ended']} UTC",
+        f"- **Machine**: {os.cpu_count()} CPUs shared by both hosts (the 10 Gbit/s rows are CPU-bound on it); "
+        f"package at `{source_revision(str(REPO))}`",
+        f"- **Load average (1 min)**: {run['load_start']:.1f} at start, {run['load_end']:.1f} at the end "
+        "(other jobs on the machine included: every number moves with it)",
+        f"- **Command**: `{run['command']}`; {run['sessions']} sessions per contender, second of two epochs timed",
+        f"- **Target**: 8 MiB tensors over the {transport} transport at {rate:g} Gbit/s deliver >= {needed} "
+        f"of the link: {verdict}",
+        "",
+        table,
+        "",
+    ])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="1,10", help="link rates to cap at, Gbit/s (default 1,10)")
     parser.add_argument("--sessions", type=int, default=2, help="worker sessions per contender (default 2)")
     parser.add_argument("--seconds", type=float, default=3.0, help="aim of a timed 8 MiB epoch at the link rate")
+    parser.add_argument("--results-md", metavar="FILE", help="also write the table and the run's facts to FILE "
+                        "(the published one: benchmarks/LINKS.md)")
     parser.add_argument("--trainer", help=argparse.SUPPRESS)  # the trainer's half, inside the trainer host
     args = parser.parse_args(argv)
     if args.trainer:
@@ -182,6 +246,7 @@ def main(argv=None) -> int:
     if reason:
         print(f"cannot build the namespaces: {reason}", file=sys.stderr)
         return 2
+    run = {"started": _utc_now(), "load_start": os.getloadavg()[0], "command": " ".join(sys.argv)}
     key = secrets.token_hex(32)
     pythonpath = os.pathsep.join([str(REPO), str(REPO / "benchmarks"), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=pythonpath, PYTHONWARNINGS="ignore", RPC_READING_SERVICE_AUTH_KEY=key)
@@ -205,27 +270,14 @@ def main(argv=None) -> int:
             trainer.wait()
     finally:
         cluster.destroy()
-    load = os.getloadavg()[0]
-    print(f"\nLinks capped with tc tbf; {os.cpu_count()} CPUs shared by both hosts, load average {load:.1f}; "
-          f"{args.sessions} sessions; second epoch timed.\n")  # fmt: skip
-    print("| link | contender | 8 MiB tensors: Gbit/s | fraction of link | tiny items: items/s |")
-    print("|---|---|---|---|---|")
-    by_key = {(r["rate"], r["transport"], r["workload"]): r for r in rows}
-    for rate in sorted({r["rate"] for r in rows}):
-        for transport in ("socket", "torch_rpc", "rpcdataloader"):
-            tensors, tiny = by_key.get((rate, transport, "tensors")), by_key.get((rate, transport, "tiny"))
-            if tensors is None:
-                continue
-            if "error" in tensors:
-                big = f"failed: {tensors['error']}", "-"
-            else:
-                big = _gbit(tensors["bits_per_s"]), f"{tensors['bits_per_s'] / (rate * 1e9):.2f}"
-            if tiny is None:
-                small = "-"
-            else:
-                small = f"failed: {tiny['error']}" if "error" in tiny else f"{tiny['items'] / tiny['seconds']:,.0f}"
-            name = {"socket": "RPCReadingService, socket", "torch_rpc": "RPCReadingService, torch_rpc"}.get(transport, "rpcdataloader 0.2.1")
-            print(f"| {rate:g} Gbit/s | {name} | {big[0]} | {big[1]} | {small} |")
+    table = links_table(rows)
+    print(f"\nLinks capped with tc tbf; {os.cpu_count()} CPUs shared by both hosts, load average "
+          f"{os.getloadavg()[0]:.1f}; {args.sessions} sessions; second epoch timed.\n")  # fmt: skip
+    print(table)
+    if args.results_md:
+        run.update(ended=_utc_now(), load_end=os.getloadavg()[0], sessions=args.sessions)
+        Path(args.results_md).write_text(links_markdown(run, rows, table))
+        print(f"{args.results_md} written", file=sys.stderr)
     return 0
 
 

@@ -68,6 +68,7 @@ def test_quick_run_prints_a_row_for_every_contender(tmp_path):
     assert set(document["results"][SCENARIO]["contenders"]) == set(CONTENDERS)
     markdown = results_md.read_text()
     assert table in markdown and targets in markdown
+    assert "[LINKS.md](LINKS.md)" in markdown  # bench_links.py's own file, kept across regenerations
     for row in document["targets"]:
         assert row["goal"] in markdown
     assert plot.stat().st_size > 0

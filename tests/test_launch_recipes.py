@@ -1,5 +1,6 @@
 """The launch recipes in examples/: the local fleet script and torchrun run here; the Slurm
-and Kubernetes files cannot, so they are checked for syntax (bash -n, YAML)."""
+script is checked with bash -n (it runs on a real Slurm in the opt-in tests/test_slurm.py) and
+the Kubernetes manifest against the Kubernetes schema (kubernetes-validate, the test extra)."""
 
 from __future__ import annotations
 
@@ -220,3 +221,18 @@ def test_kubernetes_manifest():
     assert by_name[("Service", "rrs-workers")]["spec"]["clusterIP"] == "None"
     deployment = by_name[("Deployment", "rrs-workers")]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("version", ["1.25.0", "1.37.0"])  # the oldest and newest schemas kubernetes-validate bundles
+def test_kubernetes_manifest_matches_the_kubernetes_schema(version):
+    """Every document of workers.yaml against Kubernetes' own OpenAPI schema, strictly (no unknown fields)."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (the test extra)")
+    docs = [d for d in _load_yaml_documents(EXAMPLES / "k8s" / "workers.yaml") if d]
+    assert len(docs) == 5
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)  # raises ValidationError
+    # ... and the validator does catch a mistake of the kind it is here for.
+    worker = next(d for d in docs if d["metadata"]["name"] == "rrs-workers" and d["kind"] == "Deployment")
+    worker["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["tcpSocket"]["prot"] = "rrs"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(worker, version, strict=True)
