@@ -26,6 +26,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest
 
+# Opt-in (not in `make test`): examples/slurm_hetjob.sbatch submitted to a real single-node
+# Slurm. Installs slurm-wlm and munge when missing; as not root, or where it cannot, the
+# test skips with the reason (exit 0). About 30 s.
+test-slurm: $(STAMP)
+	bash .ci/install-slurm
+	$(VENV)/bin/python -m pytest -m slurm tests/test_slurm.py
+
 # The published run: tables on stdout, and benchmarks/RESULTS.md, results.json, results.png.
 bench: $(BENCH_STAMP)
 	$(VENV)/bin/python benchmarks/bench.py --json benchmarks/results.json --plot benchmarks/results.png \
@@ -49,4 +56,4 @@ clean:
 	rm -rf *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
-.PHONY: all demo test bench clean
+.PHONY: all demo test test-slurm bench clean

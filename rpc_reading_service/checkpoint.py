@@ -38,11 +38,20 @@ _ENGINE_FIELDS = ("_seed", "_ctr", "_generated_seeds", "_spawn_seed")
 
 
 def seed_generator_state(generator: Any) -> Optional[Dict[str, Dict[str, Any]]]:
-    """The exact state of a torchdata ``SeedGenerator``, as JSON-able ints (None if unknown)."""
+    """The exact state of a torchdata ``SeedGenerator``, as JSON-able ints (None if unknown).
+
+    A snapshot, in the form JSON gives back (lists, not tuples or the engine's own counter
+    list, which later draws change in place): states compare equal across a checkpoint.
+    """
     try:
-        return {rng: {f: getattr(getattr(generator, rng), f) for f in _ENGINE_FIELDS} for rng in _RNGS}
+        engines = {rng: getattr(generator, rng) for rng in _RNGS}
+        return {rng: {f: _snapshot(getattr(e, f)) for f in _ENGINE_FIELDS} for rng, e in engines.items()}
     except AttributeError:
         return None
+
+
+def _snapshot(value: Any) -> Any:
+    return [int(word) for word in value] if isinstance(value, (list, tuple)) else value
 
 
 def load_seed_generator_state(generator: Any, state: Dict[str, Dict[str, Any]]) -> None:
@@ -74,6 +83,9 @@ class ReadingServiceState:
     #: This trainer's place in a torch.distributed job: each rank resumes its own shards.
     dist_rank: int = 0
     dist_world_size: int = 1
+    #: DataLoader2's seed generator as it was when the checkpointed epoch began (absent in
+    #: checkpoints written before it was recorded): see :meth:`replays_epoch`.
+    epoch_start_seed_generator: Optional[Dict[str, Dict[str, Any]]] = None
 
     def to_bytes(self) -> bytes:
         """Serialise as JSON (readable, and nothing to unpickle)."""
@@ -93,6 +105,17 @@ class ReadingServiceState:
             )
         _check_fields(values)
         return cls(**values)
+
+    def replays_epoch(self, seed_generator: Any) -> bool:
+        """Whether DataLoader2 hands back the generator the checkpointed epoch began with.
+
+        ``DataLoader2._restore_checkpoint_beginning_of_epoch()`` puts that generator back to ask
+        for the epoch again from its first item; a mid-epoch resume hands over the advanced one.
+        (Without ``dl.seed()``, DataLoader2 reseeds from torch's RNG instead, so a resumed run whose
+        torch RNG is where the checkpointed epoch's was replays that epoch too.)
+        """
+        start = self.epoch_start_seed_generator
+        return self.in_epoch and start is not None and seed_generator_state(seed_generator) == start
 
     def check_compatible(
         self, num_workers: int, graph: List[str], dist_rank: int = 0, dist_world_size: int = 1
@@ -123,6 +146,10 @@ _UINT32 = 2**32 - 1
 _SEED_GENERATOR_LENGTHS = {"_seed": 2, "_ctr": 4, "_generated_seeds": 4, "_spawn_seed": 2}
 
 
+#: Fields a version-1 checkpoint written before they existed lacks (they default to None).
+_ADDED_IN_VERSION_1 = ("epoch_start_seed_generator",)
+
+
 def _refuse(field_name: str, problem: str) -> ConfigurationError:
     return ConfigurationError(
         f"malformed RPCReadingService checkpoint: field {field_name!r} {problem}. The checkpoint was edited, "
@@ -147,17 +174,17 @@ def _check_list(field_name: str, value: Any, lengths: Optional[Tuple[int, ...]] 
     return value
 
 
-def _check_seed_generator(state: Any) -> None:
+def _check_seed_generator(state: Any, field_name: str = "seed_generator") -> None:
     if not isinstance(state, dict) or set(state) != set(_RNGS):
         problem = f"must be null or an object with the keys {list(_RNGS)}, got {state!r}"
-        raise _refuse("seed_generator", problem)
+        raise _refuse(field_name, problem)
     for rng in _RNGS:
         engine = state[rng]
         if not isinstance(engine, dict) or set(engine) != set(_ENGINE_FIELDS):
             problem = f"must be an object with the keys {list(_ENGINE_FIELDS)}, got {engine!r}"
-            raise _refuse(f"seed_generator.{rng}", problem)
+            raise _refuse(f"{field_name}.{rng}", problem)
         for name, length in _SEED_GENERATOR_LENGTHS.items():
-            path = f"seed_generator.{rng}.{name}"
+            path = f"{field_name}.{rng}.{name}"
             if name == "_generated_seeds" and engine[name] is None:
                 continue
             for index, word in enumerate(_check_list(path, engine[name], (length,))):
@@ -167,7 +194,7 @@ def _check_seed_generator(state: Any) -> None:
 def _check_fields(values: Dict[str, Any]) -> None:
     """Refuse a checkpoint with a missing, unknown or out-of-range field, naming the field."""
     expected = [f.name for f in fields(ReadingServiceState)]
-    missing = [name for name in expected if name not in values]
+    missing = [name for name in expected if name not in values and name not in _ADDED_IN_VERSION_1]
     if missing:
         raise _refuse(missing[0], "is missing")
     unknown = sorted(set(values) - set(expected))
@@ -189,5 +216,6 @@ def _check_fields(values: Dict[str, Any]) -> None:
     _check_int("next_rank", values["next_rank"], 0, ranks - 1)
     world_size = _check_int("dist_world_size", values["dist_world_size"], 1)
     _check_int("dist_rank", values["dist_rank"], 0, world_size - 1)
-    if values["seed_generator"] is not None:
-        _check_seed_generator(values["seed_generator"])
+    for name in ("seed_generator", "epoch_start_seed_generator"):
+        if values.get(name) is not None:
+            _check_seed_generator(values[name], name)

@@ -26,15 +26,18 @@ __all__ = [
 ]
 
 
-def describe_worker(rank: Optional[int], address: Optional[str]) -> str:
-    """Return a short human description of a worker, e.g. ``worker 1 (10.0.0.2:29600)``."""
+def describe_worker(rank: Optional[int], address: Optional[str], noun: str = "worker") -> str:
+    """Return a short human description of a worker, e.g. ``worker 1 (10.0.0.2:29600)``.
+
+    ``noun`` names it otherwise: ``"worker process"`` gives MPRS's words for remote errors.
+    """
     if rank is None and address is None:
-        return "worker"
+        return noun
     if rank is None:
-        return f"worker at {address}"
+        return f"{noun} at {address}"
     if address is None:
-        return f"worker {rank}"
-    return f"worker {rank} ({address})"
+        return f"{noun} {rank}"
+    return f"{noun} {rank} ({address})"
 
 
 class RPCReadingServiceError(Exception):

@@ -2,7 +2,8 @@
 
 Everything here reuses torchdata's own graph, sharding and seed utilities so that a
 graph behaves on remote workers exactly as under torchdata's reading services, with one
-deliberate difference: a fresh shared seed is drawn for every epoch, so epochs differ.
+deliberate difference: a fresh shared seed is drawn from DataLoader2's seed generator for
+every epoch (advancing it), so the epochs of a ``dl.seed(s)`` run differ.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ __all__ = [
     "split_replicable",
     "apply_distributed_sharding",
     "draw_epoch_seed",
+    "advance_trainer_rng",
     "worker_seed_generator",
     "init_worker_graph",
     "reset_worker_graph",
@@ -100,14 +102,25 @@ def apply_distributed_sharding(datapipe: DataPipe, info: DistributedInfo) -> Non
         )
 
 
-def draw_epoch_seed(seed_generator: SeedGenerator, epoch: int = 0) -> int:
-    """Draw this epoch's shared seed, advancing the generator so that the next epoch differs.
+def draw_epoch_seed(seed_generator: SeedGenerator) -> int:
+    """Draw this epoch's shared seed from DataLoader2's generator alone, advancing it.
 
-    The epoch number is mixed in as well: without ``DataLoader2.seed()``, DataLoader2
-    reseeds the generator before every epoch from torch's global RNG *without advancing
-    it* (torchdata draws under ``fork_rng``), so the generator alone repeats its seed.
+    Nothing else goes in, so the generator's state decides the epoch (torchdata's contract):
+    ``torch.manual_seed(s)`` before an epoch, from which DataLoader2 reseeds an unseeded
+    generator, repeats it; after ``dl.seed(s)`` the advanced generator makes the next epoch differ.
     """
-    return (seed_generator.generate_shared_seed() + epoch * 0x9E3779B97F4A7C15) % (1 << 64)
+    return seed_generator.generate_shared_seed()
+
+
+def advance_trainer_rng() -> None:
+    """Take one draw from torch's global RNG in the trainer, once per epoch.
+
+    torch's own DataLoader does the same (its base seed); without it an unseeded DataLoader2,
+    which reseeds its generator from torch's RNG *under fork_rng*, would repeat its epochs
+    whenever nothing else in the training loop draws from torch. Draw after the epoch's seeds:
+    ``torch.manual_seed(s)`` before an epoch still reproduces it.
+    """
+    torch.empty((), dtype=torch.int64).random_()
 
 
 def worker_seed_generator(epoch_seed: int, global_worker_id: int) -> SeedGenerator:

@@ -8,7 +8,7 @@ sessions and epochs are the :class:`~rpc_reading_service.engine.Engine`'s.
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import cloudpickle
 from torchdata.dataloader2.graph import DataPipe, set_graph_random_seed
@@ -26,6 +26,7 @@ from .engine import Engine, Positions
 from .graph import (
     InitFn,
     ResetFn,
+    advance_trainer_rng,
     apply_distributed_sharding,
     distributed_info,
     draw_epoch_seed,
@@ -126,6 +127,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         self._seed_group: Any = None
         self._seed_generator: Optional[SeedGenerator] = None
         self._resume_state: Optional[ReadingServiceState] = None  # not "_resume": DataLoader2's hook below
+        self._epoch_start_generator: Optional[Dict[str, Dict[str, Any]]] = None  # its state as the epoch began
         self._fingerprint: List[str] = []
         self._end_iterator_id: Any = None  # the end DataPipe's iterator id when the epoch started
         self._ended_epoch: Any = None  # the epoch the trainer's graph ended (finalize_iteration)
@@ -189,18 +191,25 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         with self._engine.guard.held("starting an epoch"):
             self._seed_generator = seed_generator  # DataLoader2's own: checkpoint() records its state
             resume, self._resume_state = self._resume_state, None
+            replay_number = None
+            if resume is not None and resume.replays_epoch(seed_generator):
+                replay_number, resume = resume.epoch, None  # _restore_checkpoint_beginning_of_epoch()
             if resume is not None:  # continue the checkpointed epoch: its seed, skipping what was consumed
                 if resume.seed_generator is not None:
                     # Undo draws made while resuming (DistributedReadingService draws every epoch),
                     # so that the epochs after this one match the uninterrupted run.
                     load_seed_generator_state(seed_generator, resume.seed_generator)
+                self._epoch_start_generator = resume.epoch_start_seed_generator
                 positions = Positions(tuple(resume.consumed), resume.next_rank)
+                advance_trainer_rng()
                 self._engine.start_epoch(resume.epoch_seed, positions, number=resume.epoch)
             else:
-                seed = draw_epoch_seed(seed_generator, self._engine.epoch_number + 1)
+                self._epoch_start_generator = seed_generator_state(seed_generator)
+                seed = draw_epoch_seed(seed_generator)
                 if self._seed_group is not None:
                     seed = dist_share_seed(seed, self._seed_group)
-                self._engine.start_epoch(seed)
+                advance_trainer_rng()
+                self._engine.start_epoch(seed, number=replay_number)
                 if self._engine.in_process_graph is None:
                     set_graph_random_seed(
                         self._end_datapipe, seed_generator
@@ -223,6 +232,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             next_rank=positions.next_rank, in_epoch=not ended,
             seed_generator=None if generator is None else seed_generator_state(generator),
             dist_rank=dist.rank, dist_world_size=dist.world_size,
+            epoch_start_seed_generator=self._epoch_start_generator,
         )  # fmt: skip
         return state.to_bytes()
 

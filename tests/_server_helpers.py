@@ -1,9 +1,9 @@
-"""Helpers shared by test_tls, test_limits, test_fuzz and test_faults.
+"""Plain helpers shared by the whole test suite (fixtures live in ``conftest.py``).
 
 Real ``rpc-reading-worker`` subprocesses on loopback (``--port 0``), raw protocol
-clients for poking at them, and /proc readers. Every server runs in its own process
-group, so :meth:`Server.stop` reaps it and every session process it forked, even when a
-test fails half-way.
+clients for poking at them, /proc readers, and small waits on conditions. Every server
+runs in its own process group, so :meth:`Server.stop` reaps it and every session process
+it forked, even when a test fails half-way.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Collection, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 from rpc_reading_service import __version__
 from rpc_reading_service.addresses import parse_address
@@ -30,56 +31,142 @@ from rpc_reading_service.protocol import (
     MessageKind,
 )
 
-from conftest import ServerProcess  # noqa: E402 - tests/ is on sys.path
-
 TESTS_DIR = Path(__file__).resolve().parent
+AUTH_KEY_ENV = "RPC_READING_SERVICE_AUTH_KEY"
+VENV_BIN = Path(sys.executable).parent
+
+# The plain server CLI, as a user runs it.
+WORKER_CLI = [sys.executable, "-m", "rpc_reading_service.worker"]
+
+# ``python -m rpc_reading_service.worker`` with pytest imported before the server starts
+# forking sessions. Workers import test-module graph functions by reference, and every test
+# module imports pytest (~0.3 s a session otherwise). The server code is unchanged: this is
+# what the server already does for torch and torchdata (import before the first fork).
+PRELOADED_WORKER = [
+    sys.executable,
+    "-c",
+    "import sys, runpy, pytest; runpy.run_module('rpc_reading_service.worker', run_name='__main__', alter_sys=True)",
+]
 
 
-def _pythonpath() -> str:
-    paths = [str(TESTS_DIR), *(p for p in sys.path if p and os.path.isdir(p))]
+def _pythonpath(extra: Sequence[str] = (), exclude: Sequence[str] = ()) -> str:
+    """tests/ and the trainer's sys.path (so workers import test modules by reference), minus ``exclude``."""
+    excluded = {os.path.realpath(p) for p in exclude}
+    candidates = (*extra, str(TESTS_DIR), *sys.path)
+    paths = [p for p in candidates if p and os.path.isdir(p) and os.path.realpath(p) not in excluded]
     return os.pathsep.join(dict.fromkeys(paths))
 
 
-class Server(ServerProcess):
-    """A running ``rpc_reading_service.worker`` subprocess, with helpers for fault tests."""
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS just reported free (for servers that cannot take port 0)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- worker servers --------------------------------------------------------------------------
+class Server:
+    """A running worker server subprocess in its own process group."""
+
+    def __init__(self, proc: subprocess.Popen, address: str, key: str, stderr_path: Path) -> None:
+        self.proc = proc
+        self.address = address
+        self.key = key
+        self.stderr_path = stderr_path
+
+    def __repr__(self) -> str:
+        return f"Server(pid={self.proc.pid}, address={self.address!r})"
+
+    @property
+    def pid(self) -> int:
+        """The server process's pid."""
+        return self.proc.pid
 
     @property
     def log_path(self) -> Path:
+        """The file the server's stderr (its log) goes to."""
         return self.stderr_path
 
+    def stderr(self) -> str:
+        """Everything the server has logged so far."""
+        return self.stderr_path.read_text(errors="replace")
+
+    log = stderr
+
     def alive(self) -> bool:
+        """True while the server process runs."""
         return self.proc.poll() is None
 
-    def log(self) -> str:
-        return self.stderr()
-
     def rss_kib(self) -> int:
+        """The server process's resident memory, in KiB."""
         return rss_kib(self.pid)
+
+    def session_pids(self) -> List[int]:
+        """Pids of the server's live session processes (children of the server), via /proc."""
+        return children_of(self.proc.pid)
 
     def wait_idle(self, timeout: float = 10.0) -> None:
         """Wait until no session process is left (earlier tests' sessions have ended)."""
         assert wait_until(lambda: not self.session_pids(), timeout), f"sessions still running: {self.session_pids()}"
 
+    def stop(self) -> None:
+        """Terminate the server, then SIGKILL whatever is left of its process group; reap."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        reap(self.proc)
 
-def start_server(workdir: Path, args: Sequence[str] = (), key: Optional[str] = None, timeout: float = 60.0) -> Server:
-    """Start ``python -m rpc_reading_service.worker --host 127.0.0.1 --port 0 *args``; return once it listens."""
-    key = secrets.token_hex(32) if key is None else key
-    key_file = workdir / f"key-{secrets.token_hex(4)}.txt"
-    key_file.write_text(key + "\n")
-    key_file.chmod(0o600)  # as a careful user keeps it (the server warns otherwise)
-    log_path = workdir / f"server-{secrets.token_hex(4)}.log"
-    env = dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONWARNINGS="ignore")
-    env.pop("RPC_READING_SERVICE_AUTH_KEY", None)
-    command = [
-        sys.executable, "-m", "rpc_reading_service.worker",
-        "--host", "127.0.0.1", "--port", "0", "--auth-key-file", str(key_file), *args,
-    ]  # fmt: skip
-    with open(log_path, "wb") as log:
+
+ServerProcess = Server  # the name conftest.py exported before the two server helpers were merged
+
+
+def start_server(
+    workdir: Path,
+    args: Sequence[str] = (),
+    key: Optional[str] = None,
+    *,
+    key_file: bool = False,
+    command: Optional[Sequence[str]] = None,
+    exclude_paths: Sequence[str] = (),
+    env: Optional[Dict[str, str]] = None,
+    timeout: float = 60.0,
+) -> Server:
+    """Start a worker server on 127.0.0.1 with ``--port 0 *args`` and return once it listens.
+
+    The key (random unless given) reaches the server through ``$RPC_READING_SERVICE_AUTH_KEY``,
+    or with ``key_file`` through an ``--auth-key-file`` of mode 0600, as a careful user keeps it.
+    ``command`` defaults to :data:`PRELOADED_WORKER`; pass :data:`WORKER_CLI` or the console
+    script for the plain CLI. ``exclude_paths`` are left off the server's PYTHONPATH; ``env``
+    is added to its environment. The server runs in ``workdir`` (outside the repo, so that only
+    PYTHONPATH decides what it can import) and logs to a file there.
+    """
+    if isinstance(args, str):  # conftest's old start_server took the key second
+        raise TypeError(f"start_server(workdir, args, key): args is a list of CLI arguments, not {args!r}")
+    key = secrets.token_hex(16) if key is None else key
+    full_env = dict(os.environ)
+    full_env.pop(AUTH_KEY_ENV, None)
+    key_args: List[str] = []
+    if key_file:
+        path = workdir / f"key-{secrets.token_hex(4)}.txt"
+        path.write_text(key + "\n")
+        path.chmod(0o600)
+        key_args = ["--auth-key-file", str(path)]
+    else:
+        full_env[AUTH_KEY_ENV] = key
+    full_env["PYTHONPATH"] = _pythonpath(exclude=exclude_paths)
+    full_env.update(env or {})
+    command = list(command or PRELOADED_WORKER)
+    stderr_path = workdir / f"server-{secrets.token_hex(4)}.log"
+    with open(stderr_path, "wb") as stderr:
         proc = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, env=env,
+            [*command, "--host", "127.0.0.1", "--port", "0", "--log-level", "INFO", *key_args, *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, env=full_env,
             start_new_session=True, cwd=str(workdir),
         )  # fmt: skip
-    server = Server(proc, "", key, log_path)
+    server = Server(proc, "", key, stderr_path)
     try:
         server.address = read_listening_address(proc, timeout)
     except BaseException:
@@ -88,14 +175,39 @@ def start_server(workdir: Path, args: Sequence[str] = (), key: Optional[str] = N
     return server
 
 
-
 @contextlib.contextmanager
 def running_server(workdir: Path, args: Sequence[str] = (), key: Optional[str] = None) -> Iterator[Server]:
-    server = start_server(workdir, args, key)
+    """A plain-CLI server keyed by a key file, warnings silenced, stopped on exit."""
+    quiet = {"PYTHONWARNINGS": "ignore"}
+    server = start_server(workdir, args, key, key_file=True, command=WORKER_CLI, env=quiet)
     try:
         yield server
     finally:
         server.stop()
+
+
+def read_listening_line(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    """Read the server's first stdout line (``listening on HOST:PORT``) and return the address."""
+    return read_listening_address(proc, timeout)
+
+
+def remote(server, num_workers: int = 2, **kwargs):
+    """An RPCReadingService of ``num_workers`` sessions on ``server`` (or a list of servers sharing a key)."""
+    from rpc_reading_service import RPCReadingService
+
+    servers = list(server) if isinstance(server, (list, tuple)) else [server]
+    addresses, key = [s.address for s in servers], servers[0].key
+    return RPCReadingService(num_workers=num_workers, workers=addresses, auth_key=key, **kwargs)
+
+
+def run_epochs(datapipe, reading_service, n_epochs=2, seed=None):
+    """The items of ``n_epochs`` epochs of a DataLoader2 (seeded if ``seed``), shut down after."""
+    from torchdata.dataloader2 import DataLoader2
+
+    with DataLoader2(datapipe, reading_service=reading_service) as dl:
+        if seed is not None:
+            dl.seed(seed)
+        return [list(dl) for _ in range(n_epochs)]
 
 
 # -- /proc -----------------------------------------------------------------------------------
@@ -115,6 +227,30 @@ def children_of(pid: int) -> List[int]:
     return [child for child in found if process_alive(child)]
 
 
+def _live_processes() -> Iterator[Tuple[int, List[str]]]:
+    """``(pid, fields after the command name in /proc/<pid>/stat)`` of every live process."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] not in ("Z", "X"):
+            yield int(entry), fields
+
+
+def session_members(sid: int) -> List[int]:
+    """Pids of the live processes of session ``sid``."""
+    return [pid for pid, fields in _live_processes() if int(fields[4]) == sid]
+
+
+def process_group_members(pgid: int) -> List[int]:
+    """Pids of the live processes of process group ``pgid``."""
+    return [pid for pid, fields in _live_processes() if int(fields[2]) == pgid]
+
+
 def process_state(pid: int) -> Optional[str]:
     """The one-letter state of ``pid`` (R, S, T, Z, ...), or None if it is gone."""
     try:
@@ -125,10 +261,12 @@ def process_state(pid: int) -> Optional[str]:
 
 
 def process_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
     return process_state(pid) not in (None, "Z", "X")
 
 
 def rss_kib(pid: int) -> int:
+    """The resident memory of ``pid``, in KiB."""
     with open(f"/proc/{pid}/status") as handle:
         for line in handle:
             if line.startswith("VmRSS:"):
@@ -136,7 +274,9 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
+# -- waiting on conditions -------------------------------------------------------------------
 def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.02) -> bool:
+    """Poll ``predicate`` until it is true (True) or ``timeout`` seconds have passed (False)."""
     deadline = time.monotonic() + timeout
     while True:
         if predicate():
@@ -146,12 +286,48 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
         time.sleep(interval)
 
 
+def wait_dead(
+    pids: Iterable[Optional[int]], timeout: float = 5.0, what: str = "processes left behind"
+) -> None:
+    """Assert that every pid in ``pids`` (None entries ignored) is gone within ``timeout``."""
+    pids = list(pids)
+    alive = lambda: [pid for pid in pids if pid is not None and process_alive(pid)]  # noqa: E731
+    assert wait_until(lambda: not alive(), timeout), f"{what}: {alive()}"
+
+
+# -- threads ---------------------------------------------------------------------------------
+# Name prefixes of threads that outlive a test by design (a process-wide agent started on first
+# use, say). Keep it short, and say why next to each entry.
+ALLOWED_THREAD_PREFIXES: Tuple[str, ...] = ()
+
+
+def threads_left_behind(
+    before: Collection[threading.Thread], timeout: float = 3.0, allowed: Optional[Sequence[str]] = None
+) -> List[threading.Thread]:
+    """Threads started since ``before`` still alive after waiting up to ``timeout`` for them to end.
+
+    Daemon threads count too. Threads whose name starts with one of ``allowed`` (by default
+    :data:`ALLOWED_THREAD_PREFIXES`, read at call time) do not.
+    """
+    prefixes = tuple(ALLOWED_THREAD_PREFIXES if allowed is None else allowed)
+    known: Set[int] = {id(t) for t in before}
+
+    def leaked() -> List[threading.Thread]:
+        new = (t for t in threading.enumerate() if id(t) not in known and t.is_alive())
+        return [t for t in new if not t.name.startswith(prefixes)]
+
+    wait_until(lambda: not leaked(), timeout)
+    return leaked()
+
+
 # -- raw protocol clients ----------------------------------------------------------------------
 def frame_bytes(chunks: Sequence) -> bytes:
+    """The wire bytes of a frame given as its encoder's chunks."""
     return b"".join(bytes(c) for c in chunks)
 
 
 def connect(address: str, timeout: float = 5.0) -> socket.socket:
+    """A TCP_NODELAY socket connected to ``address`` (nothing sent yet)."""
     host, port = parse_address(address)
     sock = socket.create_connection((host, port), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -216,6 +392,7 @@ def authenticate(address: str, key: str) -> Tuple[socket.socket, FrameReader]:
 
 # -- graph functions the worker servers import by reference (tests/ is on their PYTHONPATH) ---
 def slow_identity(item: int, delay: float = 0.002) -> int:
+    """``item``, after ``delay`` seconds of work."""
     time.sleep(delay)
     return item
 
@@ -242,7 +419,6 @@ def reap(proc: subprocess.Popen) -> None:
         if stream is not None:
             with contextlib.suppress(OSError):
                 stream.close()
-
 
 
 def big_item(item: int) -> tuple:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _server_helpers import reap, wait_until
+from _server_helpers import reap, session_members, wait_until
 
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH_DIR))
@@ -20,22 +20,6 @@ from benchsuite.contenders import CONTENDERS, QUICK_SKIPS  # noqa: E402
 
 # the one scenario every contender takes part in
 SCENARIO = "tensor8m"
-
-
-def session_members(sid: int) -> list[int]:
-    """Pids of the live processes of session ``sid`` (the benchmark runs in its own)."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as handle:
-                fields = handle.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[4]) == sid and fields[0] != "Z":
-            members.append(int(entry))
-    return members
 
 
 def table_of(output: str, scenario: str) -> str:
@@ -84,6 +68,7 @@ def test_quick_run_prints_a_row_for_every_contender(tmp_path):
     assert set(document["results"][SCENARIO]["contenders"]) == set(CONTENDERS)
     markdown = results_md.read_text()
     assert table in markdown and targets in markdown
+    assert "[LINKS.md](LINKS.md)" in markdown  # bench_links.py's own file, kept across regenerations
     for row in document["targets"]:
         assert row["goal"] in markdown
     assert plot.stat().st_size > 0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_epochs  # noqa: E402 - tests/ is on sys.path
+from _server_helpers import remote, run_epochs  # noqa: E402 - tests/ is on sys.path
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
@@ -49,12 +49,6 @@ def cached(items, calls_file: Path, **kwargs):
         IterableWrapper(items)
         .sharding_filter()
         .cached_map(functools.partial(decode, str(calls_file), **kwargs))
-    )
-
-
-def remote(*servers, num_workers: int = 2) -> RPCReadingService:
-    return RPCReadingService(
-        num_workers=num_workers, workers=[s.address for s in servers], auth_key=servers[0].key
     )
 
 

@@ -357,6 +357,7 @@ def _good_state_values() -> dict:
     state = ReadingServiceState(
         num_workers=3, graph=["a.B", "c.D"], epoch=2, epoch_seed=99, consumed=[4, 3, 3], next_rank=1,
         in_epoch=True, seed_generator=seed_generator_state(generator),
+        epoch_start_seed_generator=seed_generator_state(SeedGenerator(SEED)),
     )  # fmt: skip
     return json.loads(state.to_bytes())
 
@@ -416,6 +417,10 @@ TAMPERED = {
         "seed_generator._worker_rng._spawn_seed.1", "x",
         "'seed_generator._worker_rng._spawn_seed[1]' must be an int",
     ),
+    "epoch-start seed generator counter too short": (
+        "epoch_start_seed_generator._worker_rng._ctr", [1],
+        "'epoch_start_seed_generator._worker_rng._ctr' has 1 entries, expected 4",
+    ),
 }
 
 
@@ -438,6 +443,29 @@ def test_tampered_fields_are_refused_naming_the_field(case):
     message = str(info.value)
     assert message.startswith("malformed RPCReadingService checkpoint: field ") and expected in message, message
     assert "resume from an unmodified state_dict()" in message
+
+
+def test_a_state_written_before_the_epoch_start_generator_was_recorded_still_loads():
+    values = _good_state_values()
+    del values["epoch_start_seed_generator"]
+    state = ReadingServiceState.from_bytes(json.dumps(values).encode())
+    assert state.epoch_start_seed_generator is None and state.consumed == [4, 3, 3]
+
+
+def test_only_the_generator_the_epoch_began_with_asks_for_a_replay():
+    from torchdata.dataloader2.random import SeedGenerator
+
+    from rpc_reading_service.checkpoint import seed_generator_state
+
+    generator = SeedGenerator(SEED)
+    start = seed_generator_state(generator)
+    generator.generate_shared_seed()  # a snapshot: later draws do not change it
+    state = ReadingServiceState.from_bytes(json.dumps(_good_state_values()).encode())
+    assert start == state.epoch_start_seed_generator != seed_generator_state(generator)
+    assert state.replays_epoch(SeedGenerator(SEED))  # _restore_checkpoint_beginning_of_epoch()
+    assert not state.replays_epoch(generator)  # DataLoader2's advanced generator: resume mid-epoch
+    between_epochs = _set(_good_state_values(), "in_epoch", False)
+    assert not ReadingServiceState.from_bytes(json.dumps(between_epochs).encode()).replays_epoch(SeedGenerator(SEED))
 
 
 def test_version_must_be_the_int_this_package_reads():

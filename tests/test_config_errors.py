@@ -19,6 +19,7 @@ from conftest import _pythonpath
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
+from _server_helpers import _pythonpath, free_port
 from rpc_reading_service import (
     AuthenticationError,
     ConfigurationError,
@@ -50,12 +51,6 @@ def run_epoch(**kwargs):
         return sorted(dl)
     finally:
         dl.shutdown()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -- address typos: caught in __init__, before anything is opened -----------------------------------

@@ -19,6 +19,7 @@ from torch.distributed import TCPStore
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
+from _server_helpers import _pythonpath, free_port, start_server, wait_until
 from rpc_reading_service import (
     ConfigurationError,
     DiscoveryTimeoutError,
@@ -39,12 +40,6 @@ from rpc_reading_service.discovery import (
 KEY = secrets.token_hex(16)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def host_store() -> TCPStore:
     return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=10))
 
@@ -59,10 +54,9 @@ def start_workers(tmp_path, count, store_address, job, extra=()):
 
 
 def wait_registered(store, job, count, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while len(registered_workers(store, job)) < count:
-        assert time.monotonic() < deadline, f"only {registered_workers(store, job)} registered"
-        time.sleep(0.05)
+    """The addresses of ``job``'s workers in ``store``, once ``count`` have registered."""
+    registered = lambda: len(registered_workers(store, job)) >= count  # noqa: E731
+    assert wait_until(registered, timeout), f"only {registered_workers(store, job)} registered"
     return [address for _, address in registered_workers(store, job)]
 
 
@@ -259,10 +253,10 @@ def test_discovery_opens_nothing_before_initialize():
     port = free_port()  # nothing listens here
     start = time.monotonic()
     service = RPCReadingService(
-        workers=StoreDiscovery(f"127.0.0.1:{port}", job="x", min_workers=3, timeout=0.5)
+        workers=StoreDiscovery(f"127.0.0.1:{port}", job="x", min_workers=3, timeout=10)
     )
     clone = pickle.loads(pickle.dumps(service))  # DataLoader2 clones the service like this
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 5  # a look-up would wait out the 10 s discovery timeout
     assert clone.num_workers == 3
 
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import uuid
 
 import pytest
 import torch.multiprocessing as mp
+from _server_helpers import free_port, reap, remote, run_epochs
 from torchdata.dataloader2 import DataLoader2, MultiProcessingReadingService
 from torchdata.datapipes.iter import IterableWrapper
 
@@ -27,30 +26,20 @@ def double(x):
     return 2 * x
 
 
-def remote(server, num_workers=2, **kwargs):
-    return RPCReadingService(num_workers=num_workers, workers=[server.address], auth_key=server.key, **kwargs)
-
-
-def run(dp, rs, n_epochs=1, seed=None):
-    with DataLoader2(dp, reading_service=rs) as dl:
-        if seed is not None:
-            dl.seed(seed)
-        return [list(dl) for _ in range(n_epochs)]
-
-
 # -- against torchdata's MultiProcessingReadingService ------------------------------------------
 def test_same_items_as_multiprocessing_reading_service(worker_server):
     shuffled = IterableWrapper(range(60)).shuffle().sharding_filter().map(double)
     ordered = IterableWrapper(range(41)).sharding_filter().map(double)
-    mprs = run(shuffled, MultiProcessingReadingService(num_workers=2), seed=5)
-    ours = run(shuffled, remote(worker_server), n_epochs=2, seed=5)
+    mprs = run_epochs(shuffled, MultiProcessingReadingService(num_workers=2), seed=5, n_epochs=1)
+    ours = run_epochs(shuffled, remote(worker_server), n_epochs=2, seed=5)
     assert sorted(mprs[0]) == sorted(ours[0]) == sorted(ours[1]) == [2 * x for x in range(60)]
     # Both are reproducible under the same seed.
-    assert run(shuffled, MultiProcessingReadingService(num_workers=2), seed=5) == mprs
-    assert run(shuffled, remote(worker_server), n_epochs=2, seed=5) == ours
+    assert run_epochs(shuffled, MultiProcessingReadingService(num_workers=2), seed=5, n_epochs=1) == mprs
+    assert run_epochs(shuffled, remote(worker_server), n_epochs=2, seed=5) == ours
     # Without a shuffle both merge the workers round-robin: identical order, not just items.
-    mprs_ordered = run(ordered, MultiProcessingReadingService(num_workers=2))
-    assert run(ordered, remote(worker_server)) == mprs_ordered == [[2 * x for x in range(41)]]
+    mprs_ordered = run_epochs(ordered, MultiProcessingReadingService(num_workers=2), n_epochs=1)
+    ours_ordered = run_epochs(ordered, remote(worker_server), n_epochs=1)
+    assert ours_ordered == mprs_ordered == [[2 * x for x in range(41)]]
 
 
 # -- functions the workers cannot import ----------------------------------------------------------
@@ -107,9 +96,7 @@ def test_functions_from_main_script_and_spawn_child(worker_server, tmp_path):
     try:
         stdout, stderr = proc.communicate(timeout=80)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+        reap(proc)  # the script's process group: its spawn child too
     assert proc.returncode == 0, stderr[-3000:]
     outputs = {}
     for line in stdout.splitlines():
@@ -143,20 +130,15 @@ def test_pickle_by_value_for_a_module_workers_cannot_import(worker_server, tmp_p
         dp = IterableWrapper(range(8)).sharding_filter().map(module.scale)
         # By reference (the default), the workers fail to import the module...
         with pytest.raises(WorkerStartupError, match=f"No module named '{name}'"):
-            run(dp, remote(worker_server))
+            run_epochs(dp, remote(worker_server), n_epochs=1)
         # ...by value, its function and the class and global it uses travel with the graph.
-        assert run(dp, remote(worker_server, pickle_by_value=[module])) == [[4 * x for x in range(8)]]
+        by_value = remote(worker_server, pickle_by_value=[module])
+        assert run_epochs(dp, by_value, n_epochs=1) == [[4 * x for x in range(8)]]
     finally:
         sys.modules.pop(name, None)
 
 
 # -- torch.distributed --------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def distributed_trainer(rank, world_size, port, address, key, out_dir):
     import torch.distributed as dist
     from torchdata.dataloader2 import DistributedReadingService, SequentialReadingService

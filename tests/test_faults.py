@@ -86,7 +86,8 @@ def test_lost_worker_session_is_detected_within_timeout(server, fault):
         assert elapsed < TIMEOUT, elapsed
     else:  # silence: detected by the missing heartbeats, within the bound
         assert "sent nothing" in str(error)
-        assert TIMEOUT - HEARTBEAT - 0.5 < elapsed < TIMEOUT + HEARTBEAT + 1.0, elapsed
+        assert elapsed > TIMEOUT - HEARTBEAT - 0.5, elapsed  # by the timeout, not before
+        assert elapsed < TIMEOUT + HEARTBEAT + 3.0, elapsed  # nor long after
     server.wait_idle(5)  # the surviving session was closed cleanly by dl.shutdown()
     assert server.alive()
 
@@ -131,7 +132,8 @@ def test_dead_and_hung_trainers_are_detected_and_their_sessions_freed(server, tm
         assert wait_until(lambda: not process_alive(sessions[stopped.pid]), TIMEOUT + 3), "session of a hung trainer lives on"
         hung = time.monotonic() - start
         assert died < 2.0, died
-        assert TIMEOUT - HEARTBEAT - 0.3 < hung < TIMEOUT + 2.0, hung
+        assert hung > TIMEOUT - HEARTBEAT - 0.3, hung  # by the trainer-silence timeout, not before
+        assert hung < TIMEOUT + 3.0, hung  # (the wait above allows no more)
     finally:
         reap(killed)
         reap(stopped)

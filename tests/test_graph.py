@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from torchdata.dataloader2.random import SeedGenerator
 from torchdata.dataloader2.utils import WorkerInfo
 from torchdata.datapipes.iter import IterableWrapper
@@ -12,6 +13,7 @@ from torchdata.datapipes.iter import IterableWrapper
 from rpc_reading_service.errors import ConfigurationError
 from rpc_reading_service.graph import (
     DistributedInfo,
+    advance_trainer_rng,
     apply_distributed_sharding,
     distributed_info,
     draw_epoch_seed,
@@ -47,12 +49,24 @@ def test_epoch_seeds_advance_and_are_reproducible():
     assert draw_epoch_seed(SeedGenerator(1)) != seeds[0]
 
 
-def test_epoch_seeds_differ_even_when_the_generator_is_reseeded_identically():
-    # Unseeded DataLoader2 reseeds its generator every epoch from torch's RNG under
-    # fork_rng, i.e. with the same value each time: the epoch number must still vary the seed.
-    seeds = [draw_epoch_seed(SeedGenerator(42), epoch) for epoch in (1, 2, 3)]
-    assert len(set(seeds)) == 3
+def test_epoch_seed_is_a_function_of_the_generator_alone():
+    # DataLoader2 reseeds an unseeded generator from torch's RNG before every epoch:
+    # torch.manual_seed(s) before an epoch must repeat it, whatever the epoch number.
+    seeds = {draw_epoch_seed(SeedGenerator(42)) for _ in range(3)}
+    assert len(seeds) == 1
     assert all(0 <= s < 2**64 for s in seeds)
+
+
+def test_advancing_the_trainer_rng_moves_torch_and_keeps_manual_seed_reproducible():
+    torch.manual_seed(7)
+    untouched = torch.randint(0, 2**62, (4,))
+    torch.manual_seed(7)
+    advance_trainer_rng()
+    advanced = torch.randint(0, 2**62, (4,))
+    torch.manual_seed(7)
+    advance_trainer_rng()
+    assert not torch.equal(untouched, advanced)
+    assert torch.equal(torch.randint(0, 2**62, (4,)), advanced)
 
 
 def test_worker_generators_share_the_shared_seed_only():

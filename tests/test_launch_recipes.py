@@ -1,5 +1,6 @@
 """The launch recipes in examples/: the local fleet script and torchrun run here; the Slurm
-and Kubernetes files cannot, so they are checked for syntax (bash -n, YAML)."""
+script is checked with bash -n (it runs on a real Slurm in the opt-in tests/test_slurm.py) and
+the Kubernetes manifest against the Kubernetes schema (kubernetes-validate, the test extra)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,18 +18,12 @@ from conftest import _pythonpath
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
+from _server_helpers import VENV_BIN, _pythonpath, free_port, process_group_members, reap, wait_until
 from rpc_reading_service import Hostfile, RPCReadingService, StoreDiscovery
 from rpc_reading_service.discovery import registered_workers
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
-VENV_BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def recipe_env() -> dict:
@@ -39,19 +33,6 @@ def recipe_env() -> dict:
     env["PYTHONPATH"] = _pythonpath()
     env.pop("RPC_READING_SERVICE_AUTH_KEY", None)
     return env
-
-
-def process_group_members(pgid: int):
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                members.append(int(entry))
-    return members
 
 
 class Fleet:
@@ -64,12 +45,16 @@ class Fleet:
             env=recipe_env(), start_new_session=True, text=True,
         )  # fmt: skip
         self.lines = []
-        deadline = time.monotonic() + 120
-        while not any(line.startswith("Press Ctrl-C") for line in self.lines):
-            assert time.monotonic() < deadline, "fleet did not start in time:\n" + "".join(self.lines)
-            line = self.proc.stdout.readline()
-            assert line, "fleet script exited early:\n" + "".join(self.lines)
-            self.lines.append(line)
+        try:
+            deadline = time.monotonic() + 120
+            while not any(line.startswith("Press Ctrl-C") for line in self.lines):
+                assert time.monotonic() < deadline, "fleet did not start in time:\n" + "".join(self.lines)
+                line = self.proc.stdout.readline()
+                assert line, "fleet script exited early:\n" + "".join(self.lines)
+                self.lines.append(line)
+        except BaseException:
+            self.kill()
+            raise
         self.text = "".join(self.lines)
 
     def value(self, label: str) -> str:
@@ -79,11 +64,8 @@ class Fleet:
         return [line.strip() for line in self.lines if line.startswith("RPCReadingService(")]
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait(10)
+        """SIGKILL the script's process group (the script and its workers) and reap the script."""
+        reap(self.proc)
 
 
 @pytest.fixture(scope="module")
@@ -153,10 +135,8 @@ def test_fleet_script_stops_everything_on_ctrl_c(fleet):
     fleet.proc.send_signal(signal.SIGINT)
     assert fleet.proc.wait(20) == 130
     assert time.monotonic() - start < 15
-    deadline = time.monotonic() + 5
-    while process_group_members(fleet.proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert process_group_members(fleet.proc.pid) == []
+    group = fleet.proc.pid
+    assert wait_until(lambda: not process_group_members(group), 5), process_group_members(group)
     assert not run_dir.exists()
 
 
@@ -167,10 +147,7 @@ def test_fleet_script_registers_in_a_store_and_cleans_up_on_sigterm(tmp_path):
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     fleet = Fleet("-n", "1", "--store", f"127.0.0.1:{store.port}", "--job", "sigterm", "--dir", str(tmp_path / "run"))
     try:
-        deadline = time.monotonic() + 20
-        while not registered_workers(store, "sigterm"):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        assert wait_until(lambda: registered_workers(store, "sigterm"), 20), "the worker never registered"
         fleet.proc.send_signal(signal.SIGTERM)
         assert fleet.proc.wait(20) == 143
         assert registered_workers(store, "sigterm") == []  # the worker deleted its entry
@@ -198,9 +175,11 @@ def test_fleet_script_without_the_venv_says_to_set_python_or_activate_it(tmp_pat
 
 
 # -- recipes that cannot run here --------------------------------------------------------------------
+@pytest.mark.timeout(30)
 def test_shell_recipes_parse():
     for name in ("launch_local_fleet.sh", "slurm_hetjob.sbatch"):
-        result = subprocess.run(["bash", "-n", str(EXAMPLES / name)], capture_output=True, text=True)
+        command = ["bash", "-n", str(EXAMPLES / name)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=20)
         assert result.returncode == 0, f"{name}: {result.stderr}"
     sbatch = (EXAMPLES / "slurm_hetjob.sbatch").read_text()
     assert "#SBATCH hetjob" in sbatch and "--het-group=0" in sbatch and "--het-group=1" in sbatch
@@ -219,12 +198,13 @@ def _load_yaml_documents(path: Path):
 
     for python in filter(None, (shutil.which("python3"), "/usr/bin/python3")):
         code = "import json, sys, yaml; print(json.dumps(list(yaml.safe_load_all(open(sys.argv[1])))))"
-        result = subprocess.run([python, "-c", code, str(path)], capture_output=True, text=True)
+        result = subprocess.run([python, "-c", code, str(path)], capture_output=True, text=True, timeout=20)
         if result.returncode == 0:
             return json.loads(result.stdout)
     pytest.skip("PyYAML is not available")
 
 
+@pytest.mark.timeout(30)
 def test_kubernetes_manifest():
     docs = [d for d in _load_yaml_documents(EXAMPLES / "k8s" / "workers.yaml") if d]
     by_name = {(d["kind"], d["metadata"]["name"]): d for d in docs}
@@ -243,3 +223,18 @@ def test_kubernetes_manifest():
     assert by_name[("Service", "rrs-workers")]["spec"]["clusterIP"] == "None"
     deployment = by_name[("Deployment", "rrs-workers")]
     assert deployment["spec"]["selector"]["matchLabels"].items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("version", ["1.25.0", "1.37.0"])  # the oldest and newest schemas kubernetes-validate bundles
+def test_kubernetes_manifest_matches_the_kubernetes_schema(version):
+    """Every document of workers.yaml against Kubernetes' own OpenAPI schema, strictly (no unknown fields)."""
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (the test extra)")
+    docs = [d for d in _load_yaml_documents(EXAMPLES / "k8s" / "workers.yaml") if d]
+    assert len(docs) == 5
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)  # raises ValidationError
+    # ... and the validator does catch a mistake of the kind it is here for.
+    worker = next(d for d in docs if d["metadata"]["name"] == "rrs-workers" and d["kind"] == "Deployment")
+    worker["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["tcpSocket"]["prot"] = "rrs"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(worker, version, strict=True)

@@ -14,11 +14,10 @@ so that memory is read at the same quiet point of every epoch.
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import pytest
-from _server_helpers import read_line, reap, rss_kib, spawn_python, wait_until
-from conftest import process_alive
+from _server_helpers import process_alive, read_line, reap, rss_kib, spawn_python, wait_dead
 
 TRAINERS = 4
 WORKERS = 3
@@ -119,13 +118,13 @@ def test_four_trainers_three_workers_each_share_one_server(fresh_server, tmp_pat
         _go(trainers[:1])
         assert read_line(trainers[0], timeout=20) == "done"
         assert trainers[0].wait(20) == 0
-        _wait_dead(sessions[0])
+        wait_dead(sessions[0], what="session processes outlived their trainer")
         assert all(process_alive(pid) for index in range(1, TRAINERS) for pid in sessions[index])
         _go(trainers[1:])
         for trainer in trainers[1:]:
             assert read_line(trainer, timeout=20) == "done"
             assert trainer.wait(20) == 0
-        _wait_dead(all_sessions)
+        wait_dead(all_sessions, what="session processes outlived their trainer")
         assert server.session_pids() == []
         assert server.proc.poll() is None  # the server is still up
     finally:
@@ -133,6 +132,3 @@ def test_four_trainers_three_workers_each_share_one_server(fresh_server, tmp_pat
             reap(trainer)
 
 
-def _wait_dead(pids: List[Optional[int]], timeout: float = 5.0) -> None:
-    alive = lambda: [pid for pid in pids if pid is not None and process_alive(pid)]  # noqa: E731
-    assert wait_until(lambda: not alive(), timeout), f"session processes outlived their trainer: {alive()}"

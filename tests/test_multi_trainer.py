@@ -22,7 +22,6 @@ import os
 import pickle
 import queue
 import random
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -30,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch.multiprocessing as mp
-from conftest import start_server
+from _server_helpers import free_port, start_server
 
 WORLD = 2
 WORKERS_PER_TRAINER = 2
@@ -197,12 +196,6 @@ def trainer(
             dist.barrier()
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ import torch
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from conftest import children_of, process_alive
+from _server_helpers import children_of, remote, run_epochs, wait_dead
 from rpc_reading_service import (
     ConfigurationError,
     Liveness,
@@ -99,19 +99,6 @@ def big_tensor(x):
 
 
 # -- helpers ------------------------------------------------------------------------------------
-def remote(server, num_workers, **kwargs):
-    """A reading service with ``num_workers`` sessions on the shared test server."""
-    return RPCReadingService(num_workers=num_workers, workers=[server.address], auth_key=server.key, **kwargs)
-
-
-def epochs(dp, rs, n=1, seed=None):
-    """Run ``n`` epochs of a fresh DataLoader2; return the list of items of each epoch."""
-    with DataLoader2(dp, reading_service=rs) as dl:
-        if seed is not None:
-            dl.seed(seed)
-        return [list(dl) for _ in range(n)]
-
-
 def rrs_threads():
     return {t for t in threading.enumerate() if t.name.startswith("rrs-") and t.is_alive()}
 
@@ -120,7 +107,7 @@ def rrs_threads():
 @pytest.mark.parametrize("num_workers, n_items", [(1, 10), (2, 11), (3, 17), (4, 1), (3, 0)])
 def test_every_item_exactly_once(worker_server, num_workers, n_items):
     dp = IterableWrapper(range(n_items)).shuffle().sharding_filter().map(double)
-    for epoch in epochs(dp, remote(worker_server, num_workers), n=2):
+    for epoch in run_epochs(dp, remote(worker_server, num_workers), n_epochs=2):
         assert sorted(epoch) == [2 * x for x in range(n_items)]
 
 
@@ -128,7 +115,7 @@ def test_every_item_exactly_once(worker_server, num_workers, n_items):
 def test_in_order_is_strict_round_robin(worker_server, num_workers, n_items):
     # Worker w holds the items with i % n == w, so round-robin gives back 0, 1, 2, ...
     dp = IterableWrapper(range(n_items)).sharding_filter()
-    assert epochs(dp, remote(worker_server, num_workers)) == [list(range(n_items))]
+    assert run_epochs(dp, remote(worker_server, num_workers), n_epochs=1) == [list(range(n_items))]
 
 
 @pytest.mark.parametrize(
@@ -144,21 +131,21 @@ def test_in_order_is_strict_round_robin(worker_server, num_workers, n_items):
 )
 def test_uneven_and_empty_shards(worker_server, keep, expected):
     dp = IterableWrapper(range(20)).sharding_filter().filter(keep)
-    ordered = epochs(dp, remote(worker_server, 2), n=2)
+    ordered = run_epochs(dp, remote(worker_server, 2), n_epochs=2)
     assert ordered == [expected, expected]
-    unordered = epochs(dp, remote(worker_server, 2, in_order=False))
+    unordered = run_epochs(dp, remote(worker_server, 2, in_order=False), n_epochs=1)
     assert sorted(unordered[0]) == expected
 
 
 def test_out_of_order_mode_yields_the_same_multiset(worker_server):
     dp = IterableWrapper(range(500)).shuffle().sharding_filter().map(double)
-    for epoch in epochs(dp, remote(worker_server, 3, in_order=False), n=2):
+    for epoch in run_epochs(dp, remote(worker_server, 3, in_order=False), n_epochs=2):
         assert sorted(epoch) == [2 * x for x in range(500)]
 
 
 def test_many_items_span_many_frames_with_small_prefetch(worker_server):
     dp = IterableWrapper(range(5000)).sharding_filter()
-    (epoch,) = epochs(dp, remote(worker_server, 2, prefetch=1))
+    (epoch,) = run_epochs(dp, remote(worker_server, 2, prefetch=1), n_epochs=1)
     assert epoch == list(range(5000))
 
 
@@ -177,7 +164,7 @@ def test_tiny_items_stream_fast(worker_server):
 
 def test_large_tensors_arrive_intact(worker_server):
     dp = IterableWrapper(range(6)).sharding_filter().map(big_tensor)
-    (epoch,) = epochs(dp, remote(worker_server, 2))
+    (epoch,) = run_epochs(dp, remote(worker_server, 2), n_epochs=1)
     assert [item["index"] for item in epoch] == list(range(6))
     for item in epoch:
         assert item["tensor"].shape == (256, 512)
@@ -187,9 +174,9 @@ def test_large_tensors_arrive_intact(worker_server):
 # -- seeds and determinism ----------------------------------------------------------------------
 def test_same_seed_reproduces_runs_epochs_differ_seeds_differ(worker_server):
     dp = IterableWrapper(range(30)).shuffle().sharding_filter().map(with_random)
-    run_a = epochs(dp, remote(worker_server, 2), n=2, seed=123)
-    run_b = epochs(dp, remote(worker_server, 2), n=2, seed=123)
-    run_c = epochs(dp, remote(worker_server, 2), n=2, seed=456)
+    run_a = run_epochs(dp, remote(worker_server, 2), n_epochs=2, seed=123)
+    run_b = run_epochs(dp, remote(worker_server, 2), n_epochs=2, seed=123)
+    run_c = run_epochs(dp, remote(worker_server, 2), n_epochs=2, seed=456)
     assert run_a == run_b  # identical order and identical random draws
     first, second = run_a
     assert [x for x, *_ in first] != [x for x, *_ in second]  # epochs are shuffled differently
@@ -202,17 +189,18 @@ def test_same_seed_reproduces_runs_epochs_differ_seeds_differ(worker_server):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_epochs_differ_without_a_seed(worker_server, num_workers):
     # DataLoader2 reseeds its generator from torch's global RNG without advancing it; with
-    # nothing else drawing from torch in between, epochs must differ all the same.
+    # nothing else drawing from torch in between, epochs differ because every epoch takes one
+    # draw from torch's RNG (as torch's DataLoader does), not because the epoch number is mixed in.
     dp = IterableWrapper(range(30)).shuffle().sharding_filter()
     rs = remote(worker_server, num_workers) if num_workers else RPCReadingService()
-    first, second, third = epochs(dp, rs, n=3)
+    first, second, third = run_epochs(dp, rs, n_epochs=3)
     assert first != second and second != third and first != third
     assert sorted(first) == sorted(second) == list(range(30))
 
 
 def test_randomness_after_sharding_differs_per_worker(worker_server):
     dp = IterableWrapper(range(8)).sharding_filter().map(with_random)
-    (epoch,) = epochs(dp, remote(worker_server, 2), seed=0)
+    (epoch,) = run_epochs(dp, remote(worker_server, 2), seed=0, n_epochs=1)
     assert [x for x, *_ in epoch] == list(range(8))
     worker0, worker1 = epoch[0::2], epoch[1::2]
     # Same seeds on both workers would make these sequences equal.
@@ -223,8 +211,8 @@ def test_randomness_after_sharding_differs_per_worker(worker_server):
 
 def test_in_process_mode_is_exactly_once_and_seeded():
     dp = IterableWrapper(range(20)).shuffle().sharding_filter().map(double)
-    run_a = epochs(dp, RPCReadingService(num_workers=0), n=2, seed=7)
-    run_b = epochs(dp, RPCReadingService(num_workers=0), n=2, seed=7)
+    run_a = run_epochs(dp, RPCReadingService(num_workers=0), n_epochs=2, seed=7)
+    run_b = run_epochs(dp, RPCReadingService(num_workers=0), n_epochs=2, seed=7)
     assert run_a == run_b
     assert run_a[0] != run_a[1]
     assert all(sorted(e) == [2 * x for x in range(20)] for e in run_a)
@@ -240,7 +228,7 @@ def test_remote_exception_keeps_type_message_traceback_and_worker(worker_server)
                 seen.append(x)
     message = str(info.value)
     assert "boom 7" in message
-    assert "Caught ValueError in worker 1" in message  # item 7 belongs to worker 1 of 2
+    assert "Caught ValueError in worker process 1" in message  # item 7 belongs to worker 1 of 2
     assert worker_server.address in message
     assert "Original Traceback" in message and "boom_on_7" in message
     assert info.value.worker_rank == 1 and info.value.worker_address == worker_server.address
@@ -250,27 +238,27 @@ def test_remote_exception_keeps_type_message_traceback_and_worker(worker_server)
 def test_unrebuildable_exception_type_becomes_remote_worker_error(worker_server):
     dp = IterableWrapper(range(10)).sharding_filter().map(raise_two_arg)
     with pytest.raises(RemoteWorkerError) as info:
-        epochs(dp, remote(worker_server, 2))
+        run_epochs(dp, remote(worker_server, 2), n_epochs=1)
     message = str(info.value)
     assert "TwoArgError" in message and "cannot be rebuilt with one argument" in message
-    assert "worker 1" in message and worker_server.address in message
+    assert "worker process 1" in message and worker_server.address in message
 
 
 def test_worker_init_fn_raising_is_a_startup_error_not_a_hang(worker_server):
     dp = IterableWrapper(range(10)).sharding_filter()
     start = time.monotonic()
     with pytest.raises(WorkerStartupError, match="init failed on purpose"):
-        epochs(dp, remote(worker_server, 2, worker_init_fn=failing_init))
+        run_epochs(dp, remote(worker_server, 2, worker_init_fn=failing_init), n_epochs=1)
     assert time.monotonic() - start < 10
 
 
 def test_worker_init_fn_and_worker_reset_fn_are_applied(worker_server):
     dp = IterableWrapper(range(6)).sharding_filter()
     rs = remote(worker_server, 2, worker_init_fn=tag_with_worker)
-    assert epochs(dp, rs) == [[(0, 0), (1, 1), (0, 2), (1, 3), (0, 4), (1, 5)]]
+    assert run_epochs(dp, rs, n_epochs=1) == [[(0, 0), (1, 1), (0, 2), (1, 3), (0, 4), (1, 5)]]
 
     dp = IterableWrapper(range(4)).sharding_filter().map(with_reset_count)
-    first, second = epochs(dp, remote(worker_server, 2, worker_reset_fn=count_reset), n=2)
+    first, second = run_epochs(dp, remote(worker_server, 2, worker_reset_fn=count_reset), n_epochs=2)
     assert first == [(1, x) for x in range(4)]  # reset ran once per worker before epoch 1
     assert second == [(2, x) for x in range(4)]  # and again before epoch 2
 
@@ -283,7 +271,7 @@ def test_lambdas_and_local_functions_travel(worker_server):
 
     dp = IterableWrapper(range(6)).sharding_filter().map(add_offset).map(lambda x: -x)
     rs = remote(worker_server, 2, worker_init_fn=lambda dp, info: dp.map(lambda x: (info.worker_id, x)))
-    assert epochs(dp, rs) == [[(x % 2, -(x + 1000)) for x in range(6)]]
+    assert run_epochs(dp, rs, n_epochs=1) == [[(x % 2, -(x + 1000)) for x in range(6)]]
 
 
 # -- epochs, pause/limit, shutdown ---------------------------------------------------------------
@@ -338,11 +326,7 @@ def test_local_workers_exactly_once_then_fast_shutdown_after_early_break():
         dl.shutdown()
         elapsed = time.monotonic() - start
     assert elapsed < 5.0
-    for pid in (server_pid, *sessions):
-        deadline = time.monotonic() + 2.0
-        while process_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not process_alive(pid), f"process {pid} outlived shutdown()"
+    wait_dead([server_pid, *sessions], timeout=5.0, what="processes outlived shutdown()")
     assert not (rrs_threads() - threads_before), "threads outlived shutdown()"
     dl.shutdown()  # idempotent
 
@@ -381,7 +365,7 @@ def test_addresses_without_num_workers_mean_one_session_each(worker_server):
     rs = RPCReadingService(workers=[worker_server.address] * 3, auth_key=worker_server.key)
     assert rs.num_workers == 3
     dp = IterableWrapper(range(9)).sharding_filter().map(functools.partial(tag, None))
-    assert epochs(dp, rs) == [[(None, x) for x in range(9)]]
+    assert run_epochs(dp, rs, n_epochs=1) == [[(None, x) for x in range(9)]]
 
 
 def test_session_processes_end_with_their_dataloader(worker_server):
@@ -391,8 +375,5 @@ def test_session_processes_end_with_their_dataloader(worker_server):
     sessions = set(worker_server.session_pids()) - before
     assert len(sessions) == 2
     dl.shutdown()
-    deadline = time.monotonic() + 5
-    while set(worker_server.session_pids()) & sessions and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not set(worker_server.session_pids()) & sessions
+    wait_dead(sessions, timeout=5, what="sessions outlived their DataLoader2")
     assert os.getpid() not in sessions

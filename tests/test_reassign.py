@@ -32,8 +32,7 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
-from _server_helpers import wait_until
-from conftest import process_alive
+from _server_helpers import wait_dead
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
@@ -113,11 +112,6 @@ def _assert_exactly_once(epoch: List[Any], reference: List[Any], in_order: bool)
     assert sorted(epoch) == sorted(reference), "items lost, duplicated or with other random values"
     if in_order:
         assert epoch == reference
-
-
-def _wait_dead(pids: List[Optional[int]], timeout: float = 5.0) -> None:
-    alive = lambda: [pid for pid in pids if pid is not None and process_alive(pid)]  # noqa: E731
-    assert wait_until(lambda: not alive(), timeout), f"processes left behind: {alive()}"
 
 
 class _Victims:
@@ -248,11 +242,11 @@ def test_raise_names_the_lost_worker_within_the_bound(reference, point, fault):
             assert items == reference["epochs"][0][: len(items)]  # a prefix of the fault-free epoch
         _assert_lost_error(error, rank, address, fault, strike.error_at - strike.at)
         # The error shut the other workers' sessions down (the victim may still be stopped).
-        _wait_dead([pid for r, pid in enumerate(pids) if r != rank], timeout=3)
+        wait_dead([pid for r, pid in enumerate(pids) if r != rank], timeout=3)
     finally:
         victims.cleanup()
         dl.shutdown()
-    _wait_dead([server_pid, *pids])  # the local server is gone, and every session
+    wait_dead([server_pid, *pids])  # the local server is gone, and every session
 
 
 # -- local workers: "reassign" ------------------------------------------------------------------
@@ -293,7 +287,7 @@ def test_reassign_yields_the_fault_free_epoch(reference, point, fault, in_order,
         assert replays[0] == SHARDS[1]  # lost before its END_OF_SHARD: replayed to the end
     elif point == "after-end-of-shard" and in_order:
         assert replays[0] == 0  # this epoch did not need it any more; replaced for the next one
-    _wait_dead([server_pid, victim, *pids_before, *pids_after])
+    wait_dead([server_pid, victim, *pids_before, *pids_after])
 
 
 def slow_tag(x: int) -> Tuple[int, int]:
@@ -370,7 +364,7 @@ def test_reassign_gives_up_on_a_graph_that_kills_its_process_every_time():
     assert "gave up: worker 2's shard was lost 3 times in this epoch with the trainer at the same position" in message
     assert "max_reassignments=2 allows 2 replays from one position" in message
     assert "crash its process at that item every time" in message
-    _wait_dead([server_pid, *pids])
+    wait_dead([server_pid, *pids])
 
 
 @pytest.mark.timeout(30)
@@ -395,7 +389,7 @@ def test_unrelated_losses_in_successive_epochs_do_not_add_up(caplog):
         dl.shutdown()
     replays = re.findall(r"worker 1 \(.*replaying its shard from item \d+ .*\(replay (\d+) of 3", caplog.text)
     assert replays == ["1", "1", "1", "1"], caplog.text  # a fresh count every epoch
-    _wait_dead([server_pid, *pids])
+    wait_dead([server_pid, *pids])
 
 
 
@@ -410,14 +404,6 @@ def _remote_loader(addresses: List[str], key: str, num_workers: int, in_order: b
     return dl
 
 
-def _wait_idle(server: Any, timeout: float = 5.0) -> None:
-    """Wait until the sessions of earlier loaders on ``server`` have ended."""
-    deadline = time.monotonic() + timeout
-    while server.session_pids() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not server.session_pids()
-
-
 def _two_epochs(dl: DataLoader2) -> List[List[Any]]:
     try:
         return [list(dl), list(dl)]
@@ -430,7 +416,7 @@ def test_remote_session_killed_is_replaced_on_the_same_server(fresh_server):
     server = fresh_server()
     addresses = [server.address, server.address]
     reference = _two_epochs(_remote_loader(addresses, server.key, 2))
-    _wait_idle(server)
+    server.wait_idle(5)
     dl = _remote_loader(addresses, server.key, 2)
     victims = _Victims()
     try:
@@ -451,7 +437,7 @@ def test_remote_session_killed_is_replaced_on_the_same_server(fresh_server):
     _assert_exactly_once(first, reference[0], in_order=True)
     _assert_exactly_once(second, reference[1], in_order=True)
     assert pids_after[0] == pids[0] and pids_after[1] not in (None, pids[1])
-    _wait_dead([*pids, *pids_after])
+    wait_dead([*pids, *pids_after])
     assert server.proc.poll() is None
 
 
@@ -461,8 +447,8 @@ def test_killed_server_has_its_shards_replayed_on_the_other_server(fresh_server)
     b = fresh_server(key=a.key)
     addresses = [a.address, b.address]
     reference = _two_epochs(_remote_loader(addresses, a.key, 4))
-    _wait_idle(a)
-    _wait_idle(b)
+    a.wait_idle(5)
+    b.wait_idle(5)
     dl = _remote_loader(addresses, a.key, 4)
     try:
         first = []
@@ -479,7 +465,7 @@ def test_killed_server_has_its_shards_replayed_on_the_other_server(fresh_server)
         dl.shutdown()
     _assert_exactly_once(first, reference[0], in_order=True)
     _assert_exactly_once(second, reference[1], in_order=True)
-    _wait_dead(pids_after)
+    wait_dead(pids_after)
     assert b.proc.poll() is None
 
 

@@ -197,7 +197,7 @@ def test_rebuild_keeps_type_and_names_worker():
     exc = rebuild_exception(info, 1, "127.0.0.1:5555")
     assert type(exc) is ValueError
     text = str(exc)
-    assert text.startswith("Caught ValueError in worker 1 (127.0.0.1:5555).")
+    assert text.startswith("Caught ValueError in worker process 1 (127.0.0.1:5555).")
     assert "Original Traceback" in text and "boom 7" in text
     assert exc.worker_rank == 1 and exc.worker_address == "127.0.0.1:5555"
     assert "ValueError: boom 7" in exc.remote_traceback
@@ -206,13 +206,13 @@ def test_rebuild_keeps_type_and_names_worker():
 def test_rebuild_key_error_reads_well():
     exc = rebuild_exception(raise_and_pack(KeyError("missing")), 0, "h:1")
     assert isinstance(exc, KeyError)
-    assert str(exc).startswith("Caught KeyError in worker 0 (h:1)")
+    assert str(exc).startswith("Caught KeyError in worker process 0 (h:1)")
 
 
 def test_unrebuildable_exception_becomes_remote_worker_error():
     exc = rebuild_exception(raise_and_pack(TwoArgError(3, "bad")), 2, "h:2")
     assert isinstance(exc, RemoteWorkerError)
-    assert "TwoArgError" in str(exc) and "3: bad" in str(exc) and "worker 2 (h:2)" in str(exc)
+    assert "TwoArgError" in str(exc) and "3: bad" in str(exc) and "worker process 2 (h:2)" in str(exc)
 
 
 def test_unpicklable_exception_becomes_remote_worker_error():
@@ -225,7 +225,7 @@ def test_unpicklable_exception_becomes_remote_worker_error():
     assert info["pickled"] is None
     rebuilt = rebuild_exception(info, 0, None)
     assert isinstance(rebuilt, RemoteWorkerError)
-    assert "Local in worker 0" in str(rebuilt) and "Local: x" in str(rebuilt)
+    assert "Local in worker process 0" in str(rebuilt) and "Local: x" in str(rebuilt)
 
 
 def test_exception_of_unknown_type_becomes_remote_worker_error():
@@ -255,7 +255,7 @@ def test_pack_exception_of_an_unprintable_exception_uses_a_placeholder():
     rebuilt = rebuild_exception(info, 1, "h:1")
     # The same type would hide the message again behind its broken __str__: ours is readable.
     assert isinstance(rebuilt, RemoteWorkerError)
-    assert str(rebuilt).startswith("Caught BrokenStrError in worker 1 (h:1).")
+    assert str(rebuilt).startswith("Caught BrokenStrError in worker process 1 (h:1).")
 
 
 def test_pack_exception_of_an_exception_whose_pickling_raises_base_exception():
@@ -268,7 +268,7 @@ def test_fallback_exception_info_is_a_plain_runtime_error():
     info = fallback_exception_info(BrokenStrError(), MemoryError())
     rebuilt = rebuild_exception(info, 3, "h:3")
     assert isinstance(rebuilt, RemoteWorkerError)
-    assert "Caught RuntimeError in worker 3 (h:3)" in str(rebuilt)
+    assert "Caught RuntimeError in worker process 3 (h:3)" in str(rebuilt)
     assert "could not describe the BrokenStrError" in str(rebuilt) and "MemoryError" in str(rebuilt)
 
 

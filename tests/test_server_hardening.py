@@ -242,7 +242,7 @@ def test_silent_sockets_neither_fill_the_server_nor_lock_out_a_trainer(server):
         time.sleep(socket_transport._STALE_HANDSHAKE_SECONDS)  # noqa: SLF001 - the silent ones are stale now
         start = time.monotonic()
         assert _small_epoch(server) == list(range(6))  # room made by dropping the oldest silent one
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 6  # not after the silent ones' 10 s handshake timeout
         assert (_reject_or_none(silent[0], 3.0) or "").startswith("server busy: ")
         assert len(_log_lines(server, "server busy")) <= 2  # logged once per interval
     finally:

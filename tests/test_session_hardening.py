@@ -112,15 +112,15 @@ def test_an_unprintable_exception_reaches_the_trainer_at_once(fn, type_name):
             list(it)
         elapsed = time.monotonic() - started
     text = str(caught.value)
-    assert f"Caught {type_name} in worker 1 (" in text
+    assert f"Caught {type_name} in worker process 1 (" in text
     assert f"<unprintable {type_name} object>" in text or "<exception str() failed>" in text
-    assert elapsed < 2.0, f"the error took {elapsed:.1f} s"
+    assert elapsed < 5.0, f"the error took {elapsed:.1f} s"  # at once, not by the 30 s timeout
 
 
 @pytest.mark.timeout(30)
 def test_an_unprintable_exception_on_a_server_leaves_it_serving(worker_server):
     rs = RPCReadingService(num_workers=1, workers=[worker_server.address], auth_key=worker_server.key)
-    with pytest.raises(Exception, match="Caught UnprintableError in worker 0"):
+    with pytest.raises(Exception, match="Caught UnprintableError in worker process 0"):
         run_epochs(IterableWrapper(range(N)).sharding_filter().map(raise_unprintable_at_3), rs, n_epochs=1)
     rs = RPCReadingService(num_workers=1, workers=[worker_server.address], auth_key=worker_server.key)
     assert run_epochs(IterableWrapper(range(4)).sharding_filter(), rs, n_epochs=1) == [[0, 1, 2, 3]]

@@ -90,7 +90,7 @@ def test_a_second_concurrent_iteration_is_refused_at_once_and_the_first_goes_on(
     start = time.monotonic()
     with pytest.raises(RuntimeError) as info:
         iter(dl)  # what `for item in dl` in a second thread does first
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 5.0  # at once: not when the first iteration's gate opens
     message = str(info.value)
     assert "two threads use one DataLoader2 at once" in message
     assert f"thread {threading.current_thread().name!r} is starting an epoch" in message

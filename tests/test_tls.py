@@ -13,6 +13,7 @@ from _server_helpers import big_item, connect, read_until_closed, running_server
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
+from _server_helpers import big_item, connect, read_until_closed, run_epochs, running_server
 from rpc_reading_service import (
     TLS,
     AuthenticationError,
@@ -58,11 +59,7 @@ def plain_server(tmp_path_factory):
 
 
 def _epoch(service: RPCReadingService, datapipe) -> list:
-    dl = DataLoader2(datapipe, reading_service=service)
-    try:
-        return list(dl)
-    finally:
-        dl.shutdown()
+    return run_epochs(datapipe, service, n_epochs=1)[0]
 
 
 def test_tls_session_end_to_end(tls_server, certs):

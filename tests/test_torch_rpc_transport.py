@@ -25,8 +25,8 @@ import torch.distributed.rpc as rpc
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import wait_until
-from conftest import run_epochs, children_of, process_alive, start_server
+from _server_helpers import children_of, process_alive, run_epochs, start_server, wait_until
+from _server_helpers import remote as shared_remote
 from rpc_reading_service import (
     ConfigurationError,
     Liveness,
@@ -91,10 +91,9 @@ def rpc_server(tmp_path_factory):
 
 
 def remote(server, num_workers=2, transport="torch_rpc", **kwargs):
+    """A reading service on ``server`` over ``transport`` (torch_rpc unless told), with a generous connect timeout."""
     kwargs.setdefault("liveness", Liveness(connect_timeout=30))
-    return RPCReadingService(
-        num_workers=num_workers, workers=[server.address], transport=transport, auth_key=server.key, **kwargs
-    )
+    return shared_remote(server, num_workers, transport=transport, **kwargs)
 
 
 def listening_tcp_addresses():

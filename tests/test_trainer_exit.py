@@ -9,7 +9,6 @@ trainer (not even until the server's parent watchdog notices, which prints a war
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -40,11 +39,6 @@ if "{keep}" == "cycle":  # only the cycle collector could free it, and it does n
 # exits here, mid-epoch, without dl.shutdown()
 """
 
-# The worker server logs (at WARNING) every session it SIGTERMs on shutdown; that server-side
-# line is being silenced separately (issue 10, server part). Nothing else may be printed.
-SERVER_SESSION_LINE = re.compile(r"^session process \d+ for .* was killed by signal 15\n", re.M)
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("keep, in_order", [("global", True), ("cycle", False)])
 def test_exit_without_shutdown_stops_the_workers_silently(tmp_path: Path, keep: str, in_order: bool):
@@ -59,7 +53,7 @@ def test_exit_without_shutdown_stops_the_workers_silently(tmp_path: Path, keep: 
         assert not survivors, f"worker processes outlived the trainer: {survivors} of {pids}"
     finally:
         reap(trainer)  # SIGKILLs its process group: any surviving server and session with it
-    assert SERVER_SESSION_LINE.sub("", _stderr(tmp_path)) == ""
+    assert _stderr(tmp_path) == ""
 
 
 def _stderr(tmp_path: Path) -> str:

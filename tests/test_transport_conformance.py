@@ -26,7 +26,10 @@ from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 from transport_plugin import DIST_DIR, LOG_ENV, PLUGIN_NAME, Counters, CountingTransport
 
+from _server_helpers import _pythonpath, children_of, process_alive, run_epochs, start_server, wait_until
+from _server_helpers import remote as shared_remote
 from rpc_reading_service import Liveness, RPCReadingService, available_transports, register_transport
+from transport_plugin import DIST_DIR, LOG_ENV, PLUGIN_NAME, CountingTransport, Counters
 
 # The plugin path, trainer side. (Worker processes import this module to unpickle the
 # graph functions below; their servers already know the plugin from its entry point.)
@@ -79,10 +82,8 @@ def servers(tmp_path_factory):
 
 
 def remote(server, transport, num_workers=2, **kwargs):
-    return RPCReadingService(
-        num_workers=num_workers, workers=[server.address], transport=transport,
-        liveness=Liveness(connect_timeout=30), auth_key=server.key, **kwargs,
-    )  # fmt: skip
+    """A reading service on ``server`` over ``transport``, with a generous connect timeout."""
+    return shared_remote(server, num_workers, transport=transport, liveness=Liveness(connect_timeout=30), **kwargs)
 
 
 _reference = {}

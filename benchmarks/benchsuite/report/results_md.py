@@ -8,7 +8,12 @@ from typing import Optional
 
 from benchsuite.report.targets import measured_text, needed_text
 
-PUBLISHED_FILES = ("benchmarks/RESULTS.md", "benchmarks/results.json", "benchmarks/results.png")
+PUBLISHED_FILES = ("benchmarks/RESULTS.md", "benchmarks/results.json", "benchmarks/results.png", "benchmarks/LINKS.md")
+
+
+# Kept in its own file: bench_links.py (root, network namespaces) writes it, not this run.
+LINKS_SECTION = ("## Over capped network links\n\nWhat each transport delivers through links capped at 1 and "
+                 "10 Gbit/s between two network namespaces: [LINKS.md](LINKS.md) (`benchmarks/bench_links.py`).")
 
 
 def source_revision(repo_root: str) -> str:
@@ -71,5 +76,6 @@ def results_markdown(run: dict, info: dict, targets: list[dict], printed: str,
     if plot_file:
         lines += ["", f"![scaling and bandwidth]({plot_file.rsplit('/', 1)[-1]})"]
     lines += ["", "## Printed tables (verbatim)", "", "```", printed.rstrip("\n"), "```", "",
-              "The profile of an earlier run and what bounded its numbers: [ANALYSIS.md](ANALYSIS.md).", ""]
+              "The profile of an earlier run and what bounded its numbers: [ANALYSIS.md](ANALYSIS.md).", "",
+              LINKS_SECTION, ""]
     return "\n".join(lines)

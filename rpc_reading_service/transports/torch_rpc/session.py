@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any, Dict, Optional, Sequence
 
+from ...addresses import parse_address
 from ...version import __version__
 from ...errors import ConfigurationError, ProtocolError
 from ...protocol import Buffer, Frame, MessageKind, decode_control, encode_control
@@ -146,6 +147,7 @@ class _SessionConnection(TorchRPCConnection):
         _inboxes[self._conn_id] = self._inbox
         if request.get("transports") is None:  # a remote world: TCP, on the interface the trainer reached
             _pin_tensorpipe_interface(_local_address(self._bootstrap))
+            self._check_tensorpipe_reachable(request, join_timeout)
         outcome: Dict[str, Any] = {}
         done = threading.Event()
         joiner = threading.Thread(target=self._join, args=(request, join_timeout, outcome, done), daemon=True)
@@ -188,6 +190,32 @@ class _SessionConnection(TorchRPCConnection):
         )
         log.info("session for %s joined torch RPC world as %s", self.peer, request["name"])
         return True
+
+    def _check_tensorpipe_reachable(self, request: Dict[str, Any], join_timeout: float) -> None:
+        """Refuse, with what to do, when this host cannot reach the trainer's TensorPipe address.
+
+        TensorPipe aborts the whole process (``std::terminate``) on "network is unreachable",
+        which a trainer on several networks causes: torch listens on one address per process.
+        The probe dials the rendezvous store's port on that address (the store listens on
+        every interface of a remote world), so TensorPipe itself sees no stray connection.
+        """
+        tensorpipe = request.get("tensorpipe_address")
+        if not tensorpipe:
+            return
+        host, _port = parse_address(str(tensorpipe))
+        _store_host, store_port = parse_address(str(request["init_method"])[len("tcp://") :])
+        try:
+            socket.create_connection((host, store_port), timeout=max(0.5, min(5.0, join_timeout / 3))).close()
+        except OSError as exc:
+            _inboxes.pop(self._conn_id, None)
+            self._refuse(
+                f"this worker host cannot reach the trainer's torch RPC (TensorPipe) address {tensorpipe} ({exc}). "
+                f"TensorPipe listens on one address per trainer process ({host}: on the network of its first "
+                "torch_rpc worker, or TP_SOCKET_IFNAME's), and every worker host must reach it. Route this "
+                "host's network to it, set TP_SOCKET_IFNAME in the trainer to an interface every worker host "
+                "reaches, or use transport='socket', which serves workers on any network",
+                "join",
+            )
 
     def _join(
         self, request: Dict[str, Any], join_timeout: float, outcome: Dict[str, Any], done: threading.Event

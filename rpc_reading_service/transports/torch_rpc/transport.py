@@ -91,7 +91,7 @@ class TorchRPCTransport(Transport):
                     "other sessions of this trainer were still joining"
                 )
             try:
-                session_name = self._rendezvous(world, bootstrap, address, conn_id, inbox, deadline, timeout)
+                session_name = self._rendezvous(world, bootstrap, address, local_host, conn_id, inbox, deadline, timeout)
             finally:
                 world.join_lock.release()
             conn._start(session_name)
@@ -106,12 +106,18 @@ class TorchRPCTransport(Transport):
         world: _World,
         bootstrap: SocketConnection,
         address: str,
+        local_host: str,
         conn_id: str,
         inbox: _Inbox,
         deadline: float,
         timeout: float,
     ) -> str:
-        """Have the session join ``world``; returns its RPC name (called with ``world.join_lock`` held)."""
+        """Have the session join ``world``; returns its RPC name (called with ``world.join_lock`` held).
+
+        ``local_host`` is this end's address on the bootstrap connection: the session reached
+        this host there, so that is where it finds the rendezvous store (a trainer on several
+        networks has a different one per network).
+        """
         rank, name = world.next_member()
         world.prepare_join()
         _inboxes[conn_id] = inbox
@@ -119,7 +125,7 @@ class TorchRPCTransport(Transport):
         request = {
             "transport": TRANSPORT_NAME,
             "bootstrap_version": BOOTSTRAP_VERSION,
-            "init_method": f"tcp://{format_address(world.advertise_host, world.port)}",
+            "init_method": world.init_method_for(local_host),
             "rank": rank,
             "name": name,
             "trainer_name": world.name,
@@ -130,6 +136,8 @@ class TorchRPCTransport(Transport):
             "num_worker_threads": self.session_threads,
             "transports": world.transports,
             "channels": world.channels,
+            # Checked by the session before it joins: TensorPipe aborts a process that cannot reach it.
+            "tensorpipe_address": world.tensorpipe_address and format_address(*world.tensorpipe_address),
             "store_prefix_index": world.store_prefix_index,
         }
         bootstrap.send(encode_control(MessageKind.SETUP, request))

@@ -13,7 +13,7 @@ import time
 from datetime import timedelta
 from typing import List, Optional, Set, Tuple
 
-from ...addresses import format_address
+from ...addresses import format_address, parse_address
 from ...errors import ConfigurationError
 from .agent import _agent_exists, _current_agent_name, _leave_group, _rpc, _shutdown_agent
 from .connection import TorchRPCConnection
@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 _MEMBER_LIST_PREFIX = "names"
 _MEMBER_LIST_KEY = "_ALL_WORKER_INFOS"
 _GROUP_TOKEN_KEY = "RpcGroupManagementToken"
+# ... and each member's TensorPipe URL ("uv://HOST:PORT") under its name, "addrs" prefix.
+_URL_PREFIX = "addrs"
+_UV_SCHEME = "uv://"
 
 
 class _World:
@@ -99,12 +102,30 @@ class _World:
             self._can_reset = False
         if not self._can_reset:
             log.debug("torch RPC member list not found in the store; joins will contact every member")
+        #: Where this process's TensorPipe listens (``host``, ``port``), which every session must
+        #: reach: one address per process, as torch picks it once (None when not known).
+        self.tensorpipe_address: Optional[Tuple[str, int]] = None
+        if not loopback:
+            try:
+                url = dist.PrefixStore(_URL_PREFIX, agent.store).get(self.name).decode()
+                if url.startswith(_UV_SCHEME):
+                    self.tensorpipe_address = parse_address(url[len(_UV_SCHEME) :])
+            except Exception as exc:  # noqa: BLE001 - another torch layout: sessions then cannot check first
+                log.debug("torch RPC URL of %s not found in the store: %s", self.name, exc)
         log.info("torch RPC world %s open, rendezvous %s", self.name, self.init_method)
 
     def next_member(self) -> Tuple[int, str]:
         rank = self._next_rank
         self._next_rank += 1
         return rank, f"rrs_session_{self.id}_{rank}"
+
+    def init_method_for(self, local_host: str) -> str:
+        """The rendezvous address for a session that reached this host at ``local_host``.
+
+        A remote world's store listens on every interface, and a trainer on several networks
+        has one address per network: each session gets the one on its own network.
+        """
+        return self.init_method if self.loopback else f"tcp://{format_address(local_host, self.port)}"
 
     def prepare_join(self) -> None:
         """Make the next join contact the trainer only (called with ``join_lock`` held)."""
