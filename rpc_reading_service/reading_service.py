@@ -200,10 +200,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
                 if self._seed_group is not None:
                     seed = dist_share_seed(seed, self._seed_group)
                 self._engine.start_epoch(seed)
-                if self._engine.in_process_graph is None:
-                    set_graph_random_seed(
-                        self._end_datapipe, seed_generator
-                    )  # trainer-side DataPipes, as MPRS
+                if self._engine.in_process_graph is None:  # trainer-side DataPipes are seeded as MPRS does
+                    set_graph_random_seed(self._end_datapipe, seed_generator)
             self._end_iterator_id = self._end_datapipe._valid_iterator_id
         return None
 
