@@ -124,6 +124,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         self.multiprocessing_context = config.workers.start_method if config.local else None  # type: ignore[union-attr]
         self._end_datapipe: Optional[DataPipe] = None
         self._stream: Optional[RemoteStream] = None
+        self._main_prefetch: Optional[DataPipe] = None
         self._seed_group: Any = None
         self._seed_generator: Optional[SeedGenerator] = None
         self._resume_state: Optional[ReadingServiceState] = None  # not "_resume": DataLoader2's hook below
@@ -173,14 +174,10 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         except BaseException:
             self.finalize()
             raise
-        stream = (
-            self._stream.prefetch(self._config.main_prefetch_cnt)
-            if self._config.main_prefetch_cnt
-            else self._stream
-        )
-        self._end_datapipe = attach(
-            stream
-        )  # the user's own last DataPipe, or ours when the graph is all replicable
+        count = self._config.main_prefetch_cnt  # MPRS's trainer-side prefetch, where the workers' part was
+        self._main_prefetch = self._stream.prefetch(count) if count else None
+        # The user's own last DataPipe, or ours when the graph is all replicable.
+        self._end_datapipe = attach(self._stream if self._main_prefetch is None else self._main_prefetch)
         return self._end_datapipe
 
     def initialize_iteration(
@@ -188,6 +185,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
     ) -> Optional[Callable[[DataPipe], DataPipe]]:
         """Start an epoch on every worker with a fresh shared seed."""
         assert self._end_datapipe is not None, "initialize() must run first"
+        if self._main_prefetch is not None:
+            self._main_prefetch.reset()  # stop its thread (in the last epoch's stream) first, as MPRS does
         with self._engine.guard.held("starting an epoch"):
             self._seed_generator = seed_generator  # DataLoader2's own: checkpoint() records its state
             resume, self._resume_state = self._resume_state, None
@@ -210,10 +209,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
                     seed = dist_share_seed(seed, self._seed_group)
                 advance_trainer_rng()
                 self._engine.start_epoch(seed, number=replay_number)
-                if self._engine.in_process_graph is None:
-                    set_graph_random_seed(
-                        self._end_datapipe, seed_generator
-                    )  # trainer-side DataPipes, as MPRS
+                if self._engine.in_process_graph is None:  # trainer-side DataPipes are seeded as MPRS does
+                    set_graph_random_seed(self._end_datapipe, seed_generator)
             self._end_iterator_id = self._end_datapipe._valid_iterator_id
         return None
 
@@ -255,8 +252,9 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
 
     def finalize(self) -> None:
         """Stop trainer-side threads, close every session and stop local workers; idempotent."""
-        if self._end_datapipe is not self._stream and self._engine.channels:
-            shutdown_trainer_side(self._end_datapipe)  # fullsync's prefetcher, while the workers still answer
+        end = self._end_datapipe
+        if end is not None and end is not self._stream and self._engine.channels:
+            shutdown_trainer_side(end)  # fullsync's or main_prefetch_cnt's thread, while the workers answer
         self._engine.close()
         if self._seed_group is not None:
             import torch.distributed

@@ -7,6 +7,7 @@ the same attributes, the same items, and ``_end_datapipe`` is the user's own las
 from __future__ import annotations
 
 import pytest
+from _server_helpers import slow_identity
 from torchdata.dataloader2 import DataLoader2, MultiProcessingReadingService
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
@@ -67,3 +68,23 @@ def test_multiprocessing_context_is_for_local_workers():
         RPCReadingService(workers=WorkerAddresses(["127.0.0.1:29600"]), multiprocessing_context="spawn")
     with pytest.raises(ConfigurationError, match="give prefetch or worker_prefetch_cnt"):
         RPCReadingService(prefetch=2, worker_prefetch_cnt=3)
+
+
+@pytest.mark.timeout(60)
+def test_main_prefetch_cnt_keeps_epochs_and_checkpoints_exact():
+    # Slow items: the prefetching thread waits inside the stream when the next epoch starts.
+    graph = IterableWrapper(range(60)).sharding_filter().map(slow_identity).map(double)
+    dl = DataLoader2(graph, reading_service=RPCReadingService(num_workers=2, main_prefetch_cnt=3))
+    try:
+        first = iter(dl)
+        head = [next(first) for _ in range(5)]
+        state = dl.state_dict()  # the prefetching thread holds items the loop has not received
+        assert sorted(dl) == [double(x) for x in range(60)]  # a new epoch after an abandoned one
+    finally:
+        dl.shutdown()
+    resumed = DataLoader2.from_state(state, RPCReadingService(num_workers=2, main_prefetch_cnt=3))
+    try:
+        rest = list(resumed)
+    finally:
+        resumed.shutdown()
+    assert head + rest == [double(x) for x in range(60)]  # in order: exactly the items not received

@@ -36,12 +36,15 @@ class Positions:
 class Epoch:
     """One epoch of an :class:`~rpc_reading_service.engine.Engine`: an iterable of its items."""
 
-    def __init__(self, engine: "Engine", number: int, seed: int, positions: Positions):
+    def __init__(self, engine: "Engine", number: int, wire: int, seed: int, positions: Positions):
         self.engine = engine
-        #: The epoch's number on the wire (counted from 1) and its shared seed.
+        #: The epoch's number (counted from 1; a resumed epoch keeps its own) and its shared seed.
         self.number = number
         self.seed = seed
-        self.progress = EpochProgress(number, list(positions.consumed), positions.next_rank)
+        #: The number its frames carry: new for every epoch a session sees, so that frames of an
+        #: epoch this one supersedes (also one it resumes) are told apart.
+        self.wire = wire
+        self.progress = EpochProgress(wire, list(positions.consumed), positions.next_rank)
         #: Worker losses this epoch by (rank, items of its shard consumed): see :meth:`_replace`.
         self._losses: Dict[Tuple[int, int], int] = {}
         self._started = False

@@ -73,6 +73,7 @@ class Engine:
         #: The current (or last) epoch, and the number of the latest one (0 before the first).
         self.epoch: Optional[Epoch] = None
         self.epoch_number = 0
+        self._wire_epochs = 0
         #: Held while setting up and while taking each item: one thread at a time.
         self.guard = IterationGuard()
         self._closed = False
@@ -121,8 +122,9 @@ class Engine:
         epoch: each worker replays its shard from the same seed, skipping what was consumed.
         """
         self.epoch_number = self.epoch_number + 1 if number is None else number
+        self._wire_epochs += 1
         positions = positions or Positions((0,) * max(1, self.num_workers))
-        epoch = Epoch(self, self.epoch_number, seed, positions)
+        epoch = Epoch(self, self.epoch_number, self._wire_epochs, seed, positions)
         self.epoch = epoch
         if self.in_process_graph is not None:
             self.in_process_graph = reset_worker_graph(
@@ -136,13 +138,13 @@ class Engine:
     def start_channel(self, channel: WorkerChannel, epoch: Epoch, skip: int) -> None:
         """Start ``epoch`` on one worker, skipping the first ``skip`` items of its shard."""
         global_rank = self.dist.global_worker_id(channel.rank, self.num_workers)
-        channel.start_epoch(epoch.number, epoch.seed, global_rank, self.config.prefetch, skip=skip)
+        channel.start_epoch(epoch.wire, epoch.seed, global_rank, self.config.prefetch, skip=skip)
 
     def stats(self) -> ReadingServiceStats:
         """Throughput per worker and the consumer's data stall for the current (or last) epoch."""
         if self.epoch is None:
             return ReadingServiceStats(0, 0.0, 0, 0.0, 0.0, 0.0)
-        progress = self.epoch.progress
+        epoch, progress = self.epoch, self.epoch.progress
         elapsed = max(progress.elapsed, 1e-9)
         workers = [
             WorkerStats(
@@ -161,7 +163,7 @@ class Engine:
         ]
         items = sum(progress.consumed)
         return ReadingServiceStats(
-            epoch=progress.epoch - 1,  # counted from 1 on the wire; users count from 0 (range(epochs))
+            epoch=epoch.number - 1,  # counted from 1; users count from 0 (range(epochs))
             elapsed_seconds=elapsed,
             items=items,
             items_per_second=items / elapsed,
