@@ -43,6 +43,15 @@ The rules:
 - Liveness: ``tick(now)`` returns a heartbeat when nothing was sent for
   ``heartbeat_interval`` and a :class:`PeerTimedOut` event (closing the session) after
   ``peer_timeout`` of silence (``setup_timeout`` before READY).
+- Ending: either side's CLOSE; a worker's setup ERROR; a worker's ``item_timeout`` ERROR
+  (reported whichever epoch it names: the worker ends the session after it); and a
+  worker server's REJECT with its reason (``Connection.refuse``), legal at any point and
+  reported as :class:`Refused`. A SETUP without a graph is a transport's bootstrap
+  :class:`~.messages.Join`: the worker gets it as an event and answers READY or a
+  setup ERROR (a refusal with a ``reason``).
+- ``lenient`` (a worker server's choice): the peer's well-formed frames about epochs it
+  never started are dropped like stale ones, and heartbeat bodies are ignored, instead
+  of ending the session.
 
 Errors: a :class:`~rpc_reading_service.errors.LocalProtocolError` means this side tried
 something illegal (nothing was sent, the state is unchanged: a bug); a
