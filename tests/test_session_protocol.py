@@ -708,7 +708,7 @@ def test_a_lenient_worker_drops_frames_about_epochs_never_started():
     link = Link()
     link.worker = WorkerProtocol(TRAINER, clock=link.clock, lenient=True)
     link.set_up()
-    sloppy = Credit(1000, 5).encode() + StopEpoch(2000).encode() + encode_frame(MessageKind.HEARTBEAT, [b"x"], [b"y"])
+    sloppy = Credit(1000, 5).encode() + StopEpoch(1 << 40).encode() + encode_frame(MessageKind.HEARTBEAT, [b"x"], [b"y"])
     assert link.deliver(sloppy, link.worker) == [] and link.worker.stale_frames == 2
     link.start(7, credits=1)
     assert link.worker.credits == 1  # the session goes on

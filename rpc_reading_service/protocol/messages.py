@@ -290,6 +290,8 @@ class StopEpoch(_Control):
     """Trainer to worker: abandon ``epoch``; its producer stops, frames in flight are dropped."""
 
     kind: ClassVar[MessageKind] = MessageKind.STOP_EPOCH
+    #: Any size: an epoch over the u32 of binary frames was simply never started.
+    _u32: ClassVar[frozenset] = frozenset()
     epoch: int
 
 

@@ -9,7 +9,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, NoReturn, Optional, Sequence
 
 from ...version import __version__
 from ...errors import ProtocolError, RemoteProtocolError
@@ -97,7 +97,7 @@ class _SessionConnection(TorchRPCConnection):
             log.debug("torch RPC shutdown failed: %s", exc)
 
     # -- bootstrap ------------------------------------------------------------------------------------
-    def _refuse(self, message: str, reason: str) -> None:
+    def _refuse(self, message: str, reason: str) -> NoReturn:
         """Answer the rendezvous with a setup ERROR saying why (``reason``: one of ``Error.REASONS``)."""
         refusal = Error(None, "setup", message=message, reason=reason, transport=TRANSPORT_NAME)
         try:
@@ -121,7 +121,6 @@ class _SessionConnection(TorchRPCConnection):
                 "RPCReadingService, or start the worker with --transport socket",
                 "transport",
             )
-        assert isinstance(request, Join)
         if request.bootstrap_version != BOOTSTRAP_VERSION:
             self._refuse(
                 f"the trainer's torch_rpc bootstrap version {request.bootstrap_version} differs from this "
