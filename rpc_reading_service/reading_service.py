@@ -45,7 +45,7 @@ from .settings import check_settings
 from .stats import ReadingServiceStats, WorkerStats
 from .transports import available_transports, create_transport
 from .transports.base import PeerLostError
-from .worker_session import SessionOptions
+from .protocol import SessionOptions
 
 __all__ = ["RPCReadingService"]
 
