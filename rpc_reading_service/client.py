@@ -1,8 +1,9 @@
 """The trainer's end of worker sessions: setup, receiving, credits, and merging streams.
 
-One :class:`WorkerChannel` per worker session. Its receiver thread reads frames, keeps
-the session alive with heartbeats, and turns frames into :class:`Event` objects on a
-queue; the consumer (the DataLoader2 iterator's thread) unpickles items and grants a
+One :class:`WorkerChannel` per worker session, driving a
+:class:`~rpc_reading_service.protocol.TrainerSession`. Its receiver thread moves frames
+into the state machine, sends the heartbeats it finds due, and turns its events into
+:class:`Event` objects on a queue; the consumer (the DataLoader2 iterator's thread) unpickles items and grants a
 credit for every frame it takes, so at most ``prefetch`` frames per worker are ever
 buffered here.
 """
@@ -10,25 +11,31 @@ buffered here.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .errors import ItemTimeoutError, ProtocolError, WorkerLostError, WorkerRefusedError, WorkerStartupError, describe_worker
+from .errors import ItemTimeoutError, RemoteProtocolError, WorkerLostError, WorkerRefusedError, WorkerStartupError, describe_worker
 from .protocol import (
+    Close,
+    Credit,
+    DataReceived,
+    EndOfShard,
+    Error,
     Frame,
-    data_epoch,
-    MessageKind,
-    decode_control,
+    Message,
+    Ready,
+    Refused,
+    SessionState,
+    Setup,
+    StartEpoch,
+    Tick,
+    TrainerSession,
     decode_data,
-    decode_end_of_shard,
-    decode_reject,
-    encode_control,
-    encode_credit,
-    encode_frame,
 )
 from .serialization import loads_items, rebuild_exception
 from .transports.base import Connection, PeerLostError
@@ -60,7 +67,12 @@ class ChannelStats:
 
 
 class WorkerChannel:
-    """The trainer's end of one worker session."""
+    """The trainer's end of one worker session: a driver of its :class:`TrainerSession`.
+
+    Every frame received goes through the state machine (which drops stale ones and
+    rejects illegal ones) and every frame sent is first recorded by it; this class only
+    moves frames and turns the state machine's events into :class:`Event` objects.
+    """
 
     def __init__(self, conn: Connection, rank: int, heartbeat_interval: float, peer_timeout: float):
         self.conn = conn
@@ -74,55 +86,96 @@ class WorkerChannel:
         self.info: Dict[str, Any] = {}
         #: A loss noticed after this worker's shard ended, to report when the next epoch needs it.
         self.held_loss: Optional[Event] = None
+        self.protocol = TrainerSession(self.name, heartbeat_interval, peer_timeout)
+        #: Around every call of the state machine (the receiver and the consumer both use it).
+        self._state_lock = threading.Lock()
+        #: Held from recording a frame to writing it: frames leave in the order recorded.
+        self._send_lock = threading.Lock()
         #: Why the worker ended the session, if it said (item_timeout).
         self._ended_by: Optional[ItemTimeoutError] = None
         self._closing = False
         self._receiver: Optional[threading.Thread] = None
-        self._last_sent = time.monotonic()
+        self._on_event: Dict[type, Callable[[Any], bool]] = {
+            DataReceived: self._on_data,
+            EndOfShard: self._on_end_of_shard,
+            Error: self._on_error,
+            Refused: lambda refused: self._lost(f"{self.name} ended the session: {refused.reason}"),
+            Close: lambda close: self._lost(f"{self.name} ended the session (it said CLOSE)"),
+        }
 
     @property
     def name(self) -> str:
         """``worker R (host:port)``, for messages."""
         return describe_worker(self.rank, self.address)
 
-    def _send(self, chunks: List[Any]) -> None:
-        self.conn.send(chunks)
-        self._last_sent = time.monotonic()
+    def _send_or_report(self, message: Message) -> None:
+        """Send ``message`` unless the session is over; a failed send is the receiver's to report."""
+        with self._send_lock:
+            with self._state_lock:
+                if self.protocol.state is SessionState.CLOSED:
+                    return  # the receiver reports why it ended
+                chunks = self.protocol.send(message)
+            try:
+                self.conn.send(chunks)
+            except (PeerLostError, OSError) as exc:
+                # Not the end yet: the peer's last frames (an ERROR, a REJECT that explains
+                # why it closed) may still wait to be read; recv reports the loss.
+                log.debug("send to %s failed: %s", self.name, exc)
+
+    def _tick(self) -> Tick:
+        """The state machine's liveness: send the heartbeat due, return what else it found."""
+        with self._send_lock:
+            with self._state_lock:
+                due = self.protocol.tick()
+            if due.chunks:
+                try:
+                    self.conn.send(due.chunks)
+                except (PeerLostError, OSError) as exc:
+                    log.debug("heartbeat to %s failed: %s", self.name, exc)
+        return due
+
+    def _receive(self, frame: Frame) -> List[Any]:
+        with self._state_lock:
+            return self.protocol.receive_frame(frame)
 
     # -- setup ----------------------------------------------------------------------------------
-    def setup(self, payload: Dict[str, Any], timeout: float) -> None:
-        """Send SETUP and wait for READY; raise the worker's error if setup failed there, or
-        :class:`WorkerRefusedError` with the server's reason if it refused the session."""
-        try:
-            self._send(encode_control(MessageKind.SETUP, payload))
-        except PeerLostError as exc:
-            # A server that refuses the session may close before reading all of SETUP: its
-            # REJECT is still there to read below.
-            log.debug("sending SETUP to %s failed: %s", self.name, exc)
-        deadline = time.monotonic() + timeout
+    def setup(self, setup: Union[Setup, Mapping[str, Any]], timeout: float) -> None:
+        """Send SETUP (a :class:`Setup`, or its fields as a dict) and wait for READY; raise
+        the worker's error if setup failed there, :class:`WorkerRefusedError` with the
+        server's reason if it refused the session, :class:`WorkerLostError` after ``timeout``."""
+        message = setup if isinstance(setup, Setup) else Setup(**setup)
+        with self._state_lock:
+            self.protocol.setup_timeout = timeout
+        # A server that refuses the session may close before reading all of SETUP: its
+        # REJECT is still there to read below.
+        self._send_or_report(message)
         while True:
+            due = self._tick()
+            if due.events:
+                raise WorkerLostError(f"{self.name} did not finish setup within {timeout:.0f} s", self.rank, self.address)
             try:
-                frame = self.conn.recv(timeout=max(0.0, deadline - time.monotonic()))
+                frame = self.conn.recv(timeout=due.wait)
             except PeerLostError as exc:
                 raise WorkerLostError(f"{self.name} closed the session during setup: {exc}", self.rank, self.address) from exc
             if frame is None:
-                raise WorkerLostError(f"{self.name} did not finish setup within {timeout:.0f} s", self.rank, self.address)
-            if frame.kind == MessageKind.HEARTBEAT:
                 continue
-            if frame.kind == MessageKind.READY:
-                self.info = decode_control(frame)
-                return
-            if frame.kind == MessageKind.REJECT:
-                raise WorkerRefusedError(f"{self.name} refused the session: {decode_reject(frame)}")
-            if frame.kind == MessageKind.ERROR:
-                reply = decode_control(frame)
-                error = rebuild_exception(reply["exception"], self.rank, self.address)
-                if isinstance(reply.get("message"), str):  # a refusal with its reason (e.g. another transport)
-                    raise WorkerStartupError(f"{self.name} refused the session: {reply['message']}") from error
-                raise WorkerStartupError(
-                    f"{self.name} could not set up the graph (unpickling it or running worker_init_fn): {error}"
-                ) from error
-            raise ProtocolError(f"{self.name} answered SETUP with {frame.kind.name}")
+            for event in self._receive(frame):
+                if isinstance(event, Ready):
+                    self.info = dataclasses.asdict(event)
+                    return
+                self._raise_setup_failure(event)
+
+    def _raise_setup_failure(self, event: Any) -> None:
+        if isinstance(event, Refused):
+            raise WorkerRefusedError(f"{self.name} refused the session: {event.reason}")
+        if isinstance(event, Error):
+            if event.message is not None:  # a refusal with its reason (e.g. another transport)
+                raise WorkerStartupError(f"{self.name} refused the session: {event.message}")
+            error = rebuild_exception(dict(event.exception), self.rank, self.address)
+            raise WorkerStartupError(
+                f"{self.name} could not set up the graph (unpickling it or running worker_init_fn): {error}"
+            ) from error
+        raise WorkerLostError(f"{self.name} ended the session during setup (it said CLOSE)", self.rank, self.address)
 
     def start_receiver(self, sink: "queue.SimpleQueue[Event]") -> None:
         """Start the receiver thread, delivering events to ``sink``."""
@@ -135,19 +188,12 @@ class WorkerChannel:
         """Start ``epoch`` on the worker (superseding any epoch still running there)."""
         self.epoch = epoch
         self.stats = ChannelStats()
-        request = {"epoch": epoch, "seed": seed, "global_worker_id": global_worker_id, "credits": credits, "skip": skip}
-        self._send_or_report(encode_control(MessageKind.START_EPOCH, request))
+        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip))
 
     def grant(self, epoch: int, credits: int = 1) -> None:
-        """Allow the worker ``credits`` more DATA frames of ``epoch``."""
-        self._send_or_report(encode_credit(epoch, credits))
-
-    def _send_or_report(self, chunks: List[Any]) -> None:
-        try:
-            self._send(chunks)
-        except PeerLostError as exc:
-            # The receiver thread reports the loss as an event; nothing else to do here.
-            log.debug("send to %s failed: %s", self.name, exc)
+        """Allow the worker ``credits`` more DATA frames of ``epoch`` (nothing for a superseded epoch)."""
+        if epoch == self.epoch:
+            self._send_or_report(Credit(epoch, credits))
 
     def close(self, timeout: float = 2.0) -> None:
         """Say CLOSE, close the connection and stop the receiver thread (idempotent).
@@ -158,10 +204,7 @@ class WorkerChannel:
         if self._closing:
             return
         self._closing = True
-        try:
-            self._send(encode_control(MessageKind.CLOSE))
-        except (PeerLostError, OSError):
-            pass
+        self._send_or_report(Close())
         self.conn.close()
         if self._receiver is not None and self._receiver is not threading.current_thread():
             self._receiver.join(timeout)
@@ -172,77 +215,72 @@ class WorkerChannel:
         self.queue.put(Event(self, "closed", None, error=closed))
 
     # -- receiver thread ------------------------------------------------------------------------
-    def _lost(self, message: str) -> None:
+    def _lost(self, message: str) -> bool:
+        """Report the session lost (unless the trainer closed it); True: the receiver stops."""
         if not self._closing:
             # A session the worker ended for a stuck item: say so also in a later epoch.
             error = self._ended_by or WorkerLostError(message, self.rank, self.address)
             self.queue.put(Event(self, "lost", None, error=error))
+        return True
 
     def _receive_loop(self) -> None:
-        heartbeat = encode_frame(MessageKind.HEARTBEAT)
-        last_received = time.monotonic()
+        next_tick = 0.0
         try:
             while not self._closing:
-                frame = self.conn.recv(timeout=self.heartbeat_interval)
                 now = time.monotonic()
-                if now - self._last_sent >= self.heartbeat_interval:
-                    # A failed send is not the end yet: the peer's last frames (an ERROR that
-                    # explains why it closed) may still wait to be read; recv reports the loss.
-                    self._send_or_report(heartbeat)
-                if frame is None:
-                    if now - last_received > self.peer_timeout:
-                        self._lost(
-                            f"{self.name} sent nothing (not even a heartbeat) for {self.peer_timeout:.1f} s: "
-                            "its process is hung or stopped, or the network is down"
-                        )
+                if now >= next_tick:
+                    due = self._tick()
+                    if due.events:  # PeerTimedOut
+                        self._lost(due.events[0].message)
                         return
+                    next_tick = now + min(due.wait, self.heartbeat_interval)
+                frame = self.conn.recv(timeout=max(0.0, next_tick - time.monotonic()))
+                if frame is None:
                     continue
-                last_received = now
-                if frame.kind == MessageKind.REJECT:
-                    self._lost(f"{self.name} ended the session: {decode_reject(frame)}")
-                    return
-                self._dispatch(frame)
+                for event in self._receive(frame):
+                    if self._on_event.get(type(event), _ignore)(event):
+                        return
         except PeerLostError as exc:
             self._lost(f"lost {self.name}: {exc}. Its process died or the connection broke")
-        except ProtocolError as exc:
-            self._lost(f"{self.name} sent a malformed frame: {exc}")
+        except RemoteProtocolError as exc:
+            self._lost(str(exc))
         except Exception as exc:  # noqa: BLE001 - never die silently: the consumer would wait forever
             log.exception("receiver for %s failed", self.name)
             self._lost(f"receiving from {self.name} failed: {exc!r}")
 
-    def _dispatch(self, frame: Any) -> None:
-        kind = frame.kind
-        if kind == MessageKind.HEARTBEAT:
-            return
-        if kind == MessageKind.DATA:
-            # Only the header here: the consumer decodes, so this thread holds the GIL briefly.
-            epoch = data_epoch(frame)
-            if epoch == self.epoch:
-                self.stats.frames += 1
-                self.stats.bytes += frame.nbytes
-                self.queue.put(Event(self, "data", epoch, frame))
-        elif kind == MessageKind.END_OF_SHARD:
-            epoch, _count = decode_end_of_shard(frame)
-            self.queue.put(Event(self, "end", epoch))
-        elif kind == MessageKind.ERROR:
-            payload = decode_control(frame)
-            if payload.get("phase") == "item_timeout":
-                self._ended_by = self._item_timeout_error(payload)
-                error: BaseException = self._ended_by
-            else:
-                error = rebuild_exception(payload["exception"], self.rank, self.address)
-            self.queue.put(Event(self, "error", payload.get("epoch"), error=error))
-        else:
-            raise ProtocolError(f"unexpected {kind.name} during an epoch")
+    def _on_data(self, event: DataReceived) -> bool:
+        # Only the header was read: the consumer decodes, so this thread holds the GIL briefly.
+        self.stats.frames += 1
+        self.stats.bytes += event.nbytes
+        self.queue.put(Event(self, "data", event.epoch, event.frame))
+        return False
 
-    def _item_timeout_error(self, payload: Dict[str, Any]) -> ItemTimeoutError:
-        position, stack = int(payload.get("position", -1)), str(payload.get("stack", ""))
+    def _on_end_of_shard(self, event: EndOfShard) -> bool:
+        self.queue.put(Event(self, "end", event.epoch))
+        return False
+
+    def _on_error(self, event: Error) -> bool:
+        if event.phase == "item_timeout":
+            self._ended_by = self._item_timeout_error(event)
+            error: BaseException = self._ended_by
+        else:
+            error = rebuild_exception(dict(event.exception), self.rank, self.address)
+        self.queue.put(Event(self, "error", event.epoch, error=error))
+        return False
+
+    def _item_timeout_error(self, event: Error) -> ItemTimeoutError:
+        position = -1 if event.position is None else event.position
         message = (
-            f"{self.name} spent more than {payload.get('item_timeout')} s (item_timeout) producing item {position} "
-            f"of its shard in epoch {payload.get('stuck_epoch', payload.get('epoch'))} and ended its session. Its graph was here:\n{stack}"
+            f"{self.name} spent more than {event.item_timeout} s (item_timeout) producing item {position} "
+            f"of its shard in epoch {event.stuck_epoch} and ended its session. Its graph was here:\n{event.stack}"
             "Fix what blocks there, or raise item_timeout if items legitimately take that long"
         )
-        return ItemTimeoutError(message, self.rank, self.address, position=position, stack=stack)
+        return ItemTimeoutError(message, self.rank, self.address, position=position, stack=event.stack)
+
+
+def _ignore(event: Any) -> bool:
+    """Events this driver does not act on (ITEM_CREDIT: dispatching is not driven from here yet)."""
+    return False
 
 
 # -- merging the workers' streams ---------------------------------------------------------------

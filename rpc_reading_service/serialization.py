@@ -23,17 +23,18 @@ import pickle
 import sys
 import traceback
 import types
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import cloudpickle
 import numpy
 import torch
 
 from .errors import RemoteWorkerError, describe_worker
-from .protocol import EncodedItem
 
 __all__ = [
     "OUT_OF_BAND_MIN_BYTES",
+    "Buffer",
+    "EncodedItem",
     "ItemEncoder",
     "buffer_allocator",
     "dumps_item",
@@ -47,6 +48,27 @@ __all__ = [
 ]
 
 OUT_OF_BAND_MIN_BYTES = 64 * 1024
+
+#: Memory that can be sent or received as is (a frame chunk, a payload, an out-of-band buffer).
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class EncodedItem:
+    """One pickled item: its pickle stream and the out-of-band buffers it refers to."""
+
+    __slots__ = ("payload", "buffers")  # one per item on the hot path: keep it light
+
+    def __init__(self, payload: Buffer, buffers: Optional[List[Buffer]] = None):
+        self.payload = payload
+        self.buffers = buffers if buffers is not None else []
+
+    def __repr__(self) -> str:
+        return f"EncodedItem({len(self.payload)} bytes, {len(self.buffers)} buffers)"
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of the item on the wire."""
+        return len(self.payload) + sum(memoryview(b).nbytes for b in self.buffers)
 
 
 def _rebuild_tensor(data: Any, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:

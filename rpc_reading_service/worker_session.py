@@ -1,18 +1,28 @@
 """One trainer session on a worker: graph setup, epochs, packing and credit-bound streaming.
 
-Threads (all in the session's own process when the server forks sessions):
+A driver of :class:`~rpc_reading_service.protocol.WorkerProtocol`: every frame received goes
+through the state machine, which decides what it means (or that the trainer broke a rule),
+and every frame sent is first recorded by it. Threads (all in the session's own process
+when the server forks sessions):
 
-- the control loop (the caller of :meth:`WorkerSession.run`) reads the trainer's messages;
-- a producer per epoch iterates the graph and pickles items into the :class:`Outbox`;
-- one sender writes packed DATA frames while it holds credits, plus heartbeats, so that
-  graph compute overlaps sending and the trainer's memory stays bounded;
+- the control loop (the caller of :meth:`WorkerSession.run`) moves the trainer's frames into
+  the state machine and hands the events to the :class:`Outbox` and the producers;
+- a producer per epoch iterates the graph and pickles items into the :class:`Outbox` (it
+  waits for the previous epoch's producer: a graph supports one iterator at a time);
+- one sender, the only thread that sends after setup, writes packed DATA frames while it
+  holds credits, and the heartbeats the state machine finds due; it also notices a silent
+  trainer. Graph compute overlaps sending and the trainer's memory stays bounded;
 - with ``item_timeout``, a watchdog that ends the session with an ERROR (the item's position
   and the producer's stack) when the producer spends longer than that on one item.
+
+One lock guards the state machine and the outbox together, so that what the state machine
+allows and what the outbox hands out never disagree.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import socket
@@ -20,22 +30,28 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, Union
 
 from .version import __version__
-from .errors import ConfigurationError, FrameTooLargeError, ProtocolError
+from .errors import FrameTooLargeError, RemoteProtocolError
 from .graph import init_worker_graph, reset_worker_graph
 from .protocol import (
     Buffer,
+    Close,
+    Credit,
+    Data,
     EncodedItem,
-    MessageKind,
-    decode_control,
-    decode_credit,
-    encode_control,
-    encode_data,
-    encode_end_of_shard,
-    encode_frame,
+    EndOfShard,
+    Error,
+    Join,
+    Message,
+    PeerTimedOut,
+    Ready,
+    SessionOptions,
+    Setup,
+    StartEpoch,
+    StopEpoch,
+    WorkerProtocol,
 )
 from .serialization import ItemEncoder, fallback_exception_info, loads_graph, pack_exception
 from .transports.base import Connection, PeerLostError
@@ -46,26 +62,11 @@ log = logging.getLogger(__name__)
 
 #: Seconds a refused session waits for its trainer to read the reason (and stop sending).
 REFUSAL_LINGER = 5.0
+#: Longest the sender sleeps between looks at the state machine's liveness.
+_MAX_SENDER_WAIT = 1.0
 
-
-@dataclass
-class SessionOptions:
-    """Tunables the trainer sends in SETUP (defaults used until then)."""
-
-    batch_max_items: int = 1024
-    batch_max_bytes: int = 1024 * 1024
-    linger: float = 0.002
-    heartbeat_interval: float = 1.0
-    peer_timeout: float = 10.0
-    setup_timeout: float = 60.0
-    #: Seconds the producer may spend on one item before the session ends with an error (None: no limit).
-    item_timeout: Optional[float] = None
-
-    @classmethod
-    def from_dict(cls, values: Dict[str, Any]) -> "SessionOptions":
-        """Build options from a SETUP payload, ignoring unknown keys (newer trainers)."""
-        known = {k: v for k, v in values.items() if k in cls.__dataclass_fields__}
-        return cls(**known)
+#: A frame that ends an epoch: a message (encoded when it leaves) or chunks already encoded.
+FinalFrame = Union[Message, List[Buffer]]
 
 
 class _Cancelled(Exception):
@@ -78,18 +79,29 @@ class Outbox:
     The producer fills an open batch; a batch is sealed when it reaches the item or
     byte bound, or when the sender takes it after ``linger`` seconds. At most one sealed
     batch waits for credit; past that the producer blocks (backpressure).
+
+    A frame leaves through ``encode`` (a session passes its state machine's ``send``, which
+    checks and records it) while the outbox holds ``lock`` (a session passes the lock of its
+    state machine). The outbox counts the trainer's credits only to know when to block:
+    the state machine is what enforces them.
     """
 
-    def __init__(self, options: SessionOptions):
+    def __init__(
+        self,
+        options: SessionOptions,
+        encode: Callable[[Message], List[Buffer]] = lambda message: message.encode(),
+        lock: Optional["threading.RLock"] = None,
+    ):
         self._options = options
-        self._cond = threading.Condition()
+        self._encode = encode
+        self._cond = threading.Condition(lock)
         self.epoch: Optional[int] = None
         self._credits = 0
         self._open: List[EncodedItem] = []
         self._open_bytes = 0
         self._open_since = 0.0
         self._sealed: Deque[List[EncodedItem]] = collections.deque()
-        self._final: Optional[List[Buffer]] = None
+        self._final: Optional[FinalFrame] = None
         self._final_ends_session = False
         #: True once a final frame queued with ``end_session`` has been taken for sending.
         self.session_over = False
@@ -108,6 +120,7 @@ class Outbox:
             self._open, self._open_bytes = [], 0
             self._sealed.clear()
             self._final = None
+            self._final_ends_session = False
             self._sequence = 0
             self._cond.notify_all()
 
@@ -153,7 +166,7 @@ class Outbox:
                 if self._open:  # the sender may have taken it while we waited
                     self._seal()
 
-    def finish(self, epoch: int, final_frame: List[Buffer], end_session: bool = False) -> None:
+    def finish(self, epoch: int, final_frame: FinalFrame, end_session: bool = False) -> None:
         """Queue the frame that ends ``epoch`` (END_OF_SHARD or ERROR) after its data.
 
         With ``end_session``, nothing more of ``epoch`` is accepted and :attr:`session_over`
@@ -215,14 +228,15 @@ class Outbox:
                 self._credits -= 1
                 self.items_sent += len(items)
                 self.bytes_sent += sum(item.nbytes for item in items)
-                body, buffers = encode_data(self.epoch, self._sequence, items)
+                chunks = self._encode(Data(self.epoch, self._sequence, items))
                 self._sequence += 1
-                return encode_frame(MessageKind.DATA, body, buffers), 0.0
+                return chunks, 0.0
         if self._final is not None and not self._sealed and not self._open:
             final, self._final = self._final, None
+            chunks = self._encode(final) if isinstance(final, Message) else final
             self.session_over = self._final_ends_session
             self.epoch = None
-            return final, 0.0
+            return chunks, 0.0
         return None, float("inf")
 
 
@@ -264,8 +278,16 @@ class WorkerSession:
         self.stats_interval = stats_interval
         self.options = SessionOptions()
         if idle_timeout is not None:  # the server's --idle-timeout: how long to wait for SETUP
-            self.options.setup_timeout = idle_timeout
-        self.outbox = Outbox(self.options)
+            self.options = dataclasses.replace(self.options, setup_timeout=idle_timeout)
+        self._lock = threading.RLock()  # around every call of the state machine (and the outbox)
+        self.protocol = WorkerProtocol(
+            f"trainer at {conn.peer}",
+            heartbeat_interval=self.options.heartbeat_interval,
+            peer_timeout=self.options.peer_timeout,
+            setup_timeout=self.options.setup_timeout,
+            lenient=True,
+        )
+        self.outbox = Outbox(self.options, self.protocol.send, self._lock)
         self._graph: Any = None
         self._worker_info: Any = None
         self._reset_fn: Any = None
@@ -275,13 +297,15 @@ class WorkerSession:
         #: ``(epoch, position in the shard, monotonic start, thread id)`` while the producer
         #: waits for the graph's next item; None otherwise. Read by the watchdog.
         self._producing: Optional[Tuple[int, int, float, int]] = None
-        #: An epoch the trainer started that waits for the previous epoch's producer to stop.
-        self._awaited_epoch: Optional[int] = None
-        #: The watchdog's ERROR payload once it fired (the session is then over).
-        self._timed_out: Optional[Dict[str, Any]] = None
-        self._timeout_lock = threading.Lock()
+        #: The watchdog's ERROR once it fired (the session then ends with it).
+        self._timed_out: Optional[Error] = None
         self._stopping = threading.Event()
-        self._last_sent = time.monotonic()
+        self._on_event: Dict[type, Callable[[Any], None]] = {
+            StartEpoch: self._start_epoch,
+            StopEpoch: lambda message: self.outbox.stop_epoch(message.epoch),
+            Credit: lambda message: self.outbox.grant(message.epoch, message.credits),
+            Close: lambda message: self._stopping.set(),
+        }
 
     # -- the control loop ---------------------------------------------------------------------
     def run(self) -> None:
@@ -304,7 +328,7 @@ class WorkerSession:
                 "rpc-reading-worker with a larger --max-frame-bytes, or send less (a smaller graph)",
                 REFUSAL_LINGER,
             )
-        except ProtocolError as exc:  # a malformed frame
+        except RemoteProtocolError as exc:  # a malformed frame, or one the protocol does not allow now
             log.warning("refused a frame from %s: %s; ending its session", self.conn.peer, exc)
             self.conn.refuse(f"refused a malformed frame: {exc}", REFUSAL_LINGER)
         except Exception as exc:  # noqa: BLE001 - a session must never take its server down
@@ -314,108 +338,103 @@ class WorkerSession:
         finally:
             self._shutdown()
 
+    def _receive(self, frame: Any) -> List[Any]:
+        with self._lock:
+            return self.protocol.receive_frame(frame)
+
+    def _send(self, message: Message) -> None:
+        """Send ``message`` from the control loop (only before the sender starts)."""
+        with self._lock:
+            chunks = self.protocol.send(message)
+        self.conn.send(chunks)
+
     def _setup(self) -> bool:
-        frame = self.conn.recv(timeout=self.options.setup_timeout)
-        if frame is None:
-            log.warning("%s sent no SETUP within %.0f s; closing", self.conn.peer, self.options.setup_timeout)
-            self.conn.refuse(f"no SETUP within {self.options.setup_timeout:g} s of connecting (the server's --idle-timeout)")
-            return False
-        if frame.kind == MessageKind.CLOSE:
-            return False
-        if frame.kind != MessageKind.SETUP:
-            log.warning("%s sent %s before SETUP; closing", self.conn.peer, frame.kind.name)
-            self.conn.refuse(f"expected SETUP, got {frame.kind.name}: is the trainer the same rpc_reading_service version?", REFUSAL_LINGER)
-            return False
-        payload = decode_control(frame)
-        if "graph" not in payload:
-            return self._refuse_foreign_setup(payload)
-        self.options = SessionOptions.from_dict(payload.get("options", {}))
-        self.outbox = Outbox(self.options)
+        timeout = self.options.setup_timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            # No heartbeats before SETUP: a bootstrapping connection cannot send before its first recv.
+            frame = self.conn.recv(timeout=max(0.0, deadline - time.monotonic()))
+            if frame is None:
+                log.warning("%s sent no SETUP within %.0f s; closing", self.conn.peer, timeout)
+                self.conn.refuse(f"no SETUP within {timeout:g} s of connecting (the server's --idle-timeout)")
+                return False
+            for event in self._receive(frame):
+                if isinstance(event, Setup):
+                    return self._set_up(event)
+                if isinstance(event, Join):
+                    self._refuse_join(event)
+                    return False
+                return False  # CLOSE
+
+    def _set_up(self, setup: Setup) -> bool:
+        self.options = setup.options
+        self.outbox = Outbox(self.options, self.protocol.send, self._lock)
         try:
             from torchdata.dataloader2.utils import WorkerInfo
 
-            datapipe, init_fn, self._reset_fn = loads_graph(payload["graph"])
-            self._worker_info = WorkerInfo(payload["num_workers"], payload["worker_rank"])
+            datapipe, init_fn, self._reset_fn = loads_graph(setup.graph)
+            self._worker_info = WorkerInfo(setup.num_workers, setup.worker_rank)
             self._graph = init_worker_graph(datapipe, self._worker_info, init_fn)
         except BaseException as exc:  # noqa: BLE001 - includes SystemExit from user code
             info = _describe(exc)
             log.warning("session setup for %s failed: %s: %s", self.conn.peer, info["type_name"], info["message"])
-            self.conn.send(encode_control(MessageKind.ERROR, {"epoch": None, "phase": "setup", "exception": info}))
+            self._send(Error(None, "setup", info))
             return False
-        self.conn.send(
-            encode_control(
-                MessageKind.READY,
-                {"pid": os.getpid(), "hostname": socket.gethostname(), "package_version": __version__},
-            )
-        )
+        self._send(Ready(os.getpid(), socket.gethostname(), __version__))
         return True
 
-    def _refuse_foreign_setup(self, payload: Dict[str, Any]) -> bool:
-        """A SETUP without a graph: most likely a trainer of another transport (torch_rpc's rendezvous)."""
-        transport = payload.get("transport")
-        if isinstance(transport, str):
-            message = (
-                f"the trainer at {self.conn.peer} uses transport {transport!r}, but this worker server at "
-                f"{self.server_address or '?'} was started with another --transport (socket, the default): start it with "
-                f"`rpc-reading-worker --transport {transport}`, or pass the worker's transport to RPCReadingService"
-            )
-        else:
-            message = f"the trainer at {self.conn.peer} sent a SETUP without a graph; is it an RPCReadingService of the same version?"
+    def _refuse_join(self, join: Join) -> None:
+        """A bootstrap request of another transport (torch_rpc's rendezvous): say which one to start."""
+        message = (
+            f"the trainer at {self.conn.peer} uses transport {join.transport!r}, but this worker server at "
+            f"{self.server_address or '?'} was started with another --transport (socket, the default): start it with "
+            f"`rpc-reading-worker --transport {join.transport}`, or pass the worker's transport to RPCReadingService"
+        )
         log.warning("refused the session of %s: %s", self.conn.peer, message)
-        error = {"epoch": None, "phase": "setup", "reason": "transport", "message": message,
-                 "exception": pack_exception(ConfigurationError(message))}  # fmt: skip
-        self.conn.send(encode_control(MessageKind.ERROR, error))
-        return False
+        self._send(Error(None, "setup", message=message, reason="transport"))
 
     def _control_loop(self) -> None:
         while not self._stopping.is_set():
-            frame = self.conn.recv(timeout=self.options.peer_timeout)
+            frame = self.conn.recv(timeout=self.protocol.heartbeat_interval)  # the sender watches liveness
             if frame is None:
-                log.warning("trainer %s silent for %.1f s; ending its session", self.conn.peer, self.options.peer_timeout)
-                return
-            kind = frame.kind
-            if kind == MessageKind.CREDIT:
-                self.outbox.grant(*decode_credit(frame))
-            elif kind == MessageKind.HEARTBEAT:
                 continue
-            elif kind == MessageKind.START_EPOCH:
-                self._start_epoch(decode_control(frame))
-            elif kind == MessageKind.STOP_EPOCH:
-                self.outbox.stop_epoch(decode_control(frame).get("epoch"))
-            elif kind == MessageKind.CLOSE:
-                return
-            else:
-                log.warning("unexpected %s from %s; ending its session", kind.name, self.conn.peer)
-                self.conn.refuse(f"unexpected {kind.name} during the session", REFUSAL_LINGER)
-                return
+            with self._lock:  # the outbox follows the state machine in the same step
+                for event in self.protocol.receive_frame(frame):
+                    handler = self._on_event.get(type(event))
+                    if handler is not None:
+                        handler(event)
 
-    def _start_epoch(self, request: Dict[str, Any]) -> None:
-        self.outbox.stop_epoch()
-        # The graph supports one iterator at a time: wait for the old epoch's producer to
-        # reach an item boundary and notice it was cancelled (unless the session ends first:
-        # a producer stuck in one item never does).
-        epoch = self._awaited_epoch = int(request["epoch"])
-        while self._producer is not None and self._producer.is_alive():
-            self._producer.join(timeout=0.1)
-            if self._stopping.is_set() or self._report_item_timeout():
-                return
-        self._awaited_epoch = None
-        self.outbox.start_epoch(epoch, int(request["credits"]))
-        self._producer = threading.Thread(target=self._produce, args=(epoch, request), name=f"rrs-producer-{epoch}", daemon=True)
+    def _start_epoch(self, request: StartEpoch) -> None:
+        """Start ``request.epoch`` (called with the lock held): its producer, or the report
+        of an item of an earlier epoch that got stuck."""
+        self.outbox.start_epoch(request.epoch, request.credits)
+        if self._timed_out is not None:
+            self._report_item_timeout(request.epoch)
+            return
+        previous = self._producer
+        self._producer = threading.Thread(
+            target=self._produce, args=(request, previous), name=f"rrs-producer-{request.epoch}", daemon=True
+        )
         self._producer.start()
 
     # -- producer -----------------------------------------------------------------------------
-    def _produce(self, epoch: int, request: Dict[str, Any]) -> None:
-        sent = 0
+    def _produce(self, request: StartEpoch, previous: Optional[threading.Thread]) -> None:
+        epoch, sent = request.epoch, 0
+        # The graph supports one iterator at a time: wait for the old epoch's producer to
+        # reach an item boundary and notice it was cancelled (one stuck in an item never does).
+        while previous is not None and previous.is_alive():
+            previous.join(timeout=0.1)
+            if self._stopping.is_set() or self.outbox.epoch != epoch:
+                return
         try:
             try:
                 watched = self.options.item_timeout is not None
                 if watched:  # worker_reset_fn and the graph's reset count as producing item 0
                     self._producing = (epoch, 0, time.monotonic(), threading.get_ident())
                 self._graph = reset_worker_graph(
-                    self._graph, self._worker_info, int(request["seed"]), int(request["global_worker_id"]), self._reset_fn
+                    self._graph, self._worker_info, request.seed, request.global_worker_id, self._reset_fn
                 )
-                skip = int(request.get("skip", 0))
+                skip = request.skip
                 encode, put = ItemEncoder().encode, self.outbox.put
                 items = self._graph
                 if watched:
@@ -431,17 +450,16 @@ class WorkerSession:
                 self._producing = None
                 info = _describe(exc)
                 log.info("epoch %d raised %s: %s after %d items", epoch, info["type_name"], info["message"], sent)
-                error = {"epoch": epoch, "phase": "epoch", "exception": info}
-                self.outbox.finish(epoch, encode_control(MessageKind.ERROR, error))
+                self.outbox.finish(epoch, Error(epoch, "epoch", info))
                 return
-            self.outbox.finish(epoch, encode_end_of_shard(epoch, sent))
+            self.outbox.finish(epoch, EndOfShard(epoch, sent))
         except _Cancelled:
             log.debug("epoch %d cancelled after %d items", epoch, sent)
         except BaseException as failure:  # noqa: BLE001 - the epoch must end with an error, never in silence
             log.exception("producer of epoch %d failed in its own error handling", epoch)
             info = fallback_exception_info(None, failure)
             try:
-                self.outbox.finish(epoch, encode_control(MessageKind.ERROR, {"epoch": epoch, "phase": "epoch", "exception": info}))
+                self.outbox.finish(epoch, Error(epoch, "epoch", info))
             except _Cancelled:
                 pass
 
@@ -486,62 +504,63 @@ class WorkerSession:
                 "epoch %d: item %d of the shard took more than %.1f s (item_timeout); ending the session of %s. "
                 "The producer's stack:\n%s", epoch, position, limit, self.conn.peer, stack,
             )  # fmt: skip
-            error = {"epoch": epoch, "stuck_epoch": epoch, "phase": "item_timeout", "position": position,
-                     "item_timeout": limit, "seconds": seconds, "stack": stack}  # fmt: skip
-            self._timed_out = error
-            try:
-                self.outbox.finish(epoch, encode_control(MessageKind.ERROR, error), end_session=True)
-            except _Cancelled:  # the trainer stopped that epoch: tell the one it waits for, if any
-                self._report_item_timeout()
+            with self._lock:
+                self._timed_out = Error(
+                    epoch, "item_timeout", stuck_epoch=epoch, position=position, item_timeout=limit,
+                    seconds=seconds, stack=stack,
+                )  # fmt: skip
+                if self.outbox.epoch is not None:  # else the trainer hears of it in the next epoch it starts
+                    self._report_item_timeout(self.outbox.epoch)
             return
 
-    def _report_item_timeout(self) -> bool:
-        """Send the watchdog's error for the epoch the trainer started after the stuck one
-        and end the session; False while no such epoch waits (or the watchdog did not fire).
-
-        The stuck epoch's own ERROR may never leave: starting a new epoch drops it."""
-        with self._timeout_lock:
-            error, awaited = self._timed_out, self._awaited_epoch
-            if error is None or awaited is None or self._stopping.is_set():
-                return False
-            try:
-                self.conn.send(encode_control(MessageKind.ERROR, dict(error, epoch=awaited)))
-            except PeerLostError:
-                pass
-            self._stopping.set()
-        self.conn.close()
-        return True
+    def _report_item_timeout(self, epoch: int) -> None:
+        """Queue the watchdog's error as the end of ``epoch`` (the stuck one, or the one the
+        trainer started after it) and of the session (called with the lock held)."""
+        assert self._timed_out is not None
+        try:
+            self.outbox.finish(epoch, dataclasses.replace(self._timed_out, epoch=epoch), end_session=True)
+        except _Cancelled:  # the outbox is closing
+            pass
 
     # -- sender -------------------------------------------------------------------------------
     def _send_loop(self) -> None:
-        interval = self.options.heartbeat_interval
-        heartbeat = encode_frame(MessageKind.HEARTBEAT)
         throughput = _ThroughputLog(self.outbox, self.conn.peer, self.stats_interval)
+        next_tick = 0.0
         try:
             while not self._stopping.is_set():
                 throughput.maybe_log()
-                frame = self.outbox.take(timeout=max(0.0, self._last_sent + interval - time.monotonic()))
-                if frame is None:
-                    if self._stopping.is_set():
+                now = time.monotonic()
+                if now >= next_tick:
+                    with self._lock:
+                        due = self.protocol.tick(now)
+                    if any(isinstance(event, PeerTimedOut) for event in due.events):
+                        log.warning(
+                            "trainer %s silent for %.1f s; ending its session", self.conn.peer, self.protocol.peer_timeout
+                        )
+                        self._end()
                         return
-                    if time.monotonic() - self._last_sent < interval:
-                        continue
-                    frame = heartbeat
-                self.conn.send(frame)
-                self._last_sent = time.monotonic()
+                    if due.chunks:
+                        self.conn.send(due.chunks)
+                    next_tick = now + min(due.wait, _MAX_SENDER_WAIT)
+                chunks = self.outbox.take(timeout=max(0.0, next_tick - time.monotonic()))
+                if chunks is None:
+                    continue
+                self.conn.send(chunks)
                 if self.outbox.session_over:
                     log.info("session for %s ended after its last frame", self.conn.peer)
-                    self._stopping.set()
-                    self.conn.close()  # wakes the control loop
+                    self._end()
                     return
         except PeerLostError as exc:
             log.info("lost trainer %s while sending: %s", self.conn.peer, exc)
-            self._stopping.set()
-            self.conn.close()  # wakes the control loop
+            self._end()
         except Exception:  # noqa: BLE001
             log.exception("sender for %s failed", self.conn.peer)
-            self._stopping.set()
-            self.conn.close()
+            self._end()
+
+    def _end(self) -> None:
+        """Stop the session from the sender: the control loop wakes up on the closed connection."""
+        self._stopping.set()
+        self.conn.close()
 
     def _shutdown(self) -> None:
         self._stopping.set()

@@ -656,3 +656,86 @@ def test_data_decode_makes_no_copies():
         and item.payload.obj is frame.body
         and bytes(item.payload) == body
     )
+
+
+# -- what the drivers need: refusals, item_timeout, lenient workers, typed options, Join ----------
+def test_a_reject_after_setup_is_a_refusal_event_that_closes():
+    from rpc_reading_service.protocol import Refused, encode_reject
+
+    link = Link()
+    link.trainer.send(Setup(b"g", 0, 1))
+    assert link.deliver(encode_reject("server busy: 4 sessions"), link.trainer) == [Refused("server busy: 4 sessions")]
+    assert (link.trainer.state, link.trainer.closed_by) == (SessionState.CLOSED, "peer")
+    with pytest.raises(RemoteProtocolError, match="REJECT, which a trainer never sends"):
+        link.deliver(encode_reject("no"), link.worker)
+
+
+def _stuck(epoch: int, stuck_epoch: int) -> Error:
+    return Error(epoch, "item_timeout", stuck_epoch=stuck_epoch, position=5, item_timeout=1.0, seconds=1.2, stack="tb")
+
+
+def test_an_item_timeout_error_ends_the_session_on_both_sides():
+    link = Link().set_up().start(1)
+    (error,) = link.to_trainer(_stuck(1, 1))
+    assert error.ends_session and (error.position, error.stack) == (5, "tb")
+    assert (link.worker.state, link.worker.closed_by) == (SessionState.CLOSED, "us")
+    assert (link.trainer.state, link.trainer.closed_by) == (SessionState.CLOSED, "peer")
+
+
+def test_an_item_timeout_error_of_an_abandoned_epoch_is_still_reported():
+    link = Link().set_up().start(1)
+    stale = link.worker.send(_stuck(1, 1))  # crosses the trainer's START_EPOCH 2
+    link.trainer.send(StartEpoch(2, 0, 0, 1))
+    (error,) = link.deliver(stale, link.trainer)
+    assert error.stuck_epoch == 1 and link.trainer.closed_by == "peer"
+
+
+@pytest.mark.parametrize(
+    "payload, words",
+    [
+        ({"epoch": 1, "phase": "item_timeout", "position": 1, "item_timeout": 1.0}, "without stuck_epoch"),
+        ({"epoch": 1, "phase": "epoch"}, "neither an exception nor a message"),
+        ({"epoch": None, "phase": "setup", "message": "m", "reason": "mood"}, "unknown reason 'mood'"),
+    ],
+)
+def test_error_fields_are_checked_together(payload, words):
+    (frame,) = frames_of(encode_control(MessageKind.ERROR, payload))
+    with pytest.raises(RemoteProtocolError, match=words):
+        decode_message(frame)
+
+
+def test_a_lenient_worker_drops_frames_about_epochs_never_started():
+    link = Link()
+    link.worker = WorkerProtocol(TRAINER, clock=link.clock, lenient=True)
+    link.set_up()
+    sloppy = Credit(1000, 5).encode() + StopEpoch(1 << 40).encode() + encode_frame(MessageKind.HEARTBEAT, [b"x"], [b"y"])
+    assert link.deliver(sloppy, link.worker) == [] and link.worker.stale_frames == 2
+    link.start(7, credits=1)
+    assert link.worker.credits == 1  # the session goes on
+    with pytest.raises(RemoteProtocolError, match="DATA, which a trainer never sends"):
+        link.deliver(Data(7, 0, []).encode(), link.worker)  # lenient is not lawless
+
+
+def test_setup_options_are_typed_and_travel_as_a_dict():
+    from rpc_reading_service.protocol import SessionOptions
+
+    setup = Setup(b"g", 0, 1, {"peer_timeout": 2.5, "item_timeout": 0.5, "from_a_newer_trainer": 1})
+    assert setup.options == SessionOptions(peer_timeout=2.5, item_timeout=0.5)
+    (frame,) = frames_of(setup.encode())
+    assert decode_message(frame) == setup
+    with pytest.raises(LocalProtocolError, match="option 'item_timeout' is str"):
+        Setup(b"g", 0, 1, {"item_timeout": "soon"})
+
+
+def test_a_join_reaches_the_worker_as_a_join_and_is_refused_with_a_reason():
+    from rpc_reading_service.protocol import Join
+
+    join = Join("torch_rpc", 1, "tcp://127.0.0.1:1234", 1, "s1", "t", "c0ffee", 5.0, 60.0, transports=["shm"])
+    link = Link()
+    (event,) = link.deliver(join.encode(), link.worker)
+    assert event == join and link.worker.state is SessionState.SETTING_UP
+    refusal = Error(None, "setup", message="start it with --transport torch_rpc", reason="transport")
+    link.trainer.send(Setup(b"g", 0, 1))  # the trainer's side of this session, for the test
+    (error,) = link.to_trainer(refusal)
+    assert (error.reason, error.message) == ("transport", "start it with --transport torch_rpc")
+    assert link.worker.closed_by == "us" and link.trainer.closed_by == "peer"

@@ -21,7 +21,7 @@ from ..local_fleet import LocalWorkerServer
 from ..serialization import buffer_allocator
 from ..transports import create_transport
 from ..transports.base import PeerLostError, Transport
-from ..worker_session import SessionOptions
+from ..protocol import SessionOptions, Setup
 
 __all__ = ["Fleet", "close_channels"]
 
@@ -132,15 +132,7 @@ class Fleet:
             raise WorkerLostError(f"worker {rank}: {exc}", rank, address) from exc
         channel = WorkerChannel(conn, rank, options.heartbeat_interval, options.peer_timeout)
         try:
-            channel.setup(
-                {
-                    "graph": self._graph,
-                    "worker_rank": rank,
-                    "num_workers": self.num_workers,
-                    "options": options.__dict__,
-                },
-                timeout,
-            )
+            channel.setup(Setup(self._graph, rank, self.num_workers, options), timeout)
         except BaseException:
             channel.close()
             raise

@@ -47,14 +47,17 @@ from .messages import (
     Heartbeat,
     ItemCredit,
     Items,
+    Join,
     Message,
     Ready,
+    SessionOptions,
     Setup,
     StartEpoch,
     StopEpoch,
     decode_message,
+    decode_setup,
 )
-from .session import DataReceived, Event, PeerTimedOut, SessionState, Tick, TrainerSession, WorkerProtocol
+from .session import DataReceived, Event, PeerTimedOut, Refused, SessionState, Tick, TrainerSession, WorkerProtocol
 
 __all__ = [
     # frames
@@ -88,7 +91,9 @@ __all__ = [
     "decode_reject",
     # messages
     "Message",
+    "SessionOptions",
     "Setup",
+    "Join",
     "Ready",
     "StartEpoch",
     "StopEpoch",
@@ -103,11 +108,13 @@ __all__ = [
     "EndOfInput",
     "MESSAGE_TYPES",
     "decode_message",
+    "decode_setup",
     # session state machines
     "SessionState",
     "Event",
     "DataReceived",
     "PeerTimedOut",
+    "Refused",
     "Tick",
     "TrainerSession",
     "WorkerProtocol",

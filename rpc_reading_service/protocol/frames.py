@@ -26,9 +26,10 @@ import enum
 import pickle
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import FrameTooLargeError, LocalProtocolError, RemoteProtocolError
+from ..serialization import Buffer, EncodedItem
 from ..version import __version__
 
 __all__ = [
@@ -63,8 +64,6 @@ BUFFER_LENGTH = struct.Struct("!Q")
 MAX_BUFFERS_PER_FRAME = 4096
 HANDSHAKE_MAX_FRAME_BYTES = 4096
 DEFAULT_MAX_FRAME_BYTES = 1 << 31
-
-Buffer = Union[bytes, bytearray, memoryview]
 
 
 class MessageKind(enum.IntEnum):
@@ -306,24 +305,6 @@ def decode_credit(frame: Frame) -> Tuple[int, int]:
 
 
 # -- DATA frames: many items packed into one frame ---------------------------------------------
-class EncodedItem:
-    """One pickled item: its pickle stream and the out-of-band buffers it refers to."""
-
-    __slots__ = ("payload", "buffers")  # one per item on the hot path: keep it light
-
-    def __init__(self, payload: Buffer, buffers: Optional[List[Buffer]] = None):
-        self.payload = payload
-        self.buffers = buffers if buffers is not None else []
-
-    def __repr__(self) -> str:
-        return f"EncodedItem({len(self.payload)} bytes, {len(self.buffers)} buffers)"
-
-    @property
-    def nbytes(self) -> int:
-        """Total bytes of the item on the wire."""
-        return len(self.payload) + sum(memoryview(b).nbytes for b in self.buffers)
-
-
 _DATA_HEAD = struct.Struct("!IQI")
 _DATA_ITEM = struct.Struct("!QI")
 

@@ -42,7 +42,9 @@ from .frames import (
 
 __all__ = [
     "Message",
+    "SessionOptions",
     "Setup",
+    "Join",
     "Ready",
     "StartEpoch",
     "StopEpoch",
@@ -56,6 +58,7 @@ __all__ = [
     "Items",
     "EndOfInput",
     "MESSAGE_TYPES",
+    "decode_setup",
     "decode_message",
 ]
 
@@ -94,8 +97,11 @@ def _accepts(hint: Any, value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if origin in (dict, collections.abc.Mapping):
+    if origin in (dict, collections.abc.Mapping) or dataclasses.is_dataclass(hint):
         return isinstance(value, dict) and all(isinstance(key, str) for key in value)
+    if origin in (list, collections.abc.Sequence):
+        (item,) = typing.get_args(hint)
+        return isinstance(value, (list, tuple)) and all(_accepts(item, element) for element in value)
     return isinstance(value, hint)
 
 
@@ -126,7 +132,10 @@ class _Control(Message):
     @classmethod
     def decode(cls: Type[M], frame: Frame) -> M:
         """Decode a control frame; unknown keys (from a newer peer) are ignored."""
-        payload = decode_control(frame)
+        return cls._from_payload(decode_control(frame))  # type: ignore[attr-defined]
+
+    @classmethod
+    def _from_payload(cls: Type[M], payload: Mapping[str, Any]) -> M:
         known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         values = {name: value for name, value in payload.items() if name in known}
         cls._check(values, RemoteProtocolError, "received")  # type: ignore[attr-defined]
@@ -159,25 +168,94 @@ class _Control(Message):
 
 
 @dataclass(frozen=True)
+class SessionOptions:
+    """The tunables of one session, which the trainer sends in SETUP (a worker uses these
+    defaults until then). They travel as a dict keyed by field name; a newer trainer's
+    unknown keys are ignored."""
+
+    #: A DATA frame is sealed at this many items or bytes, or after ``linger`` seconds.
+    batch_max_items: int = 1024
+    batch_max_bytes: int = 1024 * 1024
+    linger: float = 0.002
+    #: Liveness: a heartbeat after this much silence; the peer is lost after ``peer_timeout``.
+    heartbeat_interval: float = 1.0
+    peer_timeout: float = 10.0
+    #: Seconds a worker waits for SETUP (the server's --idle-timeout).
+    setup_timeout: float = 60.0
+    #: Seconds the producer may spend on one item before the session ends with an error (None: no limit).
+    item_timeout: Optional[float] = None
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> "SessionOptions":
+        """Options from their wire form, ignoring unknown keys (newer trainers)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{name: value for name, value in values.items() if name in known})
+
+
+@dataclass(frozen=True)
 class Setup(_Control):
-    """Trainer to worker, first after the handshake: the graph and this worker's place."""
+    """Trainer to worker, first after the handshake: the graph and this worker's place.
+
+    ``options`` may be given as a dict of :class:`SessionOptions` fields; it is always a
+    :class:`SessionOptions` once built.
+    """
 
     kind: ClassVar[MessageKind] = MessageKind.SETUP
     graph: bytes
     worker_rank: int
     num_workers: int
-    #: The session's tunables (``worker_session.SessionOptions`` fields: numbers).
-    options: Mapping[str, float] = field(default_factory=dict)
+    options: SessionOptions = field(default_factory=SessionOptions)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.options, Mapping):
+            object.__setattr__(self, "options", SessionOptions.from_dict(self.options))
+        super().__post_init__()
+
+    def payload(self) -> Dict[str, Any]:
+        """The dict this message travels as (its options as a dict too)."""
+        return dict(super().payload(), options=dataclasses.asdict(self.options))
 
     @classmethod
     def _check_together(cls, values: Mapping[str, Any], error: Type[ProtocolError], where: str) -> None:
+        hints = _field_types(SessionOptions)
         for name, value in values.get("options", {}).items():
-            if not _accepts(float, value):
-                raise error(f"{where} whose option {name!r} is {type(value).__name__}, expected a number")
+            if name in hints and not _accepts(hints[name], value):
+                raise error(f"{where} whose option {name!r} is {type(value).__name__}, expected {hints[name]}")
         if values["worker_rank"] >= values["num_workers"]:
             raise error(
                 f"{where} for worker rank {values['worker_rank']} of only {values['num_workers']} workers"
             )
+
+
+@dataclass(frozen=True)
+class Join(_Control):
+    """Trainer to worker server, on the bootstrap connection of a transport whose session
+    frames travel elsewhere (torch_rpc): join the trainer's world at ``init_method``.
+
+    It travels as a SETUP frame without a graph (:func:`decode_setup` tells the two apart),
+    so a server of another transport recognises it and refuses it with a setup ERROR of
+    reason ``"transport"``. The worker answers READY (with its ``transport``) once joined.
+    """
+
+    kind: ClassVar[MessageKind] = MessageKind.SETUP
+    transport: str
+    bootstrap_version: int
+    init_method: str
+    rank: int
+    name: str
+    trainer_name: str
+    conn_id: str
+    join_timeout: float
+    rpc_timeout: float
+    num_worker_threads: int = 4
+    #: The world's TensorPipe transports and channels (None: TensorPipe's defaults).
+    transports: Optional[List[str]] = None
+    channels: Optional[List[str]] = None
+    #: The rendezvous store namespace of the trainer's world.
+    store_prefix_index: int = 0
+    #: The trainer's TensorPipe ``host:port``, which the session checks it can reach before it
+    #: joins (TensorPipe aborts a process that cannot); None for a local world.
+    tensorpipe_address: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -188,6 +266,8 @@ class Ready(_Control):
     pid: int
     hostname: str
     package_version: str
+    #: The transport of a bootstrap connection that answers a :class:`Join` (None in a session).
+    transport: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -213,6 +293,8 @@ class StopEpoch(_Control):
     """Trainer to worker: abandon ``epoch``; its producer stops, frames in flight are dropped."""
 
     kind: ClassVar[MessageKind] = MessageKind.STOP_EPOCH
+    #: Any size: an epoch over the u32 of binary frames was simply never started.
+    _u32: ClassVar[frozenset] = frozenset()
     epoch: int
 
 
@@ -220,15 +302,34 @@ class StopEpoch(_Control):
 class Error(_Control):
     """Worker to trainer: setup (``epoch`` None, ``phase`` "setup") or an epoch failed.
 
-    ``exception`` is ``serialization.pack_exception``'s description of the exception.
+    ``exception`` is ``serialization.pack_exception``'s description of the exception. A
+    refusal (the worker cannot serve this trainer, e.g. it runs another transport) says why
+    in ``message``, with ``reason`` one of :attr:`REASONS`; it needs no exception. Phase
+    ``"item_timeout"``: the producer spent more than ``item_timeout`` seconds on item
+    ``position`` of epoch ``stuck_epoch`` (``stack`` is where) and the session ends with
+    this message; ``epoch`` is the epoch the trainer waits for.
     """
 
     kind: ClassVar[MessageKind] = MessageKind.ERROR
     epoch: Optional[int]
     phase: str
-    exception: Mapping[str, Any]
+    exception: Mapping[str, Any] = field(default_factory=dict)
+    message: Optional[str] = None
+    reason: Optional[str] = None
+    transport: Optional[str] = None
+    stuck_epoch: Optional[int] = None
+    position: Optional[int] = None
+    item_timeout: Optional[float] = None
+    seconds: Optional[float] = None
+    stack: str = ""
 
-    PHASES: ClassVar[frozenset] = frozenset({"setup", "epoch", "dispatch"})
+    PHASES: ClassVar[frozenset] = frozenset({"setup", "epoch", "dispatch", "item_timeout"})
+    REASONS: ClassVar[frozenset] = frozenset({"transport", "config", "join"})
+
+    @property
+    def ends_session(self) -> bool:
+        """Whether the worker ends the session after this error (setup and item_timeout)."""
+        return self.phase in ("setup", "item_timeout")
 
     @classmethod
     def _check_together(cls, values: Mapping[str, Any], error: Type[ProtocolError], where: str) -> None:
@@ -239,6 +340,15 @@ class Error(_Control):
             raise error(
                 f"{where} of phase {phase!r} with epoch {epoch}: setup errors have none, the others have one"
             )
+        reason = values.get("reason")
+        if reason is not None and reason not in cls.REASONS:
+            raise error(f"{where} of unknown reason {reason!r} (one of {sorted(cls.REASONS)})")
+        if phase == "item_timeout":
+            missing = [name for name in ("stuck_epoch", "position", "item_timeout") if values.get(name) is None]
+            if missing:
+                raise error(f"{where} of phase 'item_timeout' without {', '.join(missing)}")
+        elif not values.get("exception") and values.get("message") is None:
+            raise error(f"{where} of phase {phase!r} with neither an exception nor a message")
 
 
 @dataclass(frozen=True)
@@ -246,6 +356,8 @@ class Close(_Control):
     """Either side: the session is over; the sender closes the connection next."""
 
     kind: ClassVar[MessageKind] = MessageKind.CLOSE
+    #: Set on a bootstrap connection (the transport whose session ends), None in a session.
+    transport: Optional[str] = None
 
 
 # -- binary messages ------------------------------------------------------------------------------
@@ -367,6 +479,12 @@ MESSAGE_TYPES: Dict[MessageKind, Type[Message]] = {
         EndOfInput,
     )
 }
+
+
+def decode_setup(frame: Frame) -> Union[Setup, Join]:
+    """A SETUP frame's message: a session's :class:`Setup` (it has a graph) or a bootstrap :class:`Join`."""
+    payload = decode_control(frame)
+    return (Setup if "graph" in payload else Join)._from_payload(payload)  # type: ignore[return-value]
 
 
 def decode_message(frame: Frame) -> Message:

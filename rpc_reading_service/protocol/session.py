@@ -43,6 +43,15 @@ The rules:
 - Liveness: ``tick(now)`` returns a heartbeat when nothing was sent for
   ``heartbeat_interval`` and a :class:`PeerTimedOut` event (closing the session) after
   ``peer_timeout`` of silence (``setup_timeout`` before READY).
+- Ending: either side's CLOSE; a worker's setup ERROR; a worker's ``item_timeout`` ERROR
+  (reported whichever epoch it names: the worker ends the session after it); and a
+  worker server's REJECT with its reason (``Connection.refuse``), legal at any point and
+  reported as :class:`Refused`. A SETUP without a graph is a transport's bootstrap
+  :class:`~.messages.Join`: the worker gets it as an event and answers READY or a
+  setup ERROR (a refusal with a ``reason``).
+- ``lenient`` (a worker server's choice): the peer's well-formed frames about epochs it
+  never started are dropped like stale ones, and heartbeat bodies are ignored, instead
+  of ending the session.
 
 Errors: a :class:`~rpc_reading_service.errors.LocalProtocolError` means this side tried
 something illegal (nothing was sent, the state is unchanged: a bug); a
@@ -73,6 +82,7 @@ from typing import (
 
 from ..errors import LocalProtocolError, RemoteProtocolError
 from .frames import Buffer, Frame, MessageKind, data_header
+from .handshake import decode_reject
 from .messages import (
     MESSAGE_TYPES,
     Close,
@@ -89,6 +99,7 @@ from .messages import (
     Setup,
     StartEpoch,
     StopEpoch,
+    decode_setup,
 )
 
 __all__ = [
@@ -96,6 +107,7 @@ __all__ = [
     "Event",
     "DataReceived",
     "PeerTimedOut",
+    "Refused",
     "Tick",
     "TrainerSession",
     "WorkerProtocol",
@@ -117,7 +129,10 @@ class SessionState(enum.Enum):
 
 _ALWAYS = frozenset({K.HEARTBEAT, K.CLOSE})
 _TRAINER_IN_SESSION = frozenset({K.START_EPOCH, K.STOP_EPOCH, K.CREDIT, K.ITEMS, K.END_OF_INPUT}) | _ALWAYS
-_WORKER_IN_SESSION = frozenset({K.DATA, K.END_OF_SHARD, K.ERROR, K.ITEM_CREDIT}) | _ALWAYS
+#: A worker server may end a session at any point with a REJECT that says why
+#: (``Connection.refuse``: a malformed frame, a frame over its size limit, a failed session).
+_WORKER_ALWAYS = _ALWAYS | {K.REJECT}
+_WORKER_IN_SESSION = frozenset({K.DATA, K.END_OF_SHARD, K.ERROR, K.ITEM_CREDIT}) | _WORKER_ALWAYS
 
 #: The kinds each role may send in each state (the peer may receive exactly these).
 _SENDS: Dict[str, Dict[SessionState, FrozenSet[MessageKind]]] = {
@@ -128,8 +143,8 @@ _SENDS: Dict[str, Dict[SessionState, FrozenSet[MessageKind]]] = {
         SessionState.IN_EPOCH: _TRAINER_IN_SESSION,
     },
     "worker": {
-        SessionState.NEW: _ALWAYS,
-        SessionState.SETTING_UP: frozenset({K.READY, K.ERROR}) | _ALWAYS,
+        SessionState.NEW: _WORKER_ALWAYS,
+        SessionState.SETTING_UP: frozenset({K.READY, K.ERROR}) | _WORKER_ALWAYS,
         SessionState.READY: _WORKER_IN_SESSION,
         SessionState.IN_EPOCH: _WORKER_IN_SESSION,
     },
@@ -169,8 +184,15 @@ class PeerTimedOut:
     message: str
 
 
-#: What ``receive_frame`` and ``tick`` return: the peer's typed messages, plus these two.
-Event = Union[Message, DataReceived, PeerTimedOut]
+@dataclass(frozen=True)
+class Refused:
+    """The worker server ended the session with a REJECT saying why; the session is closed."""
+
+    reason: str
+
+
+#: What ``receive_frame`` and ``tick`` return: the peer's typed messages, plus these three.
+Event = Union[Message, DataReceived, PeerTimedOut, Refused]
 
 
 class Tick(NamedTuple):
@@ -217,8 +239,13 @@ class _SessionProtocol:
         peer_timeout: float = 10.0,
         setup_timeout: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        lenient: bool = False,
     ):
         self.peer = peer
+        #: Drop the peer's well-formed frames about epochs it never started, and ignore
+        #: heartbeat bodies, instead of ending the session (a worker server serves on
+        #: whatever a sloppy trainer sends, as long as it can be understood).
+        self.lenient = lenient
         self.heartbeat_interval = heartbeat_interval
         self.peer_timeout = peer_timeout
         self.setup_timeout = setup_timeout
@@ -358,10 +385,18 @@ class _SessionProtocol:
         return epoch == self.epoch and not self.stopped
 
     def _received_current(self, epoch: int, kind: MessageKind) -> bool:
+        if self.lenient and (self.epoch is None or epoch > self.epoch):
+            self.stale_frames += 1  # about an epoch never started: nothing to act on
+            return False
         if self._is_current(epoch, kind, self._remote):
             return True
         self.stale_frames += 1
         return False
+
+    def _receive_heartbeat(self, frame: Frame) -> List[Event]:
+        if not self.lenient:
+            self._decode(Heartbeat, frame)
+        return []
 
     def _sent_current(self, epoch: int, kind: MessageKind) -> None:
         if not self._is_current(epoch, kind, self._local):
@@ -477,6 +512,11 @@ class TrainerSession(_SessionProtocol):
                 raise self._remote("it sent a setup ERROR (epoch None) after READY")
             self._close("peer")  # a worker ends the session after a failed setup
             return [message]
+        if message.phase == "item_timeout":
+            # The worker ends the session after it, whichever epoch it names: report it.
+            self._is_current(message.epoch, message.kind, self._remote)
+            self._close("peer")
+            return [message]
         if not self._received_current(message.epoch, message.kind):
             return []
         if not self._data.open:
@@ -516,6 +556,10 @@ class TrainerSession(_SessionProtocol):
     def _apply_close(self, message: Close) -> None:
         self._close("peer")
 
+    def _receive_reject(self, frame: Frame) -> List[Event]:
+        self._close("peer")
+        return [Refused(decode_reject(frame))]
+
 
 class WorkerProtocol(_SessionProtocol):
     """The worker's end of one trainer session (the protocol of ``worker_session.WorkerSession``)."""
@@ -524,13 +568,22 @@ class WorkerProtocol(_SessionProtocol):
     peer_role = "trainer"
 
     # -- what the trainer sends -----------------------------------------------------------------
-    def _apply_setup(self, message: Setup) -> None:
+    def _receive_setup(self, frame: Frame) -> List[Event]:
+        """A session's Setup, or a bootstrap Join (which the driver refuses unless its
+        transport serves it): either way the worker answers READY or a setup ERROR."""
+        try:
+            message = decode_setup(frame)
+        except RemoteProtocolError as exc:
+            raise self._remote(f"it sent a malformed SETUP ({exc})") from exc
+        if isinstance(message, Setup):
+            for name in ("heartbeat_interval", "peer_timeout"):
+                value = getattr(message.options, name)
+                if not value > 0:
+                    raise self._remote(f"it sent SETUP with {name}={value}, which must be positive")
+            self.heartbeat_interval = float(message.options.heartbeat_interval)
+            self.peer_timeout = float(message.options.peer_timeout)
         self.state = SessionState.SETTING_UP
-        for name in ("heartbeat_interval", "peer_timeout"):
-            value = message.options.get(name, getattr(self, name))
-            if not value > 0:
-                raise self._remote(f"it sent SETUP with {name}={value}, which must be positive")
-            setattr(self, name, float(value))
+        return [message]
 
     def _apply_start_epoch(self, message: StartEpoch) -> None:
         self._start_epoch(message, self._remote)
@@ -582,6 +635,8 @@ class WorkerProtocol(_SessionProtocol):
         if not self._data.open:
             raise self._local(f"it sent ERROR for epoch {message.epoch} after ending that epoch")
         self._end_data()
+        if message.ends_session:
+            self._close("us")
 
     def _send_data(self, message: Data) -> None:
         self._sent_current(message.epoch, message.kind)

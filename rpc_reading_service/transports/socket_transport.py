@@ -30,7 +30,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 from ..version import __version__
 from ..addresses import format_address, parse_address, unix_socket_path
-from ..errors import AuthenticationError, ConfigurationError, ProtocolError, WorkerRefusedError
+from ..errors import AuthenticationError, ConfigurationError, ProtocolError, RemoteProtocolError, WorkerRefusedError
 from ..safe_text import printable
 from ..protocol import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -455,7 +455,7 @@ class SocketTransport(Transport):
         except (socket.timeout, TimeoutError):
             raise
         except OSError as exc:  # ssl.SSLError included
-            raise ProtocolError(
+            raise RemoteProtocolError(
                 f"TLS handshake with the worker at {address} failed ({exc}): the worker does not seem to "
                 "speak TLS. Start it with --tls-cert and --tls-key, or connect without tls_ca_file"
             ) from exc
@@ -593,7 +593,7 @@ class _PendingHandshake:
             if not first:
                 raise PeerLostError("peer closed the connection before the TLS handshake")
             if first[0] != _TLS_HANDSHAKE_RECORD:
-                raise ProtocolError(
+                raise RemoteProtocolError(
                     "this worker requires TLS: connect with RPCReadingService(transport=TransportConfig(tls=TLS(ca_file))), "
                     "the CA bundle that signed the worker's --tls-cert"
                 )

@@ -11,9 +11,10 @@ Bootstrap over the authenticated socket
     A session starts exactly like a socket-transport session: TCP connection to the worker
     server and the HMAC challenge-response of :mod:`~rpc_reading_service.protocol` (so
     nothing is unpickled before both sides proved the key). That socket then carries the
-    rendezvous: the trainer sends a SETUP control frame ``{"transport": "torch_rpc",
-    "init_method": "tcp://TRAINER_HOST:PORT", "rank": r, "name": ..., ...}``, the session
-    joins the trainer's RPC world and answers READY (or ERROR). From then on the socket
+    rendezvous: the trainer sends a typed :class:`~rpc_reading_service.protocol.Join`
+    (a SETUP frame: ``transport="torch_rpc"``, ``init_method="tcp://TRAINER_HOST:PORT"``,
+    rank, name, ...), the session joins the trainer's RPC world and answers a typed READY
+    (or a setup ERROR with a ``reason`` and a ``message``). From then on the socket
     carries no data; it stays open as the session's liveness and close signal: its EOF
     means the peer process is gone, which surfaces at once as :class:`PeerLostError` from
     :meth:`Connection.recv` (and as ``WorkerLostError`` in the reading service) instead of

@@ -12,7 +12,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ...version import __version__
-from ...errors import FrameTooLargeError, ProtocolError
+from ...errors import FrameTooLargeError, LocalProtocolError, ProtocolError, RemoteProtocolError
 from ...protocol import HEADER, MAGIC, PROTOCOL_VERSION, Buffer, Frame, MessageKind
 from ..base import Allocator
 
@@ -41,7 +41,7 @@ class _ChunkCursor:
         parts = []
         while nbytes:
             if not self._views:
-                raise ProtocolError("frame chunks are shorter than the frame header announces")
+                raise LocalProtocolError("frame chunks are shorter than the frame header announces")
             view = self._views[0]
             if view.nbytes <= nbytes:
                 parts.append(self._views.popleft())
@@ -85,7 +85,7 @@ def _split_frame(chunks: Sequence[Buffer]) -> Tuple[bytes, TensorOrBytes, List[t
         body = cursor.take_bytes(body_length)
     buffers = [cursor.take_tensor(length) for length in lengths]
     if not cursor.exhausted:
-        raise ProtocolError("frame chunks are longer than the frame header announces")
+        raise LocalProtocolError("frame chunks are longer than the frame header announces")
     return head + lengths_raw, body, buffers
 
 
@@ -108,12 +108,12 @@ def _join_frame(
 ) -> Frame:
     """Check a delivered frame against its header and rebuild it (the inverse of :func:`_split_frame`)."""
     if not isinstance(head, bytes) or len(head) < HEADER.size:
-        raise ProtocolError("torch_rpc frame without a valid header")
+        raise RemoteProtocolError("torch_rpc frame without a valid header")
     magic, version, kind, n_buffers, body_length = HEADER.unpack_from(head)
     if magic != MAGIC:
-        raise ProtocolError(f"not an rpc_reading_service frame (magic {bytes(magic)!r}, expected {MAGIC!r})")
+        raise RemoteProtocolError(f"not an rpc_reading_service frame (magic {bytes(magic)!r}, expected {MAGIC!r})")
     if version != PROTOCOL_VERSION:
-        raise ProtocolError(
+        raise RemoteProtocolError(
             f"protocol version mismatch: the peer speaks rpc_reading_service protocol version {version}, "
             f"this process (rpc_reading_service {__version__}) speaks version {PROTOCOL_VERSION}. Install "
             "the same rpc_reading_service version on the trainer and on every worker"
@@ -121,15 +121,15 @@ def _join_frame(
     try:
         kind = MessageKind(kind)
     except ValueError:
-        raise ProtocolError(f"unknown message kind {kind}") from None
+        raise RemoteProtocolError(f"unknown message kind {kind}") from None
     if len(head) != HEADER.size + _LENGTH.size * n_buffers or len(buffers) != n_buffers:
-        raise ProtocolError(f"{kind.name} frame: header announces {n_buffers} buffers, got {len(buffers)}")
+        raise RemoteProtocolError(f"{kind.name} frame: header announces {n_buffers} buffers, got {len(buffers)}")
     lengths = struct.unpack_from(f"!{n_buffers}Q", head, HEADER.size) if n_buffers else ()
     body_bytes = body.numel() if isinstance(body, torch.Tensor) else len(body)
     if body_bytes != body_length or any(
         not isinstance(b, torch.Tensor) or b.dtype != torch.uint8 or b.numel() != n for b, n in zip(buffers, lengths)
     ):
-        raise ProtocolError(f"{kind.name} frame does not match the sizes its header announces")
+        raise RemoteProtocolError(f"{kind.name} frame does not match the sizes its header announces")
     total = body_length + sum(lengths)
     if total > max_frame_bytes:
         raise FrameTooLargeError(
@@ -202,7 +202,7 @@ def _deliver(conn_id: str, seq: int, head: bytes, body: TensorOrBytes, buffers: 
         inbox.fail(exc)
         return False
     except Exception as exc:  # noqa: BLE001 - never let a handler error travel back as a remote exception
-        inbox.fail(ProtocolError(f"could not rebuild a delivered frame: {exc!r}"))
+        inbox.fail(RemoteProtocolError(f"could not rebuild a delivered frame: {exc!r}"))
         return False
     inbox.put(seq, frame)
     return True

@@ -10,7 +10,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from ...errors import ProtocolError
-from ...protocol import Buffer, Frame, MessageKind, encode_control
+from ...protocol import Buffer, Close, Frame, MessageKind
 from ..base import Connection, PeerLostError
 from ..socket_transport import SocketConnection
 from .agent import _rpc, _short
@@ -117,7 +117,7 @@ class TorchRPCConnection(Connection):
             self._flush(self.flush_seconds)
         self._inbox.fail(PeerLostError(f"connection to {self.peer} is closed"))
         try:
-            self._bootstrap.send(encode_control(MessageKind.CLOSE, {"transport": TRANSPORT_NAME}))
+            self._bootstrap.send(Close(transport=TRANSPORT_NAME).encode())
         except (PeerLostError, OSError):
             pass
         _inboxes.pop(self._conn_id, None)

@@ -9,12 +9,12 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, NoReturn, Optional, Sequence
 
 from ...addresses import parse_address
 from ...version import __version__
-from ...errors import ConfigurationError, ProtocolError
-from ...protocol import Buffer, Frame, MessageKind, decode_control, encode_control
+from ...errors import ProtocolError, RemoteProtocolError
+from ...protocol import Buffer, Error, Frame, Join, MessageKind, Ready, decode_setup
 from ..base import Connection, PeerLostError, WrappingListener
 from ..socket_transport import SocketConnection, SocketListener
 from .agent import _agent_exists, _current_agent_name, _leave_group, _rpc, _short, _shutdown_agent
@@ -98,38 +98,43 @@ class _SessionConnection(TorchRPCConnection):
             log.debug("torch RPC shutdown failed: %s", exc)
 
     # -- bootstrap ------------------------------------------------------------------------------------
-    def _refuse(self, message: str, reason: str, error: Optional[BaseException] = None) -> None:
-        from ...serialization import pack_exception
-
-        exc = error if error is not None else ConfigurationError(message)
-        payload = {"transport": TRANSPORT_NAME, "reason": reason, "message": message,
-                   "epoch": None, "phase": "setup", "exception": pack_exception(exc)}  # fmt: skip
+    def _refuse(self, message: str, reason: str) -> NoReturn:
+        """Answer the rendezvous with a setup ERROR saying why (``reason``: one of ``Error.REASONS``)."""
+        refusal = Error(None, "setup", message=message, reason=reason, transport=TRANSPORT_NAME)
         try:
-            self._bootstrap.send(encode_control(MessageKind.ERROR, payload))
+            self._bootstrap.send(refusal.encode())
         except (PeerLostError, OSError):
             pass
         self._bootstrap.close()
         log.warning("torch_rpc session with %s refused: %s", self.peer, message)
         raise PeerLostError(message)
 
-    def _bootstrap_session(self, timeout: Optional[float]) -> bool:
-        frame = self._bootstrap.recv(timeout=timeout)
-        if frame is None:
-            return False
-        request: Dict[str, Any] = decode_control(frame) if frame.kind == MessageKind.SETUP else {}
-        if request.get("transport") != TRANSPORT_NAME:
+    def _read_join(self, frame: Frame) -> Join:
+        """The trainer's rendezvous request, or a refusal saying what the trainer sent instead."""
+        try:
+            request = decode_setup(frame) if frame.kind == MessageKind.SETUP else None
+        except RemoteProtocolError as exc:
+            self._refuse(f"malformed torch_rpc rendezvous request from {self.peer}: {exc}", "config")
+        if not isinstance(request, Join) or request.transport != TRANSPORT_NAME:
             self._refuse(
                 f"this worker server runs transport 'torch_rpc', but the trainer at {self.peer} uses another one "
                 f"(it sent {frame.kind.name} instead of the torch_rpc rendezvous). Pass transport='torch_rpc' to "
                 "RPCReadingService, or start the worker with --transport socket",
                 "transport",
             )
-        if int(request.get("bootstrap_version", 0)) != BOOTSTRAP_VERSION:
+        if request.bootstrap_version != BOOTSTRAP_VERSION:
             self._refuse(
-                f"the trainer's torch_rpc bootstrap version {request.get('bootstrap_version')} differs from this "
+                f"the trainer's torch_rpc bootstrap version {request.bootstrap_version} differs from this "
                 f"worker's {BOOTSTRAP_VERSION}: install the same rpc_reading_service version on both",
                 "config",
             )
+        return request
+
+    def _bootstrap_session(self, timeout: Optional[float]) -> bool:
+        frame = self._bootstrap.recv(timeout=timeout)
+        if frame is None:
+            return False
+        request = self._read_join(frame)
         if _agent_exists():
             self._refuse(
                 f"this worker process already belongs to a torch RPC world (agent {_current_agent_name()!r}): "
@@ -137,20 +142,16 @@ class _SessionConnection(TorchRPCConnection):
                 "for torch_rpc), which gives every session its own process",
                 "config",
             )
-        try:
-            self._conn_id = str(request["conn_id"])
-            self._rpc_timeout = float(request["rpc_timeout"])
-            join_timeout = float(request["join_timeout"])
-            str(request["init_method"]), int(request["rank"]), str(request["name"]), str(request["trainer_name"])
-        except (KeyError, TypeError, ValueError) as exc:
-            self._refuse(f"malformed torch_rpc rendezvous request from {self.peer}: {exc!r}", "config")
+        self._conn_id = request.conn_id
+        self._rpc_timeout = request.rpc_timeout
+        join_timeout = request.join_timeout
         _inboxes[self._conn_id] = self._inbox
-        if request.get("transports") is None:  # a remote world: TCP, on the interface the trainer reached
+        if request.transports is None:  # a remote world: TCP, on the interface the trainer reached
             _pin_tensorpipe_interface(_local_address(self._bootstrap))
             self._check_tensorpipe_reachable(request, join_timeout)
         outcome: Dict[str, Any] = {}
         done = threading.Event()
-        joiner = threading.Thread(target=self._join, args=(request, join_timeout, outcome, done), daemon=True)
+        joiner = threading.Thread(target=self._join, args=(request, outcome, done), daemon=True)
         joiner.start()
         deadline = time.monotonic() + join_timeout
         while not done.wait(0.002):
@@ -170,28 +171,18 @@ class _SessionConnection(TorchRPCConnection):
             _inboxes.pop(self._conn_id, None)
             error = outcome.get("error")
             self._refuse(
-                f"could not join the trainer's torch RPC world at {request['init_method']} within "
+                f"could not join the trainer's torch RPC world at {request.init_method} within "
                 f"{join_timeout:.1f} s: {_short(error) if error else 'timed out'}. This worker host must reach the "
                 "trainer's rendezvous port and its TensorPipe ports (see TP_SOCKET_IFNAME)",
                 "join",
             )
         self._bootstrapped = True
         self._start(None)  # the joiner looked the trainer up
-        self._bootstrap.send(
-            encode_control(
-                MessageKind.READY,
-                {
-                    "transport": TRANSPORT_NAME,
-                    "pid": os.getpid(),
-                    "hostname": socket.gethostname(),
-                    "package_version": __version__,
-                },
-            )
-        )
-        log.info("session for %s joined torch RPC world as %s", self.peer, request["name"])
+        self._bootstrap.send(Ready(os.getpid(), socket.gethostname(), __version__, transport=TRANSPORT_NAME).encode())
+        log.info("session for %s joined torch RPC world as %s", self.peer, request.name)
         return True
 
-    def _check_tensorpipe_reachable(self, request: Dict[str, Any], join_timeout: float) -> None:
+    def _check_tensorpipe_reachable(self, request: Join, join_timeout: float) -> None:
         """Refuse, with what to do, when this host cannot reach the trainer's TensorPipe address.
 
         TensorPipe aborts the whole process (``std::terminate``) on "network is unreachable",
@@ -199,11 +190,11 @@ class _SessionConnection(TorchRPCConnection):
         The probe dials the rendezvous store's port on that address (the store listens on
         every interface of a remote world), so TensorPipe itself sees no stray connection.
         """
-        tensorpipe = request.get("tensorpipe_address")
+        tensorpipe = request.tensorpipe_address
         if not tensorpipe:
             return
         host, _port = parse_address(str(tensorpipe))
-        _store_host, store_port = parse_address(str(request["init_method"])[len("tcp://") :])
+        _store_host, store_port = parse_address(request.init_method[len("tcp://") :])
         try:
             socket.create_connection((host, store_port), timeout=max(0.5, min(5.0, join_timeout / 3))).close()
         except OSError as exc:
@@ -217,22 +208,20 @@ class _SessionConnection(TorchRPCConnection):
                 "join",
             )
 
-    def _join(
-        self, request: Dict[str, Any], join_timeout: float, outcome: Dict[str, Any], done: threading.Event
-    ) -> None:
+    def _join(self, request: Join, outcome: Dict[str, Any], done: threading.Event) -> None:
         global _session_agent_owner
         try:
             rpc = _rpc()
             options = rpc.TensorPipeRpcBackendOptions(
-                init_method=str(request["init_method"]),
-                rpc_timeout=join_timeout,
-                num_worker_threads=int(request.get("num_worker_threads", 4)),
-                _transports=request.get("transports"),
-                _channels=request.get("channels"),
+                init_method=request.init_method,
+                rpc_timeout=request.join_timeout,
+                num_worker_threads=request.num_worker_threads,
+                _transports=request.transports,
+                _channels=request.channels,
             )
             with rpc._init_counter_lock:  # noqa: SLF001 - see _World: the trainer's store namespace
-                rpc._init_counter = int(request.get("store_prefix_index", 0))  # noqa: SLF001
-            rpc.init_rpc(str(request["name"]), rank=int(request["rank"]), world_size=None, rpc_backend_options=options)
+                rpc._init_counter = request.store_prefix_index  # noqa: SLF001
+            rpc.init_rpc(request.name, rank=request.rank, world_size=None, rpc_backend_options=options)
             with self._send_lock:
                 self._owns_agent = True
                 _session_agent_owner = self
@@ -240,7 +229,7 @@ class _SessionConnection(TorchRPCConnection):
             if abandoned:  # joined after giving up (thread mode): leave at once
                 self._shutdown_agent()
             else:
-                self._peer_info = rpc.get_worker_info(str(request["trainer_name"]))
+                self._peer_info = rpc.get_worker_info(request.trainer_name)
         except BaseException as exc:  # noqa: BLE001 - reported to the trainer
             outcome["error"] = exc
         finally:

@@ -9,8 +9,8 @@ import time
 from typing import Any, Optional
 
 from ...addresses import format_address, is_loopback_host
-from ...errors import ConfigurationError, WorkerRefusedError
-from ...protocol import MessageKind, decode_control, decode_reject, encode_control
+from ...errors import ConfigurationError, RemoteProtocolError, WorkerRefusedError
+from ...protocol import Error, Join, MessageKind, Ready, decode_reject
 from ..base import Allocator, PeerLostError, Transport
 from ..socket_transport import SocketConnection, SocketTransport
 from .agent import _rpc
@@ -122,25 +122,25 @@ class TorchRPCTransport(Transport):
         world.prepare_join()
         _inboxes[conn_id] = inbox
         remaining = deadline - time.monotonic()
-        request = {
-            "transport": TRANSPORT_NAME,
-            "bootstrap_version": BOOTSTRAP_VERSION,
-            "init_method": world.init_method_for(local_host),
-            "rank": rank,
-            "name": name,
-            "trainer_name": world.name,
-            "conn_id": conn_id,
+        request = Join(
+            transport=TRANSPORT_NAME,
+            bootstrap_version=BOOTSTRAP_VERSION,
+            init_method=world.init_method_for(local_host),
+            rank=rank,
+            name=name,
+            trainer_name=world.name,
+            conn_id=conn_id,
             # The session must finish (or give up) before this trainer stops waiting.
-            "join_timeout": max(0.5, remaining * 0.9 - 0.2),
-            "rpc_timeout": self.rpc_timeout,
-            "num_worker_threads": self.session_threads,
-            "transports": world.transports,
-            "channels": world.channels,
+            join_timeout=max(0.5, remaining * 0.9 - 0.2),
+            rpc_timeout=self.rpc_timeout,
+            num_worker_threads=self.session_threads,
+            transports=world.transports,
+            channels=world.channels,
             # Checked by the session before it joins: TensorPipe aborts a process that cannot reach it.
-            "tensorpipe_address": world.tensorpipe_address and format_address(*world.tensorpipe_address),
-            "store_prefix_index": world.store_prefix_index,
-        }
-        bootstrap.send(encode_control(MessageKind.SETUP, request))
+            tensorpipe_address=world.tensorpipe_address and format_address(*world.tensorpipe_address),
+            store_prefix_index=world.store_prefix_index,
+        )
+        bootstrap.send(request.encode())
         frame = None
         try:
             while frame is None or frame.kind == MessageKind.HEARTBEAT:
@@ -158,24 +158,29 @@ class TorchRPCTransport(Transport):
             world.abandon(name)
             raise PeerLostError(
                 f"torch RPC rendezvous with worker at {address} did not complete within {timeout:.1f} s: its "
-                f"session must reach this trainer's rendezvous store at {request['init_method']} and the "
+                f"session must reach this trainer's rendezvous store at {request.init_method} and the "
                 "trainer's TensorPipe ports (set TP_SOCKET_IFNAME to pick the interface); see docs/transports.md"
             )
         if frame.kind == MessageKind.REJECT:
             world.abandon(name)
             raise WorkerRefusedError(f"worker at {address} refused the session: {decode_reject(frame)}")
-        reply = decode_control(frame) if frame.kind in (MessageKind.READY, MessageKind.ERROR) else {}
-        if reply.get("transport") != TRANSPORT_NAME:
+        reply = {MessageKind.READY: Ready, MessageKind.ERROR: Error}.get(frame.kind)
+        try:
+            answer = reply.decode(frame) if reply is not None else None
+        except RemoteProtocolError:
+            world.abandon(name)
+            raise
+        if answer is None or answer.transport != TRANSPORT_NAME:
             world.abandon(name)
             raise ConfigurationError(
                 f"the worker at {address} does not speak torch_rpc: it answered the torch RPC rendezvous with "
                 f"{frame.kind.name}, as a server started with another --transport (probably socket) does. Start it "
                 "with `rpc-reading-worker --transport torch_rpc`, or use transport='socket' in the trainer"
             )
-        if frame.kind == MessageKind.ERROR:
+        if isinstance(answer, Error):
             world.abandon(name)
-            message = f"worker at {address} could not join the torch RPC world: {reply.get('message', '?')}"
-            if reply.get("reason") == "join":
+            message = f"worker at {address} could not join the torch RPC world: {answer.message or '?'}"
+            if answer.reason == "join":
                 raise PeerLostError(message)
             raise ConfigurationError(message)
         log.info("worker at %s joined torch RPC world %s as %s", address, world.name, name)

@@ -1,0 +1,190 @@
+"""The two session drivers against each other: a REAL ``WorkerChannel`` and a REAL
+``WorkerSession`` (threads, graphs, outbox, watchdog) joined by an in-memory connection pair.
+
+No subprocess, no socket: what runs is exactly the drivers and their state machines. A
+stuck peer is one end whose frames stop arriving (``drop_outgoing``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import pytest
+from torchdata.datapipes.iter import IterableWrapper
+
+from _server_helpers import wait_until
+from memory_connection import connection_pair
+from rpc_reading_service.client import EpochProgress, WorkerChannel, iterate_in_order
+from rpc_reading_service.errors import ItemTimeoutError, WorkerLostError, WorkerStartupError
+from rpc_reading_service.protocol import MessageKind, SessionState, StopEpoch, encode_frame
+from rpc_reading_service.serialization import dumps_graph
+from rpc_reading_service.worker_session import WorkerSession
+
+pytestmark = pytest.mark.timeout(20)
+
+#: Released at the end of every test: graph functions that block wait on it.
+RELEASE = threading.Event()
+
+
+def raise_at_3(x):
+    if x == 3:
+        raise ValueError("three is not allowed")
+    return x
+
+
+def block_at_2(x):
+    if x == 2:
+        RELEASE.wait()
+    return x
+
+
+def failing_init(datapipe, worker_info):
+    raise RuntimeError("worker_init_fn failed on purpose")
+
+
+class Pair:
+    """A trainer's channel and a worker session serving it in a thread."""
+
+    def __init__(self, heartbeat_interval: float = 0.1, peer_timeout: float = 5.0):
+        self.trainer_conn, self.worker_conn = connection_pair()
+        self.session = WorkerSession(self.worker_conn, server_address="memory")
+        self.worker = threading.Thread(target=self.session.run, name="test-worker-session", daemon=True)
+        self.worker.start()
+        self.channel = WorkerChannel(self.trainer_conn, 0, heartbeat_interval, peer_timeout)
+        self.options = {"heartbeat_interval": heartbeat_interval, "peer_timeout": peer_timeout}
+
+    def setup(self, datapipe, init_fn=None, **options) -> "Pair":
+        graph = dumps_graph((datapipe, init_fn, None))
+        payload = {"graph": graph, "worker_rank": 0, "num_workers": 1, "options": {**self.options, **options}}
+        self.channel.setup(payload, timeout=5.0)
+        self.channel.start_receiver(queue.SimpleQueue())
+        return self
+
+    def epoch(self, epoch: int, credits: int = 2, skip: int = 0) -> list:
+        self.channel.start_epoch(epoch, seed=epoch, global_worker_id=0, credits=credits, skip=skip)
+        return list(iterate_in_order([self.channel], EpochProgress(epoch, [skip])))
+
+    def close(self) -> None:
+        RELEASE.set()
+        self.channel.close(timeout=2.0)
+        self.worker_conn.close()
+        self.worker.join(5.0)
+        assert not self.worker.is_alive(), "the worker session did not end"
+        RELEASE.clear()
+
+
+@pytest.fixture
+def pair():
+    made = []
+
+    def make(**kwargs) -> Pair:
+        made.append(Pair(**kwargs))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
+
+
+def test_setup_and_epochs_with_credits(pair):
+    link = pair().setup(IterableWrapper(range(10)).sharding_filter(), batch_max_items=2, linger=0.0)
+    assert link.channel.info["pid"] > 0 and link.channel.protocol.state is SessionState.READY
+    # One credit: the worker sends one frame and waits for the trainer to take it.
+    link.channel.start_epoch(1, seed=1, global_worker_id=0, credits=1)
+    assert wait_until(lambda: link.channel.stats.frames == 1, 5.0)
+    assert link.session.protocol.credits == 0 and link.channel.queue.qsize() == 1
+    assert list(iterate_in_order([link.channel], EpochProgress(1, [0]))) == list(range(10))
+    assert link.channel.stats.frames == 5  # 10 items, 2 a frame
+    assert link.epoch(2) == list(range(10))
+    assert link.epoch(3, skip=7) == [7, 8, 9]  # a resumed epoch
+
+
+def test_a_new_epoch_supersedes_a_running_one(pair):
+    link = pair().setup(IterableWrapper(range(50)).sharding_filter(), batch_max_items=1, linger=0.0)
+    link.channel.start_epoch(1, seed=1, global_worker_id=0, credits=4)
+    first = iterate_in_order([link.channel], EpochProgress(1, [0]))
+    assert next(first) == 0  # epoch 1 abandoned with frames in flight
+    assert link.epoch(2) == list(range(50))
+    assert link.epoch(3) == list(range(50))
+
+
+def test_a_stopped_epoch_ends_its_producer_and_the_next_one_runs(pair):
+    link = pair().setup(IterableWrapper(range(50)).sharding_filter(), batch_max_items=1, linger=0.0)
+    link.channel.start_epoch(1, seed=1, global_worker_id=0, credits=1)
+    assert wait_until(lambda: link.channel.stats.frames == 1, 5.0)
+    link.channel._send_or_report(StopEpoch(1))
+    assert wait_until(lambda: link.session.outbox.epoch is None, 5.0)
+    assert link.epoch(2) == list(range(50))
+
+
+def test_a_graph_error_ends_the_epoch_and_the_session_goes_on(pair):
+    link = pair().setup(IterableWrapper(range(6)).sharding_filter().map(raise_at_3), batch_max_items=1, linger=0.0)
+    for epoch in (1, 2):
+        received = []
+        link.channel.start_epoch(epoch, seed=epoch, global_worker_id=0, credits=2)
+        with pytest.raises(ValueError, match="(?s)Caught ValueError in worker 0 .*three is not allowed"):
+            for item in iterate_in_order([link.channel], EpochProgress(epoch, [0])):
+                received.append(item)
+        assert received == [0, 1, 2]
+        assert link.session.protocol.state is SessionState.READY and link.worker.is_alive()
+
+
+def test_a_failed_setup_is_the_workers_error(pair):
+    link = pair()
+    with pytest.raises(WorkerStartupError, match="(?s)could not set up the graph.*worker_init_fn failed on purpose"):
+        link.setup(IterableWrapper(range(3)), init_fn=failing_init)
+    assert wait_until(lambda: not link.worker.is_alive(), 5.0)
+
+
+def test_a_stuck_worker_is_lost_after_the_timeout(pair):
+    link = pair(heartbeat_interval=0.05, peer_timeout=0.5).setup(IterableWrapper(range(4)).sharding_filter())
+    link.worker_conn.drop_outgoing = True  # the worker's process stops: nothing more arrives
+    started = time.monotonic()
+    event = link.channel.queue.get(timeout=5.0)
+    assert event.kind == "lost" and isinstance(event.error, WorkerLostError)
+    assert "sent nothing (not even a heartbeat) for 0.5 s" in str(event.error)
+    assert time.monotonic() - started < 3.0
+
+
+def test_a_stuck_trainer_ends_the_worker_session(pair):
+    link = pair(heartbeat_interval=0.05, peer_timeout=0.5).setup(IterableWrapper(range(4)).sharding_filter())
+    link.trainer_conn.drop_outgoing = True  # the trainer stops: no more heartbeats reach the worker
+    assert wait_until(lambda: not link.worker.is_alive(), 5.0)
+    assert link.session.protocol.closed_by == "timeout"
+
+
+def test_a_stuck_item_ends_the_session_with_its_position(pair):
+    graph = IterableWrapper(range(6)).sharding_filter().map(block_at_2)
+    link = pair().setup(graph, batch_max_items=1, linger=0.0, item_timeout=0.3)
+    link.channel.start_epoch(1, seed=1, global_worker_id=0, credits=4)
+    received = []
+    with pytest.raises(ItemTimeoutError, match="item 2 of its shard in epoch 1") as caught:
+        for item in iterate_in_order([link.channel], EpochProgress(1, [0])):
+            received.append(item)
+    assert received == [0, 1] and caught.value.position == 2 and "block_at_2" in caught.value.stack
+    assert wait_until(lambda: not link.worker.is_alive(), 5.0)
+    assert link.channel.protocol.closed_by == "peer"
+
+
+def test_an_illegal_frame_is_refused_with_the_rule_and_reaches_the_trainer(pair):
+    link = pair().setup(IterableWrapper(range(4)).sharding_filter())
+    link.trainer_conn.send(encode_frame(MessageKind.DATA, [b"\x00" * 16]))  # bypasses the state machine
+    event = link.channel.queue.get(timeout=5.0)
+    assert event.kind == "lost"
+    assert "ended the session: refused a malformed frame: trainer at" in str(event.error)
+    assert "it sent DATA, which a trainer never sends" in str(event.error)
+    assert wait_until(lambda: not link.worker.is_alive(), 5.0)
+
+
+def test_close_ends_both_ends(pair):
+    link = pair().setup(IterableWrapper(range(4)).sharding_filter())
+    assert link.epoch(1) == [0, 1, 2, 3]
+    link.channel.close()
+    assert wait_until(lambda: not link.worker.is_alive(), 5.0)
+    assert link.session.protocol.closed_by == "peer" and link.channel.protocol.closed_by == "us"
+    event = link.channel.queue.get(timeout=1.0)
+    assert event.kind == "closed"
+    link.channel.start_epoch(2, seed=2, global_worker_id=0, credits=1)  # after close: nothing sent, no error
+    assert link.channel.protocol.epoch == 1
