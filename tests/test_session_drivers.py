@@ -124,7 +124,7 @@ def test_a_graph_error_ends_the_epoch_and_the_session_goes_on(pair):
     for epoch in (1, 2):
         received = []
         link.channel.start_epoch(epoch, seed=epoch, global_worker_id=0, credits=2)
-        with pytest.raises(ValueError, match="(?s)Caught ValueError in worker 0 .*three is not allowed"):
+        with pytest.raises(ValueError, match="(?s)Caught ValueError in worker process 0 .*three is not allowed"):
             for item in iterate_in_order([link.channel], EpochProgress(epoch, [0])):
                 received.append(item)
         assert received == [0, 1, 2]
