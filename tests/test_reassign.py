@@ -282,7 +282,9 @@ def test_reassign_yields_the_fault_free_epoch(reference, point, fault, in_order,
     replays = [int(n) for n in replayed]
     assert len(replays) == 1, caplog.text
     if point == "mid-epoch":
-        assert SHARDS[1] > replays[0] >= 40
+        # Struck after the trainer took 40 of its items; on a loaded machine the worker may have
+        # sent all of them (not yet its END_OF_SHARD, LINGER later) before the stop landed.
+        assert SHARDS[1] >= replays[0] >= 40
     elif point == "end-of-shard":
         assert replays[0] == SHARDS[1]  # lost before its END_OF_SHARD: replayed to the end
     elif point == "after-end-of-shard" and in_order:
