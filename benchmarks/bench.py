@@ -15,7 +15,7 @@ processes that only make the items, nothing moved: the ceiling for local workers
 (``torch.utils.data.DataLoader(graph, num_workers=W, batch_size=None)``, what most users
 run), ``RPCRS-local`` / ``RPCRS-torch_rpc``
 (RPCReadingService with local workers, socket / torch_rpc transport), ``RPCRS-tcp``
-(RPCReadingService with ``worker_addresses=[addr] * W``: all W sessions on ONE
+(RPCReadingService with ``workers=[addr] * W``: all W sessions on ONE
 ``python -m rpc_reading_service.worker`` that the benchmark starts itself, as a
 deployment runs one worker server per host), ``RPCDataloader`` (the rpcdataloader
 package, map-style, one ``python -m rpcdataloader.launch`` process per worker, as its

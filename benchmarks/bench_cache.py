@@ -142,7 +142,7 @@ def main() -> None:
                 ).cached_map(fn)
 
                 service = functools.partial(
-                    RPCReadingService, num_workers=len(addresses), worker_addresses=addresses, auth_key=key
+                    RPCReadingService, num_workers=len(addresses), workers=addresses, auth_key=key
                 )
                 (cold, warm) = timed_epochs(datapipe, service(), counter, 2, args.items, seed=0)
                 (second_run,) = timed_epochs(datapipe, service(), counter, 1, args.items, seed=1)

@@ -123,7 +123,7 @@ def trainer_main(config: dict) -> None:
                 if workload == "tensors":
                     datapipe = datapipe.map(fresh_tensor)
                 epochs = _dataloader2_epochs(
-                    datapipe, worker_addresses=addresses, num_workers=config["sessions"],
+                    datapipe, workers=addresses, num_workers=config["sessions"],
                     auth_key=config["key"], transport=transport,
                 )  # fmt: skip
             try:

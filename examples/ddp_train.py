@@ -78,7 +78,7 @@ def make_reading_service(fleet, sessions):
     addresses, key = fleet
     return SequentialReadingService(
         DistributedReadingService(),  # distributed sharding, shared seed, fullsync
-        RPCReadingService(worker_addresses=addresses, auth_key=key, num_workers=sessions),
+        RPCReadingService(workers=addresses, auth_key=key, num_workers=sessions),
     )
 
 

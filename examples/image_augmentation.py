@@ -127,7 +127,7 @@ def run(args, num_workers, progress):
     options = dict(num_workers=num_workers)
     if args.addresses:
         key = open(args.auth_key_file).read().strip() if args.auth_key_file else None
-        options.update(worker_addresses=args.addresses.split(","), auth_key=key)
+        options.update(workers=args.addresses.split(","), auth_key=key)
     pipeline = build_pipeline(args.images, args.size, args.crop, args.batch_size)
     dl = DataLoader2(pipeline, reading_service=RPCReadingService(**options))
     dl.seed(0)

@@ -135,10 +135,10 @@ echo "logs: $dir/worker-*.log"
 echo
 echo "Use them from a trainer:"
 echo
-echo "RPCReadingService(worker_addresses=[${quoted%, }], auth_key=open(\"$key_file\").read().strip())"
-echo "RPCReadingService(hostfile=\"$dir/workers.txt\", auth_key=open(\"$key_file\").read().strip())"
+echo "RPCReadingService(workers=[${quoted%, }], auth_key=open(\"$key_file\").read().strip())"
+echo "RPCReadingService(workers=Hostfile(\"$dir/workers.txt\"), auth_key=open(\"$key_file\").read().strip())"
 if [ -n "$store" ]; then
-    echo "RPCReadingService(store=\"$store\", job=\"$job\", min_workers=$count, auth_key=open(\"$key_file\").read().strip())"
+    echo "RPCReadingService(workers=StoreDiscovery(\"$store\", job=\"$job\", min_workers=$count), auth_key=open(\"$key_file\").read().strip())"
 fi
 echo
 echo "Press Ctrl-C to stop them."

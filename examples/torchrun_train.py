@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from torchdata.dataloader2 import DataLoader2  # noqa: E402
 from torchdata.datapipes.iter import IterableWrapper  # noqa: E402
 
-from rpc_reading_service import RPCReadingService  # noqa: E402
+from rpc_reading_service import Hostfile, RPCReadingService, StoreDiscovery  # noqa: E402
 
 
 def featurize(index):
@@ -54,13 +54,15 @@ def reading_service(args):
         key = os.environ.get("RPC_READING_SERVICE_AUTH_KEY")
     common = dict(auth_key=key, num_workers=args.sessions)
     if args.workers:
-        return RPCReadingService(worker_addresses=args.workers.split(","), **common)
+        return RPCReadingService(workers=args.workers.split(","), **common)
     if args.hostfile:
-        return RPCReadingService(hostfile=args.hostfile, **common)
+        return RPCReadingService(workers=Hostfile(args.hostfile), **common)
     store = args.store
     if store == "env":  # the TCPStore torchrun itself runs, at MASTER_ADDR:MASTER_PORT
         store = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
-    return RPCReadingService(store=store, job=args.job, min_workers=args.min_workers, **common)
+    return RPCReadingService(
+        workers=StoreDiscovery(store, job=args.job, min_workers=args.min_workers), **common
+    )
 
 
 def main(argv=None):

@@ -10,6 +10,16 @@ from .quiet_imports import torchdata_banner_muted
 
 with torchdata_banner_muted():
     from . import cache as _cache  # noqa: F401 - registers dp.cached_map
+from .config import (
+    TLS,
+    Hostfile,
+    Liveness,
+    LocalWorkers,
+    Reassign,
+    StoreDiscovery,
+    TransportConfig,
+    WorkerAddresses,
+)
 from .errors import (
     AuthenticationError,
     CacheKeyError,
@@ -45,6 +55,14 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "__version__",
     "RPCReadingService",
+    "LocalWorkers",
+    "WorkerAddresses",
+    "StoreDiscovery",
+    "Hostfile",
+    "TransportConfig",
+    "TLS",
+    "Liveness",
+    "Reassign",
     "register_transport",
     "available_transports",
     "RPCReadingServiceError",

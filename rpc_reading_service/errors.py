@@ -120,7 +120,8 @@ class RemoteWorkerError(RPCReadingServiceError, RuntimeError):
 
 class DiscoveryTimeoutError(RPCReadingServiceError, TimeoutError):
     """Fewer workers than ``min_workers`` registered in the store (or answered, or were
-    listed in the hostfile) before ``discovery_timeout``. The message says how many came."""
+    listed in the hostfile) before the ``timeout`` of ``StoreDiscovery``/``Hostfile``. The message says how
+    many came."""
 
 
 class CacheKeyError(RPCReadingServiceError, TypeError):

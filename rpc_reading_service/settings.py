@@ -51,12 +51,13 @@ class NumberRule:
 RPC_READING_SERVICE_NUMBERS = (
     NumberRule("num_workers", integer=True, minimum=0),
     NumberRule("prefetch", integer=True, minimum=1, unit="frames per worker"),
+    NumberRule("main_prefetch_cnt", integer=True, minimum=0, unit="items"),
+    NumberRule("max_frame_bytes", integer=True, minimum=1024, optional=True, unit="bytes"),
     NumberRule("max_reassignments", integer=True, minimum=0),
     NumberRule("min_workers", integer=True, minimum=1, optional=True),
     NumberRule("timeout", integer=False, minimum=0, exclusive=True, unit="seconds"),
     NumberRule("connect_timeout", integer=False, minimum=0, exclusive=True, unit="seconds"),
     NumberRule("heartbeat_interval", integer=False, minimum=0, exclusive=True, unit="seconds"),
-    NumberRule("discovery_timeout", integer=False, minimum=0, exclusive=True, unit="seconds"),
     NumberRule("item_timeout", integer=False, minimum=0, exclusive=True, optional=True, unit="seconds"),
 )
 RPC_READING_SERVICE_FLAGS = ("in_order", "pin_memory", "host_store")
@@ -84,7 +85,7 @@ RPC_READING_SERVICE_KINDS = (
     ("worker_init_fn", _is_optional_callable, "a function fn(datapipe, worker_info) or None"),
     ("worker_reset_fn", _is_optional_callable, "a function fn(datapipe, worker_info, seed_generator) or None"),
     ("pickle_by_value", _is_module_list, "a list of imported modules, e.g. [my_package.transforms]"),
-    ("transport_options", _is_dict, "a dict of keyword arguments for the transport"),
+    ("options", _is_dict, "a dict of keyword arguments for the transport"),
 )
 
 

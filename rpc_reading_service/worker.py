@@ -346,7 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--store", metavar="HOST:PORT",
         help="register this worker in the torch.distributed TCPStore at HOST:PORT, for "
-        "RPCReadingService(store=..., job=..., min_workers=N) to find (see rpc_reading_service.discovery)",
+        "RPCReadingService(workers=StoreDiscovery(...)) to find (see rpc_reading_service.discovery)",
     )  # fmt: skip
     parser.add_argument("--job", default="default", help="job name to register under with --store (default 'default')")
     parser.add_argument(

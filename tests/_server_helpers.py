@@ -197,7 +197,7 @@ def remote(server, num_workers: int = 2, **kwargs):
 
     servers = list(server) if isinstance(server, (list, tuple)) else [server]
     addresses, key = [s.address for s in servers], servers[0].key
-    return RPCReadingService(num_workers=num_workers, worker_addresses=addresses, auth_key=key, **kwargs)
+    return RPCReadingService(num_workers=num_workers, workers=addresses, auth_key=key, **kwargs)
 
 
 def run_epochs(datapipe, reading_service, n_epochs=2, seed=None):

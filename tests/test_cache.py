@@ -16,7 +16,7 @@ from _server_helpers import remote, run_epochs  # noqa: E402 - tests/ is on sys.
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from rpc_reading_service import CacheKeyError, ConfigurationError, RPCReadingService
+from rpc_reading_service import CacheKeyError, ConfigurationError, LocalWorkers, RPCReadingService
 from rpc_reading_service.cache import DiskStore
 
 pytestmark = pytest.mark.timeout(60)
@@ -210,7 +210,10 @@ def test_local_workers_keep_a_given_cache_dir_for_the_next_run(tmp_path, start_m
     calls_file = tmp_path / "calls"
     for _ in range(2):
         service = RPCReadingService(
-            num_workers=2, cache_dir=str(tmp_path / "cache"), cache_size="1M", start_method=start_method
+            num_workers=2,
+            workers=LocalWorkers(
+                start_method=start_method, cache_dir=str(tmp_path / "cache"), cache_size="1M"
+            ),
         )
         assert sorted(run_epochs(cached(range(16), calls_file), service, 1)[0]) == expected(range(16))
     assert calls(calls_file) == 16
@@ -234,9 +237,10 @@ def test_the_cli_documents_and_checks_the_cache_flags(tmp_path):
 
 
 def test_the_reading_service_checks_its_cache_options():
-    with pytest.raises(ConfigurationError, match="cache_dir is for local workers"):
-        RPCReadingService(worker_addresses=["127.0.0.1:1"], cache_dir="/tmp/x")
+    # The cache options belong to LocalWorkers: remote servers have their own --cache-dir.
+    with pytest.raises(TypeError, match="cache_dir"):
+        RPCReadingService(workers=["127.0.0.1:1"], cache_dir="/tmp/x")  # type: ignore[call-arg]
     with pytest.raises(ConfigurationError, match="cache_size 'lots' is not a size"):
-        RPCReadingService(num_workers=1, cache_size="lots")
+        RPCReadingService(num_workers=1, workers=LocalWorkers(cache_size="lots"))
     with pytest.raises(ConfigurationError, match="cache_size must be positive"):
-        RPCReadingService(num_workers=1, cache_size=0)
+        RPCReadingService(num_workers=1, workers=LocalWorkers(cache_size=0))

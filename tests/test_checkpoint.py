@@ -78,10 +78,7 @@ def rs_factory(worker_server):
         if num_workers == 0:
             return RPCReadingService(num_workers=0, **kwargs)
         return RPCReadingService(
-            num_workers=num_workers,
-            worker_addresses=[worker_server.address],
-            auth_key=worker_server.key,
-            **kwargs,
+            num_workers=num_workers, workers=[worker_server.address], auth_key=worker_server.key, **kwargs
         )
 
     return make
@@ -225,8 +222,8 @@ def test_resume_on_other_transports(rs_factory, tmp_path, transport):
     """Positions are counted by the trainer and skipped by the worker: no transport is special."""
     server = start_server(tmp_path, args=["--transport", transport])
     try:
-        make_rs = lambda: RPCReadingService(  # noqa: E731
-            num_workers=3, worker_addresses=[server.address], auth_key=server.key, transport=transport
+        make_rs = lambda: RPCReadingService(
+            num_workers=3, workers=[server.address], transport=transport, auth_key=server.key
         )
         got, _ = interrupted_run(make_rs, 0, 10)
     finally:

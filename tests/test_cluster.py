@@ -42,7 +42,7 @@ faulthandler.dump_traceback_later(40, exit=False)  # a stuck trainer's log says 
 import torch
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
-from rpc_reading_service import RPCReadingService
+from rpc_reading_service import TLS, Liveness, RPCReadingService, StoreDiscovery, TransportConfig
 from rpc_reading_service.errors import WorkerLostError
 
 KEY = os.environ["RRS_TEST_KEY"]
@@ -78,8 +78,8 @@ PARTITION = '''
 def partitioned_epoch(**options):
     datapipe = IterableWrapper(range(300)).sharding_filter().map(slow)
     # connect_timeout: reassign tries the lost (unreachable) host's server first.
-    service = RPCReadingService(worker_addresses=ARGS["addresses"], auth_key=KEY, timeout=2.0,
-                                heartbeat_interval=0.5, connect_timeout=3.0, **options)
+    service = RPCReadingService(workers=ARGS["addresses"], auth_key=KEY, timeout=2.0,
+                                liveness=Liveness(heartbeat_interval=0.5, connect_timeout=3.0), **options)
     with DataLoader2(datapipe, reading_service=service) as dl:
         dl.seed(7)
         items = iter(dl)
@@ -277,9 +277,9 @@ def assert_exactly_once(items: List, n: int, hosts: List[str]) -> None:
 def test_socket_transport_between_hosts_on_all_interfaces_with_a_key(cluster, servers, tmp_path):
     addresses = [servers["socket"][h] for h in ("w0", "w1", "w3")]
     trainer = run_trainer(servers, tmp_path, '''
-        items = tagged_epoch(60, worker_addresses=ARGS["addresses"], num_workers=3)
+        items = tagged_epoch(60, workers=ARGS["addresses"], num_workers=3)
         try:
-            tagged_epoch(6, worker_addresses=ARGS["addresses"][:1], auth_key="not the key")
+            tagged_epoch(6, workers=ARGS["addresses"][:1], auth_key="not the key")
             wrong = None
         except Exception as exc:
             wrong = type(exc).__name__
@@ -294,7 +294,7 @@ def test_torch_rpc_transport_between_hosts(cluster, servers, tmp_path):
     addresses = [servers["torch_rpc"][h] for h in ("w0", "w1")]
     trainer = run_trainer(servers, tmp_path, '''
         dp = IterableWrapper(range(40)).sharding_filter().map(tensor_item)
-        items = epoch(dp, worker_addresses=ARGS["addresses"], num_workers=2, transport="torch_rpc")
+        items = epoch(dp, workers=ARGS["addresses"], num_workers=2, transport="torch_rpc")
         report(items=[(i, host) for i, host, _ in items], tensors_ok=all(bool((t == i).all()) for i, _, t in items))
     ''', {"addresses": addresses})  # fmt: skip
     result = result_of(trainer)
@@ -308,10 +308,10 @@ def test_tls_with_certificates_for_host_names_and_addresses(cluster, servers, ce
     trainer = run_trainer(servers, tmp_path, '''
         results = {}
         for how in ("by_name", "by_address"):
-            results[how] = tagged_epoch(30, worker_addresses=ARGS[how], num_workers=2, tls_ca_file=ARGS["ca"])
+            results[how] = tagged_epoch(30, workers=ARGS[how], num_workers=2, transport=TransportConfig(tls=TLS(ARGS["ca"])))
         try:  # w1's certificate does not carry w0's name
-            tagged_epoch(6, worker_addresses=ARGS["by_address"][1:], tls_ca_file=ARGS["ca"],
-                         tls_server_hostname="w0.cluster.test", connect_timeout=10)
+            tagged_epoch(6, workers=ARGS["by_address"][1:], transport=TransportConfig(tls=TLS(ARGS["ca"], "w0.cluster.test")),
+                         liveness=Liveness(connect_timeout=10))
             results["wrong_name"] = None
         except Exception as exc:
             results["wrong_name"] = str(exc)
@@ -325,7 +325,7 @@ def test_tls_with_certificates_for_host_names_and_addresses(cluster, servers, ce
 
 def test_tcpstore_discovery_store_on_one_host_workers_on_others(cluster, servers, tmp_path):
     trainer = run_trainer(servers, tmp_path, '''
-        report(items=tagged_epoch(40, store=ARGS["store"], job=ARGS["job"], min_workers=2, discovery_timeout=30))
+        report(items=tagged_epoch(40, workers=StoreDiscovery(ARGS["store"], job=ARGS["job"], min_workers=2, timeout=30)))
     ''', {"store": servers["store"], "job": JOB})  # fmt: skip
     assert_exactly_once(result_of(trainer)["items"], 40, ["w0", "w1"])
 
@@ -333,7 +333,7 @@ def test_tcpstore_discovery_store_on_one_host_workers_on_others(cluster, servers
 def test_trainer_with_two_networks_reaches_workers_on_both(cluster, servers, tmp_path):
     # w0 is on network 1 only, w3 on network 2 only, and neither has a route to the other network.
     trainer = run_trainer(servers, tmp_path, '''
-        report(items=tagged_epoch(40, worker_addresses=ARGS, num_workers=2, connect_timeout=20))
+        report(items=tagged_epoch(40, workers=ARGS, num_workers=2, liveness=Liveness(connect_timeout=20)))
     ''', [servers["socket"]["w0"], servers["socket"]["w3"]])  # fmt: skip
     assert_exactly_once(result_of(trainer)["items"], 40, ["w0", "w3"])
 
@@ -346,8 +346,8 @@ def test_torch_rpc_trainer_with_two_networks(cluster, servers, tmp_path):
         def attempt():
             start = time.monotonic()
             try:
-                return tagged_epoch(40, worker_addresses=ARGS, num_workers=2, transport="torch_rpc",
-                                    connect_timeout=20), None, time.monotonic() - start
+                return tagged_epoch(40, workers=ARGS, num_workers=2, transport="torch_rpc",
+                                    liveness=Liveness(connect_timeout=20)), None, time.monotonic() - start
             except WorkerLostError as exc:
                 return None, str(exc), time.monotonic() - start
         items, error, seconds = attempt()
@@ -394,7 +394,7 @@ def test_partition_mid_epoch_raises_within_timeout_and_the_host_comes_back(clust
         got, error, seconds = partitioned_epoch()
         report(event="lost", error=error, seconds=seconds)
         sys.stdin.readline()
-        report(event="back", items=tagged_epoch(40, worker_addresses=ARGS["addresses"], num_workers=2))
+        report(event="back", items=tagged_epoch(40, workers=ARGS["addresses"], num_workers=2))
     ''', {"addresses": addresses})  # fmt: skip
     assert trainer.next() == {"event": "midway"}
     partition("w1")

@@ -15,6 +15,7 @@ import sys
 import threading
 
 import pytest
+from conftest import _pythonpath
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
@@ -22,8 +23,13 @@ from _server_helpers import _pythonpath, free_port
 from rpc_reading_service import (
     AuthenticationError,
     ConfigurationError,
+    Hostfile,
+    Liveness,
     ProtocolError,
+    Reassign,
     RPCReadingService,
+    StoreDiscovery,
+    TransportConfig,
     WorkerLostError,
     __version__,
 )
@@ -39,7 +45,7 @@ from rpc_reading_service.protocol import (
 
 
 def run_epoch(**kwargs):
-    kwargs.setdefault("connect_timeout", 5.0)
+    kwargs.setdefault("liveness", Liveness(connect_timeout=5.0))
     dl = DataLoader2(IterableWrapper(range(8)).sharding_filter(), reading_service=RPCReadingService(**kwargs))
     try:
         return sorted(dl)
@@ -61,14 +67,14 @@ def run_epoch(**kwargs):
 )
 def test_address_typos(address, expected):
     with pytest.raises(ConfigurationError) as info:
-        RPCReadingService(worker_addresses=[address], auth_key="k")
+        RPCReadingService(workers=[address], auth_key="k")
     assert expected in str(info.value)
 
 
 @pytest.mark.timeout(30)
 def test_unknown_host():
     with pytest.raises(ConfigurationError) as info:
-        run_epoch(worker_addresses=["no-such-host.invalid:29600"], auth_key="k")
+        run_epoch(workers=["no-such-host.invalid:29600"], auth_key="k")
     message = str(info.value)
     assert "cannot resolve worker host 'no-such-host.invalid'" in message and "check the spelling" in message
 
@@ -78,7 +84,7 @@ def test_unknown_host():
 def test_nothing_listening():
     port = free_port()
     with pytest.raises(WorkerLostError) as info:
-        run_epoch(worker_addresses=[f"127.0.0.1:{port}"], auth_key="k")
+        run_epoch(workers=[f"127.0.0.1:{port}"], auth_key="k")
     message = str(info.value)
     assert f"cannot connect to worker at 127.0.0.1:{port}" in message
     assert f"Is `rpc-reading-worker --port {port}` running there" in message
@@ -92,7 +98,7 @@ def test_listener_that_never_answers():
         silent.listen(8)  # connections complete in the backlog, nobody ever answers
         address = "127.0.0.1:%d" % silent.getsockname()[1]
         with pytest.raises(WorkerLostError) as info:
-            run_epoch(worker_addresses=[address], auth_key="k", connect_timeout=1.0)
+            run_epoch(workers=[address], auth_key="k", liveness=Liveness(connect_timeout=1.0))
     message = str(info.value)
     assert f"handshake with worker at {address} timed out after 1.0 s" in message
     assert "does not answer like an rpc-reading-worker" in message and "connect_timeout" in message
@@ -141,7 +147,7 @@ def test_another_service_on_the_port():
     peer = FakePeer(b"HTTP/1.1 400 Bad Request\r\n\r\n")
     try:
         with pytest.raises(ProtocolError) as info:
-            run_epoch(worker_addresses=[peer.address], auth_key="k")
+            run_epoch(workers=[peer.address], auth_key="k")
     finally:
         peer.close()
     message = str(info.value)
@@ -153,7 +159,7 @@ def test_another_service_on_the_port():
 @pytest.mark.timeout(60)
 def test_missing_key(worker_server):
     with pytest.raises(AuthenticationError) as info:
-        run_epoch(worker_addresses=[worker_server.address])  # the server has a key, the trainer none
+        run_epoch(workers=[worker_server.address])  # the server has a key, the trainer none
     message = str(info.value)
     assert f"worker at {worker_server.address}" in message
     assert "this trainer has no auth key (auth_key=None) but the worker requires one" in message
@@ -163,11 +169,11 @@ def test_missing_key(worker_server):
 @pytest.mark.timeout(60)
 def test_wrong_key(worker_server):
     with pytest.raises(AuthenticationError) as info:
-        run_epoch(worker_addresses=[worker_server.address], auth_key="not-" + worker_server.key)
+        run_epoch(workers=[worker_server.address], auth_key="not-" + worker_server.key)
     message = str(info.value)
     assert f"worker at {worker_server.address}" in message
     assert "does not hold the same auth key as this trainer" in message and "auth_key=" in message
-    assert run_epoch(worker_addresses=[worker_server.address], auth_key=worker_server.key) == list(range(8))
+    assert run_epoch(workers=[worker_server.address], auth_key=worker_server.key) == list(range(8))
 
 
 @pytest.mark.timeout(60)
@@ -211,7 +217,7 @@ def test_trainer_with_another_protocol_version_is_told_by_the_server(worker_serv
     assert f"this process (rpc_reading_service {__version__}) speaks version {PROTOCOL_VERSION}" in reason
     assert "Install the same rpc_reading_service version on the trainer and on every worker" in reason
     assert "protocol version mismatch" in worker_server.stderr()
-    assert run_epoch(worker_addresses=[worker_server.address], auth_key=worker_server.key) == list(range(8))
+    assert run_epoch(workers=[worker_server.address], auth_key=worker_server.key) == list(range(8))
 
 
 @pytest.mark.timeout(30)
@@ -222,7 +228,7 @@ def test_worker_with_another_protocol_version():
     peer = FakePeer(reply)
     try:
         with pytest.raises(ProtocolError) as info:
-            run_epoch(worker_addresses=[peer.address], auth_key="k")
+            run_epoch(workers=[peer.address], auth_key="k")
     finally:
         peer.close()
     message = str(info.value)
@@ -240,7 +246,7 @@ def test_package_version_mismatch_with_the_same_protocol_warns_both_sides(fresh_
     )
     server = fresh_server(command=[sys.executable, "-c", code])
     with caplog.at_level(logging.WARNING, logger="rpc_reading_service"):
-        assert run_epoch(worker_addresses=[server.address], auth_key=server.key) == list(range(8))
+        assert run_epoch(workers=[server.address], auth_key=server.key) == list(range(8))
     assert f"worker at {server.address} runs rpc_reading_service 0.0.9, this trainer {__version__}" in caplog.text
     assert "install the same version on both" in caplog.text
     assert f"runs rpc_reading_service {__version__}, this worker 0.0.9" in server.stderr()
@@ -257,42 +263,66 @@ NAN, INF = float("nan"), float("inf")
         ("timeout", NAN, "a finite number > 0 (seconds)"),
         ("timeout", -1.0, "a finite number > 0 (seconds)"),
         ("timeout", "10", "a finite number > 0 (seconds)"),
-        ("heartbeat_interval", 0, "a finite number > 0 (seconds)"),
-        ("heartbeat_interval", -0.5, "a finite number > 0 (seconds)"),
-        ("heartbeat_interval", NAN, "a finite number > 0 (seconds)"),
-        ("connect_timeout", 0.0, "a finite number > 0 (seconds)"),
-        ("connect_timeout", INF, "a finite number > 0 (seconds)"),
-        ("discovery_timeout", NAN, "a finite number > 0 (seconds)"),
-        ("discovery_timeout", -INF, "a finite number > 0 (seconds)"),
+        ("Liveness.heartbeat_interval", 0, "a finite number > 0 (seconds)"),
+        ("Liveness.heartbeat_interval", -0.5, "a finite number > 0 (seconds)"),
+        ("Liveness.heartbeat_interval", NAN, "a finite number > 0 (seconds)"),
+        ("Liveness.connect_timeout", 0.0, "a finite number > 0 (seconds)"),
+        ("Liveness.connect_timeout", INF, "a finite number > 0 (seconds)"),
+        ("StoreDiscovery.timeout", NAN, "a finite number > 0 (seconds)"),
+        ("Hostfile.timeout", -INF, "a finite number > 0 (seconds)"),
         ("prefetch", 0, "an int >= 1 (frames per worker)"),
         ("prefetch", 2.5, "an int >= 1 (frames per worker)"),
         ("prefetch", True, "an int >= 1 (frames per worker)"),
-        ("max_reassignments", -1, "an int >= 0"),
-        ("max_reassignments", INF, "an int >= 0"),
+        ("worker_prefetch_cnt", 0, "an int >= 1 (frames per worker)"),
+        ("main_prefetch_cnt", -1, "an int >= 0 (items)"),
+        ("TransportConfig.max_frame_bytes", 100, "an int >= 1024 (bytes) or None"),
+        ("Reassign.max_reassignments", -1, "an int >= 0"),
+        ("Reassign.max_reassignments", INF, "an int >= 0"),
         ("num_workers", -2, "an int >= 0"),
         ("num_workers", 2.0, "an int >= 0"),
         ("num_workers", None, "an int >= 0"),
-        ("min_workers", 0, "an int >= 1 or None"),
-        ("min_workers", NAN, "an int >= 1 or None"),
+        ("StoreDiscovery.min_workers", 0, "an int >= 1 or None"),
+        ("Hostfile.min_workers", NAN, "an int >= 1 or None"),
     ],
 )
 def test_bad_numeric_settings_are_refused_at_construction(setting, value, allowed):
     with pytest.raises(ConfigurationError) as info:
-        RPCReadingService(**{setting: value})
-    assert str(info.value).startswith(f"{setting} must be {allowed}, got {value!r}")
+        build(setting, value)
+    # worker_prefetch_cnt is MPRS's name for prefetch.
+    named = {"worker_prefetch_cnt": "prefetch"}.get(setting, setting)
+    assert str(info.value).startswith(f"{named} must be {allowed}, got {value!r}")
 
 
-@pytest.mark.parametrize("setting", ["in_order", "pin_memory", "host_store"])
+#: Option objects of RPCReadingService, by the name their settings carry in messages.
+OPTION_OBJECTS = {
+    "Liveness": Liveness,
+    "Reassign": Reassign,
+    "StoreDiscovery": lambda **kw: StoreDiscovery("127.0.0.1:29700", **kw),
+    "Hostfile": lambda **kw: Hostfile("workers.txt", **kw),
+    "TransportConfig": TransportConfig,
+}
+
+
+def build(setting, value):
+    """RPCReadingService(setting=value), or the option object ``Owner`` of ``Owner.setting``."""
+    owner, _, name = setting.rpartition(".")
+    if owner:
+        return OPTION_OBJECTS[owner](**{name: value})
+    return RPCReadingService(**{setting: value})
+
+
+@pytest.mark.parametrize("setting", ["in_order", "pin_memory", "StoreDiscovery.host_store"])
 def test_flags_must_be_booleans(setting):
     with pytest.raises(ConfigurationError, match=f"^{setting} must be True or False, got 'no'$"):
-        RPCReadingService(**{setting: "no"})
+        build(setting, "no")
 
 
 def test_good_numeric_settings_are_accepted():
     service = RPCReadingService(
-        timeout=2, heartbeat_interval=0.25, connect_timeout=1e6, prefetch=1, max_reassignments=0,
-        discovery_timeout=0.5, in_order=False, pin_memory=False,
+        timeout=2, liveness=Liveness(heartbeat_interval=0.25, connect_timeout=1e6), prefetch=1,
+        on_worker_failure=Reassign(max_reassignments=0), in_order=False, pin_memory=False,
     )  # fmt: skip
+    assert StoreDiscovery("127.0.0.1:29700", timeout=0.5).timeout == 0.5
     assert service.num_workers == 0 and service.in_order is False
 
 
@@ -304,10 +334,14 @@ def test_good_numeric_settings_are_accepted():
         ("worker_reset_fn", 3, "a function fn(datapipe, worker_info, seed_generator) or None"),
         ("pickle_by_value", "my_package", "a list of imported modules"),
         ("pickle_by_value", ["my_package"], "a list of imported modules"),
-        ("transport_options", [("max_frame_bytes", 1)], "a dict of keyword arguments for the transport"),
+        (
+            "TransportConfig.options",
+            [("max_frame_bytes", 1)],
+            "a dict of keyword arguments for the transport",
+        ),
     ],
 )
 def test_settings_of_the_wrong_kind_are_refused_at_construction(setting, value, allowed):
     with pytest.raises(ConfigurationError) as info:
-        RPCReadingService(**{setting: value})
+        build(setting, value)
     assert str(info.value).startswith(f"{setting} must be {allowed}") and repr(value) in str(info.value)

@@ -13,12 +13,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from _server_helpers import wait_until
+from conftest import _pythonpath, start_server
 from torch.distributed import TCPStore
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import _pythonpath, free_port, start_server, wait_until
-from rpc_reading_service import ConfigurationError, DiscoveryTimeoutError, RPCReadingService
+from rpc_reading_service import (
+    ConfigurationError,
+    DiscoveryTimeoutError,
+    Hostfile,
+    RPCReadingService,
+    StoreDiscovery,
+)
 from rpc_reading_service.discovery import (
     KEY_PREFIX,
     advertised_address,
@@ -80,7 +88,9 @@ def fleet(tmp_path_factory):
 @pytest.mark.timeout(90)
 def test_trainer_finds_n_registered_workers(fleet):
     store, address, servers = fleet
-    service = RPCReadingService(store=address, job="fleet", min_workers=2, auth_key=KEY, discovery_timeout=30)
+    service = RPCReadingService(
+        workers=StoreDiscovery(address, job="fleet", min_workers=2, timeout=30), auth_key=KEY
+    )
     assert service.num_workers == 2  # one session per worker, known before initialize
     items, used = epoch(service)
     assert items == [2 * i for i in range(40)]
@@ -90,7 +100,11 @@ def test_trainer_finds_n_registered_workers(fleet):
 @pytest.mark.timeout(60)
 def test_more_sessions_than_workers_spread_round_robin(fleet):
     _, address, servers = fleet
-    items, used = epoch(RPCReadingService(store=address, job="fleet", min_workers=2, num_workers=4, auth_key=KEY))
+    items, used = epoch(
+        RPCReadingService(
+            workers=StoreDiscovery(address, job="fleet", min_workers=2), num_workers=4, auth_key=KEY
+        )
+    )
     assert items == [2 * i for i in range(40)]
     assert len(used) == 4 and set(used) == {s.address for s in servers}
 
@@ -98,7 +112,9 @@ def test_more_sessions_than_workers_spread_round_robin(fleet):
 @pytest.mark.timeout(60)
 def test_timeout_when_fewer_than_min_workers_register(fleet):
     _, address, _ = fleet
-    service = RPCReadingService(store=address, job="fleet", min_workers=3, auth_key=KEY, discovery_timeout=1.5)
+    service = RPCReadingService(
+        workers=StoreDiscovery(address, job="fleet", min_workers=3, timeout=1.5), auth_key=KEY
+    )
     start = time.monotonic()
     with pytest.raises(DiscoveryTimeoutError) as info:
         epoch(service)
@@ -113,7 +129,9 @@ def test_timeout_when_fewer_than_min_workers_register(fleet):
 def test_unknown_job_times_out_with_zero_registered(fleet):
     _, address, _ = fleet
     with pytest.raises(DiscoveryTimeoutError, match="only 0 of 1 registered"):
-        epoch(RPCReadingService(store=address, job="no-such-job", auth_key=KEY, discovery_timeout=0.5))
+        epoch(
+            RPCReadingService(workers=StoreDiscovery(address, job="no-such-job", timeout=0.5), auth_key=KEY)
+        )
 
 
 @pytest.mark.timeout(60)
@@ -145,7 +163,9 @@ def test_killed_worker_is_skipped_and_clean_stop_deregisters(tmp_path):
         (third,) = start_workers(tmp_path, 1, address, "restart")  # "the restarted worker"
         try:
             assert wait_for_workers(store, "restart", 1, timeout=20) == [third.address]
-            items, used = epoch(RPCReadingService(store=address, job="restart", min_workers=1, auth_key=KEY))
+            items, used = epoch(
+                RPCReadingService(workers=StoreDiscovery(address, job="restart", min_workers=1), auth_key=KEY)
+            )
             assert items == [2 * i for i in range(40)] and used == [third.address]
         finally:
             third.stop()
@@ -162,7 +182,10 @@ def test_trainer_hosts_the_store_and_workers_wait_for_it(tmp_path):
     try:
         time.sleep(0.5)  # the worker is now retrying the (absent) store
         service = RPCReadingService(
-            store=f"127.0.0.1:{port}", host_store=True, job="hosted", min_workers=1, auth_key=KEY, discovery_timeout=30
+            workers=StoreDiscovery(
+                f"127.0.0.1:{port}", job="hosted", min_workers=1, host_store=True, timeout=30
+            ),
+            auth_key=KEY,
         )
         items, used = epoch(service)
         assert items == [2 * i for i in range(40)] and used == [server.address]
@@ -229,7 +252,9 @@ def test_worker_refuses_to_register_a_unix_socket(tmp_path):
 def test_discovery_opens_nothing_before_initialize():
     port = free_port()  # nothing listens here
     start = time.monotonic()
-    service = RPCReadingService(store=f"127.0.0.1:{port}", job="x", min_workers=3, discovery_timeout=10)
+    service = RPCReadingService(
+        workers=StoreDiscovery(f"127.0.0.1:{port}", job="x", min_workers=3, timeout=10)
+    )
     clone = pickle.loads(pickle.dumps(service))  # DataLoader2 clones the service like this
     assert time.monotonic() - start < 5  # a look-up would wait out the 10 s discovery timeout
     assert clone.num_workers == 3
@@ -238,32 +263,31 @@ def test_discovery_opens_nothing_before_initialize():
 @pytest.mark.timeout(30)
 def test_no_store_at_the_address():
     port = free_port()
-    service = RPCReadingService(store=f"127.0.0.1:{port}", min_workers=1, discovery_timeout=0.5)
+    service = RPCReadingService(workers=StoreDiscovery(f"127.0.0.1:{port}", min_workers=1, timeout=0.5))
     with pytest.raises(ConfigurationError, match=f"no TCPStore answers at 127.0.0.1:{port}"):
         epoch(service)
 
 
 @pytest.mark.parametrize(
-    "kwargs, message",
+    "build, message",
     [
-        (dict(store="localhost"), "store address 'localhost' has no port"),
-        (dict(store="localhost:x"), "store address 'localhost:x' has port 'x'"),
-        (dict(store="h:1", worker_addresses=["h:2"]), "not worker_addresses and store"),
-        (dict(store="h:1", hostfile="f"), "not store and hostfile"),
-        (dict(host_store=True), "host_store=True needs store="),
-        (dict(min_workers=2), "min_workers is for discovery"),
-        (dict(store="h:1", min_workers=0), "min_workers must be an int >= 1"),
-        (dict(store="h:1", job=""), "job name '' is empty"),
+        (lambda: StoreDiscovery("localhost"), "store address 'localhost' has no port"),
+        (lambda: StoreDiscovery("localhost:x"), "store address 'localhost:x' has port 'x'"),
+        # One source of workers at a time, by type: a bare string is no list of addresses.
+        (lambda: RPCReadingService(workers="h:1"), "workers must be LocalWorkers"),
+        (lambda: StoreDiscovery("h:1", min_workers=0), "StoreDiscovery.min_workers must be an int >= 1"),
+        (lambda: Hostfile("f", min_workers=0), "Hostfile.min_workers must be an int >= 1"),
+        (lambda: StoreDiscovery("h:1", job=""), "job name '' is empty"),
     ],
 )
-def test_bad_discovery_arguments(kwargs, message):
+def test_bad_discovery_arguments(build, message):
     with pytest.raises(ConfigurationError, match=message):
-        RPCReadingService(**kwargs)
+        build()
 
 
 @pytest.mark.timeout(30)
 def test_unknown_store_host_is_reported_at_once():
-    service = RPCReadingService(store="no-such-host.invalid:29700", discovery_timeout=30)
+    service = RPCReadingService(workers=StoreDiscovery("no-such-host.invalid:29700", timeout=30))
     start = time.monotonic()
     with pytest.raises(ConfigurationError, match="cannot resolve the host of store address"):
         epoch(service)
@@ -307,7 +331,7 @@ def test_hostfile_end_to_end(fleet, tmp_path):
     _, _, servers = fleet
     path = tmp_path / "workers.txt"
     path.write_text("# the fleet\n" + "".join(f"{s.address}\n" for s in servers))
-    items, used = epoch(RPCReadingService(hostfile=str(path), auth_key=KEY))
+    items, used = epoch(RPCReadingService(workers=Hostfile(str(path)), auth_key=KEY))
     assert items == [2 * i for i in range(40)]
     assert used == [s.address for s in servers]
 
@@ -374,7 +398,10 @@ def test_workers_register_again_when_the_store_comes_back_and_exit_quietly_witho
         assert wait_until(lambda: "is gone" in server.stderr(), timeout=10), server.stderr()
         time.sleep(2.5)  # ... the worker keeps waiting for it, and says so once
         items, used = epoch(
-            RPCReadingService(store=address, host_store=True, job="comeback", min_workers=1, auth_key=KEY, discovery_timeout=20)
+            RPCReadingService(
+                workers=StoreDiscovery(address, job="comeback", min_workers=1, host_store=True, timeout=20),
+                auth_key=KEY,
+            )
         )  # a second trainer hosts a new, empty store at the same address, and finds the worker
         assert items == [2 * i for i in range(40)] and used == [server.address]
         assert "answers again" in server.stderr()

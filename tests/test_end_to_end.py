@@ -66,7 +66,7 @@ OFFSET = 1
 
 def load(address, key):
     dp = IterableWrapper(range(10)).sharding_filter().map(triple_plus)
-    rs = RPCReadingService(num_workers=2, worker_addresses=[address], auth_key=key)
+    rs = RPCReadingService(num_workers=2, workers=[address], auth_key=key)
     with DataLoader2(dp, reading_service=rs) as dl:
         return list(dl)
 
@@ -160,7 +160,7 @@ def distributed_trainer(rank, world_size, port, address, key, out_dir):
 
 
 def remote_at(address, key):
-    return RPCReadingService(num_workers=2, worker_addresses=[address], auth_key=key)
+    return RPCReadingService(num_workers=2, workers=[address], auth_key=key)
 
 
 def test_distributed_ranks_get_disjoint_global_shards(worker_server, tmp_path):

@@ -14,11 +14,20 @@ import signal
 import time
 
 import pytest
+from _server_helpers import (
+    process_alive,
+    process_state,
+    read_line,
+    reap,
+    running_server,
+    slow_identity,
+    spawn_python,
+    wait_until,
+)
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import process_alive, process_state, read_line, reap, running_server, slow_identity, spawn_python, wait_until
-from rpc_reading_service import RPCReadingService, WorkerLostError
+from rpc_reading_service import Liveness, RPCReadingService, WorkerLostError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,8 +44,8 @@ def server(tmp_path_factory):
 
 def _service(server, **kwargs) -> RPCReadingService:
     return RPCReadingService(
-        worker_addresses=[server.address], num_workers=2, auth_key=server.key,
-        timeout=TIMEOUT, heartbeat_interval=HEARTBEAT, **kwargs,
+        workers=[server.address], liveness=Liveness(heartbeat_interval=HEARTBEAT), num_workers=2,
+        auth_key=server.key, timeout=TIMEOUT, **kwargs,
     )  # fmt: skip
 
 
@@ -87,12 +96,12 @@ TRAINER = """
 import sys
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
-from rpc_reading_service import RPCReadingService
+from rpc_reading_service import Liveness, RPCReadingService
 from _server_helpers import slow_identity
 
 sys.stdin.readline()  # "go"
-service = RPCReadingService(worker_addresses=[{address!r}], num_workers=1, auth_key={key!r},
-                            timeout={timeout}, heartbeat_interval={heartbeat})
+service = RPCReadingService(workers=[{address!r}], num_workers=1, auth_key={key!r},
+                            timeout={timeout}, liveness=Liveness(heartbeat_interval={heartbeat}))
 dl = DataLoader2(IterableWrapper(range(1_000_000)).sharding_filter().map(slow_identity), reading_service=service)
 for index, item in enumerate(dl):
     if index == 20:

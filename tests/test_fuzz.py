@@ -357,7 +357,7 @@ def test_server_survives_stays_small_and_serves(server, marker):
     server.wait_idle(10)  # every fuzzed session ended and was reaped
     growth = server.rss_kib() - server.baseline_rss_kib
     assert growth < 16 * 1024, f"server memory grew by {growth} KiB during the fuzz"
-    service = RPCReadingService(worker_addresses=[server.address], num_workers=2, auth_key=server.key)
+    service = RPCReadingService(workers=[server.address], num_workers=2, auth_key=server.key)
     dl = DataLoader2(IterableWrapper(range(100)).sharding_filter(), reading_service=service)
     try:
         assert sorted(dl) == list(range(100))

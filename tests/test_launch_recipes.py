@@ -14,11 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import _pythonpath
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import VENV_BIN, _pythonpath, free_port, process_group_members, reap, wait_until
-from rpc_reading_service import RPCReadingService
+from rpc_reading_service import Hostfile, RPCReadingService, StoreDiscovery
 from rpc_reading_service.discovery import registered_workers
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,7 +89,8 @@ def test_fleet_script_prints_working_service_lines(fleet):
     assert len(key_file.read_text().strip()) == 64 and (key_file.stat().st_mode & 0o077) == 0
     assert len(Path(fleet.value("hostfile")).read_text().split()) == 2
     for line in lines[:2]:
-        service = eval(line, {"RPCReadingService": RPCReadingService})  # exactly what the user copies
+        names = {"RPCReadingService": RPCReadingService, "Hostfile": Hostfile, "StoreDiscovery": StoreDiscovery}
+        service = eval(line, names)  # exactly what the user copies
         dl = DataLoader2(IterableWrapper(range(50)).sharding_filter().map(lambda x: -x), reading_service=service)
         try:
             assert sorted(dl) == sorted(-x for x in range(50))

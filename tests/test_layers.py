@@ -54,3 +54,23 @@ def test_the_protocol_does_no_io_and_imports_only_below_it(path):
             assert module in ("errors", "version", "safe_text", "serialization"), (
                 f"protocol/{path.name} imports ..{module}, not a layer below it"
             )
+
+
+#: Modules of the front end (DataLoader2): nothing in the engine or below may import them.
+FRONT_END = {"reading_service", "trainer_graph"}
+#: torchdata's DataLoader2 itself; the engine uses torchdata's graph utilities only.
+DATALOADER2_MODULES = {"torchdata.dataloader2.dataloader2", "torchdata.dataloader2.reading_service"}
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted([*(PACKAGE / "engine").glob("*.py"), PACKAGE / "config.py"]),
+    ids=lambda p: str(p.relative_to(PACKAGE)),
+)
+def test_the_engine_knows_no_dataloader2(path):
+    for level, module, names in imports_of(path):
+        first = module.split(".")[0]
+        assert not (level and first in FRONT_END), f"{path.name} imports the front end ..{module}"
+        assert module not in DATALOADER2_MODULES, f"{path.name} imports {module}"
+        dataloader2 = {"DataLoader2", "ReadingServiceInterface"} & set(names)
+        assert not (module == "torchdata.dataloader2" and dataloader2), f"{path.name} imports {dataloader2}"

@@ -98,7 +98,7 @@ def test_oversized_frame_is_refused_unread(server):
 
 def test_session_cap(server):
     server.wait_idle()
-    service = RPCReadingService(worker_addresses=[server.address], num_workers=2, auth_key=server.key)
+    service = RPCReadingService(workers=[server.address], num_workers=2, auth_key=server.key)
     busy = DataLoader2(IterableWrapper(range(10)).sharding_filter(), reading_service=service)
     try:
         it = iter(busy)

@@ -40,7 +40,7 @@ def make_item(x):
         return x, torch.full(({tensor_floats},), float(x))
     return x
 
-service = RPCReadingService(num_workers={workers}, worker_addresses=[{address!r}], auth_key={key!r}, timeout=20.0)
+service = RPCReadingService(num_workers={workers}, workers=[{address!r}], auth_key={key!r}, timeout=20.0)
 dl = DataLoader2(IterableWrapper(range({items})).shuffle().sharding_filter().map(make_item), reading_service=service)
 dl.seed({index})
 for epoch in range({epochs}):

@@ -11,7 +11,7 @@ from _server_helpers import children_of, process_alive, read_line, reap, spawn_p
 from conftest import run_epochs
 from torchdata.datapipes.iter import IterableWrapper
 
-from rpc_reading_service import RPCReadingService
+from rpc_reading_service import LocalWorkers, RPCReadingService
 
 PRINT_LINE = "rrs-test-print " + "x" * 1009  # 1 KiB with its newline
 LINES_PER_ITEM = 128  # 128 KiB per item
@@ -33,7 +33,9 @@ def print_a_lot(item: int) -> int:
 )
 def test_worker_output_reaches_the_trainer_and_never_blocks_the_graph(start_method, transport, capfd):
     """16 items x 128 KiB: 1 MiB per worker on each of stdout and stderr, far past a 64 KiB pipe."""
-    service = RPCReadingService(num_workers=2, start_method=start_method, transport=transport, timeout=30)
+    service = RPCReadingService(
+        num_workers=2, workers=LocalWorkers(start_method=start_method), transport=transport, timeout=30
+    )
     [items] = run_epochs(IterableWrapper(range(16)).sharding_filter().map(print_a_lot), service, n_epochs=1)
     assert sorted(items) == list(range(16))
     out, err = capfd.readouterr()
@@ -91,7 +93,7 @@ def test_a_server_on_an_abstract_unix_socket_serves_and_leaves_no_file(fresh_ser
     name = f"unix:@rrs-test-{secrets.token_hex(6)}"
     server = fresh_server(args=["--host", name])
     assert server.address == name
-    service = RPCReadingService(worker_addresses=[server.address], num_workers=2, auth_key=server.key)
+    service = RPCReadingService(workers=[server.address], num_workers=2, auth_key=server.key)
     [items] = run_epochs(IterableWrapper(range(10)).sharding_filter(), service, n_epochs=1)
     assert sorted(items) == list(range(10))
     server.stop()

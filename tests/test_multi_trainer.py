@@ -53,9 +53,7 @@ def make_rs(kind: str, addresses: list[str], key: str):
 
     from rpc_reading_service import RPCReadingService
 
-    rs = RPCReadingService(
-        num_workers=WORKERS_PER_TRAINER, worker_addresses=addresses, auth_key=key, timeout=20.0
-    )
+    rs = RPCReadingService(num_workers=WORKERS_PER_TRAINER, workers=addresses, auth_key=key, timeout=20.0)
     if kind == "sequential":
         return SequentialReadingService(DistributedReadingService(timeout=30), rs)
     return rs

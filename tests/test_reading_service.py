@@ -1,6 +1,6 @@
 """RPCReadingService semantics against real worker processes on loopback.
 
-Most tests share one worker server (``worker_addresses=[server.address] * n`` sessions are
+Most tests share one worker server (``workers=[server.address] * n`` sessions are
 forked processes of that server, exactly as local workers are); a few start local workers
 (``num_workers=N`` without addresses) where the local fleet itself is under test.
 Graph functions are module-level: workers import them by reference.
@@ -23,8 +23,9 @@ from torchdata.datapipes.iter import IterableWrapper
 from _server_helpers import children_of, remote, run_epochs, wait_dead
 from rpc_reading_service import (
     ConfigurationError,
-    RemoteWorkerError,
+    Liveness,
     RPCReadingService,
+    RemoteWorkerError,
     WorkerStartupError,
 )
 
@@ -337,8 +338,8 @@ def test_service_is_cloned_by_pickling_and_finalize_is_idempotent():
     # __init__ opens nothing: no process, no thread (DataLoader2 clones it before use).
     assert set(children_of(os.getpid())) == children_before and rrs_threads() == threads_before
     clone = pickle.loads(pickle.dumps(rs))
-    assert clone.num_workers == 2 and clone._config["prefetch"] == 3
-    assert callable(clone._config["worker_init_fn"])
+    assert clone.num_workers == 2 and clone._config.prefetch == 3
+    assert callable(clone._config.worker_init_fn)
     rs.finalize()  # never initialised
     rs.finalize()
     assert rs._local_server is None
@@ -348,11 +349,11 @@ def test_service_is_cloned_by_pickling_and_finalize_is_idempotent():
     "kwargs, match",
     [
         ({"num_workers": -1}, "num_workers"),
-        ({"num_workers": 1, "worker_addresses": []}, "empty"),
-        ({"num_workers": 1, "worker_addresses": ["nohost"]}, "no port"),
+        ({"num_workers": 1, "workers": []}, "empty"),
+        ({"num_workers": 1, "workers": ["nohost"]}, "no port"),
         ({"num_workers": 1, "prefetch": 0}, "prefetch"),
         ({"num_workers": 1, "transport": "pigeon"}, "unknown transport"),
-        ({"num_workers": 1, "timeout": 0.5, "heartbeat_interval": 1.0}, "timeout"),
+        ({"num_workers": 1, "timeout": 0.5, "liveness": Liveness(heartbeat_interval=1.0)}, "timeout"),
     ],
 )
 def test_configuration_errors(kwargs, match):
@@ -361,7 +362,7 @@ def test_configuration_errors(kwargs, match):
 
 
 def test_addresses_without_num_workers_mean_one_session_each(worker_server):
-    rs = RPCReadingService(worker_addresses=[worker_server.address] * 3, auth_key=worker_server.key)
+    rs = RPCReadingService(workers=[worker_server.address] * 3, auth_key=worker_server.key)
     assert rs.num_workers == 3
     dp = IterableWrapper(range(9)).sharding_filter().map(functools.partial(tag, None))
     assert run_epochs(dp, rs, n_epochs=1) == [[(None, x) for x in range(9)]]

@@ -12,7 +12,7 @@ from typing import List
 import pytest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-REMOTE_MARKERS = ("worker_addresses=", "store=", "hostfile=")
+REMOTE_MARKERS = ("workers=[", "WorkerAddresses(", "StoreDiscovery(", "Hostfile(")
 
 
 def python_blocks() -> List[str]:

@@ -36,7 +36,7 @@ from _server_helpers import wait_dead
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
-from rpc_reading_service import RPCReadingService, WorkerLostError
+from rpc_reading_service import Liveness, Reassign, RPCReadingService, WorkerLostError
 
 TIMEOUT = 2.0  # the trainer's bound for a silent (stopped) worker
 HEARTBEAT = 0.5
@@ -87,7 +87,11 @@ def _graph(n: int = N) -> IterDataPipe:
 # -- helpers --------------------------------------------------------------------------------
 def _local_loader(**kwargs: Any) -> DataLoader2:
     service = RPCReadingService(
-        num_workers=3, worker_init_fn=uneven_shards, timeout=TIMEOUT, heartbeat_interval=HEARTBEAT, **kwargs
+        num_workers=3,
+        worker_init_fn=uneven_shards,
+        timeout=TIMEOUT,
+        liveness=Liveness(heartbeat_interval=HEARTBEAT),
+        **kwargs,
     )
     dl = DataLoader2(_graph(), reading_service=service)
     dl.seed(SEED)
@@ -254,7 +258,7 @@ REASSIGN_CASES = [(point, fault, True) for point in POINTS for fault in FAULTS] 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("point,fault,in_order", REASSIGN_CASES)
 def test_reassign_yields_the_fault_free_epoch(reference, point, fault, in_order, caplog):
-    caplog.set_level(logging.WARNING, logger="rpc_reading_service.reading_service")
+    caplog.set_level(logging.WARNING, logger="rpc_reading_service.engine.epoch")
     dl = _local_loader(on_worker_failure="reassign", in_order=in_order)
     victims = _Victims()
     try:
@@ -278,7 +282,9 @@ def test_reassign_yields_the_fault_free_epoch(reference, point, fault, in_order,
     replays = [int(n) for n in replayed]
     assert len(replays) == 1, caplog.text
     if point == "mid-epoch":
-        assert SHARDS[1] > replays[0] >= 40
+        # Struck after the trainer took 40 of its items; on a loaded machine the worker may have
+        # sent all of them (not yet its END_OF_SHARD, LINGER later) before the stop landed.
+        assert SHARDS[1] >= replays[0] >= 40
     elif point == "end-of-shard":
         assert replays[0] == SHARDS[1]  # lost before its END_OF_SHARD: replayed to the end
     elif point == "after-end-of-shard" and in_order:
@@ -303,8 +309,8 @@ def test_reassign_out_of_order_counts_each_shard_end_once():
 
     def loader() -> DataLoader2:
         service = RPCReadingService(
-            num_workers=3, in_order=False, on_worker_failure="reassign", worker_init_fn=short_last_shard,
-            timeout=TIMEOUT, heartbeat_interval=HEARTBEAT,
+            num_workers=3, in_order=False, liveness=Liveness(heartbeat_interval=HEARTBEAT),
+            on_worker_failure="reassign", worker_init_fn=short_last_shard, timeout=TIMEOUT,
         )  # fmt: skip
         graph = IterableWrapper(range(450)).shuffle().sharding_filter().map(slow_tag)
         dl = DataLoader2(graph, reading_service=service)
@@ -337,8 +343,8 @@ def test_reassign_out_of_order_counts_each_shard_end_once():
 def test_reassign_gives_up_on_a_graph_that_kills_its_process_every_time():
     """The poison item kills every replacement too: a WorkerLostError says so, no endless loop."""
     service = RPCReadingService(
-        num_workers=3, on_worker_failure="reassign", max_reassignments=2,
-        timeout=TIMEOUT, heartbeat_interval=HEARTBEAT,
+        num_workers=3, liveness=Liveness(heartbeat_interval=HEARTBEAT),
+        on_worker_failure=Reassign(max_reassignments=2), timeout=TIMEOUT,
     )  # fmt: skip
     graph = IterableWrapper(range(60)).sharding_filter().map(functools.partial(exit_at, 17))
     dl = DataLoader2(graph, reading_service=service)
@@ -366,7 +372,7 @@ def test_reassign_gives_up_on_a_graph_that_kills_its_process_every_time():
 @pytest.mark.timeout(30)
 def test_unrelated_losses_in_successive_epochs_do_not_add_up(caplog):
     """One loss of worker 1 in each of four epochs: each epoch counts its own (max_reassignments=3)."""
-    caplog.set_level(logging.WARNING, logger="rpc_reading_service.reading_service")
+    caplog.set_level(logging.WARNING, logger="rpc_reading_service.engine.epoch")
     dl = _local_loader(on_worker_failure="reassign")
     victims = _Victims()
     pids: List[Optional[int]] = []
@@ -392,8 +398,8 @@ def test_unrelated_losses_in_successive_epochs_do_not_add_up(caplog):
 # -- remote servers -------------------------------------------------------------------------------
 def _remote_loader(addresses: List[str], key: str, num_workers: int, in_order: bool = True) -> DataLoader2:
     service = RPCReadingService(
-        num_workers=num_workers, worker_addresses=addresses, auth_key=key, on_worker_failure="reassign",
-        in_order=in_order, timeout=TIMEOUT, heartbeat_interval=HEARTBEAT,
+        num_workers=num_workers, workers=addresses, liveness=Liveness(heartbeat_interval=HEARTBEAT),
+        on_worker_failure="reassign", auth_key=key, in_order=in_order, timeout=TIMEOUT,
     )  # fmt: skip
     dl = DataLoader2(_graph(200), reading_service=service)
     dl.seed(SEED)

@@ -23,7 +23,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import connect, frame_bytes, recv_frame, slow_identity, wait_until
 from conftest import VENV_BIN, _pythonpath, run_epochs, start_server
-from rpc_reading_service import AuthenticationError, RPCReadingService, WorkerRefusedError
+from rpc_reading_service import AuthenticationError, Liveness, RPCReadingService, WorkerRefusedError
 from rpc_reading_service.protocol import HANDSHAKE_KINDS, ClientHandshake, FrameReader, MessageKind, encode_reject
 
 PIDS_CGROUPS = Path("/sys/fs/cgroup/pids")
@@ -39,7 +39,7 @@ def server(tmp_path_factory):
 
 def _service(server, num_workers: int = 1, key=None) -> RPCReadingService:
     return RPCReadingService(
-        worker_addresses=[server.address], num_workers=num_workers, auth_key=server.key if key is None else key
+        workers=[server.address], num_workers=num_workers, auth_key=server.key if key is None else key
     )
 
 
@@ -138,7 +138,11 @@ def test_failed_fork_reaches_a_torch_rpc_trainer_too(tmp_path):
     server = start_server(tmp_path, args=["--transport", "torch_rpc"])
     try:
         service = RPCReadingService(
-            worker_addresses=[server.address], num_workers=1, auth_key=server.key, transport="torch_rpc", connect_timeout=20
+            workers=[server.address],
+            transport="torch_rpc",
+            liveness=Liveness(connect_timeout=20),
+            num_workers=1,
+            auth_key=server.key,
         )
         with _pids_limit(server):
             with pytest.raises(WorkerRefusedError, match="refused the session: server cannot start a session: fork failed"):

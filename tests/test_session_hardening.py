@@ -30,7 +30,13 @@ from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import reap, wait_until
 from conftest import _pythonpath, run_epochs
-from rpc_reading_service import ConfigurationError, ItemTimeoutError, RPCReadingService, WorkerStartupError
+from rpc_reading_service import (
+    ConfigurationError,
+    ItemTimeoutError,
+    Liveness,
+    RPCReadingService,
+    WorkerStartupError,
+)
 
 N = 20
 
@@ -113,10 +119,10 @@ def test_an_unprintable_exception_reaches_the_trainer_at_once(fn, type_name):
 
 @pytest.mark.timeout(30)
 def test_an_unprintable_exception_on_a_server_leaves_it_serving(worker_server):
-    rs = RPCReadingService(num_workers=1, worker_addresses=[worker_server.address], auth_key=worker_server.key)
+    rs = RPCReadingService(num_workers=1, workers=[worker_server.address], auth_key=worker_server.key)
     with pytest.raises(Exception, match="Caught UnprintableError in worker process 0"):
         run_epochs(IterableWrapper(range(N)).sharding_filter().map(raise_unprintable_at_3), rs, n_epochs=1)
-    rs = RPCReadingService(num_workers=1, worker_addresses=[worker_server.address], auth_key=worker_server.key)
+    rs = RPCReadingService(num_workers=1, workers=[worker_server.address], auth_key=worker_server.key)
     assert run_epochs(IterableWrapper(range(4)).sharding_filter(), rs, n_epochs=1) == [[0, 1, 2, 3]]
 
 
@@ -129,7 +135,7 @@ class Point:
         self.x = x
 '''
 
-TRAINING_SCRIPT = '''
+TRAINING_SCRIPT = """
 import json
 import sys
 from dataclasses import dataclass
@@ -138,7 +144,7 @@ from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 import point_module
-from rpc_reading_service import RPCReadingService
+from rpc_reading_service import Liveness, LocalWorkers, RPCReadingService
 
 
 @dataclass
@@ -152,11 +158,11 @@ def make(i):
 
 
 def items_from(kind, transport, address=None, key=None):
-    options = dict(transport=transport, pickle_by_value=[point_module], connect_timeout=30, num_workers=2)
+    options = dict(transport=transport, pickle_by_value=[point_module], liveness=Liveness(connect_timeout=30), num_workers=2)
     if kind == "cli":
-        options.update(worker_addresses=[address], auth_key=key)
+        options.update(workers=[address], auth_key=key)
     else:
-        options.update(start_method=kind)
+        options.update(workers=LocalWorkers(start_method=kind))
     graph = IterableWrapper(range(10)).sharding_filter().map(make)
     with DataLoader2(graph, reading_service=RPCReadingService(**options)) as dl:
         return list(dl)
@@ -174,7 +180,7 @@ if __name__ == "__main__":
         except Exception as exc:
             result = {"error": repr(exc)}
         print(kind, json.dumps(result), flush=True)
-'''
+"""
 
 
 def run_script(directory, args, timeout=40.0):
@@ -214,7 +220,7 @@ def test_items_of_script_classes_arrive_as_the_trainers_own_classes(tmp_path, fr
 def test_a_stuck_item_is_reported_with_its_position_and_the_workers_stack(fresh_server):
     server = fresh_server()
     rs = RPCReadingService(
-        num_workers=1, worker_addresses=[server.address], auth_key=server.key, item_timeout=1.0, timeout=30
+        num_workers=1, workers=[server.address], auth_key=server.key, item_timeout=1.0, timeout=30
     )
     received = []
     with DataLoader2(IterableWrapper(range(N)).sharding_filter().map(block_forever_at_5), reading_service=rs) as dl:
@@ -233,7 +239,7 @@ def test_a_stuck_item_is_reported_with_its_position_and_the_workers_stack(fresh_
     # The session process ends although its producer thread is stuck for good; the server serves on.
     assert wait_until(lambda: not server.session_pids(), 5.0), server.session_pids()
     assert "item 5 of the shard took more than 1.0 s" in server.stderr()
-    rs = RPCReadingService(num_workers=1, worker_addresses=[server.address], auth_key=server.key)
+    rs = RPCReadingService(num_workers=1, workers=[server.address], auth_key=server.key)
     assert run_epochs(IterableWrapper(range(4)).sharding_filter(), rs, n_epochs=1) == [[0, 1, 2, 3]]
 
 
@@ -299,7 +305,7 @@ def test_a_module_missing_on_the_worker_is_named_with_the_fix(tmp_path, worker_s
 
     try:
         graph = IterableWrapper(range(4)).sharding_filter().map(trainer_only_module.double)
-        remote = dict(num_workers=1, worker_addresses=[worker_server.address], auth_key=worker_server.key)
+        remote = dict(num_workers=1, workers=[worker_server.address], auth_key=worker_server.key)
         with pytest.raises(WorkerStartupError) as caught:
             run_epochs(graph, RPCReadingService(**remote), n_epochs=1)
         text = str(caught.value)
@@ -316,7 +322,11 @@ def test_a_module_missing_on_the_worker_is_named_with_the_fix(tmp_path, worker_s
 def test_a_socket_worker_logs_a_torch_rpc_trainer_as_a_transport_mismatch(fresh_server):
     server = fresh_server()
     rs = RPCReadingService(
-        num_workers=1, worker_addresses=[server.address], auth_key=server.key, transport="torch_rpc", connect_timeout=20
+        num_workers=1,
+        workers=[server.address],
+        transport="torch_rpc",
+        liveness=Liveness(connect_timeout=20),
+        auth_key=server.key,
     )
     with pytest.raises(ConfigurationError, match="does not speak torch_rpc"):
         run_epochs(IterableWrapper(range(4)).sharding_filter(), rs, n_epochs=1)

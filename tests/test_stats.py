@@ -38,7 +38,7 @@ def _assert_table(stats) -> None:
 @pytest.mark.timeout(60)
 def test_counts_add_up_to_the_epoch_and_pids_are_the_session_processes(worker_server):
     addresses = [worker_server.address] * 3
-    service = RPCReadingService(worker_addresses=addresses, auth_key=worker_server.key)
+    service = RPCReadingService(workers=addresses, auth_key=worker_server.key)
     dl = DataLoader2(IterableWrapper(range(200)).sharding_filter(), reading_service=service)
     try:
         assert dl.reading_service.stats().items == 0  # before the first epoch

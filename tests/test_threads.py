@@ -31,7 +31,7 @@ from _server_helpers import wait_until
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from rpc_reading_service import RPCReadingService
+from rpc_reading_service import Liveness, RPCReadingService
 
 N = 40
 GATE_AT = 4  # items from here on wait for the gate file: the iterating thread blocks inside next()
@@ -47,7 +47,7 @@ def gated(gate: str, x: int) -> int:
 
 def _loader(gate: Path) -> DataLoader2:
     graph = IterableWrapper(range(N)).sharding_filter().map(functools.partial(gated, str(gate)))
-    service = RPCReadingService(num_workers=2, timeout=5.0, heartbeat_interval=0.5)
+    service = RPCReadingService(num_workers=2, timeout=5.0, liveness=Liveness(heartbeat_interval=0.5))
     return DataLoader2(graph, reading_service=service)
 
 

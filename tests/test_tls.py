@@ -9,15 +9,19 @@ import time
 
 import pytest
 import trustme
+from _server_helpers import big_item, connect, read_until_closed, running_server
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import big_item, connect, read_until_closed, run_epochs, running_server
 from rpc_reading_service import (
+    TLS,
     AuthenticationError,
     ConfigurationError,
+    Liveness,
     ProtocolError,
     RPCReadingService,
+    TransportConfig,
     WorkerRefusedError,
 )
 from rpc_reading_service import worker as worker_cli
@@ -61,7 +65,10 @@ def _epoch(service: RPCReadingService, datapipe) -> list:
 def test_tls_session_end_to_end(tls_server, certs):
     """Small items and 160 KB tensors (many TLS records per frame) arrive intact, twice."""
     service = RPCReadingService(
-        worker_addresses=[tls_server.address], num_workers=2, auth_key=tls_server.key, tls_ca_file=certs["ca"]
+        workers=[tls_server.address],
+        transport=TransportConfig(tls=TLS(certs["ca"])),
+        num_workers=2,
+        auth_key=tls_server.key,
     )
     datapipe = IterableWrapper(range(48)).sharding_filter().map(big_item)
     dl = DataLoader2(datapipe, reading_service=service)
@@ -86,9 +93,11 @@ def test_tls_connection_is_encrypted_and_named(tls_server, certs):
 
 
 def test_plain_trainer_against_tls_server_is_refused_quickly(tls_server):
-    service = RPCReadingService(worker_addresses=[tls_server.address], auth_key=tls_server.key, connect_timeout=30)
+    service = RPCReadingService(
+        workers=[tls_server.address], liveness=Liveness(connect_timeout=30), auth_key=tls_server.key
+    )
     start = time.monotonic()
-    with pytest.raises(WorkerRefusedError, match="requires TLS.*tls_ca_file") as info:
+    with pytest.raises(WorkerRefusedError, match=r"requires TLS.*TLS\(ca_file\)") as info:
         _epoch(service, IterableWrapper(range(4)))
     assert time.monotonic() - start < 5
     assert tls_server.address in str(info.value)
@@ -97,7 +106,10 @@ def test_plain_trainer_against_tls_server_is_refused_quickly(tls_server):
 
 def test_tls_trainer_against_plain_server_fails_quickly(plain_server, certs):
     service = RPCReadingService(
-        worker_addresses=[plain_server.address], auth_key=plain_server.key, tls_ca_file=certs["ca"], connect_timeout=30
+        workers=[plain_server.address],
+        transport=TransportConfig(tls=TLS(certs["ca"])),
+        liveness=Liveness(connect_timeout=30),
+        auth_key=plain_server.key,
     )
     start = time.monotonic()
     with pytest.raises(ProtocolError, match="does not seem to speak TLS") as info:
@@ -108,7 +120,9 @@ def test_tls_trainer_against_plain_server_fails_quickly(plain_server, certs):
 
 def test_certificate_from_another_ca_is_rejected(tls_server, certs):
     service = RPCReadingService(
-        worker_addresses=[tls_server.address], auth_key=tls_server.key, tls_ca_file=certs["other-ca"]
+        workers=[tls_server.address],
+        transport=TransportConfig(tls=TLS(certs["other-ca"])),
+        auth_key=tls_server.key,
     )
     with pytest.raises(AuthenticationError, match="failed verification"):
         _epoch(service, IterableWrapper(range(4)))
@@ -121,7 +135,9 @@ def test_wrong_hostname_is_rejected(tls_server, certs):
 
 
 def test_hmac_handshake_still_required_under_tls(tls_server, certs):
-    service = RPCReadingService(worker_addresses=[tls_server.address], auth_key="wrong key", tls_ca_file=certs["ca"])
+    service = RPCReadingService(
+        workers=[tls_server.address], transport=TransportConfig(tls=TLS(certs["ca"])), auth_key="wrong key"
+    )
     with pytest.raises(AuthenticationError, match="same auth key"):
         _epoch(service, IterableWrapper(range(4)))
 
@@ -160,10 +176,10 @@ def test_tls_configuration_errors(tmp_path, certs, capsys):
     assert worker_cli.main(["--port", "0", "--tls-cert", str(tmp_path / "missing.pem")]) == 2
     assert "cannot load the TLS certificate" in capsys.readouterr().err
     with pytest.raises(ConfigurationError, match="remote workers"):
-        RPCReadingService(num_workers=2, tls_ca_file=certs["ca"])
+        RPCReadingService(num_workers=2, transport=TransportConfig(tls=TLS(certs["ca"])))
     with pytest.raises(ConfigurationError, match="tls_ca_file"):
         SocketTransport(tls_ca_file=str(tmp_path / "missing.pem"))
     with pytest.raises(ConfigurationError, match="does not accept"):
         RPCReadingService(
-            worker_addresses=["127.0.0.1:1"], transport_options={"no_such_option": 1}
+            workers=["127.0.0.1:1"], transport=TransportConfig(options={"no_such_option": 1})
         ).initialize(IterableWrapper(range(2)))

@@ -27,7 +27,13 @@ from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import children_of, process_alive, run_epochs, start_server, wait_until
 from _server_helpers import remote as shared_remote
-from rpc_reading_service import ConfigurationError, RPCReadingService, WorkerLostError, WorkerStartupError
+from rpc_reading_service import (
+    ConfigurationError,
+    Liveness,
+    RPCReadingService,
+    WorkerLostError,
+    WorkerStartupError,
+)
 from rpc_reading_service.errors import FrameTooLargeError, ProtocolError
 from rpc_reading_service.protocol import MessageKind, encode_control, encode_data, encode_frame
 from rpc_reading_service.serialization import dumps_item
@@ -86,7 +92,7 @@ def rpc_server(tmp_path_factory):
 
 def remote(server, num_workers=2, transport="torch_rpc", **kwargs):
     """A reading service on ``server`` over ``transport`` (torch_rpc unless told), with a generous connect timeout."""
-    kwargs.setdefault("connect_timeout", 30)
+    kwargs.setdefault("liveness", Liveness(connect_timeout=30))
     return shared_remote(server, num_workers, transport=transport, **kwargs)
 
 
@@ -120,7 +126,7 @@ def listening_tcp_addresses():
 # -- end to end --------------------------------------------------------------------------------------
 def test_local_workers_give_the_socket_transports_order(worker_server):
     expected = run_epochs(shuffled(), remote(worker_server, transport="socket"), seed=5)
-    rpc_rs = RPCReadingService(num_workers=2, transport="torch_rpc", connect_timeout=30)
+    rpc_rs = RPCReadingService(num_workers=2, transport="torch_rpc", liveness=Liveness(connect_timeout=30))
     with DataLoader2(shuffled(), reading_service=rpc_rs) as dl:
         dl.seed(5)
         got = [list(dl) for _ in range(2)]
@@ -284,7 +290,11 @@ def test_a_rendezvous_that_never_completes_fails_within_the_timeout():
     try:
         started = time.monotonic()
         rs = RPCReadingService(
-            num_workers=1, worker_addresses=[listener.address], auth_key=key, transport="torch_rpc", connect_timeout=2
+            num_workers=1,
+            workers=[listener.address],
+            transport="torch_rpc",
+            liveness=Liveness(connect_timeout=2),
+            auth_key=key,
         )
         with pytest.raises(WorkerLostError, match="rendezvous .* did not complete within 2.0 s.*tcp://127.0.0.1:"):
             run_epochs(IterableWrapper(range(4)).sharding_filter(), rs, n_epochs=1)

@@ -20,12 +20,15 @@ import time
 
 import pytest
 import torch
+from _server_helpers import wait_until
+from conftest import _pythonpath, children_of, process_alive, run_epochs, start_server
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
+from transport_plugin import DIST_DIR, LOG_ENV, PLUGIN_NAME, Counters, CountingTransport
 
 from _server_helpers import _pythonpath, children_of, process_alive, run_epochs, start_server, wait_until
 from _server_helpers import remote as shared_remote
-from rpc_reading_service import RPCReadingService, available_transports, register_transport
+from rpc_reading_service import Liveness, RPCReadingService, available_transports, register_transport
 from transport_plugin import DIST_DIR, LOG_ENV, PLUGIN_NAME, CountingTransport, Counters
 
 # The plugin path, trainer side. (Worker processes import this module to unpickle the
@@ -80,7 +83,7 @@ def servers(tmp_path_factory):
 
 def remote(server, transport, num_workers=2, **kwargs):
     """A reading service on ``server`` over ``transport``, with a generous connect timeout."""
-    return shared_remote(server, num_workers, transport=transport, connect_timeout=30, **kwargs)
+    return shared_remote(server, num_workers, transport=transport, liveness=Liveness(connect_timeout=30), **kwargs)
 
 
 _reference = {}
@@ -158,7 +161,7 @@ def test_local_workers(transport, monkeypatch, tmp_path):
     # Local workers run `rpc-reading-worker --transport NAME` with the trainer's sys.path.
     monkeypatch.syspath_prepend(DIST_DIR)
     monkeypatch.setenv(LOG_ENV, str(tmp_path / "plugin.log"))
-    rs = RPCReadingService(num_workers=2, transport=transport, connect_timeout=30)
+    rs = RPCReadingService(num_workers=2, transport=transport, liveness=Liveness(connect_timeout=30))
     with DataLoader2(IterableWrapper(range(N_ITEMS)).sharding_filter(), reading_service=rs) as dl:
         assert sorted(dl) == list(range(N_ITEMS))
         server_pid = dl.reading_service._local_server.pid  # DataLoader2 works on a clone of rs

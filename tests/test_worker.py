@@ -17,7 +17,7 @@ from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import AUTH_KEY_ENV, VENV_BIN, remote, run_epochs, start_server, wait_dead
-from rpc_reading_service import AuthenticationError, ConfigurationError, RPCReadingService, WorkerLostError
+from rpc_reading_service import AuthenticationError, ConfigurationError, Liveness, RPCReadingService, WorkerLostError
 from rpc_reading_service.addresses import parse_address
 from rpc_reading_service.protocol import (
     HANDSHAKE_KINDS,
@@ -121,7 +121,7 @@ def test_without_key_only_loopback_is_allowed():
 # -- authentication ---------------------------------------------------------------------------
 @pytest.mark.parametrize("key", ["wrong-key", None])
 def test_wrong_or_missing_key_fails_fast(worker_server, key):
-    rs = RPCReadingService(num_workers=1, worker_addresses=[worker_server.address], auth_key=key)
+    rs = RPCReadingService(num_workers=1, workers=[worker_server.address], auth_key=key)
     start = time.monotonic()
     with pytest.raises(AuthenticationError, match="auth key"):
         with DataLoader2(IterableWrapper(range(3)), reading_service=rs) as dl:
@@ -301,7 +301,7 @@ def test_server_killed_mid_epoch(fresh_server):
 
 def test_hung_worker_is_detected_by_heartbeat_timeout(worker_server):
     dp = IterableWrapper(range(10**6)).sharding_filter().map(with_pid)
-    rs = remote(worker_server, 2, timeout=2.0, heartbeat_interval=0.5)
+    rs = remote(worker_server, 2, timeout=2.0, liveness=Liveness(heartbeat_interval=0.5))
     with DataLoader2(dp, reading_service=rs) as dl:
         it = iter(dl)
         pid0, _ = next(it)
@@ -326,7 +326,7 @@ def test_sessions_log_their_throughput_periodically(tmp_path):
     server = start_server(tmp_path, args=["--stats-interval", "0.3"])
     try:
         dp = IterableWrapper(range(600)).sharding_filter().map(_slow_identity)
-        dl = DataLoader2(dp, reading_service=RPCReadingService(worker_addresses=[server.address], auth_key=server.key))
+        dl = DataLoader2(dp, reading_service=RPCReadingService(workers=[server.address], auth_key=server.key))
         try:
             assert sorted(dl) == list(range(600))
         finally:

@@ -3,8 +3,8 @@
 Store discovery
 ---------------
 A worker started with ``rpc-reading-worker --store HOST:PORT --job NAME`` registers the
-address the trainer should dial; ``RPCReadingService(store="HOST:PORT", job="NAME",
-min_workers=N)`` waits until N registered workers answer, then uses them. Keys, all
+address the trainer should dial; ``RPCReadingService(workers=StoreDiscovery("HOST:PORT", job="NAME",
+min_workers=N))`` waits until N registered workers answer, then uses them. Keys, all
 under ``rpc_reading_service/<job>/``::
 
     count       a TCPStore ``add`` counter: how many registrations ever happened
@@ -24,7 +24,7 @@ long-lived store are handled the same way (dead ones are skipped); to keep runs 
 entirely, use a job name per run (``$SLURM_JOB_ID``, ``$TORCHELASTIC_RUN_ID``) or a store
 that lives as long as the run (a trainer-hosted store, torchrun's own store).
 
-Who hosts the store: the trainer (``RPCReadingService(store="0.0.0.0:PORT",
+Who hosts the store: the trainer (``StoreDiscovery("0.0.0.0:PORT",
 host_store=True)``, on one rank only), torchrun's existing store
 (``$MASTER_ADDR:$MASTER_PORT``), or a stand-alone one::
 
@@ -115,7 +115,7 @@ def _wait_until_listening(host: str, port: int, deadline: float, address: str) -
         if time.monotonic() >= deadline:
             raise ConfigurationError(
                 f"no TCPStore answers at {address} ({last}). Start one there (the trainer with "
-                "RPCReadingService(store='0.0.0.0:PORT', host_store=True), torchrun, or "
+                "StoreDiscovery('0.0.0.0:PORT', host_store=True), torchrun, or "
                 "`python -m rpc_reading_service.discovery serve --port PORT`), or fix the address"
             )
         time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
@@ -261,7 +261,7 @@ def wait_for_workers(
         )
     message += (
         f". Start more workers with `rpc-reading-worker --store {store_address} --job {job} ...`, "
-        "lower min_workers, or raise discovery_timeout"
+        "lower min_workers, or raise the timeout of StoreDiscovery/Hostfile"
     )
     raise DiscoveryTimeoutError(message)
 
@@ -314,47 +314,20 @@ def wait_for_hostfile(path: str, min_workers: Optional[int], timeout: float) -> 
             raise DiscoveryTimeoutError(
                 f"waited {timeout:.0f} s for hostfile {path!r} to list {min_workers} workers: it lists "
                 f"{len(addresses)}{'' if os.path.exists(path) else ' (the file does not exist)'}. Add "
-                "HOST:PORT lines, lower min_workers, or raise discovery_timeout"
+                "HOST:PORT lines, lower min_workers, or raise the timeout of StoreDiscovery/Hostfile"
             )
         time.sleep(_POLL_SECONDS * 2)
 
 
-def check_discovery_options(config: Dict[str, Any]) -> bool:
-    """Validate :class:`~rpc_reading_service.RPCReadingService`'s discovery arguments.
+def check_discovery_options(store: Any, job: Any = "default") -> None:
+    """Validate a store address and job name for :class:`~rpc_reading_service.StoreDiscovery`.
 
-    Returns True when the workers are to be discovered (``store=`` or ``hostfile=``).
     Opens nothing: the reading service is cloned by pickling before it is initialised.
     """
-    store, hostfile = config.get("store"), config.get("hostfile")
-    min_workers = config.get("min_workers")
-    sources = [name for name in ("worker_addresses", "store", "hostfile") if config.get(name) is not None]
-    if len(sources) > 1:
-        raise ConfigurationError(
-            f"give the workers one way, not {' and '.join(sources)}: worker_addresses=[...], "
-            "store='HOST:PORT' (with job= and min_workers=), or hostfile='FILE'"
-        )
-    if config.get("host_store") and store is None:
-        raise ConfigurationError(
-            "host_store=True needs store='0.0.0.0:PORT': the address to serve the TCPStore on"
-        )
-    if min_workers is not None and (not isinstance(min_workers, int) or min_workers < 1):
-        raise ConfigurationError(f"min_workers must be an int >= 1, got {min_workers!r}")
-    if min_workers is not None and store is None and hostfile is None:
-        raise ConfigurationError(
-            "min_workers is for discovery: use it with store='HOST:PORT' or hostfile='FILE'"
-        )
-    if store is not None:
-        if not isinstance(store, str) or unix_socket_path(store):
-            raise ConfigurationError(f"store address {store!r} must be a 'HOST:PORT' string")
-        parse_address(store, what="store address")
-        _check_job(config.get("job", "default"))
-    if hostfile is not None and not isinstance(hostfile, (str, os.PathLike)):
-        raise ConfigurationError(f"hostfile must be a path, got {hostfile!r}")
-    if config.get("discovery_timeout", 1.0) <= 0:
-        raise ConfigurationError(
-            f"discovery_timeout must be > 0 seconds, got {config.get('discovery_timeout')!r}"
-        )
-    return store is not None or hostfile is not None
+    if not isinstance(store, str) or unix_socket_path(store):
+        raise ConfigurationError(f"store address {store!r} must be a 'HOST:PORT' string")
+    parse_address(store, what="store address")
+    _check_job(job)
 
 
 def discover_workers(

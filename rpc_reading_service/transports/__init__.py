@@ -28,7 +28,7 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "rpc_reading_service.transports"
-#: ``factory(**options) -> Transport``; options come from ``RPCReadingService(transport_options=...)``
+#: ``factory(**options) -> Transport``; options come from ``TransportConfig(options=...)``
 #: on the trainer and from the ``rpc-reading-worker`` command line on the server.
 TransportFactory = Callable[..., Transport]
 

@@ -594,7 +594,7 @@ class _PendingHandshake:
                 raise PeerLostError("peer closed the connection before the TLS handshake")
             if first[0] != _TLS_HANDSHAKE_RECORD:
                 raise RemoteProtocolError(
-                    "this worker requires TLS: connect with RPCReadingService(tls_ca_file=...), "
+                    "this worker requires TLS: connect with RPCReadingService(transport=TransportConfig(tls=TLS(ca_file))), "
                     "the CA bundle that signed the worker's --tls-cert"
                 )
             self.sock = self.tls_context.wrap_socket(self.sock, server_side=True, do_handshake_on_connect=False)

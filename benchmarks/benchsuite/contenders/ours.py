@@ -59,4 +59,4 @@ class RPCRSTcp(RPCRSContender):
         from rpc_reading_service import RPCReadingService
 
         (address,) = self.servers["addresses"]
-        return RPCReadingService(worker_addresses=[address] * num_workers, auth_key=self.servers["auth_key"])
+        return RPCReadingService(workers=[address] * num_workers, auth_key=self.servers["auth_key"])

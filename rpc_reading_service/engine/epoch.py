@@ -1,0 +1,142 @@
+"""One epoch of a run: merging the workers' streams, reassigning lost workers, positions.
+
+An :class:`Epoch` is what :meth:`Engine.start_epoch <rpc_reading_service.engine.Engine.start_epoch>`
+returns: iterate it for the items (round-robin or as completed), ask it for its
+:class:`Positions` (a checkpoint), and it replays a lost worker's shard on a new session
+when the failure policy is :class:`~rpc_reading_service.config.Reassign`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
+
+from ..client import EpochProgress, WorkerChannel, iterate_as_completed, iterate_in_order
+from ..errors import WorkerLostError
+
+if TYPE_CHECKING:
+    from .run import Engine
+
+__all__ = ["Epoch", "Positions"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Positions:
+    """How far the consumer got in an epoch: items taken from each worker's shard, and whose
+    turn is next in the round-robin. Starting an epoch at positions replays the rest exactly."""
+
+    consumed: Tuple[int, ...]
+    next_rank: int = 0
+
+
+class Epoch:
+    """One epoch of an :class:`~rpc_reading_service.engine.Engine`: an iterable of its items."""
+
+    def __init__(self, engine: "Engine", number: int, wire: int, seed: int, positions: Positions):
+        self.engine = engine
+        #: The epoch's number (counted from 1; a resumed epoch keeps its own) and its shared seed.
+        self.number = number
+        self.seed = seed
+        #: The number its frames carry: new for every epoch a session sees, so that frames of an
+        #: epoch this one supersedes (also one it resumes) are told apart.
+        self.wire = wire
+        self.progress = EpochProgress(wire, list(positions.consumed), positions.next_rank)
+        #: Worker losses this epoch by (rank, items of its shard consumed): see :meth:`_replace`.
+        self._losses: Dict[Tuple[int, int], int] = {}
+        self._started = False
+
+    def __iter__(self) -> Iterator[Any]:
+        """The epoch's items; an epoch is iterated once."""
+        if self._started:
+            raise RuntimeError("an Epoch is iterated once: start a new epoch with Engine.start_epoch()")
+        self._started = True
+        engine = self.engine
+        if engine.in_process_graph is not None:
+            return self._one_step_at_a_time(self._iterate_in_process())
+        replace = self._replace if engine.config.reassign is not None else None
+        if engine.config.in_order:
+            items = iterate_in_order(engine.channels, self.progress, replace)
+        else:
+            items = iterate_as_completed(engine.channels, engine.events, self.progress, replace)
+        return self._one_step_at_a_time(items)
+
+    @property
+    def finished(self) -> bool:
+        """True once every item of the epoch was taken."""
+        return self.progress.finished
+
+    def positions(self, delivered: Optional[int] = None) -> Positions:
+        """The epoch's positions; ``delivered``: how many of the items taken so far the consumer
+        really received (a trainer-side stage after the stream may hold some back: they are
+        given back, to be replayed)."""
+        self.progress.delivered = delivered
+        consumed, next_rank = self.progress.positions()
+        return Positions(tuple(consumed), next_rank)
+
+    def _one_step_at_a_time(self, items: Iterator[Any]) -> Iterator[Any]:
+        """``items``, each taken holding the engine's guard, and only while this epoch is the current one.
+
+        An iterator of an epoch that a newer one superseded must not take the newer epoch's
+        frames from the shared queues: that would lose them for its own iterator.
+        """
+        engine = self.engine
+        guard, get_ident = engine.guard, threading.get_ident
+        lock, doing = guard.lock, "taking an item"
+        while True:
+            # guard.acquire()/release() inlined: this runs once per item.
+            if not lock.acquire(False):
+                guard.refuse(doing)
+            guard.depth, guard.holder, guard.doing = 1, get_ident(), doing
+            try:
+                if self is not engine.epoch:
+                    raise RuntimeError(
+                        "this iterator of a DataLoader2 was invalidated because a newer iteration of the "
+                        "same DataLoader2 started a new epoch; iterate the newest iterator only"
+                    )
+                item = next(items)
+            except StopIteration:
+                return
+            finally:
+                guard.depth, guard.holder = 0, None
+                lock.release()
+            yield item
+
+    def _iterate_in_process(self) -> Iterator[Any]:
+        progress = self.progress
+        skip = progress.consumed[0]
+        for index, item in enumerate(self.engine.in_process_graph):  # type: ignore[arg-type]
+            if index >= skip:
+                progress.count(0)
+                yield item
+        progress.finish()
+
+    def _replace(self, lost: WorkerChannel, error: WorkerLostError) -> WorkerChannel:
+        """Replay a lost worker's shard on a new session, skipping what the consumer took."""
+        engine, rank, progress = self.engine, lost.rank, self.progress
+        assert engine.config.reassign is not None
+        # Losses at one position of one shard, this epoch: a replay that gets further is progress
+        # (unrelated faults), one that dies at the same place again points at the graph.
+        position, limit = progress.consumed[rank], engine.config.reassign.max_reassignments
+        losses = self._losses[(rank, position)] = self._losses.get((rank, position), 0) + 1
+        if losses > limit:
+            raise WorkerLostError(
+                f"{error} -- gave up: worker {rank}'s shard was lost {losses} times in this epoch with the "
+                f"trainer at the same position (after {position} of its items), and "
+                f"max_reassignments={limit} allows {limit} replays from one position. Does the graph crash "
+                "its process at that item every time? on_worker_failure='raise' shows the first loss",
+                rank,
+                lost.address,
+            ) from error
+        log.warning(
+            "%s; replaying its shard from item %d on a new session (replay %d of %d from there this epoch)",
+            error, position, losses, limit,
+        )  # fmt: skip
+        channel = engine.fleet.reopen(rank, lost, engine.channels, error)
+        channel.start_receiver(engine.receiver_queue())
+        engine.start_channel(channel, self, skip=progress.consumed[rank])
+        engine.channels[rank] = channel
+        return channel

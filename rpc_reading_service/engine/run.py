@@ -1,0 +1,190 @@
+"""The engine: the workers of one run behind a plain Python API, independent of any loader.
+
+::
+
+    engine = Engine(config)
+    engine.start(graph)                     # find, start and connect the workers; ship them the graph
+    for item in engine.start_epoch(seed):   # one epoch, every item exactly once
+        ...
+    engine.epoch.positions()                # a checkpoint: start_epoch(seed, positions=...) resumes
+    engine.stats()
+    engine.close()
+
+A front end (the DataLoader2 adapter in :mod:`rpc_reading_service.reading_service`) draws
+the seeds and splits its host library's graph; nothing here knows DataLoader2.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+import weakref
+from typing import List, Optional
+
+from torchdata.dataloader2.graph import DataPipe
+from torchdata.dataloader2.utils import WorkerInfo
+
+from ..client import Event, WorkerChannel
+from ..config import ReadingServiceConfig
+from ..graph import DistributedInfo, init_worker_graph, reset_worker_graph
+from ..serialization import dumps_graph
+from ..stats import ReadingServiceStats, WorkerStats
+from .epoch import Epoch, Positions
+from .fleet import Fleet, close_channels
+from .guard import IterationGuard
+
+__all__ = ["Engine"]
+
+#: Engines with workers that have not been closed, and the process that owns them.
+_open_engines: "weakref.WeakKeyDictionary[Engine, int]" = weakref.WeakKeyDictionary()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Stop the workers of every engine still open when the interpreter exits.
+
+    A front end's own cleanup (DataLoader2's ``__del__``) runs late in interpreter shutdown
+    or never (reference cycles), so local workers would outlive the trainer.
+    """
+    for engine, owner in list(_open_engines.items()):
+        if owner == os.getpid():  # not in a forked child that inherited the trainer's memory
+            engine.close()
+
+
+class Engine:
+    """The workers of one run: where they come from, their sessions, epochs, reassignment and stats.
+
+    Args:
+        config: The run's checked configuration. Nothing opens before :meth:`start`.
+    """
+
+    def __init__(self, config: ReadingServiceConfig):
+        self.config = config
+        #: This trainer's place in a torch.distributed job (set by :meth:`start`).
+        self.dist = DistributedInfo()
+        self.fleet = Fleet(config)
+        self.channels: List[WorkerChannel] = []
+        #: The queue every channel delivers to when items are taken as completed.
+        self.events: "queue.SimpleQueue[Event]" = queue.SimpleQueue()
+        #: With ``num_workers=0`` the graph runs in this process.
+        self.in_process_graph: Optional[DataPipe] = None
+        #: The current (or last) epoch, and the number of the latest one (0 before the first).
+        self.epoch: Optional[Epoch] = None
+        self.epoch_number = 0
+        self._wire_epochs = 0
+        #: Held while setting up and while taking each item: one thread at a time.
+        self.guard = IterationGuard()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def num_workers(self) -> int:
+        """Worker sessions of the run (known after :meth:`discover` with discovery)."""
+        return self.fleet.num_workers
+
+    def discover(self) -> int:
+        """Find the workers of a store or hostfile (once) and return the number of sessions."""
+        return self.fleet.discover()
+
+    def start(self, graph: DataPipe, dist: Optional[DistributedInfo] = None) -> None:
+        """Find and start the workers and set up every session with ``graph``, the DataPipes the
+        workers run (already sharded for ``dist``, this trainer's place in a torch.distributed
+        job: worker ``i`` runs global shard ``dist.rank * num_workers + i``); with
+        ``num_workers=0`` the graph runs in this process."""
+        self.dist = dist or DistributedInfo()
+        self.discover()
+        config = self.config
+        if self.num_workers == 0:
+            self.in_process_graph = init_worker_graph(graph, WorkerInfo(1, 0), config.worker_init_fn)
+            return
+        shipped = dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+        _open_engines[self] = os.getpid()
+        try:
+            self.channels = self.fleet.connect(shipped)
+        except BaseException:
+            self.close()
+            raise
+        for channel in self.channels:
+            channel.start_receiver(self.receiver_queue())
+
+    def receiver_queue(self) -> "queue.SimpleQueue[Event]":
+        """Where a new channel delivers: the shared queue, or (in order) a queue of its own."""
+        return self.events if not self.config.in_order else queue.SimpleQueue()
+
+    def start_epoch(
+        self, seed: int, positions: Optional[Positions] = None, number: Optional[int] = None
+    ) -> Epoch:
+        """Start an epoch with the shared ``seed`` on every worker and return it.
+
+        ``positions`` (from :meth:`Epoch.positions`) and ``number`` resume a checkpointed
+        epoch: each worker replays its shard from the same seed, skipping what was consumed.
+        """
+        self.epoch_number = self.epoch_number + 1 if number is None else number
+        self._wire_epochs += 1
+        positions = positions or Positions((0,) * max(1, self.num_workers))
+        epoch = Epoch(self, self.epoch_number, self._wire_epochs, seed, positions)
+        self.epoch = epoch
+        if self.in_process_graph is not None:
+            self.in_process_graph = reset_worker_graph(
+                self.in_process_graph, WorkerInfo(1, 0), seed, self.dist.rank, self.config.worker_reset_fn
+            )
+            return epoch
+        for channel in self.channels:
+            self.start_channel(channel, epoch, skip=epoch.progress.consumed[channel.rank])
+        return epoch
+
+    def start_channel(self, channel: WorkerChannel, epoch: Epoch, skip: int) -> None:
+        """Start ``epoch`` on one worker, skipping the first ``skip`` items of its shard."""
+        global_rank = self.dist.global_worker_id(channel.rank, self.num_workers)
+        channel.start_epoch(epoch.wire, epoch.seed, global_rank, self.config.prefetch, skip=skip)
+
+    def stats(self) -> ReadingServiceStats:
+        """Throughput per worker and the consumer's data stall for the current (or last) epoch."""
+        if self.epoch is None:
+            return ReadingServiceStats(0, 0.0, 0, 0.0, 0.0, 0.0)
+        epoch, progress = self.epoch, self.epoch.progress
+        elapsed = max(progress.elapsed, 1e-9)
+        workers = [
+            WorkerStats(
+                rank=channel.rank,
+                address=channel.address,
+                items_consumed=progress.consumed[channel.rank],
+                items_received=channel.stats.items,
+                bytes_received=channel.stats.bytes,
+                frames_received=channel.stats.frames,
+                items_per_second=progress.consumed[channel.rank] / elapsed,
+                queue_depth=channel.queue.qsize() if self.config.in_order else 0,
+                wait_seconds=channel.stats.wait_seconds,
+                pid=channel.info.get("pid"),
+            )
+            for channel in self.channels
+        ]
+        items = sum(progress.consumed)
+        return ReadingServiceStats(
+            epoch=epoch.number - 1,  # counted from 1; users count from 0 (range(epochs))
+            elapsed_seconds=elapsed,
+            items=items,
+            items_per_second=items / elapsed,
+            wait_seconds=progress.wait_seconds,
+            data_stall=min(1.0, progress.wait_seconds / elapsed),
+            workers=workers,
+        )
+
+    @property
+    def worker_addresses(self) -> List[str]:
+        """Addresses of the connected worker sessions, by rank."""
+        return [channel.address for channel in self.channels]
+
+    def close(self) -> None:
+        """Close every session and stop local workers; idempotent, bounded in time."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        _open_engines.pop(self, None)
+        channels, self.channels = self.channels, []
+        if channels:
+            close_channels(channels)
+        self.fleet.close()
