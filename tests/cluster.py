@@ -23,12 +23,13 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from _server_helpers import reap
 
 TEST_RANGE = "10.231.0.0/16"
 PREFIX = "rrsc"
@@ -223,15 +224,7 @@ class Cluster:
     def reap(self) -> None:
         """SIGKILL every process started in a host (and its process group) and wait for it."""
         for proc in self.processes:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            proc.wait()
-            for stream in (proc.stdin, proc.stdout, proc.stderr):
-                if stream is not None:
-                    with contextlib.suppress(OSError):
-                        stream.close()
+            reap(proc)
         self.processes.clear()
 
     def destroy(self) -> None:
