@@ -105,6 +105,12 @@ def point_value(results: dict, contender: str, key: str, workers: int) -> Option
     return None
 
 
+def outcome_rows(results: dict, cells: Callable[[str, dict], list]) -> list:
+    """One table row per contender (``[name] + cells(name, data)``); ``n/a`` rows for failures."""
+    return [[name] + cells(name, outcome["data"]) if outcome.get("ok") else (name, na(outcome))
+            for name, outcome in results.items()]
+
+
 def point_rows(results: dict, cells: Callable[[str, dict], list]) -> list:
     """One table row per (contender, worker count); ``n/a`` rows for failures."""
     rows = []

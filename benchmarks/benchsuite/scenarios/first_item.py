@@ -9,7 +9,7 @@ from typing import Callable
 from workloads import Workload
 
 from benchsuite.contenders.base import Contender
-from benchsuite.report.format import fmt_num, fmt_ratio, na, ratio, render_table, value
+from benchsuite.report.format import fmt_num, fmt_ratio, outcome_rows, ratio, render_table, value
 from benchsuite.scenarios.base import DATALOADERS, STARTUP_ALLOWANCE_S, Scenario
 
 
@@ -50,14 +50,10 @@ def measure_first_item(contender: Contender, params: dict, emit: Callable[[dict]
 def report_first_item(scenario: Scenario, params: dict, results: dict) -> str:
     """The first_item table: cold and warm time to the first item, vs MPRS, shutdown."""
     mprs = value(results, "MPRS", "cold_s")
-    rows = []
-    for name, outcome in results.items():
-        if not outcome.get("ok"):
-            rows.append((name, na(outcome)))
-            continue
-        d = outcome["data"]
-        rows.append([name, fmt_num(d["cold_s"], ".3f", " s"), fmt_num(d["warm_s"], ".3f", " s"),
-                     fmt_ratio(ratio(d["cold_s"], mprs)), fmt_num(d["shutdown_s"], ".3f", " s")])
+    rows = outcome_rows(results, lambda _name, d: [
+        fmt_num(d["cold_s"], ".3f", " s"), fmt_num(d["warm_s"], ".3f", " s"),
+        fmt_ratio(ratio(d["cold_s"], mprs)), fmt_num(d["shutdown_s"], ".3f", " s"),
+    ])
     title = (f"== first_item: loader construction + iter() to first item, {params['workers']} workers, "
              f"{params['repeats']} epochs ==")
     return render_table(title, ["contender", "first epoch", "later (median)", "vs MPRS", "shutdown"], rows,

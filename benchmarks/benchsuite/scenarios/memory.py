@@ -9,7 +9,7 @@ from workloads import MIB, Workload
 
 from benchsuite.contenders.base import Contender
 from benchsuite.measure import drain, read_all
-from benchsuite.report.format import budget_note, fmt_num, fmt_ratio, na, ratio, render_table, value
+from benchsuite.report.format import budget_note, fmt_num, fmt_ratio, outcome_rows, ratio, render_table, value
 from benchsuite.rss import PeakRss, rss_kib
 from benchsuite.scenarios.base import DATALOADERS, Scenario, timeout_budgeted
 
@@ -51,17 +51,13 @@ def report_memory(scenario: Scenario, params: dict, results: dict) -> str:
     w = Workload.from_dict(params["workload"])
     mprs = value(results, "MPRS", "growth_mib")
     dataloader = value(results, "torch-DataLoader", "growth_mib")
-    rows = []
-    for name, outcome in results.items():
-        if not outcome.get("ok"):
-            rows.append((name, na(outcome)))
-            continue
-        d = outcome["data"]
-        rows.append([name, fmt_num(d["growth_mib"], ".1f", " MiB"), fmt_num(d["baseline_mib"], ".0f", " MiB"),
-                     f"{d['items']:,}", fmt_num(d.get("credit_window_mib"), ".0f", " MiB"),
-                     fmt_ratio(ratio(d["growth_mib"], d.get("credit_window_mib"))),
-                     fmt_ratio(ratio(d["growth_mib"], mprs)), fmt_ratio(ratio(d["growth_mib"], dataloader)),
-                     budget_note(d)])
+    rows = outcome_rows(results, lambda _name, d: [
+        fmt_num(d["growth_mib"], ".1f", " MiB"), fmt_num(d["baseline_mib"], ".0f", " MiB"),
+        f"{d['items']:,}", fmt_num(d.get("credit_window_mib"), ".0f", " MiB"),
+        fmt_ratio(ratio(d["growth_mib"], d.get("credit_window_mib"))),
+        fmt_ratio(ratio(d["growth_mib"], mprs)), fmt_ratio(ratio(d["growth_mib"], dataloader)),
+        budget_note(d),
+    ])
     title = (f"== memory: trainer peak RSS above baseline, {w.n_items} x {w.item_bytes // MIB} MiB tensors, "
              f"consumer reads each and sleeps {params['consumer_sleep_s'] * 1000:.0f} ms, "
              f"{params['workers']} workers ==")
