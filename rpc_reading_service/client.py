@@ -27,6 +27,7 @@ from .protocol import (
     EndOfShard,
     Error,
     Frame,
+    ItemCredit,
     Message,
     Ready,
     Refused,
@@ -95,8 +96,12 @@ class WorkerChannel:
         self._ended_by: Optional[ItemTimeoutError] = None
         self._closing = False
         self._receiver: Optional[threading.Thread] = None
+        #: When dispatching, the epoch's dispatcher hears this session's ITEM_CREDIT, END_OF_SHARD
+        #: and ERROR events here (from the receiver thread).
+        self.input_sink: Optional[Callable[[Any], None]] = None
         self._on_event: Dict[type, Callable[[Any], bool]] = {
             DataReceived: self._on_data,
+            ItemCredit: self._on_item_credit,
             EndOfShard: self._on_end_of_shard,
             Error: self._on_error,
             Refused: lambda refused: self._lost(f"{self.name} ended the session: {refused.reason}"),
@@ -184,11 +189,19 @@ class WorkerChannel:
         self._receiver.start()
 
     # -- epochs ---------------------------------------------------------------------------------
-    def start_epoch(self, epoch: int, seed: int, global_worker_id: int, credits: int, skip: int = 0) -> None:
-        """Start ``epoch`` on the worker (superseding any epoch still running there)."""
+    def start_epoch(
+        self, epoch: int, seed: int, global_worker_id: int, credits: int, skip: int = 0, dispatched: bool = False
+    ) -> None:
+        """Start ``epoch`` on the worker (superseding any epoch still running there); with
+        ``dispatched``, its input comes from the trainer (:meth:`send_input`)."""
         self.epoch = epoch
         self.stats = ChannelStats()
-        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip))
+        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched))
+
+    def send_input(self, message: Message) -> None:
+        """Send an ITEMS or END_OF_INPUT frame of the dispatched input (the state machine
+        checks the worker's ITEM_CREDIT); nothing once the session is over."""
+        self._send_or_report(message)
 
     def grant(self, epoch: int, credits: int = 1) -> None:
         """Allow the worker ``credits`` more DATA frames of ``epoch`` (nothing for a superseded epoch)."""
@@ -255,11 +268,22 @@ class WorkerChannel:
         self.queue.put(Event(self, "data", event.epoch, event.frame))
         return False
 
+    def _on_item_credit(self, event: ItemCredit) -> bool:
+        self._tell_input(event)
+        return False
+
+    def _tell_input(self, event: Any) -> None:
+        sink = self.input_sink
+        if sink is not None:
+            sink(event)
+
     def _on_end_of_shard(self, event: EndOfShard) -> bool:
+        self._tell_input(event)
         self.queue.put(Event(self, "end", event.epoch))
         return False
 
     def _on_error(self, event: Error) -> bool:
+        self._tell_input(event)
         if event.phase == "item_timeout":
             self._ended_by = self._item_timeout_error(event)
             error: BaseException = self._ended_by
@@ -279,7 +303,7 @@ class WorkerChannel:
 
 
 def _ignore(event: Any) -> bool:
-    """Events this driver does not act on (ITEM_CREDIT: dispatching is not driven from here yet)."""
+    """Events this driver does not act on."""
     return False
 
 

@@ -14,17 +14,22 @@ from typing import Callable, Optional, Tuple
 
 import torch
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
-from torchdata.dataloader2.graph import DataPipe, replace_dp, traverse_dps
+from torchdata.dataloader2.graph import DataPipe, find_dps, list_dps, replace_dp, set_datapipes_seed, traverse_dps
 from torchdata.dataloader2.graph.utils import _find_replicable_branches
 from torchdata.dataloader2.random import SeedGenerator
 from torchdata.dataloader2.utils import WorkerInfo, process_init_fn, process_reset_fn
-from torchdata.dataloader2.utils.dispatch import find_lca_round_robin_sharding_dp
+from torchdata.dataloader2.utils.dispatch import (
+    _DummyIterDataPipe,
+    find_lca_round_robin_sharding_dp,
+    find_non_dispatching_branches,
+)
 
 from .errors import ConfigurationError
 
 __all__ = [
     "DistributedInfo",
     "distributed_info",
+    "split_dispatching",
     "split_replicable",
     "apply_distributed_sharding",
     "draw_epoch_seed",
@@ -32,6 +37,7 @@ __all__ = [
     "worker_seed_generator",
     "init_worker_graph",
     "reset_worker_graph",
+    "reset_dispatching_graph",
 ]
 
 InitFn = Callable[[DataPipe, WorkerInfo], DataPipe]
@@ -63,20 +69,34 @@ def distributed_info() -> DistributedInfo:
     return DistributedInfo()
 
 
+def split_dispatching(datapipe: DataPipe) -> Tuple[Optional[DataPipe], DataPipe]:
+    """Cut off the non-replicable part before ``sharding_round_robin_dispatch``, as MPRS does.
+
+    Returns ``(dispatching_part, graph)``: the dispatching part is the lowest common ancestor
+    of the graph's ``sharding_round_robin_dispatch`` DataPipes (torchdata's own search), run
+    once per epoch by the trainer's dispatcher; in ``graph`` (the same graph, changed in place
+    as MPRS changes it) torchdata's placeholder stands where it was, and each worker puts the
+    source of its dealt items there (:func:`init_worker_graph`). ``(None, datapipe)`` for a
+    graph without dispatching.
+    """
+    graph = traverse_dps(datapipe)
+    dispatching = find_lca_round_robin_sharding_dp(graph)
+    if dispatching is None:
+        return None, datapipe
+    graph = replace_dp(graph, dispatching, _DummyIterDataPipe())
+    return dispatching, list(graph.values())[0][0]
+
+
 def split_replicable(datapipe: DataPipe) -> Tuple[DataPipe, Callable[[DataPipe], DataPipe]]:
     """Split a graph into the branch the workers run and a function that re-attaches the rest.
 
     Returns ``(replicable_branch, attach)``: ``attach(stream)`` puts the stream of items
     coming back from the workers where the branch was and returns the trainer's graph.
     Non-replicable DataPipes at the end of the graph (``fullsync`` added by
-    ``DistributedReadingService``, for example) stay in the trainer.
+    ``DistributedReadingService``, for example) stay in the trainer. A dispatching part is
+    cut off first (:func:`split_dispatching`).
     """
     graph = traverse_dps(datapipe)
-    if find_lca_round_robin_sharding_dp(graph) is not None:
-        raise ConfigurationError(
-            "sharding_round_robin_dispatch is not supported by RPCReadingService: use "
-            "sharding_filter() so that each worker reads its own shard"
-        )
     branches = _find_replicable_branches(graph)
     if len(branches) != 1:
         raise ConfigurationError(
@@ -132,10 +152,37 @@ def worker_seed_generator(epoch_seed: int, global_worker_id: int) -> SeedGenerat
     return SeedGenerator(epoch_seed).spawn(global_worker_id)
 
 
-def init_worker_graph(datapipe: DataPipe, worker_info: WorkerInfo, worker_init_fn: Optional[InitFn]) -> DataPipe:
-    """Shard the graph for one worker and run the user's ``worker_init_fn`` (torchdata's code)."""
+def init_worker_graph(
+    datapipe: DataPipe,
+    worker_info: WorkerInfo,
+    worker_init_fn: Optional[InitFn],
+    dispatched_input: Optional[DataPipe] = None,
+) -> DataPipe:
+    """Shard the graph for one worker and run the user's ``worker_init_fn`` (torchdata's code).
+
+    A graph cut by :func:`split_dispatching` gets ``dispatched_input`` (the source of the
+    items dealt to this worker) in place of the placeholder, and only its branches that do
+    not come from the dispatcher are sharded, as torchdata's ``process_init_fn`` does with
+    MPRS's dispatching queues.
+    """
     with _traversal_lock:
-        return process_init_fn(datapipe, worker_info, worker_init_fn)
+        graph = traverse_dps(datapipe)
+        placeholders = find_dps(graph, _DummyIterDataPipe)
+        if not placeholders:
+            return process_init_fn(datapipe, worker_info, worker_init_fn)
+        if dispatched_input is None:
+            raise ConfigurationError(
+                "this graph was cut for dispatching (sharding_round_robin_dispatch) but the worker has no "
+                "dispatched input for it; update rpc_reading_service on the worker to the trainer's version"
+            )
+        for branch in find_non_dispatching_branches(graph):
+            torch.utils.data.graph_settings.apply_sharding(
+                branch, worker_info.num_workers, worker_info.worker_id, SHARDING_PRIORITIES.MULTIPROCESSING
+            )
+        datapipe = list(replace_dp(graph, placeholders[0], dispatched_input).values())[0][0]
+        if worker_init_fn is not None:
+            datapipe = worker_init_fn(datapipe, worker_info)
+        return datapipe
 
 
 def reset_worker_graph(
@@ -149,3 +196,16 @@ def reset_worker_graph(
     generator = worker_seed_generator(epoch_seed, global_worker_id)
     with _traversal_lock:
         return process_reset_fn(datapipe, worker_info, generator, custom_reset_fn=worker_reset_fn)
+
+
+def reset_dispatching_graph(datapipe: DataPipe, epoch_seed: int) -> DataPipe:
+    """Seed the dispatching part for an epoch from its shared seed, as MPRS seeds its
+    dispatching process: every random DataPipe there draws from the shared stream.
+
+    Unlike that process, the dispatcher is a thread of the trainer: the global RNGs
+    (``random``, ``torch``, ``numpy``) are the trainer's and are left alone.
+    """
+    generator = SeedGenerator(epoch_seed)
+    with _traversal_lock:
+        set_datapipes_seed(list_dps(traverse_dps(datapipe)), seed_generator=generator, distributed_shared=True)
+    return datapipe

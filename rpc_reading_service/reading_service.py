@@ -30,6 +30,7 @@ from .graph import (
     apply_distributed_sharding,
     distributed_info,
     draw_epoch_seed,
+    split_dispatching,
     split_replicable,
 )
 from .stats import ReadingServiceStats
@@ -163,14 +164,17 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             self._end_datapipe = self._stream
             return self._end_datapipe
         dist = distributed_info()
+        dispatching, datapipe = split_dispatching(datapipe)  # the part before sharding_round_robin_dispatch
         branch, attach = split_replicable(datapipe)
         apply_distributed_sharding(branch, dist)
+        if dispatching is not None:
+            apply_distributed_sharding(dispatching, dist)
         try:
             if dist.world_size > 1:
                 import torch.distributed
 
                 self._seed_group = torch.distributed.new_group(backend="gloo")
-            self._engine.start(branch, dist)
+            self._engine.start(branch, dist, dispatching)
         except BaseException:
             self.finalize()
             raise

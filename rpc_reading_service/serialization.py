@@ -340,16 +340,19 @@ class _ReprIsStr(str):
         return str(self)
 
 
-def rebuild_exception(info: Dict[str, Any], rank: Optional[int], address: Optional[str]) -> BaseException:
+def rebuild_exception(
+    info: Dict[str, Any], rank: Optional[int], address: Optional[str], where: Optional[str] = None
+) -> BaseException:
     """Build the exception to raise in the trainer for a remote error.
 
     The result has the original type where it can be rebuilt (so ``except ValueError``
     works), else :class:`RemoteWorkerError`. Its message has MPRS's words (torch's
     ``ExceptionWrapper``), with the worker's address after its rank:
     ``Caught ValueError in worker process 0 (host:port).`` then ``Original Traceback ...``
-    ending in the original ``ValueError: message``.
+    ending in the original ``ValueError: message``. ``where`` names another origin
+    (``"dispatching process"``: the trainer's dispatcher, as MPRS says it).
     """
-    where = describe_worker(rank, address, noun="worker process")
+    where = where or describe_worker(rank, address, noun="worker process")
     type_name = info.get("type_name", "Exception").rsplit(".", 1)[-1]  # __name__, as MPRS says it
     message = f"Caught {type_name} in {where}.\nOriginal {info.get('traceback', '')}"
     original: Optional[BaseException] = None

@@ -8,7 +8,10 @@ when the server forks sessions):
 - the control loop (the caller of :meth:`WorkerSession.run`) moves the trainer's frames into
   the state machine and hands the events to the :class:`Outbox` and the producers;
 - a producer per epoch iterates the graph and pickles items into the :class:`Outbox` (it
-  waits for the previous epoch's producer: a graph supports one iterator at a time);
+  waits for the previous epoch's producer: a graph supports one iterator at a time); in a
+  dispatched epoch the graph's source is the :class:`Inbox` of the items the trainer deals
+  to this worker in ITEMS frames, which the control loop fills and the worker asks for with
+  ITEM_CREDIT (one per frame it takes: at most the epoch's credit window waits here);
 - one sender, the only thread that sends after setup, writes packed DATA frames while it
   holds credits, and the heartbeats the state machine finds due; it also notices a silent
   trainer. Graph compute overlaps sending and the trainer's memory stays bounded;
@@ -30,7 +33,9 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+from torchdata.datapipes.iter import IterDataPipe
 
 from .version import __version__
 from .errors import FrameTooLargeError, RemoteProtocolError
@@ -41,8 +46,11 @@ from .protocol import (
     Credit,
     Data,
     EncodedItem,
+    EndOfInput,
     EndOfShard,
     Error,
+    ItemCredit,
+    Items,
     Join,
     Message,
     PeerTimedOut,
@@ -53,10 +61,10 @@ from .protocol import (
     StopEpoch,
     WorkerProtocol,
 )
-from .serialization import ItemEncoder, fallback_exception_info, loads_graph, pack_exception
+from .serialization import ItemEncoder, fallback_exception_info, loads_graph, loads_item, pack_exception
 from .transports.base import Connection, PeerLostError
 
-__all__ = ["SessionOptions", "Outbox", "WorkerSession"]
+__all__ = ["SessionOptions", "Outbox", "Inbox", "DispatchedInput", "WorkerSession"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +79,76 @@ FinalFrame = Union[Message, List[Buffer]]
 
 class _Cancelled(Exception):
     """The producer's epoch was superseded or the session is closing."""
+
+
+class Inbox:
+    """The dispatched input of one epoch on a worker: ITEMS frames from the control loop to
+    the producer, whose graph iterates it (through :class:`DispatchedInput`).
+
+    ``on_taken(epoch)`` runs each time the producer takes a frame: the session grants the
+    trainer one more ITEMS frame then.
+    """
+
+    def __init__(self, epoch: int, on_taken: Callable[[int], None]):
+        self.epoch = epoch
+        self._on_taken = on_taken
+        self._cond = threading.Condition()
+        self._frames: Deque[Sequence[EncodedItem]] = collections.deque()
+        self._ended = False
+        self._cancelled = False
+
+    def put(self, items: Sequence[EncodedItem]) -> None:
+        """Add the items of one ITEMS frame."""
+        with self._cond:
+            self._frames.append(items)
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        """END_OF_INPUT arrived: iteration ends after the frames already here."""
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+
+    def cancel(self) -> None:
+        """The epoch is over (superseded, stopped, the session closing): the producer stops."""
+        with self._cond:
+            self._cancelled = True
+            self._frames.clear()
+            self._cond.notify_all()
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            with self._cond:
+                while not (self._frames or self._ended or self._cancelled):
+                    self._cond.wait()
+                if self._cancelled:
+                    raise _Cancelled()
+                if not self._frames:
+                    return
+                items = self._frames.popleft()
+            self._on_taken(self.epoch)
+            for item in items:
+                yield loads_item(item)
+
+
+class DispatchedInput(IterDataPipe):
+    """The source a worker puts where the trainer's dispatching part was cut off (MPRS's
+    ``QueueWrapper``): it yields the items of the current epoch's :class:`Inbox`."""
+
+    def __init__(self) -> None:
+        self.inbox: Optional[Inbox] = None
+
+    def __iter__(self) -> Iterator[Any]:
+        inbox = self.inbox
+        if inbox is None:
+            raise RuntimeError("a dispatched graph was iterated outside a dispatched epoch")
+        yield from inbox
+
+    def __getstate__(self) -> dict:
+        return {}  # torchdata traverses graphs by pickling them; the inbox (a lock) stays out
+
+    def __setstate__(self, state: dict) -> None:
+        self.inbox = None
 
 
 class Outbox:
@@ -101,6 +179,9 @@ class Outbox:
         self._open_bytes = 0
         self._open_since = 0.0
         self._sealed: Deque[List[EncodedItem]] = collections.deque()
+        #: ITEM_CREDIT to send (a dispatched epoch), and whether the epoch's input is still open.
+        self._input_credits = 0
+        self._input_open = False
         self._final: Optional[FinalFrame] = None
         self._final_ends_session = False
         #: True once a final frame queued with ``end_session`` has been taken for sending.
@@ -119,6 +200,7 @@ class Outbox:
             self._credits = credits
             self._open, self._open_bytes = [], 0
             self._sealed.clear()
+            self._input_credits, self._input_open = 0, True
             self._final = None
             self._final_ends_session = False
             self._sequence = 0
@@ -133,6 +215,19 @@ class Outbox:
                 self._open, self._open_bytes = [], 0
                 self._final = None
                 self._cond.notify_all()
+
+    def grant_input(self, epoch: int, credits: int) -> None:
+        """Ask the trainer for ``credits`` more ITEMS frames of ``epoch`` (sent before any DATA)."""
+        with self._cond:
+            if epoch == self.epoch and self._input_open:
+                self._input_credits += credits
+                self._cond.notify_all()
+
+    def end_input(self, epoch: int) -> None:
+        """The dispatched input of ``epoch`` ended: no more ITEM_CREDIT for it."""
+        with self._cond:
+            if epoch == self.epoch:
+                self._input_credits, self._input_open = 0, False
 
     def grant(self, epoch: int, credits: int) -> None:
         """Add credits for ``epoch`` (stale grants are ignored)."""
@@ -215,6 +310,9 @@ class Outbox:
     def _next_frame(self, now: float) -> Tuple[Optional[List[Buffer]], float]:
         if self.epoch is None:
             return None, float("inf")
+        if self._input_credits:
+            credits, self._input_credits = self._input_credits, 0
+            return self._encode(ItemCredit(self.epoch, credits)), 0.0
         self._track_credit_wait(now)
         if self._credits > 0:
             if not self._sealed and self._open:
@@ -291,6 +389,9 @@ class WorkerSession:
         self._graph: Any = None
         self._worker_info: Any = None
         self._reset_fn: Any = None
+        #: The source of dealt items in a dispatched graph, and the current epoch's input.
+        self._dispatched_input = DispatchedInput()
+        self._inbox: Optional[Inbox] = None
         self._producer: Optional[threading.Thread] = None
         self._sender: Optional[threading.Thread] = None
         self._watchdog: Optional[threading.Thread] = None
@@ -302,8 +403,10 @@ class WorkerSession:
         self._stopping = threading.Event()
         self._on_event: Dict[type, Callable[[Any], None]] = {
             StartEpoch: self._start_epoch,
-            StopEpoch: lambda message: self.outbox.stop_epoch(message.epoch),
+            StopEpoch: self._stop_epoch,
             Credit: lambda message: self.outbox.grant(message.epoch, message.credits),
+            Items: self._on_items,
+            EndOfInput: self._on_end_of_input,
             Close: lambda message: self._stopping.set(),
         }
 
@@ -374,7 +477,7 @@ class WorkerSession:
 
             datapipe, init_fn, self._reset_fn = loads_graph(setup.graph)
             self._worker_info = WorkerInfo(setup.num_workers, setup.worker_rank)
-            self._graph = init_worker_graph(datapipe, self._worker_info, init_fn)
+            self._graph = init_worker_graph(datapipe, self._worker_info, init_fn, self._dispatched_input)
         except BaseException as exc:  # noqa: BLE001 - includes SystemExit from user code
             info = _describe(exc)
             log.warning("session setup for %s failed: %s: %s", self.conn.peer, info["type_name"], info["message"])
@@ -408,17 +511,42 @@ class WorkerSession:
         """Start ``request.epoch`` (called with the lock held): its producer, or the report
         of an item of an earlier epoch that got stuck."""
         self.outbox.start_epoch(request.epoch, request.credits)
+        self._cancel_input()
+        if request.dispatched:
+            self._inbox = Inbox(request.epoch, lambda epoch: self.outbox.grant_input(epoch, 1))
+            self.outbox.grant_input(request.epoch, max(1, request.credits))
         if self._timed_out is not None:
             self._report_item_timeout(request.epoch)
             return
         previous = self._producer
         self._producer = threading.Thread(
-            target=self._produce, args=(request, previous), name=f"rrs-producer-{request.epoch}", daemon=True
-        )
+            target=self._produce, args=(request, previous, self._inbox), name=f"rrs-producer-{request.epoch}",
+            daemon=True,
+        )  # fmt: skip
         self._producer.start()
 
+    def _stop_epoch(self, message: StopEpoch) -> None:
+        self.outbox.stop_epoch(message.epoch)
+        if self._inbox is not None and self._inbox.epoch == message.epoch:
+            self._cancel_input()
+
+    def _cancel_input(self) -> None:
+        """End the dispatched input of the current epoch (its producer stops)."""
+        if self._inbox is not None:
+            self._inbox.cancel()
+            self._inbox = None
+
+    def _on_items(self, message: Items) -> None:
+        if self._inbox is not None and self._inbox.epoch == message.epoch:
+            self._inbox.put(message.items)
+
+    def _on_end_of_input(self, message: EndOfInput) -> None:
+        self.outbox.end_input(message.epoch)
+        if self._inbox is not None and self._inbox.epoch == message.epoch:
+            self._inbox.end()
+
     # -- producer -----------------------------------------------------------------------------
-    def _produce(self, request: StartEpoch, previous: Optional[threading.Thread]) -> None:
+    def _produce(self, request: StartEpoch, previous: Optional[threading.Thread], inbox: Optional[Inbox]) -> None:
         epoch, sent = request.epoch, 0
         # The graph supports one iterator at a time: wait for the old epoch's producer to
         # reach an item boundary and notice it was cancelled (one stuck in an item never does).
@@ -426,6 +554,7 @@ class WorkerSession:
             previous.join(timeout=0.1)
             if self._stopping.is_set() or self.outbox.epoch != epoch:
                 return
+        self._dispatched_input.inbox = inbox
         try:
             try:
                 watched = self.options.item_timeout is not None
@@ -564,6 +693,8 @@ class WorkerSession:
 
     def _shutdown(self) -> None:
         self._stopping.set()
+        with self._lock:
+            self._cancel_input()
         self.outbox.close()
         self.conn.close()
         if self._sender is not None:

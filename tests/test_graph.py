@@ -19,6 +19,7 @@ from rpc_reading_service.graph import (
     draw_epoch_seed,
     init_worker_graph,
     reset_worker_graph,
+    split_dispatching,
     split_replicable,
     worker_seed_generator,
 )
@@ -125,9 +126,19 @@ def test_split_replicable_keeps_fullsync_in_the_trainer():
     assert trainer_graph is synced
 
 
-def test_round_robin_dispatch_is_refused_with_advice():
-    dp = IterableWrapper(range(5)).sharding_round_robin_dispatch(
-        __import__("torch").utils.data.datapipes.iter.sharding.SHARDING_PRIORITIES.MULTIPROCESSING
-    )
-    with pytest.raises(ConfigurationError, match="sharding_filter"):
-        split_replicable(dp)
+def test_split_dispatching_cuts_off_the_part_before_the_dispatch_point():
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+    from torchdata.dataloader2.utils.dispatch import _DummyIterDataPipe
+
+    source = IterableWrapper(range(6)).shuffle()
+    dispatch = source.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    dp = dispatch.map(lambda x: x * 10).sharding_filter()
+    part, rest = split_dispatching(dp)
+    assert part is dispatch and rest is dp
+    assert type(dp.source_datapipe.datapipe) is _DummyIterDataPipe  # torchdata's placeholder, as MPRS puts it
+    assert sorted(part) == list(range(6))  # the part runs on its own
+    # A worker puts its dealt items where the placeholder is; sharding after the dispatch point
+    # is not applied there (MPRS shards only the branches that do not come from the dispatcher).
+    worker_graph = init_worker_graph(rest, WorkerInfo(2, 1), None, dispatched_input=IterableWrapper([1, 2, 3]))
+    assert list(worker_graph) == [10, 20, 30]
+    assert split_dispatching(IterableWrapper(range(3)).sharding_filter())[0] is None

@@ -8,10 +8,10 @@ runs whose epochs differ), the test states both behaviours.
 The second half ports a selection of torchdata 0.9's own reading-service tests
 (``test/dataloader2/test_mprs.py`` and ``test_dataloader2.py`` in pytorch/data): early exit,
 exit, re-iteration, invalidated iterators, pause/resume/limit, worker_init_fn/worker_reset_fn
-with WorkerInfo, determinism, checkpoint at the start of an epoch. Cases that need
-``sharding_round_robin_dispatch`` (issue 12 item 1) are strict xfails for RPCReadingService
-until it lands;
-the dispatching cases skip MPRS, whose shutdown with a dispatching process is unreliable here.
+with WorkerInfo, determinism, checkpoint at the start of an epoch, and the cases with
+``sharding_round_robin_dispatch``. Those skip MPRS, whose shutdown with a dispatching process is
+unreliable here; their order is checked against MPRS's dealing rebuilt from torchdata's own
+DataPipes instead.
 
 Workers are local (two per reading service, forked) and reaped after every test; graph
 functions are module level so that the workers find them by reference.
@@ -43,7 +43,6 @@ pytestmark = pytest.mark.timeout(30)
 NUM_WORKERS = 2
 N = 20
 
-NEEDS_DISPATCH = "sharding_round_robin_dispatch is not built yet for RPCReadingService (issue 12 item 1)"
 MPRS_DISPATCH_SHUTDOWN = (
     "torchdata 0.9's MPRS often needs 20 s (join timeouts) to shut down with a dispatching process "
     "on a loaded machine, and leaves that process running: no reference to compare with"
@@ -153,11 +152,11 @@ def make_rs(kind) -> Iterator[Callable[..., Any]]:
             pytest.fail(f"worker processes left behind: {leftovers}")
 
 
-def needs_dispatch(request, kind: str) -> None:
-    """A dispatching case: a strict xfail for RPCReadingService until issue 12 item 1 lands."""
+def needs_dispatch(kind: str) -> None:
+    """A dispatching case: MPRS is skipped (see MPRS_DISPATCH_SHUTDOWN); RPCReadingService's order is
+    checked against torchdata's own dealing in ``test_dispatching_deals_as_mprs``."""
     if kind == "mprs":
         pytest.skip(MPRS_DISPATCH_SHUTDOWN)
-    request.applymarker(pytest.mark.xfail(strict=True, reason=NEEDS_DISPATCH))
 
 
 def epochs(dl: DataLoader2, n: int, before_each: Callable[[], None] = lambda: None) -> list[list]:
@@ -222,14 +221,27 @@ def test_multi_worker_determinism(make_rs):
         assert_two_epochs_follow_the_seed(dl, dl.seed)
 
 
-def test_dispatching_worker_determinism(make_rs, kind, request):
-    needs_dispatch(request, kind)
+def test_dispatching_worker_determinism(make_rs, kind):
+    needs_dispatch(kind)
     # An even count: MPRS takes ~20 s to end a dispatched epoch with uneven shards.
     dp = IterableWrapper(range(20)).shuffle()
     dp = dp.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
     with DataLoader2(dp.batch(2), reading_service=make_rs()) as dl:
         assert_two_epochs_follow_the_seed(dl, lambda seed: torch.manual_seed(seed))
         assert_two_epochs_follow_the_seed(dl, dl.seed)
+
+
+def test_dispatching_deals_as_mprs():
+    """In order, the items and order of MPRS: item k of the dispatching part goes to worker k % n
+    (MPRS's round_robin_demux), each worker runs the rest, the trainer takes one output from each in
+    turn (exhausted workers drop out). The reference is built from those torchdata DataPipes in-process."""
+    n, workers = 23, 3  # uneven shards
+    reference = [child.map(add_one).batch(3) for child in IterableWrapper(range(n)).round_robin_demux(workers)]
+    expected = list(reference[0].mux_longest(*reference[1:]))
+    dp = IterableWrapper(range(n)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    with DataLoader2(dp.map(add_one).batch(3), reading_service=RPCReadingService(num_workers=workers)) as dl:
+        assert list(dl) == expected
+        assert list(dl) == expected  # and every epoch
 
 
 def test_worker_fns_get_worker_info_and_the_seed_generator(make_rs):
@@ -299,9 +311,9 @@ GRAPHS = {"non_dispatch": non_dispatching, "dispatch": dispatching}
 
 
 @pytest.mark.parametrize("graph", sorted(GRAPHS))
-def test_early_exit(make_rs, kind, graph, request):
+def test_early_exit(make_rs, kind, graph):
     if graph == "dispatch":
-        needs_dispatch(request, kind)
+        needs_dispatch(kind)
     dl = DataLoader2(GRAPHS[graph](), reading_service=make_rs())
     it = iter(dl)
     batches = [next(it) for _ in range(5)]
@@ -312,9 +324,9 @@ def test_early_exit(make_rs, kind, graph, request):
 
 
 @pytest.mark.parametrize("graph", sorted(GRAPHS))
-def test_exit(make_rs, kind, graph, request):
+def test_exit(make_rs, kind, graph):
     if graph == "dispatch":
-        needs_dispatch(request, kind)
+        needs_dispatch(kind)
     with DataLoader2(GRAPHS[graph](), reading_service=make_rs()) as dl:
         batches = list(dl)
     assert sorted(x for batch in batches for x in batch) == list(range(1, 101))

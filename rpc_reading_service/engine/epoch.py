@@ -136,6 +136,7 @@ class Epoch:
             error, position, losses, limit,
         )  # fmt: skip
         channel = engine.fleet.reopen(rank, lost, engine.channels, error)
+        engine.replace_dispatched(channel)
         channel.start_receiver(engine.receiver_queue())
         engine.start_channel(channel, self, skip=progress.consumed[rank])
         engine.channels[rank] = channel

@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import weakref
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from torchdata.dataloader2.graph import DataPipe
 from torchdata.dataloader2.utils import WorkerInfo
@@ -29,8 +29,9 @@ from torchdata.dataloader2.utils import WorkerInfo
 from ..client import Event, WorkerChannel
 from ..config import ReadingServiceConfig
 from ..graph import DistributedInfo, init_worker_graph, reset_worker_graph
-from ..serialization import dumps_graph
+from ..serialization import dumps_graph, pack_exception, rebuild_exception
 from ..stats import ReadingServiceStats, WorkerStats
+from .dispatch import Dispatch, RankInput
 from .epoch import Epoch, Positions
 from .fleet import Fleet, close_channels
 from .guard import IterationGuard
@@ -70,6 +71,10 @@ class Engine:
         self.events: "queue.SimpleQueue[Event]" = queue.SimpleQueue()
         #: With ``num_workers=0`` the graph runs in this process.
         self.in_process_graph: Optional[DataPipe] = None
+        #: The non-replicable part before ``sharding_round_robin_dispatch`` (None without one),
+        #: and the current epoch's dispatching of it.
+        self.dispatching: Optional[DataPipe] = None
+        self.dispatch: Optional[Dispatch] = None
         #: The current (or last) epoch, and the number of the latest one (0 before the first).
         self.epoch: Optional[Epoch] = None
         self.epoch_number = 0
@@ -88,12 +93,17 @@ class Engine:
         """Find the workers of a store or hostfile (once) and return the number of sessions."""
         return self.fleet.discover()
 
-    def start(self, graph: DataPipe, dist: Optional[DistributedInfo] = None) -> None:
+    def start(
+        self, graph: DataPipe, dist: Optional[DistributedInfo] = None, dispatching: Optional[DataPipe] = None
+    ) -> None:
         """Find and start the workers and set up every session with ``graph``, the DataPipes the
         workers run (already sharded for ``dist``, this trainer's place in a torch.distributed
         job: worker ``i`` runs global shard ``dist.rank * num_workers + i``); with
-        ``num_workers=0`` the graph runs in this process."""
+        ``num_workers=0`` the graph runs in this process. ``dispatching``: the part a graph
+        with ``sharding_round_robin_dispatch`` runs here, once per epoch, dealing its items
+        to the workers (``graph`` has torchdata's placeholder where it was)."""
         self.dist = dist or DistributedInfo()
+        self.dispatching = dispatching
         self.discover()
         config = self.config
         if self.num_workers == 0:
@@ -131,14 +141,57 @@ class Engine:
                 self.in_process_graph, WorkerInfo(1, 0), seed, self.dist.rank, self.config.worker_reset_fn
             )
             return epoch
+        dispatch = self._new_dispatch(epoch) if self.dispatching is not None else None
         for channel in self.channels:
             self.start_channel(channel, epoch, skip=epoch.progress.consumed[channel.rank])
+        if dispatch is not None:
+            dispatch.start()
         return epoch
 
     def start_channel(self, channel: WorkerChannel, epoch: Epoch, skip: int) -> None:
         """Start ``epoch`` on one worker, skipping the first ``skip`` items of its shard."""
         global_rank = self.dist.global_worker_id(channel.rank, self.num_workers)
-        channel.start_epoch(epoch.wire, epoch.seed, global_rank, self.config.prefetch, skip=skip)
+        channel.start_epoch(
+            epoch.wire, epoch.seed, global_rank, self.config.prefetch, skip=skip,
+            dispatched=self.dispatching is not None,
+        )  # fmt: skip
+
+    def _new_dispatch(self, epoch: Epoch) -> Dispatch:
+        """Stop the last epoch's dispatching and set up this one's (its thread starts after
+        every worker was told to start the epoch). A resumed epoch deals from its first item
+        again: the same items to the same ranks, and each worker skips what was consumed."""
+        previous = self.dispatch
+        if previous is not None:
+            previous.stop()
+        options = self.fleet.session_options()
+        keep_history = self.config.reassign is not None
+        inputs = [
+            RankInput(channel.rank, epoch.wire, channel.send_input, options.batch_max_items,
+                      options.batch_max_bytes, keep_history)
+            for channel in self.channels
+        ]  # fmt: skip
+        self.dispatch = Dispatch(self.dispatching, epoch.seed, inputs, self._dispatch_failed(epoch), previous)
+        for channel in self.channels:
+            channel.input_sink = self.dispatch.input_sink(channel.rank)
+        return self.dispatch
+
+    def _dispatch_failed(self, epoch: Epoch) -> Callable[[BaseException], None]:
+        """Report an exception of the dispatching part to the consumer, with MPRS's words."""
+
+        def report(exc: BaseException) -> None:
+            error = rebuild_exception(pack_exception(exc), None, None, where="dispatching process")
+            for channel in list(self.channels):  # whichever worker the consumer waits for
+                channel.queue.put(Event(channel, "error", epoch.wire, error=error))
+
+        return report
+
+    def replace_dispatched(self, channel: WorkerChannel) -> None:
+        """A replacement session took over ``channel.rank``: it gets the rank's input of this
+        epoch again (before its epoch starts: its events go to the dispatcher)."""
+        dispatch = self.dispatch
+        if dispatch is not None:
+            dispatch.inputs[channel.rank].restart(channel.send_input)
+            channel.input_sink = dispatch.input_sink(channel.rank)
 
     def stats(self) -> ReadingServiceStats:
         """Throughput per worker and the consumer's data stall for the current (or last) epoch."""
@@ -184,6 +237,8 @@ class Engine:
                 return
             self._closed = True
         _open_engines.pop(self, None)
+        if self.dispatch is not None:
+            self.dispatch.stop()
         channels, self.channels = self.channels, []
         if channels:
             close_channels(channels)

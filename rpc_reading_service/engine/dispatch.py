@@ -1,0 +1,263 @@
+"""Dispatching: the non-replicable part of a graph, run once per epoch on the trainer, dealt to the workers.
+
+For a graph with ``sharding_round_robin_dispatch``, :class:`Dispatch` iterates the part
+before it (cut off by :func:`~rpc_reading_service.graph.split_dispatching`) in one thread
+per epoch and deals item ``k`` to worker rank ``k % n``, as MPRS's dispatching process does
+(``round_robin_demux``). Each rank's items travel in ITEMS frames, only against that
+worker's ITEM_CREDIT; the dispatcher blocks while a rank already holds a frame's worth of
+items it cannot send, so a slow worker never makes it buffer without bound. A rank's
+input ends with END_OF_INPUT.
+
+With ``keep_history`` (``on_worker_failure="reassign"``), every item dealt to a rank this
+epoch is kept, so that a replacement session can be fed the rank's whole input again
+(it replays its shard from the start and skips what the trainer consumed): exactly once.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Any, Callable, Deque, List, Optional, Sequence
+
+from ..graph import reset_dispatching_graph
+from ..protocol import EncodedItem, EndOfInput, EndOfShard, Error, ItemCredit, Items, Message
+from ..serialization import ItemEncoder
+
+__all__ = ["Dispatch", "RankInput"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds between looks at whether a superseded epoch's dispatcher thread has ended.
+_JOIN_POLL = 0.05
+
+
+class RankInput:
+    """The dispatched input of one worker rank in one epoch: items dealt, credit, frames sent.
+
+    ``send`` writes one message to the rank's session (ITEMS or END_OF_INPUT); it is called
+    with this rank's lock held, so frames leave in order. Thread-safe: the dispatcher thread
+    deals, the channel's receiver grants.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        epoch: int,
+        send: Callable[[Message], None],
+        max_items: int,
+        max_bytes: int,
+        keep_history: bool = False,
+    ):
+        self.rank = rank
+        self.epoch = epoch
+        self._send = send
+        self._max_items, self._max_bytes = max_items, max_bytes
+        self._cond = threading.Condition()
+        self._pending: Deque[EncodedItem] = collections.deque()
+        self._pending_bytes = 0
+        self._history: Optional[List[EncodedItem]] = [] if keep_history else None
+        #: Counts the sessions that fed this rank (a replacement is the next one).
+        self.session = 0
+        self.credits = 0
+        self._sequence = 0
+        self.items_sent = 0
+        self._done = False
+        self._ended = False
+        self._discard = False
+        self._cancelled = False
+        #: Times the dispatcher waited for this rank's credit (backpressure at work).
+        self.waits = 0
+
+    @property
+    def pending(self) -> int:
+        """Items dealt to this rank and not sent yet."""
+        return len(self._pending)
+
+    def deal(self, item: EncodedItem) -> bool:
+        """Add one item; send what credit allows; block while a full frame waits for credit.
+
+        Returns False once the input is cancelled (the dispatcher stops).
+        """
+        with self._cond:
+            if self._cancelled:
+                return False
+            if self._history is not None:
+                self._history.append(item)
+            if self._discard:
+                return True
+            self._pending.append(item)
+            self._pending_bytes += item.nbytes
+            self._flush()
+            while self._full() and not self._cancelled:
+                self.waits += 1
+                self._cond.wait()
+            return not self._cancelled
+
+    def finish(self) -> None:
+        """Every item of this rank was dealt: END_OF_INPUT follows the last one sent."""
+        with self._cond:
+            self._done = True
+            self._flush()
+
+    def grant(self, epoch: int, credits: int, session: int = 0) -> None:
+        """The worker allows ``credits`` more ITEMS frames of ``epoch``; grants of other epochs,
+        and of a session that :meth:`restart` replaced (``session`` below :attr:`session`), are ignored."""
+        with self._cond:
+            if epoch != self.epoch or session != self.session or self._cancelled:
+                return
+            self.credits += credits
+            self._flush()
+            self._cond.notify_all()
+
+    def shard_ended(self, epoch: int, session: int = 0) -> None:
+        """The worker ended its shard early (its graph stopped before its input, or failed): the
+        rest of its input is not sent, and never blocks the dispatcher (it is still kept for a
+        replacement, which stops at the same place)."""
+        with self._cond:
+            if epoch != self.epoch or session != self.session:
+                return
+            self._discard = True
+            self._pending.clear()
+            self._pending_bytes = 0
+            self._cond.notify_all()
+
+    def restart(self, send: Callable[[Message], None]) -> None:
+        """A replacement session took over the rank: feed it the rank's whole input again.
+
+        Needs ``keep_history``. The new session starts with no credit and frame 0.
+        """
+        assert self._history is not None, "restart() needs keep_history=True"
+        with self._cond:
+            self.session += 1
+            self._send = send
+            self._pending = collections.deque(self._history)
+            self._pending_bytes = sum(item.nbytes for item in self._pending)
+            self.credits, self._sequence, self.items_sent, self._ended, self._discard = 0, 0, 0, False, False
+            self._cond.notify_all()
+
+    def cancel(self) -> None:
+        """Stop: nothing more is sent, a waiting dispatcher wakes up and stops."""
+        with self._cond:
+            self._cancelled = True
+            self._pending.clear()
+            self._pending_bytes = 0
+            self._cond.notify_all()
+
+    def _full(self) -> bool:
+        return len(self._pending) >= self._max_items or self._pending_bytes >= self._max_bytes
+
+    def _flush(self) -> None:
+        """Send frames while credit allows (each packs up to a frame's bounds), then END_OF_INPUT."""
+        if self._cancelled or self._discard:
+            return
+        while self.credits > 0 and self._pending:
+            items: List[EncodedItem] = []
+            nbytes = 0
+            while self._pending and len(items) < self._max_items and nbytes < self._max_bytes:
+                item = self._pending.popleft()
+                items.append(item)
+                nbytes += item.nbytes
+            self._pending_bytes -= nbytes
+            self.credits -= 1
+            self._send(Items(self.epoch, self._sequence, items))
+            self._sequence += 1
+            self.items_sent += len(items)
+            self._cond.notify_all()  # the dispatcher may wait for room
+        if self._done and not self._pending and not self._ended:
+            self._ended = True
+            self._send(EndOfInput(self.epoch, self.items_sent))
+
+
+class Dispatch:
+    """One epoch's dispatching: a thread that iterates the dispatching part and deals its items.
+
+    Args:
+        datapipe: The dispatching part; the thread seeds it from ``seed``, the epoch's shared seed.
+        seed: The epoch's shared seed.
+        inputs: One :class:`RankInput` per worker rank, in rank order.
+        on_error: Called with the exception the dispatching part raised (from the thread).
+        previous: The dispatch of the epoch this one supersedes: its thread must end before
+            this one iterates the same DataPipes (a graph supports one iterator at a time).
+    """
+
+    def __init__(
+        self,
+        datapipe: Any,
+        seed: int,
+        inputs: Sequence[RankInput],
+        on_error: Callable[[BaseException], None],
+        previous: Optional["Dispatch"] = None,
+    ):
+        self.datapipe = datapipe
+        self.seed = seed
+        self.inputs = list(inputs)
+        self._on_error = on_error
+        self._previous = previous
+        self._stopped = threading.Event()
+        #: Items taken from the dispatching part so far this epoch.
+        self.pulled = 0
+        self.epoch = self.inputs[0].epoch if self.inputs else None
+        self._thread = threading.Thread(target=self._run, name=f"rrs-dispatch-{self.epoch}", daemon=True)
+
+    def start(self) -> None:
+        """Start the dispatcher thread."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop dealing (a new epoch, an early exit, shutdown): nothing more is sent once this returns.
+
+        The thread ends at the next item it takes (one blocked in the dispatching part's
+        own code ends when that returns).
+        """
+        self._stopped.set()
+        for rank_input in self.inputs:
+            rank_input.cancel()
+
+    @property
+    def waits(self) -> int:
+        """Times the dispatcher blocked for lack of a worker's credit this epoch."""
+        return sum(rank_input.waits for rank_input in self.inputs)
+
+    def input_sink(self, rank: int) -> Callable[[Any], None]:
+        """The handler of the events of rank ``rank``'s current session that concern its
+        input (called from its receiver): ITEM_CREDIT grants, END_OF_SHARD and ERROR end it."""
+        rank_input = self.inputs[rank]
+        session = rank_input.session
+
+        def handle(event: Any) -> None:
+            if isinstance(event, ItemCredit):
+                rank_input.grant(event.epoch, event.credits, session)
+            elif isinstance(event, (EndOfShard, Error)) and event.epoch is not None:
+                rank_input.shard_ended(event.epoch, session)
+
+        return handle
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the thread to end; True if it did (or never started)."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        previous, self._previous = self._previous, None
+        while previous is not None and not previous.join(_JOIN_POLL):
+            if self._stopped.is_set():
+                return
+        inputs, count = self.inputs, len(self.inputs)
+        encode = ItemEncoder().encode
+        try:
+            reset_dispatching_graph(self.datapipe, self.seed)
+            for index, item in enumerate(self.datapipe):
+                if self._stopped.is_set():
+                    return
+                self.pulled = index + 1
+                if not inputs[index % count].deal(encode(item)):
+                    return
+        except BaseException as exc:  # noqa: BLE001 - the trainer must hear of it, never wait in silence
+            if not self._stopped.is_set():
+                log.info("the dispatching part raised %s after %d items", type(exc).__name__, self.pulled)
+                self._on_error(exc)
+            return
+        for rank_input in inputs:
+            rank_input.finish()
