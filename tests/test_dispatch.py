@@ -1,0 +1,215 @@
+"""Dispatching: graphs with ``sharding_round_robin_dispatch`` (the dispatcher on the trainer).
+
+First the dealing and credit rules of one rank's input (:class:`RankInput`, no I/O), then end
+to end with real worker processes: the dispatching part's errors in MPRS's words, bounded
+buffering with a slow worker, checkpoint resume mid-epoch, ``on_worker_failure="reassign"``
+with a killed worker, and a CLI-started remote server. (torch_rpc: in test_torch_rpc_transport.)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+from typing import Any, List
+
+import pytest
+from _server_helpers import remote, run_epochs, slow_identity, wait_until
+from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
+
+from rpc_reading_service import Liveness, RPCReadingService
+from rpc_reading_service.engine.dispatch import RankInput
+from rpc_reading_service.protocol import EndOfInput, Items
+from rpc_reading_service.serialization import dumps_item
+
+pytestmark = pytest.mark.timeout(10)
+
+SEED = 11
+
+
+# -- graph functions (module level: the workers import this module) ------------------------------
+def with_draw(x: int) -> tuple:
+    """Randomness after the dispatch point: the worker's own seeds."""
+    return (x, random.random())
+
+
+def boom_on_7(x: int) -> int:
+    if x == 7:
+        raise ValueError(f"boom {x}")
+    return x
+
+
+def big(x: int) -> tuple:
+    return (x, bytes(64 * 1024))
+
+
+def slow_big(item: tuple) -> tuple:
+    return slow_identity(item, 0.005)
+
+
+def dispatching(n: int, *after: Any) -> IterDataPipe:
+    dp = IterableWrapper(range(n)).shuffle().sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    for fn in after:
+        dp = dp.map(fn)
+    return dp
+
+
+# -- one rank's input: dealing and credit (no I/O) ----------------------------------------------
+def _rank_input(sent: List[Any], max_items: int = 3, keep_history: bool = False) -> RankInput:
+    return RankInput(0, epoch=1, send=sent.append, max_items=max_items, max_bytes=1 << 20, keep_history=keep_history)
+
+
+def test_items_wait_for_credit_and_leave_packed_in_order():
+    sent: List[Any] = []
+    rank = _rank_input(sent)
+    assert rank.deal(dumps_item("a")) and rank.deal(dumps_item("b"))
+    assert sent == [] and rank.pending == 2  # no ITEM_CREDIT yet: nothing leaves
+    rank.grant(epoch=1, credits=2)
+    assert [(m.sequence, len(m.items)) for m in sent] == [(0, 2)]  # one frame packs both
+    rank.deal(dumps_item("c"))  # credit left: sent at once
+    rank.grant(epoch=0, credits=5)  # another epoch's grant changes nothing
+    rank.deal(dumps_item("d"))
+    rank.finish()
+    assert [type(m).__name__ for m in sent] == ["Items", "Items"] and rank.pending == 1
+    rank.grant(epoch=1, credits=1)
+    assert isinstance(sent[-1], EndOfInput) and sent[-1].items_sent == 4
+    assert [m.sequence for m in sent if isinstance(m, Items)] == [0, 1, 2]
+
+
+def test_a_full_frame_blocks_the_dispatcher_until_credit_or_cancel():
+    sent: List[Any] = []
+    rank = _rank_input(sent, max_items=2)
+    rank.deal(dumps_item(0))
+    results: List[bool] = []
+    dealer = threading.Thread(target=lambda: results.append(rank.deal(dumps_item(1))))
+    dealer.start()
+    assert wait_until(lambda: rank.waits == 1, timeout=5)  # blocked: two items, no credit
+    rank.grant(epoch=1, credits=1)
+    dealer.join(5)
+    assert results == [True] and [len(m.items) for m in sent] == [2]
+    rank.deal(dumps_item(2))
+    dealer = threading.Thread(target=lambda: results.append(rank.deal(dumps_item(3))))
+    dealer.start()
+    assert wait_until(lambda: rank.waits == 2, timeout=5)
+    rank.cancel()  # a new epoch, an early exit, shutdown
+    dealer.join(5)
+    assert results == [True, False] and not dealer.is_alive()
+    rank.grant(epoch=1, credits=5)
+    assert len(sent) == 1  # nothing leaves after cancel
+
+
+def test_a_replacement_session_gets_the_whole_input_again_and_ended_shards_never_block():
+    sent: List[Any] = []
+    rank = _rank_input(sent, max_items=2, keep_history=True)
+    rank.grant(epoch=1, credits=2)
+    for x in range(3):
+        rank.deal(dumps_item(x))
+    rank.finish()
+    old_session = rank.session
+    replayed: List[Any] = []
+    rank.restart(replayed.append)
+    rank.grant(epoch=1, credits=9, session=old_session)  # a late grant of the lost session
+    assert replayed == []
+    rank.grant(epoch=1, credits=9, session=rank.session)
+    assert [m.sequence for m in replayed[:-1]] == [0, 1] and replayed[-1] == EndOfInput(1, 3)
+    # A worker whose graph ended before its input: the rest is dropped, the dispatcher goes on.
+    sent.clear()
+    rank = _rank_input(sent, max_items=1)
+    rank.shard_ended(epoch=1)
+    assert all(rank.deal(dumps_item(x)) for x in range(5)) and rank.waits == 0 and sent == []
+
+
+# -- end to end: local workers -------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_an_error_in_the_dispatching_part_has_mprs_words():
+    dp = IterableWrapper(range(20)).map(boom_on_7).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    with DataLoader2(dp, reading_service=RPCReadingService(num_workers=2)) as dl:
+        with pytest.raises(ValueError) as caught:
+            list(dl)
+        message = str(caught.value)
+        assert message.startswith("Caught ValueError in dispatching process.\n"), message
+        assert "\nOriginal Traceback (most recent call last):\n" in message
+        assert "\nValueError: boom 7\n" in message
+
+
+@pytest.mark.timeout(30)
+def test_a_slow_worker_makes_the_dispatcher_wait_not_buffer():
+    n, prefetch, workers = 400, 1, 2
+    dp = IterableWrapper(range(n)).map(big).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    rs = RPCReadingService(num_workers=workers, prefetch=prefetch)
+    # 64 KiB items: 16 to a 1 MiB frame. Per rank at most: a frame waiting here, the credit window
+    # and a frame in the worker, one item in its graph, and its output (two frames in its outbox,
+    # the window and a frame taken by the trainer).
+    frame = 16
+    bound = workers * (frame * (5 + 2 * prefetch) + 1)
+    ahead = []
+    with DataLoader2(dp.map(slow_big), reading_service=rs) as dl:
+        seen = []
+        for item in dl:
+            seen.append(item[0])
+            ahead.append(dl.reading_service._engine.dispatch.pulled - len(seen))
+        waits = dl.reading_service._engine.dispatch.waits
+    assert sorted(seen) == list(range(n))
+    assert max(ahead) <= bound < n, f"the dispatcher ran {max(ahead)} items ahead of the trainer (bound {bound})"
+    assert waits > 0  # it blocked for credit
+
+
+@pytest.mark.timeout(30)
+def test_checkpoint_mid_epoch_resumes_with_the_same_items():
+    dl = DataLoader2(dispatching(60, with_draw), reading_service=RPCReadingService(num_workers=2))
+    restored = None
+    try:
+        dl.seed(SEED)
+        it = iter(dl)
+        head = [next(it) for _ in range(17)]
+        state = dl.state_dict()
+        rest = list(it)
+        assert sorted(x for x, _ in head + rest) == list(range(60))
+        restored = DataLoader2.from_state(state, RPCReadingService(num_workers=2))
+        assert list(restored) == rest
+    finally:
+        dl.shutdown()
+        if restored is not None:
+            restored.shutdown()
+
+
+def _reassigning_loader() -> DataLoader2:
+    rs = RPCReadingService(
+        num_workers=3, on_worker_failure="reassign", timeout=5.0, liveness=Liveness(heartbeat_interval=0.2)
+    )
+    dl = DataLoader2(dispatching(150, slow_identity, with_draw), reading_service=rs)
+    dl.seed(SEED)
+    return dl
+
+
+@pytest.mark.timeout(30)
+def test_reassign_feeds_a_killed_workers_input_to_its_replacement_exactly_once():
+    with _reassigning_loader() as dl:
+        reference = list(dl)
+    victim = None
+    dl = _reassigning_loader()
+    try:
+        epoch = []
+        for item in dl:
+            epoch.append(item)
+            consumed = [w.items_consumed for w in dl.reading_service.stats().workers]
+            if victim is None and consumed[1] == 20:
+                victim = dl.reading_service.stats().workers[1].pid
+                os.kill(victim, signal.SIGKILL)
+        pids = [w.pid for w in dl.reading_service.stats().workers]
+    finally:
+        dl.shutdown()
+    assert victim is not None and victim not in pids  # worker 1 was replaced
+    assert epoch == reference  # every item once, in the fault-free order
+
+
+# -- a remote server started with the CLI ----------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_dispatching_over_a_cli_started_server_matches_local_workers(worker_server):
+    graph = lambda: dispatching(40, with_draw)  # noqa: E731
+    local = run_epochs(graph(), RPCReadingService(num_workers=2), seed=SEED)
+    assert run_epochs(graph(), remote(worker_server, num_workers=2), seed=SEED) == local
+    assert sorted(x for x, _ in local[0]) == list(range(40)) and local[0] != local[1]
