@@ -136,6 +136,24 @@ def test_an_error_in_the_dispatching_part_has_mprs_words():
 
 
 @pytest.mark.timeout(30)
+def test_a_new_epoch_supersedes_a_half_read_one_and_limit_resume_keep_every_item():
+    with DataLoader2(dispatching(30), reading_service=RPCReadingService(num_workers=2)) as dl:
+        it = iter(dl)
+        head = [next(it) for _ in range(5)]
+        first_dispatch = dl.reading_service._engine.dispatch
+        assert sorted(list(dl)) == list(range(30))  # the half-read epoch's dispatcher stopped
+        assert first_dispatch.join(timeout=5)
+        it = iter(dl)
+        it.limit(4)
+        limited = list(it)
+        it.limit(None)
+        it.resume()
+        rest = list(it)
+    assert len(head) == 5 and len(limited) == 4
+    assert sorted(limited + rest) == list(range(30))
+
+
+@pytest.mark.timeout(30)
 def test_a_slow_worker_makes_the_dispatcher_wait_not_buffer():
     n, prefetch, workers = 400, 1, 2
     dp = IterableWrapper(range(n)).map(big).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)

@@ -22,6 +22,7 @@ import time
 import pytest
 import torch
 import torch.distributed.rpc as rpc
+from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
@@ -160,6 +161,18 @@ def test_seeded_runs_repeat_against_the_cli_server(rpc_server):
     first = run_epochs(shuffled(), remote(rpc_server), seed=9)
     assert run_epochs(shuffled(), remote(rpc_server), seed=9) == first
     assert first[0] != first[1]
+
+
+def test_dispatching_over_the_cli_server_gives_the_socket_transports_items(rpc_server):
+    """sharding_round_robin_dispatch: ITEM_CREDIT, ITEMS and END_OF_INPUT travel over torch RPC too."""
+
+    def dispatched():
+        dp = IterableWrapper(range(N_ITEMS)).shuffle().sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+        return dp.map(with_noise)
+
+    expected = run_epochs(dispatched(), RPCReadingService(num_workers=2), seed=9)
+    assert run_epochs(dispatched(), remote(rpc_server), seed=9) == expected
+    assert sorted(x for x, _ in expected[0]) == list(range(N_ITEMS))
 
 
 def test_remote_exception(rpc_server):
