@@ -23,6 +23,7 @@ __all__ = [
     "RemoteWorkerError",
     "DiscoveryTimeoutError",
     "CacheKeyError",
+    "DispatchStalledError",
 ]
 
 
@@ -127,3 +128,10 @@ class DiscoveryTimeoutError(RPCReadingServiceError, TimeoutError):
 class CacheKeyError(RPCReadingServiceError, TypeError):
     """``cached_map`` could not turn an item's key into a cache key (the key cannot be pickled).
     The message names the function; pass a ``key_fn`` that returns a str, bytes, int or tuple."""
+
+
+class DispatchStalledError(RPCReadingServiceError, RuntimeError):
+    """Dispatching could not go on without holding more than a worker's pipeline of items for one
+    worker (``sharding_round_robin_dispatch`` with ``in_order=True``): the workers' outputs do
+    not keep pace with their inputs (a filter after the dispatch point, for example). The message
+    names both workers; ``in_order=False`` lets the trainer take whatever is ready."""

@@ -22,6 +22,7 @@ from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
 from rpc_reading_service import Liveness, RPCReadingService
 from rpc_reading_service.engine.dispatch import RankInput
+from rpc_reading_service.errors import DispatchStalledError
 from rpc_reading_service.protocol import EndOfInput, Items
 from rpc_reading_service.serialization import dumps_item
 
@@ -44,6 +45,14 @@ def boom_on_7(x: int) -> int:
 
 def big(x: int) -> tuple:
     return (x, bytes(64 * 1024))
+
+
+def padded(x: int) -> tuple:
+    return (x, bytes(16 * 1024))
+
+
+def has_even_id(item: tuple) -> bool:
+    return item[0] % 2 == 0
 
 
 def slow_big(item: tuple) -> tuple:
@@ -173,6 +182,24 @@ def test_a_slow_worker_makes_the_dispatcher_wait_not_buffer():
     assert sorted(seen) == list(range(n))
     assert max(ahead) <= bound < n, f"the dispatcher ran {max(ahead)} items ahead of the trainer (bound {bound})"
     assert waits > 0  # it blocked for credit
+
+
+@pytest.mark.timeout(30)
+def test_uneven_outputs_in_order_are_a_clear_error_not_a_hang_and_go_through_out_of_order():
+    """Worker 1's filter drops every item dealt to it: in order, the trainer waits for its output
+    while worker 0's pile up; the dispatcher feeds worker 1 anyway, up to a worker's pipeline."""
+    def graph(n: int) -> IterDataPipe:  # 16 KiB items: 64 to a frame
+        dp = IterableWrapper(range(n)).map(padded).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+        return dp.filter(has_even_id)
+
+    with DataLoader2(graph(4_000), reading_service=RPCReadingService(num_workers=2, prefetch=1)) as dl:
+        with pytest.raises(DispatchStalledError, match="worker 0 has not asked .* while worker 1 waits for input"):
+            list(dl)
+    # Within a worker's pipeline, the dispatcher holds what it must; out of order, nothing stalls.
+    for in_order, n in ((True, 600), (False, 4_000)):
+        rs = RPCReadingService(num_workers=2, prefetch=1, in_order=in_order)
+        with DataLoader2(graph(n), reading_service=rs) as dl:
+            assert sorted(x for x, _ in dl) == list(range(0, n, 2))
 
 
 @pytest.mark.timeout(30)

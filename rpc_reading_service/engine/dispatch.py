@@ -8,6 +8,12 @@ worker's ITEM_CREDIT; the dispatcher blocks while a rank already holds a frame's
 items it cannot send, so a slow worker never makes it buffer without bound. A rank's
 input ends with END_OF_INPUT.
 
+It does not block while another rank waits for input (it has credit and nothing to send):
+with in-order delivery, that rank's next output may be what the trainer waits for, and
+blocking would deadlock the epoch. A rank then holds more, up to about a worker's pipeline
+(``max_pending_*``): past that, the workers' outputs do not keep pace with their inputs and
+:class:`~rpc_reading_service.errors.DispatchStalledError` says so instead of a hang.
+
 With ``keep_history`` (``on_worker_failure="reassign"``), every item dealt to a rank this
 epoch is kept, so that a replacement session can be fed the rank's whole input again
 (it replays its shard from the start and skips what the trainer consumed): exactly once.
@@ -20,6 +26,7 @@ import logging
 import threading
 from typing import Any, Callable, Deque, List, Optional, Sequence
 
+from ..errors import DispatchStalledError
 from ..graph import reset_dispatching_graph
 from ..protocol import EncodedItem, EndOfInput, EndOfShard, Error, ItemCredit, Items, Message
 from ..serialization import ItemEncoder
@@ -36,8 +43,10 @@ class RankInput:
     """The dispatched input of one worker rank in one epoch: items dealt, credit, frames sent.
 
     ``send`` writes one message to the rank's session (ITEMS or END_OF_INPUT); it is called
-    with this rank's lock held, so frames leave in order. Thread-safe: the dispatcher thread
-    deals, the channel's receiver grants.
+    with the lock of ``cond`` held, so frames leave in order. A frame packs up to
+    ``max_items``/``max_bytes``; the dispatcher blocks at that much pending, unless a rank
+    of :attr:`peers` (which share ``cond``) waits for input, up to ``max_pending_items`` /
+    ``max_pending_bytes``. Thread-safe: the dispatcher thread deals, the receivers grant.
     """
 
     def __init__(
@@ -48,12 +57,19 @@ class RankInput:
         max_items: int,
         max_bytes: int,
         keep_history: bool = False,
+        cond: Optional[threading.Condition] = None,
+        max_pending_items: Optional[int] = None,
+        max_pending_bytes: Optional[int] = None,
     ):
         self.rank = rank
         self.epoch = epoch
         self._send = send
         self._max_items, self._max_bytes = max_items, max_bytes
-        self._cond = threading.Condition()
+        self._max_pending_items = max_pending_items or 8 * max_items
+        self._max_pending_bytes = max_pending_bytes or 8 * max_bytes
+        self._cond = cond or threading.Condition()
+        #: The ranks of the same dispatch (sharing ``cond``), this one included.
+        self.peers: Sequence["RankInput"] = [self]
         self._pending: Deque[EncodedItem] = collections.deque()
         self._pending_bytes = 0
         self._history: Optional[List[EncodedItem]] = [] if keep_history else None
@@ -90,8 +106,14 @@ class RankInput:
             self._pending_bytes += item.nbytes
             self._flush()
             while self._full() and not self._cancelled:
-                self.waits += 1
-                self._cond.wait()
+                starving = self._starving_peer()
+                if starving is None:
+                    self.waits += 1
+                    self._cond.wait()
+                elif self._over_limit():
+                    raise self._stalled(starving)
+                else:
+                    break
             return not self._cancelled
 
     def finish(self) -> None:
@@ -144,8 +166,29 @@ class RankInput:
             self._pending_bytes = 0
             self._cond.notify_all()
 
+    @property
+    def starving(self) -> bool:
+        """The worker asked for input (it has credit) and nothing waits to be sent to it."""
+        return self.credits > 0 and not self._pending and not (self._done or self._discard or self._cancelled)
+
+    def _starving_peer(self) -> Optional["RankInput"]:
+        return next((peer for peer in self.peers if peer is not self and peer.starving), None)
+
     def _full(self) -> bool:
         return len(self._pending) >= self._max_items or self._pending_bytes >= self._max_bytes
+
+    def _over_limit(self) -> bool:
+        return len(self._pending) >= self._max_pending_items or self._pending_bytes >= self._max_pending_bytes
+
+    def _stalled(self, starving: "RankInput") -> DispatchStalledError:
+        return DispatchStalledError(
+            f"dispatching stalled: worker {self.rank} has not asked for the {len(self._pending)} items dealt to it "
+            f"since its last frame (the trainer has not taken its outputs) while worker {starving.rank} waits for input. "
+            "In order (in_order=True) the trainer takes one output of each worker in turn, so each worker's outputs "
+            "must keep pace with the items dealt to it: a filter, or another DataPipe that yields fewer items than it "
+            "takes, after sharding_round_robin_dispatch stalls it. Pass in_order=False, or move that DataPipe before "
+            "the dispatch point"
+        )
 
     def _flush(self) -> None:
         """Send frames while credit allows (each packs up to a frame's bounds), then END_OF_INPUT."""
@@ -192,6 +235,8 @@ class Dispatch:
         self.datapipe = datapipe
         self.seed = seed
         self.inputs = list(inputs)
+        for rank_input in self.inputs:
+            rank_input.peers = self.inputs
         self._on_error = on_error
         self._previous = previous
         self._stopped = threading.Event()

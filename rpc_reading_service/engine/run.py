@@ -28,6 +28,7 @@ from torchdata.dataloader2.utils import WorkerInfo
 
 from ..client import Event, WorkerChannel
 from ..config import ReadingServiceConfig
+from ..errors import RPCReadingServiceError
 from ..graph import DistributedInfo, init_worker_graph, reset_worker_graph
 from ..serialization import dumps_graph, pack_exception, rebuild_exception
 from ..stats import ReadingServiceStats, WorkerStats
@@ -163,11 +164,15 @@ class Engine:
         previous = self.dispatch
         if previous is not None:
             previous.stop()
-        options = self.fleet.session_options()
+        options, cond = self.fleet.session_options(), threading.Condition()
         keep_history = self.config.reassign is not None
+        # A worker's pipeline, in frames: one pending here, the credit window, one in its graph,
+        # two in its outbox, the DATA window, one the consumer took. Past that, dispatching stalls.
+        depth = 2 * self.config.prefetch + 5
         inputs = [
             RankInput(channel.rank, epoch.wire, channel.send_input, options.batch_max_items,
-                      options.batch_max_bytes, keep_history)
+                      options.batch_max_bytes, keep_history, cond, depth * options.batch_max_items,
+                      depth * options.batch_max_bytes)
             for channel in self.channels
         ]  # fmt: skip
         self.dispatch = Dispatch(self.dispatching, epoch.seed, inputs, self._dispatch_failed(epoch), previous)
@@ -179,7 +184,9 @@ class Engine:
         """Report an exception of the dispatching part to the consumer, with MPRS's words."""
 
         def report(exc: BaseException) -> None:
-            error = rebuild_exception(pack_exception(exc), None, None, where="dispatching process")
+            error = exc
+            if not isinstance(exc, RPCReadingServiceError):  # the graph's own: MPRS's words
+                error = rebuild_exception(pack_exception(exc), None, None, where="dispatching process")
             for channel in list(self.channels):  # whichever worker the consumer waits for
                 channel.queue.put(Event(channel, "error", epoch.wire, error=error))
 
