@@ -86,12 +86,16 @@ class Inbox:
     the producer, whose graph iterates it (through :class:`DispatchedInput`).
 
     ``on_taken(epoch)`` runs each time the producer takes a frame: the session grants the
-    trainer one more ITEMS frame then.
+    trainer one more ITEMS frame then. ``on_wait(True)`` runs when the producer starts waiting
+    for a frame, ``on_wait(False)`` when it stops.
     """
 
-    def __init__(self, epoch: int, on_taken: Callable[[int], None]):
+    def __init__(
+        self, epoch: int, on_taken: Callable[[int], None], on_wait: Callable[[bool], None] = lambda waiting: None
+    ):
         self.epoch = epoch
         self._on_taken = on_taken
+        self._on_wait = on_wait
         self._cond = threading.Condition()
         self._frames: Deque[Sequence[EncodedItem]] = collections.deque()
         self._ended = False
@@ -119,8 +123,11 @@ class Inbox:
     def __iter__(self) -> Iterator[Any]:
         while True:
             with self._cond:
-                while not (self._frames or self._ended or self._cancelled):
-                    self._cond.wait()
+                if not (self._frames or self._ended or self._cancelled):
+                    self._on_wait(True)
+                    while not (self._frames or self._ended or self._cancelled):
+                        self._cond.wait()
+                    self._on_wait(False)
                 if self._cancelled:
                     raise _Cancelled()
                 if not self._frames:
@@ -398,6 +405,8 @@ class WorkerSession:
         #: ``(epoch, position in the shard, monotonic start, thread id)`` while the producer
         #: waits for the graph's next item; None otherwise. Read by the watchdog.
         self._producing: Optional[Tuple[int, int, float, int]] = None
+        #: What ``_producing`` was while the producer waits for dispatched input.
+        self._input_wait_item: Optional[Tuple[int, int, float, int]] = None
         #: The watchdog's ERROR once it fired (the session then ends with it).
         self._timed_out: Optional[Error] = None
         self._stopping = threading.Event()
@@ -513,7 +522,7 @@ class WorkerSession:
         self.outbox.start_epoch(request.epoch, request.credits)
         self._cancel_input()
         if request.dispatched:
-            self._inbox = Inbox(request.epoch, lambda epoch: self.outbox.grant_input(epoch, 1))
+            self._inbox = Inbox(request.epoch, lambda epoch: self.outbox.grant_input(epoch, 1), self._waiting_for_input)
             self.outbox.grant_input(request.epoch, max(1, request.credits))
         if self._timed_out is not None:
             self._report_item_timeout(request.epoch)
@@ -605,6 +614,15 @@ class WorkerSession:
                 return
             yield item
             index += 1
+
+    def _waiting_for_input(self, waiting: bool) -> None:
+        """Waiting for the items the trainer deals is not producing (its dispatcher sets that
+        pace): the watchdog does not count it, and the item's clock restarts after it."""
+        if waiting:
+            self._input_wait_item, self._producing = self._producing, None
+        elif self._input_wait_item is not None:
+            epoch, position, _started, ident = self._input_wait_item
+            self._producing, self._input_wait_item = (epoch, position, time.monotonic(), ident), None
 
     def _unwatched(self, put: Callable[[int, EncodedItem], None]) -> Callable[[int, EncodedItem], None]:
         """``put``, first telling the watchdog the item is done: waiting for the trainer's

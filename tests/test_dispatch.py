@@ -25,6 +25,7 @@ from rpc_reading_service.engine.dispatch import RankInput
 from rpc_reading_service.errors import DispatchStalledError
 from rpc_reading_service.protocol import EndOfInput, Items
 from rpc_reading_service.serialization import dumps_item
+from rpc_reading_service.worker_session import Inbox
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -129,6 +130,25 @@ def test_a_replacement_session_gets_the_whole_input_again_and_ended_shards_never
     rank = _rank_input(sent, max_items=1)
     rank.shard_ended(epoch=1)
     assert all(rank.deal(dumps_item(x)) for x in range(5)) and rank.waits == 0 and sent == []
+
+
+def test_the_workers_inbox_grants_per_frame_and_says_when_it_waits():
+    taken: List[int] = []
+    waits: List[bool] = []
+    inbox = Inbox(3, on_taken=taken.append, on_wait=waits.append)
+    out: List[Any] = []
+    reader = threading.Thread(target=lambda: out.extend(inbox))
+    reader.start()
+    assert wait_until(lambda: waits == [True], timeout=5)  # no item yet: item_timeout does not count this
+    inbox.put([dumps_item("a"), dumps_item("b")])
+    inbox.end()
+    reader.join(5)
+    assert out == ["a", "b"] and taken == [3] and waits == [True, False]
+    cancelled = Inbox(4, on_taken=taken.append)
+    cancelled.cancel()
+    with pytest.raises(Exception) as caught:
+        list(cancelled)
+    assert type(caught.value).__name__ == "_Cancelled"  # the producer's signal to stop
 
 
 # -- end to end: local workers -------------------------------------------------------------------
