@@ -113,9 +113,16 @@ class WorkerChannel:
         """``worker R (host:port)``, for messages."""
         return describe_worker(self.rank, self.address)
 
-    def _send_or_report(self, message: Message) -> None:
-        """Send ``message`` unless the session is over; a failed send is the receiver's to report."""
-        with self._send_lock:
+    def _send_or_report(self, message: Message, wait: float = -1) -> None:
+        """Send ``message`` unless the session is over; a failed send is the receiver's to report.
+
+        ``wait``: seconds to wait for a send in progress (``-1``: as long as it takes); after
+        that, ``message`` is not sent.
+        """
+        if not self._send_lock.acquire(timeout=wait):
+            log.debug("not sending %s to %s: another send is stuck", message.kind.name, self.name)
+            return
+        try:
             with self._state_lock:
                 if self.protocol.state is SessionState.CLOSED:
                     return  # the receiver reports why it ended
@@ -126,6 +133,8 @@ class WorkerChannel:
                 # Not the end yet: the peer's last frames (an ERROR, a REJECT that explains
                 # why it closed) may still wait to be read; recv reports the loss.
                 log.debug("send to %s failed: %s", self.name, exc)
+        finally:
+            self._send_lock.release()
 
     def _tick(self) -> Tick:
         """The state machine's liveness: send the heartbeat due, return what else it found."""
@@ -217,7 +226,9 @@ class WorkerChannel:
         if self._closing:
             return
         self._closing = True
-        self._send_or_report(Close())
+        # A dispatched ITEMS frame may be stuck in a send to a worker that stopped reading:
+        # closing the connection below wakes it, so do not wait for it to say CLOSE.
+        self._send_or_report(Close(), wait=min(timeout, 1.0))
         self.conn.close()
         if self._receiver is not None and self._receiver is not threading.current_thread():
             self._receiver.join(timeout)

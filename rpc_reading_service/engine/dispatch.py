@@ -27,7 +27,6 @@ import threading
 from typing import Any, Callable, Deque, List, Optional, Sequence
 
 from ..errors import DispatchStalledError
-from ..graph import reset_dispatching_graph
 from ..protocol import EncodedItem, EndOfInput, EndOfShard, Error, ItemCredit, Items, Message
 from ..serialization import ItemEncoder
 
@@ -42,8 +41,9 @@ _JOIN_POLL = 0.05
 class RankInput:
     """The dispatched input of one worker rank in one epoch: items dealt, credit, frames sent.
 
-    ``send`` writes one message to the rank's session (ITEMS or END_OF_INPUT); it is called
-    with the lock of ``cond`` held, so frames leave in order. A frame packs up to
+    ``send`` writes one message to the rank's session (ITEMS or END_OF_INPUT). Frames leave in
+    order, from one thread at a time and never under ``cond``: a send stuck on a worker that
+    stopped reading blocks neither :meth:`cancel` nor the other ranks. A frame packs up to
     ``max_items``/``max_bytes``; the dispatcher blocks at that much pending, unless a rank
     of :attr:`peers` (which share ``cond``) waits for input, up to ``max_pending_items`` /
     ``max_pending_bytes``. Thread-safe: the dispatcher thread deals, the receivers grant.
@@ -71,6 +71,9 @@ class RankInput:
         #: The ranks of the same dispatch (sharing ``cond``), this one included.
         self.peers: Sequence["RankInput"] = [self]
         self._pending: Deque[EncodedItem] = collections.deque()
+        #: Messages made under ``cond``, sent outside it by whichever thread is :attr:`_sending`.
+        self._outgoing: Deque[Message] = collections.deque()
+        self._sending = False
         self._pending_bytes = 0
         self._history: Optional[List[EncodedItem]] = [] if keep_history else None
         #: Counts the sessions that fed this rank (a replacement is the next one).
@@ -105,6 +108,8 @@ class RankInput:
             self._pending.append(item)
             self._pending_bytes += item.nbytes
             self._flush()
+        self._drain()
+        with self._cond:
             while self._full() and not self._cancelled:
                 starving = self._starving_peer()
                 if starving is None:
@@ -121,6 +126,7 @@ class RankInput:
         with self._cond:
             self._done = True
             self._flush()
+        self._drain()
 
     def grant(self, epoch: int, credits: int, session: int = 0) -> None:
         """The worker allows ``credits`` more ITEMS frames of ``epoch``; grants of other epochs,
@@ -131,6 +137,7 @@ class RankInput:
             self.credits += credits
             self._flush()
             self._cond.notify_all()
+        self._drain()
 
     def shard_ended(self, epoch: int, session: int = 0) -> None:
         """The worker ended its shard early (its graph stopped before its input, or failed): the
@@ -153,6 +160,7 @@ class RankInput:
         with self._cond:
             self.session += 1
             self._send = send
+            self._outgoing.clear()
             self._pending = collections.deque(self._history)
             self._pending_bytes = sum(item.nbytes for item in self._pending)
             self.credits, self._sequence, self.items_sent, self._ended, self._discard = 0, 0, 0, False, False
@@ -162,6 +170,7 @@ class RankInput:
         """Stop: nothing more is sent, a waiting dispatcher wakes up and stops."""
         with self._cond:
             self._cancelled = True
+            self._outgoing.clear()
             self._pending.clear()
             self._pending_bytes = 0
             self._cond.notify_all()
@@ -203,21 +212,40 @@ class RankInput:
                 nbytes += item.nbytes
             self._pending_bytes -= nbytes
             self.credits -= 1
-            self._send(Items(self.epoch, self._sequence, items))
+            self._outgoing.append(Items(self.epoch, self._sequence, items))
             self._sequence += 1
             self.items_sent += len(items)
             self._cond.notify_all()  # the dispatcher may wait for room
         if self._done and not self._pending and not self._ended:
             self._ended = True
-            self._send(EndOfInput(self.epoch, self.items_sent))
+            self._outgoing.append(EndOfInput(self.epoch, self.items_sent))
+
+    def _drain(self) -> None:
+        """Send the outgoing messages, unless another thread already does (it sends these too)."""
+        with self._cond:
+            if self._sending:
+                return
+            self._sending = True
+        while True:
+            with self._cond:
+                if not self._outgoing:
+                    self._sending = False  # in the same step as the check: a message added later finds no sender
+                    return
+                message, send = self._outgoing.popleft(), self._send
+            try:
+                send(message)
+            except BaseException:
+                with self._cond:
+                    self._sending = False
+                raise
 
 
 class Dispatch:
     """One epoch's dispatching: a thread that iterates the dispatching part and deals its items.
 
     Args:
-        datapipe: The dispatching part; the thread seeds it from ``seed``, the epoch's shared seed.
-        seed: The epoch's shared seed.
+        datapipe: The dispatching part, seeded for the epoch (by the caller: torch traverses a
+            graph under a process-wide hook, one thread at a time).
         inputs: One :class:`RankInput` per worker rank, in rank order.
         on_error: Called with the exception the dispatching part raised (from the thread).
         previous: The dispatch of the epoch this one supersedes: its thread must end before
@@ -227,13 +255,11 @@ class Dispatch:
     def __init__(
         self,
         datapipe: Any,
-        seed: int,
         inputs: Sequence[RankInput],
         on_error: Callable[[BaseException], None],
         previous: Optional["Dispatch"] = None,
     ):
         self.datapipe = datapipe
-        self.seed = seed
         self.inputs = list(inputs)
         for rank_input in self.inputs:
             rank_input.peers = self.inputs
@@ -292,7 +318,6 @@ class Dispatch:
         inputs, count = self.inputs, len(self.inputs)
         encode = ItemEncoder().encode
         try:
-            reset_dispatching_graph(self.datapipe, self.seed)
             for index, item in enumerate(self.datapipe):
                 if self._stopped.is_set():
                     return

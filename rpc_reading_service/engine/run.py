@@ -29,7 +29,7 @@ from torchdata.dataloader2.utils import WorkerInfo
 from ..client import Event, WorkerChannel
 from ..config import ReadingServiceConfig
 from ..errors import RPCReadingServiceError
-from ..graph import DistributedInfo, init_worker_graph, reset_worker_graph
+from ..graph import DistributedInfo, init_worker_graph, reset_dispatching_graph, reset_worker_graph
 from ..serialization import dumps_graph, pack_exception, rebuild_exception
 from ..stats import ReadingServiceStats, WorkerStats
 from .dispatch import Dispatch, RankInput
@@ -175,7 +175,8 @@ class Engine:
                       depth * options.batch_max_bytes)
             for channel in self.channels
         ]  # fmt: skip
-        self.dispatch = Dispatch(self.dispatching, epoch.seed, inputs, self._dispatch_failed(epoch), previous)
+        reset_dispatching_graph(self.dispatching, epoch.seed)
+        self.dispatch = Dispatch(self.dispatching, inputs, self._dispatch_failed(epoch), previous)
         for channel in self.channels:
             channel.input_sink = self.dispatch.input_sink(channel.rank)
         return self.dispatch
