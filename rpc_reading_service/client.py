@@ -24,10 +24,12 @@ from .protocol import (
     Close,
     Credit,
     DataReceived,
+    EndOfInput,
     EndOfShard,
     Error,
     Frame,
     ItemCredit,
+    Items,
     Message,
     Ready,
     Refused,
@@ -113,11 +115,12 @@ class WorkerChannel:
         """``worker R (host:port)``, for messages."""
         return describe_worker(self.rank, self.address)
 
-    def _send_or_report(self, message: Message, wait: float = -1) -> None:
+    def _send_or_report(self, message: Message, wait: float = -1, epoch: Optional[int] = None) -> None:
         """Send ``message`` unless the session is over; a failed send is the receiver's to report.
 
         ``wait``: seconds to wait for a send in progress (``-1``: as long as it takes); after
-        that, ``message`` is not sent.
+        that, ``message`` is not sent. With ``epoch``, it is not sent either once another
+        epoch started (or this one stopped).
         """
         if not self._send_lock.acquire(timeout=wait):
             log.debug("not sending %s to %s: another send is stuck", message.kind.name, self.name)
@@ -126,6 +129,8 @@ class WorkerChannel:
             with self._state_lock:
                 if self.protocol.state is SessionState.CLOSED:
                     return  # the receiver reports why it ended
+                if epoch is not None and (epoch != self.protocol.epoch or self.protocol.stopped):
+                    return
                 chunks = self.protocol.send(message)
             try:
                 self.conn.send(chunks)
@@ -207,10 +212,11 @@ class WorkerChannel:
         self.stats = ChannelStats()
         self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched))
 
-    def send_input(self, message: Message) -> None:
+    def send_input(self, message: Union[Items, EndOfInput]) -> None:
         """Send an ITEMS or END_OF_INPUT frame of the dispatched input (the state machine
-        checks the worker's ITEM_CREDIT); nothing once the session is over."""
-        self._send_or_report(message)
+        checks the worker's ITEM_CREDIT); nothing once the session is over or its epoch is
+        (a superseded dispatcher's last frame may still be on its way out)."""
+        self._send_or_report(message, epoch=message.epoch)
 
     def grant(self, epoch: int, credits: int = 1) -> None:
         """Allow the worker ``credits`` more DATA frames of ``epoch`` (nothing for a superseded epoch)."""

@@ -10,7 +10,6 @@ from torchdata.dataloader2.random import SeedGenerator
 from torchdata.dataloader2.utils import WorkerInfo
 from torchdata.datapipes.iter import IterableWrapper
 
-from rpc_reading_service.errors import ConfigurationError
 from rpc_reading_service.graph import (
     DistributedInfo,
     advance_trainer_rng,

@@ -192,7 +192,8 @@ class RankInput:
     def _stalled(self, starving: "RankInput") -> DispatchStalledError:
         return DispatchStalledError(
             f"dispatching stalled: worker {self.rank} has not asked for the {len(self._pending)} items dealt to it "
-            f"since its last frame (the trainer has not taken its outputs) while worker {starving.rank} waits for input. "
+            "since its last frame (the trainer has not taken its outputs) "
+            f"while worker {starving.rank} waits for input. "
             "In order (in_order=True) the trainer takes one output of each worker in turn, so each worker's outputs "
             "must keep pace with the items dealt to it: a filter, or another DataPipe that yields fewer items than it "
             "takes, after sharding_round_robin_dispatch stalls it. Pass in_order=False, or move that DataPipe before "
@@ -276,9 +277,9 @@ class Dispatch:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop dealing (a new epoch, an early exit, shutdown): nothing more is sent once this returns.
-
-        The thread ends at the next item it takes (one blocked in the dispatching part's
+        """Stop dealing (a new epoch, an early exit, shutdown): nothing more is sent once this
+        returns, but a frame already on its way out (the channel drops it once the next epoch
+        started). The thread ends at the next item it takes (one blocked in the dispatching part's
         own code ends when that returns).
         """
         self._stopped.set()
