@@ -3,7 +3,8 @@
 First the dealing and credit rules of one rank's input (:class:`RankInput`, no I/O), then end
 to end with real worker processes: the dispatching part's errors in MPRS's words, bounded
 buffering with a slow worker, checkpoint resume mid-epoch, ``on_worker_failure="reassign"``
-with a killed worker, and a CLI-started remote server. (torch_rpc: in test_torch_rpc_transport.)
+with a killed worker. (CLI-started servers of both transports: in test_torch_rpc_transport,
+which starts both.)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 from typing import Any, List
 
 import pytest
-from _server_helpers import remote, run_epochs, slow_identity, wait_until
+from _server_helpers import slow_identity, wait_until
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
@@ -269,12 +270,3 @@ def test_reassign_feeds_a_killed_workers_input_to_its_replacement_exactly_once()
         dl.shutdown()
     assert victim is not None and victim not in pids  # worker 1 was replaced
     assert epoch == reference  # every item once, in the fault-free order
-
-
-# -- a remote server started with the CLI ----------------------------------------------------------
-@pytest.mark.timeout(60)
-def test_dispatching_over_a_cli_started_server_matches_local_workers(worker_server):
-    graph = lambda: dispatching(40, with_draw)  # noqa: E731
-    local = run_epochs(graph(), RPCReadingService(num_workers=2), seed=SEED)
-    assert run_epochs(graph(), remote(worker_server, num_workers=2), seed=SEED) == local
-    assert sorted(x for x, _ in local[0]) == list(range(40)) and local[0] != local[1]

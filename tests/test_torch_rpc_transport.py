@@ -163,16 +163,18 @@ def test_seeded_runs_repeat_against_the_cli_server(rpc_server):
     assert first[0] != first[1]
 
 
-def test_dispatching_over_the_cli_server_gives_the_socket_transports_items(rpc_server):
-    """sharding_round_robin_dispatch: ITEM_CREDIT, ITEMS and END_OF_INPUT travel over torch RPC too."""
+def test_dispatching_over_cli_servers_of_both_transports_gives_local_workers_items(worker_server, rpc_server):
+    """sharding_round_robin_dispatch: ITEM_CREDIT, ITEMS and END_OF_INPUT travel to servers started
+    with the CLI, over the socket transport and over torch RPC, with the items of local workers."""
 
     def dispatched():
         dp = IterableWrapper(range(N_ITEMS)).shuffle().sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
         return dp.map(with_noise)
 
     expected = run_epochs(dispatched(), RPCReadingService(num_workers=2), seed=9)
+    assert run_epochs(dispatched(), remote(worker_server, transport="socket"), seed=9) == expected
     assert run_epochs(dispatched(), remote(rpc_server), seed=9) == expected
-    assert sorted(x for x, _ in expected[0]) == list(range(N_ITEMS))
+    assert sorted(x for x, _ in expected[0]) == list(range(N_ITEMS)) and expected[0] != expected[1]
 
 
 def test_remote_exception(rpc_server):
