@@ -9,18 +9,17 @@ behind (memfds have no name anywhere: a leak can only be a mapping or a descript
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import secrets
 import signal
-import subprocess
-import sys
-import textwrap
+import time
 
 import numpy
 import pytest
 import torch
 
-from _server_helpers import TESTS_DIR, _pythonpath, remote, wait_until
+from _server_helpers import remote, wait_until
 from rpc_reading_service.errors import LocalProtocolError, RemoteProtocolError, WorkerLostError
 from rpc_reading_service.protocol import EncodedItem, FrameReader, MessageKind, encode_data, encode_frame
 from rpc_reading_service.protocol.frames import (
@@ -157,6 +156,8 @@ def test_segments_are_reused_once_the_trainer_lets_go_and_stay_bounded():
     assert all(torch.equal(t, item) for t in held)
     held.clear()  # four free segments, two kept: the next frame retires the others
     gc.collect()
+    (buffer,) = _hand_over(pool, segments, encoded.buffers)
+    assert pool.segments == 2 == segments.segments and torch.equal(loads_item(EncodedItem(encoded.payload, [buffer])), item)
     small = numpy.full(SHARED_MEMORY_MIN_BYTES, 3, dtype=numpy.uint8)
     (buffer,) = _hand_over(pool, segments, [memoryview(small)])
     assert pool.segments == segments.segments <= 3 and bytes(buffer) == small.tobytes()
@@ -285,23 +286,20 @@ def _leaks(server, *pids) -> list:
     return found
 
 
-TRAINER = textwrap.dedent(
-    """
-    import sys, time
+def _trainer(address: str, key: str, report_fd: int) -> None:
+    """A trainer that holds its last items and reports each one on ``report_fd``, until killed."""
     from torchdata.dataloader2 import DataLoader2
     from torchdata.datapipes.iter import IterableWrapper
+
     from rpc_reading_service import RPCReadingService
-    from test_shared_memory import item_of_every_size
 
     graph = IterableWrapper(range(10_000)).sharding_filter().map(item_of_every_size)
-    service = RPCReadingService(num_workers=2, workers=[sys.argv[1]] * 2, auth_key=sys.argv[2])
-    held = []
+    service = RPCReadingService(num_workers=2, workers=[address] * 2, auth_key=key)
+    held: list = []
     for item in DataLoader2(graph, reading_service=service):
         held = [item, *held[:3]]
-        print(int(item["small"][0]), flush=True)
+        os.write(report_fd, b"." if in_shared_memory(item["big"].data_ptr(), shared_ranges(os.getpid())) else b"x")
         time.sleep(0.01)
-    """
-)
 
 
 @pytest.mark.timeout(90)
@@ -339,20 +337,24 @@ def test_sigkill_of_a_worker_or_of_the_trainer_mid_epoch_leaves_nothing(fresh_se
     assert _leaks(server, os.getpid()) == []
 
     # The trainer killed mid-epoch (holding items): its sessions end and free theirs.
-    env = dict(os.environ, PYTHONPATH=_pythonpath(), TMPDIR=str(private_tmp), PYTHONWARNINGS="ignore")
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, server.address, server.key], stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, env=env, cwd=str(TESTS_DIR))  # fmt: skip
+    read_fd, write_fd = os.pipe()
+    trainer = multiprocessing.get_context("fork").Process(target=_trainer, args=(server.address, server.key, write_fd))
+    trainer.start()  # forked: torch is imported already
+    os.close(write_fd)
     try:
-        for _ in range(8):
-            assert trainer.stdout.readline(), "the trainer exited early"
-        assert shared_ranges(trainer.pid), "the trainer received no item in shared memory"
+        reports = b""
+        while len(reports) < 8:
+            chunk = os.read(read_fd, 8)
+            assert chunk, f"the trainer exited early (code {trainer.exitcode})"
+            reports += chunk
+        assert set(reports) == {ord(".")}, "the trainer received big tensors outside shared memory"
         os.kill(trainer.pid, signal.SIGKILL)
-        trainer.wait(10)
+        trainer.join(10)
     finally:
-        if trainer.poll() is None:
+        if trainer.is_alive():
             trainer.kill()
-            trainer.wait()
-        trainer.stdout.close()
+        trainer.join()
+        os.close(read_fd)
     assert wait_until(lambda: not server.session_pids(), 15)
     assert _leaks(server) == []
 

@@ -108,6 +108,9 @@ class SegmentPool:
         new: List[Tuple[int, int, int]] = []
         retired: List[int] = []
         with self._lock:
+            free = sorted((s for s in self._segments.values() if s.state[0] == _FREE), key=lambda s: s.capacity)
+            for segment in free[: max(0, len(free) - self.max_free)]:  # a consumer let go of many at once
+                self._retire(segment, retired)
             for index, buffer in enumerate(buffers):
                 view = memoryview(buffer).cast("B")
                 segment = None
