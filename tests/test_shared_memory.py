@@ -161,6 +161,8 @@ def test_segments_are_reused_once_the_trainer_lets_go_and_stay_bounded():
     small = numpy.full(SHARED_MEMORY_MIN_BYTES, 3, dtype=numpy.uint8)
     (buffer,) = _hand_over(pool, segments, [memoryview(small)])
     assert pool.segments == segments.segments <= 3 and bytes(buffer) == small.tobytes()
+    pool.close()  # a closed connection's pool lends nothing more
+    assert pool.segments == 0 and isinstance(_hand_over(pool, segments, encoded.buffers)[0], (bytes, bytearray, memoryview))
 
 
 def test_numpy_arrays_keep_their_segment_lent_while_they_live():

@@ -88,6 +88,7 @@ class SegmentPool:
         self._next_id = 1
         self._lock = threading.Lock()
         self._warned = False
+        self._closed = False
 
     @property
     def segments(self) -> int:
@@ -114,7 +115,7 @@ class SegmentPool:
             for index, buffer in enumerate(buffers):
                 view = memoryview(buffer).cast("B")
                 segment = None
-                if view.nbytes >= min_bytes:
+                if view.nbytes >= min_bytes and not self._closed:
                     segment = self._segment_for(view, new, retired)
                 if segment is None:
                     inline.append(buffer)
@@ -188,6 +189,7 @@ class SegmentPool:
     def close(self) -> None:
         """Drop every segment (the trainer's mappings keep what it still uses alive)."""
         with self._lock:
+            self._closed = True
             self._segments.clear()
             self._bytes = 0
 

@@ -259,7 +259,8 @@ class SharedMemoryConnection(SocketConnection):
 
     def send(self, chunks: Sequence[Buffer]) -> None:
         pool = self._pool
-        if pool is None or HEADER.unpack_from(memoryview(chunks[0]))[2] != MessageKind.DATA:
+        _magic, _version, kind, n_buffers, _length = HEADER.unpack_from(memoryview(chunks[0]))
+        if pool is None or kind != MessageKind.DATA or not n_buffers:
             return super().send(chunks)
         kind, body, buffers = split_frame(chunks)
         with self._send_lock:
