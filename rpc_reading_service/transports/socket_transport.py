@@ -175,16 +175,9 @@ class SocketConnection(Connection):
             if self._closed:
                 raise PeerLostError(f"connection to {self.peer} is closed")
             try:
-                n = self._sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+                n = self._recv_some(view)
             except (BlockingIOError, InterruptedError):
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                try:
-                    ready, _, _ = select.select([self._sock], [], [], remaining)
-                except (OSError, ValueError) as exc:  # closed under us by another thread
-                    raise PeerLostError(f"connection to {self.peer} is closed") from exc
-                if not ready and deadline is not None and time.monotonic() >= deadline:
+                if not self._wait_for_input(deadline):
                     return None
                 continue
             except OSError as exc:
@@ -192,6 +185,21 @@ class SocketConnection(Connection):
             if n == 0:
                 raise self._closed_by_peer()
             return n
+
+    def _recv_some(self, view: memoryview) -> int:
+        """One non-blocking receive into ``view`` (raises BlockingIOError when nothing is there)."""
+        return self._sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+
+    def _wait_for_input(self, deadline: Optional[float]) -> bool:
+        """Wait until the socket is readable; False once ``deadline`` has passed."""
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            return False
+        try:
+            ready, _, _ = select.select([self._sock], [], [], remaining)
+        except (OSError, ValueError) as exc:  # closed under us by another thread
+            raise PeerLostError(f"connection to {self.peer} is closed") from exc
+        return bool(ready) or deadline is None or time.monotonic() < deadline
 
     def _closed_by_peer(self) -> PeerLostError:
         what = "in the middle of a frame" if self._reader.mid_frame else ""
@@ -292,37 +300,18 @@ class SharedMemoryConnection(SocketConnection):
                 return self._segments.open(shared, fds, self._reader.max_frame_bytes)
             raise RemoteProtocolError(f"{self.peer} sent {frame.kind.name}, which this end of the connection never accepts")
 
-    def _recv_into(self, view: memoryview, deadline: Optional[float]) -> Optional[int]:
+    def _recv_some(self, view: memoryview) -> int:
         if self._segments is None:  # descriptors sent to this end are dropped by the kernel
-            return super()._recv_into(view, deadline)
-        while True:
-            if self._closed:
-                raise PeerLostError(f"connection to {self.peer} is closed")
-            try:
-                n, ancillary, flags, _ = self._sock.recvmsg_into([view], _ANCILLARY_BYTES, socket.MSG_DONTWAIT)
-            except (BlockingIOError, InterruptedError):
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                try:
-                    ready, _, _ = select.select([self._sock], [], [], remaining)
-                except (OSError, ValueError) as exc:  # closed under us by another thread
-                    raise PeerLostError(f"connection to {self.peer} is closed") from exc
-                if not ready and deadline is not None and time.monotonic() >= deadline:
-                    return None
-                continue
-            except OSError as exc:
-                raise PeerLostError(f"lost connection to {self.peer}: {exc}") from exc
-            for level, kind, data in ancillary:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds = array.array("i")
-                    fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-                    self._fds.extend(fds)
-            if flags & socket.MSG_CTRUNC:
-                raise RemoteProtocolError(f"{self.peer} sent more descriptors with one frame than a SHARED_DATA frame may bring")
-            if n == 0:
-                raise self._closed_by_peer()
-            return n
+            return super()._recv_some(view)
+        n, ancillary, flags, _ = self._sock.recvmsg_into([view], _ANCILLARY_BYTES, socket.MSG_DONTWAIT)
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                self._fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            raise RemoteProtocolError(f"{self.peer} sent more descriptors with one frame than a SHARED_DATA frame may bring")
+        return n
 
     def close(self) -> None:
         super().close()
