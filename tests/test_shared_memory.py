@@ -200,6 +200,23 @@ def test_the_map_refuses_placements_outside_what_the_worker_announced():
         segments.open(decode_shared_data(frame), [os.memfd_create("x")], 4)
 
 
+@pytest.mark.timeout(20)
+def test_a_process_forked_from_the_trainer_can_drop_received_buffers():
+    # The local worker server is forked from the trainer: it has the trainer's objects but
+    # not its mappings (MADV_DONTFORK), and must not crash when one of them goes.
+    pool, segments = SegmentPool(), SegmentMap("test")
+    (buffer,) = _hand_over(pool, segments, [bytes(SHARED_MEMORY_MIN_BYTES)])
+    pid = os.fork()
+    if pid == 0:
+        try:
+            del buffer
+            gc.collect()
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0, "the forked process crashed dropping a received buffer"
+    assert shared_ranges(os.getpid())  # the trainer still maps it
+
+
 def test_pinned_memory_is_never_shared():
     assert accepts_shared_memory(buffer_allocator(False)) and accepts_shared_memory(None)
     assert not accepts_shared_memory(lambda n: torch.empty(n, dtype=torch.uint8).numpy())  # as pinned ones are

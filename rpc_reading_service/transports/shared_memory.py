@@ -194,8 +194,11 @@ class SegmentPool:
             self._bytes = 0
 
 
-def _release(state: memoryview) -> None:
-    state[0] = _FREE
+def _release(state: memoryview, owner: int) -> None:
+    # A process forked from the owner (the local worker server) has these objects but not
+    # the mapping (MADV_DONTFORK): writing there would be a segfault.
+    if os.getpid() == owner:
+        state[0] = _FREE
 
 
 class SegmentMap:
@@ -246,7 +249,7 @@ class SegmentMap:
         # A ctypes array, not a numpy view: numpy collapses a view's base to the mapping, so
         # the view could die while arrays built on it live; this object lives as long as they do.
         memory = (ctypes.c_ubyte * placed.length).from_buffer(segment.mapping, placed.offset)
-        weakref.finalize(memory, _release, segment.state).atexit = False
+        weakref.finalize(memory, _release, segment.state, os.getpid()).atexit = False
         return memory  # type: ignore[return-value]
 
     def _error(self, what: str) -> RemoteProtocolError:
