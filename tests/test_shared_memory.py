@@ -321,6 +321,28 @@ def _trainer(address: str, key: str, report_fd: int) -> None:
         time.sleep(0.01)
 
 
+def _kill_a_trainer_mid_epoch(server) -> None:
+    """Fork a trainer of ``server`` and SIGKILL it once it holds items received in shared memory."""
+    read_fd, write_fd = os.pipe()
+    trainer = multiprocessing.get_context("fork").Process(target=_trainer, args=(server.address, server.key, write_fd))
+    trainer.start()  # forked: torch is imported already
+    os.close(write_fd)
+    try:
+        reports = b""
+        while len(reports) < 8:
+            chunk = os.read(read_fd, 8)
+            assert chunk, f"the trainer exited early (code {trainer.exitcode})"
+            reports += chunk
+        assert set(reports) == {ord(".")}, "the trainer received big tensors outside shared memory"
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.join(10)
+    finally:
+        if trainer.is_alive():
+            trainer.kill()
+        trainer.join()
+        os.close(read_fd)
+
+
 @pytest.mark.timeout(90)
 def test_sigkill_of_a_worker_or_of_the_trainer_mid_epoch_leaves_nothing(fresh_server, tmp_path):
     from torchdata.dataloader2 import DataLoader2
@@ -356,24 +378,7 @@ def test_sigkill_of_a_worker_or_of_the_trainer_mid_epoch_leaves_nothing(fresh_se
     assert _leaks(server, os.getpid()) == []
 
     # The trainer killed mid-epoch (holding items): its sessions end and free theirs.
-    read_fd, write_fd = os.pipe()
-    trainer = multiprocessing.get_context("fork").Process(target=_trainer, args=(server.address, server.key, write_fd))
-    trainer.start()  # forked: torch is imported already
-    os.close(write_fd)
-    try:
-        reports = b""
-        while len(reports) < 8:
-            chunk = os.read(read_fd, 8)
-            assert chunk, f"the trainer exited early (code {trainer.exitcode})"
-            reports += chunk
-        assert set(reports) == {ord(".")}, "the trainer received big tensors outside shared memory"
-        os.kill(trainer.pid, signal.SIGKILL)
-        trainer.join(10)
-    finally:
-        if trainer.is_alive():
-            trainer.kill()
-        trainer.join()
-        os.close(read_fd)
+    _kill_a_trainer_mid_epoch(server)
     assert wait_until(lambda: not server.session_pids(), 15)
     assert _leaks(server) == []
 
@@ -383,3 +388,13 @@ def test_sigkill_of_a_worker_or_of_the_trainer_mid_epoch_leaves_nothing(fresh_se
         assert len(maps.readlines()) == server_maps
     assert list(private_tmp.iterdir()) == []
     assert set(os.listdir("/dev/shm")) <= dev_shm | {name for name in os.listdir("/dev/shm") if name.startswith("torch_")}
+
+
+@pytest.mark.timeout(60)
+def test_a_server_running_sessions_in_threads_keeps_no_segment_of_a_killed_trainer(fresh_server):
+    # Here the server process itself holds the sessions' segments: all of them must go.
+    server = fresh_server(args=["--host", f"unix:@rrs-shm-test-{secrets.token_hex(6)}", "--session-mode", "thread"])
+    server_fds = len(os.listdir(f"/proc/{server.pid}/fd"))
+    _kill_a_trainer_mid_epoch(server)
+    assert wait_until(lambda: _leaks(server) == [] and len(os.listdir(f"/proc/{server.pid}/fd")) == server_fds, 15)
+    assert server.alive()
