@@ -10,7 +10,9 @@ plain-text table per scenario (measured value, ratios), then a table of targets:
     python benchmarks/bench.py --only tensor8m --json out.json --plot out.png --results-md out.md
 
 Contenders: ``in-process`` (plain iteration of the graph), ``production-limit`` (W
-processes that only make the items, nothing moved: the ceiling for local workers),
+processes that only make the items, nothing moved: the ceiling for local workers; each
+item stays alive while the next ``workloads.ITEMS_IN_FLIGHT`` are made, as a hand-over
+holds it, so no item is written into the previous one's cache-hot buffer),
 ``MPRS`` (torchdata MultiProcessingReadingService), ``torch-DataLoader``
 (``torch.utils.data.DataLoader(graph, num_workers=W, batch_size=None)``, what most users
 run), ``RPCRS-local`` / ``RPCRS-torch_rpc``

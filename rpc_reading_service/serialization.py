@@ -33,6 +33,8 @@ from .errors import RemoteWorkerError, describe_worker
 
 __all__ = [
     "OUT_OF_BAND_MIN_BYTES",
+    "SHARED_MEMORY_MIN_BYTES",
+    "accepts_shared_memory",
     "Buffer",
     "EncodedItem",
     "ItemEncoder",
@@ -48,6 +50,9 @@ __all__ = [
 ]
 
 OUT_OF_BAND_MIN_BYTES = 64 * 1024
+#: Out-of-band buffers of at least this size leave a local worker (Unix socket) in shared
+#: memory; smaller ones cost less to send than to place and release.
+SHARED_MEMORY_MIN_BYTES = 256 * 1024
 
 #: Memory that can be sent or received as is (a frame chunk, a payload, an out-of-band buffer).
 Buffer = Union[bytes, bytearray, memoryview]
@@ -220,6 +225,13 @@ def buffer_allocator(pin_memory: bool) -> Callable[[int], Any]:
 
 def _uninitialised_bytes(nbytes: int) -> Any:
     return numpy.empty(nbytes, dtype=numpy.uint8)
+
+
+def accepts_shared_memory(allocate: Optional[Callable[[int], Any]]) -> bool:
+    """Whether received buffers may live in shared memory instead of memory from
+    ``allocate``: yes for plain memory, no for pinned memory (``pin_memory`` with CUDA),
+    which a shared mapping is not."""
+    return allocate is None or allocate is bytearray or allocate is _uninitialised_bytes
 
 
 # -- graphs ------------------------------------------------------------------------------------

@@ -72,7 +72,28 @@ def test_quick_run_prints_a_row_for_every_contender(tmp_path):
     assert "[LINKS.md](LINKS.md)" in markdown  # bench_links.py's own file, kept across regenerations
     for row in document["targets"]:
         assert row["goal"] in markdown
+    local = [row for row in document["targets"] if row["goal"].startswith("tensor8m: RPCRS-local") and row["measured"]]
+    for row in local:  # the prose quotes the targets table's numbers
+        assert row["detail"].partition(" vs ")[2] in markdown.split("## Printed tables")[0]
     if importlib.util.find_spec("matplotlib") is None:  # the bench extra; `make test` does not install it
         assert "matplotlib is not installed, no figure written" in output
     else:
         assert plot.stat().st_size > 0
+
+
+def test_the_prose_quotes_the_targets_rows():
+    from benchsuite.report.results_md import local_workers_paragraph
+
+    rows = [
+        {"goal": "tensor8m: RPCRS-local W=2 >= 0.6x production-limit W=2", "measured": 0.4123,
+         "detail": "5.10 GB/s vs 12.37 GB/s"},
+        {"goal": "tensor8m: RPCRS-local W=2 >= 4x MPRS W=2", "measured": 6.07, "detail": "5.10 GB/s vs 0.84 GB/s"},
+        {"goal": "tensor8m: RPCRS-tcp W=1 >= 0.85x raw-socket (both one stream)", "measured": 0.9158,
+         "detail": "1.85 GB/s vs 2.02 GB/s"},
+        {"goal": "tensor8m: RPCRS-local W=2 >= 3x torch-DataLoader W=2", "measured": None, "detail": "not run"},
+    ]
+    paragraph = local_workers_paragraph(rows)
+    assert "delivered 5.10 GB/s in this run: 0.41x the production limit (12.37 GB/s), 6.07x MPRS (0.84 GB/s)." in paragraph
+    assert "One worker over TCP delivered 1.85 GB/s, 0.92x the raw TCP stream" in paragraph
+    assert "DataLoader" not in paragraph
+    assert local_workers_paragraph([]) is None

@@ -39,6 +39,12 @@ __all__ = [
     "Buffer",
     "MessageKind",
     "HANDSHAKE_KINDS",
+    "TRANSPORT_KINDS",
+    "SharedBuffer",
+    "SharedFrame",
+    "split_frame",
+    "encode_shared_data",
+    "decode_shared_data",
     "Frame",
     "FrameReader",
     "encode_frame",
@@ -91,11 +97,16 @@ class MessageKind(enum.IntEnum):
     ITEM_CREDIT = 24
     ITEMS = 25
     END_OF_INPUT = 26
+    # Transport-level, on Unix sockets only: the transport consumes them, a session never sees them.
+    SHARED_MEMORY_OFFER = 40
+    SHARED_DATA = 41
 
 
 HANDSHAKE_KINDS = frozenset(
     {MessageKind.HELLO, MessageKind.CHALLENGE, MessageKind.PROOF, MessageKind.WELCOME, MessageKind.REJECT}
 )
+#: Kinds a transport sends and consumes itself (shared-memory hand-over); never a session's.
+TRANSPORT_KINDS = frozenset({MessageKind.SHARED_MEMORY_OFFER, MessageKind.SHARED_DATA})
 _KNOWN_KINDS = frozenset(int(k) for k in MessageKind)
 
 
@@ -377,3 +388,121 @@ def decode_end_of_shard(frame: Frame) -> Tuple[int, int]:
     if len(frame.body) != _EPOCH_MARK.size:
         raise RemoteProtocolError(f"{frame.kind.name} frame has a malformed body")
     return _EPOCH_MARK.unpack(frame.body)
+
+
+# -- shared-memory hand-over (transport-level, Unix sockets only) -------------------------------
+# A trainer that can map shared memory says so with SHARED_MEMORY_OFFER (empty body) right
+# after the handshake. From then on, the worker may send a frame whose large buffers it put
+# in shared memory segments as a SHARED_DATA frame instead::
+#
+#     body     inner_kind(1) n_buffers(2) n_new(2) n_retired(2) n_shared(2)       9 bytes
+#              n_new     x segment(4) size(8)         segments whose descriptors come with
+#                                                     this frame (SCM_RIGHTS), in this order
+#              n_retired x segment(4)                 segments the worker closed: forget them
+#              n_shared  x index(2) segment(4) offset(8) length(8)
+#              the inner frame's body
+#     buffers  the inner frame's other buffers (those not shared), in order
+#
+# Rules: the inner kind is DATA; shared indexes ascend, each below n_buffers, and the
+# shared plus the inline buffers are exactly n_buffers; a shared buffer lies inside its
+# segment. The receiver rebuilds the inner frame with the shared buffers on its mapping of
+# each segment. Which segments are free again is not a message: the first byte of each
+# segment says it (see transports/shared_memory.py).
+_SHARED_HEAD = struct.Struct("!BHHHH")
+_SHARED_NEW = struct.Struct("!IQ")
+_SHARED_RETIRED = struct.Struct("!I")
+_SHARED_BUFFER = struct.Struct("!HIQQ")
+
+
+@dataclass(frozen=True)
+class SharedBuffer:
+    """Buffer ``index`` of a frame, ``length`` bytes at ``offset`` of shared segment ``segment``."""
+
+    index: int
+    segment: int
+    offset: int
+    length: int
+
+
+@dataclass
+class SharedFrame:
+    """A decoded SHARED_DATA frame: the inner frame's kind, body and inline buffers, and
+    where its shared buffers are."""
+
+    kind: MessageKind
+    n_buffers: int
+    new_segments: List[Tuple[int, int]]  # (segment, size), one received descriptor each
+    retired: List[int]
+    shared: List[SharedBuffer]
+    body: Buffer
+    inline: List[Buffer]
+
+    @property
+    def shared_bytes(self) -> int:
+        """Bytes of the inner frame that are in shared memory."""
+        return sum(b.length for b in self.shared)
+
+
+def split_frame(chunks: Sequence[Buffer]) -> Tuple[MessageKind, List[Buffer], List[Buffer]]:
+    """Take apart the chunks :func:`encode_frame` made: ``(kind, body chunks, buffers)``,
+    zero-length buffers included (they have no chunk)."""
+    head = memoryview(chunks[0]).cast("B")
+    _magic, _version, kind, n_buffers, _body_length = HEADER.unpack_from(head)
+    lengths = struct.unpack_from(f"!{n_buffers}Q", head, HEADER.size) if n_buffers else ()
+    n_chunks = sum(1 for length in lengths if length)
+    rest = list(chunks[1:])
+    body, sent = rest[: len(rest) - n_chunks], iter(rest[len(rest) - n_chunks :])
+    buffers: List[Buffer] = [next(sent) if length else b"" for length in lengths]
+    return MessageKind(kind), body, buffers
+
+
+def encode_shared_data(
+    kind: MessageKind,
+    body: Sequence[Buffer],
+    n_buffers: int,
+    shared: Sequence[SharedBuffer],
+    inline: Sequence[Buffer],
+    new_segments: Sequence[Tuple[int, int]] = (),
+    retired: Sequence[int] = (),
+) -> List[Buffer]:
+    """Encode a frame of ``kind`` (body chunks ``body``, ``n_buffers`` buffers) whose
+    ``shared`` buffers are in shared memory and whose others, ``inline``, travel with it."""
+    if kind != MessageKind.DATA:
+        raise LocalProtocolError(f"only DATA frames hand buffers over in shared memory, not {kind.name}")
+    if len(shared) + len(inline) != n_buffers:
+        raise LocalProtocolError(f"{len(shared)} shared and {len(inline)} inline buffers are not the frame's {n_buffers}")
+    table = bytearray(_pack(_SHARED_HEAD, kind, int(kind), n_buffers, len(new_segments), len(retired), len(shared)))
+    for segment, size in new_segments:
+        table += _pack(_SHARED_NEW, MessageKind.SHARED_DATA, segment, size)
+    for segment in retired:
+        table += _pack(_SHARED_RETIRED, MessageKind.SHARED_DATA, segment)
+    for buffer in shared:
+        table += _pack(_SHARED_BUFFER, MessageKind.SHARED_DATA, buffer.index, buffer.segment, buffer.offset, buffer.length)
+    return encode_frame(MessageKind.SHARED_DATA, [table, *body], inline)
+
+
+def decode_shared_data(frame: Frame) -> SharedFrame:
+    """Decode a SHARED_DATA frame (checking its rules; not yet whether its segments exist)."""
+    body = memoryview(frame.body).cast("B")
+    if len(body) < _SHARED_HEAD.size:
+        raise RemoteProtocolError("SHARED_DATA frame too short for its header")
+    kind, n_buffers, n_new, n_retired, n_shared = _SHARED_HEAD.unpack_from(body)
+    if kind != MessageKind.DATA:
+        raise RemoteProtocolError(f"SHARED_DATA frame wraps kind {kind}: only DATA frames hand buffers over in shared memory")
+    end = _SHARED_HEAD.size + n_new * _SHARED_NEW.size + n_retired * _SHARED_RETIRED.size + n_shared * _SHARED_BUFFER.size
+    if end > len(body):
+        raise RemoteProtocolError("SHARED_DATA frame too short for its tables")
+    offset = _SHARED_HEAD.size
+    new = [_SHARED_NEW.unpack_from(body, offset + i * _SHARED_NEW.size) for i in range(n_new)]
+    offset += n_new * _SHARED_NEW.size
+    retired = [_SHARED_RETIRED.unpack_from(body, offset + i * _SHARED_RETIRED.size)[0] for i in range(n_retired)]
+    offset += n_retired * _SHARED_RETIRED.size
+    shared = [SharedBuffer(*_SHARED_BUFFER.unpack_from(body, offset + i * _SHARED_BUFFER.size)) for i in range(n_shared)]
+    indexes = [b.index for b in shared]
+    if any(b >= a for a, b in zip(indexes[1:], indexes)) or any(i >= n_buffers for i in indexes):
+        raise RemoteProtocolError(f"SHARED_DATA frame's shared buffer indexes {indexes} do not ascend below {n_buffers}")
+    if len(shared) + len(frame.buffers) != n_buffers:
+        raise RemoteProtocolError(
+            f"SHARED_DATA frame has {len(shared)} shared and {len(frame.buffers)} inline buffers, not {n_buffers}"
+        )
+    return SharedFrame(MessageKind(kind), n_buffers, [tuple(n) for n in new], retired, shared, body[end:], list(frame.buffers))

@@ -16,6 +16,8 @@ own send/receive path; the plain-TCP fast path is untouched.
 
 from __future__ import annotations
 
+import array
+import collections
 import contextlib
 import errno
 import logging
@@ -36,6 +38,7 @@ from ..protocol import (
     DEFAULT_MAX_FRAME_BYTES,
     HANDSHAKE_KINDS,
     HANDSHAKE_MAX_FRAME_BYTES,
+    HEADER,
     Buffer,
     MessageKind,
     ClientHandshake,
@@ -43,11 +46,15 @@ from ..protocol import (
     FrameReader,
     ServerHandshake,
     decode_reject,
+    encode_frame,
     encode_reject,
 )
+from ..protocol.frames import TRANSPORT_KINDS, decode_shared_data, encode_shared_data, split_frame
+from ..serialization import SHARED_MEMORY_MIN_BYTES, accepts_shared_memory
 from .base import Allocator, Connection, Listener, PeerLostError, Transport
+from .shared_memory import MAX_NEW_SEGMENTS_PER_FRAME, SegmentMap, SegmentPool, shared_memory_available
 
-__all__ = ["SocketTransport", "SocketConnection", "TLSSocketConnection", "SocketListener"]
+__all__ = ["SocketTransport", "SocketConnection", "SharedMemoryConnection", "TLSSocketConnection", "SocketListener"]
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +96,19 @@ def _open_client_socket(host: str, port: int, timeout: float) -> socket.socket:
     return sock
 
 
-def _send_chunks(sock: socket.socket, chunks: Sequence[Buffer]) -> None:
-    """Send every byte of ``chunks`` with as few system calls as possible."""
+def _send_chunks(sock: socket.socket, chunks: Sequence[Buffer], fds: Sequence[int] = ()) -> None:
+    """Send every byte of ``chunks`` with as few system calls as possible (``fds``, on a
+    Unix socket, go with the first byte)."""
     views = [memoryview(c).cast("B") for c in chunks]
     views = [v for v in views if v.nbytes]
     if not hasattr(sock, "sendmsg"):  # pragma: no cover - Windows
         for view in views:
             sock.sendall(view)
         return
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     while views:
-        sent = sock.sendmsg(views[:_IOV_MAX])
+        sent = sock.sendmsg(views[:_IOV_MAX], ancillary)
+        ancillary = []
         while sent:
             if sent >= views[0].nbytes:
                 sent -= views[0].nbytes
@@ -165,16 +175,9 @@ class SocketConnection(Connection):
             if self._closed:
                 raise PeerLostError(f"connection to {self.peer} is closed")
             try:
-                n = self._sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+                n = self._recv_some(view)
             except (BlockingIOError, InterruptedError):
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                try:
-                    ready, _, _ = select.select([self._sock], [], [], remaining)
-                except (OSError, ValueError) as exc:  # closed under us by another thread
-                    raise PeerLostError(f"connection to {self.peer} is closed") from exc
-                if not ready and deadline is not None and time.monotonic() >= deadline:
+                if not self._wait_for_input(deadline):
                     return None
                 continue
             except OSError as exc:
@@ -182,6 +185,21 @@ class SocketConnection(Connection):
             if n == 0:
                 raise self._closed_by_peer()
             return n
+
+    def _recv_some(self, view: memoryview) -> int:
+        """One non-blocking receive into ``view`` (raises BlockingIOError when nothing is there)."""
+        return self._sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+
+    def _wait_for_input(self, deadline: Optional[float]) -> bool:
+        """Wait until the socket is readable; False once ``deadline`` has passed."""
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            return False
+        try:
+            ready, _, _ = select.select([self._sock], [], [], remaining)
+        except (OSError, ValueError) as exc:  # closed under us by another thread
+            raise PeerLostError(f"connection to {self.peer} is closed") from exc
+        return bool(ready) or deadline is None or time.monotonic() < deadline
 
     def _closed_by_peer(self) -> PeerLostError:
         what = "in the middle of a frame" if self._reader.mid_frame else ""
@@ -217,6 +235,100 @@ class SocketConnection(Connection):
     def release(self) -> None:
         self._closed = True
         self._sock.close()
+
+
+_ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_NEW_SEGMENTS_PER_FRAME * array.array("i").itemsize) if hasattr(socket, "CMSG_SPACE") else 0
+
+
+class SharedMemoryConnection(SocketConnection):
+    """A :class:`SocketConnection` over a Unix socket that hands large buffers over in
+    shared memory (see :mod:`.shared_memory`).
+
+    The trainer's end (``offered``) said SHARED_MEMORY_OFFER after the handshake; it
+    receives the descriptors of new segments with the bytes (``recvmsg``) and turns every
+    SHARED_DATA frame back into the DATA frame it wraps. The worker's end (``lend``) puts
+    the large buffers of its DATA frames in segments once the trainer offered. Transport
+    frames never reach the session above.
+    """
+
+    def __init__(self, sock: socket.socket, peer: str, reader: FrameReader, offered: bool = False, lend: bool = False):
+        super().__init__(sock, peer, reader)
+        self._lend = lend
+        self._pool: Optional[SegmentPool] = None
+        self._segments: Optional[SegmentMap] = SegmentMap(peer) if offered else None
+        self._fds: "collections.deque[int]" = collections.deque()
+
+    @property
+    def shared_segments(self) -> int:
+        """Shared segments this end holds (the worker's pool, or the trainer's mappings)."""
+        if self._pool is not None:
+            return self._pool.segments
+        return self._segments.segments if self._segments is not None else 0
+
+    def send(self, chunks: Sequence[Buffer]) -> None:
+        pool = self._pool
+        _magic, _version, kind, n_buffers, _length = HEADER.unpack_from(memoryview(chunks[0]))
+        if pool is None or kind != MessageKind.DATA or not n_buffers:
+            return super().send(chunks)
+        kind, body, buffers = split_frame(chunks)
+        with self._send_lock:
+            if self._closed:
+                raise PeerLostError(f"connection to {self.peer} is closed")
+            shared, inline, new, retired = pool.lend(buffers, SHARED_MEMORY_MIN_BYTES)
+            try:
+                if shared or retired:
+                    chunks = encode_shared_data(kind, body, len(buffers), shared, inline, [(i, n) for i, n, _ in new], retired)
+                _send_chunks(self._sock, chunks, [fd for _, _, fd in new])
+            except OSError as exc:
+                raise PeerLostError(f"lost connection to {self.peer} while sending: {exc}") from exc
+            finally:
+                pool.sent(new)
+
+    def recv(self, timeout: Optional[float] = None) -> Optional[Frame]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            frame = super().recv(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if frame is None or frame.kind not in TRANSPORT_KINDS:
+                return frame
+            if frame.kind == MessageKind.SHARED_MEMORY_OFFER and self._segments is None:
+                if self._lend and self._pool is None:
+                    self._pool = SegmentPool()
+                continue
+            if frame.kind == MessageKind.SHARED_DATA and self._segments is not None:
+                shared = decode_shared_data(frame)
+                fds = [self._fds.popleft() for _ in range(min(len(shared.new_segments), len(self._fds)))]
+                return self._segments.open(shared, fds, self._reader.max_frame_bytes)
+            raise RemoteProtocolError(f"{self.peer} sent {frame.kind.name}, which this end of the connection never accepts")
+
+    def _recv_some(self, view: memoryview) -> int:
+        if self._segments is None:  # descriptors sent to this end are dropped by the kernel
+            return super()._recv_some(view)
+        n, ancillary, flags, _ = self._sock.recvmsg_into([view], _ANCILLARY_BYTES, socket.MSG_DONTWAIT)
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                self._fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            raise RemoteProtocolError(f"{self.peer} sent more descriptors with one frame than a SHARED_DATA frame may bring")
+        return n
+
+    def close(self) -> None:
+        super().close()
+        self._drop_shared()
+
+    def release(self) -> None:
+        super().release()
+        self._drop_shared()
+
+    def _drop_shared(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+        if self._segments is not None:
+            self._segments.close()
+        while self._fds:
+            with contextlib.suppress(OSError):
+                os.close(self._fds.popleft())
 
 
 def _coalesce(chunks: Sequence[Buffer]) -> Iterator[memoryview]:
@@ -323,9 +435,11 @@ class TLSSocketConnection(SocketConnection):
             self._sock.close()
 
 
-def _connection(sock: socket.socket, peer: str, reader: FrameReader) -> SocketConnection:
+def _connection(sock: socket.socket, peer: str, reader: FrameReader, lend: bool = False) -> SocketConnection:
     if isinstance(sock, ssl.SSLSocket):
         return TLSSocketConnection(sock, peer, reader)
+    if sock.family == socket.AF_UNIX:
+        return SharedMemoryConnection(sock, peer, reader, lend=lend and shared_memory_available())
     return SocketConnection(sock, peer, reader)
 
 
@@ -431,12 +545,18 @@ class SocketTransport(Transport):
         tls_key: Optional[str] = None,
         tls_ca_file: Optional[str] = None,
         tls_server_hostname: Optional[str] = None,
+        shared_memory: bool = True,
     ):
         """``tls_cert``/``tls_key``: serve TLS (server side). ``tls_ca_file``: connect with TLS,
         verifying the worker's certificate against this CA bundle (trainer side), and its
-        name against ``tls_server_hostname`` (default: the host of the worker's address)."""
+        name against ``tls_server_hostname`` (default: the host of the worker's address).
+        ``shared_memory``: over Unix sockets, hand large buffers over in shared memory
+        (where the host supports it; TCP and TLS connections never do)."""
         if max_frame_bytes < 1024:
             raise ConfigurationError(f"max_frame_bytes must be at least 1024, got {max_frame_bytes}")
+        if not isinstance(shared_memory, bool):
+            raise ConfigurationError(f"shared_memory must be True or False, got {shared_memory!r}")
+        self.shared_memory = shared_memory
         self.max_frame_bytes = max_frame_bytes
         self.tls_server_hostname = tls_server_hostname
         self._server_tls = _load_server_tls(tls_cert, tls_key)
@@ -522,10 +642,26 @@ class SocketTransport(Transport):
         reader.allowed_kinds = None
         if allocate is not None:
             reader._allocate = allocate  # noqa: SLF001 - the reader's allocator is set once, here
+        if self._offers_shared_memory(sock, allocate, handshake.peer_package_version):
+            try:
+                sock.sendall(b"".join(bytes(c) for c in encode_frame(MessageKind.SHARED_MEMORY_OFFER)))
+            except OSError as exc:
+                sock.close()
+                raise PeerLostError(f"lost the worker at {address} right after the handshake: {exc}") from exc
+            return SharedMemoryConnection(sock, address, reader, offered=True)
         return _connection(sock, address, reader)
 
+    def _offers_shared_memory(self, sock: socket.socket, allocate: Optional[Allocator], peer_version: str) -> bool:
+        # A worker of another package version may not know the offer: it would end the session.
+        return (
+            self.shared_memory and sock.family == socket.AF_UNIX and not isinstance(sock, ssl.SSLSocket)
+            and shared_memory_available() and accepts_shared_memory(allocate) and peer_version == __version__
+        )
+
     def listen(self, host: str, port: int, auth_key: bytes, handshake_timeout: float = 10.0) -> "SocketListener":
-        return SocketListener(host, port, auth_key, handshake_timeout, self.max_frame_bytes, self._server_tls)
+        return SocketListener(
+            host, port, auth_key, handshake_timeout, self.max_frame_bytes, self._server_tls, self.shared_memory
+        )
 
 
 class _Refused(Exception):
@@ -669,8 +805,10 @@ class SocketListener(Listener):
         handshake_timeout: float,
         max_frame_bytes: int,
         tls_context: Optional[ssl.SSLContext] = None,
+        shared_memory: bool = True,
     ):
         self._tls_context = tls_context
+        self._shared_memory = shared_memory
         self._auth_key = auth_key
         self._handshake_timeout = handshake_timeout
         self._max_frame_bytes = max_frame_bytes
@@ -860,7 +998,7 @@ class SocketListener(Listener):
                     "trainer %s runs rpc_reading_service %s, this worker %s: the protocol matches, but install "
                     "the same version on both", pending.peer, version, __version__,
                 )  # fmt: skip
-            self._ready.append(_connection(pending.sock, pending.peer, reader))
+            self._ready.append(_connection(pending.sock, pending.peer, reader, lend=self._shared_memory))
         elif pending.fd in self._pending:
             events = selectors.EVENT_WRITE if pending.want_write else selectors.EVENT_READ
             if self._selector.get_key(pending.fd).events != events:

@@ -32,7 +32,10 @@ class InProcess(Contender):
 
 class ProductionLimit(Contender):
     """The ceiling for local workers: ``num_workers`` processes that only make their share
-    of the items (the same items as every contender) and drop them; nothing is moved.
+    of the items (the same items as every contender) and hand them nowhere; nothing is moved.
+    Each item stays alive while its producer makes the next ``workloads.ITEMS_IN_FLIGHT``
+    (as a hand-over holds it): dropped at once, the allocator would give the next item
+    the same cache-hot buffer, and the "limit" would be a fill of the CPU cache.
 
     The producers start together when the epoch's iterator starts, which first yields
     ``CLOCK_START`` (so that the first items' making is timed too), then one

@@ -48,6 +48,39 @@ def summary_sentence(rows: list[dict]) -> str:
             f"{counts['n/a']} not measured in this run.")
 
 
+#: The prose about local workers: (target goal, how the sentence names its reference).
+LOCAL_PROSE = (
+    ("tensor8m: RPCRS-local W=2 >= 0.6x production-limit W=2", "the production limit"),
+    ("tensor8m: RPCRS-local W=2 >= 4x MPRS W=2", "MPRS"),
+    ("tensor8m: RPCRS-local W=2 >= 3x torch-DataLoader W=2", "torch's DataLoader"),
+)
+TCP_PROSE = "tensor8m: RPCRS-tcp W=1 >= 0.85x raw-socket (both one stream)"
+
+
+def local_workers_paragraph(rows: list[dict]) -> Optional[str]:
+    """What local workers reached in this run, in words, from the target rows (the
+    numbers are the targets table's); None when the run measured none of them."""
+    by_goal = {row["goal"]: row for row in rows if row["measured"] is not None}
+    parts, rate = [], None
+    for goal, reference in LOCAL_PROSE:
+        row = by_goal.get(goal)
+        if row is None:
+            continue
+        ours, _, theirs = row["detail"].partition(" vs ")
+        rate = ours
+        parts.append(f"{measured_text(row)} {reference} ({theirs})")
+    sentences = []
+    if parts:
+        sentences.append(f"Two local workers, which hand every 8 MiB tensor over in shared memory, delivered "
+                         f"{rate} in this run: {', '.join(parts)}.")
+    tcp = by_goal.get(TCP_PROSE)
+    if tcp is not None:
+        ours, _, theirs = tcp["detail"].partition(" vs ")
+        sentences.append(f"One worker over TCP delivered {ours}, {measured_text(tcp)} the raw TCP stream with the "
+                         f"same production cost ({theirs}).")
+    return " ".join(sentences) if sentences else None
+
+
 def results_markdown(run: dict, info: dict, targets: list[dict], printed: str,
                      plot_file: Optional[str], json_file: Optional[str]) -> str:
     """The whole of RESULTS.md.  ``run``: started / ended (UTC text), wall_s, load_start,
@@ -73,6 +106,9 @@ def results_markdown(run: dict, info: dict, targets: list[dict], printed: str,
         lines.append(f"- **Files**: {', '.join(files)} (every number of this run)")
     lines += ["", "## Targets", "", summary_sentence(targets), ""]
     lines += [target_sentence(row) for row in targets]
+    paragraph = local_workers_paragraph(targets)
+    if paragraph:
+        lines += ["", paragraph]
     if plot_file:
         lines += ["", f"![scaling and bandwidth]({plot_file.rsplit('/', 1)[-1]})"]
     lines += ["", "## Printed tables (verbatim)", "", "```", printed.rstrip("\n"), "```", "",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from workloads import MIB, Workload
+from workloads import ITEMS_IN_FLIGHT, MIB, Workload
 
 from benchsuite.contenders import ONE_STREAM
 from benchsuite.contenders.base import Contender
@@ -140,7 +140,9 @@ def report_tensor(scenario: Scenario, params: dict, results: dict) -> str:
         "vs prod. limit (production-limit), MPRS, DataLoader (torch.utils.data.DataLoader), RPCDataloader: "
         "at the same W",
         "production-limit: W processes that only make the items, nothing moved "
-        "(the ceiling for local workers); its epoch is longer, it stops at the time budget",
+        "(the ceiling for local workers), each item kept alive while the next "
+        f"{ITEMS_IN_FLIGHT} are made (as a hand-over holds it: no cache-hot reused buffer); its epoch "
+        "is longer, it stops at the time budget",
         "raw-socket: one TCP stream over loopback; raw-unix: one Unix socket stream "
         "(RPCRS-local talks to its local server over a Unix socket, RPCRS-tcp over TCP to one worker server)",
         "raw-*: the sender makes every item as the workers do; the receiver recv_into's one reused "

@@ -57,7 +57,8 @@ class TorchRPCTransport(Transport):
         self.rpc_timeout = rpc_timeout
         self.trainer_threads = trainer_threads
         self.session_threads = session_threads
-        self._socket = SocketTransport(**socket_options)
+        # Items travel over torch RPC; the bootstrap socket carries control frames only.
+        self._socket = SocketTransport(**{**socket_options, "shared_memory": False})
         self.max_frame_bytes = self._socket.max_frame_bytes
 
     def listen(self, host: str, port: int, auth_key: bytes, handshake_timeout: float = 10.0) -> TorchRPCListener:

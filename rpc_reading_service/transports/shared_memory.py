@@ -1,0 +1,265 @@
+"""Shared-memory hand-over of large buffers between the processes of one host.
+
+Used by the socket transport on Unix sockets (local workers): the worker copies each large
+out-of-band buffer of a DATA frame into a shared segment and sends a SHARED_DATA frame
+that says where it is (``protocol/frames.py``); the trainer builds the buffer on its own
+mapping of the segment. The buffer crosses no socket: one copy in the worker instead of a
+copy into the kernel and one out of it.
+
+A segment is a ``memfd`` (``os.memfd_create``): it has no name in any file system, its
+descriptor travels once over the Unix socket (``SCM_RIGHTS``), and the kernel frees it
+when the last descriptor and mapping are gone, so nothing outlives the run, even after a
+SIGKILL of either side. Segments are reused under the credit window (fresh shared pages
+cost more than a copy into warm ones): the first byte of a segment says whether the
+worker lent it to the trainer, and the trainer sets it back to free when the last
+tensor or array built on it is gone. Mappings are not inherited by forked children
+(``MADV_DONTFORK``): a worker server forked from the trainer holds none of them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy
+
+from ..errors import RemoteProtocolError
+from ..protocol.frames import Buffer, Frame, SharedBuffer, SharedFrame
+
+__all__ = ["HEADER_BYTES", "SegmentPool", "SegmentMap", "shared_memory_available"]
+
+log = logging.getLogger(__name__)
+
+#: Bytes before a segment's data: byte 0 is its state (lent to the trainer, or free).
+HEADER_BYTES = 64
+_FREE, _LENT = 0, 1
+_PAGE = mmap.PAGESIZE
+#: New segments one frame may bring (each one a descriptor in its ancillary data).
+MAX_NEW_SEGMENTS_PER_FRAME = 16
+
+
+def shared_memory_available() -> bool:
+    """Whether this host can hand buffers over in shared memory (Linux: memfd)."""
+    return hasattr(os, "memfd_create") and hasattr(mmap, "MADV_DONTFORK")
+
+
+def _map(fd: int, size: int, populate: bool) -> mmap.mmap:
+    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    mapping.madvise(mmap.MADV_DONTFORK)
+    return mapping
+
+
+class _Segment:
+    __slots__ = ("id", "size", "mapping", "state", "data")
+
+    def __init__(self, segment_id: int, size: int, mapping: mmap.mmap):
+        self.id = segment_id
+        self.size = size
+        self.mapping = mapping
+        self.state = memoryview(mapping)[:1]
+        self.data = numpy.frombuffer(mapping, dtype=numpy.uint8, offset=HEADER_BYTES)
+
+    @property
+    def capacity(self) -> int:
+        return self.size - HEADER_BYTES
+
+
+class SegmentPool:
+    """The worker's segments of one connection: lends one to each large buffer it sends.
+
+    A buffer gets the smallest free segment that fits it (and is at most twice its size),
+    else a new one while the pool holds less than ``max_bytes``; past that, free segments
+    that do not fit are retired to make room, and a buffer that still finds none travels
+    through the socket as before. At most ``max_free`` free segments are kept.
+    Thread-safe.
+    """
+
+    def __init__(self, max_bytes: int = 1 << 30, max_free: int = 8):
+        self.max_bytes = max_bytes
+        self.max_free = max_free
+        self._segments: Dict[int, _Segment] = {}
+        self._bytes = 0
+        self._next_id = 1
+        self._lock = threading.Lock()
+        self._warned = False
+        self._closed = False
+
+    @property
+    def segments(self) -> int:
+        """Segments this pool holds (lent or free)."""
+        return len(self._segments)
+
+    def lend(
+        self, buffers: Sequence[Buffer], min_bytes: int
+    ) -> Tuple[List[SharedBuffer], List[Buffer], List[Tuple[int, int, int]], List[int]]:
+        """Put each buffer of at least ``min_bytes`` in a segment (a copy).
+
+        Returns ``(shared, inline, new, retired)``: where the shared buffers are, the
+        others (in order), the new segments as ``(id, size, fd)`` (the caller sends the
+        descriptors with the frame, then calls :meth:`sent`), and the retired segment ids.
+        """
+        shared: List[SharedBuffer] = []
+        inline: List[Buffer] = []
+        new: List[Tuple[int, int, int]] = []
+        retired: List[int] = []
+        with self._lock:
+            free = sorted((s for s in self._segments.values() if s.state[0] == _FREE), key=lambda s: s.capacity)
+            for segment in free[: max(0, len(free) - self.max_free)]:  # a consumer let go of many at once
+                self._retire(segment, retired)
+            for index, buffer in enumerate(buffers):
+                view = memoryview(buffer).cast("B")
+                segment = None
+                if view.nbytes >= min_bytes and not self._closed:
+                    segment = self._segment_for(view, new, retired)
+                if segment is None:
+                    inline.append(buffer)
+                    continue
+                if not (new and new[-1][0] == segment.id):  # a new one holds the bytes already
+                    numpy.copyto(segment.data[: view.nbytes], numpy.frombuffer(view, dtype=numpy.uint8))
+                segment.state[0] = _LENT
+                shared.append(SharedBuffer(index, segment.id, HEADER_BYTES, view.nbytes))
+        return shared, inline, new, retired
+
+    def sent(self, new: Sequence[Tuple[int, int, int]]) -> None:
+        """The descriptors of ``new`` segments were sent (or the send failed): close ours."""
+        for _id, _size, fd in new:
+            os.close(fd)
+
+    def _segment_for(self, view: memoryview, new: list, retired: list) -> Optional[_Segment]:
+        nbytes = view.nbytes
+        free = [s for s in self._segments.values() if s.state[0] == _FREE]
+        fitting = [s for s in free if nbytes <= s.capacity <= 2 * nbytes]
+        if fitting:
+            return min(fitting, key=lambda s: s.capacity)
+        if len(new) >= MAX_NEW_SEGMENTS_PER_FRAME:
+            return None
+        size = -(-(nbytes + HEADER_BYTES) // _PAGE) * _PAGE
+        surplus = len(free) - self.max_free + 1
+        for segment in sorted(free, key=lambda s: s.capacity):
+            if surplus <= 0 and self._bytes + size <= self.max_bytes:
+                break
+            self._retire(segment, retired)
+            surplus -= 1
+        if self._bytes + size > self.max_bytes:
+            return None
+        return self._create(size, view, new)
+
+    def _create(self, size: int, view: memoryview, new: list) -> Optional[_Segment]:
+        """A new segment of ``size`` bytes holding ``view``'s bytes."""
+        try:
+            fd = os.memfd_create("rpc-reading-service", os.MFD_CLOEXEC)
+        except OSError as exc:
+            self._warn(exc)
+            return None
+        try:
+            # The kernel allocates the pages as it writes them (a third cheaper than a fault
+            # per page of a mapping), then maps them all at once.
+            os.ftruncate(fd, size)
+            written = 0
+            while written < view.nbytes:
+                written += os.pwrite(fd, view[written:], HEADER_BYTES + written)
+            mapping = _map(fd, size, populate=True)
+        except (OSError, ValueError) as exc:
+            os.close(fd)
+            self._warn(exc)
+            return None
+        segment = _Segment(self._next_id, size, mapping)
+        self._next_id += 1
+        self._segments[segment.id] = segment
+        self._bytes += size
+        new.append((segment.id, size, fd))
+        return segment
+
+    def _retire(self, segment: _Segment, retired: list) -> None:
+        del self._segments[segment.id]
+        self._bytes -= segment.size
+        retired.append(segment.id)
+
+    def _warn(self, exc: BaseException) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("cannot create a shared memory segment (%s): large buffers go through the socket", exc)
+
+    def close(self) -> None:
+        """Drop every segment (the trainer's mappings keep what it still uses alive)."""
+        with self._lock:
+            self._closed = True
+            self._segments.clear()
+            self._bytes = 0
+
+
+def _release(state: memoryview, owner: int) -> None:
+    # A process forked from the owner (the local worker server) has these objects but not
+    # the mapping (MADV_DONTFORK): writing there would be a segfault.
+    if os.getpid() == owner:
+        state[0] = _FREE
+
+
+class SegmentMap:
+    """The trainer's mappings of one connection's segments; builds received buffers on them.
+
+    Each buffer is a numpy array on the mapping; when it (and every tensor or array built
+    on it) is gone, its segment is marked free for the worker to reuse. Used by the
+    receiving thread only.
+    """
+
+    def __init__(self, peer: str):
+        self.peer = peer
+        self._segments: Dict[int, _Segment] = {}
+
+    def open(self, shared: SharedFrame, fds: List[int], max_frame_bytes: int) -> Frame:
+        """The inner frame of ``shared``, its buffers on the segments; ``fds`` are the
+        descriptors of its new segments, in order (this call owns them)."""
+        try:
+            if len(fds) != len(shared.new_segments):
+                raise self._error(f"brought {len(fds)} descriptors for {len(shared.new_segments)} new segments")
+            if len(shared.body) + shared.shared_bytes + sum(memoryview(b).nbytes for b in shared.inline) > max_frame_bytes:
+                raise self._error(f"announced a frame over the maximum of {max_frame_bytes} bytes")
+            for (segment_id, size), fd in zip(shared.new_segments, fds):
+                self._add(segment_id, size, fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        for segment_id in shared.retired:
+            self._segments.pop(segment_id, None)
+        buffers: List[Buffer] = list(shared.inline)
+        for placed in shared.shared:
+            buffers.insert(placed.index, self._buffer(placed))
+        return Frame(shared.kind, shared.body, buffers)
+
+    def _add(self, segment_id: int, size: int, fd: int) -> None:
+        if segment_id in self._segments:
+            raise self._error(f"announced segment {segment_id} twice")
+        if not HEADER_BYTES < size <= os.fstat(fd).st_size:
+            raise self._error(f"announced segment {segment_id} of {size} bytes, which its descriptor does not hold")
+        self._segments[segment_id] = _Segment(segment_id, size, _map(fd, size, populate=True))
+
+    def _buffer(self, placed: SharedBuffer) -> Buffer:
+        segment = self._segments.get(placed.segment)
+        if segment is None:
+            raise self._error(f"placed a buffer in segment {placed.segment}, which it never announced")
+        if placed.offset < HEADER_BYTES or placed.offset + placed.length > segment.size:
+            raise self._error(f"placed {placed.length} bytes at offset {placed.offset} of a {segment.size}-byte segment")
+        # A ctypes array, not a numpy view: numpy collapses a view's base to the mapping, so
+        # the view could die while arrays built on it live; this object lives as long as they do.
+        memory = (ctypes.c_ubyte * placed.length).from_buffer(segment.mapping, placed.offset)
+        weakref.finalize(memory, _release, segment.state, os.getpid()).atexit = False
+        return memory  # type: ignore[return-value]
+
+    def _error(self, what: str) -> RemoteProtocolError:
+        return RemoteProtocolError(f"the worker at {self.peer} {what} (SHARED_DATA frame)")
+
+    @property
+    def segments(self) -> int:
+        """Segments mapped (the worker lent or may lend again)."""
+        return len(self._segments)
+
+    def close(self) -> None:
+        """Forget every segment (each mapping goes with the last buffer built on it)."""
+        self._segments.clear()

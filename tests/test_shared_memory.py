@@ -1,0 +1,400 @@
+"""Shared-memory hand-over of large buffers over Unix sockets (local workers).
+
+The frames (golden bytes and their rules), the segment pool and map against each other in
+one process, then real worker processes: items arrive in shared memory and intact, and a
+SIGKILL of a worker or of the trainer mid-epoch leaves no segment, descriptor or mapping
+behind (memfds have no name anywhere: a leak can only be a mapping or a descriptor).
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import secrets
+import signal
+import time
+
+import numpy
+import pytest
+import torch
+
+from _server_helpers import remote, wait_until
+from rpc_reading_service.errors import LocalProtocolError, RemoteProtocolError, WorkerLostError
+from rpc_reading_service.protocol import EncodedItem, FrameReader, MessageKind, encode_data, encode_frame
+from rpc_reading_service.protocol.frames import (
+    SharedBuffer,
+    decode_shared_data,
+    encode_shared_data,
+    split_frame,
+)
+from rpc_reading_service.serialization import (
+    SHARED_MEMORY_MIN_BYTES,
+    accepts_shared_memory,
+    buffer_allocator,
+    dumps_item,
+    loads_item,
+)
+from rpc_reading_service.transports.shared_memory import HEADER_BYTES, SegmentMap, SegmentPool, shared_memory_available
+
+pytestmark = pytest.mark.skipif(not shared_memory_available(), reason="needs memfd (Linux)")
+
+SEGMENT_NAME = "memfd:rpc-reading-service"
+BIG = 1 << 20
+
+
+def header(kind: int, n_buffers: int, body_length: int) -> bytes:
+    return b"RRSV" + bytes([1, kind]) + n_buffers.to_bytes(2, "big") + body_length.to_bytes(8, "big")
+
+
+def wire(chunks) -> bytes:
+    return b"".join(bytes(chunk) for chunk in chunks)
+
+
+def frames_of(data: bytes):
+    reader = FrameReader()
+    reader.feed(data)
+    frames = []
+    while (frame := reader.next_frame()) is not None:
+        frames.append(frame)
+    return frames
+
+
+# -- frames ---------------------------------------------------------------------------------------
+def test_golden_offer_and_shared_data():
+    assert wire(encode_frame(MessageKind.SHARED_MEMORY_OFFER)) == header(40, 0, 0)
+    chunks = encode_shared_data(
+        MessageKind.DATA, [b"BODY"], 2, [SharedBuffer(1, 7, 64, 300)], [b"xy"], new_segments=[(7, 4096)], retired=[3]
+    )
+    expected = (
+        header(41, 1, 9 + 12 + 4 + 22 + 4)
+        + bytes.fromhex("0000000000000002")  # the inline buffer's length
+        + bytes.fromhex("15 0002 0001 0001 0001")  # inner kind DATA, 2 buffers, 1 new, 1 retired, 1 shared
+        + bytes.fromhex("00000007 0000000000001000")  # new segment 7 of 4096 bytes
+        + bytes.fromhex("00000003")  # retired segment 3
+        + bytes.fromhex("0001 00000007 0000000000000040 000000000000012c")  # buffer 1: segment 7, offset 64, 300 bytes
+        + b"BODY"
+        + b"xy"
+    )
+    assert wire(chunks) == expected
+    (frame,) = frames_of(expected)
+    shared = decode_shared_data(frame)
+    assert (shared.kind, shared.n_buffers, shared.new_segments, shared.retired) == (MessageKind.DATA, 2, [(7, 4096)], [3])
+    assert shared.shared == [SharedBuffer(1, 7, 64, 300)] and bytes(shared.body) == b"BODY"
+    assert [bytes(b) for b in shared.inline] == [b"xy"] and shared.shared_bytes == 300
+
+
+def test_split_frame_gives_back_what_encode_frame_took():
+    body, buffers = encode_data(3, 0, [EncodedItem(b"p", [b"", b"abc"]), EncodedItem(b"q", [b"zz"])])
+    kind, split_body, split_buffers = split_frame(encode_frame(MessageKind.DATA, body, buffers))
+    assert kind == MessageKind.DATA
+    assert wire(split_body) == wire(body) and [bytes(b) for b in split_buffers] == [b"", b"abc", b"zz"]
+
+
+@pytest.mark.parametrize(
+    "shared, inline, n_buffers, match",
+    [
+        ([SharedBuffer(1, 1, 64, 8), SharedBuffer(0, 1, 64, 8)], [], 2, "do not ascend"),
+        ([SharedBuffer(2, 1, 64, 8)], [b"a", b"b"], 3, None),
+        ([SharedBuffer(5, 1, 64, 8)], [b"a"], 2, "below 2"),
+    ],
+)
+def test_shared_data_rules(shared, inline, n_buffers, match):
+    if match is None:  # the valid one
+        (frame,) = frames_of(wire(encode_shared_data(MessageKind.DATA, [b""], n_buffers, shared, inline)))
+        assert [b.index for b in decode_shared_data(frame).shared] == [2]
+        return
+    table = bytes.fromhex("15") + n_buffers.to_bytes(2, "big") + bytes(4) + len(shared).to_bytes(2, "big")
+    table += b"".join(b.index.to_bytes(2, "big") + b.segment.to_bytes(4, "big") + b.offset.to_bytes(8, "big")
+                      + b.length.to_bytes(8, "big") for b in shared)  # fmt: skip
+    (frame,) = frames_of(wire(encode_frame(MessageKind.SHARED_DATA, [table], inline)))
+    with pytest.raises(RemoteProtocolError, match=match):
+        decode_shared_data(frame)
+
+
+def test_shared_data_wraps_only_data_and_counts_every_buffer():
+    with pytest.raises(LocalProtocolError, match="only DATA"):
+        encode_shared_data(MessageKind.ITEMS, [], 0, [], [])
+    with pytest.raises(LocalProtocolError, match="not the frame's 3"):
+        encode_shared_data(MessageKind.DATA, [], 3, [SharedBuffer(0, 1, 64, 1)], [b"a"])
+    (frame,) = frames_of(wire(encode_frame(MessageKind.SHARED_DATA, [bytes.fromhex("16 0000 0000 0000 0000")])))
+    with pytest.raises(RemoteProtocolError, match="only DATA"):
+        decode_shared_data(frame)
+    (frame,) = frames_of(wire(encode_frame(MessageKind.SHARED_DATA, [bytes.fromhex("15 0000 0001 0000 0000")])))
+    with pytest.raises(RemoteProtocolError, match="too short"):
+        decode_shared_data(frame)
+
+
+# -- pool and map, in one process -------------------------------------------------------------------
+def _hand_over(pool: SegmentPool, segments: SegmentMap, buffers, max_frame_bytes: int = 1 << 30):
+    """What the two ends of a connection do with one frame's buffers: the received buffers."""
+    shared, inline, new, retired = pool.lend(buffers, SHARED_MEMORY_MIN_BYTES)
+    fds = [os.dup(fd) for _, _, fd in new]  # what SCM_RIGHTS does
+    pool.sent(new)
+    (frame,) = frames_of(wire(encode_shared_data(MessageKind.DATA, [], len(buffers), shared, inline,
+                                                 [(i, n) for i, n, _ in new], retired)))  # fmt: skip
+    return segments.open(decode_shared_data(frame), fds, max_frame_bytes).buffers
+
+
+def test_segments_are_reused_once_the_trainer_lets_go_and_stay_bounded():
+    pool, segments = SegmentPool(max_bytes=4 * (BIG + 4096), max_free=2), SegmentMap("test")
+    item = torch.full((BIG,), 7, dtype=torch.uint8)
+    encoded = dumps_item(item)
+    for _ in range(5):  # one item at a time: one segment serves them all
+        (buffer,) = _hand_over(pool, segments, encoded.buffers)
+        received = loads_item(EncodedItem(encoded.payload, [buffer]))
+        assert torch.equal(received, item)
+        del buffer, received
+    assert pool.segments == 1 == segments.segments
+    held = []
+    for _ in range(6):  # a consumer that keeps everything: the pool stops at max_bytes
+        (buffer,) = _hand_over(pool, segments, encoded.buffers)
+        held.append(loads_item(EncodedItem(encoded.payload, [buffer])))
+        del buffer
+    assert pool.segments == 4
+    assert [isinstance(b, (bytes, bytearray, memoryview)) for b in _hand_over(pool, segments, encoded.buffers)] == [True]
+    assert all(torch.equal(t, item) for t in held)
+    held.clear()  # four free segments, two kept: the next frame retires the others
+    gc.collect()
+    (buffer,) = _hand_over(pool, segments, encoded.buffers)
+    assert pool.segments == 2 == segments.segments and torch.equal(loads_item(EncodedItem(encoded.payload, [buffer])), item)
+    small = numpy.full(SHARED_MEMORY_MIN_BYTES, 3, dtype=numpy.uint8)
+    (buffer,) = _hand_over(pool, segments, [memoryview(small)])
+    assert pool.segments == segments.segments <= 3 and bytes(buffer) == small.tobytes()
+    pool.close()  # a closed connection's pool lends nothing more
+    assert pool.segments == 0 and isinstance(_hand_over(pool, segments, encoded.buffers)[0], (bytes, bytearray, memoryview))
+
+
+def test_numpy_arrays_keep_their_segment_lent_while_they_live():
+    pool, segments = SegmentPool(), SegmentMap("test")
+    array = numpy.arange(BIG, dtype=numpy.int32)
+    encoded = dumps_item(array)
+    (buffer,) = _hand_over(pool, segments, encoded.buffers)
+    received = loads_item(EncodedItem(encoded.payload, [buffer]))
+    del buffer
+    gc.collect()
+    (other,) = _hand_over(pool, segments, encoded.buffers)  # the first segment is still lent
+    assert pool.segments == 2 and numpy.array_equal(received, array)
+    del received, other
+    gc.collect()
+    _hand_over(pool, segments, encoded.buffers)
+    assert pool.segments == 2  # both free again: reused
+
+
+def test_the_map_refuses_placements_outside_what_the_worker_announced():
+    pool, segments = SegmentPool(), SegmentMap("worker 0 (unix:@x)")
+    (buffer,) = _hand_over(pool, segments, [bytes(SHARED_MEMORY_MIN_BYTES)])
+    del buffer
+    for placed, match in [
+        (SharedBuffer(0, 99, HEADER_BYTES, 8), "never announced"),
+        (SharedBuffer(0, 1, HEADER_BYTES, 1 << 30), "offset 64 of a"),
+        (SharedBuffer(0, 1, 0, 8), "offset 0 of a"),
+    ]:
+        (frame,) = frames_of(wire(encode_shared_data(MessageKind.DATA, [], 1, [placed], [])))
+        with pytest.raises(RemoteProtocolError, match=match):
+            segments.open(decode_shared_data(frame), [], 1 << 40)
+    (frame,) = frames_of(wire(encode_shared_data(MessageKind.DATA, [], 1, [SharedBuffer(0, 1, 64, 8)], [], [(5, 8192)])))
+    with pytest.raises(RemoteProtocolError, match="0 descriptors for 1 new segments"):
+        segments.open(decode_shared_data(frame), [], 1 << 40)
+    with pytest.raises(RemoteProtocolError, match="over the maximum"):
+        segments.open(decode_shared_data(frame), [os.memfd_create("x")], 4)
+
+
+@pytest.mark.timeout(20)
+def test_a_process_forked_from_the_trainer_can_drop_received_buffers():
+    # The local worker server is forked from the trainer: it has the trainer's objects but
+    # not its mappings (MADV_DONTFORK), and must not crash when one of them goes.
+    pool, segments = SegmentPool(), SegmentMap("test")
+    (buffer,) = _hand_over(pool, segments, [bytes(SHARED_MEMORY_MIN_BYTES)])
+    pid = os.fork()
+    if pid == 0:
+        try:
+            del buffer
+            gc.collect()
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0, "the forked process crashed dropping a received buffer"
+    assert shared_ranges(os.getpid())  # the trainer still maps it
+
+
+def test_pinned_memory_is_never_shared():
+    assert accepts_shared_memory(buffer_allocator(False)) and accepts_shared_memory(None)
+    assert not accepts_shared_memory(lambda n: torch.empty(n, dtype=torch.uint8).numpy())  # as pinned ones are
+    assert accepts_shared_memory(buffer_allocator(True)) == (not torch.cuda.is_available())
+
+
+# -- real processes -----------------------------------------------------------------------------------
+def item_of_every_size(index: int):
+    """A big tensor (shared), a big array (shared), a mid-size tensor (out of band, through
+    the socket) and a small one (in band): every byte is ``index``."""
+    return {
+        "big": torch.full((BIG,), index, dtype=torch.uint8),
+        "array": numpy.full(SHARED_MEMORY_MIN_BYTES // 4, index, dtype=numpy.int32),
+        "mid": torch.full((100_000,), index, dtype=torch.uint8),
+        "small": torch.full((10,), index, dtype=torch.int64),
+    }
+
+
+def shared_ranges(pid) -> list:
+    """The address ranges ``pid`` maps of segments."""
+    with open(f"/proc/{pid}/maps") as maps:
+        lines = [line.split() for line in maps if SEGMENT_NAME in line]
+    return [tuple(int(x, 16) for x in fields[0].split("-")) for fields in lines]
+
+
+def in_shared_memory(address: int, ranges) -> bool:
+    return any(start <= address < end for start, end in ranges)
+
+
+def segment_descriptors(pid) -> int:
+    """Descriptors of segments ``pid`` holds open."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += SEGMENT_NAME in os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            pass
+    return count
+
+
+@pytest.mark.timeout(60)
+def test_local_workers_hand_big_buffers_over_in_shared_memory():
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+
+    from rpc_reading_service import RPCReadingService
+
+    graph = IterableWrapper(range(24)).sharding_filter().map(item_of_every_size)
+    with DataLoader2(graph, reading_service=RPCReadingService(num_workers=2)) as dl:
+        for epoch in range(2):
+            items = list(dl)
+            assert sorted(int(item["small"][0]) for item in items) == list(range(24))
+            ranges = shared_ranges(os.getpid())
+            for item in items:
+                index = int(item["small"][0])
+                assert all(bool((value == index).all()) for value in item.values())
+                assert in_shared_memory(item["big"].data_ptr(), ranges)
+                assert in_shared_memory(item["array"].ctypes.data, ranges)
+                assert not in_shared_memory(item["mid"].data_ptr(), ranges)
+            item["big"][:] = 0  # received memory is writable
+            del items, item
+    gc.collect()
+    assert shared_ranges(os.getpid()) == [] and segment_descriptors(os.getpid()) == 0
+
+
+def _tree(pid: int) -> list:
+    from _server_helpers import children_of
+
+    pids, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        pids.append(current)
+        todo.extend(children_of(current))
+    return pids
+
+
+def _leaks(server, *pids) -> list:
+    """Segments still mapped or open in ``pids`` and in the server's process tree."""
+    found = []
+    for pid in [*_tree(server.pid), *pids]:
+        try:
+            if shared_ranges(pid) or segment_descriptors(pid):
+                found.append(pid)
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def _trainer(address: str, key: str, report_fd: int) -> None:
+    """A trainer that holds its last items and reports each one on ``report_fd``, until killed."""
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+
+    from rpc_reading_service import RPCReadingService
+
+    graph = IterableWrapper(range(10_000)).sharding_filter().map(item_of_every_size)
+    service = RPCReadingService(num_workers=2, workers=[address] * 2, auth_key=key)
+    held: list = []
+    for item in DataLoader2(graph, reading_service=service):
+        held = [item, *held[:3]]
+        os.write(report_fd, b"." if in_shared_memory(item["big"].data_ptr(), shared_ranges(os.getpid())) else b"x")
+        time.sleep(0.01)
+
+
+def _kill_a_trainer_mid_epoch(server) -> None:
+    """Fork a trainer of ``server`` and SIGKILL it once it holds items received in shared memory."""
+    read_fd, write_fd = os.pipe()
+    trainer = multiprocessing.get_context("fork").Process(target=_trainer, args=(server.address, server.key, write_fd))
+    trainer.start()  # forked: torch is imported already
+    os.close(write_fd)
+    try:
+        reports = b""
+        while len(reports) < 8:
+            chunk = os.read(read_fd, 8)
+            assert chunk, f"the trainer exited early (code {trainer.exitcode})"
+            reports += chunk
+        assert set(reports) == {ord(".")}, "the trainer received big tensors outside shared memory"
+        os.kill(trainer.pid, signal.SIGKILL)
+        trainer.join(10)
+    finally:
+        if trainer.is_alive():
+            trainer.kill()
+        trainer.join()
+        os.close(read_fd)
+
+
+@pytest.mark.timeout(90)
+def test_sigkill_of_a_worker_or_of_the_trainer_mid_epoch_leaves_nothing(fresh_server, tmp_path):
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    server = fresh_server(args=["--host", f"unix:@rrs-shm-test-{secrets.token_hex(6)}"], env={"TMPDIR": str(private_tmp)})
+    dev_shm = set(os.listdir("/dev/shm"))
+    server_fds = sorted(os.listdir(f"/proc/{server.pid}/fd"))
+    with open(f"/proc/{server.pid}/maps") as maps:
+        server_maps = len(maps.readlines())
+
+    # A worker killed mid-epoch: the trainer sees the loss, and lets go of every segment.
+    graph = IterableWrapper(range(10_000)).sharding_filter().map(item_of_every_size)
+    dl = DataLoader2(graph, reading_service=remote(server, num_workers=2))
+    try:
+        iterator = iter(dl)
+        held = [next(iterator) for _ in range(6)]
+        assert all(in_shared_memory(item["big"].data_ptr(), shared_ranges(os.getpid())) for item in held)
+        victim = server.session_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(WorkerLostError):
+            for _ in range(10_000):
+                held.append(next(iterator))
+        del iterator
+    finally:
+        dl.shutdown()
+    assert all(bool((item["big"] == int(item["small"][0])).all()) for item in held)  # intact after the kill
+    del held
+    gc.collect()
+    assert wait_until(lambda: not server.session_pids(), 10)
+    assert _leaks(server, os.getpid()) == []
+
+    # The trainer killed mid-epoch (holding items): its sessions end and free theirs.
+    _kill_a_trainer_mid_epoch(server)
+    assert wait_until(lambda: not server.session_pids(), 15)
+    assert _leaks(server) == []
+
+    assert server.alive()
+    assert sorted(os.listdir(f"/proc/{server.pid}/fd")) == server_fds
+    with open(f"/proc/{server.pid}/maps") as maps:
+        assert len(maps.readlines()) == server_maps
+    assert list(private_tmp.iterdir()) == []
+    assert set(os.listdir("/dev/shm")) <= dev_shm | {name for name in os.listdir("/dev/shm") if name.startswith("torch_")}
+
+
+@pytest.mark.timeout(60)
+def test_a_server_running_sessions_in_threads_keeps_no_segment_of_a_killed_trainer(fresh_server):
+    # Here the server process itself holds the sessions' segments: all of them must go.
+    server = fresh_server(args=["--host", f"unix:@rrs-shm-test-{secrets.token_hex(6)}", "--session-mode", "thread"])
+    server_fds = len(os.listdir(f"/proc/{server.pid}/fd"))
+    _kill_a_trainer_mid_epoch(server)
+    assert wait_until(lambda: _leaks(server) == [] and len(os.listdir(f"/proc/{server.pid}/fd")) == server_fds, 15)
+    assert server.alive()
