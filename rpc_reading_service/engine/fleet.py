@@ -18,6 +18,7 @@ from ..discovery import discover_workers
 from ..errors import WorkerLostError
 from ..keys import new_auth_key
 from ..local_fleet import LocalWorkerServer
+from ..receive_loop import ReceiveLoop
 from ..serialization import buffer_allocator
 from ..transports import create_transport
 from ..transports.base import PeerLostError, Transport
@@ -51,6 +52,8 @@ class Fleet:
         self._discovered: Optional[List[str]] = None
         self._hosted_store: Any = None
         self._transport: Optional[Transport] = None
+        #: The one thread receiving for every session of the run (made by :meth:`connect`).
+        self._loop: Optional[ReceiveLoop] = None
 
     def discover(self) -> int:
         """Find the workers of a :class:`StoreDiscovery` or :class:`Hostfile` (once) and return
@@ -102,6 +105,7 @@ class Fleet:
             self.config.transport.name, **self.config.transport.factory_options()
         )
         self._graph = graph
+        self._loop = self._loop or ReceiveLoop()
         addresses = self._addresses()
         channels: List[WorkerChannel] = []
         errors: List[BaseException] = []
@@ -130,7 +134,7 @@ class Fleet:
             )
         except PeerLostError as exc:
             raise WorkerLostError(f"worker {rank}: {exc}", rank, address) from exc
-        channel = WorkerChannel(conn, rank, options.heartbeat_interval, options.peer_timeout)
+        channel = WorkerChannel(conn, rank, options.heartbeat_interval, options.peer_timeout, self._loop)
         try:
             channel.setup(Setup(self._graph, rank, self.num_workers, options), timeout)
         except BaseException:
@@ -165,7 +169,10 @@ class Fleet:
         ) from error
 
     def close(self) -> None:
-        """Stop local workers and a TCPStore this process hosted (idempotent)."""
+        """Stop the receive loop (after the channels closed), local workers and a TCPStore this
+        process hosted (idempotent)."""
+        if self._loop is not None:
+            self._loop.close()
         if self.local_server is not None:
             self.local_server.stop()
             self.local_server = None
