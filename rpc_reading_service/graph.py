@@ -32,6 +32,7 @@ __all__ = [
     "worker_seed_generator",
     "init_worker_graph",
     "reset_worker_graph",
+    "warm_up_worker_graph_utilities",
 ]
 
 InitFn = Callable[[DataPipe, WorkerInfo], DataPipe]
@@ -149,3 +150,17 @@ def reset_worker_graph(
     generator = worker_seed_generator(epoch_seed, global_worker_id)
     with _traversal_lock:
         return process_reset_fn(datapipe, worker_info, generator, custom_reset_fn=worker_reset_fn)
+
+
+def warm_up_worker_graph_utilities() -> None:
+    """Shard, seed and iterate a tiny graph once, as a session does.
+
+    A server that forks its sessions calls this first: torchdata's first traversal and
+    seeding of a graph (lazy imports, caches) cost about 15 ms of CPU, which every forked
+    session would otherwise pay again, all at once when a trainer opens many sessions.
+    """
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    info = WorkerInfo(1, 0)
+    graph = init_worker_graph(IterableWrapper(range(1)).sharding_filter(), info, None)
+    list(reset_worker_graph(graph, info, 0, 0, None))

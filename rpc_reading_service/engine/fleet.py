@@ -28,6 +28,11 @@ __all__ = ["Fleet", "close_channels"]
 
 log = logging.getLogger(__name__)
 
+#: Sessions set up at once. Setting up is mostly waiting (a handshake's round trips, a server
+#: forking the session, the worker unpickling the graph): 64 sessions in one wave rather
+#: than two; the bound keeps hundreds of sessions from starting hundreds of threads.
+MAX_PARALLEL_SETUPS = 64
+
 
 def close_channels(channels: Sequence[WorkerChannel]) -> None:
     """Close every channel, in parallel; one by one at interpreter exit, when
@@ -109,7 +114,7 @@ class Fleet:
         addresses = self._addresses()
         channels: List[WorkerChannel] = []
         errors: List[BaseException] = []
-        with ThreadPoolExecutor(max_workers=min(32, self.num_workers)) as pool:
+        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SETUPS, self.num_workers), thread_name_prefix="rrs-setup") as pool:
             futures = [
                 pool.submit(self.open_channel, rank, addresses[rank]) for rank in range(self.num_workers)
             ]
