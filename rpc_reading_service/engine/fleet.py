@@ -114,7 +114,8 @@ class Fleet:
         addresses = self._addresses()
         channels: List[WorkerChannel] = []
         errors: List[BaseException] = []
-        with ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SETUPS, self.num_workers), thread_name_prefix="rrs-setup") as pool:
+        parallel = min(MAX_PARALLEL_SETUPS, self.num_workers)
+        with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="rrs-setup") as pool:
             futures = [
                 pool.submit(self.open_channel, rank, addresses[rank]) for rank in range(self.num_workers)
             ]
