@@ -82,7 +82,9 @@ class Outbox:
     """Bounded hand-off of packed items from a producer thread to the sender thread.
 
     The producer fills an open batch; a batch is sealed when it reaches the item or
-    byte bound, or when the sender takes it after ``linger`` seconds. At most one sealed
+    byte bound, or when the sender takes it after ``linger`` seconds. An item that comes
+    more than ``linger`` after the one before it (a slow, say sleep-bound, stage) is sealed
+    at once: waiting would only delay it, and wake the sender twice. At most one sealed
     batch waits for credit; past that the producer blocks (backpressure).
 
     A frame leaves through ``encode`` (a session passes its state machine's ``send``, which
@@ -105,6 +107,8 @@ class Outbox:
         self._open: List[EncodedItem] = []
         self._open_bytes = 0
         self._open_since = 0.0
+        #: When the producer put the epoch's latest item (None before its first).
+        self._last_put: Optional[float] = None
         self._sealed: Deque[List[EncodedItem]] = collections.deque()
         self._final: Optional[FinalFrame] = None
         self._final_ends_session = False
@@ -127,6 +131,7 @@ class Outbox:
             self._final = None
             self._final_ends_session = False
             self._sequence = 0
+            self._last_put = None
             self._cond.notify_all()
 
     def stop_epoch(self, epoch: Optional[int] = None) -> None:
@@ -159,12 +164,17 @@ class Outbox:
         options = self._options
         with self._cond:
             self._check(epoch)
+            now = time.monotonic()
+            slow = self._last_put is not None and now - self._last_put > options.linger
+            self._last_put = now
             if not self._open:
-                self._open_since = time.monotonic()
+                self._open_since = now
                 self._cond.notify_all()
             self._open.append(item)
             self._open_bytes += item.nbytes
-            if len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes:
+            if slow and len(self._open) == 1 and not self._sealed:
+                self._seal()  # the sender wakes once, for a frame to send
+            elif len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes:
                 while self._sealed:
                     self._cond.wait()
                     self._check(epoch)
