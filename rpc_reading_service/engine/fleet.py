@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, List, Optional, Sequence
+import queue
+from typing import Any, Callable, List, Optional, Sequence
 
-from ..client import WorkerChannel
+from ..client import Event, WorkerChannel
 from ..config import Hostfile, LocalWorkers, ReadingServiceConfig, StoreDiscovery, WorkerAddresses
 from ..discovery import discover_workers
 from ..errors import WorkerLostError
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 #: forking the session, the worker unpickling the graph): 64 sessions in one wave rather
 #: than two; the bound keeps hundreds of sessions from starting hundreds of threads.
 MAX_PARALLEL_SETUPS = 64
+
+#: Makes the queue a new channel delivers its events to.
+Sink = Callable[[], "queue.SimpleQueue[Event]"]
 
 
 def close_channels(channels: Sequence[WorkerChannel]) -> None:
@@ -103,9 +107,13 @@ class Fleet:
             item_timeout=self.config.item_timeout,
         )
 
-    def connect(self, graph: bytes) -> List[WorkerChannel]:
+    def connect(self, graph: bytes, sink: Optional[Sink] = None) -> List[WorkerChannel]:
         """Start local workers if configured, then open and set up one channel per worker rank
-        (in parallel); on any failure close those that opened and raise the first error."""
+        (in parallel); on any failure close those that opened and raise the first error.
+
+        ``sink``: where each channel delivers its events; a channel starts receiving (and
+        sending heartbeats) as soon as it is set up, so that the first sessions of hundreds
+        do not time out waiting for the last ones."""
         self._transport = create_transport(
             self.config.transport.name, **self.config.transport.factory_options()
         )
@@ -117,7 +125,8 @@ class Fleet:
         parallel = min(MAX_PARALLEL_SETUPS, self.num_workers)
         with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="rrs-setup") as pool:
             futures = [
-                pool.submit(self.open_channel, rank, addresses[rank]) for rank in range(self.num_workers)
+                pool.submit(self.open_channel, rank, addresses[rank], sink)
+                for rank in range(self.num_workers)
             ]
             for future in futures:
                 try:
@@ -130,8 +139,9 @@ class Fleet:
             raise errors[0]
         return channels
 
-    def open_channel(self, rank: int, address: str) -> WorkerChannel:
-        """Connect to ``address`` and set up the session of worker ``rank``."""
+    def open_channel(self, rank: int, address: str, sink: Optional[Sink] = None) -> WorkerChannel:
+        """Connect to ``address`` and set up the session of worker ``rank``; with ``sink``,
+        start receiving into the queue it returns."""
         assert self._transport is not None, "connect() must run first"
         options, timeout = self.session_options(), self.config.liveness.connect_timeout
         try:
@@ -146,6 +156,8 @@ class Fleet:
         except BaseException:
             channel.close()
             raise
+        if sink is not None:
+            channel.start_receiver(sink())
         return channel
 
     def reopen(
