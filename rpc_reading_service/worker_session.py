@@ -84,7 +84,9 @@ class Outbox:
     The producer fills an open batch; a batch is sealed when it reaches the item or
     byte bound, or when the sender takes it after ``linger`` seconds. An item that comes
     more than ``linger`` after the one before it (a slow, say sleep-bound, stage) is sealed
-    at once: waiting would only delay it, and wake the sender twice. At most one sealed
+    at once while the trainer keeps up (two credits or more left): waiting would only delay
+    it, and wake the sender twice; a producer that was merely descheduled on a busy host
+    must not spend the last credits on one-item frames. At most one sealed
     batch waits for credit; past that the producer blocks (backpressure).
 
     A frame leaves through ``encode`` (a session passes its state machine's ``send``, which
@@ -172,7 +174,7 @@ class Outbox:
                 self._cond.notify_all()
             self._open.append(item)
             self._open_bytes += item.nbytes
-            if slow and len(self._open) == 1 and not self._sealed:
+            if slow and len(self._open) == 1 and not self._sealed and self._credits >= 2:
                 self._seal()  # the sender wakes once, for a frame to send
             elif len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes:
                 while self._sealed:
