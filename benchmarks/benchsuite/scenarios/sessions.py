@@ -39,6 +39,8 @@ def plan_sessions(quick: bool) -> dict:
             "tiny_item_caps": {"MPRS": 600 if quick else 3_000},
             # MPRS at W=64 did not finish its epochs within this scenario's time limit on a 2-core host
             "max_workers": {"MPRS": 16},
+            # sharded by blocks: an epoch's work does not grow with W (see workloads.build_datapipe)
+            "sleep_block": 10, "tiny_block": 64,
             "budget_s": 1.0 if quick else 3.0}
 
 
@@ -60,13 +62,14 @@ def _epoch(contender: Contender, workload: Workload, workers: int, budget_s: flo
 def measure_sessions(contender: Contender, params: dict, emit: Callable[[dict], None]) -> dict:
     """Per worker count: the sleep-bound epoch, then the tiny one, as one point."""
     def point(workers: int) -> dict:
-        sleep = Workload("sleep", workers * params["sleep_items_per_worker"], sleep_s=params["sleep_s"])
+        sleep = Workload("sleep", workers * params["sleep_items_per_worker"], sleep_s=params["sleep_s"],
+                         block=params["sleep_block"])
         data = _epoch(contender, sleep, workers, params["budget_s"])
         ideal = workers / params["sleep_s"]
         data["efficiency"] = data["items_per_s"] / ideal if data["items_per_s"] else None
         n = min(params["tiny_items"], params["tiny_item_caps"].get(contender.name, params["tiny_items"]))
         # many sessions start slowly on a loaded host: a longer budget, so that the steady part is there
-        tiny = _epoch(contender, Workload("ints", n), workers, 2 * params["budget_s"])
+        tiny = _epoch(contender, Workload("ints", n, block=params["tiny_block"]), workers, 2 * params["budget_s"])
         data.update({f"tiny_{key}": value for key, value in tiny.items()})
         return data
 
@@ -93,7 +96,7 @@ def report_sessions(scenario: Scenario, params: dict, results: dict) -> str:
     sizes = ", ".join(map(str, params["workers_list"]))
     sleep_table = render_table(
         f"== sessions: map(sleep {params['sleep_s'] * 1000:.0f} ms) per item, {params['sleep_items_per_worker']} "
-        f"items per worker, W = {sizes} ==",
+        f"items per worker (sharded in blocks of {params['sleep_block']}), W = {sizes} ==",
         ["contender", "items", "items/s", "efficiency", "vs DataLoader", "first item", "CPU / 1k items",
          "trainer peak RSS"],
         point_rows(results, sleep_cells),
@@ -106,8 +109,8 @@ def report_sessions(scenario: Scenario, params: dict, results: dict) -> str:
            f"({rss_per_session_mib(results, name)[1]})" for name in results])
     first = params["workers_list"][0]
     tiny_table = render_table(
-        f"== sessions: tiny items, IterableWrapper(range(N)).sharding_filter(), up to "
-        f"{params['tiny_items']:,} ints, W = {sizes} ==",
+        f"== sessions: tiny items, up to {params['tiny_items']:,} ints sharded in blocks of "
+        f"{params['tiny_block']} (each worker reads only its own blocks), W = {sizes} ==",
         ["contender", "items", "items/s", f"vs W={first}", "vs DataLoader", "CPU / 1k items"],
         point_rows(results, tiny_cells),
         notes=[f"vs W={first}: the rate over the same contender's at W={first}",
