@@ -118,8 +118,8 @@ class Fleet:
             self.config.transport.name, **self.config.transport.factory_options()
         )
         self._graph = graph
-        self._loop = self._loop or ReceiveLoop()
         addresses = self._addresses()
+        self._loop = self._loop or ReceiveLoop()  # after a local server forked: not its descriptors
         channels: List[WorkerChannel] = []
         errors: List[BaseException] = []
         parallel = min(MAX_PARALLEL_SETUPS, self.num_workers)
