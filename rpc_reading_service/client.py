@@ -4,8 +4,9 @@ One :class:`WorkerChannel` per worker session, driving a
 :class:`~rpc_reading_service.protocol.TrainerSession`. Its receiver (the trainer's one
 :class:`~rpc_reading_service.receive_loop.ReceiveLoop` for all sessions, or a thread of its
 own for a connection no event loop can watch) moves frames into the state machine, sends
-the heartbeats it finds due, and turns its events into :class:`Event` objects on a queue; the consumer (the DataLoader2 iterator's thread) unpickles items and grants a
-credit for every frame it takes, so at most ``prefetch`` frames per worker are ever
+the heartbeats it finds due, and turns its events into :class:`Event` objects on a queue;
+the consumer (the DataLoader2 iterator's thread) unpickles items and grants a credit for
+every frame it takes, so at most ``prefetch`` frames per worker are ever
 buffered here.
 """
 
