@@ -108,6 +108,7 @@ class WorkerChannel:
         self._closing = False
         self._loop = loop
         self._in_loop = False
+        self._credit_batch, self._ungranted = 1, 0  # see start_epoch
         self._receiver: Optional[threading.Thread] = None
         self._on_event: Dict[type, Callable[[Any], bool]] = {
             DataReceived: self._on_data,
@@ -215,11 +216,20 @@ class WorkerChannel:
         """Start ``epoch`` on the worker (superseding any epoch still running there)."""
         self.epoch = epoch
         self.stats = ChannelStats()
+        # Credits go back in batches of half the window: one CREDIT frame (and one wake-up of
+        # the worker) per two frames taken when items travel one per frame, and the worker
+        # always holds at least one credit, since fewer than ``credits`` are ever held back.
+        self._credit_batch, self._ungranted = max(1, credits // 2), 0
         self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip))
 
     def grant(self, epoch: int, credits: int = 1) -> None:
-        """Allow the worker ``credits`` more DATA frames of ``epoch`` (nothing for a superseded epoch)."""
-        if epoch == self.epoch:
+        """Allow the worker ``credits`` more DATA frames of ``epoch`` (nothing for a superseded
+        epoch); sent once half the epoch's credit window is due (the consumer's thread only)."""
+        if epoch != self.epoch:
+            return
+        self._ungranted += credits
+        if self._ungranted >= self._credit_batch:
+            credits, self._ungranted = self._ungranted, 0
             self._send_or_report(Credit(epoch, credits))
 
     def close(self, timeout: float = 2.0) -> None:
