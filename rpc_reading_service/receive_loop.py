@@ -146,7 +146,11 @@ class ReceiveLoop:
     def _watch(self, session: Watched) -> None:
         fd = session.fileno()
         try:
-            self._selector.register(fd, selectors.EVENT_READ, session)  # type: ignore[arg-type]
+            try:
+                self._selector.register(fd, selectors.EVENT_READ, session)  # type: ignore[arg-type]
+            except KeyError:  # a session whose removal timed out had this descriptor number
+                self._unwatch(self._selector.get_key(fd).data)
+                self._selector.register(fd, selectors.EVENT_READ, session)  # type: ignore[arg-type]
         except (ValueError, KeyError, OSError) as exc:  # closed meanwhile: reading it reports why
             log.debug("cannot watch %r: %s", session, exc)
             self._call(session.on_readable, True)
@@ -158,8 +162,7 @@ class ReceiveLoop:
             self._unwatch(session)
 
     def _unwatch(self, session: Watched) -> None:
-        if self._watched.pop(id(session), None) is None:
-            return
+        self._watched.pop(id(session), None)
         for key in list(self._selector.get_map().values()):
             if key.data is session:
                 self._selector.unregister(key.fileobj)
