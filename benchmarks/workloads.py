@@ -37,13 +37,15 @@ class Workload:
 
     kind: ``"ints"`` (the index itself), ``"tensor"`` (a fresh ``torch.uint8`` tensor
     of ``item_bytes`` bytes, see :func:`make_tensor`) or ``"sleep"`` (the index, after ``sleep_s`` seconds of
-    sleep in the producing worker).
+    sleep in the producing worker).  ``block``: shard blocks of that many indices instead
+    of single ones (see :func:`build_datapipe`).
     """
 
     kind: str
     n_items: int
     item_bytes: int = 0
     sleep_s: float = 0.0
+    block: int = 0
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -91,11 +93,27 @@ def item_function(workload: Workload):
     raise ValueError(f"unknown workload kind {workload.kind!r}")
 
 
+def block_of(index: int, block: int, n_items: int) -> range:
+    """The indices of block ``index`` (``block`` of them, the last one shorter)."""
+    return range(index * block, min(n_items, (index + 1) * block))
+
+
 def build_datapipe(workload: Workload):
-    """``IterableWrapper(range(N)).sharding_filter()[.map(fn)]`` for ``workload``."""
+    """``IterableWrapper(range(N)).sharding_filter()[.map(fn)]`` for ``workload``.
+
+    With ``workload.block``, ``IterableWrapper(range(N / block)).sharding_filter()``, each
+    block flat-mapped into its indices: every worker skips only the other workers' blocks,
+    not their items, so the work of an epoch does not grow with the number of workers
+    (with W workers, a plain ``sharding_filter`` makes each of them read all N indices).
+    """
     from torchdata.datapipes.iter import IterableWrapper
 
-    datapipe = IterableWrapper(range(workload.n_items)).sharding_filter()
+    if workload.block:
+        blocks = -(-workload.n_items // workload.block)
+        expand = functools.partial(block_of, block=workload.block, n_items=workload.n_items)
+        datapipe = IterableWrapper(range(blocks)).sharding_filter().flatmap(expand)
+    else:
+        datapipe = IterableWrapper(range(workload.n_items)).sharding_filter()
     fn = item_function(workload)
     return datapipe if fn is None else datapipe.map(fn)
 

@@ -1,10 +1,12 @@
 """The trainer's end of worker sessions: setup, receiving, credits, and merging streams.
 
 One :class:`WorkerChannel` per worker session, driving a
-:class:`~rpc_reading_service.protocol.TrainerSession`. Its receiver thread moves frames
-into the state machine, sends the heartbeats it finds due, and turns its events into
-:class:`Event` objects on a queue; the consumer (the DataLoader2 iterator's thread) unpickles items and grants a
-credit for every frame it takes, so at most ``prefetch`` frames per worker are ever
+:class:`~rpc_reading_service.protocol.TrainerSession`. Its receiver (the trainer's one
+:class:`~rpc_reading_service.receive_loop.ReceiveLoop` for all sessions, or a thread of its
+own for a connection no event loop can watch) moves frames into the state machine, sends
+the heartbeats it finds due, and turns its events into :class:`Event` objects on a queue;
+the consumer (the DataLoader2 iterator's thread) unpickles items and grants a credit for
+every frame it takes, so at most ``prefetch`` frames per worker are ever
 buffered here.
 """
 
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import ItemTimeoutError, RemoteProtocolError, WorkerLostError, WorkerRefusedError, WorkerStartupError, describe_worker
+from .receive_loop import ReceiveLoop
 from .protocol import (
     Close,
     Credit,
@@ -77,7 +80,16 @@ class WorkerChannel:
     moves frames and turns the state machine's events into :class:`Event` objects.
     """
 
-    def __init__(self, conn: Connection, rank: int, heartbeat_interval: float, peer_timeout: float):
+    def __init__(
+        self,
+        conn: Connection,
+        rank: int,
+        heartbeat_interval: float,
+        peer_timeout: float,
+        loop: Optional[ReceiveLoop] = None,
+    ):
+        """``loop``: the receive loop to receive in, when the connection allows (see
+        :meth:`start_receiver`)."""
         self.conn = conn
         self.rank = rank
         self.address = conn.peer
@@ -97,6 +109,9 @@ class WorkerChannel:
         #: Why the worker ended the session, if it said (item_timeout).
         self._ended_by: Optional[ItemTimeoutError] = None
         self._closing = False
+        self._loop = loop
+        self._in_loop = False
+        self._credit_batch, self._ungranted = 1, 0  # see start_epoch
         self._receiver: Optional[threading.Thread] = None
         #: When dispatching, the epoch's dispatcher hears this session's ITEM_CREDIT, END_OF_SHARD
         #: and ERROR events here (from the receiver thread).
@@ -141,16 +156,24 @@ class WorkerChannel:
         finally:
             self._send_lock.release()
 
-    def _tick(self) -> Tick:
-        """The state machine's liveness: send the heartbeat due, return what else it found."""
-        with self._send_lock:
+    def _tick(self, now: Optional[float] = None, blocking: bool = True) -> Tick:
+        """The state machine's liveness: send the heartbeat due, return what else it found.
+
+        Not ``blocking``: while another thread is sending a frame, the heartbeat is not sent
+        (that frame shows the worker this side is alive), so the receiver never waits
+        behind a large send."""
+        sending = self._send_lock.acquire(blocking)
+        try:
             with self._state_lock:
-                due = self.protocol.tick()
-            if due.chunks:
+                due = self.protocol.tick(now)
+            if due.chunks and sending:
                 try:
                     self.conn.send(due.chunks)
                 except (PeerLostError, OSError) as exc:
                     log.debug("heartbeat to %s failed: %s", self.name, exc)
+        finally:
+            if sending:
+                self._send_lock.release()
         return due
 
     def _receive(self, frame: Frame) -> List[Any]:
@@ -197,8 +220,13 @@ class WorkerChannel:
         raise WorkerLostError(f"{self.name} ended the session during setup (it said CLOSE)", self.rank, self.address)
 
     def start_receiver(self, sink: "queue.SimpleQueue[Event]") -> None:
-        """Start the receiver thread, delivering events to ``sink``."""
+        """Start receiving, delivering events to ``sink``: in the channel's receive loop if
+        its connection can be watched by one (``Connection.fileno()``), else in a thread."""
         self.queue = sink
+        if self._loop is not None and self.conn.fileno() is not None:
+            self._in_loop = True
+            self._loop.add(self)
+            return
         self._receiver = threading.Thread(target=self._receive_loop, name=f"rrs-recv-{self.rank}", daemon=True)
         self._receiver.start()
 
@@ -210,6 +238,10 @@ class WorkerChannel:
         ``dispatched``, its input comes from the trainer (:meth:`send_input`)."""
         self.epoch = epoch
         self.stats = ChannelStats()
+        # Credits go back in batches of half the window: one CREDIT frame (and one wake-up of
+        # the worker) per two frames taken when items travel one per frame, and the worker
+        # always holds at least one credit, since fewer than ``credits`` are ever held back.
+        self._credit_batch, self._ungranted = max(1, credits // 2), 0
         self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched))
 
     def send_input(self, message: Union[Items, EndOfInput]) -> None:
@@ -219,12 +251,17 @@ class WorkerChannel:
         self._send_or_report(message, epoch=message.epoch)
 
     def grant(self, epoch: int, credits: int = 1) -> None:
-        """Allow the worker ``credits`` more DATA frames of ``epoch`` (nothing for a superseded epoch)."""
-        if epoch == self.epoch:
+        """Allow the worker ``credits`` more DATA frames of ``epoch`` (nothing for a superseded
+        epoch); sent once half the epoch's credit window is due (the consumer's thread only)."""
+        if epoch != self.epoch:
+            return
+        self._ungranted += credits
+        if self._ungranted >= self._credit_batch:
+            credits, self._ungranted = self._ungranted, 0
             self._send_or_report(Credit(epoch, credits))
 
     def close(self, timeout: float = 2.0) -> None:
-        """Say CLOSE, close the connection and stop the receiver thread (idempotent).
+        """Say CLOSE, stop receiving and close the connection (idempotent).
 
         A consumer still waiting for this channel's items (another thread) is woken with an
         error: no frame will come any more.
@@ -235,6 +272,9 @@ class WorkerChannel:
         # A dispatched ITEMS frame may be stuck in a send to a worker that stopped reading:
         # closing the connection below wakes it, so do not wait for it to say CLOSE.
         self._send_or_report(Close(), wait=min(timeout, 1.0))
+        if self._in_loop:
+            assert self._loop is not None
+            self._loop.remove(self, timeout)  # before closing: the loop must not poll a closed descriptor
         self.conn.close()
         if self._receiver is not None and self._receiver is not threading.current_thread():
             self._receiver.join(timeout)
@@ -244,7 +284,48 @@ class WorkerChannel:
         )
         self.queue.put(Event(self, "closed", None, error=closed))
 
-    # -- receiver thread ------------------------------------------------------------------------
+    # -- receiving ------------------------------------------------------------------------------
+    def fileno(self) -> Optional[int]:
+        """The connection's descriptor, for the receive loop."""
+        return self.conn.fileno()
+
+    def on_readable(self) -> bool:
+        """Take in the frames that arrived (the receive loop's call); True once receiving is over."""
+        if self._closing:
+            return True
+        return self._receiving(lambda: self._deliver(self.conn.recv_ready()))
+
+    def on_tick(self, now: float) -> Optional[float]:
+        """Send the heartbeat due and report a silent worker; seconds until the next check,
+        None once receiving is over."""
+        if self._closing:
+            return None
+        due = self._tick(now, blocking=False)
+        if due.events:  # PeerTimedOut
+            self._lost(due.events[0].message)
+            return None
+        return min(due.wait, self.heartbeat_interval)
+
+    def _deliver(self, frames: Sequence[Frame]) -> bool:
+        """Frames through the state machine, its events to the queue; True: receiving is over."""
+        for frame in frames:
+            for event in self._receive(frame):
+                if self._on_event.get(type(event), _ignore)(event):
+                    return True
+        return False
+
+    def _receiving(self, step: Callable[[], bool]) -> bool:
+        """``step()``, reporting the session lost if receiving failed; True: receiving is over."""
+        try:
+            return step()
+        except PeerLostError as exc:
+            return self._lost(f"lost {self.name}: {exc}. Its process died or the connection broke")
+        except RemoteProtocolError as exc:
+            return self._lost(str(exc))
+        except Exception as exc:  # noqa: BLE001 - never stop silently: the consumer would wait forever
+            log.exception("receiver for %s failed", self.name)
+            return self._lost(f"receiving from {self.name} failed: {exc!r}")
+
     def _lost(self, message: str) -> bool:
         """Report the session lost (unless the trainer closed it); True: the receiver stops."""
         if not self._closing:
@@ -254,29 +335,21 @@ class WorkerChannel:
         return True
 
     def _receive_loop(self) -> None:
+        """The receiver thread of a connection no receive loop can watch."""
         next_tick = 0.0
-        try:
-            while not self._closing:
-                now = time.monotonic()
-                if now >= next_tick:
-                    due = self._tick()
-                    if due.events:  # PeerTimedOut
-                        self._lost(due.events[0].message)
-                        return
-                    next_tick = now + min(due.wait, self.heartbeat_interval)
-                frame = self.conn.recv(timeout=max(0.0, next_tick - time.monotonic()))
-                if frame is None:
-                    continue
-                for event in self._receive(frame):
-                    if self._on_event.get(type(event), _ignore)(event):
-                        return
-        except PeerLostError as exc:
-            self._lost(f"lost {self.name}: {exc}. Its process died or the connection broke")
-        except RemoteProtocolError as exc:
-            self._lost(str(exc))
-        except Exception as exc:  # noqa: BLE001 - never die silently: the consumer would wait forever
-            log.exception("receiver for %s failed", self.name)
-            self._lost(f"receiving from {self.name} failed: {exc!r}")
+        while not self._closing:
+            now = time.monotonic()
+            if now >= next_tick:
+                wait = self.on_tick(now)
+                if wait is None:
+                    return
+                next_tick = now + wait
+            if self._receiving(lambda: self._deliver(self._recv_one(max(0.0, next_tick - time.monotonic())))):
+                return
+
+    def _recv_one(self, timeout: float) -> List[Frame]:
+        frame = self.conn.recv(timeout=timeout)
+        return [] if frame is None else [frame]
 
     def _on_data(self, event: DataReceived) -> bool:
         # Only the header was read: the consumer decodes, so this thread holds the GIL briefly.

@@ -38,6 +38,7 @@ __all__ = [
     "init_worker_graph",
     "reset_worker_graph",
     "reset_dispatching_graph",
+    "warm_up_worker_graph_utilities",
 ]
 
 InitFn = Callable[[DataPipe, WorkerInfo], DataPipe]
@@ -209,3 +210,15 @@ def reset_dispatching_graph(datapipe: DataPipe, epoch_seed: int) -> DataPipe:
     with _traversal_lock:
         set_datapipes_seed(list_dps(traverse_dps(datapipe)), seed_generator=generator, distributed_shared=True)
     return datapipe
+def warm_up_worker_graph_utilities() -> None:
+    """Shard, seed and iterate a tiny graph once, as a session does.
+
+    A server that forks its sessions calls this first: torchdata's first traversal and
+    seeding of a graph (lazy imports, caches) cost about 15 ms of CPU, which every forked
+    session would otherwise pay again, all at once when a trainer opens many sessions.
+    """
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    info = WorkerInfo(1, 0)
+    graph = init_worker_graph(IterableWrapper(range(1)).sharding_filter(), info, None)
+    list(reset_worker_graph(graph, info, 0, 0, None))

@@ -33,6 +33,7 @@ from .transports.base import Connection, Listener
 from .quiet_imports import torchdata_banner_muted
 
 with torchdata_banner_muted():  # the session code imports torchdata's datapipes
+    from .graph import warm_up_worker_graph_utilities  # noqa: E402
     from .worker_session import WorkerSession  # noqa: E402
 
 __all__ = ["WorkerServer", "build_parser", "main"]
@@ -112,6 +113,8 @@ class WorkerServer:
             ", TLS" if self.tls else "", self.session_mode,
             f", at most {self.max_sessions}" if self.max_sessions else "",
         )  # fmt: skip
+        if self.session_mode == "fork":
+            warm_up_worker_graph_utilities()  # once here, not in every forked session
         try:
             while not self._stop.is_set():
                 conn = self._listener.accept(timeout=0.5)

@@ -3,20 +3,23 @@
 A driver of :class:`~rpc_reading_service.protocol.WorkerProtocol`: every frame received goes
 through the state machine, which decides what it means (or that the trainer broke a rule),
 and every frame sent is first recorded by it. Threads (all in the session's own process
-when the server forks sessions):
+when the server forks sessions), the fewest that let graph compute overlap sending:
 
 - the control loop (the caller of :meth:`WorkerSession.run`) moves the trainer's frames into
-  the state machine and hands the events to the :class:`Outbox` and the producers;
-- a producer per epoch iterates the graph and pickles items into the :class:`Outbox` (it
-  waits for the previous epoch's producer: a graph supports one iterator at a time); in a
-  dispatched epoch the graph's source is the :class:`Inbox` of the items the trainer deals
-  to this worker in ITEMS frames, which the control loop fills and the worker asks for with
-  ITEM_CREDIT (one per frame it takes: at most the epoch's credit window waits here);
+  the state machine and hands the events to the :class:`Outbox` and the producers; it
+  sleeps in ``recv`` until a frame comes (or the connection closes);
+- a producer per epoch, only while the epoch runs, iterates the graph and pickles items
+  into the :class:`Outbox` (it waits for the previous epoch's producer: a graph supports
+  one iterator at a time); in a dispatched epoch the graph's source is the :class:`Inbox`
+  of the items the trainer deals to this worker in ITEMS frames, which the control loop
+  fills and the worker asks for with ITEM_CREDIT (one per frame it takes: at most the
+  epoch's credit window waits here);
 - one sender, the only thread that sends after setup, writes packed DATA frames while it
   holds credits, and the heartbeats the state machine finds due; it also notices a silent
-  trainer. Graph compute overlaps sending and the trainer's memory stays bounded;
-- with ``item_timeout``, a watchdog that ends the session with an ERROR (the item's position
-  and the producer's stack) when the producer spends longer than that on one item.
+  trainer and, with ``item_timeout``, ends the session with an ERROR (the item's position
+  and the producer's stack) when the producer spends longer than that on one item. At
+  rest it wakes once per heartbeat. Graph compute overlaps sending and the trainer's
+  memory stays bounded.
 
 One lock guards the state machine and the outbox together, so that what the state machine
 allows and what the outbox hands out never disagree.
@@ -72,6 +75,8 @@ log = logging.getLogger(__name__)
 REFUSAL_LINGER = 5.0
 #: Longest the sender sleeps between looks at the state machine's liveness.
 _MAX_SENDER_WAIT = 1.0
+#: Looks at the item being produced per ``item_timeout`` (at least one a second).
+_ITEM_CHECKS_PER_TIMEOUT = 4
 
 #: A frame that ends an epoch: a message (encoded when it leaves) or chunks already encoded.
 FinalFrame = Union[Message, List[Buffer]]
@@ -162,7 +167,11 @@ class Outbox:
     """Bounded hand-off of packed items from a producer thread to the sender thread.
 
     The producer fills an open batch; a batch is sealed when it reaches the item or
-    byte bound, or when the sender takes it after ``linger`` seconds. At most one sealed
+    byte bound, or when the sender takes it after ``linger`` seconds. An item that comes
+    more than ``linger`` after the one before it (a slow, say sleep-bound, stage) is sealed
+    at once while the trainer keeps up (two credits or more left): waiting would only delay
+    it, and wake the sender twice; a producer that was merely descheduled on a busy host
+    must not spend the last credits on one-item frames. At most one sealed
     batch waits for credit; past that the producer blocks (backpressure).
 
     A frame leaves through ``encode`` (a session passes its state machine's ``send``, which
@@ -185,6 +194,8 @@ class Outbox:
         self._open: List[EncodedItem] = []
         self._open_bytes = 0
         self._open_since = 0.0
+        #: When the producer put the epoch's latest item (None before its first).
+        self._last_put: Optional[float] = None
         self._sealed: Deque[List[EncodedItem]] = collections.deque()
         #: ITEM_CREDIT to send (a dispatched epoch), and whether the epoch's input is still open.
         self._input_credits = 0
@@ -211,6 +222,7 @@ class Outbox:
             self._final = None
             self._final_ends_session = False
             self._sequence = 0
+            self._last_put = None
             self._cond.notify_all()
 
     def stop_epoch(self, epoch: Optional[int] = None) -> None:
@@ -256,12 +268,17 @@ class Outbox:
         options = self._options
         with self._cond:
             self._check(epoch)
+            now = time.monotonic()
+            slow = self._last_put is not None and now - self._last_put > options.linger
+            self._last_put = now
             if not self._open:
-                self._open_since = time.monotonic()
+                self._open_since = now
                 self._cond.notify_all()
             self._open.append(item)
             self._open_bytes += item.nbytes
-            if len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes:
+            if slow and len(self._open) == 1 and not self._sealed and self._credits >= 2:
+                self._seal()  # the sender wakes once, for a frame to send
+            elif len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes:
                 while self._sealed:
                     self._cond.wait()
                     self._check(epoch)
@@ -401,13 +418,12 @@ class WorkerSession:
         self._inbox: Optional[Inbox] = None
         self._producer: Optional[threading.Thread] = None
         self._sender: Optional[threading.Thread] = None
-        self._watchdog: Optional[threading.Thread] = None
         #: ``(epoch, position in the shard, monotonic start, thread id)`` while the producer
-        #: waits for the graph's next item; None otherwise. Read by the watchdog.
+        #: waits for the graph's next item; None otherwise. Read by the sender (item_timeout).
         self._producing: Optional[Tuple[int, int, float, int]] = None
         #: What ``_producing`` was while the producer waits for dispatched input.
         self._input_wait_item: Optional[Tuple[int, int, float, int]] = None
-        #: The watchdog's ERROR once it fired (the session then ends with it).
+        #: The item_timeout ERROR once it fired (the session then ends with it).
         self._timed_out: Optional[Error] = None
         self._stopping = threading.Event()
         self._on_event: Dict[type, Callable[[Any], None]] = {
@@ -427,9 +443,6 @@ class WorkerSession:
                 return
             self._sender = threading.Thread(target=self._send_loop, name="rrs-sender", daemon=True)
             self._sender.start()
-            if self.options.item_timeout is not None:
-                self._watchdog = threading.Thread(target=self._watch_items, name="rrs-item-watchdog", daemon=True)
-                self._watchdog.start()
             self._control_loop()
         except PeerLostError as exc:
             log.info("session with %s ended: %s", self.conn.peer, exc)
@@ -507,7 +520,9 @@ class WorkerSession:
 
     def _control_loop(self) -> None:
         while not self._stopping.is_set():
-            frame = self.conn.recv(timeout=self.protocol.heartbeat_interval)  # the sender watches liveness
+            # No timeout: the sender watches liveness, and ends the session by closing the
+            # connection, which wakes this recv.
+            frame = self.conn.recv()
             if frame is None:
                 continue
             with self._lock:  # the outbox follows the state machine in the same step
@@ -602,7 +617,7 @@ class WorkerSession:
                 pass
 
     def _watched(self, epoch: int, iterator: Iterator[Any]) -> Iterator[Any]:
-        """Yield ``iterator``'s items, telling the watchdog which one the producer works on
+        """Yield ``iterator``'s items, telling the item_timeout check (the sender) which one the producer works on
         (computing and pickling it, until :meth:`_unwatched` hands it to the outbox)."""
         ident, clock, index = threading.get_ident(), time.monotonic, 0
         while True:
@@ -617,7 +632,7 @@ class WorkerSession:
 
     def _waiting_for_input(self, waiting: bool) -> None:
         """Waiting for the items the trainer deals is not producing (its dispatcher sets that
-        pace): the watchdog does not count it, and the item's clock restarts after it."""
+        pace): item_timeout does not count it, and the item's clock restarts after it."""
         if waiting:
             self._input_wait_item, self._producing = self._producing, None
         elif self._input_wait_item is not None:
@@ -625,7 +640,7 @@ class WorkerSession:
             self._producing, self._input_wait_item = (epoch, position, time.monotonic(), ident), None
 
     def _unwatched(self, put: Callable[[int, EncodedItem], None]) -> Callable[[int, EncodedItem], None]:
-        """``put``, first telling the watchdog the item is done: waiting for the trainer's
+        """``put``, first telling the item_timeout check the item is done: waiting for the trainer's
         credit is not producing (the trainer sets that pace)."""
 
         def put_done(epoch: int, item: EncodedItem) -> None:
@@ -634,34 +649,31 @@ class WorkerSession:
 
         return put_done
 
-    # -- watchdog -----------------------------------------------------------------------------
-    def _watch_items(self) -> None:
-        """End the session when the producer spends longer than ``item_timeout`` on one item."""
-        limit = self.options.item_timeout
-        assert limit is not None
-        while not self._stopping.wait(min(1.0, limit / 4)):
-            producing = self._producing
-            if producing is None or time.monotonic() - producing[2] <= limit:
-                continue
-            epoch, position, started, ident = producing
-            frame = sys._current_frames().get(ident)  # noqa: SLF001 - documented for exactly this use
-            stack = "".join(traceback.format_stack(frame)) if frame is not None else "(the producer thread is gone)\n"
-            seconds = time.monotonic() - started
-            log.warning(
-                "epoch %d: item %d of the shard took more than %.1f s (item_timeout); ending the session of %s. "
-                "The producer's stack:\n%s", epoch, position, limit, self.conn.peer, stack,
-            )  # fmt: skip
-            with self._lock:
-                self._timed_out = Error(
-                    epoch, "item_timeout", stuck_epoch=epoch, position=position, item_timeout=limit,
-                    seconds=seconds, stack=stack,
-                )  # fmt: skip
-                if self.outbox.epoch is not None:  # else the trainer hears of it in the next epoch it starts
-                    self._report_item_timeout(self.outbox.epoch)
+    # -- item_timeout -------------------------------------------------------------------------
+    def _check_item(self, now: float, limit: float) -> None:
+        """End the session when the producer has spent longer than ``limit`` (``item_timeout``)
+        on one item (the sender's call, at least every ``limit / _ITEM_CHECKS_PER_TIMEOUT``)."""
+        producing = self._producing
+        if self._timed_out is not None or producing is None or now - producing[2] <= limit:
             return
+        epoch, position, started, ident = producing
+        frame = sys._current_frames().get(ident)  # noqa: SLF001 - documented for exactly this use
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(the producer thread is gone)\n"
+        seconds = time.monotonic() - started
+        log.warning(
+            "epoch %d: item %d of the shard took more than %.1f s (item_timeout); ending the session of %s. "
+            "The producer's stack:\n%s", epoch, position, limit, self.conn.peer, stack,
+        )  # fmt: skip
+        with self._lock:
+            self._timed_out = Error(
+                epoch, "item_timeout", stuck_epoch=epoch, position=position, item_timeout=limit,
+                seconds=seconds, stack=stack,
+            )  # fmt: skip
+            if self.outbox.epoch is not None:  # else the trainer hears of it in the next epoch it starts
+                self._report_item_timeout(self.outbox.epoch)
 
     def _report_item_timeout(self, epoch: int) -> None:
-        """Queue the watchdog's error as the end of ``epoch`` (the stuck one, or the one the
+        """Queue the item_timeout error as the end of ``epoch`` (the stuck one, or the one the
         trainer started after it) and of the session (called with the lock held)."""
         assert self._timed_out is not None
         try:
@@ -672,7 +684,7 @@ class WorkerSession:
     # -- sender -------------------------------------------------------------------------------
     def _send_loop(self) -> None:
         throughput = _ThroughputLog(self.outbox, self.conn.peer, self.stats_interval)
-        next_tick = 0.0
+        next_tick, limit = 0.0, self.options.item_timeout
         try:
             while not self._stopping.is_set():
                 throughput.maybe_log()
@@ -689,6 +701,9 @@ class WorkerSession:
                     if due.chunks:
                         self.conn.send(due.chunks)
                     next_tick = now + min(due.wait, _MAX_SENDER_WAIT)
+                    if limit is not None:
+                        self._check_item(now, limit)
+                        next_tick = min(next_tick, now + limit / _ITEM_CHECKS_PER_TIMEOUT)
                 chunks = self.outbox.take(timeout=max(0.0, next_tick - time.monotonic()))
                 if chunks is None:
                     continue

@@ -123,3 +123,21 @@ def test_a_final_frame_that_ends_the_session_goes_after_the_data_and_refuses_mor
     assert not outbox.session_over
     assert frame_of(outbox.take(1.0)).kind == MessageKind.END_OF_SHARD
     assert outbox.session_over
+
+
+def test_an_item_slower_than_linger_leaves_at_once():
+    # A sleep-bound stage: batching could not pack a second item within linger anyway.
+    outbox = Outbox(SessionOptions(batch_max_items=100, linger=0.1))
+    outbox.start_epoch(1, credits=4)
+    outbox.put(1, item(0))
+    assert outbox.take(0.02) is None  # the epoch's first item lingers for company
+    assert data_items(outbox.take(1.0))[2] == [0]
+    time.sleep(0.15)  # longer than linger since the previous item
+    outbox.put(1, item(1))
+    assert data_items(outbox.take(0.02))[2] == [1]  # no linger: sealed when it came
+    outbox.put(1, item(2))  # right after: lingers again, as fast items do
+    assert outbox.take(0.02) is None
+    assert data_items(outbox.take(1.0))[2] == [2]
+    time.sleep(0.15)
+    outbox.put(1, item(3))  # slow, but one credit left: batching as before
+    assert outbox.take(0.02) is None

@@ -73,6 +73,7 @@ def drain(contender, workload: Workload, num_workers: int, budget_s: float,
     items = nbytes = 0
     start_items = start_bytes = 0
     t_first = t_start = None
+    cpu_start = 0.0
     stopped_by_budget = False
     item = None
     t0 = time.perf_counter()
@@ -80,6 +81,7 @@ def drain(contender, workload: Workload, num_workers: int, budget_s: float,
         for item in loader:
             if item is CLOCK_START:
                 t_first = t_start = time.perf_counter()
+                cpu_start = time.process_time()
                 continue
             size = consume(item)
             now = time.perf_counter()
@@ -89,12 +91,14 @@ def drain(contender, workload: Workload, num_workers: int, budget_s: float,
                 t_first = now
             if items == warmup_items and t_start is None:
                 t_start, start_items, start_bytes = now, items, nbytes
+                cpu_start = time.process_time()
             if consumer_sleep_s:
                 time.sleep(consumer_sleep_s)
             if now - t_first > budget_s and items < workload.n_items and contender.stops_early_cleanly:
                 stopped_by_budget = True
                 break
         t_end = time.perf_counter()
+        cpu_end = time.process_time()
         del item
     t_closed = time.perf_counter()
     steady_s = (t_end - t_start) if t_start is not None else 0.0
@@ -104,10 +108,13 @@ def drain(contender, workload: Workload, num_workers: int, budget_s: float,
         "bytes": nbytes,
         "first_item_s": (t_first - t0) if t_first is not None else None,
         "steady_s": steady_s,
+        "steady_items": steady_items,
         "total_s": t_end - t0,
         "shutdown_s": t_closed - t_end,
         "items_per_s": steady_items / steady_s if steady_items > 0 and steady_s > 0 else None,
         "bytes_per_s": (nbytes - start_bytes) / steady_s if steady_items > 0 and steady_s > 0 else None,
         "stopped_by_budget": stopped_by_budget,
+        # CPU seconds of this process (the trainer: every thread of it) over the steady part
+        "cpu_steady_s": cpu_end - cpu_start if t_start is not None else None,
         "expected_items": workload.n_items,
     }

@@ -107,9 +107,11 @@ def children_cpu_s() -> float:
 
 def servers_needed(name: str, params: dict) -> int:
     """Worker servers contender ``name`` needs in a scenario: one RPCRS server serves any
-    number of sessions; rpcdataloader needs one launcher process per worker."""
-    if name == "RPCRS-tcp":
-        return 1
+    number of sessions (RPCRS-2servers spreads them over two); rpcdataloader needs one
+    launcher process per worker."""
+    fixed = getattr(CONTENDERS.get(name), "servers_needed", None)
+    if fixed:
+        return fixed
     return max(worker_counts(params, name))
 
 
@@ -120,9 +122,11 @@ class Runner:
         self.args = args
         self.unavailable: dict[str, str] = {}
         auth_key = secrets.token_hex(16)
-        self.auth_keys = {"RPCRS-tcp": auth_key}
+        self.auth_keys = {"RPCRS-tcp": auth_key, "RPCRS-2servers": auth_key}
+        rpcrs = ServerPool("rpcrs", launch_rpcrs_server(auth_key))  # both RPCRS-tcp and RPCRS-2servers
         self.pools = {
-            "RPCRS-tcp": ServerPool("rpcrs", launch_rpcrs_server(auth_key)),
+            "RPCRS-tcp": rpcrs,
+            "RPCRS-2servers": rpcrs,
             "RPCDataloader": ServerPool("rpcdataloader", launch_rpcdataloader_server),
         }
 
@@ -175,8 +179,9 @@ class Runner:
         :meth:`run_one` to report (its pool is stopped, and restarted there)."""
         self.launch_servers(scenarios)
         needed = self.servers_wanted(scenarios)
-        for name, pool in self.pools.items():
-            if name not in needed:
+        wanted_pools = {id(self.pools[name]) for name in needed}
+        for pool in self.pools.values():
+            if id(pool) not in wanted_pools:
                 pool.stop()  # launched for a contender the probe found unavailable
         if not needed:
             return
@@ -239,7 +244,7 @@ class Runner:
 
     def close(self) -> None:
         """Stop every server pool and reap anything left."""
-        for pool in self.pools.values():
+        for pool in {id(pool): pool for pool in self.pools.values()}.values():
             pool.stop()
             shutil.rmtree(pool.log_dir, ignore_errors=True)
         reap_adopted_children(set())

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, List, Optional, Sequence
+import queue
+from typing import Any, Callable, List, Optional, Sequence
 
-from ..client import WorkerChannel
+from ..client import Event, WorkerChannel
 from ..config import Hostfile, LocalWorkers, ReadingServiceConfig, StoreDiscovery, WorkerAddresses
 from ..discovery import discover_workers
 from ..errors import WorkerLostError
 from ..keys import new_auth_key
 from ..local_fleet import LocalWorkerServer
+from ..receive_loop import ReceiveLoop
 from ..serialization import buffer_allocator
 from ..transports import create_transport
 from ..transports.base import PeerLostError, Transport
@@ -26,6 +28,14 @@ from ..protocol import SessionOptions, Setup
 __all__ = ["Fleet", "close_channels"]
 
 log = logging.getLogger(__name__)
+
+#: Sessions set up at once. Setting up is mostly waiting (a handshake's round trips, a server
+#: forking the session, the worker unpickling the graph): 64 sessions in one wave rather
+#: than two; the bound keeps hundreds of sessions from starting hundreds of threads.
+MAX_PARALLEL_SETUPS = 64
+
+#: Makes the queue a new channel delivers its events to.
+Sink = Callable[[], "queue.SimpleQueue[Event]"]
 
 
 def close_channels(channels: Sequence[WorkerChannel]) -> None:
@@ -51,6 +61,8 @@ class Fleet:
         self._discovered: Optional[List[str]] = None
         self._hosted_store: Any = None
         self._transport: Optional[Transport] = None
+        #: The one thread receiving for every session of the run (made by :meth:`connect`).
+        self._loop: Optional[ReceiveLoop] = None
 
     def discover(self) -> int:
         """Find the workers of a :class:`StoreDiscovery` or :class:`Hostfile` (once) and return
@@ -95,19 +107,26 @@ class Fleet:
             item_timeout=self.config.item_timeout,
         )
 
-    def connect(self, graph: bytes) -> List[WorkerChannel]:
+    def connect(self, graph: bytes, sink: Optional[Sink] = None) -> List[WorkerChannel]:
         """Start local workers if configured, then open and set up one channel per worker rank
-        (in parallel); on any failure close those that opened and raise the first error."""
+        (in parallel); on any failure close those that opened and raise the first error.
+
+        ``sink``: where each channel delivers its events; a channel starts receiving (and
+        sending heartbeats) as soon as it is set up, so that the first sessions of hundreds
+        do not time out waiting for the last ones."""
         self._transport = create_transport(
             self.config.transport.name, **self.config.transport.factory_options()
         )
         self._graph = graph
         addresses = self._addresses()
+        self._loop = self._loop or ReceiveLoop()  # after a local server forked: not its descriptors
         channels: List[WorkerChannel] = []
         errors: List[BaseException] = []
-        with ThreadPoolExecutor(max_workers=min(32, self.num_workers)) as pool:
+        parallel = min(MAX_PARALLEL_SETUPS, self.num_workers)
+        with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="rrs-setup") as pool:
             futures = [
-                pool.submit(self.open_channel, rank, addresses[rank]) for rank in range(self.num_workers)
+                pool.submit(self.open_channel, rank, addresses[rank], sink)
+                for rank in range(self.num_workers)
             ]
             for future in futures:
                 try:
@@ -120,8 +139,9 @@ class Fleet:
             raise errors[0]
         return channels
 
-    def open_channel(self, rank: int, address: str) -> WorkerChannel:
-        """Connect to ``address`` and set up the session of worker ``rank``."""
+    def open_channel(self, rank: int, address: str, sink: Optional[Sink] = None) -> WorkerChannel:
+        """Connect to ``address`` and set up the session of worker ``rank``; with ``sink``,
+        start receiving into the queue it returns."""
         assert self._transport is not None, "connect() must run first"
         options, timeout = self.session_options(), self.config.liveness.connect_timeout
         try:
@@ -130,12 +150,14 @@ class Fleet:
             )
         except PeerLostError as exc:
             raise WorkerLostError(f"worker {rank}: {exc}", rank, address) from exc
-        channel = WorkerChannel(conn, rank, options.heartbeat_interval, options.peer_timeout)
+        channel = WorkerChannel(conn, rank, options.heartbeat_interval, options.peer_timeout, self._loop)
         try:
             channel.setup(Setup(self._graph, rank, self.num_workers, options), timeout)
         except BaseException:
             channel.close()
             raise
+        if sink is not None:
+            channel.start_receiver(sink())
         return channel
 
     def reopen(
@@ -165,7 +187,10 @@ class Fleet:
         ) from error
 
     def close(self) -> None:
-        """Stop local workers and a TCPStore this process hosted (idempotent)."""
+        """Stop the receive loop (after the channels closed), local workers and a TCPStore this
+        process hosted (idempotent)."""
+        if self._loop is not None:
+            self._loop.close()
         if self.local_server is not None:
             self.local_server.stop()
             self.local_server = None

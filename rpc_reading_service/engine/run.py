@@ -113,12 +113,10 @@ class Engine:
         shipped = dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
         _open_engines[self] = os.getpid()
         try:
-            self.channels = self.fleet.connect(shipped)
+            self.channels = self.fleet.connect(shipped, self.receiver_queue)
         except BaseException:
             self.close()
             raise
-        for channel in self.channels:
-            channel.start_receiver(self.receiver_queue())
 
     def receiver_queue(self) -> "queue.SimpleQueue[Event]":
         """Where a new channel delivers: the shared queue, or (in order) a queue of its own."""

@@ -43,6 +43,22 @@ class Connection(abc.ABC):
         :class:`~rpc_reading_service.errors.ProtocolError` on a malformed frame.
         """
 
+    def fileno(self) -> Optional[int]:
+        """A file descriptor that turns readable when frames arrive, for an event loop
+        (``selectors``) that reads many connections in one thread with :meth:`recv_ready`;
+        None (the default): this connection is read by a thread of its own calling :meth:`recv`."""
+        return None
+
+    def recv_ready(self) -> List[Frame]:
+        """The frames that can be received without blocking (often none), for an event loop
+        that found :meth:`fileno` readable. Raises as :meth:`recv` does.
+
+        The default takes at most one complete frame; a transport with a :meth:`fileno`
+        overrides it to read what has arrived in one go.
+        """
+        frame = self.recv(timeout=0)
+        return [] if frame is None else [frame]
+
     @abc.abstractmethod
     def close(self) -> None:
         """Close the connection (idempotent). Wakes a thread blocked in ``recv``."""

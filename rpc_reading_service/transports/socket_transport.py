@@ -154,21 +154,55 @@ class SocketConnection(Connection):
             if frame is not None:
                 return frame
             if self._pending:
-                target = reader.writable()
-                n = min(len(target), len(self._pending))
-                target[:n] = self._pending[:n]
-                self._pending = self._pending[n:]
-                reader.advance(n)
-                continue
-            target = reader.writable()
-            direct = len(target) >= _STAGING_BYTES // 2
-            received = self._recv_into(target if direct else self._staging, deadline)
-            if received is None:
+                self._parse_pending()
+            elif not self._read(deadline):
                 return None
-            if direct:
-                reader.advance(received)
+
+    def recv_ready(self) -> List[Frame]:
+        """The frames completed by what has arrived, read without blocking (for an event loop).
+
+        One read per call, so that a peer that never stops sending cannot starve the other
+        connections of the loop; a TLS connection reads on while OpenSSL holds decrypted
+        bytes, which ``select`` cannot see. The frames of a read come out before the EOF
+        or reset of a later read is raised.
+        """
+        reader, frames, read = self._reader, [], False
+        while True:
+            frame = reader.next_frame()
+            if frame is not None:
+                frames.append(frame)
+            elif self._pending:
+                self._parse_pending()
+            elif (read and not self._buffered()) or not self._read(time.monotonic()):
+                return frames
             else:
-                self._pending = self._staging[:received]
+                read = True
+
+    def _parse_pending(self) -> None:
+        """Move staged bytes into the frame reader, as far as its current section goes."""
+        target = self._reader.writable()
+        n = min(len(target), len(self._pending))
+        target[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        self._reader.advance(n)
+
+    def _read(self, deadline: Optional[float]) -> bool:
+        """One read: a large section straight into its memory, else into the staging buffer.
+        False if nothing arrived by ``deadline``."""
+        target = self._reader.writable()
+        direct = len(target) >= _STAGING_BYTES // 2
+        received = self._recv_into(target if direct else self._staging, deadline)
+        if received is None:
+            return False
+        if direct:
+            self._reader.advance(received)
+        else:
+            self._pending = self._staging[:received]
+        return True
+
+    def _buffered(self) -> bool:
+        """Whether received bytes wait below the socket (in a TLS layer)."""
+        return False
 
     def _recv_into(self, view: memoryview, deadline: Optional[float]) -> Optional[int]:
         while True:
@@ -429,6 +463,10 @@ class TLSSocketConnection(SocketConnection):
             if n == 0:
                 raise self._closed_by_peer()
             return n
+
+    def _buffered(self) -> bool:
+        with self._tls_lock:
+            return not self._closed and self._sock.pending() > 0
 
     def _close_socket(self) -> None:
         with self._tls_lock:

@@ -21,6 +21,7 @@ class Contender:
     one_stream = False  # a limit with no worker count: compared at any W
     one_round = False  # full run: measured in one round only (no target depends on it)
     skipped_when_quick = False  # --quick leaves it out unless selected by name
+    servers_needed: Optional[int] = None  # running worker servers it uses (None: one per worker)
 
     def __init__(self, servers: Optional[dict] = None):
         self.servers = servers or {}

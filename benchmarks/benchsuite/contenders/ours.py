@@ -54,9 +54,24 @@ class RPCRSTcp(RPCRSContender):
     """
 
     name = "RPCRS-tcp"
+    servers_needed = 1
 
     def reading_service(self, num_workers):
         from rpc_reading_service import RPCReadingService
 
         (address,) = self.servers["addresses"]
         return RPCReadingService(workers=[address] * num_workers, auth_key=self.servers["auth_key"])
+
+
+class RPCRSTwoServers(RPCRSContender):
+    """RPCReadingService against TWO running worker servers, its ``num_workers`` sessions
+    dealt round-robin over them (half on each): a trainer fed by two CPU hosts."""
+
+    name = "RPCRS-2servers"
+    servers_needed = 2
+
+    def reading_service(self, num_workers):
+        from rpc_reading_service import RPCReadingService
+
+        addresses = list(self.servers["addresses"][: self.servers_needed])
+        return RPCReadingService(num_workers=num_workers, workers=addresses, auth_key=self.servers["auth_key"])

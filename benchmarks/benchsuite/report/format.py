@@ -105,6 +105,17 @@ def point_value(results: dict, contender: str, key: str, workers: int) -> Option
     return None
 
 
+def rss_per_session_mib(results: dict, contender: str) -> tuple[Optional[float], str]:
+    """The slope of the trainer's sleep-bound peak RSS from the smallest W to the largest."""
+    points = [p for p in points_of(results, contender) if "error" not in p and p.get("peak_rss_mib")]
+    if len(points) < 2:
+        return None, f"{contender}: fewer than two points"
+    low, high = min(points, key=lambda p: p["workers"]), max(points, key=lambda p: p["workers"])
+    slope = (high["peak_rss_mib"] - low["peak_rss_mib"]) / (high["workers"] - low["workers"])
+    return slope, (f"{low['peak_rss_mib']:.0f} MiB at W={low['workers']}, "
+                   f"{high['peak_rss_mib']:.0f} MiB at W={high['workers']}")
+
+
 def outcome_rows(results: dict, cells: Callable[[str, dict], list]) -> list:
     """One table row per contender (``[name] + cells(name, data)``); ``n/a`` rows for failures."""
     return [[name] + cells(name, outcome["data"]) if outcome.get("ok") else (name, na(outcome))

@@ -10,7 +10,7 @@ import dataclasses
 from typing import Callable, Optional
 
 from benchsuite.contenders import ONE_STREAM
-from benchsuite.report.format import GB, fmt_ratio, point_value, points_of, render_table
+from benchsuite.report.format import GB, fmt_ratio, point_value, points_of, render_table, rss_per_session_mib
 
 
 @dataclasses.dataclass
@@ -77,18 +77,39 @@ def best_ratio(scenario: str, key: str, contender: str, reference: str):
     return measured
 
 
-def efficiency_at(contender: str, workers: int):
-    """A measure: ``contender``'s scaling efficiency at ``workers`` workers."""
+def efficiency_at(contender: str, workers: int, scenario: str = "scaling", minus: Optional[str] = None):
+    """A measure: ``contender``'s efficiency at ``workers`` workers in a sleep-bound
+    ``scenario``; with ``minus``, less that contender's at the same W."""
     def measured(all_results: dict) -> tuple[Optional[float], str]:
-        if "scaling" not in all_results:
-            return None, "scaling not run"
-        outcome = all_results["scaling"]["contenders"].get(contender) or {}
-        points = (outcome.get("data") or {}).get("points") or outcome.get("partial") or []
-        for p in points:
-            if p.get("workers") == workers and p.get("efficiency") is not None:
-                ideal = workers / all_results["scaling"]["params"]["sleep_s"]
-                return p["efficiency"], f"{p['items_per_s']:,.0f} of {ideal:,.0f} items/s"
-        return None, outcome.get("reason") or f"no W={workers} point"
+        if scenario not in all_results:
+            return None, f"{scenario} not run"
+        found = []
+        for name in (contender, minus) if minus else (contender,):
+            outcome = all_results[scenario]["contenders"].get(name) or {}
+            points = (outcome.get("data") or {}).get("points") or outcome.get("partial") or []
+            point = next((p for p in points if p.get("workers") == workers and p.get("efficiency") is not None), None)
+            if point is None:
+                return None, outcome.get("reason") or f"{name}: no W={workers} point"
+            found.append(point)
+        ideal = workers / all_results[scenario]["params"]["sleep_s"]
+        if minus:
+            ours, theirs = found
+            return (ours["efficiency"] - theirs["efficiency"],
+                    f"{ours['efficiency']:.2f} vs {theirs['efficiency']:.2f} ({minus})")
+        return found[0]["efficiency"], f"{found[0]['items_per_s']:,.0f} of {ideal:,.0f} items/s"
+    return measured
+
+
+def rss_per_session(contender: str):
+    """A measure: 2 MiB over ``contender``'s trainer RSS per session in the sessions
+    scenario (the slope of its peak from the smallest W to the largest): >= 1 is within 2 MiB."""
+    def measured(all_results: dict) -> tuple[Optional[float], str]:
+        if "sessions" not in all_results:
+            return None, "sessions not run"
+        slope, detail = rss_per_session_mib(all_results["sessions"]["contenders"], contender)
+        if slope is None:
+            return None, detail
+        return 2.0 / max(slope, 1e-3), f"{slope:.2f} MiB per session ({detail})"
     return measured
 
 
@@ -138,6 +159,16 @@ TARGETS = [
     Target("scaling: RPCRS-local efficiency at W=16 >= 0.9", 0.9, efficiency_at("RPCRS-local", 16)),
     Target("scaling: RPCRS-tcp efficiency at W=16 >= 0.9", 0.9, efficiency_at("RPCRS-tcp", 16)),
     Target("memory: RPCRS-local trainer peak growth / credit window", None, memory_vs_window("RPCRS-local")),
+    *(Target(f"sessions: {name} efficiency at W=64 >= 0.9", 0.9, efficiency_at(name, 64, "sessions"))
+      for name in ("RPCRS-local", "RPCRS-2servers")),
+    *(Target(f"sessions: {name} efficiency at W=64 minus torch-DataLoader's >= -0.03", -0.03,
+             efficiency_at(name, 64, "sessions", minus="torch-DataLoader")) for name in ("RPCRS-local", "RPCRS-2servers")),
+    *(Target(f"sessions: {name} efficiency at W=128 >= 0.8", 0.8, efficiency_at(name, 128, "sessions"))
+      for name in ("RPCRS-local", "RPCRS-2servers")),
+    Target("sessions: RPCRS-local tiny items/s at W=64 >= 0.5x W=2", 0.5,
+           ratio_at("sessions", "tiny_items_per_s", ("RPCRS-local", 64), ("RPCRS-local", 2))),
+    Target("sessions: RPCRS-local trainer RSS per session <= 2 MiB (2 MiB / measured)", 1.0,
+           rss_per_session("RPCRS-local")),
 ]
 TARGET_NOTES = [
     "* best W of each side (W=1 or 2, labelled in 'detail'); the same-W ratios are in the tensor8m table "

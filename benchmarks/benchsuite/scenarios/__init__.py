@@ -8,9 +8,9 @@ sessions (issue 16).
 
 from __future__ import annotations
 
-from benchsuite.scenarios import first_item, memory, scaling, throughput
+from benchsuite.scenarios import first_item, memory, scaling, sessions, throughput
 from benchsuite.scenarios.base import Scenario
 
 SCENARIOS: dict[str, Scenario] = {
-    s.name: s for module in (throughput, scaling, memory, first_item) for s in module.SCENARIOS
+    s.name: s for module in (throughput, scaling, sessions, memory, first_item) for s in module.SCENARIOS
 }

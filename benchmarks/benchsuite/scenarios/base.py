@@ -7,6 +7,7 @@ from typing import Callable
 
 from benchsuite.contenders import CONTENDERS
 from benchsuite.contenders.base import Contender
+from benchsuite.isolation import describe_exception
 
 ROUNDS = 2  # full run: throughput scenarios run every contender twice, interleaved; best round kept
 STARTUP_ALLOWANCE_S = 40.0
@@ -30,6 +31,25 @@ def worker_counts(params: dict, name: str) -> list[int]:
         return list(params["workers_list"])
     counts = (params.get("workers_by_contender") or {}).get(name, params.get("workers", 1))
     return list(counts) if isinstance(counts, (list, tuple)) else [counts]
+
+
+def measure_points(workers_list: list[int], measure_point: Callable[[int], dict],
+                   emit: Callable[[dict], None]) -> dict:
+    """``{"points": [...]}``: ``measure_point(W)`` for each worker count, emitted as it comes.
+    A failing count becomes a point with its ``error`` (one broken worker count must not hide
+    the others); if every count fails, the first error is raised."""
+    points = []
+    for workers in workers_list:
+        try:
+            point = measure_point(workers)
+        except Exception as exc:
+            point = {"error": describe_exception(exc)}
+        point["workers"] = workers
+        emit(point)
+        points.append(point)
+    if all("error" in p for p in points):
+        raise RuntimeError(points[0]["error"])
+    return {"points": points}
 
 
 def timeout_budgeted(params: dict) -> float:

@@ -9,7 +9,6 @@ from workloads import ITEMS_IN_FLIGHT, MIB, Workload
 
 from benchsuite.contenders import ONE_STREAM
 from benchsuite.contenders.base import Contender
-from benchsuite.isolation import describe_exception
 from benchsuite.measure import drain
 from benchsuite.report.format import (
     GB,
@@ -24,7 +23,14 @@ from benchsuite.report.format import (
     rounds_notes,
     rounds_text,
 )
-from benchsuite.scenarios.base import DATALOADERS, ROUNDS, Scenario, timeout_budgeted, worker_counts
+from benchsuite.scenarios.base import (
+    DATALOADERS,
+    ROUNDS,
+    Scenario,
+    measure_points,
+    timeout_budgeted,
+    worker_counts,
+)
 
 SLOW_ON_TINY_ITEMS = ("MPRS", "RPCDataloader")  # ~1-2k items/s: capped so they finish in seconds
 
@@ -78,18 +84,8 @@ def measure_throughput(contender: Contender, params: dict, emit: Callable[[dict]
     scale = params.get("epoch_scales", {}).get(contender.name)
     if scale:
         workload = dataclasses.replace(workload, n_items=scale * workload.n_items)
-    points = []
-    for workers in worker_counts(params, contender.name):
-        try:
-            point = drain(contender, workload, workers, params["budget_s"])
-        except Exception as exc:  # one broken worker count must not hide the others
-            point = {"error": describe_exception(exc)}
-        point["workers"] = workers
-        emit(point)
-        points.append(point)
-    if all("error" in p for p in points):
-        raise RuntimeError(points[0]["error"])
-    return {"points": points}
+    return measure_points(worker_counts(params, contender.name),
+                          lambda workers: drain(contender, workload, workers, params["budget_s"]), emit)
 
 
 def report_tiny(scenario: Scenario, params: dict, results: dict) -> str:

@@ -1,0 +1,198 @@
+"""One thread that receives for every worker session of a trainer: a ``selectors`` event loop.
+
+A trainer with hundreds of worker sessions cannot afford a receiver thread for each: the
+threads' wake-ups and their contention for the GIL grow with the number of sessions until
+the trainer itself is the bottleneck. :class:`ReceiveLoop` watches the connections of all
+its sessions at once; each readable one is read without blocking
+(``Connection.recv_ready``) and its frames go to its driver. Liveness (heartbeats due,
+silent peers) is checked for all sessions together, once per sweep, instead of one timer
+per session.
+
+The loop knows nothing of the protocol: a session is a :class:`Watched`, whatever answers
+``fileno()``, ``on_readable()`` and ``on_tick(now)`` (the trainer's ``WorkerChannel``).
+Sessions are added and removed from any thread; the selector itself is only touched by the
+loop's thread, so a connection is never closed while the loop may still poll it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import selectors
+import socket
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
+
+__all__ = ["ReceiveLoop", "Watched"]
+
+log = logging.getLogger(__name__)
+
+#: Sweeps of the liveness checks are at least this fraction of the longest wait a session
+#: asked for (about a heartbeat interval) apart: a heartbeat leaves at most that much late,
+#: and one sweep serves many sessions instead of one sweep per session's due time.
+_SWEEP_SLACK = 0.25
+_MIN_SWEEP_SECONDS = 0.001
+
+
+class Watched(Protocol):
+    """What the loop drives: one session's receiving end."""
+
+    def fileno(self) -> Optional[int]:
+        """The descriptor that turns readable when the session's frames arrive."""
+
+    def on_readable(self) -> bool:
+        """Take in what arrived; True when the session is over (the loop stops watching it)."""
+
+    def on_tick(self, now: float) -> Optional[float]:
+        """Liveness at ``now``: seconds until the next check, or None when the session is over."""
+
+
+class ReceiveLoop:
+    """Receives for many sessions in one thread (started with the first session added).
+
+    Args:
+        name: The thread's name.
+    """
+
+    def __init__(self, name: str = "rrs-receive-loop"):
+        self._name = name
+        self._selector = selectors.DefaultSelector()
+        self._wake_in, self._wake_out = socket.socketpair()
+        self._wake_in.setblocking(False)
+        self._wake_out.setblocking(False)
+        self._selector.register(self._wake_in, selectors.EVENT_READ, None)
+        self._lock = threading.Lock()
+        #: Additions and removals for the loop's thread to apply: (session, add?, done).
+        self._changes: List[Tuple[Watched, bool, threading.Event]] = []
+        self._watched: Dict[int, Watched] = {}  # by id(): a channel is not hashable by contract
+        self._next_sweep = 0.0
+        self._thread: Optional[threading.Thread] = None
+        self._closed = False
+
+    def add(self, session: Watched) -> None:
+        """Watch ``session`` from now on (its frames already received are taken at once)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this receive loop is closed")
+            self._changes.append((session, True, threading.Event()))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+        self._wake()
+
+    def remove(self, session: Watched, timeout: float = 2.0) -> None:
+        """Stop watching ``session``; returns once the loop no longer touches its connection
+        (or after ``timeout``), so that it may be closed."""
+        done = threading.Event()
+        with self._lock:
+            if self._thread is None or self._closed:
+                return
+            self._changes.append((session, False, done))
+        if threading.current_thread() is self._thread:
+            self._apply_changes()
+            return
+        self._wake()
+        done.wait(timeout)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the loop's thread (idempotent). Closing the sessions is their owner's job."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            thread = self._thread
+        self._wake()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        if thread is None or not thread.is_alive():
+            self._selector.close()
+            self._wake_in.close()
+            self._wake_out.close()
+
+    # -- the loop's thread ---------------------------------------------------------------------
+    def _wake(self) -> None:
+        try:
+            self._wake_out.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # full (a wake-up is pending anyway) or closed
+
+    def _run(self) -> None:
+        while True:
+            self._apply_changes()
+            if self._closed:
+                return
+            timeout = max(0.0, self._next_sweep - time.monotonic()) if self._watched else None
+            for key, _events in self._selector.select(timeout):
+                session = key.data
+                if session is None:
+                    self._drain_wake()
+                elif id(session) in self._watched and self._call(session.on_readable, True):
+                    self._unwatch(session)
+            now = time.monotonic()
+            if now >= self._next_sweep:
+                self._sweep(now)
+
+    def _apply_changes(self) -> None:
+        with self._lock:
+            changes, self._changes = self._changes, []
+        for session, add, done in changes:
+            if add:
+                self._watch(session)
+            else:
+                self._unwatch(session)
+            done.set()
+
+    def _watch(self, session: Watched) -> None:
+        fd = session.fileno()
+        try:
+            try:
+                self._selector.register(fd, selectors.EVENT_READ, session)  # type: ignore[arg-type]
+            except KeyError:  # a session whose removal timed out had this descriptor number
+                self._unwatch(self._selector.get_key(fd).data)
+                self._selector.register(fd, selectors.EVENT_READ, session)  # type: ignore[arg-type]
+        except (ValueError, KeyError, OSError) as exc:  # closed meanwhile: reading it reports why
+            log.debug("cannot watch %r: %s", session, exc)
+            self._call(session.on_readable, True)
+            return
+        self._watched[id(session)] = session
+        self._next_sweep = 0.0  # its first liveness check now
+        # Bytes read along with its last frame before it was added (setup's READY) raise no event.
+        if self._call(session.on_readable, True):
+            self._unwatch(session)
+
+    def _unwatch(self, session: Watched) -> None:
+        self._watched.pop(id(session), None)
+        for key in list(self._selector.get_map().values()):
+            if key.data is session:
+                self._selector.unregister(key.fileobj)
+
+    def _sweep(self, now: float) -> None:
+        """Every session's liveness; the next sweep when the soonest one is due (plus slack)."""
+        soonest, longest = math.inf, 0.0
+        for session in list(self._watched.values()):
+            wait = self._call(lambda: session.on_tick(now), None)
+            if wait is None:
+                self._unwatch(session)
+            else:
+                soonest, longest = min(soonest, wait), max(longest, wait)
+        if soonest == math.inf:
+            self._next_sweep = math.inf
+        else:
+            self._next_sweep = now + max(soonest, longest * _SWEEP_SLACK, _MIN_SWEEP_SECONDS)
+
+    def _call(self, method: Callable[[], Any], over: Any) -> Any:
+        """``method()``; a failure (a bug: drivers report their sessions' faults themselves)
+        is logged and ends that session only, never the loop."""
+        try:
+            return method()
+        except Exception:  # noqa: BLE001 - one session's bug must not stop the others' receiving
+            log.exception("the receive loop's call %r failed", method)
+            return over
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_in.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
