@@ -26,7 +26,7 @@ from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
 from rpc_reading_service import ConfigurationError, RPCReadingService, available_transports
 from rpc_reading_service.checkpoint import CHECKPOINT_VERSION, ReadingServiceState
-from rpc_reading_service.client import EpochProgress
+from rpc_reading_service.engine.distribution import EpochProgress
 
 SEED = 1234
 N_ITEMS = 23  # shards of 3 workers: 8, 8, 7 (uneven on purpose)

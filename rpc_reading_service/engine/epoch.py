@@ -13,7 +13,8 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
 
-from ..client import EpochProgress, WorkerChannel, iterate_as_completed, iterate_in_order
+from ..client import WorkerChannel
+from .distribution import EpochProgress, iterate_as_completed, iterate_in_order
 from ..errors import WorkerLostError
 
 if TYPE_CHECKING:
