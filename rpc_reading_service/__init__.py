@@ -36,6 +36,7 @@ from .errors import (
     WorkerRefusedError,
     WorkerStartupError,
 )
+from .distributions import available_distributions, register_distribution
 from .transports import available_transports, register_transport
 from .version import __version__
 
@@ -65,6 +66,8 @@ __all__ = [
     "Reassign",
     "register_transport",
     "available_transports",
+    "register_distribution",
+    "available_distributions",
     "RPCReadingServiceError",
     "ConfigurationError",
     "ProtocolError",

@@ -182,11 +182,14 @@ class WorkerChannel:
         self._receiver.start()
 
     # -- epochs ---------------------------------------------------------------------------------
-    def start_epoch(self, epoch: int, seed: int, global_worker_id: int, credits: int, skip: int = 0) -> None:
-        """Start ``epoch`` on the worker (superseding any epoch still running there)."""
+    def start_epoch(
+        self, epoch: int, seed: int, global_worker_id: int, credits: int, skip: int = 0, leased: bool = False
+    ) -> None:
+        """Start ``epoch`` on the worker (superseding any epoch still running there); ``leased``:
+        the worker walks its stream by the chunks :meth:`lease` hands it."""
         self.epoch = epoch
         self.stats = ChannelStats()
-        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip))
+        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, leased=leased))
 
     def grant(self, epoch: int, credits: int = 1) -> None:
         """Allow the worker ``credits`` more DATA frames of ``epoch`` (nothing for a superseded epoch)."""

@@ -64,7 +64,15 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         auth_key: The servers' shared key (``str`` or ``bytes``); local workers get a fresh one.
         transport: A registered transport's name (``"socket"``) or a
             :class:`~rpc_reading_service.TransportConfig` (TLS, frame limit, options).
-        in_order: Round-robin over workers, deterministic (default); ``False``: first come, first served.
+        distribution: How the work is spread and merged: ``"round_robin"`` (default: each worker
+            its shard by rank, delivered one item per worker in turn, deterministic),
+            ``"first_ready"`` (the same shards, delivered in arrival order), ``"dynamic"``
+            (chunks of the stream leased on demand to whichever worker has room, resequenced:
+            deterministic and exactly once, and the slow workers do less), a registered name
+            (:func:`~rpc_reading_service.register_distribution`) or a policy object such as
+            :class:`~rpc_reading_service.Dynamic` ``(chunk_size=...)``. See README "Work distribution".
+        in_order: ``False`` is the shorthand for ``distribution="first_ready"`` (with
+            ``"dynamic"``: its arrival-order delivery).
         prefetch: Packed frames each worker may have in flight (the credit window).
         worker_init_fn: ``fn(datapipe, worker_info) -> datapipe``, once per worker.
         worker_reset_fn: ``fn(datapipe, worker_info, seed_generator) -> datapipe``, every epoch.
@@ -102,8 +110,10 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         worker_prefetch_cnt: Optional[int] = None,
         main_prefetch_cnt: int = 0,
         multiprocessing_context: Optional[str] = None,
+        distribution: Any = None,
     ) -> None:
         self._configure(ReadingServiceConfig.create(
+            distribution=distribution,
             num_workers=num_workers, workers=workers, auth_key=auth_key, transport=transport,
             in_order=in_order, prefetch=prefetch, worker_prefetch_cnt=worker_prefetch_cnt,
             main_prefetch_cnt=main_prefetch_cnt, multiprocessing_context=multiprocessing_context,

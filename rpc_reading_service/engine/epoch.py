@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from ..client import WorkerChannel
-from .distribution import EpochProgress, iterate_as_completed, iterate_in_order
+from .distribution import EpochProgress, EpochRun, Merger
 from ..errors import WorkerLostError
 
 if TYPE_CHECKING:
@@ -27,11 +27,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Positions:
-    """How far the consumer got in an epoch: items taken from each worker's shard, and whose
-    turn is next in the round-robin. Starting an epoch at positions replays the rest exactly."""
+    """How far the consumer got in an epoch: items taken from each worker's shard, whose
+    turn is next in the round-robin, and the distribution policy's own state (None for
+    policies whose workers own a fixed shard). Starting an epoch at positions replays the rest exactly."""
 
     consumed: Tuple[int, ...]
     next_rank: int = 0
+    policy: Optional[Mapping[str, Any]] = None
 
 
 class Epoch:
@@ -46,6 +48,8 @@ class Epoch:
         #: epoch this one supersedes (also one it resumes) are told apart.
         self.wire = wire
         self.progress = EpochProgress(wire, list(positions.consumed), positions.next_rank)
+        self._resume_policy = positions.policy
+        self._merger: Optional[Merger] = None
         #: Worker losses this epoch by (rank, items of its shard consumed): see :meth:`_replace`.
         self._losses: Dict[Tuple[int, int], int] = {}
         self._started = False
@@ -59,11 +63,9 @@ class Epoch:
         if engine.in_process_graph is not None:
             return self._one_step_at_a_time(self._iterate_in_process())
         replace = self._replace if engine.config.reassign is not None else None
-        if engine.config.in_order:
-            items = iterate_in_order(engine.channels, self.progress, replace)
-        else:
-            items = iterate_as_completed(engine.channels, engine.events, self.progress, replace)
-        return self._one_step_at_a_time(items)
+        run = EpochRun(engine.channels, engine.events, self.progress, replace, self._resume_policy, self.wire)
+        self._merger = engine.config.distribution.merger(run)
+        return self._one_step_at_a_time(iter(self._merger))
 
     @property
     def finished(self) -> bool:
@@ -76,7 +78,10 @@ class Epoch:
         given back, to be replayed)."""
         self.progress.delivered = delivered
         consumed, next_rank = self.progress.positions()
-        return Positions(tuple(consumed), next_rank)
+        undelivered = 0 if delivered is None else self.progress.yielded - delivered
+        if self._merger is None:  # not iterated yet: where it started
+            return Positions(tuple(consumed), next_rank, self._resume_policy)
+        return Positions(tuple(consumed), next_rank, self._merger.state(undelivered))
 
     def _one_step_at_a_time(self, items: Iterator[Any]) -> Iterator[Any]:
         """``items``, each taken holding the engine's guard, and only while this epoch is the current one.
@@ -138,6 +143,6 @@ class Epoch:
         )  # fmt: skip
         channel = engine.fleet.reopen(rank, lost, engine.channels, error)
         channel.start_receiver(engine.receiver_queue())
-        engine.start_channel(channel, self, skip=progress.consumed[rank])
+        engine.start_channel(channel, self)
         engine.channels[rank] = channel
         return channel

@@ -29,6 +29,7 @@ from torchdata.dataloader2.utils import WorkerInfo
 from ..client import Event, WorkerChannel
 from ..config import ReadingServiceConfig
 from ..graph import DistributedInfo, init_worker_graph, reset_worker_graph
+from ..selection import selection_in_place
 from ..serialization import dumps_graph
 from ..stats import ReadingServiceStats, WorkerStats
 from .epoch import Epoch, Positions
@@ -99,7 +100,7 @@ class Engine:
         if self.num_workers == 0:
             self.in_process_graph = init_worker_graph(graph, WorkerInfo(1, 0), config.worker_init_fn)
             return
-        shipped = dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+        shipped = self._ship(graph)
         _open_engines[self] = os.getpid()
         try:
             self.channels = self.fleet.connect(shipped)
@@ -109,9 +110,20 @@ class Engine:
         for channel in self.channels:
             channel.start_receiver(self.receiver_queue())
 
+    def _ship(self, graph: DataPipe) -> bytes:
+        """The pickled graph for the workers, with the policy's worker-side selection in place of
+        ``sharding_filter`` (the caller's graph is put back as it was)."""
+        config, policy = self.config, self.config.distribution
+        policy.check_graph(graph)
+        selection = policy.worker_selection()
+        if selection is None:
+            return dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+        with selection_in_place(graph, selection) as shipped:
+            return dumps_graph((shipped, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+
     def receiver_queue(self) -> "queue.SimpleQueue[Event]":
-        """Where a new channel delivers: the shared queue, or (in order) a queue of its own."""
-        return self.events if not self.config.in_order else queue.SimpleQueue()
+        """Where a new channel delivers: the shared queue, or a queue of its own (the policy says)."""
+        return self.events if self.config.distribution.shared_queue else queue.SimpleQueue()
 
     def start_epoch(
         self, seed: int, positions: Optional[Positions] = None, number: Optional[int] = None
@@ -132,13 +144,15 @@ class Engine:
             )
             return epoch
         for channel in self.channels:
-            self.start_channel(channel, epoch, skip=epoch.progress.consumed[channel.rank])
+            self.start_channel(channel, epoch)
         return epoch
 
-    def start_channel(self, channel: WorkerChannel, epoch: Epoch, skip: int) -> None:
-        """Start ``epoch`` on one worker, skipping the first ``skip`` items of its shard."""
+    def start_channel(self, channel: WorkerChannel, epoch: Epoch) -> None:
+        """Start ``epoch`` on one worker, skipping what the policy says was consumed of its stream."""
         global_rank = self.dist.global_worker_id(channel.rank, self.num_workers)
-        channel.start_epoch(epoch.wire, epoch.seed, global_rank, self.config.prefetch, skip=skip)
+        policy = self.config.distribution
+        skip = policy.skip(epoch.progress, channel.rank)
+        channel.start_epoch(epoch.wire, epoch.seed, global_rank, self.config.prefetch, skip=skip, leased=policy.leased)
 
     def stats(self) -> ReadingServiceStats:
         """Throughput per worker and the consumer's data stall for the current (or last) epoch."""

@@ -275,7 +275,9 @@ class StartEpoch(_Control):
     """Trainer to worker: start ``epoch`` (superseding any running one) with ``credits`` DATA frames.
 
     ``skip`` items of the shard are not sent (a resumed epoch); with ``dispatched`` the
-    worker's input comes from the trainer in ITEMS frames, which it asks for with ITEM_CREDIT.
+    worker's input comes from the trainer in ITEMS frames, which it asks for with ITEM_CREDIT;
+    with ``leased`` the worker keeps the chunks of the stream the trainer leases to it (LEASE)
+    and reports each one done (CHUNK_DONE).
     """
 
     kind: ClassVar[MessageKind] = MessageKind.START_EPOCH
@@ -286,6 +288,7 @@ class StartEpoch(_Control):
     credits: int
     skip: int = 0
     dispatched: bool = False
+    leased: bool = False
 
 
 @dataclass(frozen=True)
