@@ -20,12 +20,14 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Union
 
 from .errors import ItemTimeoutError, RemoteProtocolError, WorkerLostError, WorkerRefusedError, WorkerStartupError, describe_worker
 from .protocol import (
+    ChunkDone,
     Close,
     Credit,
     DataReceived,
     EndOfShard,
     Error,
     Frame,
+    Lease,
     Message,
     Ready,
     Refused,
@@ -48,10 +50,11 @@ class Event:
     """Something a worker channel reports to the consumer."""
 
     channel: "WorkerChannel"
-    kind: str  # "data", "end", "error", "lost" or "closed" (the trainer shut the channel down)
+    kind: str  # "data", "end", "chunk_done", "error", "lost" or "closed" (the trainer shut the channel down)
     epoch: Optional[int]
     frame: Optional[Frame] = None  # a DATA frame, decoded by the consumer
     error: Optional[BaseException] = None
+    chunk: Optional[ChunkDone] = None  # a leased chunk the worker finished ("dynamic")
 
 
 @dataclass
@@ -96,6 +99,7 @@ class WorkerChannel:
         self._on_event: Dict[type, Callable[[Any], bool]] = {
             DataReceived: self._on_data,
             EndOfShard: self._on_end_of_shard,
+            ChunkDone: self._on_chunk_done,
             Error: self._on_error,
             Refused: lambda refused: self._lost(f"{self.name} ended the session: {refused.reason}"),
             Close: lambda close: self._lost(f"{self.name} ended the session (it said CLOSE)"),
@@ -196,6 +200,12 @@ class WorkerChannel:
         if epoch == self.epoch:
             self._send_or_report(Credit(epoch, credits))
 
+    def lease(self, epoch: int, chunk: int = 0, skip: int = 0, final: bool = False) -> None:
+        """Lease ``chunk`` of ``epoch``'s stream to the worker (its first ``skip`` items are not sent),
+        or with ``final`` say that no more chunks come ("dynamic"; nothing for a superseded epoch)."""
+        if epoch == self.epoch:
+            self._send_or_report(Lease(epoch, chunk, skip, final))
+
     def close(self, timeout: float = 2.0) -> None:
         """Say CLOSE, close the connection and stop the receiver thread (idempotent).
 
@@ -254,6 +264,10 @@ class WorkerChannel:
         self.stats.frames += 1
         self.stats.bytes += event.nbytes
         self.queue.put(Event(self, "data", event.epoch, event.frame))
+        return False
+
+    def _on_chunk_done(self, event: ChunkDone) -> bool:
+        self.queue.put(Event(self, "chunk_done", event.epoch, chunk=event))
         return False
 
     def _on_end_of_shard(self, event: EndOfShard) -> bool:

@@ -8,6 +8,7 @@ every epoch (advancing it), so the epochs of a ``dl.seed(s)`` run differ.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
@@ -21,6 +22,7 @@ from torchdata.dataloader2.utils import WorkerInfo, process_init_fn, process_res
 from torchdata.dataloader2.utils.dispatch import find_lca_round_robin_sharding_dp
 
 from .errors import ConfigurationError
+from .selection import selections_in, share_seeds_before_selections
 
 __all__ = [
     "DistributedInfo",
@@ -148,4 +150,7 @@ def reset_worker_graph(
     """Seed the graph and the global RNGs of one worker for an epoch, then run ``worker_reset_fn``."""
     generator = worker_seed_generator(epoch_seed, global_worker_id)
     with _traversal_lock:
-        return process_reset_fn(datapipe, worker_info, generator, custom_reset_fn=worker_reset_fn)
+        shared: Optional[Callable[[DataPipe], DataPipe]] = None
+        if selections_in(datapipe):  # a distribution policy's replacement of sharding_filter
+            shared = functools.partial(share_seeds_before_selections, seed_generator=generator)
+        return process_reset_fn(datapipe, worker_info, generator, iter_reset_fn=shared, custom_reset_fn=worker_reset_fn)

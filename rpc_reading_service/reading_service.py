@@ -209,7 +209,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
                     # so that the epochs after this one match the uninterrupted run.
                     load_seed_generator_state(seed_generator, resume.seed_generator)
                 self._epoch_start_generator = resume.epoch_start_seed_generator
-                positions = Positions(tuple(resume.consumed), resume.next_rank)
+                positions = Positions(tuple(resume.consumed), resume.next_rank, resume.distribution)
                 advance_trainer_rng()
                 self._engine.start_epoch(resume.epoch_seed, positions, number=resume.epoch)
             else:
@@ -240,6 +240,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             seed_generator=None if generator is None else seed_generator_state(generator),
             dist_rank=dist.rank, dist_world_size=dist.world_size,
             epoch_start_seed_generator=self._epoch_start_generator,
+            distribution=None if positions.policy is None else dict(positions.policy),
         )  # fmt: skip
         return state.to_bytes()
 
@@ -250,6 +251,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             self._engine.discover()  # num_workers may come from discovery
             dist = distributed_info()
             state.check_compatible(self.num_workers, graph_fingerprint(datapipe), dist.rank, dist.world_size)
+            if state.in_epoch and self.num_workers > 0:  # the trainer's own graph resumes by position
+                self._config.distribution.check_state(state.distribution)
             end = self._initialize(datapipe)
             self._engine.epoch_number = state.epoch
             if state.in_epoch:

@@ -32,6 +32,7 @@ __all__ = [
     "LeasedChunks",
     "selection_in_place",
     "selections_in",
+    "share_seeds_before_selections",
 ]
 
 
@@ -185,6 +186,22 @@ def selection_in_place(graph: DataPipe, selection: WorkerSelection) -> Iterator[
                 replace_dp(traverse_dps(graph), replacement, dp)
 
 
+def share_seeds_before_selections(datapipe: DataPipe, seed_generator: Any) -> DataPipe:
+    """Seed the random DataPipes before each :class:`SelectionFilter` from the shared stream of
+    ``seed_generator``, as torchdata seeds the ones before a ``sharding_filter`` (it does not know
+    this subclass): every worker then walks the same stream. Runs as torchdata's ``iter_reset_fn``."""
+    from torchdata.dataloader2.graph.settings import set_datapipes_seed
+
+    seen, before = set(), []
+    for selection in selections_in(datapipe):
+        for dp in list_dps(traverse_dps(selection)):
+            if id(dp) not in seen:
+                seen.add(id(dp))
+                before.append(dp)
+    set_datapipes_seed(before, seed_generator, distributed_shared=True)
+    return datapipe
+
+
 def selections_in(graph: DataPipe) -> List[SelectionFilter]:
     """The :class:`SelectionFilter` DataPipes of a graph (a worker session hands them their context)."""
     return list(find_dps(traverse_dps(graph), SelectionFilter))
@@ -205,6 +222,9 @@ class LeaseInbox:
         self._latest = -1
         self._final = False
         self._cancelled = False
+        #: Called with True before the producer waits for a decision and False after (the
+        #: session's item watchdog does not count waiting for the trainer as producing).
+        self.waiting: Optional[Callable[[bool], None]] = None
 
     def add(self, chunk: int, skip: int = 0) -> None:
         """Lease ``chunk`` to this session; its first ``skip`` items were already delivered."""
@@ -240,7 +260,13 @@ class LeaseInbox:
                     return None
                 if self._final:
                     raise StopSelection()
-                self._cond.wait()
+                if self.waiting is not None:
+                    self.waiting(True)
+                try:
+                    self._cond.wait()
+                finally:
+                    if self.waiting is not None:
+                        self.waiting(False)
 
     def outstanding(self, done: int) -> List[int]:
         """The leased chunks after ``done`` (the last one reported), in order."""

@@ -37,6 +37,7 @@ from .errors import FrameTooLargeError, RemoteProtocolError
 from .graph import init_worker_graph, reset_worker_graph
 from .protocol import (
     Buffer,
+    ChunkDone,
     Close,
     Credit,
     Data,
@@ -44,6 +45,7 @@ from .protocol import (
     EndOfShard,
     Error,
     Join,
+    Lease,
     Message,
     PeerTimedOut,
     Ready,
@@ -53,6 +55,7 @@ from .protocol import (
     StopEpoch,
     WorkerProtocol,
 )
+from .selection import LeaseInbox, SelectionContext, SelectionFilter, selections_in
 from .serialization import ItemEncoder, fallback_exception_info, loads_graph, pack_exception
 from .transports.base import Connection, PeerLostError
 
@@ -100,7 +103,8 @@ class Outbox:
         self._open: List[EncodedItem] = []
         self._open_bytes = 0
         self._open_since = 0.0
-        self._sealed: Deque[List[EncodedItem]] = collections.deque()
+        #: Sealed batches waiting for credit, and markers (CHUNK_DONE) that follow them without credit.
+        self._sealed: Deque[Union[List[EncodedItem], Message]] = collections.deque()
         self._final: Optional[FinalFrame] = None
         self._final_ends_session = False
         #: True once a final frame queued with ``end_session`` has been taken for sending.
@@ -166,6 +170,15 @@ class Outbox:
                 if self._open:  # the sender may have taken it while we waited
                     self._seal()
 
+    def mark(self, epoch: int, marker: Message) -> None:
+        """Queue ``marker`` (a CHUNK_DONE) right after the items of ``epoch`` put so far; it needs no credit."""
+        with self._cond:
+            self._check(epoch)
+            if self._open:
+                self._seal()
+            self._sealed.append(marker)
+            self._cond.notify_all()
+
     def finish(self, epoch: int, final_frame: FinalFrame, end_session: bool = False) -> None:
         """Queue the frame that ends ``epoch`` (END_OF_SHARD or ERROR) after its data.
 
@@ -216,6 +229,10 @@ class Outbox:
         if self.epoch is None:
             return None, float("inf")
         self._track_credit_wait(now)
+        if self._sealed and isinstance(self._sealed[0], Message):
+            marker = self._sealed.popleft()
+            self._cond.notify_all()
+            return self._encode(marker), 0.0
         if self._credits > 0:
             if not self._sealed and self._open:
                 if self._final is not None or now - self._open_since >= self._options.linger:
@@ -224,6 +241,7 @@ class Outbox:
                     return None, self._open_since + self._options.linger - now
             if self._sealed:
                 items = self._sealed.popleft()
+                assert isinstance(items, list)
                 self._cond.notify_all()  # a producer may wait for the sealed slot
                 self._credits -= 1
                 self.items_sent += len(items)
@@ -300,10 +318,15 @@ class WorkerSession:
         #: The watchdog's ERROR once it fired (the session then ends with it).
         self._timed_out: Optional[Error] = None
         self._stopping = threading.Event()
+        #: The worker-side selections of the graph (a policy's replacement of sharding_filter).
+        self._selections: List[SelectionFilter] = []
+        #: The leases of the current epoch, when it is a "dynamic" one.
+        self._leases: Optional[LeaseInbox] = None
         self._on_event: Dict[type, Callable[[Any], None]] = {
             StartEpoch: self._start_epoch,
-            StopEpoch: lambda message: self.outbox.stop_epoch(message.epoch),
+            StopEpoch: self._stop_epoch,
             Credit: lambda message: self.outbox.grant(message.epoch, message.credits),
+            Lease: self._lease,
             Close: lambda message: self._stopping.set(),
         }
 
@@ -375,6 +398,7 @@ class WorkerSession:
             datapipe, init_fn, self._reset_fn = loads_graph(setup.graph)
             self._worker_info = WorkerInfo(setup.num_workers, setup.worker_rank)
             self._graph = init_worker_graph(datapipe, self._worker_info, init_fn)
+            self._selections = selections_in(self._graph)
         except BaseException as exc:  # noqa: BLE001 - includes SystemExit from user code
             info = _describe(exc)
             log.warning("session setup for %s failed: %s: %s", self.conn.peer, info["type_name"], info["message"])
@@ -408,6 +432,9 @@ class WorkerSession:
         """Start ``request.epoch`` (called with the lock held): its producer, or the report
         of an item of an earlier epoch that got stuck."""
         self.outbox.start_epoch(request.epoch, request.credits)
+        if self._leases is not None:
+            self._leases.cancel()  # the superseded epoch's producer stops waiting for leases
+        self._leases = LeaseInbox() if request.leased else None
         if self._timed_out is not None:
             self._report_item_timeout(request.epoch)
             return
@@ -417,9 +444,24 @@ class WorkerSession:
         )
         self._producer.start()
 
+    def _stop_epoch(self, message: StopEpoch) -> None:
+        self.outbox.stop_epoch(message.epoch)
+        if self._leases is not None:
+            self._leases.cancel()
+
+    def _lease(self, message: Lease) -> None:
+        """A chunk leased for the current epoch (called with the lock held)."""
+        if self._leases is None:
+            return
+        if message.final:
+            self._leases.finish()
+        else:
+            self._leases.add(message.chunk, message.skip)
+
     # -- producer -----------------------------------------------------------------------------
     def _produce(self, request: StartEpoch, previous: Optional[threading.Thread]) -> None:
         epoch, sent = request.epoch, 0
+        leases = self._leases if request.leased else None
         # The graph supports one iterator at a time: wait for the old epoch's producer to
         # reach an item boundary and notice it was cancelled (one stuck in an item never does).
         while previous is not None and previous.is_alive():
@@ -436,14 +478,27 @@ class WorkerSession:
                 )
                 skip = request.skip
                 encode, put = ItemEncoder().encode, self.outbox.put
+                chunks = _ChunkCount(epoch, self.outbox) if leases is not None else None
+                context = SelectionContext(request.epoch, request.seed, request.global_worker_id, leases)
+                if chunks is not None:
+                    context.chunk_started, context.chunk_done = chunks.started, chunks.done
+                for selection in self._selections:
+                    selection.set_context(context)
                 items = self._graph
                 if watched:
                     items, put = self._watched(epoch, iter(self._graph)), self._unwatched(put)
+                    if leases is not None:
+                        leases.waiting = self._waiting_for_lease
                 for index, item in enumerate(items):
                     if index < skip:
                         continue
+                    if chunks is not None and chunks.skip > 0:
+                        chunks.skip -= 1  # delivered before the chunk was leased again
+                        continue
                     put(epoch, encode(item))
                     sent += 1
+                    if chunks is not None:
+                        chunks.items += 1
             except _Cancelled:
                 raise
             except BaseException as exc:  # noqa: BLE001 - report everything, even SystemExit
@@ -462,6 +517,13 @@ class WorkerSession:
                 self.outbox.finish(epoch, Error(epoch, "epoch", info))
             except _Cancelled:
                 pass
+
+    def _waiting_for_lease(self, waiting: bool) -> None:
+        """Waiting for the trainer's next lease is not producing an item: the watchdog looks away."""
+        producing = self._producing
+        if producing is not None:
+            epoch, position, _started, ident = producing
+            self._producing = (epoch, position, float("inf") if waiting else time.monotonic(), ident)
 
     def _watched(self, epoch: int, iterator: Iterator[Any]) -> Iterator[Any]:
         """Yield ``iterator``'s items, telling the watchdog which one the producer works on
@@ -564,10 +626,31 @@ class WorkerSession:
 
     def _shutdown(self) -> None:
         self._stopping.set()
+        if self._leases is not None:
+            self._leases.cancel()
         self.outbox.close()
         self.conn.close()
         if self._sender is not None:
             self._sender.join(timeout=2.0)
+
+
+class _ChunkCount:
+    """The producer's count of the items of the leased chunk it walks: what CHUNK_DONE reports,
+    and how many of the chunk's first items to leave out (delivered before it was leased again)."""
+
+    def __init__(self, epoch: int, outbox: Outbox):
+        self.epoch, self.outbox = epoch, outbox
+        self.items = 0
+        self.skip = 0
+
+    def started(self, chunk: int, skip: int) -> None:
+        """The walk entered leased ``chunk``."""
+        self.skip = skip
+
+    def done(self, chunk: int, stream_length: Optional[int]) -> None:
+        """``chunk`` is done: CHUNK_DONE follows its items."""
+        self.outbox.mark(self.epoch, ChunkDone(self.epoch, chunk, self.items, stream_length))
+        self.items, self.skip = 0, 0
 
 
 def _describe(exc: BaseException) -> Dict[str, Any]:

@@ -48,8 +48,11 @@ class Epoch:
         #: epoch this one supersedes (also one it resumes) are told apart.
         self.wire = wire
         self.progress = EpochProgress(wire, list(positions.consumed), positions.next_rank)
-        self._resume_policy = positions.policy
         self._merger: Optional[Merger] = None
+        if engine.in_process_graph is None:
+            replace = self._replace if engine.config.reassign is not None else None
+            run = EpochRun(engine.channels, engine.events, self.progress, replace, positions.policy, wire)
+            self._merger = engine.config.distribution.merger(run)
         #: Worker losses this epoch by (rank, items of its shard consumed): see :meth:`_replace`.
         self._losses: Dict[Tuple[int, int], int] = {}
         self._started = False
@@ -62,9 +65,7 @@ class Epoch:
         engine = self.engine
         if engine.in_process_graph is not None:
             return self._one_step_at_a_time(self._iterate_in_process())
-        replace = self._replace if engine.config.reassign is not None else None
-        run = EpochRun(engine.channels, engine.events, self.progress, replace, self._resume_policy, self.wire)
-        self._merger = engine.config.distribution.merger(run)
+        assert self._merger is not None
         return self._one_step_at_a_time(iter(self._merger))
 
     @property
@@ -79,9 +80,12 @@ class Epoch:
         self.progress.delivered = delivered
         consumed, next_rank = self.progress.positions()
         undelivered = 0 if delivered is None else self.progress.yielded - delivered
-        if self._merger is None:  # not iterated yet: where it started
-            return Positions(tuple(consumed), next_rank, self._resume_policy)
-        return Positions(tuple(consumed), next_rank, self._merger.state(undelivered))
+        policy = None if self._merger is None else self._merger.state(undelivered)
+        return Positions(tuple(consumed), next_rank, policy)
+
+    def units(self) -> Optional[Dict[int, int]]:
+        """Units of work each rank got this epoch (the policy's, e.g. chunks); None for fixed shards."""
+        return None if self._merger is None else self._merger.units()
 
     def _one_step_at_a_time(self, items: Iterator[Any]) -> Iterator[Any]:
         """``items``, each taken holding the engine's guard, and only while this epoch is the current one.

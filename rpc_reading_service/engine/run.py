@@ -160,6 +160,7 @@ class Engine:
             return ReadingServiceStats(0, 0.0, 0, 0.0, 0.0, 0.0)
         epoch, progress = self.epoch, self.epoch.progress
         elapsed = max(progress.elapsed, 1e-9)
+        units = epoch.units() or {}
         workers = [
             WorkerStats(
                 rank=channel.rank,
@@ -169,9 +170,10 @@ class Engine:
                 bytes_received=channel.stats.bytes,
                 frames_received=channel.stats.frames,
                 items_per_second=progress.consumed[channel.rank] / elapsed,
-                queue_depth=channel.queue.qsize() if self.config.in_order else 0,
+                queue_depth=channel.queue.qsize() if not self.config.distribution.shared_queue else 0,
                 wait_seconds=channel.stats.wait_seconds,
                 pid=channel.info.get("pid"),
+                units=units.get(channel.rank),
             )
             for channel in self.channels
         ]

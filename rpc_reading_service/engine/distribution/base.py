@@ -78,6 +78,10 @@ class Merger(abc.ABC):
         positions say everything."""
         return None
 
+    def units(self) -> Optional[Dict[int, int]]:
+        """Units of work (e.g. chunks) each rank got this epoch, for ``stats()``; None: fixed shards."""
+        return None
+
 
 class DistributionPolicy(abc.ABC):
     """How the items of an epoch are spread over the workers and merged back.
