@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import ItemTimeoutError, RemoteProtocolError, WorkerLostError, WorkerRefusedError, WorkerStartupError, describe_worker
 from .protocol import (
@@ -200,11 +200,24 @@ class WorkerChannel:
         if epoch == self.epoch:
             self._send_or_report(Credit(epoch, credits))
 
-    def lease(self, epoch: int, chunk: int = 0, skip: int = 0, final: bool = False) -> None:
-        """Lease ``chunk`` of ``epoch``'s stream to the worker (its first ``skip`` items are not sent),
-        or with ``final`` say that no more chunks come ("dynamic"; nothing for a superseded epoch)."""
-        if epoch == self.epoch:
-            self._send_or_report(Lease(epoch, chunk, skip, final))
+    def lease(self, epoch: int, chunks: Sequence[Tuple[int, int]] = (), final: bool = False) -> None:
+        """Lease ``chunks`` (``(chunk, skip)`` pairs: its first ``skip`` items are not sent) of ``epoch``'s
+        stream to the worker in one write, then with ``final`` say that no more come ("dynamic";
+        nothing for a superseded epoch)."""
+        if epoch != self.epoch:
+            return
+        messages = [Lease(epoch, chunk, skip) for chunk, skip in chunks]
+        if final:
+            messages.append(Lease(epoch, final=True))
+        with self._send_lock:
+            with self._state_lock:
+                if self.protocol.state is SessionState.CLOSED:
+                    return
+                frames = [self.protocol.send(message) for message in messages]
+            try:
+                self.conn.send([chunk for frame in frames for chunk in frame])
+            except (PeerLostError, OSError) as exc:
+                log.debug("send to %s failed: %s", self.name, exc)  # the receiver reports the loss
 
     def close(self, timeout: float = 2.0) -> None:
         """Say CLOSE, close the connection and stop the receiver thread (idempotent).

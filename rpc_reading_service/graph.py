@@ -19,6 +19,7 @@ from torchdata.dataloader2.graph import DataPipe, replace_dp, traverse_dps
 from torchdata.dataloader2.graph.utils import _find_replicable_branches
 from torchdata.dataloader2.random import SeedGenerator
 from torchdata.dataloader2.utils import WorkerInfo, process_init_fn, process_reset_fn
+from torchdata.dataloader2.utils.worker import _set_global_random_state
 from torchdata.dataloader2.utils.dispatch import find_lca_round_robin_sharding_dp
 
 from .errors import ConfigurationError
@@ -34,6 +35,7 @@ __all__ = [
     "worker_seed_generator",
     "init_worker_graph",
     "reset_worker_graph",
+    "seed_chunk",
 ]
 
 InitFn = Callable[[DataPipe, WorkerInfo], DataPipe]
@@ -154,3 +156,10 @@ def reset_worker_graph(
         if selections_in(datapipe):  # a distribution policy's replacement of sharding_filter
             shared = functools.partial(share_seeds_before_selections, seed_generator=generator)
         return process_reset_fn(datapipe, worker_info, generator, iter_reset_fn=shared, custom_reset_fn=worker_reset_fn)
+
+
+def seed_chunk(epoch_seed: int, chunk: int) -> None:
+    """Seed the global RNGs (``random``, torch, numpy) of a worker for one leased chunk of a "dynamic"
+    epoch, from the epoch's seed and the chunk's index alone: the randomness after the sharding
+    point then depends on the chunk, not on which worker got it (nor on what it did before)."""
+    _set_global_random_state(SeedGenerator(epoch_seed).spawn(chunk))

@@ -34,7 +34,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple, 
 
 from .version import __version__
 from .errors import FrameTooLargeError, RemoteProtocolError
-from .graph import init_worker_graph, reset_worker_graph
+from .graph import init_worker_graph, reset_worker_graph, seed_chunk
 from .protocol import (
     Buffer,
     ChunkDone,
@@ -478,7 +478,7 @@ class WorkerSession:
                 )
                 skip = request.skip
                 encode, put = ItemEncoder().encode, self.outbox.put
-                chunks = _ChunkCount(epoch, self.outbox) if leases is not None else None
+                chunks = _ChunkCount(epoch, request.seed, self.outbox) if leases is not None else None
                 context = SelectionContext(request.epoch, request.seed, request.global_worker_id, leases)
                 if chunks is not None:
                     context.chunk_started, context.chunk_done = chunks.started, chunks.done
@@ -638,14 +638,15 @@ class _ChunkCount:
     """The producer's count of the items of the leased chunk it walks: what CHUNK_DONE reports,
     and how many of the chunk's first items to leave out (delivered before it was leased again)."""
 
-    def __init__(self, epoch: int, outbox: Outbox):
-        self.epoch, self.outbox = epoch, outbox
+    def __init__(self, epoch: int, seed: int, outbox: Outbox):
+        self.epoch, self.seed, self.outbox = epoch, seed, outbox
         self.items = 0
         self.skip = 0
 
     def started(self, chunk: int, skip: int) -> None:
-        """The walk entered leased ``chunk``."""
+        """The walk entered leased ``chunk``: its randomness is the chunk's own."""
         self.skip = skip
+        seed_chunk(self.seed, chunk)
 
     def done(self, chunk: int, stream_length: Optional[int]) -> None:
         """``chunk`` is done: CHUNK_DONE follows its items."""

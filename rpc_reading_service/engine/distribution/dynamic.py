@@ -22,7 +22,7 @@ which depend on the workers' speeds.
 from __future__ import annotations
 
 import collections
-from typing import Any, Deque, Dict, Iterator, Optional
+from typing import Any, Deque, Dict, Iterable, Iterator, Optional
 
 from torch.utils.data.datapipes.iter.sharding import ShardingFilterIterDataPipe
 from torchdata.dataloader2.graph import find_dps, traverse_dps
@@ -38,7 +38,7 @@ from .merge import _take
 __all__ = ["Dynamic", "DEFAULT_CHUNK_SIZE"]
 
 #: Positions per chunk unless given: measured with benchmarks/bench_distribution.py (see DISTRIBUTION.md).
-DEFAULT_CHUNK_SIZE = 16
+DEFAULT_CHUNK_SIZE = 8
 
 
 def _positive(name: str, value: Any) -> int:
@@ -146,20 +146,26 @@ class _DynamicMerger(Merger):
 
     # -- leasing --------------------------------------------------------------------------------
     def _top_up(self, channel: WorkerChannel) -> None:
-        book = self.book
+        book, leases = self.book, []
         while True:
             lease = book.lease(channel.rank)
             if lease is None:
                 break
-            channel.lease(self.run.wire, lease[0], lease[1])
-        self._finish_all()
+            leases.append(lease)
+        finish = book.to_finish()
+        if leases or channel.rank in finish:
+            channel.lease(self.run.wire, leases, final=channel.rank in finish)
+        self._finish(rank for rank in finish if rank != channel.rank)
 
     def _top_up_all(self) -> None:
         for channel in self.run.channels:
             self._top_up(channel)
 
     def _finish_all(self) -> None:
-        for rank in self.book.to_finish():
+        self._finish(self.book.to_finish())
+
+    def _finish(self, ranks: Iterable[int]) -> None:
+        for rank in ranks:
             self.run.channels[rank].lease(self.run.wire, final=True)
 
     # -- the epoch ------------------------------------------------------------------------------

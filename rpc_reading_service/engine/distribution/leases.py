@@ -7,25 +7,37 @@ leased to one worker session -> reported done with its item count -> delivered i
 count already delivered as their skip, and are leased again (exactly once).
 
 Bounds: a session holds at most ``depth`` chunks not yet reported done (it is kept that far
-ahead), and no chunk at or past ``complete_below + window`` is leased, so the trainer buffers
+ahead; one, once its chunks take longer than ``slow_chunk_seconds``: a worker that slow
+loses little waiting one round trip for its next lease, and holding a second chunk would
+only make the end of the epoch wait longer for it), and no chunk at or past ``complete_below + window`` is leased, so the trainer buffers
 at most ``window`` chunks of items however unequal the workers are.
 """
 
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any, Deque, Dict, List, Mapping, Optional, Set, Tuple
 
 from ...errors import ConfigurationError
 
-__all__ = ["LeaseBook", "check_book_state"]
+__all__ = ["LeaseBook", "check_book_state", "SLOW_CHUNK_SECONDS"]
+
+#: A worker whose chunks take longer than this (between its reports) is kept one chunk ahead only.
+SLOW_CHUNK_SECONDS = 0.05
 
 
 class LeaseBook:
     """The chunks of one "dynamic" epoch over ``num_workers`` sessions (ranks)."""
 
-    def __init__(self, num_workers: int, chunk_size: int, depth: int, window: int):
+    def __init__(
+        self, num_workers: int, chunk_size: int, depth: int, window: int, slow_chunk_seconds: float = SLOW_CHUNK_SECONDS
+    ):
         self.chunk_size, self.depth, self.window = chunk_size, depth, window
+        self.slow_chunk_seconds = slow_chunk_seconds
+        #: When each rank last reported a chunk done, and how long its chunks take (smoothed).
+        self._reported_at: Dict[int, float] = {}
+        self.chunk_seconds: Dict[int, float] = {}
         #: Every chunk below was leased at least once.
         self.next_chunk = 0
         #: The number of chunks of the stream, once a worker's walk reached its end.
@@ -53,7 +65,7 @@ class LeaseBook:
     # -- leasing --------------------------------------------------------------------------------
     def lease(self, rank: int) -> Optional[Tuple[int, int]]:
         """The next ``(chunk, skip)`` for ``rank`` if it has room and one is due, else None (recorded as leased)."""
-        if rank in self.ended or rank in self.finished or len(self.outstanding[rank]) >= self.depth:
+        if rank in self.ended or rank in self.finished or len(self.outstanding[rank]) >= self.depth_of(rank):
             return None
         latest = self.latest[rank]
         choice: Optional[Tuple[int, int]] = None
@@ -77,6 +89,11 @@ class LeaseBook:
         self.delivered.setdefault(chunk, skip)
         return choice
 
+    def depth_of(self, rank: int) -> int:
+        """Chunks ``rank`` may hold ahead: ``depth``, or 1 for a worker whose chunks take long."""
+        seconds = self.chunk_seconds.get(rank)
+        return 1 if seconds is not None and seconds >= self.slow_chunk_seconds else self.depth
+
     def to_finish(self) -> List[int]:
         """Ranks to tell that no more chunks come (the stream's end is known and nothing is pending)."""
         if self.stream_chunks is None or self.pending or self.next_chunk < self.stream_chunks:
@@ -90,8 +107,14 @@ class LeaseBook:
         """The chunk ``rank``'s items belong to now: its oldest lease not reported done."""
         return self.outstanding[rank][0]
 
-    def done(self, rank: int, chunk: int, items: int, stream_length: Optional[int]) -> None:
-        """``rank`` finished ``chunk`` with ``items`` items (after its skip)."""
+    def done(self, rank: int, chunk: int, items: int, stream_length: Optional[int], now: Optional[float] = None) -> None:
+        """``rank`` finished ``chunk`` with ``items`` items (after its skip), at ``now`` (monotonic)."""
+        now = time.monotonic() if now is None else now
+        previous = self._reported_at.get(rank)
+        self._reported_at[rank] = now
+        if previous is not None:
+            seconds, last = now - previous, self.chunk_seconds.get(rank)
+            self.chunk_seconds[rank] = seconds if last is None else 0.5 * last + 0.5 * seconds
         head = self.outstanding[rank].popleft()
         assert head == chunk, (head, chunk)  # the session's state machine checked the order
         self.totals[chunk] = self.skips.pop(chunk) + items
@@ -122,6 +145,8 @@ class LeaseBook:
             self.pending.append((chunk, self.delivered.get(chunk, 0)))
         self.pending.sort()
         self.outstanding[rank].clear()
+        self._reported_at.pop(rank, None)
+        self.chunk_seconds.pop(rank, None)
         self.latest[rank] = -1
         self.ended.discard(rank)
         self.finished.discard(rank)
