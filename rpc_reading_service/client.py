@@ -202,8 +202,8 @@ class WorkerChannel:
 
     def lease(self, epoch: int, chunks: Sequence[Tuple[int, int]] = (), final: bool = False) -> None:
         """Lease ``chunks`` (``(chunk, skip)`` pairs: its first ``skip`` items are not sent) of ``epoch``'s
-        stream to the worker in one write, then with ``final`` say that no more come ("dynamic";
-        nothing for a superseded epoch)."""
+        stream to the worker, then with ``final`` say that no more come ("dynamic"; nothing for a
+        superseded epoch)."""
         if epoch != self.epoch:
             return
         messages = [Lease(epoch, chunk, skip) for chunk, skip in chunks]
@@ -215,7 +215,8 @@ class WorkerChannel:
                     return
                 frames = [self.protocol.send(message) for message in messages]
             try:
-                self.conn.send([chunk for frame in frames for chunk in frame])
+                for frame in frames:  # a transport sends one frame at a time
+                    self.conn.send(frame)
             except (PeerLostError, OSError) as exc:
                 log.debug("send to %s failed: %s", self.name, exc)  # the receiver reports the loss
 

@@ -26,6 +26,7 @@ from typing import Any, Deque, Dict, Iterable, Iterator, Optional
 
 from torch.utils.data.datapipes.iter.sharding import ShardingFilterIterDataPipe
 from torchdata.dataloader2.graph import find_dps, traverse_dps
+from torchdata.dataloader2.utils.dispatch import find_lca_round_robin_sharding_dp
 
 from ...client import Event, WorkerChannel
 from ...errors import ConfigurationError, WorkerLostError
@@ -86,12 +87,16 @@ class Dynamic(DistributionPolicy):
         return f"Dynamic(chunk_size={self.chunk_size}, depth={self.depth}, window={self.window}, in_order={self._in_order})"
 
     def check_graph(self, graph: Any) -> None:
-        """Refuse a graph without ``sharding_filter``: there is no stream to cut into chunks."""
+        """Refuse a graph with a dispatch point (not supported yet) or without ``sharding_filter``."""
+        if find_lca_round_robin_sharding_dp(traverse_dps(graph)) is not None:
+            raise ConfigurationError(
+                "distribution='dynamic' does not support sharding_round_robin_dispatch yet (its unit would be "
+                "one dispatched item): use distribution='round_robin' with it, or sharding_filter() with 'dynamic'"
+            )
         if not find_dps(traverse_dps(graph), ShardingFilterIterDataPipe):
             raise ConfigurationError(
                 "distribution='dynamic' leases chunks of the stream at a sharding_filter, and this graph has "
-                "none: add .sharding_filter() where the items should be split among the workers "
-                "(dynamic over sharding_round_robin_dispatch is not supported yet)"
+                "none: add .sharding_filter() where the items should be split among the workers"
             )
 
     def worker_selection(self) -> WorkerSelection:
