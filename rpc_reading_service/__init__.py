@@ -44,6 +44,9 @@ if TYPE_CHECKING:
     from .reading_service import RPCReadingService
 
 
+_POLICIES = ("Dynamic", "RoundRobin", "FirstReady", "DistributionPolicy")
+
+
 def __getattr__(name: str) -> Any:
     # RPCReadingService (and torchdata with it) loads on first use, so that the worker server
     # (``rpc_reading_service.worker``) decides how torchdata is first imported in its process.
@@ -51,6 +54,11 @@ def __getattr__(name: str) -> Any:
         from .reading_service import RPCReadingService
 
         return RPCReadingService
+    if name in _POLICIES:  # the distribution policies, as lazily (they need torchdata)
+        from .engine import distribution
+        from .engine.distribution.dynamic import Dynamic
+
+        return Dynamic if name == "Dynamic" else getattr(distribution, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
@@ -68,6 +76,10 @@ __all__ = [
     "available_transports",
     "register_distribution",
     "available_distributions",
+    "Dynamic",
+    "RoundRobin",
+    "FirstReady",
+    "DistributionPolicy",
     "RPCReadingServiceError",
     "ConfigurationError",
     "ProtocolError",

@@ -79,6 +79,28 @@ def test_leases_go_in_increasing_order_to_whoever_has_room_and_stay_within_the_w
     assert book.units == {0: 3, 1: 1}
 
 
+def test_a_slow_worker_is_kept_one_chunk_ahead_and_a_fast_one_further():
+    book = LeaseBook(num_workers=2, chunk_size=4, depth=2, window=100)
+    assert book.depth_of(0) == book.depth_of(1) == 2  # nothing measured yet
+    for rank, gap in ((0, 0.2), (1, 0.0001)):
+        for _ in range(2):
+            book.lease(rank)
+        book.done(rank, book.outstanding[rank][0], 4, None, now=10.0)
+        book.done(rank, book.outstanding[rank][0], 4, None, now=10.0 + gap)
+    assert book.depth_of(0) == 1 and book.depth_of(1) > 2
+    assert book.lease(0) is not None and book.lease(0) is None
+
+
+def test_dynamic_refuses_graphs_it_cannot_cut_into_chunks():
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+    with pytest.raises(ConfigurationError, match="has none: add .sharding_filter()"):
+        Dynamic().check_graph(IterableWrapper(range(3)).map(noisy))
+    dispatched = IterableWrapper(range(3)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    with pytest.raises(ConfigurationError, match="does not support sharding_round_robin_dispatch yet"):
+        Dynamic().check_graph(dispatched.map(noisy))
+
+
 def test_the_stream_end_is_learnt_and_chunks_past_it_are_empty():
     book = LeaseBook(num_workers=2, chunk_size=10, depth=2, window=100)
     for rank in (0, 0, 1, 1):

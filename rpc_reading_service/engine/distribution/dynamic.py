@@ -165,6 +165,7 @@ class _DynamicMerger(Merger):
     def _top_up_all(self) -> None:
         for channel in self.run.channels:
             self._top_up(channel)
+        self._finish_all()
 
     def _finish_all(self) -> None:
         self._finish(self.book.to_finish())
@@ -198,9 +199,10 @@ class _DynamicMerger(Merger):
                 assert event.chunk is not None
                 done = event.chunk
                 book.done(rank, done.chunk, done.items, done.stream_length)
+                # Every worker with room, not only this one: a worker the window left without a
+                # lease reports nothing until it gets one.
                 self._top_up(event.channel)
-                if book.stream_chunks is not None:
-                    self._finish_all()
+                self._top_up_all()
             elif event.kind == "end":
                 book.end(rank)
                 self._finish_all()

@@ -16,6 +16,7 @@ at most ``window`` chunks of items however unequal the workers are.
 from __future__ import annotations
 
 import collections
+import math
 import time
 from typing import Any, Deque, Dict, List, Mapping, Optional, Set, Tuple
 
@@ -25,6 +26,10 @@ __all__ = ["LeaseBook", "check_book_state", "SLOW_CHUNK_SECONDS"]
 
 #: A worker whose chunks take longer than this (between its reports) is kept one chunk ahead only.
 SLOW_CHUNK_SECONDS = 0.05
+#: A worker whose chunks take less is kept this much of its own work ahead (more than ``depth``
+#: chunks, up to :data:`MAX_DEPTH`): tiny items would otherwise wait for the round trip of every lease.
+LEAD_SECONDS = 0.02
+MAX_DEPTH = 16
 
 
 class LeaseBook:
@@ -90,9 +95,14 @@ class LeaseBook:
         return choice
 
     def depth_of(self, rank: int) -> int:
-        """Chunks ``rank`` may hold ahead: ``depth``, or 1 for a worker whose chunks take long."""
+        """Chunks ``rank`` may hold ahead: ``depth``; 1 for a worker whose chunks take long; more
+        for one whose chunks take less than a round trip (enough for :data:`LEAD_SECONDS` of its work)."""
         seconds = self.chunk_seconds.get(rank)
-        return 1 if seconds is not None and seconds >= self.slow_chunk_seconds else self.depth
+        if seconds is None:
+            return self.depth
+        if seconds >= self.slow_chunk_seconds:
+            return 1
+        return max(self.depth, min(MAX_DEPTH, math.ceil(LEAD_SECONDS / max(seconds, 1e-6))))
 
     def to_finish(self) -> List[int]:
         """Ranks to tell that no more chunks come (the stream's end is known and nothing is pending)."""
