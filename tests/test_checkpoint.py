@@ -520,16 +520,6 @@ def test_dynamic_state_is_refused_by_another_distribution_and_vice_versa(rs_fact
     make_dynamic = _dynamic_rs(rs_factory)
     for take, resume, words in ((make_dynamic, lambda: rs_factory(3), "holds state of a distribution"),
                                 (lambda: rs_factory(3), make_dynamic, "other than 'dynamic'")):  # fmt: skip
-        dl = DataLoader2(make_graph(), reading_service=take())
-        try:
-            it = iter(dl)
-            next(it)
-            state = dl.state_dict()
-        finally:
-            dl.shutdown()
-        dl2 = DataLoader2.from_state(state, resume())
-        try:
-            with pytest.raises(ConfigurationError, match=words):
-                next(iter(dl2))
-        finally:
-            dl2.shutdown()
+        state = _state_of(take, make_graph())
+        with pytest.raises(ConfigurationError, match=words):
+            _resume(state, resume())

@@ -174,6 +174,24 @@ def test_distribution_names_objects_and_the_in_order_shorthand():
         register_distribution("dynamic", lambda: RoundRobin())
 
 
+def test_an_installed_policy_is_found_by_its_entry_point(tmp_path, monkeypatch):
+    from rpc_reading_service import distributions
+
+    dist_info = tmp_path / "rrs_policy-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: rrs-policy\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text(
+        f"[{distributions.ENTRY_POINT_GROUP}]\nbackwards_ep = test_distribution:BackwardsRoundRobin\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(distributions._registry, "factories", dict(distributions._registry.factories))
+    monkeypatch.setattr(distributions._registry, "entry_points_loaded", False)
+    assert "backwards_ep" in available_distributions()
+    assert type(ReadingServiceConfig.create(num_workers=2, distribution="backwards_ep").distribution).__name__ == (
+        "BackwardsRoundRobin"
+    )
+
+
 # -- end to end ---------------------------------------------------------------------------------
 class Backwards(WorkerSelection):
     """A third-party worker-side selection: worker r keeps the positions a sharding_filter gives worker n-1-r."""
@@ -197,19 +215,20 @@ if "backwards" not in available_distributions():
 def test_every_policy_gives_every_item_exactly_once_and_dynamic_shows_its_chunks(worker_server):
     dp = IterableWrapper(range(N)).sharding_filter()
     orders = {}
-    for distribution in ("round_robin", "first_ready", "dynamic", "backwards"):
+    for name, distribution in (("round_robin",) * 2, ("first_ready",) * 2, ("dynamic",) * 2,
+                               ("dynamic, as they arrive", Dynamic(in_order=False)), ("backwards",) * 2):  # fmt: skip
         service = remote(worker_server, 3, distribution=distribution)
         with DataLoader2(dp, reading_service=service) as dl:
             for _ in range(2):
                 epoch = list(dl)
-                assert sorted(epoch) == list(range(N)), distribution
+                assert sorted(epoch) == list(range(N)), name
             stats = dl.reading_service.stats()
         units = [worker.units for worker in stats.workers]
-        if distribution == "dynamic":
+        if name.startswith("dynamic"):
             assert sum(units) >= -(-N // Dynamic().chunk_size) and all(u >= 1 for u in units), units
         else:
             assert units == [None] * 3
-        orders[distribution] = epoch
+        orders[name] = epoch
     assert orders["round_robin"] == list(range(N))
     # worker 0 now holds what worker 2 had: the round-robin merge starts with position 2
     assert orders["backwards"][:3] == [2, 1, 0]
