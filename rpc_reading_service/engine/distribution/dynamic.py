@@ -39,7 +39,7 @@ from .merge import _take
 __all__ = ["Dynamic", "DEFAULT_CHUNK_SIZE"]
 
 #: Positions per chunk unless given: measured with benchmarks/bench_distribution.py (see DISTRIBUTION.md).
-DEFAULT_CHUNK_SIZE = 8
+DEFAULT_CHUNK_SIZE = 16
 
 
 def _positive(name: str, value: Any) -> int:
