@@ -1,7 +1,7 @@
-"""One epoch of a run: merging the workers' streams, reassigning lost workers, positions.
+"""One epoch of a run: its distribution policy's merger, reassigning lost workers, positions.
 
 An :class:`Epoch` is what :meth:`Engine.start_epoch <rpc_reading_service.engine.Engine.start_epoch>`
-returns: iterate it for the items (round-robin or as completed), ask it for its
+returns: iterate it for the items (in the order the distribution policy delivers), ask it for its
 :class:`Positions` (a checkpoint), and it replays a lost worker's shard on a new session
 when the failure policy is :class:`~rpc_reading_service.config.Reassign`.
 """
