@@ -36,11 +36,15 @@ from .errors import (
     WorkerRefusedError,
     WorkerStartupError,
 )
+from .distributions import available_distributions, register_distribution
 from .transports import available_transports, register_transport
 from .version import __version__
 
 if TYPE_CHECKING:
     from .reading_service import RPCReadingService
+
+
+_POLICIES = ("Dynamic", "RoundRobin", "FirstReady", "DistributionPolicy")
 
 
 def __getattr__(name: str) -> Any:
@@ -50,6 +54,11 @@ def __getattr__(name: str) -> Any:
         from .reading_service import RPCReadingService
 
         return RPCReadingService
+    if name in _POLICIES:  # the distribution policies, as lazily (they need torchdata)
+        from .engine import distribution
+        from .engine.distribution.dynamic import Dynamic
+
+        return Dynamic if name == "Dynamic" else getattr(distribution, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
@@ -65,6 +74,12 @@ __all__ = [
     "Reassign",
     "register_transport",
     "available_transports",
+    "register_distribution",
+    "available_distributions",
+    "Dynamic",
+    "RoundRobin",
+    "FirstReady",
+    "DistributionPolicy",
     "RPCReadingServiceError",
     "ConfigurationError",
     "ProtocolError",

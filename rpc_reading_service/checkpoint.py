@@ -1,8 +1,9 @@
 """The reading service's checkpoint: small, versioned, and checked before it is used.
 
 A checkpoint holds seeds and positions, never data: the epoch number, the epoch's shared
-seed, how many items of each worker's shard the trainer has consumed, and whose turn
-is next in the round-robin. Resuming replays each worker's shard from the same seed and
+seed, how many items of each worker's shard the trainer has consumed, whose turn
+is next in the round-robin, and the distribution policy's own state ("dynamic": which
+chunks were delivered, and how much of the partly delivered ones). Resuming replays each worker's shard from the same seed and
 skips the consumed items, so the rest of the epoch comes out exactly as it would have.
 """
 
@@ -86,6 +87,9 @@ class ReadingServiceState:
     #: DataLoader2's seed generator as it was when the checkpointed epoch began (absent in
     #: checkpoints written before it was recorded): see :meth:`replays_epoch`.
     epoch_start_seed_generator: Optional[Dict[str, Dict[str, Any]]] = None
+    #: The distribution policy's state of the checkpointed epoch (None for policies whose workers
+    #: own a fixed shard: ``consumed`` says it all). Its policy checks it when resuming.
+    distribution: Optional[Dict[str, Any]] = None
 
     def to_bytes(self) -> bytes:
         """Serialise as JSON (readable, and nothing to unpickle)."""
@@ -147,7 +151,7 @@ _SEED_GENERATOR_LENGTHS = {"_seed": 2, "_ctr": 4, "_generated_seeds": 4, "_spawn
 
 
 #: Fields a version-1 checkpoint written before they existed lacks (they default to None).
-_ADDED_IN_VERSION_1 = ("epoch_start_seed_generator",)
+_ADDED_IN_VERSION_1 = ("epoch_start_seed_generator", "distribution")
 
 
 def _refuse(field_name: str, problem: str) -> ConfigurationError:
@@ -219,3 +223,6 @@ def _check_fields(values: Dict[str, Any]) -> None:
     for name in ("seed_generator", "epoch_start_seed_generator"):
         if values.get(name) is not None:
             _check_seed_generator(values[name], name)
+    policy_state = values.get("distribution")
+    if policy_state is not None and not isinstance(policy_state, dict):
+        raise _refuse("distribution", f"must be null or an object, got {policy_state!r:.80}")

@@ -1,4 +1,4 @@
-"""The trainer's end of worker sessions: setup, receiving, credits, and merging streams.
+"""The trainer's end of worker sessions: setup, receiving and credits.
 
 One :class:`WorkerChannel` per worker session, driving a
 :class:`~rpc_reading_service.protocol.TrainerSession`. Its receiver (the trainer's one
@@ -12,18 +12,18 @@ buffered here.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .errors import ItemTimeoutError, RemoteProtocolError, WorkerLostError, WorkerRefusedError, WorkerStartupError, describe_worker
 from .receive_loop import ReceiveLoop
 from .protocol import (
+    ChunkDone,
     Close,
     Credit,
     DataReceived,
@@ -33,6 +33,7 @@ from .protocol import (
     Frame,
     ItemCredit,
     Items,
+    Lease,
     Message,
     Ready,
     Refused,
@@ -41,12 +42,11 @@ from .protocol import (
     StartEpoch,
     Tick,
     TrainerSession,
-    decode_data,
 )
-from .serialization import loads_items, rebuild_exception
+from .serialization import rebuild_exception
 from .transports.base import Connection, PeerLostError
 
-__all__ = ["Event", "EpochProgress", "WorkerChannel", "iterate_in_order", "iterate_as_completed"]
+__all__ = ["Event", "ChannelStats", "WorkerChannel"]
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +56,11 @@ class Event:
     """Something a worker channel reports to the consumer."""
 
     channel: "WorkerChannel"
-    kind: str  # "data", "end", "error", "lost" or "closed" (the trainer shut the channel down)
+    kind: str  # "data", "end", "chunk_done", "error", "lost" or "closed" (the trainer shut the channel down)
     epoch: Optional[int]
     frame: Optional[Frame] = None  # a DATA frame, decoded by the consumer
     error: Optional[BaseException] = None
+    chunk: Optional[ChunkDone] = None  # a leased chunk the worker finished ("dynamic")
 
 
 @dataclass
@@ -120,6 +121,7 @@ class WorkerChannel:
             DataReceived: self._on_data,
             ItemCredit: self._on_item_credit,
             EndOfShard: self._on_end_of_shard,
+            ChunkDone: self._on_chunk_done,
             Error: self._on_error,
             Refused: lambda refused: self._lost(f"{self.name} ended the session: {refused.reason}"),
             Close: lambda close: self._lost(f"{self.name} ended the session (it said CLOSE)"),
@@ -232,17 +234,25 @@ class WorkerChannel:
 
     # -- epochs ---------------------------------------------------------------------------------
     def start_epoch(
-        self, epoch: int, seed: int, global_worker_id: int, credits: int, skip: int = 0, dispatched: bool = False
+        self,
+        epoch: int,
+        seed: int,
+        global_worker_id: int,
+        credits: int,
+        skip: int = 0,
+        dispatched: bool = False,
+        leased: bool = False,
     ) -> None:
         """Start ``epoch`` on the worker (superseding any epoch still running there); with
-        ``dispatched``, its input comes from the trainer (:meth:`send_input`)."""
+        ``dispatched``, its input comes from the trainer (:meth:`send_input`); ``leased``: the
+        worker walks its stream by the chunks :meth:`lease` hands it."""
         self.epoch = epoch
         self.stats = ChannelStats()
         # Credits go back in batches of half the window: one CREDIT frame (and one wake-up of
         # the worker) per two frames taken when items travel one per frame, and the worker
         # always holds at least one credit, since fewer than ``credits`` are ever held back.
         self._credit_batch, self._ungranted = max(1, credits // 2), 0
-        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched))
+        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased=leased))
 
     def send_input(self, message: Union[Items, EndOfInput]) -> None:
         """Send an ITEMS or END_OF_INPUT frame of the dispatched input (the state machine
@@ -259,6 +269,26 @@ class WorkerChannel:
         if self._ungranted >= self._credit_batch:
             credits, self._ungranted = self._ungranted, 0
             self._send_or_report(Credit(epoch, credits))
+
+    def lease(self, epoch: int, chunks: Sequence[Tuple[int, int]] = (), final: bool = False) -> None:
+        """Lease ``chunks`` (``(chunk, skip)`` pairs: its first ``skip`` items are not sent) of ``epoch``'s
+        stream to the worker, then with ``final`` say that no more come ("dynamic"; nothing for a
+        superseded epoch)."""
+        if epoch != self.epoch:
+            return
+        messages = [Lease(epoch, chunk, skip) for chunk, skip in chunks]
+        if final:
+            messages.append(Lease(epoch, final=True))
+        with self._send_lock:
+            with self._state_lock:
+                if self.protocol.state is SessionState.CLOSED:
+                    return
+                frames = [self.protocol.send(message) for message in messages]
+            try:
+                for frame in frames:  # a transport sends one frame at a time
+                    self.conn.send(frame)
+            except (PeerLostError, OSError) as exc:
+                log.debug("send to %s failed: %s", self.name, exc)  # the receiver reports the loss
 
     def close(self, timeout: float = 2.0) -> None:
         """Say CLOSE, stop receiving and close the connection (idempotent).
@@ -367,6 +397,10 @@ class WorkerChannel:
         if sink is not None:
             sink(event)
 
+    def _on_chunk_done(self, event: ChunkDone) -> bool:
+        self.queue.put(Event(self, "chunk_done", event.epoch, chunk=event))
+        return False
+
     def _on_end_of_shard(self, event: EndOfShard) -> bool:
         self._tell_input(event)
         self.queue.put(Event(self, "end", event.epoch))
@@ -395,191 +429,3 @@ class WorkerChannel:
 def _ignore(event: Any) -> bool:
     """Events this driver does not act on."""
     return False
-
-
-# -- merging the workers' streams ---------------------------------------------------------------
-@dataclass
-class _Cursor:
-    channel: WorkerChannel
-    pending: Deque[Any] = field(default_factory=collections.deque)
-
-
-def _next_frame(event_source: "queue.SimpleQueue[Event]", progress: EpochProgress, stats: Optional[ChannelStats] = None) -> Event:
-    epoch = progress.epoch
-    while True:
-        event = progress.wait(event_source, stats)
-        if event.kind in ("lost", "closed") or event.epoch == epoch:
-            return event
-        # A stale frame of an abandoned epoch: drop it.
-
-
-def _take(event: Event, epoch: int) -> List[Any]:
-    """Return the unpickled items of a current-epoch event, raising for errors and lost workers."""
-    if event.kind in ("error", "lost", "closed"):
-        assert event.error is not None
-        raise event.error
-    if event.kind == "data":
-        assert event.frame is not None
-        event.channel.grant(epoch)
-        _epoch, _sequence, items = decode_data(event.frame)
-        event.channel.stats.items += len(items)
-        return loads_items(items)
-    return []
-
-
-@dataclass
-class EpochProgress:
-    """How far the trainer has consumed one epoch: what a checkpoint records, and stall time."""
-
-    epoch: int
-    consumed: List[int]
-    next_rank: int = 0
-    finished: bool = False
-    started: float = field(default_factory=time.perf_counter)
-    ended: Optional[float] = None
-    wait_seconds: float = 0.0
-    #: Items handed on, and the worker rank of the latest ones: trainer-side DataPipes after
-    #: the stream (fullsync prefetches one item) may hold some that a checkpoint gives back.
-    yielded: int = 0
-    recent: Deque[int] = field(default_factory=lambda: collections.deque(maxlen=1024), repr=False)
-    #: Items the training loop received (counted at the end of the trainer's graph), when the
-    #: graph has trainer-side DataPipes; and whether that graph ended the epoch.
-    delivered: Optional[int] = None
-    delivered_all: bool = False
-
-    def __post_init__(self) -> None:
-        self._resumed_at = sum(self.consumed)  # a resumed epoch starts with the checkpoint's positions
-
-    def count(self, rank: int, next_rank: Optional[int] = None) -> None:
-        """Record one item of worker ``rank`` handed on (hot path: no lock, see :meth:`positions`)."""
-        self.consumed[rank] += 1
-        if next_rank is not None:
-            self.next_rank = next_rank
-        self.recent.append(rank)
-        self.yielded += 1  # last: positions() checks it against the sum of ``consumed``
-
-    def _snapshot(self) -> Tuple[List[int], int, List[int], int, Optional[int]]:
-        # The iterating thread may count while another one checkpoints: copy until the copy is
-        # consistent. count() updates consumed, then recent, then yielded; copying in the
-        # reverse order and checking yielded around it catches any interleaving.
-        while True:
-            yielded, delivered = self.yielded, self.delivered
-            recent = list(self.recent)
-            next_rank = self.next_rank
-            consumed = list(self.consumed)
-            if sum(consumed) - self._resumed_at == yielded == self.yielded:
-                return consumed, next_rank, recent, yielded, delivered
-
-    def positions(self) -> Tuple[List[int], int]:
-        """``(consumed, next_rank)`` as of the last item the training loop received."""
-        consumed, next_rank, recent, yielded, delivered = self._snapshot()
-        undelivered = 0 if delivered is None else yielded - delivered
-        if not 0 <= undelivered <= len(recent):
-            raise RuntimeError(
-                f"cannot checkpoint: the trainer-side DataPipes after the workers' part took {self.yielded} items and "
-                f"passed on {self.delivered}; a checkpoint needs them to pass items one for one (as fullsync and "
-                f"pin_memory do) and to hold at most {len(recent)}"
-            )
-        for rank in reversed(recent[len(recent) - undelivered :]):
-            consumed[rank] -= 1  # taken from worker ``rank`` but not delivered: replay it
-            next_rank = rank
-        return consumed, next_rank
-
-    def wait(self, source: "queue.SimpleQueue[Event]", stats: Optional[ChannelStats] = None) -> Event:
-        """Take the next event from ``source``, counting the time blocked as data stall."""
-        start = time.perf_counter()
-        event = source.get()
-        waited = time.perf_counter() - start
-        self.wait_seconds += waited
-        if stats is not None:
-            stats.wait_seconds += waited
-        return event
-
-    def finish(self) -> None:
-        """Mark the epoch as fully consumed."""
-        self.finished = True
-        self.ended = time.perf_counter()
-
-    @property
-    def elapsed(self) -> float:
-        """Seconds since the epoch started (until it ended)."""
-        return (self.ended or time.perf_counter()) - self.started
-
-
-ReplaceFn = Callable[[WorkerChannel, WorkerLostError], WorkerChannel]
-
-
-def _take_or_replace(cursor: "_Cursor", event: Event, epoch: int, replace: Optional[ReplaceFn]) -> None:
-    try:
-        cursor.pending.extend(_take(event, epoch))
-    except WorkerLostError as exc:
-        if replace is None:
-            raise
-        # The replacement replays the shard after the consumed items: drop what it resends.
-        cursor.pending.clear()
-        cursor.channel = replace(cursor.channel, exc)
-
-
-def iterate_in_order(
-    channels: Sequence[WorkerChannel], progress: EpochProgress, replace: Optional[ReplaceFn] = None
-) -> Iterator[Any]:
-    """Yield items round-robin over workers, one item each in turn; finished workers drop out.
-
-    The rotation starts at ``progress.next_rank``; ``progress`` is updated with every item.
-    With ``replace``, a lost worker's channel is swapped for the one ``replace`` returns.
-    """
-    epoch, count = progress.epoch, len(channels)
-    ring = collections.deque(_Cursor(channels[(progress.next_rank + k) % count]) for k in range(count))
-    while ring:
-        cursor = ring[0]
-        while not cursor.pending:
-            event = _next_frame(cursor.channel.queue, progress, cursor.channel.stats)
-            if event.kind == "end":
-                break
-            _take_or_replace(cursor, event, epoch, replace)
-        if not cursor.pending:
-            ring.popleft()
-            continue
-        item = cursor.pending.popleft()
-        ring.rotate(-1)
-        progress.count(cursor.channel.rank, ring[0].channel.rank)
-        yield item
-    progress.finish()
-
-
-def iterate_as_completed(
-    channels: Sequence[WorkerChannel],
-    events: "queue.SimpleQueue[Event]",
-    progress: EpochProgress,
-    replace: Optional[ReplaceFn] = None,
-) -> Iterator[Any]:
-    """Yield items in arrival order from a queue shared by all channels.
-
-    A worker lost after its shard ended is reported at the next epoch, which needs it (as
-    in order, where its own queue keeps the loss): this epoch has every one of its items.
-    """
-    epoch = progress.epoch
-    current = {channel.rank: _Cursor(channel) for channel in channels}
-    for channel in channels:
-        if channel.held_loss is not None:
-            events.put(channel.held_loss)
-            channel.held_loss = None
-    finished: set[int] = set()  # ranks whose END_OF_SHARD arrived
-    while len(finished) < len(current):
-        event = _next_frame(events, progress)
-        cursor = current[event.channel.rank]
-        if event.channel is not cursor.channel:
-            continue  # left over from a replaced channel
-        if event.kind == "lost" and replace is None and cursor.channel.rank in finished:
-            cursor.channel.held_loss = event
-            continue
-        if event.kind == "end":
-            # A worker lost after its END is replaced too, and its replacement (which skips
-            # the whole shard) ends it again: count every rank once.
-            finished.add(cursor.channel.rank)
-            continue
-        _take_or_replace(cursor, event, epoch, replace)
-        while cursor.pending:
-            progress.count(cursor.channel.rank)
-            yield cursor.pending.popleft()
-    progress.finish()

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 from .addresses import parse_address
 from .cache.config import parse_size
 from .discovery import check_discovery_options
+from .distributions import available_distributions, create_distribution
 from .errors import ConfigurationError
 from .settings import check_settings
 from .transports import available_transports
@@ -292,6 +293,32 @@ def _transport(value: Any) -> TransportConfig:
     raise ConfigurationError(f"transport must be a transport name or a TransportConfig(...), got {value!r}")
 
 
+def _distribution(value: Any, in_order: bool) -> Any:
+    """The policy object of ``distribution=`` (a registered name or a policy), with ``in_order=False``
+    as the shorthand for ``"first_ready"`` (or first-ready delivery of ``"dynamic"``)."""
+    from .engine.distribution.base import DistributionPolicy
+
+    if value is None:
+        return create_distribution("round_robin" if in_order else "first_ready")
+    if isinstance(value, str):
+        if not in_order and value == "dynamic":
+            return create_distribution("dynamic", in_order=False)
+        policy = create_distribution(value)
+    elif isinstance(value, DistributionPolicy):
+        policy = value
+    else:
+        raise ConfigurationError(
+            "distribution must be 'round_robin', 'first_ready', 'dynamic', another registered name "
+            f"(available: {', '.join(available_distributions())}) or a DistributionPolicy, got {value!r}"
+        )
+    if not in_order and policy.in_order:
+        raise ConfigurationError(
+            f"in_order=False asks for first-ready delivery, but distribution={value!r} delivers in a fixed order: "
+            "give distribution='first_ready' (or Dynamic(in_order=False)), or drop in_order=False"
+        )
+    return policy
+
+
 def _failure_policy(value: Any) -> Optional[Reassign]:
     if value == "raise":
         return None
@@ -308,6 +335,8 @@ class ReadingServiceConfig:
 
     ``reassign`` is ``None`` for ``on_worker_failure="raise"``. ``main_prefetch_cnt`` is the
     number of items a trainer-side thread takes ahead (MPRS's ``main_prefetch_cnt``; 0: none).
+    ``distribution`` is the :class:`~rpc_reading_service.engine.distribution.DistributionPolicy`
+    (default round-robin); ``in_order`` is False when it delivers in arrival order.
     """
 
     num_workers: int = 0
@@ -325,6 +354,7 @@ class ReadingServiceConfig:
     liveness: Liveness = Liveness()
     reassign: Optional[Reassign] = None
     pin_memory: bool = False
+    distribution: Any = None
 
     @classmethod
     def create(
@@ -338,6 +368,7 @@ class ReadingServiceConfig:
         pickle_by_value: Sequence[types.ModuleType] = (),
         worker_prefetch_cnt: Optional[int] = None,
         multiprocessing_context: Optional[str] = None,
+        distribution: Any = None,
         **settings: Any,
     ) -> "ReadingServiceConfig":
         """Check every setting and build the configuration; shorthands are turned into option objects
@@ -357,7 +388,10 @@ class ReadingServiceConfig:
         liveness = Liveness() if liveness is None else liveness
         if not isinstance(liveness, Liveness):
             raise ConfigurationError(f"liveness must be a Liveness(...), got {liveness!r}")
+        policy = _distribution(distribution, settings.get("in_order", True))
+        settings["in_order"] = policy.in_order
         config = cls(
+            distribution=policy,
             workers=_workers(workers),
             transport=_transport(transport),
             reassign=_failure_policy(on_worker_failure),
@@ -380,6 +414,7 @@ class ReadingServiceConfig:
                 "TLS is for remote workers (workers=WorkerAddresses([...]) or discovery); "
                 "local workers use no TLS"
             )
+        self.distribution.check(self)
 
     @property
     def local(self) -> bool:

@@ -8,6 +8,7 @@ every epoch (advancing it), so the epochs of a ``dl.seed(s)`` run differ.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
@@ -23,8 +24,10 @@ from torchdata.dataloader2.utils.dispatch import (
     find_lca_round_robin_sharding_dp,
     find_non_dispatching_branches,
 )
+from torchdata.dataloader2.utils.worker import _set_global_random_state
 
 from .errors import ConfigurationError
+from .selection import selections_in, share_seeds_before_selections
 
 __all__ = [
     "DistributedInfo",
@@ -39,6 +42,7 @@ __all__ = [
     "reset_worker_graph",
     "reset_dispatching_graph",
     "warm_up_worker_graph_utilities",
+    "seed_chunk",
 ]
 
 InitFn = Callable[[DataPipe, WorkerInfo], DataPipe]
@@ -196,7 +200,10 @@ def reset_worker_graph(
     """Seed the graph and the global RNGs of one worker for an epoch, then run ``worker_reset_fn``."""
     generator = worker_seed_generator(epoch_seed, global_worker_id)
     with _traversal_lock:
-        return process_reset_fn(datapipe, worker_info, generator, custom_reset_fn=worker_reset_fn)
+        shared: Optional[Callable[[DataPipe], DataPipe]] = None
+        if selections_in(datapipe):  # a distribution policy's replacement of sharding_filter
+            shared = functools.partial(share_seeds_before_selections, seed_generator=generator)
+        return process_reset_fn(datapipe, worker_info, generator, iter_reset_fn=shared, custom_reset_fn=worker_reset_fn)
 
 
 def reset_dispatching_graph(datapipe: DataPipe, epoch_seed: int) -> DataPipe:
@@ -210,6 +217,8 @@ def reset_dispatching_graph(datapipe: DataPipe, epoch_seed: int) -> DataPipe:
     with _traversal_lock:
         set_datapipes_seed(list_dps(traverse_dps(datapipe)), seed_generator=generator, distributed_shared=True)
     return datapipe
+
+
 def warm_up_worker_graph_utilities() -> None:
     """Shard, seed and iterate a tiny graph once, as a session does.
 
@@ -222,3 +231,10 @@ def warm_up_worker_graph_utilities() -> None:
     info = WorkerInfo(1, 0)
     graph = init_worker_graph(IterableWrapper(range(1)).sharding_filter(), info, None)
     list(reset_worker_graph(graph, info, 0, 0, None))
+
+
+def seed_chunk(epoch_seed: int, chunk: int) -> None:
+    """Seed the global RNGs (``random``, torch, numpy) of a worker for one leased chunk of a "dynamic"
+    epoch, from the epoch's seed and the chunk's index alone: the randomness after the sharding
+    point then depends on the chunk, not on which worker got it (nor on what it did before)."""
+    _set_global_random_state(SeedGenerator(epoch_seed).spawn(chunk))

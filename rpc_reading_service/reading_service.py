@@ -65,7 +65,15 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         auth_key: The servers' shared key (``str`` or ``bytes``); local workers get a fresh one.
         transport: A registered transport's name (``"socket"``) or a
             :class:`~rpc_reading_service.TransportConfig` (TLS, frame limit, options).
-        in_order: Round-robin over workers, deterministic (default); ``False``: first come, first served.
+        distribution: How the work is spread and merged: ``"round_robin"`` (default: each worker
+            its shard by rank, delivered one item per worker in turn, deterministic),
+            ``"first_ready"`` (the same shards, delivered in arrival order), ``"dynamic"``
+            (chunks of the stream leased on demand to whichever worker has room, resequenced:
+            deterministic and exactly once, and the slow workers do less), a registered name
+            (:func:`~rpc_reading_service.register_distribution`) or a policy object such as
+            :class:`~rpc_reading_service.Dynamic` ``(chunk_size=...)``. See README "Work distribution".
+        in_order: ``False`` is the shorthand for ``distribution="first_ready"`` (with
+            ``"dynamic"``: its arrival-order delivery).
         prefetch: Packed frames each worker may have in flight (the credit window).
         worker_init_fn: ``fn(datapipe, worker_info) -> datapipe``, once per worker.
         worker_reset_fn: ``fn(datapipe, worker_info, seed_generator) -> datapipe``, every epoch.
@@ -103,8 +111,10 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         worker_prefetch_cnt: Optional[int] = None,
         main_prefetch_cnt: int = 0,
         multiprocessing_context: Optional[str] = None,
+        distribution: Any = None,
     ) -> None:
         self._configure(ReadingServiceConfig.create(
+            distribution=distribution,
             num_workers=num_workers, workers=workers, auth_key=auth_key, transport=transport,
             in_order=in_order, prefetch=prefetch, worker_prefetch_cnt=worker_prefetch_cnt,
             main_prefetch_cnt=main_prefetch_cnt, multiprocessing_context=multiprocessing_context,
@@ -203,7 +213,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
                     # so that the epochs after this one match the uninterrupted run.
                     load_seed_generator_state(seed_generator, resume.seed_generator)
                 self._epoch_start_generator = resume.epoch_start_seed_generator
-                positions = Positions(tuple(resume.consumed), resume.next_rank)
+                positions = Positions(tuple(resume.consumed), resume.next_rank, resume.distribution)
                 advance_trainer_rng()
                 self._engine.start_epoch(resume.epoch_seed, positions, number=resume.epoch)
             else:
@@ -234,6 +244,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             seed_generator=None if generator is None else seed_generator_state(generator),
             dist_rank=dist.rank, dist_world_size=dist.world_size,
             epoch_start_seed_generator=self._epoch_start_generator,
+            distribution=None if positions.policy is None else dict(positions.policy),
         )  # fmt: skip
         return state.to_bytes()
 
@@ -244,6 +255,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             self._engine.discover()  # num_workers may come from discovery
             dist = distributed_info()
             state.check_compatible(self.num_workers, graph_fingerprint(datapipe), dist.rank, dist.world_size)
+            if state.in_epoch and self.num_workers > 0:  # the trainer's own graph resumes by position
+                self._config.distribution.check_state(state.distribution)
             end = self._initialize(datapipe)
             self._engine.epoch_number = state.epoch
             if state.in_epoch:

@@ -30,6 +30,9 @@ class WorkerStats:
     queue_depth: int
     wait_seconds: float
     pid: Optional[int] = None  # the session's process id on its host
+    #: Units of work the distribution policy gave this worker this epoch ("dynamic": chunks
+    #: leased); None for policies where each worker owns a fixed shard.
+    units: Optional[int] = None
 
 
 @dataclass
@@ -57,12 +60,13 @@ class ReadingServiceStats:
         )
 
     def table(self) -> str:
-        """One line per worker: rank, address, items, items/s, wait, queue depth and pid."""
+        """One line per worker: rank, address, items, units, items/s, wait, queue depth and pid."""
         rows = [_WORKER_COLUMNS] + [
             (
                 str(w.rank),
                 w.address,
                 f"{w.items_consumed:,}",
+                "-" if w.units is None else f"{w.units:,}",
                 f"{w.items_per_second:,.0f}",
                 f"{w.wait_seconds:.2f}",
                 str(w.queue_depth),
@@ -79,7 +83,7 @@ class ReadingServiceStats:
         return f"{self.summary()}\n{self.table()}"
 
 
-_WORKER_COLUMNS = ("rank", "address", "items", "items/s", "wait s", "queue", "pid")
+_WORKER_COLUMNS = ("rank", "address", "items", "units", "items/s", "wait s", "queue", "pid")
 _TEXT_COLUMNS = {"address"}  # left-aligned; numbers are right-aligned
 
 

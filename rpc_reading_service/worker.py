@@ -113,8 +113,6 @@ class WorkerServer:
             ", TLS" if self.tls else "", self.session_mode,
             f", at most {self.max_sessions}" if self.max_sessions else "",
         )  # fmt: skip
-        if self.session_mode == "fork":
-            warm_up_worker_graph_utilities()  # once here, not in every forked session
         try:
             while not self._stop.is_set():
                 conn = self._listener.accept(timeout=0.5)
@@ -402,8 +400,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigurationError as exc:
         print(f"rpc-reading-worker: error: {exc}", file=sys.stderr)
         return 2
-    # Import the heavy libraries before the first fork, so sessions start warm.
+    # Import the heavy libraries before the first fork, so sessions start warm; warm torchdata's
+    # graph utilities once here, not in every forked session (and before the address is
+    # announced: what a session forked from then on inherits is all there).
     import torchdata.dataloader2  # noqa: F401
+
+    if server.session_mode == "fork":
+        warm_up_worker_graph_utilities()
 
     def announce(line: str) -> None:
         if args.announce_fd is None:

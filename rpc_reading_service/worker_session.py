@@ -42,9 +42,10 @@ from torchdata.datapipes.iter import IterDataPipe
 
 from .version import __version__
 from .errors import FrameTooLargeError, RemoteProtocolError
-from .graph import init_worker_graph, reset_worker_graph
+from .graph import init_worker_graph, reset_worker_graph, seed_chunk
 from .protocol import (
     Buffer,
+    ChunkDone,
     Close,
     Credit,
     Data,
@@ -55,6 +56,7 @@ from .protocol import (
     ItemCredit,
     Items,
     Join,
+    Lease,
     Message,
     PeerTimedOut,
     Ready,
@@ -64,6 +66,7 @@ from .protocol import (
     StopEpoch,
     WorkerProtocol,
 )
+from .selection import LeaseInbox, SelectionContext, SelectionFilter, selections_in
 from .serialization import ItemEncoder, fallback_exception_info, loads_graph, loads_item, pack_exception
 from .transports.base import Connection, PeerLostError
 
@@ -196,7 +199,8 @@ class Outbox:
         self._open_since = 0.0
         #: When the producer put the epoch's latest item (None before its first).
         self._last_put: Optional[float] = None
-        self._sealed: Deque[List[EncodedItem]] = collections.deque()
+        #: Sealed batches waiting for credit, and markers (CHUNK_DONE) that follow them without credit.
+        self._sealed: Deque[Union[List[EncodedItem], Message]] = collections.deque()
         #: ITEM_CREDIT to send (a dispatched epoch), and whether the epoch's input is still open.
         self._input_credits = 0
         self._input_open = False
@@ -285,6 +289,15 @@ class Outbox:
                 if self._open:  # the sender may have taken it while we waited
                     self._seal()
 
+    def mark(self, epoch: int, marker: Message) -> None:
+        """Queue ``marker`` (a CHUNK_DONE) right after the items of ``epoch`` put so far; it needs no credit."""
+        with self._cond:
+            self._check(epoch)
+            if self._open:
+                self._seal()
+            self._sealed.append(marker)
+            self._cond.notify_all()
+
     def finish(self, epoch: int, final_frame: FinalFrame, end_session: bool = False) -> None:
         """Queue the frame that ends ``epoch`` (END_OF_SHARD or ERROR) after its data.
 
@@ -338,6 +351,10 @@ class Outbox:
             credits, self._input_credits = self._input_credits, 0
             return self._encode(ItemCredit(self.epoch, credits)), 0.0
         self._track_credit_wait(now)
+        if self._sealed and isinstance(self._sealed[0], Message):
+            marker = self._sealed.popleft()
+            self._cond.notify_all()
+            return self._encode(marker), 0.0
         if self._credits > 0:
             if not self._sealed and self._open:
                 if self._final is not None or now - self._open_since >= self._options.linger:
@@ -346,6 +363,7 @@ class Outbox:
                     return None, self._open_since + self._options.linger - now
             if self._sealed:
                 items = self._sealed.popleft()
+                assert isinstance(items, list)
                 self._cond.notify_all()  # a producer may wait for the sealed slot
                 self._credits -= 1
                 self.items_sent += len(items)
@@ -426,12 +444,17 @@ class WorkerSession:
         #: The item_timeout ERROR once it fired (the session then ends with it).
         self._timed_out: Optional[Error] = None
         self._stopping = threading.Event()
+        #: The worker-side selections of the graph (a policy's replacement of sharding_filter).
+        self._selections: List[SelectionFilter] = []
+        #: The leases of the current epoch, when it is a "dynamic" one.
+        self._leases: Optional[LeaseInbox] = None
         self._on_event: Dict[type, Callable[[Any], None]] = {
             StartEpoch: self._start_epoch,
             StopEpoch: self._stop_epoch,
             Credit: lambda message: self.outbox.grant(message.epoch, message.credits),
             Items: self._on_items,
             EndOfInput: self._on_end_of_input,
+            Lease: self._lease,
             Close: lambda message: self._stopping.set(),
         }
 
@@ -500,6 +523,7 @@ class WorkerSession:
             datapipe, init_fn, self._reset_fn = loads_graph(setup.graph)
             self._worker_info = WorkerInfo(setup.num_workers, setup.worker_rank)
             self._graph = init_worker_graph(datapipe, self._worker_info, init_fn, self._dispatched_input)
+            self._selections = selections_in(self._graph)
         except BaseException as exc:  # noqa: BLE001 - includes SystemExit from user code
             info = _describe(exc)
             log.warning("session setup for %s failed: %s: %s", self.conn.peer, info["type_name"], info["message"])
@@ -539,6 +563,9 @@ class WorkerSession:
         if request.dispatched:
             self._inbox = Inbox(request.epoch, lambda epoch: self.outbox.grant_input(epoch, 1), self._waiting_for_input)
             self.outbox.grant_input(request.epoch, max(1, request.credits))
+        if self._leases is not None:
+            self._leases.cancel()  # the superseded epoch's producer stops waiting for leases
+        self._leases = LeaseInbox() if request.leased else None
         if self._timed_out is not None:
             self._report_item_timeout(request.epoch)
             return
@@ -568,10 +595,22 @@ class WorkerSession:
         self.outbox.end_input(message.epoch)
         if self._inbox is not None and self._inbox.epoch == message.epoch:
             self._inbox.end()
+        if self._leases is not None:
+            self._leases.cancel()
+
+    def _lease(self, message: Lease) -> None:
+        """A chunk leased for the current epoch (called with the lock held)."""
+        if self._leases is None:
+            return
+        if message.final:
+            self._leases.finish()
+        else:
+            self._leases.add(message.chunk, message.skip)
 
     # -- producer -----------------------------------------------------------------------------
     def _produce(self, request: StartEpoch, previous: Optional[threading.Thread], inbox: Optional[Inbox]) -> None:
         epoch, sent = request.epoch, 0
+        leases = self._leases if request.leased else None
         # The graph supports one iterator at a time: wait for the old epoch's producer to
         # reach an item boundary and notice it was cancelled (one stuck in an item never does).
         while previous is not None and previous.is_alive():
@@ -589,14 +628,27 @@ class WorkerSession:
                 )
                 skip = request.skip
                 encode, put = ItemEncoder().encode, self.outbox.put
+                chunks = _ChunkCount(epoch, request.seed, self.outbox) if leases is not None else None
+                context = SelectionContext(request.epoch, request.seed, request.global_worker_id, leases)
+                if chunks is not None:
+                    context.chunk_started, context.chunk_done = chunks.started, chunks.done
+                for selection in self._selections:
+                    selection.set_context(context)
                 items = self._graph
                 if watched:
                     items, put = self._watched(epoch, iter(self._graph)), self._unwatched(put)
+                    if leases is not None:
+                        leases.waiting = self._waiting_for_lease
                 for index, item in enumerate(items):
                     if index < skip:
                         continue
+                    if chunks is not None and chunks.skip > 0:
+                        chunks.skip -= 1  # delivered before the chunk was leased again
+                        continue
                     put(epoch, encode(item))
                     sent += 1
+                    if chunks is not None:
+                        chunks.items += 1
             except _Cancelled:
                 raise
             except BaseException as exc:  # noqa: BLE001 - report everything, even SystemExit
@@ -615,6 +667,13 @@ class WorkerSession:
                 self.outbox.finish(epoch, Error(epoch, "epoch", info))
             except _Cancelled:
                 pass
+
+    def _waiting_for_lease(self, waiting: bool) -> None:
+        """Waiting for the trainer's next lease is not producing an item: the watchdog looks away."""
+        producing = self._producing
+        if producing is not None:
+            epoch, position, _started, ident = producing
+            self._producing = (epoch, position, float("inf") if waiting else time.monotonic(), ident)
 
     def _watched(self, epoch: int, iterator: Iterator[Any]) -> Iterator[Any]:
         """Yield ``iterator``'s items, telling the item_timeout check (the sender) which one the producer works on
@@ -728,10 +787,32 @@ class WorkerSession:
         self._stopping.set()
         with self._lock:
             self._cancel_input()
+        if self._leases is not None:
+            self._leases.cancel()
         self.outbox.close()
         self.conn.close()
         if self._sender is not None:
             self._sender.join(timeout=2.0)
+
+
+class _ChunkCount:
+    """The producer's count of the items of the leased chunk it walks: what CHUNK_DONE reports,
+    and how many of the chunk's first items to leave out (delivered before it was leased again)."""
+
+    def __init__(self, epoch: int, seed: int, outbox: Outbox):
+        self.epoch, self.seed, self.outbox = epoch, seed, outbox
+        self.items = 0
+        self.skip = 0
+
+    def started(self, chunk: int, skip: int) -> None:
+        """The walk entered leased ``chunk``: its randomness is the chunk's own."""
+        self.skip = skip
+        seed_chunk(self.seed, chunk)
+
+    def done(self, chunk: int, stream_length: Optional[int]) -> None:
+        """``chunk`` is done: CHUNK_DONE follows its items."""
+        self.outbox.mark(self.epoch, ChunkDone(self.epoch, chunk, self.items, stream_length))
+        self.items, self.skip = 0, 0
 
 
 def _describe(exc: BaseException) -> Dict[str, Any]:

@@ -26,7 +26,7 @@ from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
 from rpc_reading_service import ConfigurationError, RPCReadingService, available_transports
 from rpc_reading_service.checkpoint import CHECKPOINT_VERSION, ReadingServiceState
-from rpc_reading_service.client import EpochProgress
+from rpc_reading_service.engine.distribution import EpochProgress
 
 SEED = 1234
 N_ITEMS = 23  # shards of 3 workers: 8, 8, 7 (uneven on purpose)
@@ -487,3 +487,39 @@ def test_tampered_positions_are_refused_before_any_worker_starts(rs_factory, wor
     with pytest.raises(ConfigurationError, match="field 'consumed' has 2 entries, expected 3"):
         _resume(tampered, rs_factory(3))
     assert set(worker_server.session_pids()) <= sessions_before  # refused before any session started
+
+
+# -- "dynamic": the chunk book is the checkpoint ------------------------------------------------
+def _dynamic_rs(rs_factory):
+    from rpc_reading_service.engine.distribution.dynamic import Dynamic
+
+    return lambda: rs_factory(3, distribution=Dynamic(chunk_size=3))  # 23 items: 8 chunks, one short
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "cut, graph",
+    [("mid-epoch", make_graph), ("after-last-item", make_graph), ("mid-epoch-2", make_graph),
+     ("mid-epoch", read_ahead_graph)],
+    ids=["mid-epoch", "after-last-item", "mid-epoch-2", "mid-epoch-read-ahead"],
+)  # fmt: skip
+def test_dynamic_resume_equals_uninterrupted_run(rs_factory, cut, graph):
+    """Resuming a "dynamic" epoch leases the chunks not delivered again, skipping what was: the
+    items and their order are the uninterrupted run's (also with items held by a trainer-side stage)."""
+    make_rs = _dynamic_rs(rs_factory)
+    expected = reference(make_rs, ("dynamic", 3))
+    assert sorted(x for x, _ in expected[0]) == list(range(N_ITEMS)) and expected[0] != expected[1]
+    got, state = interrupted_run(make_rs, *CUTS[cut], graph=graph)
+    assert got == expected
+    book = json.loads(state[RS_STATE])["distribution"]
+    assert book is not None and book["chunk_size"] == 3
+
+
+@pytest.mark.timeout(60)
+def test_dynamic_state_is_refused_by_another_distribution_and_vice_versa(rs_factory):
+    make_dynamic = _dynamic_rs(rs_factory)
+    for take, resume, words in ((make_dynamic, lambda: rs_factory(3), "holds state of a distribution"),
+                                (lambda: rs_factory(3), make_dynamic, "other than 'dynamic'")):  # fmt: skip
+        state = _state_of(take, make_graph())
+        with pytest.raises(ConfigurationError, match=words):
+            _resume(state, resume())

@@ -16,7 +16,8 @@ from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import wait_until
 from memory_connection import connection_pair
-from rpc_reading_service.client import EpochProgress, WorkerChannel, iterate_in_order
+from rpc_reading_service.client import WorkerChannel
+from rpc_reading_service.engine.distribution import EpochProgress, iterate_in_order
 from rpc_reading_service.errors import ItemTimeoutError, WorkerLostError, WorkerStartupError
 from rpc_reading_service.protocol import MessageKind, SessionState, StopEpoch, encode_frame
 from rpc_reading_service.serialization import dumps_graph

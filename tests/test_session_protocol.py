@@ -17,6 +17,7 @@ from rpc_reading_service.errors import LocalProtocolError, ProtocolError, Remote
 from rpc_reading_service.protocol.frames import TRANSPORT_KINDS
 from rpc_reading_service.protocol import (
     MESSAGE_TYPES,
+    ChunkDone,
     ClientHandshake,
     Close,
     Credit,
@@ -31,6 +32,7 @@ from rpc_reading_service.protocol import (
     Heartbeat,
     ItemCredit,
     Items,
+    Lease,
     MessageKind,
     PeerTimedOut,
     Ready,
@@ -104,9 +106,9 @@ class Link:
         assert self.to_trainer(Ready(4242, "host", "0.1.0")) == [Ready(4242, "host", "0.1.0")]
         return self
 
-    def start(self, epoch: int, credits: int = 2, dispatched: bool = False) -> "Link":
-        (start,) = self.to_worker(StartEpoch(epoch, 7, 0, credits, dispatched=dispatched))
-        assert start == StartEpoch(epoch, 7, 0, credits, dispatched=dispatched)
+    def start(self, epoch: int, credits: int = 2, dispatched: bool = False, leased: bool = False) -> "Link":
+        (start,) = self.to_worker(StartEpoch(epoch, 7, 0, credits, dispatched=dispatched, leased=leased))
+        assert start == StartEpoch(epoch, 7, 0, credits, dispatched=dispatched, leased=leased)
         return self
 
 
@@ -539,6 +541,17 @@ def test_golden_end_of_shard_and_heartbeat():
     assert wire(Heartbeat().encode()) == header(23, 0, 0)
 
 
+def test_golden_lease_and_chunk_done():
+    assert wire(Lease(3, 9, 2).encode()) == header(27, 0, 21) + bytes.fromhex(
+        "00000003 0000000000000009 0000000000000002 00"
+    )
+    assert wire(Lease(3, final=True).encode())[-1:] == b"\x01"
+    assert wire(ChunkDone(3, 9, 5).encode()) == header(28, 0, 28) + bytes.fromhex(
+        "00000003 0000000000000009 0000000000000005 ffffffffffffffff"
+    )
+    assert ChunkDone.decode(frames_of(ChunkDone(3, 9, 5, 77).encode())[0]).stream_length == 77
+
+
 def test_golden_typed_control_message():
     # A control message is its fields as a pickled dict (protocol 5): {"epoch": 3}.
     body = bytes.fromhex("80 05 95 0e 00 00 00 00 00 00 00") + b"}\x94\x8c\x05epoch\x94K\x03s."
@@ -592,6 +605,8 @@ MESSAGES = st.one_of(
     st.builds(Items, u32, u64, encoded_items),
     st.builds(EndOfShard, u32, u64),
     st.builds(EndOfInput, u32, u64),
+    st.builds(Lease, u32, u64, u64, st.booleans()),
+    st.builds(ChunkDone, u32, u64, u64, st.none() | st.integers(0, (1 << 63) - 1)),
 )
 
 
@@ -635,6 +650,8 @@ BINARY_KINDS = [
     MessageKind.ITEM_CREDIT,
     MessageKind.ITEMS,
     MessageKind.END_OF_INPUT,
+    MessageKind.LEASE,
+    MessageKind.CHUNK_DONE,
 ]
 
 
@@ -740,3 +757,39 @@ def test_a_join_reaches_the_worker_as_a_join_and_is_refused_with_a_reason():
     (error,) = link.to_trainer(refusal)
     assert (error.reason, error.message) == ("transport", "start it with --transport torch_rpc")
     assert link.worker.closed_by == "us" and link.trainer.closed_by == "peer"
+
+
+# -- leases ("dynamic" epochs) -------------------------------------------------------------------
+def test_leased_chunks_are_reported_done_in_order_with_the_items_since_the_last_report():
+    link = Link().set_up().start(1, credits=4, leased=True)
+    with pytest.raises(RemoteProtocolError, match="DATA frame 0 of epoch 1 with items but holds no lease"):
+        Link().set_up().start(1, leased=True).to_trainer(Data(1, 0, items(b"x")))
+    assert link.to_worker(Lease(1, 0)) == [Lease(1, 0)] and link.to_worker(Lease(1, 2, skip=1)) == [Lease(1, 2, 1)]
+    with pytest.raises(LocalProtocolError, match="LEASE of chunk 1 of epoch 1 after chunk 2: .* must increase"):
+        link.trainer.send(Lease(1, 1))
+    link.to_trainer(Data(1, 0, items(b"a", b"b")))
+    with pytest.raises(LocalProtocolError, match="CHUNK_DONE for chunk 2 of epoch 1 where chunk 0 was due"):
+        link.worker.send(ChunkDone(1, 2, 0))
+    with pytest.raises(LocalProtocolError, match="with 3 items, but its DATA frames carried 2"):
+        link.worker.send(ChunkDone(1, 0, 3))
+    assert link.to_trainer(ChunkDone(1, 0, 2)) == [ChunkDone(1, 0, 2)]
+    assert link.trainer.leases_outstanding == [2] == link.worker.leases_outstanding
+    assert link.to_worker(Lease(1, final=True)) == [Lease(1, final=True)]
+    with pytest.raises(LocalProtocolError, match="after its final LEASE"):
+        link.trainer.send(Lease(1, 5))
+    # END_OF_SHARD ends chunk 2 (past the stream's end); a LEASE crossing it is dropped by the worker.
+    assert link.to_trainer(EndOfShard(1, 2)) == [EndOfShard(1, 2)] and link.trainer.leases_outstanding == []
+
+
+def test_leases_belong_to_leased_epochs_and_a_forged_report_is_remote():
+    link = Link().set_up().start(1)
+    with pytest.raises(LocalProtocolError, match="not started with leased=True"):
+        link.trainer.send(Lease(1, 0))
+    forged = Link().set_up().start(1, leased=True)
+    forged.to_worker(Lease(1, 4))
+    with pytest.raises(RemoteProtocolError, match="CHUNK_DONE for chunk 3 of epoch 1 where chunk 4 was due"):
+        forged.deliver(ChunkDone(1, 3, 0).encode(), forged.trainer)
+    assert forged.trainer.state is SessionState.CLOSED
+    crossing = Link().set_up().start(1, leased=True)
+    crossing.to_trainer(EndOfShard(1, 0))
+    assert crossing.to_worker(Lease(1, 0)) == []  # sent before the trainer saw the END: dropped

@@ -22,13 +22,14 @@ def _assert_table(stats) -> None:
     """``str(stats)``: the summary line, a header, then one aligned line per worker."""
     lines = str(stats).splitlines()
     assert lines[0] == stats.summary()
-    assert lines[1].split() == ["rank", "address", "items", "items/s", "wait", "s", "queue", "pid"]
+    assert lines[1].split() == ["rank", "address", "items", "units", "items/s", "wait", "s", "queue", "pid"]
     assert len(lines) == 2 + len(stats.workers)
     for line, worker in zip(lines[2:], stats.workers):
-        rank, address, items, rate, wait, queue, pid = line.split()
+        rank, address, items, units, rate, wait, queue, pid = line.split()
         assert (int(rank), address, int(items.replace(",", "")), int(pid)) == (
             worker.rank, worker.address, worker.items_consumed, worker.pid,
         )  # fmt: skip
+        assert units == ("-" if worker.units is None else f"{worker.units:,}")
         assert float(rate.replace(",", "")) == pytest.approx(worker.items_per_second, abs=0.5)
         assert float(wait) == pytest.approx(worker.wait_seconds, abs=0.005) and int(queue) == worker.queue_depth
     # Aligned: the last column (pid) is right-aligned, so the header and every row end together.

@@ -420,9 +420,9 @@ def test_built_in_transports_are_found_without_their_entry_points(tmp_path, monk
         "torch_rpc = rpc_reading_service.transports.torch_rpc_transport:TorchRPCTransport\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(registry, "_factories", dict(registry._factories))
-    monkeypatch.setattr(registry, "_entry_points_loaded", False)
-    stale = {ep.name for ep in registry._entry_points() if ep.value.startswith("rpc_reading_service.transports.")}
+    monkeypatch.setattr(registry._registry, "factories", dict(registry._registry.factories))
+    monkeypatch.setattr(registry._registry, "entry_points_loaded", False)
+    stale = {ep.name for ep in registry._registry.entry_points() if ep.value.startswith("rpc_reading_service.transports.")}
     assert stale >= {"socket", "torch_rpc"}  # the stale metadata is visible to the registry
     assert {"socket", "torch_rpc"} <= set(registry.available_transports())
     assert isinstance(registry.create_transport("torch_rpc"), TorchRPCTransport)

@@ -113,6 +113,17 @@ def test_same_order_as_every_other_transport(servers, transport):
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
+def test_dynamic_distribution_gives_the_same_order_on_every_transport(servers, transport):
+    """"dynamic" resequences by chunk: exactly once, and the socket transport's order for the seed."""
+    got = run_epochs(shuffled(), remote(servers(transport), transport, distribution="dynamic"), seed=11)
+    for epoch in got:
+        assert sorted(x for x, _ in epoch) == list(range(N_ITEMS))
+    if "dynamic" not in _reference:
+        _reference["dynamic"] = run_epochs(shuffled(), remote(servers("socket"), "socket", distribution="dynamic"), seed=11)
+    assert got == _reference["dynamic"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_tensors_arrive_intact(servers, transport):
     dp = IterableWrapper(range(6)).sharding_filter().map(big_item)
     (epoch,) = run_epochs(dp, remote(servers(transport), transport), n_epochs=1)

@@ -1,7 +1,7 @@
-"""One epoch of a run: merging the workers' streams, reassigning lost workers, positions.
+"""One epoch of a run: its distribution policy's merger, reassigning lost workers, positions.
 
 An :class:`Epoch` is what :meth:`Engine.start_epoch <rpc_reading_service.engine.Engine.start_epoch>`
-returns: iterate it for the items (round-robin or as completed), ask it for its
+returns: iterate it for the items (in the order the distribution policy delivers), ask it for its
 :class:`Positions` (a checkpoint), and it replays a lost worker's shard on a new session
 when the failure policy is :class:`~rpc_reading_service.config.Reassign`.
 """
@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Mapping, Optional, Tuple
 
-from ..client import EpochProgress, WorkerChannel, iterate_as_completed, iterate_in_order
+from ..client import WorkerChannel
+from .distribution import EpochProgress, EpochRun, Merger
 from ..errors import WorkerLostError
 
 if TYPE_CHECKING:
@@ -26,11 +27,13 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Positions:
-    """How far the consumer got in an epoch: items taken from each worker's shard, and whose
-    turn is next in the round-robin. Starting an epoch at positions replays the rest exactly."""
+    """How far the consumer got in an epoch: items taken from each worker's shard, whose
+    turn is next in the round-robin, and the distribution policy's own state (None for
+    policies whose workers own a fixed shard). Starting an epoch at positions replays the rest exactly."""
 
     consumed: Tuple[int, ...]
     next_rank: int = 0
+    policy: Optional[Mapping[str, Any]] = None
 
 
 class Epoch:
@@ -45,6 +48,11 @@ class Epoch:
         #: epoch this one supersedes (also one it resumes) are told apart.
         self.wire = wire
         self.progress = EpochProgress(wire, list(positions.consumed), positions.next_rank)
+        self._merger: Optional[Merger] = None
+        if engine.in_process_graph is None:
+            replace = self._replace if engine.config.reassign is not None else None
+            run = EpochRun(engine.channels, engine.events, self.progress, replace, positions.policy, wire)
+            self._merger = engine.config.distribution.merger(run)
         #: Worker losses this epoch by (rank, items of its shard consumed): see :meth:`_replace`.
         self._losses: Dict[Tuple[int, int], int] = {}
         self._started = False
@@ -57,12 +65,8 @@ class Epoch:
         engine = self.engine
         if engine.in_process_graph is not None:
             return self._one_step_at_a_time(self._iterate_in_process())
-        replace = self._replace if engine.config.reassign is not None else None
-        if engine.config.in_order:
-            items = iterate_in_order(engine.channels, self.progress, replace)
-        else:
-            items = iterate_as_completed(engine.channels, engine.events, self.progress, replace)
-        return self._one_step_at_a_time(items)
+        assert self._merger is not None
+        return self._one_step_at_a_time(iter(self._merger))
 
     @property
     def finished(self) -> bool:
@@ -75,7 +79,13 @@ class Epoch:
         given back, to be replayed)."""
         self.progress.delivered = delivered
         consumed, next_rank = self.progress.positions()
-        return Positions(tuple(consumed), next_rank)
+        undelivered = 0 if delivered is None else self.progress.yielded - delivered
+        policy = None if self._merger is None else self._merger.state(undelivered)
+        return Positions(tuple(consumed), next_rank, policy)
+
+    def units(self) -> Optional[Dict[int, int]]:
+        """Units of work each rank got this epoch (the policy's, e.g. chunks); None for fixed shards."""
+        return None if self._merger is None else self._merger.units()
 
     def _one_step_at_a_time(self, items: Iterator[Any]) -> Iterator[Any]:
         """``items``, each taken holding the engine's guard, and only while this epoch is the current one.
@@ -138,6 +148,6 @@ class Epoch:
         channel = engine.fleet.reopen(rank, lost, engine.channels, error)
         engine.replace_dispatched(channel)
         channel.start_receiver(engine.receiver_queue())
-        engine.start_channel(channel, self, skip=progress.consumed[rank])
+        engine.start_channel(channel, self)
         engine.channels[rank] = channel
         return channel

@@ -30,6 +30,7 @@ from ..client import Event, WorkerChannel
 from ..config import ReadingServiceConfig
 from ..errors import RPCReadingServiceError
 from ..graph import DistributedInfo, init_worker_graph, reset_dispatching_graph, reset_worker_graph
+from ..selection import selection_in_place
 from ..serialization import dumps_graph, pack_exception, rebuild_exception
 from ..stats import ReadingServiceStats, WorkerStats
 from .dispatch import Dispatch, RankInput
@@ -110,7 +111,7 @@ class Engine:
         if self.num_workers == 0:
             self.in_process_graph = init_worker_graph(graph, WorkerInfo(1, 0), config.worker_init_fn)
             return
-        shipped = dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+        shipped = self._ship(graph)
         _open_engines[self] = os.getpid()
         try:
             self.channels = self.fleet.connect(shipped, self.receiver_queue)
@@ -118,9 +119,20 @@ class Engine:
             self.close()
             raise
 
+    def _ship(self, graph: DataPipe) -> bytes:
+        """The pickled graph for the workers, with the policy's worker-side selection in place of
+        ``sharding_filter`` (the caller's graph is put back as it was)."""
+        config, policy = self.config, self.config.distribution
+        policy.check_graph(graph)
+        selection = policy.worker_selection()
+        if selection is None:
+            return dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+        with selection_in_place(graph, selection) as shipped:
+            return dumps_graph((shipped, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+
     def receiver_queue(self) -> "queue.SimpleQueue[Event]":
-        """Where a new channel delivers: the shared queue, or (in order) a queue of its own."""
-        return self.events if not self.config.in_order else queue.SimpleQueue()
+        """Where a new channel delivers: the shared queue, or a queue of its own (the policy says)."""
+        return self.events if self.config.distribution.shared_queue else queue.SimpleQueue()
 
     def start_epoch(
         self, seed: int, positions: Optional[Positions] = None, number: Optional[int] = None
@@ -142,17 +154,19 @@ class Engine:
             return epoch
         dispatch = self._new_dispatch(epoch) if self.dispatching is not None else None
         for channel in self.channels:
-            self.start_channel(channel, epoch, skip=epoch.progress.consumed[channel.rank])
+            self.start_channel(channel, epoch)
         if dispatch is not None:
             dispatch.start()
         return epoch
 
-    def start_channel(self, channel: WorkerChannel, epoch: Epoch, skip: int) -> None:
-        """Start ``epoch`` on one worker, skipping the first ``skip`` items of its shard."""
+    def start_channel(self, channel: WorkerChannel, epoch: Epoch) -> None:
+        """Start ``epoch`` on one worker, skipping what the policy says was consumed of its stream."""
         global_rank = self.dist.global_worker_id(channel.rank, self.num_workers)
+        policy = self.config.distribution
+        skip = policy.skip(epoch.progress, channel.rank)
         channel.start_epoch(
             epoch.wire, epoch.seed, global_rank, self.config.prefetch, skip=skip,
-            dispatched=self.dispatching is not None,
+            dispatched=self.dispatching is not None, leased=policy.leased,
         )  # fmt: skip
 
     def _new_dispatch(self, epoch: Epoch) -> Dispatch:
@@ -205,6 +219,7 @@ class Engine:
             return ReadingServiceStats(0, 0.0, 0, 0.0, 0.0, 0.0)
         epoch, progress = self.epoch, self.epoch.progress
         elapsed = max(progress.elapsed, 1e-9)
+        units = epoch.units() or {}
         workers = [
             WorkerStats(
                 rank=channel.rank,
@@ -214,9 +229,10 @@ class Engine:
                 bytes_received=channel.stats.bytes,
                 frames_received=channel.stats.frames,
                 items_per_second=progress.consumed[channel.rank] / elapsed,
-                queue_depth=channel.queue.qsize() if self.config.in_order else 0,
+                queue_depth=channel.queue.qsize() if not self.config.distribution.shared_queue else 0,
                 wait_seconds=channel.stats.wait_seconds,
                 pid=channel.info.get("pid"),
+                units=units.get(channel.rank),
             )
             for channel in self.channels
         ]

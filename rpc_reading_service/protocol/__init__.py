@@ -38,6 +38,7 @@ from .frames import (
 from .handshake import NONCE_BYTES, ClientHandshake, ServerHandshake, _proof, decode_reject, encode_reject  # noqa: F401 - _proof: tests forge proofs
 from .messages import (
     MESSAGE_TYPES,
+    ChunkDone,
     Close,
     Credit,
     Data,
@@ -48,6 +49,7 @@ from .messages import (
     ItemCredit,
     Items,
     Join,
+    Lease,
     Message,
     Ready,
     SessionOptions,
@@ -105,6 +107,8 @@ __all__ = [
     "EndOfShard",
     "ItemCredit",
     "Items",
+    "Lease",
+    "ChunkDone",
     "EndOfInput",
     "MESSAGE_TYPES",
     "decode_message",

@@ -97,6 +97,9 @@ class MessageKind(enum.IntEnum):
     ITEM_CREDIT = 24
     ITEMS = 25
     END_OF_INPUT = 26
+    # "dynamic" distribution: chunks of the stream leased to a worker, and reported done.
+    LEASE = 27
+    CHUNK_DONE = 28
     # Transport-level, on Unix sockets only: the transport consumes them, a session never sees them.
     SHARED_MEMORY_OFFER = 40
     SHARED_DATA = 41
@@ -506,3 +509,39 @@ def decode_shared_data(frame: Frame) -> SharedFrame:
             f"SHARED_DATA frame has {len(shared)} shared and {len(frame.buffers)} inline buffers, not {n_buffers}"
         )
     return SharedFrame(MessageKind(kind), n_buffers, [tuple(n) for n in new], retired, shared, body[end:], list(frame.buffers))
+# -- LEASE / CHUNK_DONE: the chunks of a "dynamic" epoch ------------------------------------------
+_LEASE = struct.Struct("!IQQB")
+_CHUNK_DONE = struct.Struct("!IQQq")
+
+
+def encode_lease(epoch: int, chunk: int, skip: int, final: bool) -> List[Buffer]:
+    """Encode the lease of ``chunk`` of ``epoch`` (its first ``skip`` items are not to be sent);
+    ``final``: no more leases this epoch (``chunk`` and ``skip`` are then 0)."""
+    kind = MessageKind.LEASE
+    return encode_frame(kind, [_pack(_LEASE, kind, epoch, chunk, skip, int(final))])
+
+
+def decode_lease(frame: Frame) -> Tuple[int, int, int, bool]:
+    """Decode a LEASE frame into ``(epoch, chunk, skip, final)``."""
+    if len(frame.body) != _LEASE.size:
+        raise RemoteProtocolError(f"{frame.kind.name} frame body has {len(frame.body)} bytes, expected {_LEASE.size}")
+    epoch, chunk, skip, final = _LEASE.unpack(frame.body)
+    if final not in (0, 1):
+        raise RemoteProtocolError(f"{frame.kind.name} frame has final flag {final}, expected 0 or 1")
+    return epoch, chunk, skip, bool(final)
+
+
+def encode_chunk_done(epoch: int, chunk: int, items: int, stream_length: int) -> List[Buffer]:
+    """Encode that ``chunk`` of ``epoch`` is done after ``items`` items; ``stream_length`` is the
+    stream's length in positions when it ended in this chunk, else -1."""
+    kind = MessageKind.CHUNK_DONE
+    return encode_frame(kind, [_pack(_CHUNK_DONE, kind, epoch, chunk, items, stream_length)])
+
+
+def decode_chunk_done(frame: Frame) -> Tuple[int, int, int, int]:
+    """Decode a CHUNK_DONE frame into ``(epoch, chunk, items, stream_length)``."""
+    if len(frame.body) != _CHUNK_DONE.size:
+        raise RemoteProtocolError(
+            f"{frame.kind.name} frame body has {len(frame.body)} bytes, expected {_CHUNK_DONE.size}"
+        )
+    return _CHUNK_DONE.unpack(frame.body)

@@ -30,13 +30,17 @@ from .frames import (
     Frame,
     MessageKind,
     decode_control,
+    decode_chunk_done,
     decode_credit,
     decode_data,
     decode_end_of_shard,
+    decode_lease,
+    encode_chunk_done,
     encode_control,
     encode_credit,
     encode_data,
     encode_end_of_shard,
+    encode_lease,
     encode_frame,
 )
 
@@ -57,6 +61,8 @@ __all__ = [
     "ItemCredit",
     "Items",
     "EndOfInput",
+    "Lease",
+    "ChunkDone",
     "MESSAGE_TYPES",
     "decode_setup",
     "decode_message",
@@ -275,7 +281,9 @@ class StartEpoch(_Control):
     """Trainer to worker: start ``epoch`` (superseding any running one) with ``credits`` DATA frames.
 
     ``skip`` items of the shard are not sent (a resumed epoch); with ``dispatched`` the
-    worker's input comes from the trainer in ITEMS frames, which it asks for with ITEM_CREDIT.
+    worker's input comes from the trainer in ITEMS frames, which it asks for with ITEM_CREDIT;
+    with ``leased`` the worker keeps the chunks of the stream the trainer leases to it (LEASE)
+    and reports each one done (CHUNK_DONE).
     """
 
     kind: ClassVar[MessageKind] = MessageKind.START_EPOCH
@@ -286,6 +294,7 @@ class StartEpoch(_Control):
     credits: int
     skip: int = 0
     dispatched: bool = False
+    leased: bool = False
 
 
 @dataclass(frozen=True)
@@ -461,6 +470,57 @@ class EndOfInput(EndOfShard):
     kind: ClassVar[MessageKind] = MessageKind.END_OF_INPUT
 
 
+@dataclass(frozen=True)
+class Lease(Message):
+    """Trainer to worker ("dynamic" epochs): ``chunk`` of the stream is this worker's; its first
+    ``skip`` items were delivered already (a resumed or reassigned chunk) and are not sent.
+
+    ``final``: no more chunks will be leased to this worker in ``epoch`` (then ``chunk`` and
+    ``skip`` are 0); the worker stops its walk where its leases end.
+    """
+
+    kind: ClassVar[MessageKind] = MessageKind.LEASE
+    epoch: int
+    chunk: int = 0
+    skip: int = 0
+    final: bool = False
+
+    def encode(self) -> List[Buffer]:
+        """The chunks of this LEASE frame."""
+        return encode_lease(self.epoch, self.chunk, self.skip, self.final)
+
+    @classmethod
+    def decode(cls, frame: Frame) -> "Lease":
+        """Decode a LEASE frame."""
+        return cls(*decode_lease(frame))
+
+
+@dataclass(frozen=True)
+class ChunkDone(Message):
+    """Worker to trainer ("dynamic" epochs): leased ``chunk`` is done; its ``items`` items are the
+    ones the DATA frames carried since the previous CHUNK_DONE. ``stream_length`` (positions)
+    when the stream ended in this chunk, else None."""
+
+    kind: ClassVar[MessageKind] = MessageKind.CHUNK_DONE
+    epoch: int
+    chunk: int
+    items: int
+    stream_length: Optional[int] = None
+
+    def encode(self) -> List[Buffer]:
+        """The chunks of this CHUNK_DONE frame."""
+        length = -1 if self.stream_length is None else self.stream_length
+        return encode_chunk_done(self.epoch, self.chunk, self.items, length)
+
+    @classmethod
+    def decode(cls, frame: Frame) -> "ChunkDone":
+        """Decode a CHUNK_DONE frame."""
+        epoch, chunk, items, length = decode_chunk_done(frame)
+        if length < -1:
+            raise RemoteProtocolError(f"CHUNK_DONE frame has stream length {length}, expected -1 or more")
+        return cls(epoch, chunk, items, None if length < 0 else length)
+
+
 MESSAGE_TYPES: Dict[MessageKind, Type[Message]] = {
     cls.kind: cls
     for cls in (
@@ -477,6 +537,8 @@ MESSAGE_TYPES: Dict[MessageKind, Type[Message]] = {
         ItemCredit,
         Items,
         EndOfInput,
+        Lease,
+        ChunkDone,
     )
 }
 

@@ -21,9 +21,9 @@ and its state machine, and acts on the events it gets back::
         conn.send(proto.send(Credit(epoch, 1)))  # messages -> chunks to write; refused if illegal
 
 The worker's driver is the mirror image: ``receive_frame`` yields ``Setup``,
-``StartEpoch``, ``StopEpoch``, ``Credit``, ``Items``, ``EndOfInput`` and ``Close``; it
-sends ``Ready``, ``Data`` (only while ``proto.credits`` > 0), ``EndOfShard``, ``Error``
-and ``ItemCredit``.
+``StartEpoch``, ``StopEpoch``, ``Credit``, ``Items``, ``EndOfInput``, ``Lease`` and ``Close``; it
+sends ``Ready``, ``Data`` (only while ``proto.credits`` > 0), ``EndOfShard``, ``Error``,
+``ItemCredit`` and ``ChunkDone``.
 
 The rules:
 
@@ -40,6 +40,11 @@ The rules:
   may send an ITEMS frame only while it holds the worker's ITEM_CREDIT. Frames of one
   epoch are numbered from 0 per direction, and END_OF_SHARD / END_OF_INPUT carry the item
   count, so a lost or reordered frame is detected.
+- Leases ("dynamic" epochs, START_EPOCH ``leased``): the trainer leases chunks of the
+  stream (LEASE) in increasing order, then at most one final LEASE; the worker reports each
+  one done (CHUNK_DONE) in the order leased, with the items its DATA frames carried since
+  the previous report. END_OF_SHARD ends the leases still outstanding (they lie past the
+  stream's end); a LEASE that crosses it is dropped.
 - Liveness: ``tick(now)`` returns a heartbeat when nothing was sent for
   ``heartbeat_interval`` and a :class:`PeerTimedOut` event (closing the session) after
   ``peer_timeout`` of silence (``setup_timeout`` before READY).
@@ -62,13 +67,15 @@ several threads holds one lock around each call.
 
 from __future__ import annotations
 
+import collections
 import enum
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import (
     Callable,
     ClassVar,
+    Deque,
     Dict,
     FrozenSet,
     List,
@@ -85,6 +92,7 @@ from .frames import Buffer, Frame, MessageKind, data_header
 from .handshake import decode_reject
 from .messages import (
     MESSAGE_TYPES,
+    ChunkDone,
     Close,
     Credit,
     Data,
@@ -94,6 +102,7 @@ from .messages import (
     Heartbeat,
     ItemCredit,
     Items,
+    Lease,
     Message,
     Ready,
     Setup,
@@ -128,11 +137,11 @@ class SessionState(enum.Enum):
 
 
 _ALWAYS = frozenset({K.HEARTBEAT, K.CLOSE})
-_TRAINER_IN_SESSION = frozenset({K.START_EPOCH, K.STOP_EPOCH, K.CREDIT, K.ITEMS, K.END_OF_INPUT}) | _ALWAYS
+_TRAINER_IN_SESSION = frozenset({K.START_EPOCH, K.STOP_EPOCH, K.CREDIT, K.ITEMS, K.END_OF_INPUT, K.LEASE}) | _ALWAYS
 #: A worker server may end a session at any point with a REJECT that says why
 #: (``Connection.refuse``: a malformed frame, a frame over its size limit, a failed session).
 _WORKER_ALWAYS = _ALWAYS | {K.REJECT}
-_WORKER_IN_SESSION = frozenset({K.DATA, K.END_OF_SHARD, K.ERROR, K.ITEM_CREDIT}) | _WORKER_ALWAYS
+_WORKER_IN_SESSION = frozenset({K.DATA, K.END_OF_SHARD, K.ERROR, K.ITEM_CREDIT, K.CHUNK_DONE}) | _WORKER_ALWAYS
 
 #: The kinds each role may send in each state (the peer may receive exactly these).
 _SENDS: Dict[str, Dict[SessionState, FrozenSet[MessageKind]]] = {
@@ -213,6 +222,17 @@ class _Flow:
     open: bool = True
 
 
+@dataclass
+class _Leases:
+    """The chunks of a "dynamic" epoch leased to the worker: in increasing order, each reported
+    done (CHUNK_DONE) in the order leased, with the items DATA carried since the previous one."""
+
+    outstanding: Deque[int] = field(default_factory=collections.deque)
+    latest: int = -1
+    final: bool = False
+    items_at_mark: int = 0
+
+
 class _SessionProtocol:
     """What both ends share: states, epochs, liveness, and the checks around every call."""
 
@@ -258,6 +278,7 @@ class _SessionProtocol:
         self.stopped = False
         self._data = _Flow(0, open=False)
         self._input: Optional[_Flow] = None
+        self._leases: Optional[_Leases] = None
         #: Frames of older or stopped epochs that arrived and were dropped.
         self.stale_frames = 0
         now = clock()
@@ -412,6 +433,7 @@ class _SessionProtocol:
         self.epoch, self.stopped, self.state = message.epoch, False, SessionState.IN_EPOCH
         self._data = _Flow(message.credits)
         self._input = _Flow(0) if message.dispatched else None
+        self._leases = _Leases() if message.leased else None
 
     def _stop_epoch(self, message: StopEpoch) -> None:
         self.stopped, self.state = True, SessionState.READY
@@ -462,6 +484,57 @@ class _SessionProtocol:
         flow.open = False
 
 
+    @property
+    def leases_outstanding(self) -> List[int]:
+        """Chunks leased in the current epoch and not reported done yet, in order ("dynamic")."""
+        return list(self._leases.outstanding) if self._leases is not None else []
+
+    def _lease(self, message: Lease, error: Callable[[str], Exception]) -> None:
+        """Check and record a LEASE: only in a leased epoch, chunks increasing, nothing after the final one."""
+        leases = self._leases
+        if leases is None:
+            raise error(f"it sent LEASE for epoch {message.epoch}, which was not started with leased=True")
+        if leases.final:
+            raise error(f"it sent LEASE for epoch {message.epoch} after its final LEASE")
+        if message.final:
+            leases.final = True
+            return
+        if message.chunk <= leases.latest:
+            raise error(
+                f"it sent LEASE of chunk {message.chunk} of epoch {message.epoch} after chunk {leases.latest}: "
+                "the chunks leased to a worker must increase"
+            )
+        leases.latest = message.chunk
+        leases.outstanding.append(message.chunk)
+
+    def _chunk_done(self, message: ChunkDone, error: Callable[[str], Exception]) -> None:
+        """Check and record a CHUNK_DONE: the oldest outstanding lease, with the items since the last one."""
+        leases = self._leases
+        if leases is None:
+            raise error(f"it sent CHUNK_DONE for epoch {message.epoch}, which was not started with leased=True")
+        if not self._data.open:
+            raise error(f"it sent CHUNK_DONE for epoch {message.epoch} after ending that epoch")
+        if not leases.outstanding or leases.outstanding[0] != message.chunk:
+            due = f"chunk {leases.outstanding[0]}" if leases.outstanding else "no chunk (none is leased)"
+            raise error(
+                f"it sent CHUNK_DONE for chunk {message.chunk} of epoch {message.epoch} where {due} was due: "
+                "chunks are reported done once each, in the order leased"
+            )
+        carried = self._data.items - leases.items_at_mark
+        if message.items != carried:
+            raise error(
+                f"it sent CHUNK_DONE for chunk {message.chunk} of epoch {message.epoch} with {message.items} items, "
+                f"but its DATA frames carried {carried} since the previous one"
+            )
+        leases.outstanding.popleft()
+        leases.items_at_mark = self._data.items
+
+    def _end_leases(self) -> None:
+        """END_OF_SHARD of a leased epoch: leases still outstanding lie past the stream's end (empty)."""
+        if self._leases is not None:
+            self._leases.outstanding.clear()
+
+
 def _nothing_method(self: object, message: object) -> None:
     """For messages whose sending or receiving changes no state."""
 
@@ -498,10 +571,22 @@ class TrainerSession(_SessionProtocol):
         self._sent_current(message.epoch, message.kind)
         self._end_flow(self._input, message, self._local)
 
+    def _send_lease(self, message: Lease) -> None:
+        self._sent_current(message.epoch, message.kind)
+        if self._data.open:  # else the worker drops it: its END_OF_SHARD crossed it
+            self._lease(message, self._local)
+
     def _send_close(self, message: Close) -> None:
         self._close("us")
 
     # -- what the worker sends ------------------------------------------------------------------
+    def _receive_chunk_done(self, frame: Frame) -> List[Event]:
+        message = self._decode(ChunkDone, frame)
+        if not self._received_current(message.epoch, message.kind):
+            return []
+        self._chunk_done(message, self._remote)
+        return [message]
+
     def _apply_ready(self, message: Ready) -> None:
         self.state = SessionState.READY
 
@@ -529,6 +614,8 @@ class TrainerSession(_SessionProtocol):
         if not self._received_current(epoch, frame.kind):
             return []
         flow = self._frame_in_flow(self._data, frame.kind, epoch, sequence, self._remote)
+        if count and self._leases is not None and not self._leases.outstanding:
+            raise self._remote(f"it sent DATA frame {sequence} of epoch {epoch} with items but holds no lease")
         flow.items += count
         return [DataReceived(epoch, sequence, count, frame)]
 
@@ -537,6 +624,7 @@ class TrainerSession(_SessionProtocol):
         if not self._received_current(message.epoch, message.kind):
             return []
         self._end_flow(self._data, message, self._remote)
+        self._end_leases()
         self.state = SessionState.READY
         return [message]
 
@@ -618,10 +706,21 @@ class WorkerProtocol(_SessionProtocol):
         self._end_flow(self._input, message, self._remote)
         return [message]
 
+    def _receive_lease(self, frame: Frame) -> List[Event]:
+        message = self._decode(Lease, frame)
+        if not self._received_current(message.epoch, message.kind) or not self._data.open:
+            return []  # in flight when the shard ended: past the stream's end
+        self._lease(message, self._remote)
+        return [message]
+
     def _apply_close(self, message: Close) -> None:
         self._close("peer")
 
     # -- what the worker sends ------------------------------------------------------------------
+    def _send_chunk_done(self, message: ChunkDone) -> None:
+        self._sent_current(message.epoch, message.kind)
+        self._chunk_done(message, self._local)
+
     def _send_ready(self, message: Ready) -> None:
         self.state = SessionState.READY
 
@@ -646,6 +745,7 @@ class WorkerProtocol(_SessionProtocol):
     def _send_end_of_shard(self, message: EndOfShard) -> None:
         self._sent_current(message.epoch, message.kind)
         self._end_flow(self._data, message, self._local)
+        self._end_leases()
         self.state = SessionState.READY
 
     def _send_item_credit(self, message: ItemCredit) -> None:

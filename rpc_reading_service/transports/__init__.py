@@ -8,12 +8,10 @@ the TensorPipe backend, bootstrapped over an authenticated socket). Third-party 
 
 from __future__ import annotations
 
-import logging
-import sys
-import threading
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, List
 
 from ..errors import ConfigurationError
+from ..registry import Registry
 from .base import Connection, Listener, PeerLostError, Transport
 
 __all__ = [
@@ -32,10 +30,7 @@ ENTRY_POINT_GROUP = "rpc_reading_service.transports"
 #: on the trainer and from the ``rpc-reading-worker`` command line on the server.
 TransportFactory = Callable[..., Transport]
 
-log = logging.getLogger(__name__)
-_lock = threading.Lock()
-_factories: Dict[str, TransportFactory] = {}
-_entry_points_loaded = False
+_registry = Registry("transport", ENTRY_POINT_GROUP)
 
 
 def _socket_factory(**options: Any) -> Transport:
@@ -52,53 +47,19 @@ def _torch_rpc_factory(**options: Any) -> Transport:
 
 def register_transport(name: str, factory: TransportFactory, *, replace: bool = False) -> None:
     """Make ``factory()`` available as ``RPCReadingService(transport=name)`` and ``--transport name``."""
-    if not name or not isinstance(name, str):
-        raise ConfigurationError(f"transport name must be a non-empty string, got {name!r}")
-    with _lock:
-        if name in _factories and not replace and _factories[name] is not factory:
-            raise ConfigurationError(f"transport {name!r} is already registered; pass replace=True to override it")
-        _factories[name] = factory
-
-
-def _entry_points() -> list:
-    from importlib import metadata
-
-    if sys.version_info >= (3, 10):
-        return list(metadata.entry_points(group=ENTRY_POINT_GROUP))
-    return list(metadata.entry_points().get(ENTRY_POINT_GROUP, []))  # pragma: no cover - Python 3.9
-
-
-def _load_entry_points() -> None:
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    for entry_point in _entry_points():
-        if entry_point.name in _factories:
-            # Built-ins and explicit registrations win: installed metadata may name a moved module.
-            continue
-
-        def factory(ep=entry_point, **options: Any) -> Transport:
-            return ep.load()(**options)
-
-        _factories[entry_point.name] = factory
+    _registry.register(name, factory, replace=replace)
 
 
 def available_transports() -> List[str]:
     """Names of every registered transport, built-in, registered and discovered."""
-    with _lock:
-        _load_entry_points()
-        return sorted(_factories)
+    return _registry.names()
 
 
 def create_transport(name: str, **options: Any) -> Transport:
     """Instantiate the transport registered under ``name`` with transport-specific ``options``
     (for ``"socket"``: ``max_frame_bytes``, ``tls_cert``, ``tls_key``, ``tls_ca_file``,
     ``tls_server_hostname``)."""
-    names = available_transports()
-    factory = _factories.get(name)
-    if factory is None:
-        raise ConfigurationError(f"unknown transport {name!r}; available transports: {', '.join(names)}")
+    factory = _registry.factory(name)
     try:
         transport = factory(**options)
     except TypeError as exc:

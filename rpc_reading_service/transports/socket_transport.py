@@ -322,17 +322,30 @@ class SharedMemoryConnection(SocketConnection):
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             frame = super().recv(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            if frame is None or frame.kind not in TRANSPORT_KINDS:
+            if frame is None:
+                return None
+            frame = self._session_frame(frame)
+            if frame is not None:
                 return frame
-            if frame.kind == MessageKind.SHARED_MEMORY_OFFER and self._segments is None:
-                if self._lend and self._pool is None:
-                    self._pool = SegmentPool()
-                continue
-            if frame.kind == MessageKind.SHARED_DATA and self._segments is not None:
-                shared = decode_shared_data(frame)
-                fds = [self._fds.popleft() for _ in range(min(len(shared.new_segments), len(self._fds)))]
-                return self._segments.open(shared, fds, self._reader.max_frame_bytes)
-            raise RemoteProtocolError(f"{self.peer} sent {frame.kind.name}, which this end of the connection never accepts")
+
+    def recv_ready(self) -> List[Frame]:
+        frames = (self._session_frame(frame) for frame in super().recv_ready())
+        return [frame for frame in frames if frame is not None]
+
+    def _session_frame(self, frame: Frame) -> Optional[Frame]:
+        """The frame for the session above: a SHARED_DATA frame turned back into its DATA frame,
+        None for a transport frame this end consumed (SHARED_MEMORY_OFFER)."""
+        if frame.kind not in TRANSPORT_KINDS:
+            return frame
+        if frame.kind == MessageKind.SHARED_MEMORY_OFFER and self._segments is None:
+            if self._lend and self._pool is None:
+                self._pool = SegmentPool()
+            return None
+        if frame.kind == MessageKind.SHARED_DATA and self._segments is not None:
+            shared = decode_shared_data(frame)
+            fds = [self._fds.popleft() for _ in range(min(len(shared.new_segments), len(self._fds)))]
+            return self._segments.open(shared, fds, self._reader.max_frame_bytes)
+        raise RemoteProtocolError(f"{self.peer} sent {frame.kind.name}, which this end of the connection never accepts")
 
     def _recv_some(self, view: memoryview) -> int:
         if self._segments is None:  # descriptors sent to this end are dropped by the kernel

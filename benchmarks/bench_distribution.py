@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""Work distribution policies against an unequal fleet: epoch time vs the ideal.
+
+Four local workers with sleep-bound items (so the 2-core machine does not distort it: the
+items wait, they do not compute). In the unequal fleet one worker is 4x slower: its
+``worker_init_fn`` makes it sleep four times as long per item. The ideal epoch time is the
+total work divided by the fleet's summed speed (``items * ms / (3 + 1/4)`` for 3 normal
+workers and one 4x slower); each policy's epoch is measured against it (the best of
+``--epochs`` epochs after a warm-up epoch, so session setup is not counted).
+
+Also the overhead of "dynamic" against round-robin where balancing cannot help: equal
+workers with sleep-bound items, and tiny items (no sleep at all: the per-item and per-chunk
+cost of the machinery itself).
+
+Run standalone, from the repo root::
+
+    PYTHONPATH=$PWD python benchmarks/bench_distribution.py [--items 800] [--ms 5] [--quick]
+
+Prints markdown tables. ``--chunk-sizes 4,16,64`` adds a sweep of dynamic's chunk size on the
+unequal fleet (how the default was chosen). Every worker started here is stopped on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+from rpc_reading_service import RPCReadingService
+from rpc_reading_service.engine.distribution.dynamic import DEFAULT_CHUNK_SIZE, Dynamic
+
+WORKERS = 4
+SLOWDOWN = 4.0
+
+
+class SleepPerItem:
+    """The item's work: ``seconds`` of waiting (what reading from remote storage looks like)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __call__(self, item: Any) -> Any:
+        if self.seconds:
+            time.sleep(self.seconds)
+        return item
+
+
+class SlowWorker:
+    """``worker_init_fn``: worker ``rank`` spends ``extra`` more seconds on each of its items."""
+
+    def __init__(self, rank: int, extra: float):
+        self.rank, self.extra = rank, extra
+
+    def __call__(self, datapipe: Any, info: Any) -> Any:
+        if info.worker_id != self.rank or not self.extra:
+            return datapipe
+        return datapipe.map(SleepPerItem(self.extra))
+
+
+def graph(items: int, seconds: float) -> Any:
+    return IterableWrapper(range(items)).shuffle().sharding_filter().map(SleepPerItem(seconds))
+
+
+def epoch_seconds(distribution: Any, items: int, seconds: float, slow_extra: float, epochs: int) -> float:
+    """The best epoch time of ``epochs`` epochs (after one warm-up epoch) of one policy."""
+    service = RPCReadingService(
+        num_workers=WORKERS, distribution=distribution, worker_init_fn=SlowWorker(0, slow_extra)
+    )
+    best = float("inf")
+    with DataLoader2(graph(items, seconds), reading_service=service) as dl:
+        dl.seed(0)
+        assert len(list(dl)) == items  # warm-up: sessions set up, first epoch
+        for _ in range(epochs):
+            start = time.perf_counter()
+            count = sum(1 for _ in dl)
+            best = min(best, time.perf_counter() - start)
+            assert count == items
+    return best
+
+
+def policies(chunk_size: int) -> Dict[str, Any]:
+    return {"round_robin": "round_robin", "first_ready": "first_ready", f"dynamic (chunk {chunk_size})": Dynamic(chunk_size)}
+
+
+def table(title: str, header: Sequence[str], rows: List[Sequence[str]]) -> str:
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def unequal_fleet(items: int, ms: float, epochs: int, chunk_size: int) -> str:
+    seconds = ms / 1000
+    ideal = items * seconds / (WORKERS - 1 + 1 / SLOWDOWN)
+    rows = []
+    for name, distribution in policies(chunk_size).items():
+        took = epoch_seconds(distribution, items, seconds, seconds * (SLOWDOWN - 1), epochs)
+        rows.append((name, f"{took:.2f}", f"{ideal:.2f}", f"{took / ideal:.2f}x"))
+    return table(
+        f"{WORKERS} workers, one {SLOWDOWN:g}x slower: {items} items of {ms:g} ms",
+        ("policy", "epoch s", "ideal s", "vs ideal"), rows,
+    )  # fmt: skip
+
+
+def overhead(items: int, ms: float, tiny_items: int, epochs: int, chunk_size: int) -> str:
+    rows = []
+    for label, count, seconds in ((f"equal workers, {ms:g} ms items", items, ms / 1000), ("tiny items (no work)", tiny_items, 0.0)):
+        base = epoch_seconds("round_robin", count, seconds, 0.0, epochs)
+        dynamic = epoch_seconds(Dynamic(chunk_size), count, seconds, 0.0, epochs)
+        rows.append((f"{label}, {count} items", f"{base:.3f}", f"{dynamic:.3f}", f"{dynamic / base:.2f}x"))
+    return table(
+        f"Overhead of dynamic (chunk {chunk_size}) vs round_robin where balancing cannot help",
+        ("workload", "round_robin s", "dynamic s", "dynamic / round_robin"), rows,
+    )  # fmt: skip
+
+
+def chunk_sweep(items: int, ms: float, epochs: int, sizes: Sequence[int], tiny_items: int) -> str:
+    seconds = ms / 1000
+    ideal = items * seconds / (WORKERS - 1 + 1 / SLOWDOWN)
+    base = epoch_seconds("round_robin", tiny_items, 0.0, 0.0, epochs)
+    rows = []
+    for size in sizes:
+        took = epoch_seconds(Dynamic(size), items, seconds, seconds * (SLOWDOWN - 1), epochs)
+        tiny = epoch_seconds(Dynamic(size), tiny_items, 0.0, 0.0, epochs)
+        rows.append((str(size), f"{took / ideal:.2f}x", f"{tiny / base:.2f}x"))
+    return table(
+        "dynamic's chunk size: unequal fleet vs ideal, and tiny items vs round_robin",
+        ("chunk_size", "unequal fleet vs ideal", "tiny items vs round_robin"), rows,
+    )  # fmt: skip
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--items", type=int, default=800, help="items per epoch (sleep-bound)")
+    parser.add_argument("--ms", type=float, default=5.0, help="milliseconds per item on a normal worker")
+    parser.add_argument("--tiny-items", type=int, default=20000, help="items per epoch of the no-work workload")
+    parser.add_argument("--epochs", type=int, default=2, help="timed epochs per run (the best counts)")
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
+    parser.add_argument("--chunk-sizes", default="", help="comma-separated chunk sizes to sweep (e.g. 4,16,64)")
+    parser.add_argument("--quick", action="store_true", help="fewer items and epochs (under a minute)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.items, args.tiny_items, args.epochs = 400, 5000, 1
+    print(unequal_fleet(args.items, args.ms, args.epochs, args.chunk_size))
+    print(overhead(args.items, args.ms, args.tiny_items, args.epochs, args.chunk_size))
+    if args.chunk_sizes:
+        sizes = [int(size) for size in args.chunk_sizes.split(",")]
+        print(chunk_sweep(args.items, args.ms, args.epochs, sizes, args.tiny_items))
+
+
+if __name__ == "__main__":
+    main()

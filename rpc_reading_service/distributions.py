@@ -1,0 +1,76 @@
+"""Distribution policies by name: the registry behind ``RPCReadingService(distribution=...)``.
+
+Built in: ``"round_robin"`` (the default), ``"first_ready"`` and ``"dynamic"`` (see
+:mod:`rpc_reading_service.engine.distribution`). Third-party policies register with
+:func:`register_distribution` or through the entry-point group
+``rpc_reading_service.distributions`` (``name = "package.module:factory"``); a factory
+takes keyword options and returns a
+:class:`~rpc_reading_service.engine.distribution.DistributionPolicy`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List
+
+from .errors import ConfigurationError
+from .registry import Registry
+
+__all__ = ["ENTRY_POINT_GROUP", "register_distribution", "available_distributions", "create_distribution"]
+
+ENTRY_POINT_GROUP = "rpc_reading_service.distributions"
+#: ``factory(**options) -> DistributionPolicy``.
+DistributionFactory = Callable[..., Any]
+
+_registry = Registry("distribution", ENTRY_POINT_GROUP)
+
+
+def _round_robin(**options: Any) -> Any:
+    from .engine.distribution.builtin import RoundRobin
+
+    return RoundRobin(**options)
+
+
+def _first_ready(**options: Any) -> Any:
+    from .engine.distribution.builtin import FirstReady
+
+    return FirstReady(**options)
+
+
+def _dynamic(**options: Any) -> Any:
+    from .engine.distribution.dynamic import Dynamic
+
+    return Dynamic(**options)
+
+
+def register_distribution(name: str, factory: DistributionFactory, *, replace: bool = False) -> None:
+    """Make ``factory()`` available as ``RPCReadingService(distribution=name)``."""
+    _registry.register(name, factory, replace=replace)
+
+
+def available_distributions() -> List[str]:
+    """Names of every registered distribution policy: built-in, registered and discovered."""
+    return _registry.names()
+
+
+def create_distribution(name: str, **options: Any) -> Any:
+    """The policy registered under ``name``, built with ``options``; ConfigurationError if there is
+    none or the factory does not return a DistributionPolicy."""
+    from .engine.distribution.base import DistributionPolicy
+
+    factory = _registry.factory(name)
+    try:
+        policy = factory(**options)
+    except TypeError as exc:
+        if not options:
+            raise
+        raise ConfigurationError(f"distribution {name!r} does not accept the options {sorted(options)}: {exc}") from exc
+    if not isinstance(policy, DistributionPolicy):
+        raise ConfigurationError(
+            f"distribution factory for {name!r} returned {type(policy).__name__}, not a DistributionPolicy"
+        )
+    return policy
+
+
+register_distribution("round_robin", _round_robin)
+register_distribution("first_ready", _first_ready)
+register_distribution("dynamic", _dynamic)

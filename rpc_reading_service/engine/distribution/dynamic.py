@@ -1,0 +1,267 @@
+"""``"dynamic"``: chunks of the stream leased on demand, results resequenced by chunk.
+
+Every worker walks the sharded stream (the stream at the ``sharding_filter``) and keeps
+the chunks of ``chunk_size`` positions leased to it (:class:`~rpc_reading_service.selection.LeasedChunks`).
+The trainer leases chunks in increasing order to whichever worker has room, keeping each
+``depth`` chunks ahead so it never waits; a fast worker reports its chunks done sooner and
+so gets more of them. Delivery is resequenced by chunk (chunk 0's items, then chunk 1's ...):
+the same seed gives the same items in the same order whatever the workers' speeds, or with
+``in_order=False`` items go on as they arrive. A lost worker's chunks that were not
+delivered completely are leased again to its replacement, skipping what was delivered
+(exactly once); a checkpoint records which chunks were delivered, and how much of the
+partly delivered ones.
+
+Buffering is bounded by ``window``: no chunk at or past (the oldest chunk not delivered
+completely + ``window``) is leased, so at most ``window`` chunks of items wait in the trainer.
+
+The DataPipes after ``sharding_filter`` should pass items one by one (map, filter,
+flatmap, ...): a ``batch`` there groups items of consecutive leased chunks of one worker,
+which depend on the workers' speeds.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Deque, Dict, Iterable, Iterator, Optional
+
+from torch.utils.data.datapipes.iter.sharding import ShardingFilterIterDataPipe
+from torchdata.dataloader2.graph import find_dps, traverse_dps
+from torchdata.dataloader2.utils.dispatch import find_lca_round_robin_sharding_dp
+
+from ...client import Event, WorkerChannel
+from ...errors import ConfigurationError, WorkerLostError
+from ...selection import LeasedChunks, WorkerSelection
+from ...settings import NumberRule, check_number
+from .base import DistributionPolicy, EpochRun, Merger
+from .leases import LeaseBook, check_book_state
+from .merge import _take
+
+__all__ = ["Dynamic", "DEFAULT_CHUNK_SIZE"]
+
+#: Positions per chunk unless given: measured with benchmarks/bench_distribution.py (see DISTRIBUTION.md).
+DEFAULT_CHUNK_SIZE = 16
+
+
+def _positive(name: str, value: Any) -> int:
+    try:
+        check_number(NumberRule(name, integer=True, minimum=1), value)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"Dynamic.{exc}") from None
+    return value
+
+
+class Dynamic(DistributionPolicy):
+    """Work handed out on demand in chunks of the stream, delivered resequenced (``"dynamic"``).
+
+    Args:
+        chunk_size: Consecutive positions of the sharded stream per lease (default
+            :data:`DEFAULT_CHUNK_SIZE`). Smaller balances better at the end of an epoch,
+            larger costs fewer messages.
+        depth: Chunks each worker holds ahead (not yet reported done); 2 keeps it busy while
+            its report travels.
+        window: At most this many chunks past the oldest one not yet delivered are leased
+            (bounds the trainer's buffer; default ``4 * depth * num_workers``).
+        in_order: True (default): resequenced by chunk, deterministic for a seed; False:
+            items in arrival order (also ``RPCReadingService(distribution="dynamic", in_order=False)``).
+    """
+
+    name = "dynamic"
+    shared_queue = True
+    leased = True
+
+    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, depth: int = 2, window: Optional[int] = None,
+                 in_order: bool = True):  # fmt: skip
+        self.chunk_size = _positive("chunk_size", chunk_size)
+        self.depth = _positive("depth", depth)
+        self.window = None if window is None else _positive("window", window)
+        if not isinstance(in_order, bool):
+            raise ConfigurationError(f"Dynamic.in_order must be True or False, got {in_order!r}")
+        self._in_order = in_order
+
+    @property
+    def in_order(self) -> bool:
+        """Whether delivery is resequenced by chunk (deterministic for a seed)."""
+        return self._in_order
+
+    def __repr__(self) -> str:
+        return f"Dynamic(chunk_size={self.chunk_size}, depth={self.depth}, window={self.window}, in_order={self._in_order})"
+
+    def check_graph(self, graph: Any) -> None:
+        """Refuse a graph with a dispatch point (not supported yet) or without ``sharding_filter``."""
+        if find_lca_round_robin_sharding_dp(traverse_dps(graph)) is not None:
+            raise ConfigurationError(
+                "distribution='dynamic' does not support sharding_round_robin_dispatch yet (its unit would be "
+                "one dispatched item): use distribution='round_robin' with it, or sharding_filter() with 'dynamic'"
+            )
+        if not find_dps(traverse_dps(graph), ShardingFilterIterDataPipe):
+            raise ConfigurationError(
+                "distribution='dynamic' leases chunks of the stream at a sharding_filter, and this graph has "
+                "none: add .sharding_filter() where the items should be split among the workers"
+            )
+
+    def worker_selection(self) -> WorkerSelection:
+        """Each worker keeps the chunks leased to it."""
+        return LeasedChunks(self.chunk_size)
+
+    def skip(self, progress: Any, rank: int) -> int:
+        """Nothing is skipped by position: leases carry what was delivered of their chunk."""
+        return 0
+
+    def merger(self, run: EpochRun) -> Merger:
+        """Lease, receive and resequence one epoch."""
+        return _DynamicMerger(self, run)
+
+    def check_state(self, state: Any) -> None:
+        """A checkpoint of a "dynamic" epoch must hold its chunk book."""
+        if state is None:
+            raise ConfigurationError(
+                "the checkpoint was taken mid-epoch with a distribution other than 'dynamic' (it holds per-worker "
+                "positions only): resume it with the distribution it was taken with"
+            )
+        check_book_state(state, self.chunk_size)
+
+
+class _DynamicMerger(Merger):
+    """One dynamic epoch: keeps every worker leased, files items under their chunks, delivers them."""
+
+    def __init__(self, policy: Dynamic, run: EpochRun):
+        self.run = run
+        count = len(run.channels)
+        window = policy.window or 4 * policy.depth * max(1, count)
+        self.book = LeaseBook(count, policy.chunk_size, policy.depth, max(window, policy.depth * count))
+        if run.resume is not None:
+            self.book.resume(run.resume)
+        self.in_order = policy.in_order
+        #: Items received and not yet handed on, by chunk (in order mode).
+        self.buffers: Dict[int, Deque[Any]] = collections.defaultdict(collections.deque)
+        #: The rank whose session produced each chunk's items (for the per-worker counts).
+        self.producers: Dict[int, int] = {}
+        #: The chunk of each of the latest items handed on (a checkpoint gives back undelivered ones).
+        self.recent: Deque[int] = collections.deque(maxlen=run.progress.recent.maxlen)
+
+    def state(self, undelivered: int = 0) -> Dict[str, Any]:
+        """The chunk book, giving back the last ``undelivered`` items handed on."""
+        recent = list(self.recent)
+        given_back = recent[len(recent) - undelivered :] if undelivered else []
+        return self.book.state(given_back)
+
+    def units(self) -> Dict[int, int]:
+        """Chunks leased to each rank this epoch."""
+        return dict(self.book.units)
+
+    # -- leasing --------------------------------------------------------------------------------
+    def _top_up(self, channel: WorkerChannel) -> None:
+        book, leases = self.book, []
+        while True:
+            lease = book.lease(channel.rank)
+            if lease is None:
+                break
+            leases.append(lease)
+        finish = book.to_finish()
+        if leases or channel.rank in finish:
+            channel.lease(self.run.wire, leases, final=channel.rank in finish)
+        self._finish(rank for rank in finish if rank != channel.rank)
+
+    def _top_up_all(self) -> None:
+        for channel in self.run.channels:
+            self._top_up(channel)
+        self._finish_all()
+
+    def _finish_all(self) -> None:
+        self._finish(self.book.to_finish())
+
+    def _finish(self, ranks: Iterable[int]) -> None:
+        for rank in ranks:
+            self.run.channels[rank].lease(self.run.wire, final=True)
+
+    # -- the epoch ------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        run, book, progress = self.run, self.book, self.run.progress
+        channels = run.channels
+        if not channels:  # the engine was closed
+            progress.finish()
+            return
+        for channel in channels:
+            if channel.held_loss is not None:  # lost after its stream ended in an earlier epoch
+                run.events.put(channel.held_loss)
+                channel.held_loss = None
+        self._top_up_all()
+        while not (book.over and len(book.ended) == len(channels)):
+            if self.in_order:
+                yield from self._deliver_ready()
+                if book.over and len(book.ended) == len(channels):
+                    break
+            event = self._next_event()
+            rank = event.channel.rank
+            if event.channel is not channels[rank]:
+                continue  # left over from a replaced session
+            if event.kind == "chunk_done":
+                assert event.chunk is not None
+                done = event.chunk
+                book.done(rank, done.chunk, done.items, done.stream_length)
+                # Every worker with room, not only this one: a worker the window left without a
+                # lease reports nothing until it gets one.
+                self._top_up(event.channel)
+                self._top_up_all()
+            elif event.kind == "end":
+                book.end(rank)
+                self._finish_all()
+            elif event.kind == "data":
+                try:
+                    items = _take(event, run.wire)
+                except WorkerLostError as exc:
+                    self._replace(event.channel, exc)
+                    continue
+                chunk = book.owner_chunk(rank)
+                self.producers[chunk] = rank
+                if self.in_order:
+                    self.buffers[chunk].extend(items)
+                else:
+                    for item in items:
+                        self._hand_on(rank, chunk)
+                        yield item
+            elif event.kind == "lost" and run.replace is None and rank in book.ended:
+                event.channel.held_loss = event  # this epoch has all of its items: the next one needs it
+            else:
+                try:
+                    _take(event, run.wire)  # raises the worker's error, or that it was lost
+                except WorkerLostError as exc:
+                    self._replace(event.channel, exc)
+        progress.finish()
+
+    def _next_event(self) -> Event:
+        progress = self.run.progress
+        while True:
+            event = progress.wait(self.run.events)
+            if event.kind in ("lost", "closed") or event.epoch == progress.epoch:
+                return event
+
+    def _deliver_ready(self) -> Iterator[Any]:
+        """Hand on the buffered items of the oldest chunks, in chunk order, as far as they are here."""
+        book = self.book
+        while not book.over:
+            chunk = book.complete_below
+            buffer = self.buffers.get(chunk)
+            if not buffer:
+                return
+            item = buffer.popleft()
+            self._hand_on(self.producers[chunk], chunk)
+            if not buffer:
+                self.buffers.pop(chunk, None)
+            yield item
+
+    def _hand_on(self, rank: int, chunk: int) -> None:
+        self.recent.append(chunk)
+        self.book.deliver(chunk)
+        self.run.progress.count(rank)
+
+    def _replace(self, lost: WorkerChannel, error: WorkerLostError) -> None:
+        """Lease the lost session's chunks that were not delivered completely to its replacement."""
+        if self.run.replace is None:
+            raise error
+        for chunk in self.book.lost(lost.rank):
+            self.buffers.pop(chunk, None)  # received but not handed on: the new lease sends them again
+        channel = self.run.replace(lost, error)
+        self.run.channels[lost.rank] = channel
+        self._top_up(channel)
+

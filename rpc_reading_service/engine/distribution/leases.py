@@ -1,0 +1,248 @@
+"""The trainer's book of a "dynamic" epoch's chunks: who holds which lease, what is done and delivered.
+
+Pure bookkeeping (no I/O, no threads), driven by the dynamic merger and tested on its own.
+A chunk is ``chunk_size`` consecutive positions of the sharded stream. Its life:
+leased to one worker session -> reported done with its item count -> delivered item by item
+-> complete. A lost session's chunks that are not complete go back to ``pending`` with the
+count already delivered as their skip, and are leased again (exactly once).
+
+Bounds: a session holds at most ``depth`` chunks not yet reported done (it is kept that far
+ahead; one, once its chunks take longer than ``slow_chunk_seconds``: a worker that slow
+loses little waiting one round trip for its next lease, and holding a second chunk would
+only make the end of the epoch wait longer for it), and no chunk at or past ``complete_below + window`` is leased, so the trainer buffers
+at most ``window`` chunks of items however unequal the workers are.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from typing import Any, Deque, Dict, List, Mapping, Optional, Set, Tuple
+
+from ...errors import ConfigurationError
+
+__all__ = ["LeaseBook", "check_book_state", "SLOW_CHUNK_SECONDS"]
+
+#: A worker whose chunks take longer than this (between its reports) is kept one chunk ahead only.
+SLOW_CHUNK_SECONDS = 0.05
+#: A worker whose chunks take less is kept this much of its own work ahead (more than ``depth``
+#: chunks, up to :data:`MAX_DEPTH`): tiny items would otherwise wait for the round trip of every lease.
+LEAD_SECONDS = 0.02
+MAX_DEPTH = 16
+
+
+class LeaseBook:
+    """The chunks of one "dynamic" epoch over ``num_workers`` sessions (ranks)."""
+
+    def __init__(
+        self, num_workers: int, chunk_size: int, depth: int, window: int, slow_chunk_seconds: float = SLOW_CHUNK_SECONDS
+    ):
+        self.chunk_size, self.depth, self.window = chunk_size, depth, window
+        self.slow_chunk_seconds = slow_chunk_seconds
+        #: When each rank last reported a chunk done, and how long its chunks take (smoothed).
+        self._reported_at: Dict[int, float] = {}
+        self.chunk_seconds: Dict[int, float] = {}
+        #: Every chunk below was leased at least once.
+        self.next_chunk = 0
+        #: The number of chunks of the stream, once a worker's walk reached its end.
+        self.stream_chunks: Optional[int] = None
+        self.outstanding: Dict[int, Deque[int]] = {rank: collections.deque() for rank in range(num_workers)}
+        #: The latest chunk leased to each rank's current session (-1: a fresh session).
+        self.latest: Dict[int, int] = {rank: -1 for rank in range(num_workers)}
+        #: The skip each outstanding chunk was leased with.
+        self.skips: Dict[int, int] = {}
+        #: ``(chunk, skip)`` to lease again (a lost session's, or a resumed epoch's), smallest first.
+        self.pending: List[Tuple[int, int]] = []
+        #: Items of each chunk in all (its skip plus what its worker reported), once done.
+        self.totals: Dict[int, int] = {}
+        #: Items delivered of each chunk that is not complete.
+        self.delivered: Dict[int, int] = {}
+        #: Every chunk below was delivered completely; ``complete`` holds the ones above.
+        self.complete_below = 0
+        self.complete: Set[int] = set()
+        #: Ranks whose stream ended this epoch, and ranks told that no more leases come.
+        self.ended: Set[int] = set()
+        self.finished: Set[int] = set()
+        #: Chunks leased per rank this epoch (``stats()``'s units).
+        self.units: Dict[int, int] = {rank: 0 for rank in range(num_workers)}
+
+    # -- leasing --------------------------------------------------------------------------------
+    def lease(self, rank: int) -> Optional[Tuple[int, int]]:
+        """The next ``(chunk, skip)`` for ``rank`` if it has room and one is due, else None (recorded as leased)."""
+        if rank in self.ended or rank in self.finished or len(self.outstanding[rank]) >= self.depth_of(rank):
+            return None
+        latest = self.latest[rank]
+        choice: Optional[Tuple[int, int]] = None
+        for index, (chunk, skip) in enumerate(self.pending):
+            if chunk > latest:  # a session walks its stream once: only chunks ahead of its latest lease
+                choice = self.pending.pop(index)
+                break
+        if choice is None:
+            chunk = self.next_chunk
+            if self.stream_chunks is not None and chunk >= self.stream_chunks:
+                return None
+            if chunk >= self.complete_below + self.window or chunk <= latest:
+                return None
+            self.next_chunk += 1
+            choice = (chunk, 0)
+        chunk, skip = choice
+        self.outstanding[rank].append(chunk)
+        self.skips[chunk] = skip
+        self.latest[rank] = chunk
+        self.units[rank] += 1
+        self.delivered.setdefault(chunk, skip)
+        return choice
+
+    def depth_of(self, rank: int) -> int:
+        """Chunks ``rank`` may hold ahead: ``depth``; 1 for a worker whose chunks take long; more
+        for one whose chunks take less than a round trip (enough for :data:`LEAD_SECONDS` of its work)."""
+        seconds = self.chunk_seconds.get(rank)
+        if seconds is None:
+            return self.depth
+        if seconds >= self.slow_chunk_seconds:
+            return 1
+        return max(self.depth, min(MAX_DEPTH, math.ceil(LEAD_SECONDS / max(seconds, 1e-6))))
+
+    def to_finish(self) -> List[int]:
+        """Ranks to tell that no more chunks come (the stream's end is known and nothing is pending)."""
+        if self.stream_chunks is None or self.pending or self.next_chunk < self.stream_chunks:
+            return []
+        ranks = [r for r in self.outstanding if r not in self.finished and r not in self.ended]
+        self.finished.update(ranks)
+        return ranks
+
+    # -- what the workers report ----------------------------------------------------------------
+    def owner_chunk(self, rank: int) -> int:
+        """The chunk ``rank``'s items belong to now: its oldest lease not reported done."""
+        return self.outstanding[rank][0]
+
+    def done(self, rank: int, chunk: int, items: int, stream_length: Optional[int], now: Optional[float] = None) -> None:
+        """``rank`` finished ``chunk`` with ``items`` items (after its skip), at ``now`` (monotonic)."""
+        now = time.monotonic() if now is None else now
+        previous = self._reported_at.get(rank)
+        self._reported_at[rank] = now
+        if previous is not None:
+            seconds, last = now - previous, self.chunk_seconds.get(rank)
+            self.chunk_seconds[rank] = seconds if last is None else 0.5 * last + 0.5 * seconds
+        head = self.outstanding[rank].popleft()
+        assert head == chunk, (head, chunk)  # the session's state machine checked the order
+        self.totals[chunk] = self.skips.pop(chunk) + items
+        if stream_length is not None:
+            self._stream_ends_at(-(-stream_length // self.chunk_size))
+        self._maybe_complete(chunk)
+
+    def end(self, rank: int) -> None:
+        """``rank``'s stream ended: its leases still outstanding lie past the end of the stream."""
+        self.ended.add(rank)
+        leftover = self.outstanding[rank]
+        if leftover:
+            self._stream_ends_at(leftover[0])
+        while leftover:
+            chunk = leftover.popleft()
+            self.totals[chunk] = self.skips.pop(chunk)
+            self._maybe_complete(chunk)
+
+    def _stream_ends_at(self, chunks: int) -> None:
+        self.stream_chunks = chunks if self.stream_chunks is None else min(self.stream_chunks, chunks)
+
+    def lost(self, rank: int) -> List[int]:
+        """``rank``'s session is lost: its chunks not done go back to pending (skipping what was
+        delivered of them) and its replacement starts fresh. Returns those chunks."""
+        chunks = list(self.outstanding[rank])
+        for chunk in chunks:
+            self.skips.pop(chunk)
+            self.pending.append((chunk, self.delivered.get(chunk, 0)))
+        self.pending.sort()
+        self.outstanding[rank].clear()
+        self._reported_at.pop(rank, None)
+        self.chunk_seconds.pop(rank, None)
+        self.latest[rank] = -1
+        self.ended.discard(rank)
+        self.finished.discard(rank)
+        return chunks
+
+    # -- delivery -------------------------------------------------------------------------------
+    def deliver(self, chunk: int) -> None:
+        """One more item of ``chunk`` was handed on."""
+        self.delivered[chunk] = self.delivered.get(chunk, 0) + 1
+        self._maybe_complete(chunk)
+
+    def _maybe_complete(self, chunk: int) -> None:
+        total = self.totals.get(chunk)
+        if total is None or self.delivered.get(chunk, 0) < total:
+            return
+        self.delivered.pop(chunk, None)
+        self.complete.add(chunk)
+        while self.complete_below in self.complete:
+            self.complete.discard(self.complete_below)
+            self.complete_below += 1
+
+    @property
+    def over(self) -> bool:
+        """Every chunk of the stream was delivered completely."""
+        return self.stream_chunks is not None and self.complete_below >= self.stream_chunks
+
+    # -- checkpoint -----------------------------------------------------------------------------
+    def state(self, given_back: List[int]) -> Dict[str, Any]:
+        """The book as a checkpoint (JSON-able): what was delivered, as if the items of the chunks
+        in ``given_back`` (the latest delivered, one entry per item) had not been."""
+        delivered = dict(self.delivered)
+        complete, below = set(self.complete), self.complete_below
+        for chunk in given_back:
+            if chunk < below:  # reopen it: the chunks above it stay complete
+                complete.update(range(chunk, below))
+                below = chunk
+            if chunk in complete:
+                complete.discard(chunk)
+                delivered[chunk] = self.totals[chunk]
+            delivered[chunk] -= 1
+        return {
+            "chunk_size": self.chunk_size,
+            "next_chunk": self.next_chunk,
+            "complete_below": below,
+            "complete": sorted(c for c in complete if c >= below),
+            "delivered": [[c, n] for c, n in sorted(delivered.items()) if n > 0 and c >= below and c not in complete],
+        }
+
+    def resume(self, state: Mapping[str, Any]) -> None:
+        """Start from a checkpoint's :meth:`state`: every chunk not complete is leased again."""
+        self.next_chunk = state["next_chunk"]
+        self.complete_below = state["complete_below"]
+        self.complete = set(state["complete"])
+        partial = {c: n for c, n in state["delivered"]}
+        self.pending = [
+            (c, partial.get(c, 0)) for c in range(self.complete_below, self.next_chunk) if c not in self.complete
+        ]
+        self.delivered = {c: n for c, n in self.pending}
+
+
+def check_book_state(state: Any, chunk_size: int) -> None:
+    """Refuse a malformed "dynamic" checkpoint state (or one taken with another ``chunk_size``)."""
+
+    def refuse(problem: str) -> ConfigurationError:
+        return ConfigurationError(
+            f"malformed RPCReadingService checkpoint: the 'dynamic' distribution state {problem}. Resume from an "
+            "unmodified state_dict() taken with distribution='dynamic' and the same chunk_size"
+        )
+
+    def count(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
+
+    if not isinstance(state, dict) or set(state) != {"chunk_size", "next_chunk", "complete_below", "complete", "delivered"}:
+        raise refuse(f"must be an object with chunk_size, next_chunk, complete_below, complete and delivered, got {state!r:.200}")
+    if state["chunk_size"] != chunk_size:
+        raise refuse(f"was taken with chunk_size={state['chunk_size']!r}, this run has chunk_size={chunk_size}")
+    if not (count(state["next_chunk"]) and count(state["complete_below"])) or state["complete_below"] > state["next_chunk"]:
+        raise refuse("has next_chunk and complete_below that are not counts with complete_below <= next_chunk")
+    below, top = state["complete_below"], state["next_chunk"]
+    complete = state["complete"]
+    if not isinstance(complete, list) or not all(count(c) and below < c < top for c in complete):
+        raise refuse("has 'complete' chunks outside (complete_below, next_chunk)")
+    delivered = state["delivered"]
+    if not isinstance(delivered, list) or not all(
+        isinstance(pair, list) and len(pair) == 2 and count(pair[0]) and count(pair[1]) and below <= pair[0] < top
+        and pair[0] not in complete
+        for pair in delivered
+    ):
+        raise refuse("has 'delivered' entries that are not [chunk, items] pairs of incomplete leased chunks")

@@ -1,0 +1,336 @@
+"""Worker-side selection: which items of the sharded stream one worker keeps.
+
+A distribution policy other than round-robin replaces every ``sharding_filter`` of the
+graph it ships by a :class:`SelectionFilter` holding its :class:`WorkerSelection`. On each
+worker the filter walks the stream at the sharding point (after the levels of sharding
+that are not the workers', e.g. torch.distributed's) and asks the selection about every
+position; torchdata's ``apply_sharding`` tells the selection the worker's rank, as it
+tells a ``sharding_filter``. Round-robin keeps torchdata's ``sharding_filter`` itself.
+
+Built in: :class:`LeasedChunks` ("dynamic": the chunks the trainer leased to this
+session, fed by the session's :class:`LeaseInbox`). A policy's own selection subclasses
+:class:`WorkerSelection` (e.g. "sticky": the items whose key hashes to this worker).
+Pure graph code: no I/O; the session driver feeds the inbox and sends what it reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES, ShardingFilterIterDataPipe
+from torchdata.dataloader2.graph import DataPipe, find_dps, list_dps, replace_dp, traverse_dps
+
+__all__ = [
+    "SelectionContext",
+    "WorkerSelection",
+    "StopSelection",
+    "SelectionFilter",
+    "LeaseInbox",
+    "LeasedChunks",
+    "selection_in_place",
+    "selections_in",
+    "share_seeds_before_selections",
+]
+
+
+class StopSelection(Exception):
+    """Raised by :meth:`WorkerSelection.keep`: nothing later in the stream is this worker's; stop the walk."""
+
+
+#: What a selection reports for a finished chunk: ``(chunk, stream_length)`` (length None
+#: unless the stream ended in or before that chunk).
+ChunkReport = Callable[[int, Optional[int]], None]
+
+
+def _no_report(chunk: int, stream_length: Optional[int]) -> None:
+    """Report of a selection outside a worker session (the trainer's own graph): nobody listens."""
+
+
+@dataclass
+class SelectionContext:
+    """What a worker session gives its selection at the start of every epoch.
+
+    Attributes:
+        epoch: The epoch's wire number. seed: the epoch's shared seed.
+        global_worker_id: This session's global shard index (torch.distributed rank * num_workers + rank).
+        leases: The chunks the trainer leases to this session ("dynamic"); None otherwise.
+        chunk_started: The walk entered a chunk leased here, whose first ``skip`` items the
+            session must not send (they were delivered before a resume or a reassignment).
+        chunk_done: Report a finished chunk; the session sends CHUNK_DONE after the items produced so far.
+    """
+
+    epoch: int
+    seed: int
+    global_worker_id: int
+    leases: Optional["LeaseInbox"] = None
+    chunk_started: Callable[[int, int], None] = lambda chunk, skip: None
+    chunk_done: ChunkReport = _no_report
+
+
+class WorkerSelection:
+    """Decides, on one worker, which positions of the sharded stream this worker keeps.
+
+    Positions count the items at the sharding point from 0 in every epoch, the same on
+    every worker (shuffles before the sharding point share one seed). A selection is
+    pickled with the graph and lives in the worker's process; one instance per session.
+    """
+
+    #: Set by :meth:`bind` (torchdata's ``apply_sharding`` at the workers' level).
+    worker_rank: int = 0
+    num_workers: int = 1
+    #: True when the session must start its epochs with leases (START_EPOCH ``leased``).
+    leased: bool = False
+
+    def bind(self, worker_rank: int, num_workers: int) -> None:
+        """This worker's rank among the run's ``num_workers`` worker sessions."""
+        self.worker_rank, self.num_workers = worker_rank, num_workers
+
+    def start_epoch(self, context: SelectionContext) -> None:
+        """Called by the session before every epoch's walk (also without a session: defaults)."""
+
+    def keep(self, position: int, item: Any) -> bool:
+        """Whether the item at ``position`` is this worker's; may raise :class:`StopSelection`."""
+        raise NotImplementedError
+
+    def passed(self, position: int) -> None:
+        """The item at ``position`` went through the rest of the graph (kept or not)."""
+
+    def end(self, length: Optional[int]) -> None:
+        """The walk ended: the stream had ``length`` positions (None: stopped early)."""
+
+
+class SelectionFilter(ShardingFilterIterDataPipe):
+    """A ``sharding_filter`` whose workers' level of sharding is decided by a :class:`WorkerSelection`.
+
+    Other levels (torch.distributed's, DEFAULT) still split the stream by position as
+    ``sharding_filter`` does; the positions the selection sees count what they keep.
+    """
+
+    def __init__(self, source_datapipe: DataPipe, selection: WorkerSelection, sharding_group_filter: Any = None):
+        super().__init__(source_datapipe, sharding_group_filter)
+        self.selection = selection
+        self._context: Optional[SelectionContext] = None
+
+    def apply_sharding(self, num_of_instances: int, instance_id: int, sharding_group: Any = SHARDING_PRIORITIES.DEFAULT):
+        """Record the level like ``sharding_filter``; the workers' level binds the selection."""
+        super().apply_sharding(num_of_instances, instance_id, sharding_group)
+        if sharding_group == SHARDING_PRIORITIES.MULTIPROCESSING:
+            self.selection.bind(instance_id, num_of_instances)
+
+    def set_context(self, context: Optional[SelectionContext]) -> None:
+        """The session's context for the next walk (None outside a session)."""
+        self._context = context
+
+    def _outer(self) -> Tuple[int, int]:
+        """``(instances, id)`` of the levels other than the workers' one."""
+        instances, instance_id = 1, 0
+        groups = sorted(self.groups)
+        for group in reversed(groups):
+            if group == SHARDING_PRIORITIES.MULTIPROCESSING:
+                continue
+            if self.sharding_group_filter is not None and group != self.sharding_group_filter:
+                continue
+            count, index = self.groups[group]
+            instance_id += instances * index
+            instances *= count
+        return instances, instance_id
+
+    def __iter__(self) -> Iterator[Any]:
+        selection = self.selection
+        context = self._context or SelectionContext(epoch=0, seed=0, global_worker_id=0)
+        selection.start_epoch(context)
+        instances, instance_id = self._outer()
+        position = 0
+        try:
+            for index, item in enumerate(self.source_datapipe):
+                if index % instances != instance_id:
+                    continue
+                if selection.keep(position, item):
+                    yield item
+                selection.passed(position)
+                position += 1
+        except StopSelection:
+            selection.end(None)
+            return
+        selection.end(position)
+
+    def __len__(self) -> int:
+        raise TypeError(f"{type(self).__name__} has no length: the items a worker keeps are known as it walks")
+
+
+@contextlib.contextmanager
+def selection_in_place(graph: DataPipe, selection: WorkerSelection) -> Iterator[DataPipe]:
+    """``graph`` with a :class:`SelectionFilter` holding ``selection`` in place of each ``sharding_filter``,
+    for as long as the context lasts (to pickle it for the workers); then the graph is put back as it was."""
+    found = [dp for dp in list_dps(traverse_dps(graph)) if type(dp) is ShardingFilterIterDataPipe]
+    swaps = []
+    for dp in found:
+        replacement = SelectionFilter(dp.source_datapipe, selection, dp.sharding_group_filter)
+        replacement.groups = dict(dp.groups)
+        replacement._update_num_of_instances()
+        swaps.append((dp, replacement))
+    shipped = graph
+    try:
+        for dp, replacement in swaps:
+            if dp is shipped:
+                shipped = replacement
+            else:
+                replace_dp(traverse_dps(shipped), dp, replacement)
+        yield shipped
+    finally:
+        for dp, replacement in reversed(swaps):
+            if replacement is not shipped:
+                replace_dp(traverse_dps(graph), replacement, dp)
+
+
+def share_seeds_before_selections(datapipe: DataPipe, seed_generator: Any) -> DataPipe:
+    """Seed the random DataPipes before each :class:`SelectionFilter` from the shared stream of
+    ``seed_generator``, as torchdata seeds the ones before a ``sharding_filter`` (it does not know
+    this subclass): every worker then walks the same stream. Runs as torchdata's ``iter_reset_fn``."""
+    from torchdata.dataloader2.graph.settings import set_datapipes_seed
+
+    seen, before = set(), []
+    for selection in selections_in(datapipe):
+        for dp in list_dps(traverse_dps(selection)):
+            if id(dp) not in seen:
+                seen.add(id(dp))
+                before.append(dp)
+    set_datapipes_seed(before, seed_generator, distributed_shared=True)
+    return datapipe
+
+
+def selections_in(graph: DataPipe) -> List[SelectionFilter]:
+    """The :class:`SelectionFilter` DataPipes of a graph (a worker session hands them their context)."""
+    return list(find_dps(traverse_dps(graph), SelectionFilter))
+
+
+# -- dynamic: leased chunks -----------------------------------------------------------------------
+class LeaseInbox:
+    """The chunks the trainer leased to one session in one epoch, fed by the control loop and
+    waited on by the producer (thread-safe).
+
+    Leases come in increasing chunk order; a chunk below this session's latest lease that it
+    was not leased belongs to another worker. ``finish()`` says no more leases will come.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._skips: Dict[int, int] = {}
+        self._latest = -1
+        self._final = False
+        self._cancelled = False
+        #: Called with True before the producer waits for a decision and False after (the
+        #: session's item watchdog does not count waiting for the trainer as producing).
+        self.waiting: Optional[Callable[[bool], None]] = None
+
+    def add(self, chunk: int, skip: int = 0) -> None:
+        """Lease ``chunk`` to this session; its first ``skip`` items were already delivered."""
+        with self._cond:
+            self._skips[chunk] = skip
+            self._latest = max(self._latest, chunk)
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        """No more leases this epoch."""
+        with self._cond:
+            self._final = True
+            self._cond.notify_all()
+
+    def cancel(self) -> None:
+        """The epoch is over (superseded, stopped, or the session closes): wake and stop the producer."""
+        with self._cond:
+            self._cancelled = True
+            self._cond.notify_all()
+
+    def decide(self, chunk: int) -> Optional[int]:
+        """Block until ``chunk`` is decided: its skip if it is leased here, None if it is another's.
+
+        Raises :class:`StopSelection` when no lease will ever come for it (or the epoch ended).
+        """
+        with self._cond:
+            while True:
+                if self._cancelled:
+                    raise StopSelection()
+                if chunk in self._skips:
+                    return self._skips[chunk]
+                if chunk < self._latest:
+                    return None
+                if self._final:
+                    raise StopSelection()
+                if self.waiting is not None:
+                    self.waiting(True)
+                try:
+                    self._cond.wait()
+                finally:
+                    if self.waiting is not None:
+                        self.waiting(False)
+
+    def outstanding(self, done: int) -> List[int]:
+        """The leased chunks after ``done`` (the last one reported), in order."""
+        with self._cond:
+            return sorted(chunk for chunk in self._skips if chunk > done)
+
+
+class LeasedChunks(WorkerSelection):
+    """"dynamic" on a worker: keep the chunks of ``chunk_size`` positions leased to this session.
+
+    The walk waits at the first position of a chunk until the trainer decided it (it keeps
+    every worker a lease or two ahead); a finished chunk is reported right after its last
+    item went through the graph, so its CHUNK_DONE follows its items. Outside a session
+    (``num_workers=0``) it keeps everything.
+    """
+
+    leased = True
+
+    def __init__(self, chunk_size: int):
+        self.chunk_size = chunk_size
+        self._context: Optional[SelectionContext] = None
+        self._mine: Optional[int] = None  # the chunk being walked, when it is this worker's
+        self._chunk = -1
+        self._last_reported = -1
+
+    def start_epoch(self, context: SelectionContext) -> None:
+        """Start a walk with the session's leases."""
+        self._context = context if context.leases is not None else None
+        self._mine, self._chunk, self._last_reported = None, -1, -1
+
+    def keep(self, position: int, item: Any) -> bool:
+        """Whether ``position`` lies in a chunk leased here (waits for the trainer's decision)."""
+        context = self._context
+        if context is None:
+            return True
+        assert context.leases is not None
+        chunk = position // self.chunk_size
+        if chunk != self._chunk:
+            self._chunk = chunk
+            skip = context.leases.decide(chunk)
+            self._mine = None if skip is None else chunk
+            if skip is not None:
+                context.chunk_started(chunk, skip)
+        return self._mine is not None
+
+    def passed(self, position: int) -> None:
+        """Report the chunk done once its last position went through the graph."""
+        if self._context is not None and self._mine is not None and (position + 1) % self.chunk_size == 0:
+            self._report(self._mine, None)
+            self._mine = None
+
+    def end(self, length: Optional[int]) -> None:
+        """The stream ended (or the walk stopped): report the chunks still leased, with the length."""
+        context = self._context
+        if context is None:
+            return
+        assert context.leases is not None
+        if length is None:
+            return  # stopped: every lease was reported already
+        for chunk in context.leases.outstanding(self._last_reported):
+            self._report(chunk, length)
+
+    def _report(self, chunk: int, length: Optional[int]) -> None:
+        assert self._context is not None
+        self._last_reported = chunk
+        self._context.chunk_done(chunk, length)
+

@@ -1,0 +1,283 @@
+"""Work distribution policies: the chunk book of "dynamic" (in memory), the configuration, and
+end to end over real worker processes: every built-in policy gives every item exactly once,
+"dynamic" gives the same order for a seed whatever the workers' speeds, survives a killed
+worker in reassign mode exactly once, shows its chunks per worker in ``stats()``, and a
+third-party policy registered by name runs.
+
+Transports: tests/test_transport_conformance.py (dynamic's order on every transport);
+checkpoints: tests/test_checkpoint.py (dynamic resume).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from typing import Any, List
+
+import pytest
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+
+from _server_helpers import remote, run_epochs
+from rpc_reading_service import (
+    ConfigurationError,
+    Liveness,
+    RPCReadingService,
+    available_distributions,
+    register_distribution,
+)
+from rpc_reading_service.config import ReadingServiceConfig
+from rpc_reading_service.engine.distribution import FirstReady, RoundRobin
+from rpc_reading_service.engine.distribution.dynamic import Dynamic
+from rpc_reading_service.engine.distribution.leases import LeaseBook, check_book_state
+from rpc_reading_service.selection import WorkerSelection
+
+N = 60
+
+
+def noisy(x: int) -> tuple:
+    """Randomness after the sharding point (per worker, or per chunk with "dynamic")."""
+    return x, random.randrange(10**9)
+
+
+def slow_rank(rank: int, seconds: float):
+    """A ``worker_init_fn`` that makes worker ``rank`` spend ``seconds`` on each of its items."""
+
+    def init(datapipe: Any, info: Any) -> Any:
+        if info.worker_id != rank:
+            return datapipe
+        return datapipe.map(_Sleep(seconds))
+
+    return init
+
+
+class _Sleep:
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __call__(self, item: Any) -> Any:
+        time.sleep(self.seconds)
+        return item
+
+
+def shuffled(n: int = N):
+    return IterableWrapper(range(n)).shuffle().sharding_filter().map(noisy)
+
+
+# -- the chunk book, in memory ------------------------------------------------------------------
+def test_leases_go_in_increasing_order_to_whoever_has_room_and_stay_within_the_window():
+    book = LeaseBook(num_workers=2, chunk_size=10, depth=2, window=3)
+    assert [book.lease(0), book.lease(0), book.lease(0)] == [(0, 0), (1, 0), None]  # depth 2
+    assert [book.lease(1), book.lease(1)] == [(2, 0), None]  # the window: chunks 0..2 only
+    book.done(0, 0, items=10, stream_length=None)
+    assert book.lease(0) is None  # chunk 0 is done but not delivered: still in the window
+    for _ in range(10):
+        book.deliver(0)
+    assert book.complete_below == 1 and book.lease(0) == (3, 0)
+    assert book.units == {0: 3, 1: 1}
+
+
+def test_a_slow_worker_is_kept_one_chunk_ahead_and_a_fast_one_further():
+    book = LeaseBook(num_workers=2, chunk_size=4, depth=2, window=100)
+    assert book.depth_of(0) == book.depth_of(1) == 2  # nothing measured yet
+    for rank, gap in ((0, 0.2), (1, 0.0001)):
+        for _ in range(2):
+            book.lease(rank)
+        book.done(rank, book.outstanding[rank][0], 4, None, now=10.0)
+        book.done(rank, book.outstanding[rank][0], 4, None, now=10.0 + gap)
+    assert book.depth_of(0) == 1 and book.depth_of(1) > 2
+    assert book.lease(0) is not None and book.lease(0) is None
+
+
+def test_dynamic_refuses_graphs_it_cannot_cut_into_chunks():
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+    with pytest.raises(ConfigurationError, match="has none: add .sharding_filter()"):
+        Dynamic().check_graph(IterableWrapper(range(3)).map(noisy))
+    dispatched = IterableWrapper(range(3)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    with pytest.raises(ConfigurationError, match="does not support sharding_round_robin_dispatch yet"):
+        Dynamic().check_graph(dispatched.map(noisy))
+
+
+def test_the_stream_end_is_learnt_and_chunks_past_it_are_empty():
+    book = LeaseBook(num_workers=2, chunk_size=10, depth=2, window=100)
+    for rank in (0, 0, 1, 1):
+        book.lease(rank)  # 0: chunks 0, 1; 1: chunks 2, 3
+    book.done(1, 2, items=5, stream_length=25)  # the stream ended in chunk 2: 3 chunks
+    assert book.stream_chunks == 3 and book.lease(1) is None
+    assert book.to_finish() == [0, 1] and book.to_finish() == []  # told once: no more leases
+    book.end(1)  # rank 1's END_OF_SHARD: its chunk 3 lay past the end
+    assert book.totals[3] == 0 and not book.over
+    book.done(0, 0, 10, None)
+    book.done(0, 1, 10, None)
+    for chunk, count in ((0, 10), (1, 10), (2, 5)):
+        for _ in range(count):
+            book.deliver(chunk)
+    assert book.over
+
+
+def test_a_lost_session_gives_back_its_undelivered_chunks_with_what_was_delivered_as_skip():
+    book = LeaseBook(num_workers=2, chunk_size=4, depth=2, window=100)
+    book.lease(0), book.lease(1), book.lease(0), book.lease(1)  # 0: chunks 0, 2; 1: chunks 1, 3
+    book.done(1, 1, 4, None)
+    for _ in range(3):
+        book.deliver(3)  # first-ready delivery: 3 items of chunk 3 already handed on
+    assert book.lost(1) == [3]  # chunk 1 is done (its items are here); chunk 3 is not
+    assert book.lease(1) == (3, 3)  # the fresh replacement: chunk 3, skipping the 3 delivered
+    book.done(0, 0, 4, None)
+    assert book.lease(0) == (4, 0)
+    book.lost(1)  # again: chunk 3 is pending once more, but below rank 0's latest lease (4)
+    book.done(0, 2, 4, None)
+    assert book.lease(0) == (5, 0), "a session walks its stream once: never a chunk below its latest lease"
+    assert book.lease(1) == (3, 3)
+
+
+def test_checkpoint_state_gives_back_held_items_and_resumes_the_rest():
+    book = LeaseBook(num_workers=1, chunk_size=2, depth=3, window=100)
+    for _ in range(3):
+        book.lease(0)
+    book.done(0, 0, 2, None)
+    book.done(0, 1, 2, None)
+    for chunk in (0, 0, 1):
+        book.deliver(chunk)
+    state = book.state(given_back=[1, 0])  # the last two items handed on were not received
+    check_book_state(state, chunk_size=2)
+    assert state == {"chunk_size": 2, "next_chunk": 3, "complete_below": 0, "complete": [], "delivered": [[0, 1]]}
+    resumed = LeaseBook(num_workers=2, chunk_size=2, depth=3, window=100)
+    resumed.resume(state)
+    assert [resumed.lease(0), resumed.lease(1), resumed.lease(1)] == [(0, 1), (1, 0), (2, 0)]
+    with pytest.raises(ConfigurationError, match="chunk_size=2, this run has chunk_size=4"):
+        check_book_state(state, chunk_size=4)
+    with pytest.raises(ConfigurationError, match="delivered"):
+        check_book_state(dict(state, delivered=[[7, 1]]), chunk_size=2)
+
+
+# -- configuration -----------------------------------------------------------------------------
+def test_distribution_names_objects_and_the_in_order_shorthand():
+    assert {"round_robin", "first_ready", "dynamic"} <= set(available_distributions())
+    create = ReadingServiceConfig.create
+    assert type(create(num_workers=2).distribution) is RoundRobin
+    assert type(create(num_workers=2, in_order=False).distribution) is FirstReady
+    lazy = create(num_workers=2, distribution="dynamic", in_order=False)
+    assert isinstance(lazy.distribution, Dynamic) and not lazy.distribution.in_order and not lazy.in_order
+    policy = Dynamic(chunk_size=8)
+    assert create(num_workers=2, distribution=policy).distribution is policy
+    with pytest.raises(ConfigurationError, match="in_order=False asks for first-ready delivery"):
+        create(num_workers=2, distribution="round_robin", in_order=False)
+    with pytest.raises(ConfigurationError, match="unknown distribution 'fastest'; available distributions: .*dynamic"):
+        create(num_workers=2, distribution="fastest")
+    with pytest.raises(ConfigurationError, match="Dynamic.chunk_size"):
+        Dynamic(chunk_size=0)
+    with pytest.raises(ConfigurationError, match="already registered"):
+        register_distribution("dynamic", lambda: RoundRobin())
+
+
+def test_an_installed_policy_is_found_by_its_entry_point(tmp_path, monkeypatch):
+    from rpc_reading_service import distributions
+
+    dist_info = tmp_path / "rrs_policy-0.1.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: rrs-policy\nVersion: 0.1\n")
+    (dist_info / "entry_points.txt").write_text(
+        f"[{distributions.ENTRY_POINT_GROUP}]\nbackwards_ep = test_distribution:BackwardsRoundRobin\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(distributions._registry, "factories", dict(distributions._registry.factories))
+    monkeypatch.setattr(distributions._registry, "entry_points_loaded", False)
+    assert "backwards_ep" in available_distributions()
+    assert type(ReadingServiceConfig.create(num_workers=2, distribution="backwards_ep").distribution).__name__ == (
+        "BackwardsRoundRobin"
+    )
+
+
+# -- end to end ---------------------------------------------------------------------------------
+class Backwards(WorkerSelection):
+    """A third-party worker-side selection: worker r keeps the positions a sharding_filter gives worker n-1-r."""
+
+    def keep(self, position: int, item: Any) -> bool:
+        return position % self.num_workers == self.num_workers - 1 - self.worker_rank
+
+
+class BackwardsRoundRobin(RoundRobin):
+    name = "backwards"
+
+    def __init__(self) -> None:
+        super().__init__(selection=Backwards())
+
+
+if "backwards" not in available_distributions():
+    register_distribution("backwards", BackwardsRoundRobin)
+
+
+@pytest.mark.timeout(60)
+def test_every_policy_gives_every_item_exactly_once_and_dynamic_shows_its_chunks(worker_server):
+    dp = IterableWrapper(range(N)).sharding_filter()
+    orders = {}
+    for name, distribution in (("round_robin",) * 2, ("first_ready",) * 2, ("dynamic",) * 2,
+                               ("dynamic, as they arrive", Dynamic(in_order=False)), ("backwards",) * 2):  # fmt: skip
+        service = remote(worker_server, 3, distribution=distribution)
+        with DataLoader2(dp, reading_service=service) as dl:
+            for _ in range(2):
+                epoch = list(dl)
+                assert sorted(epoch) == list(range(N)), name
+            stats = dl.reading_service.stats()
+        units = [worker.units for worker in stats.workers]
+        if name.startswith("dynamic"):
+            assert sum(units) >= -(-N // Dynamic().chunk_size) and all(u >= 1 for u in units), units
+        else:
+            assert units == [None] * 3
+        orders[name] = epoch
+    assert orders["round_robin"] == list(range(N))
+    # worker 0 now holds what worker 2 had: the round-robin merge starts with position 2
+    assert orders["backwards"][:3] == [2, 1, 0]
+
+
+@pytest.mark.timeout(60)
+def test_dynamic_order_depends_on_the_seed_only_and_the_slow_worker_does_less(worker_server):
+    """Two runs with a different slow worker: the same items, the same order, the same random
+    values; the slow worker got fewer chunks than the others."""
+    runs, units = [], []
+    for slow in (0, 2):
+        service = remote(worker_server, 3, distribution=Dynamic(chunk_size=2), worker_init_fn=slow_rank(slow, 0.02))
+        with DataLoader2(shuffled(), reading_service=service) as dl:
+            dl.seed(7)
+            runs.append([list(dl) for _ in range(2)])
+            units.append([worker.units for worker in dl.reading_service.stats().workers])
+    assert runs[0] == runs[1]
+    for epoch in runs[0]:
+        assert sorted(x for x, _ in epoch) == list(range(N))
+    assert runs[0][0] != runs[0][1]
+    assert units[0][0] < max(units[0][1:]) and units[1][2] < max(units[1][:2]), units
+
+
+@pytest.mark.timeout(60)
+def test_dynamic_with_a_killed_worker_in_reassign_mode_is_exactly_once_in_the_same_order():
+    def service() -> RPCReadingService:
+        return RPCReadingService(
+            num_workers=3, distribution=Dynamic(chunk_size=4), on_worker_failure="reassign",
+            worker_init_fn=slow_rank(1, 0.005), timeout=3.0, liveness=Liveness(heartbeat_interval=0.5),
+        )  # fmt: skip
+
+    reference = run_epochs(shuffled(), service(), n_epochs=2, seed=3)
+    victims: List[int] = []
+    dl = DataLoader2(shuffled(), reading_service=service())
+    try:
+        dl.seed(3)
+        first: List[Any] = []
+        for item in dl:
+            first.append(item)
+            if len(first) == 20:
+                victims.append(dl.reading_service.stats().workers[1].pid)
+                os.kill(victims[-1], signal.SIGKILL)
+        second = list(dl)
+        assert dl.reading_service.stats().workers[1].pid != victims[0]
+    finally:
+        dl.shutdown()
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert [first, second] == reference
