@@ -51,8 +51,8 @@ def test_items_are_packed_into_frames_and_numbered():
 def test_partial_batch_leaves_after_linger():
     outbox = Outbox(SessionOptions(batch_max_items=100, linger=0.05))
     outbox.start_epoch(1, credits=1)
+    start = time.monotonic()  # before the put: the linger runs from it, however late this thread runs after it
     outbox.put(1, item(5))
-    start = time.monotonic()
     assert outbox.take(0.01) is None  # still lingering for more items
     frame = outbox.take(1.0)
     assert data_items(frame)[2] == [5]
