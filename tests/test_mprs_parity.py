@@ -9,9 +9,10 @@ The second half ports a selection of torchdata 0.9's own reading-service tests
 (``test/dataloader2/test_mprs.py`` and ``test_dataloader2.py`` in pytorch/data): early exit,
 exit, re-iteration, invalidated iterators, pause/resume/limit, worker_init_fn/worker_reset_fn
 with WorkerInfo, determinism, checkpoint at the start of an epoch, and the cases with
-``sharding_round_robin_dispatch``. Those skip MPRS, whose shutdown with a dispatching process is
-unreliable here; their order is checked against MPRS's dealing rebuilt from torchdata's own
-DataPipes instead.
+``sharding_round_robin_dispatch``. Those skip MPRS in the fixture, whose shutdown with a
+dispatching process is unreliable here; their order is checked against a real MPRS run in a
+process group of its own (killed after it printed its epochs), and against MPRS's dealing rebuilt
+from torchdata's own DataPipes.
 
 Workers are local (two per reading service, forked) and reaped after every test; graph
 functions are module level so that the workers find them by reference.
@@ -242,6 +243,55 @@ def test_dispatching_deals_as_mprs():
     with DataLoader2(dp.map(add_one).batch(3), reading_service=RPCReadingService(num_workers=workers)) as dl:
         assert list(dl) == expected
         assert list(dl) == expected  # and every epoch
+
+
+MPRS_DISPATCH_SCRIPT = """
+import json, os, sys
+import torch
+from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+from torchdata.dataloader2 import DataLoader2, MultiProcessingReadingService
+from torchdata.datapipes.iter import IterableWrapper
+def add_one(x):
+    return x + 1
+dp = IterableWrapper(range(24)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+dl = DataLoader2(dp.map(add_one).batch(2), reading_service=MultiProcessingReadingService(num_workers=2))
+epochs = [list(dl) for _ in range(2)]
+print(json.dumps(epochs), flush=True)
+os._exit(0)  # MPRS's shutdown with a dispatching process can take 20 s: the test kills its processes
+"""
+
+
+@pytest.mark.timeout(60)
+def test_dispatching_gives_mprs_own_items_in_mprs_own_order(tmp_path):
+    """Side by side with a real MPRS (run in a process group of its own, killed afterwards, since its
+    dispatching shutdown is slow): 2 workers, a map and a batch after the dispatch point give the
+    same batches in the same order, every epoch. (With a shuffle in the dispatching part the
+    orders differ, by design: its seed is drawn from DataLoader2's generator, see the seed rules.)"""
+    import json
+    import select
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "mprs_dispatch.py"
+    script.write_text(MPRS_DISPATCH_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        # One line, not communicate(): MPRS's worker processes keep the pipe open after the script ends.
+        assert select.select([proc.stdout], [], [], 50)[0], "MPRS gave no result within 50 s"
+        out = proc.stdout.readline()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    mprs_epochs = json.loads(out)
+    dp = IterableWrapper(range(24)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    with DataLoader2(dp.map(add_one).batch(2), reading_service=RPCReadingService(num_workers=2)) as dl:
+        ours = [list(dl) for _ in range(2)]
+    assert ours == mprs_epochs
+    assert sorted(x for batch in ours[0] for x in batch) == list(range(1, 25))
 
 
 def test_worker_fns_get_worker_info_and_the_seed_generator(make_rs):
