@@ -23,6 +23,7 @@ __all__ = [
     "RemoteWorkerError",
     "DiscoveryTimeoutError",
     "CacheKeyError",
+    "StickyKeyError",
 ]
 
 
@@ -127,3 +128,9 @@ class DiscoveryTimeoutError(RPCReadingServiceError, TimeoutError):
 class CacheKeyError(RPCReadingServiceError, TypeError):
     """``cached_map`` could not turn an item's key into a cache key (the key cannot be pickled).
     The message names the function; pass a ``key_fn`` that returns a str, bytes, int or tuple."""
+
+
+class StickyKeyError(RPCReadingServiceError, TypeError):
+    """The sticky distribution could not hash an item's key to a worker: the key is not one of
+    the accepted types (bytes, str, int, float, None, and tuples or lists of them). The message
+    names the worker and the key; pass a ``key_fn`` that returns such a key (e.g. the file path)."""
