@@ -20,6 +20,7 @@ from .config import (
     TransportConfig,
     WorkerAddresses,
 )
+from .sticky import Sticky
 from .errors import (
     AuthenticationError,
     CacheKeyError,
@@ -32,6 +33,7 @@ from .errors import (
     RemoteProtocolError,
     RemoteWorkerError,
     RPCReadingServiceError,
+    StickyKeyError,
     WorkerLostError,
     WorkerRefusedError,
     WorkerStartupError,
@@ -63,6 +65,7 @@ __all__ = [
     "TLS",
     "Liveness",
     "Reassign",
+    "Sticky",
     "register_transport",
     "available_transports",
     "RPCReadingServiceError",
@@ -79,4 +82,5 @@ __all__ = [
     "RemoteWorkerError",
     "DiscoveryTimeoutError",
     "CacheKeyError",
+    "StickyKeyError",
 ]

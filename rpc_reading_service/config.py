@@ -23,6 +23,7 @@ from .cache.config import parse_size
 from .discovery import check_discovery_options
 from .errors import ConfigurationError
 from .settings import check_settings
+from .sticky import Sticky
 from .transports import available_transports
 
 __all__ = [
@@ -292,6 +293,17 @@ def _transport(value: Any) -> TransportConfig:
     raise ConfigurationError(f"transport must be a transport name or a TransportConfig(...), got {value!r}")
 
 
+def _distribution(value: Any) -> Optional[Sticky]:
+    """The sticky option object, or None for round-robin (the hook the policy registry replaces)."""
+    if value is None or value == "round_robin":
+        return None
+    if value == "sticky":
+        return Sticky()
+    if isinstance(value, Sticky):
+        return value
+    raise ConfigurationError(f"distribution must be 'round_robin', 'sticky' or Sticky(key_fn=...), got {value!r}")
+
+
 def _failure_policy(value: Any) -> Optional[Reassign]:
     if value == "raise":
         return None
@@ -325,6 +337,8 @@ class ReadingServiceConfig:
     liveness: Liveness = Liveness()
     reassign: Optional[Reassign] = None
     pin_memory: bool = False
+    #: ``distribution="sticky"``: select items by key (None: round-robin by position).
+    sticky: Optional[Sticky] = None
 
     @classmethod
     def create(
@@ -338,6 +352,7 @@ class ReadingServiceConfig:
         pickle_by_value: Sequence[types.ModuleType] = (),
         worker_prefetch_cnt: Optional[int] = None,
         multiprocessing_context: Optional[str] = None,
+        distribution: Any = None,
         **settings: Any,
     ) -> "ReadingServiceConfig":
         """Check every setting and build the configuration; shorthands are turned into option objects
@@ -361,6 +376,7 @@ class ReadingServiceConfig:
             workers=_workers(workers),
             transport=_transport(transport),
             reassign=_failure_policy(on_worker_failure),
+            sticky=_distribution(distribution),
             liveness=liveness,
             auth_key=auth_key.encode("utf-8") if isinstance(auth_key, str) else auth_key,
             pickle_by_value=tuple(pickle_by_value),

@@ -81,6 +81,9 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         worker_prefetch_cnt: MultiProcessingReadingService's name for ``prefetch``.
         main_prefetch_cnt: Items a trainer-side thread takes ahead of the training loop (default 0).
         multiprocessing_context: MPRS's name for ``LocalWorkers(start_method=...)``.
+        distribution: ``"round_robin"`` (default: a worker's shard by position), or ``"sticky"`` /
+            :class:`~rpc_reading_service.Sticky` (``key_fn=...``): a worker's shard by a stable hash
+            of each item's key, the same items every epoch, so worker-side caches stay warm.
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         worker_prefetch_cnt: Optional[int] = None,
         main_prefetch_cnt: int = 0,
         multiprocessing_context: Optional[str] = None,
+        distribution: Any = None,
     ) -> None:
         self._configure(ReadingServiceConfig.create(
             num_workers=num_workers, workers=workers, auth_key=auth_key, transport=transport,
@@ -110,7 +114,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             worker_init_fn=worker_init_fn,
             worker_reset_fn=worker_reset_fn, timeout=timeout, item_timeout=item_timeout,
             pickle_by_value=pickle_by_value, liveness=liveness, on_worker_failure=on_worker_failure,
-            pin_memory=pin_memory,
+            pin_memory=pin_memory, distribution=distribution,
         ))  # fmt: skip
 
     def _configure(self, config: ReadingServiceConfig) -> None:

@@ -3,20 +3,19 @@ selection by key (unit tests; the end-to-end test with real servers is at the en
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from torchdata.dataloader2.utils import WorkerInfo
 from torchdata.datapipes.iter import IterableWrapper
 
+from _server_helpers import run_epochs
 from rpc_reading_service.errors import ConfigurationError, StickyKeyError
 from rpc_reading_service.graph import init_worker_graph, reset_worker_graph
 from rpc_reading_service.serialization import dumps_graph, loads_graph
-from rpc_reading_service.sticky import StickyAssignment, encode_key, make_sticky
+from rpc_reading_service.sticky import StickyAssignment, encode_key
+from rpc_reading_service.sticky.selection import make_sticky
 
 KEYS = [f"/data/shard-{i:05d}.jpg" for i in range(6000)]
 SERVERS = [f"10.0.0.{i}:29600" for i in range(1, 5)]
@@ -39,23 +38,6 @@ def test_keys_are_encoded_canonically():
     for bad in ({"a": 1}, {1, 2}, torch.zeros(3), object()):
         with pytest.raises(StickyKeyError, match="key_fn"):
             encode_key(bad)
-
-
-def test_placement_is_the_same_in_another_process():
-    # Python's hash() is salted per process: the placement must not depend on it.
-    code = (
-        "import json, sys; from rpc_reading_service.sticky import StickyAssignment; "
-        "a = StickyAssignment(json.loads(sys.argv[1])); "
-        "print(json.dumps([a.rank_of(k) for k in json.loads(sys.argv[2])]))"
-    )
-    table, keys = SERVERS + SERVERS[:2], KEYS[:300]
-    env = dict(os.environ, PYTHONHASHSEED="12345")
-    out = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(table), json.dumps(keys)],
-        env=env, capture_output=True, text=True, check=True, timeout=60,
-    )  # fmt: skip
-    assignment = StickyAssignment(table)
-    assert json.loads(out.stdout) == [assignment.rank_of(k) for k in keys]
 
 
 def test_adding_a_server_moves_only_its_share_to_it():
@@ -119,3 +101,59 @@ def test_key_fn_and_refusals():
         make_sticky(IterableWrapper(items).map(str), StickyAssignment(table))
     with pytest.raises(ConfigurationError, match="2 worker ranks"):
         _worker_epoch(shipped, 0, 3, 0)
+
+
+# -- end to end: real rpc-reading-worker servers ------------------------------------------------
+def tag_with_server(item: str):
+    """``(item, pid of the server whose session produced it)``: sessions are forked by their server."""
+    return item, os.getppid()
+
+
+def _sticky_epochs(servers, n_epochs: int, seed: int):
+    """Per epoch, ``{server address: [items in the order that server produced them]}``."""
+    from rpc_reading_service import RPCReadingService
+
+    # str keys: their hash() is salted per process, so the servers (other processes) agreeing
+    # with this one's StickyAssignment shows the placement does not depend on it.
+    graph = IterableWrapper(ITEMS).shuffle().sharding_filter().map(tag_with_server)
+    service = RPCReadingService(
+        num_workers=len(servers), workers=[s.address for s in servers], auth_key=servers[0].key,
+        distribution="sticky",
+    )  # fmt: skip
+    address_of = {s.pid: s.address for s in servers}
+    produced = []
+    for epoch in run_epochs(graph, service, n_epochs, seed=seed):
+        assert sorted(item for item, _ in epoch) == sorted(ITEMS)  # exactly once
+        by_server = {s.address: [] for s in servers}
+        for item, pid in epoch:
+            by_server[address_of[pid]].append(item)
+        produced.append(by_server)
+    return produced
+
+
+N_ITEMS = 150
+ITEMS = [f"img-{i}.jpg" for i in range(N_ITEMS)]
+
+
+@pytest.mark.timeout(60)
+def test_servers_keep_their_items_every_epoch_and_a_new_server_takes_only_its_share(fresh_server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    key = "sticky-" + "0" * 16
+    with ThreadPoolExecutor(3) as pool:  # start the three servers at once
+        servers = list(pool.map(lambda _: fresh_server(key=key), range(3)))
+    two, three = servers[:2], servers
+
+    first, second = _sticky_epochs(two, 2, seed=7)
+    for server in two:
+        mine = first[server.address]
+        assert mine and set(mine) == set(second[server.address]) and mine != second[server.address]
+        assert all(StickyAssignment([s.address for s in two]).server_of(i) == server.address for i in mine)
+
+    (grown,) = _sticky_epochs(three, 1, seed=7)
+    owner_before = {item: address for address, items in first.items() for item in items}
+    owner_after = {item: address for address, items in grown.items() for item in items}
+    moved = [item for item in owner_before if owner_before[item] != owner_after[item]]
+    assert {owner_after[item] for item in moved} == {servers[2].address}  # only to the new server
+    assert len(moved) == len(grown[servers[2].address])  # and it took nothing else
+    assert N_ITEMS / 3 * 0.6 < len(moved) < N_ITEMS / 3 * 1.4, len(moved)  # about its share, 1/3

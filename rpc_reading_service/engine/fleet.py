@@ -51,6 +51,7 @@ class Fleet:
         self._discovered: Optional[List[str]] = None
         self._hosted_store: Any = None
         self._transport: Optional[Transport] = None
+        self._rank_addresses: Optional[List[str]] = None
 
     def discover(self) -> int:
         """Find the workers of a :class:`StoreDiscovery` or :class:`Hostfile` (once) and return
@@ -70,6 +71,13 @@ class Fleet:
         if self.num_workers == 0:
             self.num_workers = len(self._discovered)
         return self.num_workers
+
+    def rank_addresses(self) -> List[str]:
+        """The server address of every worker rank (sessions of one server share it), resolved
+        once: a local fleet's server starts here. The sticky distribution hashes keys over them."""
+        if self._rank_addresses is None:
+            self._rank_addresses = self._addresses()
+        return self._rank_addresses
 
     def _addresses(self) -> List[str]:
         workers = self.config.workers
@@ -102,7 +110,7 @@ class Fleet:
             self.config.transport.name, **self.config.transport.factory_options()
         )
         self._graph = graph
-        addresses = self._addresses()
+        addresses = self.rank_addresses()
         channels: List[WorkerChannel] = []
         errors: List[BaseException] = []
         with ThreadPoolExecutor(max_workers=min(32, self.num_workers)) as pool:
@@ -169,4 +177,5 @@ class Fleet:
         if self.local_server is not None:
             self.local_server.stop()
             self.local_server = None
+        self._rank_addresses = None
         self._hosted_store = None  # stops a TCPStore this trainer hosted (StoreDiscovery(host_store=True))

@@ -99,9 +99,11 @@ class Engine:
         if self.num_workers == 0:
             self.in_process_graph = init_worker_graph(graph, WorkerInfo(1, 0), config.worker_init_fn)
             return
-        shipped = dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
         _open_engines[self] = os.getpid()
         try:
+            if config.sticky is not None:  # the sharding point selects by key over the fleet's servers
+                graph = config.sticky.worker_graph(graph, self.fleet.rank_addresses())
+            shipped = dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
             self.channels = self.fleet.connect(shipped)
         except BaseException:
             self.close()

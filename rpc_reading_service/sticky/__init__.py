@@ -3,17 +3,11 @@ hash of its key, so the server's cache stays warm across epochs and runs.
 
 :mod:`.hashing` places keys (rendezvous hashing over server addresses, then a stable split
 among a server's sessions); :mod:`.selection` is the worker-side sharding point that keeps
-the items of its own session.
+the items of its own session (it imports torchdata, so it is not imported here);
+:mod:`.policy` is the ``Sticky`` option object.
 """
 
 from .hashing import Rendezvous, StickyAssignment, encode_key, trainer_rank_of
-from .selection import StickyShardingFilterIterDataPipe, make_sticky
+from .policy import Sticky
 
-__all__ = [
-    "Rendezvous",
-    "StickyAssignment",
-    "encode_key",
-    "trainer_rank_of",
-    "StickyShardingFilterIterDataPipe",
-    "make_sticky",
-]
+__all__ = ["Sticky", "Rendezvous", "StickyAssignment", "encode_key", "trainer_rank_of"]

@@ -95,7 +95,8 @@ def make_sticky(datapipe: DataPipe, assignment: StickyAssignment, key_fn: Option
     applies to a ``sharding_group_filter``.
     """
     graph = traverse_dps(datapipe)
-    filters = [dp for dp in list_dps(graph) if type(dp) is ShardingFilterIterDataPipe]
+    kinds = (ShardingFilterIterDataPipe, StickyShardingFilterIterDataPipe)  # a graph made sticky before: again
+    filters = [dp for dp in list_dps(graph) if type(dp) in kinds]
     if not filters:
         raise ConfigurationError(
             "the sticky distribution needs a sharding_filter() in the graph: the point whose items "
