@@ -88,6 +88,22 @@ def test_selection_is_exactly_once_and_the_same_every_epoch():
     assert _worker_epoch(shipped, 1, 3, 1) == epochs[0][1]  # deterministic for a seed
 
 
+def test_under_torch_distributed_keys_are_split_among_trainer_ranks_too():
+    # Each trainer rank shards its graph (DistributedInfo level) before the sticky rewrite;
+    # each rank has its own fleet of two sessions. Every item is kept once in the job.
+    from rpc_reading_service.graph import DistributedInfo, apply_distributed_sharding
+
+    kept = []
+    for trainer in range(2):
+        graph = IterableWrapper(range(300)).shuffle().sharding_filter()
+        apply_distributed_sharding(graph, DistributedInfo(trainer, 2))
+        shipped = dumps_graph((make_sticky(graph, StickyAssignment(["a:1", "b:1"])), None, None))
+        shards = [_worker_epoch(shipped, rank, 2, seed=5) for rank in range(2)]
+        assert all(shards) and set(shards[0]) == set(_worker_epoch(shipped, 0, 2, seed=6))
+        kept += [x for shard in shards for x in shard]
+    assert sorted(kept) == list(range(300))
+
+
 def test_key_fn_and_refusals():
     table = ["a:1", "b:1"]
     items = [{"path": f"p{i}", "label": i % 3} for i in range(50)]
