@@ -11,6 +11,8 @@ from .hashing import StickyAssignment
 if TYPE_CHECKING:
     from torchdata.dataloader2.graph import DataPipe
 
+    from .selection import KeySelection
+
 __all__ = ["Sticky"]
 
 
@@ -38,6 +40,13 @@ class Sticky:
     def __post_init__(self) -> None:
         if self.key_fn is not None and not callable(self.key_fn):
             raise ConfigurationError(f"Sticky(key_fn=...) must be a function of an item or None, got {self.key_fn!r}")
+
+    def worker_selection(self, rank_addresses: Sequence[str]) -> "KeySelection":
+        """The worker-side selection over the servers of ``rank_addresses`` (the server
+        address of every worker rank), for the distribution-policy interface."""
+        from .selection import KeySelection  # torchdata: imported where a graph is at hand
+
+        return KeySelection(StickyAssignment(rank_addresses), self.key_fn)
 
     def worker_graph(self, graph: "DataPipe", rank_addresses: Sequence[str]) -> "DataPipe":
         """``graph`` with its sharding point selecting by key over the servers of
