@@ -54,7 +54,8 @@ def encode_key(key: Any) -> bytes:
     except TypeError:
         raise StickyKeyError(
             f"the sticky distribution cannot hash the key {key!r:.80} of type {type(key).__name__}: keys are "
-            "bytes, str, int, float, None or tuples of them; pass key_fn= returning one (e.g. the file path)"
+            "bytes, str, int, float, None or tuples of them; pass distribution=Sticky(key_fn=...) returning one "
+            "(e.g. the file path)"
         ) from None
     return _sized(b"i", number.to_bytes(number.bit_length() // 8 + 1, "big", signed=True))
 
