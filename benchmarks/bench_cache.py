@@ -144,7 +144,7 @@ def shuffle_quality(epochs: Sequence[Delivered], n_items: int) -> Tuple[float, f
         gaps += [abs(a[0] - b[0]) for a, b in zip(delivered, delivered[1:])]
         same += [a[1] == b[1] for a, b in zip(delivered, delivered[1:])]
     servers: List[Dict[int, int]] = [dict(delivered) for delivered in epochs]
-    moved = [sum(before[i] != after[i] for i in range(n_items)) / n_items for before, after in zip(servers, servers[1:])]
+    moved = [sum(b[i] != a[i] for i in range(n_items)) / n_items for b, a in zip(servers, servers[1:])]
     for i in range(n_items):
         for j in range(i + 1, n_items):
             pairs += any(where[i] == where[j] for where in servers)
@@ -166,7 +166,11 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix="bench-cache-")
     key = secrets.token_hex(16)
     rows, quality = [], []
-    setups = (("fixed slices", False, None), ("shuffled, round-robin", True, None), ("shuffled, sticky", True, "sticky"))
+    setups = (
+        ("fixed slices", False, None),
+        ("shuffled, round-robin", True, None),
+        ("shuffled, sticky", True, "sticky"),
+    )
     try:
         for number, (name, shuffled, distribution) in enumerate(setups):
             counter = os.path.join(workdir, f"reads-{number}")
@@ -208,7 +212,10 @@ def main() -> None:
     for name, phase, seconds, n_reads, hit_rate, ratio in rows:
         print(f"| {name} | {phase} | {seconds:.3f} | {n_reads} | {hit_rate:.0%} | {ratio:.1f}x |")
     print("\nShuffle quality over the three epochs (a uniform random order: gap 1.00, same server ~50%)\n")
-    print("| set-up | neighbours' index gap / (n/3) | neighbours from one server | items that changed server | pairs that ever shared a server |")
+    print(
+        "| set-up | neighbours' index gap / (n/3) | neighbours from one server | items that changed server "
+        "| pairs that ever shared a server |"
+    )
     print("|---|---:|---:|---:|---:|")
     for name, gap, same, moved, met in quality:
         print(f"| {name} | {gap:.2f} | {same:.0%} | {moved:.0%} | {met:.0%} |")

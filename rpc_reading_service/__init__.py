@@ -20,7 +20,6 @@ from .config import (
     TransportConfig,
     WorkerAddresses,
 )
-from .sticky import Sticky
 from .errors import (
     AuthenticationError,
     CacheKeyError,
@@ -38,6 +37,7 @@ from .errors import (
     WorkerRefusedError,
     WorkerStartupError,
 )
+from .sticky import Sticky
 from .transports import available_transports, register_transport
 from .version import __version__
 

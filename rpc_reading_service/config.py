@@ -301,7 +301,9 @@ def _distribution(value: Any) -> Optional[Sticky]:
         return Sticky()
     if isinstance(value, Sticky):
         return value
-    raise ConfigurationError(f"distribution must be 'round_robin', 'sticky' or Sticky(key_fn=...), got {value!r}")
+    raise ConfigurationError(
+        f"distribution must be 'round_robin', 'sticky' or Sticky(key_fn=...), got {value!r}"
+    )
 
 
 def _failure_policy(value: Any) -> Optional[Reassign]:

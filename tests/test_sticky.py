@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
+from _server_helpers import run_epochs
 from torchdata.dataloader2.utils import WorkerInfo
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import run_epochs
 from rpc_reading_service.errors import ConfigurationError, StickyKeyError
 from rpc_reading_service.graph import init_worker_graph, reset_worker_graph
 from rpc_reading_service.serialization import dumps_graph, loads_graph
@@ -107,12 +107,14 @@ def test_under_torch_distributed_keys_are_split_among_trainer_ranks_too():
 def test_key_fn_and_refusals():
     table = ["a:1", "b:1"]
     items = [{"path": f"p{i}", "label": i % 3} for i in range(50)]
-    graph = make_sticky(IterableWrapper(items).sharding_filter(), StickyAssignment(table), key_fn=lambda d: d["path"])
+    assignment = StickyAssignment(table)
+    graph = make_sticky(IterableWrapper(items).sharding_filter(), assignment, key_fn=lambda d: d["path"])
     shipped = dumps_graph((graph, None, None))
     shards = [_worker_epoch(shipped, rank, 2, 0) for rank in range(2)]
     assert sorted(d["path"] for s in shards for d in s) == sorted(d["path"] for d in items)
     with pytest.raises(StickyKeyError):  # a dict item without key_fn
-        _worker_epoch(dumps_graph((make_sticky(IterableWrapper(items).sharding_filter(), StickyAssignment(table)), None, None)), 0, 2, 0)
+        keyless = make_sticky(IterableWrapper(items).sharding_filter(), assignment)
+        _worker_epoch(dumps_graph((keyless, None, None)), 0, 2, 0)
     with pytest.raises(ConfigurationError, match="sharding_filter"):
         make_sticky(IterableWrapper(items).map(str), StickyAssignment(table))
     with pytest.raises(ConfigurationError, match="2 worker ranks"):

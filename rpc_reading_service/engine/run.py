@@ -103,7 +103,9 @@ class Engine:
         try:
             if config.sticky is not None:  # the sharding point selects by key over the fleet's servers
                 graph = config.sticky.worker_graph(graph, self.fleet.rank_addresses())
-            shipped = dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+            shipped = dumps_graph(
+                (graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value
+            )
             self.channels = self.fleet.connect(shipped)
         except BaseException:
             self.close()

@@ -54,8 +54,8 @@ def encode_key(key: Any) -> bytes:
     except TypeError:
         raise StickyKeyError(
             f"the sticky distribution cannot hash the key {key!r:.80} of type {type(key).__name__}: keys are "
-            "bytes, str, int, float, None or tuples of them; pass distribution=Sticky(key_fn=...) returning one "
-            "(e.g. the file path)"
+            "bytes, str, int, float, None or tuples of them; pass distribution=Sticky(key_fn=...) "
+            "returning one (e.g. the file path)"
         ) from None
     return _sized(b"i", number.to_bytes(number.bit_length() // 8 + 1, "big", signed=True))
 
@@ -97,7 +97,8 @@ def _split(person: bytes, key_bytes: bytes, count: int) -> int:
     """A stable pick of one of ``count`` (independent of the rendezvous scores)."""
     if count == 1:
         return 0
-    return int.from_bytes(hashlib.blake2b(key_bytes, digest_size=_DIGEST, person=person).digest(), "big") % count
+    digest = hashlib.blake2b(key_bytes, digest_size=_DIGEST, person=person).digest()
+    return int.from_bytes(digest, "big") % count
 
 
 class StickyAssignment:
@@ -115,7 +116,9 @@ class StickyAssignment:
         ranks: Dict[str, List[int]] = {server: [] for server in self.servers.nodes}
         for rank, address in enumerate(self.rank_addresses):
             ranks[address].append(rank)
-        self._ranks_of_server: Tuple[Tuple[int, ...], ...] = tuple(tuple(ranks[s]) for s in self.servers.nodes)
+        self._ranks_of_server: Tuple[Tuple[int, ...], ...] = tuple(
+            tuple(ranks[server]) for server in self.servers.nodes
+        )
 
     @property
     def num_ranks(self) -> int:

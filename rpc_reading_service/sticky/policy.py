@@ -39,7 +39,9 @@ class Sticky:
 
     def __post_init__(self) -> None:
         if self.key_fn is not None and not callable(self.key_fn):
-            raise ConfigurationError(f"Sticky(key_fn=...) must be a function of an item or None, got {self.key_fn!r}")
+            raise ConfigurationError(
+                f"Sticky(key_fn=...) must be a function of an item or None, got {self.key_fn!r}"
+            )
 
     def worker_selection(self, rank_addresses: Sequence[str]) -> "KeySelection":
         """The worker-side selection over the servers of ``rank_addresses`` (the server

@@ -53,7 +53,8 @@ class KeySelection:
         if num_workers != self.assignment.num_ranks:
             raise ConfigurationError(
                 f"the sticky distribution's table has {self.assignment.num_ranks} worker ranks but worker "
-                f"{worker_rank} was sharded as one of {num_workers}: build the table from the run's worker addresses"
+                f"{worker_rank} was sharded as one of {num_workers}: build the table from the run's "
+                "worker addresses"
             )
         self.worker_rank, self.num_workers = worker_rank, num_workers
 
@@ -95,7 +96,9 @@ class StickyShardingFilterIterDataPipe(ShardingFilterIterDataPipe):
         super().__init__(source_datapipe)
         self.selection = selection
 
-    def apply_sharding(self, num_of_instances: int, instance_id: int, sharding_group: Any = SHARDING_PRIORITIES.DEFAULT):
+    def apply_sharding(
+        self, num_of_instances: int, instance_id: int, sharding_group: Any = SHARDING_PRIORITIES.DEFAULT
+    ) -> None:
         """Record the level as ``sharding_filter`` does, and bind the selection to it."""
         if sharding_group not in (SHARDING_PRIORITIES.MULTIPROCESSING, SHARDING_PRIORITIES.DISTRIBUTED):
             raise ConfigurationError(
@@ -116,7 +119,8 @@ class StickyShardingFilterIterDataPipe(ShardingFilterIterDataPipe):
 
     def __len__(self) -> int:
         raise TypeError(
-            f"{type(self).__name__} has no length before it is iterated: how many items a worker keeps depends on their keys"
+            f"{type(self).__name__} has no length before it is iterated: how many items a worker "
+            "keeps depends on their keys"
         )
 
 
@@ -130,7 +134,8 @@ def make_sticky(datapipe: DataPipe, assignment: StickyAssignment, key_fn: Option
     applies to a ``sharding_group_filter``.
     """
     graph = traverse_dps(datapipe)
-    kinds = (ShardingFilterIterDataPipe, StickyShardingFilterIterDataPipe)  # a graph made sticky before: again
+    # A graph made sticky before is made sticky again (over the new table).
+    kinds = (ShardingFilterIterDataPipe, StickyShardingFilterIterDataPipe)
     filters = [dp for dp in list_dps(graph) if type(dp) in kinds]
     if not filters:
         raise ConfigurationError(
