@@ -40,6 +40,21 @@ def test_keys_are_encoded_canonically():
             encode_key(bad)
 
 
+def test_placement_is_pinned():
+    # The placement is a contract between processes, runs and versions (a server's cache is
+    # only warm if the next run sends it the same keys): it depends on the key's canonical
+    # bytes and blake2b alone, never on Python's per-process hash(). A change here moves
+    # every user's keys: make it on purpose only.
+    table = ["10.0.0.1:29600", "10.0.0.2:29600", "10.0.0.1:29600", "10.0.0.3:29600"]
+    keys = ["/data/000001.jpg", b"raw", 12345, -7, 2.5, None, ("shard-3", 17), "naïve"]
+    keys += [f"k{i}" for i in range(16)]
+    expected = [1, 2, 1, 1, 2, 3, 1, 2, 3, 3, 3, 0, 2, 1, 2, 1, 3, 0, 2, 2, 3, 2, 1, 3]
+    assert [StickyAssignment(table).rank_of(key) for key in keys] == expected
+    assert encode_key(("shard-3", 17)).hex() == (
+        "74000000000000001a73000000000000000773686172642d3369000000000000000111"
+    )
+
+
 def test_adding_a_server_moves_only_its_share_to_it():
     before, after = _owners(SERVERS), _owners(SERVERS + ["10.0.0.9:29600"])
     moved = [(b, a) for b, a in zip(before, after) if b != a]
