@@ -217,6 +217,16 @@ def test_items_held_by_trainer_side_datapipes_are_not_lost(rs_factory, cut, in_o
 
 
 @pytest.mark.timeout(60)
+def test_sticky_resume_equals_uninterrupted_run(rs_factory):
+    """Sticky shards are uneven and chosen by key, but positions are per worker as in round-robin."""
+    make_rs = lambda: rs_factory(3, distribution="sticky")  # noqa: E731
+    expected = reference(make_rs, ("sticky", 3))
+    assert expected != reference(lambda: rs_factory(3), ("in_order", 3))  # another dealing
+    got, _ = interrupted_run(make_rs, *CUTS["mid-epoch-2"])
+    assert got == expected
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", [t for t in available_transports() if t != "socket"])
 def test_resume_on_other_transports(rs_factory, tmp_path, transport):
     """Positions are counted by the trainer and skipped by the worker: no transport is special."""
