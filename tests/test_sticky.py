@@ -155,8 +155,23 @@ def test_key_fn_and_refusals():
         _shipped(IterableWrapper(items).sharding_filter(SHARDING_PRIORITIES.MULTIPROCESSING), table)
     with pytest.raises(ConfigurationError, match="2 worker ranks"):
         _worker_epoch(shipped, 0, 3, 0)
+    with pytest.raises(ConfigurationError, match="deals them to the workers by position"):
+        dispatched = IterableWrapper(items).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+        _shipped(dispatched.sharding_filter(), table)
     with pytest.raises(ConfigurationError, match="key_fn"):
         Sticky(key_fn="path")
+
+
+def test_the_placement_digest_is_the_table_of_servers():
+    # What a checkpoint compares: the servers in rank order; a sole server's address decides
+    # nothing (a local server's differs every run), only how many ranks it has.
+    alone, moved = StickyAssignment(["unix:/tmp/a.sock"] * 3), StickyAssignment(["unix:/tmp/b.sock"] * 3)
+    assert [alone.rank_of(k) for k in KEYS[:300]] == [moved.rank_of(k) for k in KEYS[:300]]
+    assert alone.digest() == moved.digest() != StickyAssignment(["unix:/tmp/a.sock"] * 2).digest()
+    two = StickyAssignment(["a:1", "b:1"])
+    assert two.digest() == StickyAssignment(("a:1", "b:1")).digest()
+    others = [StickyAssignment(["b:1", "a:1"]), StickyAssignment(["a:1", "c:1"])]
+    assert len({two.digest(), *(other.digest() for other in others)}) == 3
 
 
 # -- end to end: real rpc-reading-worker servers ------------------------------------------------
