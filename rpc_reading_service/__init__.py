@@ -32,6 +32,7 @@ from .errors import (
     RemoteProtocolError,
     RemoteWorkerError,
     RPCReadingServiceError,
+    StickyKeyError,
     WorkerLostError,
     WorkerRefusedError,
     WorkerStartupError,
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from .reading_service import RPCReadingService
 
 
-_POLICIES = ("Dynamic", "RoundRobin", "FirstReady", "DistributionPolicy")
+_POLICIES = ("Dynamic", "Sticky", "RoundRobin", "FirstReady", "DistributionPolicy")
 
 
 def __getattr__(name: str) -> Any:
@@ -57,8 +58,9 @@ def __getattr__(name: str) -> Any:
     if name in _POLICIES:  # the distribution policies, as lazily (they need torchdata)
         from .engine import distribution
         from .engine.distribution.dynamic import Dynamic
+        from .engine.distribution.sticky import Sticky
 
-        return Dynamic if name == "Dynamic" else getattr(distribution, name)
+        return {"Dynamic": Dynamic, "Sticky": Sticky}.get(name) or getattr(distribution, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
@@ -72,6 +74,7 @@ __all__ = [
     "TLS",
     "Liveness",
     "Reassign",
+    "Sticky",
     "register_transport",
     "available_transports",
     "register_distribution",
@@ -94,4 +97,5 @@ __all__ = [
     "RemoteWorkerError",
     "DiscoveryTimeoutError",
     "CacheKeyError",
+    "StickyKeyError",
 ]

@@ -2,8 +2,9 @@
 
 A checkpoint holds seeds and positions, never data: the epoch number, the epoch's shared
 seed, how many items of each worker's shard the trainer has consumed, whose turn
-is next in the round-robin, and the distribution policy's own state ("dynamic": which
-chunks were delivered, and how much of the partly delivered ones). Resuming replays each worker's shard from the same seed and
+is next in the round-robin, the distribution policy's name and own state ("dynamic": which
+chunks were delivered, and how much of the partly delivered ones; "sticky": a digest of the
+servers the keys were placed on). Resuming replays each worker's shard from the same seed and
 skips the consumed items, so the rest of the epoch comes out exactly as it would have.
 """
 
@@ -90,6 +91,11 @@ class ReadingServiceState:
     #: The distribution policy's state of the checkpointed epoch (None for policies whose workers
     #: own a fixed shard: ``consumed`` says it all). Its policy checks it when resuming.
     distribution: Optional[Dict[str, Any]] = None
+    #: The distribution policy's registered name (absent in checkpoints written before it was
+    #: recorded), and its digest of what decides which worker owns which item besides their
+    #: number ("sticky": the servers' addresses), recorded in an epoch.
+    distribution_name: Optional[str] = None
+    placement: Optional[str] = None
 
     def to_bytes(self) -> bytes:
         """Serialise as JSON (readable, and nothing to unpickle)."""
@@ -143,6 +149,27 @@ class ReadingServiceState:
                 f"({' -> '.join(c.rsplit('.', 1)[-1] for c in self.graph)}); resume with the same graph"
             )
 
+    def check_distribution(self, name: str) -> None:
+        """Refuse to resume an epoch taken with another distribution policy (between epochs the next
+        one starts afresh: any policy may take it)."""
+        recorded = self.distribution_name
+        if self.in_epoch and recorded is not None and recorded != name:
+            raise ConfigurationError(
+                f"checkpoint was taken in an epoch with distribution={recorded!r}, this reading service has "
+                f"distribution={name!r}: the workers' shards differ; resume with distribution={recorded!r} "
+                "(or from a checkpoint taken between epochs)"
+            )
+
+    def check_placement(self, placement: Optional[str]) -> None:
+        """Refuse to resume an epoch whose items were placed on other workers (``"sticky"``: other
+        server addresses, or the same ones in another order): each rank would replay another shard."""
+        if self.in_epoch and placement != self.placement and self.distribution_name is not None:
+            raise ConfigurationError(
+                f"checkpoint was taken with distribution={self.distribution_name!r} over other worker "
+                f"servers (placement {self.placement}, this run's is {placement}): its shards belong to "
+                "those servers; resume with the same worker addresses in the same order"
+            )
+
 
 #: Positions past this are no position in any shard (and would overflow the worker's counters).
 MAX_POSITION = 2**63 - 1
@@ -151,7 +178,7 @@ _SEED_GENERATOR_LENGTHS = {"_seed": 2, "_ctr": 4, "_generated_seeds": 4, "_spawn
 
 
 #: Fields a version-1 checkpoint written before they existed lacks (they default to None).
-_ADDED_IN_VERSION_1 = ("epoch_start_seed_generator", "distribution")
+_ADDED_IN_VERSION_1 = ("epoch_start_seed_generator", "distribution", "distribution_name", "placement")
 
 
 def _refuse(field_name: str, problem: str) -> ConfigurationError:
@@ -226,3 +253,6 @@ def _check_fields(values: Dict[str, Any]) -> None:
     policy_state = values.get("distribution")
     if policy_state is not None and not isinstance(policy_state, dict):
         raise _refuse("distribution", f"must be null or an object, got {policy_state!r:.80}")
+    for name in ("distribution_name", "placement"):
+        if values.get(name) is not None and not isinstance(values[name], str):
+            raise _refuse(name, f"must be null or a string, got {values[name]!r:.80}")

@@ -1,6 +1,6 @@
 """Distribution policies by name: the registry behind ``RPCReadingService(distribution=...)``.
 
-Built in: ``"round_robin"`` (the default), ``"first_ready"`` and ``"dynamic"`` (see
+Built in: ``"round_robin"`` (the default), ``"first_ready"``, ``"dynamic"`` and ``"sticky"`` (see
 :mod:`rpc_reading_service.engine.distribution`). Third-party policies register with
 :func:`register_distribution` or through the entry-point group
 ``rpc_reading_service.distributions`` (``name = "package.module:factory"``); a factory
@@ -42,6 +42,12 @@ def _dynamic(**options: Any) -> Any:
     return Dynamic(**options)
 
 
+def _sticky(**options: Any) -> Any:
+    from .engine.distribution.sticky import Sticky
+
+    return Sticky(**options)
+
+
 def register_distribution(name: str, factory: DistributionFactory, *, replace: bool = False) -> None:
     """Make ``factory()`` available as ``RPCReadingService(distribution=name)``."""
     _registry.register(name, factory, replace=replace)
@@ -74,3 +80,4 @@ def create_distribution(name: str, **options: Any) -> Any:
 register_distribution("round_robin", _round_robin)
 register_distribution("first_ready", _first_ready)
 register_distribution("dynamic", _dynamic)
+register_distribution("sticky", _sticky)

@@ -24,6 +24,7 @@ __all__ = [
     "DiscoveryTimeoutError",
     "CacheKeyError",
     "DispatchStalledError",
+    "StickyKeyError",
 ]
 
 
@@ -135,3 +136,9 @@ class DispatchStalledError(RPCReadingServiceError, RuntimeError):
     worker (``sharding_round_robin_dispatch`` with ``in_order=True``): the workers' outputs do
     not keep pace with their inputs (a filter after the dispatch point, for example). The message
     names both workers; ``in_order=False`` lets the trainer take whatever is ready."""
+
+
+class StickyKeyError(RPCReadingServiceError, TypeError):
+    """The sticky distribution could not hash an item's key to a worker: the key is not one of
+    the accepted types (bytes, str, int, float, None, and tuples or lists of them). The message
+    names the worker and the key; pass a ``key_fn`` that returns such a key (e.g. the file path)."""

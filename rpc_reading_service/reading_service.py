@@ -245,6 +245,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             dist_rank=dist.rank, dist_world_size=dist.world_size,
             epoch_start_seed_generator=self._epoch_start_generator,
             distribution=None if positions.policy is None else dict(positions.policy),
+            distribution_name=self._config.distribution.name,
+            placement=None if ended else self._engine.placement(),
         )  # fmt: skip
         return state.to_bytes()
 
@@ -256,7 +258,14 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             dist = distributed_info()
             state.check_compatible(self.num_workers, graph_fingerprint(datapipe), dist.rank, dist.world_size)
             if state.in_epoch and self.num_workers > 0:  # the trainer's own graph resumes by position
-                self._config.distribution.check_state(state.distribution)
+                policy = self._config.distribution
+                policy.check_state(state.distribution)
+                state.check_distribution(policy.name)
+                try:
+                    state.check_placement(self._engine.placement())
+                except BaseException:
+                    self.finalize()  # a local server may have started
+                    raise
             end = self._initialize(datapipe)
             self._engine.epoch_number = state.epoch
             if state.in_epoch:

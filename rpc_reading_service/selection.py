@@ -88,6 +88,14 @@ class WorkerSelection:
         """This worker's rank among the run's ``num_workers`` worker sessions."""
         self.worker_rank, self.num_workers = worker_rank, num_workers
 
+    def bind_outer(self, instance_id: int, num_instances: int) -> bool:
+        """Called before every walk with the levels of sharding above the workers'
+        (torch.distributed's): this graph is instance ``instance_id`` of ``num_instances``.
+        Return True to split them yourself (:meth:`keep` then sees every item of the stream,
+        and positions count them all); False (the default) has :class:`SelectionFilter`
+        split them by position first."""
+        return False
+
     def start_epoch(self, context: SelectionContext) -> None:
         """Called by the session before every epoch's walk (also without a session: defaults)."""
 
@@ -106,7 +114,8 @@ class SelectionFilter(ShardingFilterIterDataPipe):
     """A ``sharding_filter`` whose workers' level of sharding is decided by a :class:`WorkerSelection`.
 
     Other levels (torch.distributed's, DEFAULT) still split the stream by position as
-    ``sharding_filter`` does; the positions the selection sees count what they keep.
+    ``sharding_filter`` does, unless the selection splits them itself
+    (:meth:`WorkerSelection.bind_outer`); the positions the selection sees count what is left.
     """
 
     def __init__(self, source_datapipe: DataPipe, selection: WorkerSelection, sharding_group_filter: Any = None):
@@ -143,6 +152,8 @@ class SelectionFilter(ShardingFilterIterDataPipe):
         context = self._context or SelectionContext(epoch=0, seed=0, global_worker_id=0)
         selection.start_epoch(context)
         instances, instance_id = self._outer()
+        if selection.bind_outer(instance_id, instances):
+            instances, instance_id = 1, 0
         position = 0
         try:
             for index, item in enumerate(self.source_datapipe):

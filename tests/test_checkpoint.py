@@ -217,6 +217,59 @@ def test_items_held_by_trainer_side_datapipes_are_not_lost(rs_factory, cut, in_o
 
 
 @pytest.mark.timeout(60)
+def test_sticky_resume_equals_uninterrupted_run(rs_factory):
+    """Sticky shards are uneven and chosen by key, but positions are per worker as in round-robin."""
+    make_rs = lambda: rs_factory(3, distribution="sticky")  # noqa: E731
+    expected = reference(make_rs, ("sticky", 3))
+    assert expected != reference(lambda: rs_factory(3), ("in_order", 3))  # another dealing
+    got, state = interrupted_run(make_rs, *CUTS["mid-epoch-2"])
+    assert got == expected
+    values = json.loads(state[RS_STATE])
+    assert values["distribution_name"] == "sticky" and values["distribution"] is None
+    assert values["placement"]  # one server: the digest of 3 ranks on it, whatever its address
+
+
+@pytest.mark.timeout(60)
+def test_sticky_state_is_refused_by_another_distribution_or_other_servers(rs_factory, worker_server):
+    """A sticky epoch resumed with round-robin, or over another table of servers, would replay
+    other shards: refused in restore(), before any session starts."""
+    sticky = lambda: rs_factory(2, distribution="sticky")  # noqa: E731
+    state, round_robin_state = _state_of(sticky, make_graph()), _state_of(lambda: rs_factory(2), make_graph())
+    sessions_before = set(worker_server.session_pids())
+    with pytest.raises(ConfigurationError, match=r"distribution='sticky'.*distribution='round_robin'"):
+        _resume(state, rs_factory(2))
+    with pytest.raises(ConfigurationError, match=r"distribution='round_robin'.*distribution='sticky'"):
+        _resume(round_robin_state, sticky())
+    # Rank 1 on another server (never reached: the placement differs before anything connects).
+    elsewhere = RPCReadingService(
+        num_workers=2, workers=[worker_server.address, "127.0.0.1:9"], auth_key=worker_server.key,
+        distribution="sticky",
+    )  # fmt: skip
+    with pytest.raises(ConfigurationError, match="other worker servers.*same worker addresses in the same"):
+        _resume(state, elsewhere)
+    assert set(worker_server.session_pids()) <= sessions_before
+
+
+def test_the_distribution_is_checked_in_an_epoch_only():
+    state = ReadingServiceState(num_workers=2, graph=["a.B"], consumed=[1, 0], in_epoch=True,
+                                distribution_name="sticky", placement="ab12")  # fmt: skip
+    state.check_distribution("sticky")
+    state.check_placement("ab12")
+    with pytest.raises(ConfigurationError, match="resume with distribution='sticky'"):
+        state.check_distribution("dynamic")
+    with pytest.raises(ConfigurationError, match="placement ab12, this run's is cd34"):
+        state.check_placement("cd34")
+    between_epochs = ReadingServiceState(
+        num_workers=2, graph=["a.B"], distribution_name="sticky", placement="ab12"
+    )
+    between_epochs.check_distribution("round_robin")  # the next epoch starts afresh
+    between_epochs.check_placement(None)
+    older = ReadingServiceState(num_workers=2, graph=["a.B"], consumed=[1, 0], in_epoch=True)
+    older.check_distribution("sticky")  # written before the name was recorded: nothing to compare
+    older.check_placement("cd34")
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("transport", [t for t in available_transports() if t != "socket"])
 def test_resume_on_other_transports(rs_factory, tmp_path, transport):
     """Positions are counted by the trainer and skipped by the worker: no transport is special."""
@@ -421,6 +474,10 @@ TAMPERED = {
         "epoch_start_seed_generator._worker_rng._ctr", [1],
         "'epoch_start_seed_generator._worker_rng._ctr' has 1 entries, expected 4",
     ),
+    "distribution name not a string": (
+        "distribution_name", 3, "'distribution_name' must be null or a string, got 3"
+    ),
+    "placement not a string": ("placement", ["a"], "'placement' must be null or a string, got ['a']"),
 }
 
 

@@ -156,7 +156,7 @@ def test_checkpoint_state_gives_back_held_items_and_resumes_the_rest():
 
 # -- configuration -----------------------------------------------------------------------------
 def test_distribution_names_objects_and_the_in_order_shorthand():
-    assert {"round_robin", "first_ready", "dynamic"} <= set(available_distributions())
+    assert {"round_robin", "first_ready", "dynamic", "sticky"} <= set(available_distributions())
     create = ReadingServiceConfig.create
     assert type(create(num_workers=2).distribution) is RoundRobin
     assert type(create(num_workers=2, in_order=False).distribution) is FirstReady
@@ -216,7 +216,8 @@ def test_every_policy_gives_every_item_exactly_once_and_dynamic_shows_its_chunks
     dp = IterableWrapper(range(N)).sharding_filter()
     orders = {}
     for name, distribution in (("round_robin",) * 2, ("first_ready",) * 2, ("dynamic",) * 2,
-                               ("dynamic, as they arrive", Dynamic(in_order=False)), ("backwards",) * 2):  # fmt: skip
+                               ("dynamic, as they arrive", Dynamic(in_order=False)), ("sticky",) * 2,
+                               ("backwards",) * 2):  # fmt: skip
         service = remote(worker_server, 3, distribution=distribution)
         with DataLoader2(dp, reading_service=service) as dl:
             for _ in range(2):

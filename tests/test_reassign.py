@@ -396,10 +396,12 @@ def test_unrelated_losses_in_successive_epochs_do_not_add_up(caplog):
 
 
 # -- remote servers -------------------------------------------------------------------------------
-def _remote_loader(addresses: List[str], key: str, num_workers: int, in_order: bool = True) -> DataLoader2:
+def _remote_loader(
+    addresses: List[str], key: str, num_workers: int, in_order: bool = True, distribution: Optional[str] = None
+) -> DataLoader2:
     service = RPCReadingService(
         num_workers=num_workers, workers=addresses, liveness=Liveness(heartbeat_interval=HEARTBEAT),
-        on_worker_failure="reassign", auth_key=key, in_order=in_order, timeout=TIMEOUT,
+        on_worker_failure="reassign", auth_key=key, in_order=in_order, timeout=TIMEOUT, distribution=distribution,
     )  # fmt: skip
     dl = DataLoader2(_graph(200), reading_service=service)
     dl.seed(SEED)
@@ -444,14 +446,16 @@ def test_remote_session_killed_is_replaced_on_the_same_server(fresh_server):
 
 
 @pytest.mark.timeout(60)
-def test_killed_server_has_its_shards_replayed_on_the_other_server(fresh_server):
+@pytest.mark.parametrize("distribution", [None, "sticky"])
+def test_killed_server_has_its_shards_replayed_on_the_other_server(fresh_server, distribution):
+    """With sticky too: a replayed shard keeps its items (the table of servers travels with the graph)."""
     a = fresh_server()
     b = fresh_server(key=a.key)
     addresses = [a.address, b.address]
-    reference = _two_epochs(_remote_loader(addresses, a.key, 4))
+    reference = _two_epochs(_remote_loader(addresses, a.key, 4, distribution=distribution))
     a.wait_idle(5)
     b.wait_idle(5)
-    dl = _remote_loader(addresses, a.key, 4)
+    dl = _remote_loader(addresses, a.key, 4, distribution=distribution)
     try:
         first = []
         for item in dl:

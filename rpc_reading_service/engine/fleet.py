@@ -63,6 +63,7 @@ class Fleet:
         self._transport: Optional[Transport] = None
         #: The one thread receiving for every session of the run (made by :meth:`connect`).
         self._loop: Optional[ReceiveLoop] = None
+        self._rank_addresses: Optional[List[str]] = None
 
     def discover(self) -> int:
         """Find the workers of a :class:`StoreDiscovery` or :class:`Hostfile` (once) and return
@@ -82,6 +83,13 @@ class Fleet:
         if self.num_workers == 0:
             self.num_workers = len(self._discovered)
         return self.num_workers
+
+    def rank_addresses(self) -> List[str]:
+        """The server address of every worker rank (sessions of one server share it), resolved
+        once: a local fleet's server starts here. The sticky distribution hashes keys over them."""
+        if self._rank_addresses is None:
+            self._rank_addresses = self._addresses()
+        return self._rank_addresses
 
     def _addresses(self) -> List[str]:
         workers = self.config.workers
@@ -118,7 +126,7 @@ class Fleet:
             self.config.transport.name, **self.config.transport.factory_options()
         )
         self._graph = graph
-        addresses = self._addresses()
+        addresses = self.rank_addresses()
         self._loop = self._loop or ReceiveLoop()  # after a local server forked: not its descriptors
         channels: List[WorkerChannel] = []
         errors: List[BaseException] = []

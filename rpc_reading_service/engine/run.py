@@ -111,9 +111,9 @@ class Engine:
         if self.num_workers == 0:
             self.in_process_graph = init_worker_graph(graph, WorkerInfo(1, 0), config.worker_init_fn)
             return
-        shipped = self._ship(graph)
         _open_engines[self] = os.getpid()
         try:
+            shipped = self._ship(graph)  # a policy may ask for the workers' addresses: a local server starts
             self.channels = self.fleet.connect(shipped, self.receiver_queue)
         except BaseException:
             self.close()
@@ -124,11 +124,19 @@ class Engine:
         ``sharding_filter`` (the caller's graph is put back as it was)."""
         config, policy = self.config, self.config.distribution
         policy.check_graph(graph)
-        selection = policy.worker_selection()
+        selection = policy.worker_selection(self.fleet)
         if selection is None:
             return dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
         with selection_in_place(graph, selection) as shipped:
             return dumps_graph((shipped, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+
+    def placement(self) -> Optional[str]:
+        """The policy's digest of what, besides the number of workers, decides which worker owns
+        which item (None: nothing does, or the graph runs here). It may resolve the workers'
+        addresses (a local server starts): call it before :meth:`start` only to check a checkpoint."""
+        if self.num_workers == 0:
+            return None
+        return self.config.distribution.placement(self.fleet)
 
     def receiver_queue(self) -> "queue.SimpleQueue[Event]":
         """Where a new channel delivers: the shared queue, or a queue of its own (the policy says)."""

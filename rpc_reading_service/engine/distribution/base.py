@@ -6,7 +6,8 @@ A policy decides four things (``RPCReadingService(distribution=...)``):
    (the stream at the ``sharding_filter``, before sharding). :meth:`DistributionPolicy.worker_selection`
    returns a :class:`~rpc_reading_service.selection.WorkerSelection` that replaces every
    ``sharding_filter`` in the graph shipped to the workers, or ``None`` to keep torchdata's
-   ``sharding_filter`` (by rank: round-robin, first-ready).
+   ``sharding_filter`` (by rank: round-robin, first-ready). It may ask the :class:`FleetView`
+   where the workers are (sticky: the server address of every rank).
 2. **Merging**: :meth:`DistributionPolicy.merger` returns the :class:`Merger` of one epoch,
    which takes the workers' frames and yields the items in the delivered order (round-robin
    by rank, arrival order, or resequenced by chunk), updating the epoch's
@@ -17,6 +18,8 @@ A policy decides four things (``RPCReadingService(distribution=...)``):
    :meth:`DistributionPolicy.check_state` and handed back to the next epoch's merger
    (:attr:`EpochRun.resume`). :meth:`DistributionPolicy.skip` says how many items of its
    stream a worker skips when an epoch starts (per rank positions: what was consumed).
+   The checkpoint records the policy's name and :meth:`DistributionPolicy.placement`;
+   resuming a checkpointed epoch with another policy or placement is refused.
 4. **Reassignment** of a lost worker (``on_worker_failure="reassign"``): the merger calls
    :attr:`EpochRun.replace`, which opens a new session at the same rank started at
    :meth:`DistributionPolicy.skip`; the merger decides what the new session produces
@@ -31,7 +34,7 @@ from __future__ import annotations
 import abc
 import queue
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Mapping, Optional
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Mapping, Optional, Protocol
 
 from ...errors import ConfigurationError
 from ...selection import WorkerSelection
@@ -41,7 +44,20 @@ if TYPE_CHECKING:
     from ...config import ReadingServiceConfig
     from .merge import EpochProgress, ReplaceFn
 
-__all__ = ["DistributionPolicy", "EpochRun", "Merger"]
+__all__ = ["DistributionPolicy", "EpochRun", "FleetView", "Merger"]
+
+
+class FleetView(Protocol):
+    """What a policy may ask about the run's workers when the graph is shipped (the engine's
+    :class:`~rpc_reading_service.engine.fleet.Fleet` is one)."""
+
+    #: Worker sessions of the run.
+    num_workers: int
+
+    def rank_addresses(self) -> List[str]:
+        """The server address of every worker rank (sessions of one server share it); the
+        first call resolves them (a local server starts)."""
+        ...
 
 
 @dataclass
@@ -108,8 +124,13 @@ class DistributionPolicy(abc.ABC):
     def check_graph(self, graph: Any) -> None:
         """Refuse a graph this policy cannot serve (raise ConfigurationError), before it is shipped."""
 
-    def worker_selection(self) -> Optional[WorkerSelection]:
+    def worker_selection(self, fleet: FleetView) -> Optional[WorkerSelection]:
         """The selection that replaces ``sharding_filter`` in the shipped graph; None keeps it (by rank)."""
+        return None
+
+    def placement(self, fleet: FleetView) -> Optional[str]:
+        """A digest of what, besides the number of workers, decides which worker owns which item
+        (None: nothing does). A checkpoint records it; resuming where it differs is refused."""
         return None
 
     def skip(self, progress: "EpochProgress", rank: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterator, Optional
 
 from ...selection import WorkerSelection
-from .base import DistributionPolicy, EpochRun, Merger
+from .base import DistributionPolicy, EpochRun, FleetView, Merger
 from .merge import iterate_as_completed, iterate_in_order
 
 __all__ = ["RoundRobin", "FirstReady"]
@@ -40,7 +40,7 @@ class RoundRobin(DistributionPolicy):
     def __init__(self, selection: Optional[WorkerSelection] = None):
         self.selection = selection
 
-    def worker_selection(self) -> Optional[WorkerSelection]:
+    def worker_selection(self, fleet: FleetView) -> Optional[WorkerSelection]:
         """The selection given, else None (torchdata's ``sharding_filter``)."""
         return self.selection
 

@@ -32,7 +32,7 @@ from ...client import Event, WorkerChannel
 from ...errors import ConfigurationError, WorkerLostError
 from ...selection import LeasedChunks, WorkerSelection
 from ...settings import NumberRule, check_number
-from .base import DistributionPolicy, EpochRun, Merger
+from .base import DistributionPolicy, EpochRun, FleetView, Merger
 from .leases import LeaseBook, check_book_state
 from .merge import _take
 
@@ -99,7 +99,7 @@ class Dynamic(DistributionPolicy):
                 "none: add .sharding_filter() where the items should be split among the workers"
             )
 
-    def worker_selection(self) -> WorkerSelection:
+    def worker_selection(self, fleet: FleetView) -> WorkerSelection:
         """Each worker keeps the chunks leased to it."""
         return LeasedChunks(self.chunk_size)
 
