@@ -270,3 +270,19 @@ def test_reassign_feeds_a_killed_workers_input_to_its_replacement_exactly_once()
         dl.shutdown()
     assert victim is not None and victim not in pids  # worker 1 was replaced
     assert epoch == reference  # every item once, in the fault-free order
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("distribution", ["dynamic", "sticky"])
+def test_policies_that_pick_items_themselves_refuse_a_dispatching_graph(distribution):
+    """Not an empty or mis-dealt epoch: the dispatch point is cut off before the policy sees the
+    workers' graph, so the engine refuses the combination itself."""
+    from rpc_reading_service.errors import ConfigurationError
+
+    dp = IterableWrapper(range(20)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    dl = DataLoader2(dp.sharding_filter(), reading_service=RPCReadingService(num_workers=2, distribution=distribution))
+    try:
+        with pytest.raises(ConfigurationError, match="sharding_round_robin_dispatch deals the items"):
+            list(dl)
+    finally:
+        dl.shutdown()

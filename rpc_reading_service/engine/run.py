@@ -28,7 +28,7 @@ from torchdata.dataloader2.utils import WorkerInfo
 
 from ..client import Event, WorkerChannel
 from ..config import ReadingServiceConfig
-from ..errors import RPCReadingServiceError
+from ..errors import ConfigurationError, RPCReadingServiceError
 from ..graph import DistributedInfo, init_worker_graph, reset_dispatching_graph, reset_worker_graph
 from ..selection import selection_in_place
 from ..serialization import dumps_graph, pack_exception, rebuild_exception
@@ -125,6 +125,13 @@ class Engine:
         config, policy = self.config, self.config.distribution
         policy.check_graph(graph)
         selection = policy.worker_selection(self.fleet)
+        if self.dispatching is not None and (selection is not None or policy.leased):
+            # The graph's dispatch point is already cut off here: the policy's own check cannot see it.
+            raise ConfigurationError(
+                f"distribution={policy.name!r} decides itself which worker gets which item, and "
+                "sharding_round_robin_dispatch deals the items to the workers by position: use "
+                "distribution='round_robin' (or 'first_ready') with a dispatching graph"
+            )
         if selection is None:
             return dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
         with selection_in_place(graph, selection) as shipped:
