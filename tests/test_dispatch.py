@@ -3,16 +3,18 @@
 First the dealing and credit rules of one rank's input (:class:`RankInput`, no I/O), then end
 to end with real worker processes: the dispatching part's errors in MPRS's words, bounded
 buffering with a slow worker, checkpoint resume mid-epoch, ``on_worker_failure="reassign"``
-with a killed worker. (CLI-started servers of both transports: in test_torch_rpc_transport,
+with a killed worker and with one that stops reading. (CLI-started servers of both transports: in test_torch_rpc_transport,
 which starts both.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import threading
+import time
 from typing import Any, List
 
 import pytest
@@ -77,15 +79,20 @@ def test_items_wait_for_credit_and_leave_packed_in_order():
     sent: List[Any] = []
     rank = _rank_input(sent)
     assert rank.deal(dumps_item("a")) and rank.deal(dumps_item("b"))
+    rank.drain()
     assert sent == [] and rank.pending == 2  # no ITEM_CREDIT yet: nothing leaves
     rank.grant(epoch=1, credits=2)
+    assert sent == []  # granting (the receive loop's call) only frames: the sender sends
+    rank.drain()
     assert [(m.sequence, len(m.items)) for m in sent] == [(0, 2)]  # one frame packs both
-    rank.deal(dumps_item("c"))  # credit left: sent at once
+    rank.deal(dumps_item("c"))  # credit left: framed at once
     rank.grant(epoch=0, credits=5)  # another epoch's grant changes nothing
     rank.deal(dumps_item("d"))
     rank.finish()
+    rank.drain()
     assert [type(m).__name__ for m in sent] == ["Items", "Items"] and rank.pending == 1
     rank.grant(epoch=1, credits=1)
+    rank.drain()
     assert isinstance(sent[-1], EndOfInput) and sent[-1].items_sent == 4
     assert [m.sequence for m in sent if isinstance(m, Items)] == [0, 1, 2]
 
@@ -100,6 +107,7 @@ def test_a_full_frame_blocks_the_dispatcher_until_credit_or_cancel():
     assert wait_until(lambda: rank.waits == 1, timeout=5)  # blocked: two items, no credit
     rank.grant(epoch=1, credits=1)
     dealer.join(5)
+    rank.drain()
     assert results == [True] and [len(m.items) for m in sent] == [2]
     rank.deal(dumps_item(2))
     dealer = threading.Thread(target=lambda: results.append(rank.deal(dumps_item(3))))
@@ -109,6 +117,7 @@ def test_a_full_frame_blocks_the_dispatcher_until_credit_or_cancel():
     dealer.join(5)
     assert results == [True, False] and not dealer.is_alive()
     rank.grant(epoch=1, credits=5)
+    rank.drain()
     assert len(sent) == 1  # nothing leaves after cancel
 
 
@@ -123,14 +132,18 @@ def test_a_replacement_session_gets_the_whole_input_again_and_ended_shards_never
     replayed: List[Any] = []
     rank.restart(replayed.append)
     rank.grant(epoch=1, credits=9, session=old_session)  # a late grant of the lost session
+    rank.drain()
     assert replayed == []
     rank.grant(epoch=1, credits=9, session=rank.session)
+    rank.drain()
     assert [m.sequence for m in replayed[:-1]] == [0, 1] and replayed[-1] == EndOfInput(1, 3)
     # A worker whose graph ended before its input: the rest is dropped, the dispatcher goes on.
     sent.clear()
     rank = _rank_input(sent, max_items=1)
     rank.shard_ended(epoch=1)
-    assert all(rank.deal(dumps_item(x)) for x in range(5)) and rank.waits == 0 and sent == []
+    assert all(rank.deal(dumps_item(x)) for x in range(5)) and rank.waits == 0
+    rank.drain()
+    assert sent == []
 
 
 def test_the_workers_inbox_grants_per_frame_and_says_when_it_waits():
@@ -213,7 +226,9 @@ def test_uneven_outputs_in_order_are_a_clear_error_not_a_hang_and_go_through_out
         dp = IterableWrapper(range(n)).map(padded).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
         return dp.filter(has_even_id)
 
-    with DataLoader2(graph(4_000), reading_service=RPCReadingService(num_workers=2, prefetch=1)) as dl:
+    # The error waits to hear from the worker that does not ask (alive, not stopped): a short heartbeat.
+    rs = RPCReadingService(num_workers=2, prefetch=1, liveness=Liveness(heartbeat_interval=0.2))
+    with DataLoader2(graph(4_000), reading_service=rs) as dl:
         with pytest.raises(DispatchStalledError, match="worker 0 has not asked .* while worker 1 waits for input"):
             list(dl)
     # Within a worker's pipeline, the dispatcher holds what it must; out of order, nothing stalls.
@@ -270,3 +285,43 @@ def test_reassign_feeds_a_killed_workers_input_to_its_replacement_exactly_once()
         dl.shutdown()
     assert victim is not None and victim not in pids  # worker 1 was replaced
     assert epoch == reference  # every item once, in the fault-free order
+
+
+def quarter_mib(x: int) -> tuple:
+    return (x, bytes(256 * 1024))
+
+
+def first(item: tuple) -> int:
+    return item[0]
+
+
+@pytest.mark.timeout(20)
+def test_a_worker_that_stops_reading_its_input_is_lost_on_time_and_its_input_replayed_once():
+    """SIGSTOP one worker mid-epoch while 1 MiB ITEMS frames flow to it: its socket fills, and a
+    send to it must block no thread the other sessions need (receiving, heartbeats, credits). It is
+    reported lost after ``timeout`` of silence, and its replacement gets its input once more."""
+    n, timeout = 240, 1.5
+    dp = IterableWrapper(range(n)).map(quarter_mib).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    rs = RPCReadingService(
+        num_workers=2, on_worker_failure="reassign", timeout=timeout, liveness=Liveness(heartbeat_interval=0.1)
+    )
+    stopped, seen, lost_after = None, [], None
+    dl = DataLoader2(dp.map(first), reading_service=rs)
+    try:
+        for x in dl:
+            seen.append(x)
+            if stopped is None and len(seen) == 20:
+                stopped, t_stop = dl.reading_service.stats().workers[1].pid, time.monotonic()
+                os.kill(stopped, signal.SIGSTOP)
+            elif stopped is not None and lost_after is None:
+                if dl.reading_service.stats().workers[1].pid != stopped:
+                    lost_after = time.monotonic() - t_stop
+        pids = [w.pid for w in dl.reading_service.stats().workers]
+    finally:
+        if stopped is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(stopped, signal.SIGCONT)
+        dl.shutdown()
+    assert stopped is not None and stopped not in pids  # worker 1 was replaced
+    assert lost_after is not None and lost_after < timeout + 2.0, lost_after
+    assert sorted(seen) == list(range(n))  # every item once
