@@ -25,7 +25,9 @@ from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
 from rpc_reading_service import Liveness, RPCReadingService
 from rpc_reading_service.engine.dispatch import RankInput
-from rpc_reading_service.errors import DispatchStalledError
+from rpc_reading_service.engine.distribution.dynamic import Dynamic
+from rpc_reading_service.errors import ConfigurationError, DispatchStalledError
+from rpc_reading_service.graph import split_dispatching
 from rpc_reading_service.protocol import EndOfInput, Items
 from rpc_reading_service.serialization import dumps_item
 from rpc_reading_service.worker_session import Inbox
@@ -163,6 +165,15 @@ def test_the_workers_inbox_grants_per_frame_and_says_when_it_waits():
     with pytest.raises(Exception) as caught:
         list(cancelled)
     assert type(caught.value).__name__ == "_Cancelled"  # the producer's signal to stop
+
+
+def test_dynamic_distribution_refuses_a_dispatching_graph_and_says_what_to_use():
+    """The engine checks the workers' part, where torchdata's placeholder stands for the dispatch."""
+    _dispatching_part, workers_part = split_dispatching(dispatching(10, with_draw))
+    for graph in (dispatching(10, with_draw), workers_part):
+        with pytest.raises(ConfigurationError, match="does not support sharding_round_robin_dispatch yet.*"
+                           "use distribution='round_robin' with it, or sharding_filter"):  # fmt: skip
+            Dynamic().check_graph(graph)
 
 
 # -- end to end: local workers -------------------------------------------------------------------
