@@ -8,6 +8,13 @@ the heartbeats it finds due, and turns its events into :class:`Event` objects on
 the consumer (the DataLoader2 iterator's thread) unpickles items and grants a credit for
 every frame it takes, so at most ``prefetch`` frames per worker are ever
 buffered here.
+
+A worker that stops reading (a stopped process, a full connection) must not stall the
+others: the receiver sends a heartbeat only when the connection has room for it
+(``Connection.has_room``) and never sends dispatched input (the dispatcher's own thread
+does), and once the worker has been silent for ``peer_timeout`` the receiver shuts its
+connection down, which ends every send still waiting for it (the dispatcher's, the
+consumer's credit) before the consumer hears of the loss.
 """
 
 from __future__ import annotations
@@ -132,17 +139,23 @@ class WorkerChannel:
         """``worker R (host:port)``, for messages."""
         return describe_worker(self.rank, self.address)
 
-    def _send_or_report(self, message: Message, wait: float = -1, epoch: Optional[int] = None) -> None:
+    def _send_or_report(
+        self, message: Message, wait: float = -1, epoch: Optional[int] = None, if_room: bool = False
+    ) -> None:
         """Send ``message`` unless the session is over; a failed send is the receiver's to report.
 
         ``wait``: seconds to wait for a send in progress (``-1``: as long as it takes); after
         that, ``message`` is not sent. With ``epoch``, it is not sent either once another
-        epoch started (or this one stopped).
+        epoch started (or this one stopped). ``if_room``: not sent either when the connection
+        has no room for it now (the send would wait for the worker to read).
         """
         if not self._send_lock.acquire(timeout=wait):
             log.debug("not sending %s to %s: another send is stuck", message.kind.name, self.name)
             return
         try:
+            if if_room and not self.conn.has_room():
+                log.debug("not sending %s to %s: its connection is full", message.kind.name, self.name)
+                return
             with self._state_lock:
                 if self.protocol.state is SessionState.CLOSED:
                     return  # the receiver reports why it ended
@@ -161,14 +174,14 @@ class WorkerChannel:
     def _tick(self, now: Optional[float] = None, blocking: bool = True) -> Tick:
         """The state machine's liveness: send the heartbeat due, return what else it found.
 
-        Not ``blocking``: while another thread is sending a frame, the heartbeat is not sent
-        (that frame shows the worker this side is alive), so the receiver never waits
-        behind a large send."""
+        Not ``blocking``: while another thread is sending a frame, or the connection has no
+        room (a worker that stopped reading), the heartbeat is not sent (a frame on its way
+        shows the worker this side is alive), so the receiver never waits for one session."""
         sending = self._send_lock.acquire(blocking)
         try:
             with self._state_lock:
                 due = self.protocol.tick(now)
-            if due.chunks and sending:
+            if due.chunks and sending and (blocking or self.conn.has_room()):
                 try:
                     self.conn.send(due.chunks)
                 except (PeerLostError, OSError) as exc:
@@ -177,6 +190,13 @@ class WorkerChannel:
             if sending:
                 self._send_lock.release()
         return due
+
+    def heard_since(self, since: float) -> bool:
+        """Whether a frame from the worker was taken in half a heartbeat interval or more after
+        ``since`` (``time.monotonic()``): by then, frames it sent before ``since`` have been
+        read, so the worker was alive after ``since``; one that is alive sends at least a
+        heartbeat per interval."""
+        return self.protocol.last_received >= since + self.heartbeat_interval / 2
 
     def _receive(self, frame: Frame) -> List[Any]:
         with self._state_lock:
@@ -301,7 +321,7 @@ class WorkerChannel:
         self._closing = True
         # A dispatched ITEMS frame may be stuck in a send to a worker that stopped reading:
         # closing the connection below wakes it, so do not wait for it to say CLOSE.
-        self._send_or_report(Close(), wait=min(timeout, 1.0))
+        self._send_or_report(Close(), wait=min(timeout, 1.0), if_room=True)
         if self._in_loop:
             assert self._loop is not None
             self._loop.remove(self, timeout)  # before closing: the loop must not poll a closed descriptor
@@ -332,6 +352,9 @@ class WorkerChannel:
             return None
         due = self._tick(now, blocking=False)
         if due.events:  # PeerTimedOut
+            # Silent that long, it is gone: shutting the connection down ends the sends still
+            # waiting for it to read (they fail quietly), so the consumer gets to the loss.
+            self.conn.close()
             self._lost(due.events[0].message)
             return None
         return min(due.wait, self.heartbeat_interval)

@@ -3,16 +3,18 @@
 First the dealing and credit rules of one rank's input (:class:`RankInput`, no I/O), then end
 to end with real worker processes: the dispatching part's errors in MPRS's words, bounded
 buffering with a slow worker, checkpoint resume mid-epoch, ``on_worker_failure="reassign"``
-with a killed worker. (CLI-started servers of both transports: in test_torch_rpc_transport,
+with a killed worker and with one that stops reading. (CLI-started servers of both transports: in test_torch_rpc_transport,
 which starts both.)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
 import threading
+import time
 from typing import Any, List
 
 import pytest
@@ -23,7 +25,9 @@ from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
 from rpc_reading_service import Liveness, RPCReadingService
 from rpc_reading_service.engine.dispatch import RankInput
-from rpc_reading_service.errors import DispatchStalledError
+from rpc_reading_service.engine.distribution.dynamic import Dynamic
+from rpc_reading_service.errors import ConfigurationError, DispatchStalledError
+from rpc_reading_service.graph import split_dispatching
 from rpc_reading_service.protocol import EndOfInput, Items
 from rpc_reading_service.serialization import dumps_item
 from rpc_reading_service.worker_session import Inbox
@@ -77,15 +81,20 @@ def test_items_wait_for_credit_and_leave_packed_in_order():
     sent: List[Any] = []
     rank = _rank_input(sent)
     assert rank.deal(dumps_item("a")) and rank.deal(dumps_item("b"))
+    rank.drain()
     assert sent == [] and rank.pending == 2  # no ITEM_CREDIT yet: nothing leaves
     rank.grant(epoch=1, credits=2)
+    assert sent == []  # granting (the receive loop's call) only frames: the sender sends
+    rank.drain()
     assert [(m.sequence, len(m.items)) for m in sent] == [(0, 2)]  # one frame packs both
-    rank.deal(dumps_item("c"))  # credit left: sent at once
+    rank.deal(dumps_item("c"))  # credit left: framed at once
     rank.grant(epoch=0, credits=5)  # another epoch's grant changes nothing
     rank.deal(dumps_item("d"))
     rank.finish()
+    rank.drain()
     assert [type(m).__name__ for m in sent] == ["Items", "Items"] and rank.pending == 1
     rank.grant(epoch=1, credits=1)
+    rank.drain()
     assert isinstance(sent[-1], EndOfInput) and sent[-1].items_sent == 4
     assert [m.sequence for m in sent if isinstance(m, Items)] == [0, 1, 2]
 
@@ -100,6 +109,7 @@ def test_a_full_frame_blocks_the_dispatcher_until_credit_or_cancel():
     assert wait_until(lambda: rank.waits == 1, timeout=5)  # blocked: two items, no credit
     rank.grant(epoch=1, credits=1)
     dealer.join(5)
+    rank.drain()
     assert results == [True] and [len(m.items) for m in sent] == [2]
     rank.deal(dumps_item(2))
     dealer = threading.Thread(target=lambda: results.append(rank.deal(dumps_item(3))))
@@ -109,6 +119,7 @@ def test_a_full_frame_blocks_the_dispatcher_until_credit_or_cancel():
     dealer.join(5)
     assert results == [True, False] and not dealer.is_alive()
     rank.grant(epoch=1, credits=5)
+    rank.drain()
     assert len(sent) == 1  # nothing leaves after cancel
 
 
@@ -123,14 +134,18 @@ def test_a_replacement_session_gets_the_whole_input_again_and_ended_shards_never
     replayed: List[Any] = []
     rank.restart(replayed.append)
     rank.grant(epoch=1, credits=9, session=old_session)  # a late grant of the lost session
+    rank.drain()
     assert replayed == []
     rank.grant(epoch=1, credits=9, session=rank.session)
+    rank.drain()
     assert [m.sequence for m in replayed[:-1]] == [0, 1] and replayed[-1] == EndOfInput(1, 3)
     # A worker whose graph ended before its input: the rest is dropped, the dispatcher goes on.
     sent.clear()
     rank = _rank_input(sent, max_items=1)
     rank.shard_ended(epoch=1)
-    assert all(rank.deal(dumps_item(x)) for x in range(5)) and rank.waits == 0 and sent == []
+    assert all(rank.deal(dumps_item(x)) for x in range(5)) and rank.waits == 0
+    rank.drain()
+    assert sent == []
 
 
 def test_the_workers_inbox_grants_per_frame_and_says_when_it_waits():
@@ -150,6 +165,15 @@ def test_the_workers_inbox_grants_per_frame_and_says_when_it_waits():
     with pytest.raises(Exception) as caught:
         list(cancelled)
     assert type(caught.value).__name__ == "_Cancelled"  # the producer's signal to stop
+
+
+def test_dynamic_distribution_refuses_a_dispatching_graph_and_says_what_to_use():
+    """The engine checks the workers' part, where torchdata's placeholder stands for the dispatch."""
+    _dispatching_part, workers_part = split_dispatching(dispatching(10, with_draw))
+    for graph in (dispatching(10, with_draw), workers_part):
+        with pytest.raises(ConfigurationError, match="does not support sharding_round_robin_dispatch yet.*"
+                           "use distribution='round_robin' with it, or sharding_filter"):  # fmt: skip
+            Dynamic().check_graph(graph)
 
 
 # -- end to end: local workers -------------------------------------------------------------------
@@ -213,7 +237,9 @@ def test_uneven_outputs_in_order_are_a_clear_error_not_a_hang_and_go_through_out
         dp = IterableWrapper(range(n)).map(padded).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
         return dp.filter(has_even_id)
 
-    with DataLoader2(graph(4_000), reading_service=RPCReadingService(num_workers=2, prefetch=1)) as dl:
+    # The error waits to hear from the worker that does not ask (alive, not stopped): a short heartbeat.
+    rs = RPCReadingService(num_workers=2, prefetch=1, liveness=Liveness(heartbeat_interval=0.2))
+    with DataLoader2(graph(4_000), reading_service=rs) as dl:
         with pytest.raises(DispatchStalledError, match="worker 0 has not asked .* while worker 1 waits for input"):
             list(dl)
     # Within a worker's pipeline, the dispatcher holds what it must; out of order, nothing stalls.
@@ -282,7 +308,51 @@ def test_policies_that_pick_items_themselves_refuse_a_dispatching_graph(distribu
     dp = IterableWrapper(range(20)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
     dl = DataLoader2(dp.sharding_filter(), reading_service=RPCReadingService(num_workers=2, distribution=distribution))
     try:
-        with pytest.raises(ConfigurationError, match="sharding_round_robin_dispatch deals the items"):
+        with pytest.raises(ConfigurationError, match="sharding_round_robin_dispatch"):
             list(dl)
     finally:
         dl.shutdown()
+def quarter_mib(x: int) -> tuple:
+    return (x, bytes(256 * 1024))
+
+
+def first(item: tuple) -> int:
+    return item[0]
+
+
+@pytest.mark.timeout(20)
+def test_workers_that_stop_reading_their_input_are_lost_on_time_and_their_input_replayed_once():
+    """SIGSTOP two of three workers mid-epoch while 1 MiB ITEMS frames flow to them: their sockets
+    fill, and a send to them must block no thread the other sessions need (receiving, heartbeats,
+    credits). Each is reported lost after ``timeout`` of silence, and its replacement gets its
+    input once more. (Two, each stopped at a random point of its input: on a trainer whose receive
+    loop sends input, at least one of them almost always catches a send on that thread.)"""
+    n, timeout, victims = 360, 1.5, (1, 2)
+    dp = IterableWrapper(range(n)).map(quarter_mib).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    rs = RPCReadingService(
+        num_workers=3, prefetch=4, on_worker_failure="reassign", timeout=timeout,
+        liveness=Liveness(heartbeat_interval=0.1),
+    )  # fmt: skip
+    stopped: List[int] = []
+    seen: List[int] = []
+    replaced_after = None
+    dl = DataLoader2(dp.map(first), reading_service=rs)
+    try:
+        for x in dl:
+            seen.append(x)
+            pids = [w.pid for w in dl.reading_service.stats().workers]
+            if not stopped and len(seen) == 30:
+                stopped, t_stop = [pids[rank] for rank in victims], time.monotonic()
+                for pid in stopped:
+                    os.kill(pid, signal.SIGSTOP)
+            elif stopped and replaced_after is None and not set(stopped) & set(pids):
+                replaced_after = time.monotonic() - t_stop
+        pids = [w.pid for w in dl.reading_service.stats().workers]
+    finally:
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        dl.shutdown()
+    assert stopped and not set(stopped) & set(pids)  # both were replaced
+    assert replaced_after is not None and replaced_after < timeout + 2.0, replaced_after
+    assert sorted(seen) == list(range(n))  # every item once

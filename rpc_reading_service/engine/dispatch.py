@@ -8,11 +8,17 @@ worker's ITEM_CREDIT; the dispatcher blocks while a rank already holds a frame's
 items it cannot send, so a slow worker never makes it buffer without bound. A rank's
 input ends with END_OF_INPUT.
 
+Every frame leaves from the epoch's sending thread, never from the thread that deals or
+grants: grants arrive on the trainer's receive loop, which must not wait for a worker that
+stopped reading (its receiving, heartbeats and loss detection serve every session). Such a
+worker holds the sending thread until it is lost (``timeout``) and its connection closes.
+
 It does not block while another rank waits for input (it has credit and nothing to send):
 with in-order delivery, that rank's next output may be what the trainer waits for, and
 blocking would deadlock the epoch. A rank then holds more, up to about a worker's pipeline
-(``max_pending_*``): past that, the workers' outputs do not keep pace with their inputs and
-:class:`~rpc_reading_service.errors.DispatchStalledError` says so instead of a hang.
+(``max_pending_*``): past that, if its worker is still heard from, the workers' outputs do
+not keep pace with their inputs and :class:`~rpc_reading_service.errors.DispatchStalledError`
+says so instead of a hang; a silent worker (a stopped process) is left to the loss detection.
 
 With ``keep_history`` (``on_worker_failure="reassign"``), every item dealt to a rank this
 epoch is kept, so that a replacement session can be fed the rank's whole input again
@@ -24,7 +30,8 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from typing import Any, Callable, Deque, List, Optional, Sequence
+import time
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
 
 from ..errors import DispatchStalledError
 from ..protocol import EncodedItem, EndOfInput, EndOfShard, Error, ItemCredit, Items, Message
@@ -34,19 +41,25 @@ __all__ = ["Dispatch", "RankInput"]
 
 log = logging.getLogger(__name__)
 
-#: Seconds between looks at whether a superseded epoch's dispatcher thread has ended.
+#: Seconds between looks at whether a superseded epoch's dispatcher thread has ended, and at
+#: whether a worker whose input is over the limit is still heard from.
 _JOIN_POLL = 0.05
+_HEARD_POLL = 0.05
 
 
 class RankInput:
     """The dispatched input of one worker rank in one epoch: items dealt, credit, frames sent.
 
-    ``send`` writes one message to the rank's session (ITEMS or END_OF_INPUT). Frames leave in
-    order, from one thread at a time and never under ``cond``: a send stuck on a worker that
-    stopped reading blocks neither :meth:`cancel` nor the other ranks. A frame packs up to
-    ``max_items``/``max_bytes``; the dispatcher blocks at that much pending, unless a rank
-    of :attr:`peers` (which share ``cond``) waits for input, up to ``max_pending_items`` /
-    ``max_pending_bytes``. Thread-safe: the dispatcher thread deals, the receivers grant.
+    ``send`` writes one message to the rank's session (ITEMS or END_OF_INPUT). Dealing and
+    granting only make messages; a sender (:meth:`drain`, or :class:`Dispatch`'s sending
+    thread with :meth:`take`) sends them in order, never under ``cond``: a send stuck on a
+    worker that stopped reading blocks neither :meth:`cancel` nor the dealing. A frame packs
+    up to ``max_items``/``max_bytes``; the dispatcher blocks at that much pending, unless a
+    rank of :attr:`peers` (which share ``cond``) waits for input, up to ``max_pending_items``
+    / ``max_pending_bytes`` (a replacement's replayed input does not count), and past that
+    only while ``heard_since(t)`` (is the worker alive after ``time.monotonic()`` ``t``?) has
+    not said the worker lives on without asking. Thread-safe: the dispatcher thread deals,
+    the receivers grant.
     """
 
     def __init__(
@@ -60,10 +73,12 @@ class RankInput:
         cond: Optional[threading.Condition] = None,
         max_pending_items: Optional[int] = None,
         max_pending_bytes: Optional[int] = None,
+        heard_since: Optional[Callable[[float], bool]] = None,
     ):
         self.rank = rank
         self.epoch = epoch
         self._send = send
+        self._heard_since = heard_since
         self._max_items, self._max_bytes = max_items, max_bytes
         self._max_pending_items = max_pending_items or 8 * max_items
         self._max_pending_bytes = max_pending_bytes or 8 * max_bytes
@@ -71,10 +86,11 @@ class RankInput:
         #: The ranks of the same dispatch (sharing ``cond``), this one included.
         self.peers: Sequence["RankInput"] = [self]
         self._pending: Deque[EncodedItem] = collections.deque()
-        #: Messages made under ``cond``, sent outside it by whichever thread is :attr:`_sending`.
+        #: Messages made under ``cond``, sent outside it by the sender.
         self._outgoing: Deque[Message] = collections.deque()
-        self._sending = False
         self._pending_bytes = 0
+        #: Of the pending items, the oldest are a replacement's replay of the items dealt before.
+        self._replay_items = self._replay_bytes = 0
         self._history: Optional[List[EncodedItem]] = [] if keep_history else None
         #: Counts the sessions that fed this rank (a replacement is the next one).
         self.session = 0
@@ -89,12 +105,17 @@ class RankInput:
         self.waits = 0
 
     @property
+    def cond(self) -> threading.Condition:
+        """The condition this rank and its :attr:`peers` share (notified when a message is due)."""
+        return self._cond
+
+    @property
     def pending(self) -> int:
         """Items dealt to this rank and not sent yet."""
         return len(self._pending)
 
     def deal(self, item: EncodedItem) -> bool:
-        """Add one item; send what credit allows; block while a full frame waits for credit.
+        """Add one item; frame what credit allows; block while a full frame waits for credit.
 
         Returns False once the input is cancelled (the dispatcher stops).
         """
@@ -108,17 +129,20 @@ class RankInput:
             self._pending.append(item)
             self._pending_bytes += item.nbytes
             self._flush()
-        self._drain()
-        with self._cond:
+            over_since: Optional[Tuple[int, float]] = None  # (session, when) the limit was reached
             while self._full() and not self._cancelled:
                 starving = self._starving_peer()
                 if starving is None:
                     self.waits += 1
                     self._cond.wait()
-                elif self._over_limit():
-                    raise self._stalled(starving)
-                else:
+                elif not self._over_limit():
                     break
+                elif over_since is None or over_since[0] != self.session:
+                    over_since = (self.session, time.monotonic())
+                elif self._heard_since is None or self._heard_since(over_since[1]):
+                    raise self._stalled(starving)
+                else:  # silent: stopped, or lost (a replacement restarts this rank)
+                    self._cond.wait(_HEARD_POLL)
             return not self._cancelled
 
     def finish(self) -> None:
@@ -126,7 +150,6 @@ class RankInput:
         with self._cond:
             self._done = True
             self._flush()
-        self._drain()
 
     def grant(self, epoch: int, credits: int, session: int = 0) -> None:
         """The worker allows ``credits`` more ITEMS frames of ``epoch``; grants of other epochs,
@@ -137,7 +160,6 @@ class RankInput:
             self.credits += credits
             self._flush()
             self._cond.notify_all()
-        self._drain()
 
     def shard_ended(self, epoch: int, session: int = 0) -> None:
         """The worker ended its shard early (its graph stopped before its input, or failed): the
@@ -148,10 +170,10 @@ class RankInput:
                 return
             self._discard = True
             self._pending.clear()
-            self._pending_bytes = 0
+            self._pending_bytes = self._replay_items = self._replay_bytes = 0
             self._cond.notify_all()
 
-    def restart(self, send: Callable[[Message], None]) -> None:
+    def restart(self, send: Callable[[Message], None], heard_since: Optional[Callable[[float], bool]] = None) -> None:
         """A replacement session took over the rank: feed it the rank's whole input again.
 
         Needs ``keep_history``. The new session starts with no credit and frame 0.
@@ -159,10 +181,11 @@ class RankInput:
         assert self._history is not None, "restart() needs keep_history=True"
         with self._cond:
             self.session += 1
-            self._send = send
+            self._send, self._heard_since = send, heard_since
             self._outgoing.clear()
             self._pending = collections.deque(self._history)
             self._pending_bytes = sum(item.nbytes for item in self._pending)
+            self._replay_items, self._replay_bytes = len(self._pending), self._pending_bytes
             self.credits, self._sequence, self.items_sent, self._ended, self._discard = 0, 0, 0, False, False
             self._cond.notify_all()
 
@@ -172,7 +195,7 @@ class RankInput:
             self._cancelled = True
             self._outgoing.clear()
             self._pending.clear()
-            self._pending_bytes = 0
+            self._pending_bytes = self._replay_items = self._replay_bytes = 0
             self._cond.notify_all()
 
     @property
@@ -187,7 +210,8 @@ class RankInput:
         return len(self._pending) >= self._max_items or self._pending_bytes >= self._max_bytes
 
     def _over_limit(self) -> bool:
-        return len(self._pending) >= self._max_pending_items or self._pending_bytes >= self._max_pending_bytes
+        items, nbytes = len(self._pending) - self._replay_items, self._pending_bytes - self._replay_bytes
+        return items >= self._max_pending_items or nbytes >= self._max_pending_bytes
 
     def _stalled(self, starving: "RankInput") -> DispatchStalledError:
         return DispatchStalledError(
@@ -201,9 +225,11 @@ class RankInput:
         )
 
     def _flush(self) -> None:
-        """Send frames while credit allows (each packs up to a frame's bounds), then END_OF_INPUT."""
+        """Frame what credit allows (each packs up to a frame's bounds), then END_OF_INPUT, for
+        the sender (woken through ``cond``)."""
         if self._cancelled or self._discard:
             return
+        queued = len(self._outgoing)
         while self.credits > 0 and self._pending:
             items: List[EncodedItem] = []
             nbytes = 0
@@ -211,34 +237,37 @@ class RankInput:
                 item = self._pending.popleft()
                 items.append(item)
                 nbytes += item.nbytes
+                if self._replay_items:
+                    self._replay_items -= 1
+                    self._replay_bytes -= item.nbytes
             self._pending_bytes -= nbytes
             self.credits -= 1
             self._outgoing.append(Items(self.epoch, self._sequence, items))
             self._sequence += 1
             self.items_sent += len(items)
-            self._cond.notify_all()  # the dispatcher may wait for room
         if self._done and not self._pending and not self._ended:
             self._ended = True
             self._outgoing.append(EndOfInput(self.epoch, self.items_sent))
+        if len(self._outgoing) > queued:
+            self._cond.notify_all()  # the sender, and a dispatcher waiting for room
 
-    def _drain(self) -> None:
-        """Send the outgoing messages, unless another thread already does (it sends these too)."""
+    def take(self) -> Optional[Tuple[Message, Callable[[Message], None]]]:
+        """The next message to send and the session's send for it (None: nothing is due).
+
+        One sender at a time: messages leave in the order taken."""
         with self._cond:
-            if self._sending:
-                return
-            self._sending = True
+            if not self._outgoing:
+                return None
+            return self._outgoing.popleft(), self._send
+
+    def drain(self) -> None:
+        """Send every message due, in the calling thread (the sender's job)."""
         while True:
-            with self._cond:
-                if not self._outgoing:
-                    self._sending = False  # in the same step as the check: a message added later finds no sender
-                    return
-                message, send = self._outgoing.popleft(), self._send
-            try:
-                send(message)
-            except BaseException:
-                with self._cond:
-                    self._sending = False
-                raise
+            due = self.take()
+            if due is None:
+                return
+            message, send = due
+            send(message)
 
 
 class Dispatch:
@@ -271,16 +300,21 @@ class Dispatch:
         self.pulled = 0
         self.epoch = self.inputs[0].epoch if self.inputs else None
         self._thread = threading.Thread(target=self._run, name=f"rrs-dispatch-{self.epoch}", daemon=True)
+        self._sender = threading.Thread(target=self._send_loop, name=f"rrs-dispatch-send-{self.epoch}", daemon=True)
+        if self.inputs:
+            assert all(rank_input.cond is self.inputs[0].cond for rank_input in self.inputs), "ranks share one cond"
 
     def start(self) -> None:
-        """Start the dispatcher thread."""
+        """Start the dispatcher thread and the sending thread."""
         self._thread.start()
+        if self.inputs:
+            self._sender.start()
 
     def stop(self) -> None:
         """Stop dealing (a new epoch, an early exit, shutdown): nothing more is sent once this
         returns, but a frame already on its way out (the channel drops it once the next epoch
         started). The thread ends at the next item it takes (one blocked in the dispatching part's
-        own code ends when that returns).
+        own code ends when that returns); the sending thread after the send it is in.
         """
         self._stopped.set()
         for rank_input in self.inputs:
@@ -310,6 +344,29 @@ class Dispatch:
         if self._thread.ident is not None:
             self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def _send_loop(self) -> None:
+        """The sending thread: every rank's messages, in turns (one message a rank), until stopped."""
+        inputs, count, turn = self.inputs, len(self.inputs), 0
+        cond = inputs[0].cond
+        while True:
+            due = None
+            with cond:
+                while due is None:
+                    if self._stopped.is_set():
+                        return
+                    for offset in range(count):
+                        due = inputs[(turn + offset) % count].take()
+                        if due is not None:
+                            turn = (turn + offset + 1) % count
+                            break
+                    else:
+                        cond.wait()
+            message, send = due
+            try:
+                send(message)  # the channel reports a lost session itself
+            except Exception:  # noqa: BLE001 - one session's fault must not stop the others' input
+                log.exception("sending %s of epoch %s failed", message.kind.name, self.epoch)
 
     def _run(self) -> None:
         previous, self._previous = self._previous, None

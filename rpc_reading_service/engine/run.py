@@ -199,7 +199,7 @@ class Engine:
         inputs = [
             RankInput(channel.rank, epoch.wire, channel.send_input, options.batch_max_items,
                       options.batch_max_bytes, keep_history, cond, depth * options.batch_max_items,
-                      depth * options.batch_max_bytes)
+                      depth * options.batch_max_bytes, channel.heard_since)
             for channel in self.channels
         ]  # fmt: skip
         reset_dispatching_graph(self.dispatching, epoch.seed)
@@ -225,7 +225,7 @@ class Engine:
         epoch again (before its epoch starts: its events go to the dispatcher)."""
         dispatch = self.dispatch
         if dispatch is not None:
-            dispatch.inputs[channel.rank].restart(channel.send_input)
+            dispatch.inputs[channel.rank].restart(channel.send_input, channel.heard_since)
             channel.input_sink = dispatch.input_sink(channel.rank)
 
     def stats(self) -> ReadingServiceStats:

@@ -286,6 +286,11 @@ class _SessionProtocol:
 
     # -- public ---------------------------------------------------------------------------------
     @property
+    def last_received(self) -> float:
+        """When (on the session's clock) the latest frame from the peer was taken in."""
+        return self._last_received
+
+    @property
     def credits(self) -> int:
         """DATA frames the worker may still send in the current epoch."""
         return self._data.credits if self._data.open and not self.stopped else 0

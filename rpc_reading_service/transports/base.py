@@ -49,6 +49,12 @@ class Connection(abc.ABC):
         None (the default): this connection is read by a thread of its own calling :meth:`recv`."""
         return None
 
+    def has_room(self) -> bool:
+        """Whether a small frame (a heartbeat, a credit) can be sent now without blocking; a
+        peer that stopped reading fills the connection until a send waits. True (the default)
+        when the transport cannot tell."""
+        return True
+
     def recv_ready(self) -> List[Frame]:
         """The frames that can be received without blocking (often none), for an event loop
         that found :meth:`fileno` readable. Raises as :meth:`recv` does.

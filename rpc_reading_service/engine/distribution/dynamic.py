@@ -26,7 +26,7 @@ from typing import Any, Deque, Dict, Iterable, Iterator, Optional
 
 from torch.utils.data.datapipes.iter.sharding import ShardingFilterIterDataPipe
 from torchdata.dataloader2.graph import find_dps, traverse_dps
-from torchdata.dataloader2.utils.dispatch import find_lca_round_robin_sharding_dp
+from torchdata.dataloader2.utils.dispatch import _DummyIterDataPipe, find_lca_round_robin_sharding_dp
 
 from ...client import Event, WorkerChannel
 from ...errors import ConfigurationError, WorkerLostError
@@ -87,8 +87,12 @@ class Dynamic(DistributionPolicy):
         return f"Dynamic(chunk_size={self.chunk_size}, depth={self.depth}, window={self.window}, in_order={self._in_order})"
 
     def check_graph(self, graph: Any) -> None:
-        """Refuse a graph with a dispatch point (not supported yet) or without ``sharding_filter``."""
-        if find_lca_round_robin_sharding_dp(traverse_dps(graph)) is not None:
+        """Refuse a graph with a dispatch point (not supported yet) or without ``sharding_filter``.
+
+        The engine checks the workers' part of a dispatching graph, in which torchdata's
+        placeholder stands for the dispatch point."""
+        dispatched = find_lca_round_robin_sharding_dp(traverse_dps(graph)) is not None
+        if dispatched or find_dps(traverse_dps(graph), _DummyIterDataPipe):
             raise ConfigurationError(
                 "distribution='dynamic' does not support sharding_round_robin_dispatch yet (its unit would be "
                 "one dispatched item): use distribution='round_robin' with it, or sharding_filter() with 'dynamic'"
