@@ -112,6 +112,11 @@ class DistributionPolicy(abc.ABC):
         """The selection that replaces ``sharding_filter`` in the shipped graph; None keeps it (by rank)."""
         return None
 
+    def credits(self, prefetch: int) -> int:
+        """DATA frames a worker may send ahead of the consumer (its credit window): ``prefetch``,
+        the bound on what waits in the trainer per worker."""
+        return prefetch
+
     def skip(self, progress: "EpochProgress", rank: int) -> int:
         """Items of its stream worker ``rank`` skips when its session starts this epoch."""
         return progress.consumed[rank]

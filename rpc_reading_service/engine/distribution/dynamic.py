@@ -33,13 +33,15 @@ from ...errors import ConfigurationError, WorkerLostError
 from ...selection import LeasedChunks, WorkerSelection
 from ...settings import NumberRule, check_number
 from .base import DistributionPolicy, EpochRun, Merger
-from .leases import LeaseBook, check_book_state
+from .leases import MAX_DEPTH, LeaseBook, check_book_state
 from .merge import _take
 
 __all__ = ["Dynamic", "DEFAULT_CHUNK_SIZE"]
 
 #: Positions per chunk unless given: measured with benchmarks/bench_distribution.py (see DISTRIBUTION.md).
 DEFAULT_CHUNK_SIZE = 16
+#: The credit window of a "dynamic" epoch's workers (DATA frames; see :meth:`Dynamic.credits`).
+CREDITS = 2 * MAX_DEPTH
 
 
 def _positive(name: str, value: Any) -> int:
@@ -103,6 +105,13 @@ class Dynamic(DistributionPolicy):
         """Each worker keeps the chunks leased to it."""
         return LeasedChunks(self.chunk_size)
 
+    def credits(self, prefetch: int) -> int:
+        """More than ``prefetch``: the merger takes every frame as it comes and the lease window
+        bounds what waits in the trainer, so credits only pace the socket. With a window of
+        :data:`CREDITS` (credits go back in halves) most of them ride along with a LEASE send
+        instead of costing the worker a wake-up of their own."""
+        return max(prefetch, CREDITS)
+
     def skip(self, progress: Any, rank: int) -> int:
         """Nothing is skipped by position: leases carry what was delivered of their chunk."""
         return 0
@@ -138,6 +147,8 @@ class _DynamicMerger(Merger):
         self.producers: Dict[int, int] = {}
         #: The chunk of each of the latest items handed on (a checkpoint gives back undelivered ones).
         self.recent: Deque[int] = collections.deque(maxlen=run.progress.recent.maxlen)
+        #: CHUNK_DONE reports received since the last top-up of the leases.
+        self._reports_unanswered = 0
 
     def state(self, undelivered: int = 0) -> Dict[str, Any]:
         """The chunk book, giving back the last ``undelivered`` items handed on."""
@@ -152,15 +163,19 @@ class _DynamicMerger(Merger):
     # -- leasing --------------------------------------------------------------------------------
     def _top_up(self, channel: WorkerChannel) -> None:
         book, leases = self.book, []
-        while True:
-            lease = book.lease(channel.rank)
-            if lease is None:
-                break
-            leases.append(lease)
+        if book.wants_leases(channel.rank):  # then up to its full depth, in one send
+            while (lease := book.lease(channel.rank)) is not None:
+                leases.append(lease)
         finish = book.to_finish()
         if leases or channel.rank in finish:
             channel.lease(self.run.wire, leases, final=channel.rank in finish)
         self._finish(rank for rank in finish if rank != channel.rank)
+
+    def _answer_reports(self) -> None:
+        """Lease after CHUNK_DONE reports: every worker with room, not only the reporters (a worker
+        the window left without a lease reports nothing until it gets one)."""
+        self._reports_unanswered = 0
+        self._top_up_all()
 
     def _top_up_all(self) -> None:
         for channel in self.run.channels:
@@ -191,6 +206,8 @@ class _DynamicMerger(Merger):
                 yield from self._deliver_ready()
                 if book.over and len(book.ended) == len(channels):
                     break
+            if self._reports_unanswered:
+                self._answer_reports()
             event = self._next_event()
             rank = event.channel.rank
             if event.channel is not channels[rank]:
@@ -199,10 +216,11 @@ class _DynamicMerger(Merger):
                 assert event.chunk is not None
                 done = event.chunk
                 book.done(rank, done.chunk, done.items, done.stream_length)
-                # Every worker with room, not only this one: a worker the window left without a
-                # lease reports nothing until it gets one.
-                self._top_up(event.channel)
-                self._top_up_all()
+                # Reports that arrived together are answered together (fewer, fuller LEASE sends),
+                # but never more than one per worker late.
+                self._reports_unanswered += 1
+                if self._reports_unanswered >= len(channels) or run.events.empty():
+                    self._answer_reports()
             elif event.kind == "end":
                 book.end(rank)
                 self._finish_all()
