@@ -147,8 +147,6 @@ class _DynamicMerger(Merger):
         self.producers: Dict[int, int] = {}
         #: The chunk of each of the latest items handed on (a checkpoint gives back undelivered ones).
         self.recent: Deque[int] = collections.deque(maxlen=run.progress.recent.maxlen)
-        #: CHUNK_DONE reports received since the last top-up of the leases.
-        self._reports_unanswered = 0
 
     def state(self, undelivered: int = 0) -> Dict[str, Any]:
         """The chunk book, giving back the last ``undelivered`` items handed on."""
@@ -170,12 +168,6 @@ class _DynamicMerger(Merger):
         if leases or channel.rank in finish:
             channel.lease(self.run.wire, leases, final=channel.rank in finish)
         self._finish(rank for rank in finish if rank != channel.rank)
-
-    def _answer_reports(self) -> None:
-        """Lease after CHUNK_DONE reports: every worker with room, not only the reporters (a worker
-        the window left without a lease reports nothing until it gets one)."""
-        self._reports_unanswered = 0
-        self._top_up_all()
 
     def _top_up_all(self) -> None:
         for channel in self.run.channels:
@@ -206,8 +198,6 @@ class _DynamicMerger(Merger):
                 yield from self._deliver_ready()
                 if book.over and len(book.ended) == len(channels):
                     break
-            if self._reports_unanswered:
-                self._answer_reports()
             event = self._next_event()
             rank = event.channel.rank
             if event.channel is not channels[rank]:
@@ -216,11 +206,10 @@ class _DynamicMerger(Merger):
                 assert event.chunk is not None
                 done = event.chunk
                 book.done(rank, done.chunk, done.items, done.stream_length)
-                # Reports that arrived together are answered together (fewer, fuller LEASE sends),
-                # but never more than one per worker late.
-                self._reports_unanswered += 1
-                if self._reports_unanswered >= len(channels) or run.events.empty():
-                    self._answer_reports()
+                # Every worker with room, not only this one: a worker the window left without a
+                # lease reports nothing until it gets one.
+                self._top_up(event.channel)
+                self._top_up_all()
             elif event.kind == "end":
                 book.end(rank)
                 self._finish_all()
