@@ -23,6 +23,7 @@ unequal fleet (how the default was chosen). Every worker started here is stopped
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -143,11 +144,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.quick:
         args.items, args.tiny_items, args.epochs = 400, 5000, 1
+    print(f"load average at the start: {os.getloadavg()[0]:.1f} (a shared machine distorts the tiny-items row most)\n")
     print(unequal_fleet(args.items, args.ms, args.epochs, args.chunk_size))
     print(overhead(args.items, args.ms, args.tiny_items, args.epochs, args.chunk_size))
     if args.chunk_sizes:
         sizes = [int(size) for size in args.chunk_sizes.split(",")]
         print(chunk_sweep(args.items, args.ms, args.epochs, sizes, args.tiny_items))
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

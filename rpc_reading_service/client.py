@@ -293,20 +293,22 @@ class WorkerChannel:
     def lease(self, epoch: int, chunks: Sequence[Tuple[int, int]] = (), final: bool = False) -> None:
         """Lease ``chunks`` (``(chunk, skip)`` pairs: its first ``skip`` items are not sent) of ``epoch``'s
         stream to the worker, then with ``final`` say that no more come ("dynamic"; nothing for a
-        superseded epoch)."""
+        superseded epoch). Credits not granted yet go along: one send (the consumer's thread only)."""
         if epoch != self.epoch:
             return
-        messages = [Lease(epoch, chunk, skip) for chunk, skip in chunks]
+        messages: List[Message] = [Lease(epoch, chunk, skip) for chunk, skip in chunks]
         if final:
             messages.append(Lease(epoch, final=True))
+        if self._ungranted:
+            messages.insert(0, Credit(epoch, self._ungranted))
+            self._ungranted = 0
         with self._send_lock:
             with self._state_lock:
                 if self.protocol.state is SessionState.CLOSED:
                     return
                 frames = [self.protocol.send(message) for message in messages]
             try:
-                for frame in frames:  # a transport sends one frame at a time
-                    self.conn.send(frame)
+                self.conn.send_frames(frames)
             except (PeerLostError, OSError) as exc:
                 log.debug("send to %s failed: %s", self.name, exc)  # the receiver reports the loss
 

@@ -103,6 +103,12 @@ class WorkerSelection:
         """Whether the item at ``position`` is this worker's; may raise :class:`StopSelection`."""
         raise NotImplementedError
 
+    def keep_span(self, position: int, item: Any) -> Tuple[bool, int]:
+        """:meth:`keep` for ``position``, and the position up to which (not included) the same
+        answer holds without asking again (the default: ``position + 1``). A selection that
+        decides runs of positions at once (chunks) saves the walk a call per position."""
+        return self.keep(position, item), position + 1
+
     def passed(self, position: int) -> None:
         """The item at ``position`` went through the rest of the graph (kept or not)."""
 
@@ -154,12 +160,14 @@ class SelectionFilter(ShardingFilterIterDataPipe):
         instances, instance_id = self._outer()
         if selection.bind_outer(instance_id, instances):
             instances, instance_id = 1, 0
-        position = 0
+        position, decided_until, kept = 0, 0, False
         try:
             for index, item in enumerate(self.source_datapipe):
-                if index % instances != instance_id:
+                if instances > 1 and index % instances != instance_id:
                     continue
-                if selection.keep(position, item):
+                if position >= decided_until:
+                    kept, decided_until = selection.keep_span(position, item)
+                if kept:
                     yield item
                 selection.passed(position)
                 position += 1
@@ -322,6 +330,13 @@ class LeasedChunks(WorkerSelection):
             if skip is not None:
                 context.chunk_started(chunk, skip)
         return self._mine is not None
+
+    def keep_span(self, position: int, item: Any) -> Tuple[bool, int]:
+        """:meth:`keep`, decided for the rest of the chunk at once."""
+        kept = self.keep(position, item)
+        if self._context is None:
+            return kept, position + 1
+        return kept, (position // self.chunk_size + 1) * self.chunk_size
 
     def passed(self, position: int) -> None:
         """Report the chunk done once its last position went through the graph."""

@@ -91,6 +91,22 @@ def test_a_slow_worker_is_kept_one_chunk_ahead_and_a_fast_one_further():
     assert book.lease(0) is not None and book.lease(0) is None
 
 
+def test_a_fast_worker_is_topped_up_from_half_its_depth_to_full_at_once():
+    book = LeaseBook(num_workers=1, chunk_size=4, depth=2, window=1000)
+    for now in (10.0, 10.0001):  # two reports a tenth of a millisecond apart: a fast worker
+        book.lease(0)
+        book.done(0, book.outstanding[0][0], 4, None, now=now)
+    depth = book.depth_of(0)
+    assert depth > 4 and book.wants_leases(0)
+    while book.lease(0) is not None:
+        pass
+    assert len(book.outstanding[0]) == depth
+    for reported in range(depth - depth // 2):
+        assert not book.wants_leases(0), reported  # no lease per report ...
+        book.done(0, book.outstanding[0][0], 4, None, now=10.0002)
+    assert book.wants_leases(0)  # ... until half its depth is left
+
+
 def test_dynamic_refuses_graphs_it_cannot_cut_into_chunks():
     from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rpc_reading_service.protocol import EncodedItem, FrameReader, MessageKind, decode_data, encode_end_of_shard
+from rpc_reading_service.protocol import ChunkDone, EncodedItem, FrameReader, MessageKind, decode_data, encode_end_of_shard
 from rpc_reading_service.worker_session import Outbox, SessionOptions, _Cancelled
 
 pytestmark = pytest.mark.timeout(20)
@@ -123,6 +123,22 @@ def test_a_final_frame_that_ends_the_session_goes_after_the_data_and_refuses_mor
     assert not outbox.session_over
     assert frame_of(outbox.take(1.0)).kind == MessageKind.END_OF_SHARD
     assert outbox.session_over
+
+
+def test_a_chunk_done_leaves_in_one_send_with_its_data_and_the_wait_for_a_lease_is_not_a_slow_item():
+    outbox = Outbox(SessionOptions(batch_max_items=100, linger=0.05))
+    outbox.start_epoch(1, credits=4)
+    outbox.put(1, item(0))
+    outbox.put(1, item(1))
+    outbox.mark(1, ChunkDone(1, 0, 2))
+    frames = outbox.take_frames(1.0)
+    assert [frame_of(f).kind for f in frames] == [MessageKind.DATA, MessageKind.CHUNK_DONE]
+    assert data_items(frames[0])[2] == [0, 1]
+    time.sleep(0.08)  # longer than linger: the walk waited for its next lease
+    outbox.put(1, item(2))
+    assert outbox.take_frames(0.01) is None  # lingers for company, not sealed alone as a slow item
+    outbox.put(1, item(3))
+    assert data_items(outbox.take_frames(1.0)[0])[2] == [2, 3]
 
 
 def test_an_item_slower_than_linger_leaves_at_once():

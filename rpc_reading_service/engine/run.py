@@ -180,7 +180,7 @@ class Engine:
         policy = self.config.distribution
         skip = policy.skip(epoch.progress, channel.rank)
         channel.start_epoch(
-            epoch.wire, epoch.seed, global_rank, self.config.prefetch, skip=skip,
+            epoch.wire, epoch.seed, global_rank, policy.credits(self.config.prefetch), skip=skip,
             dispatched=self.dispatching is not None, leased=policy.leased,
         )  # fmt: skip
 

@@ -35,6 +35,13 @@ class Connection(abc.ABC):
         :class:`PeerLostError` when the peer is gone.
         """
 
+    def send_frames(self, frames: Sequence[Sequence[Buffer]]) -> None:
+        """Send several encoded frames, in order and never interleaved with another send, in one
+        write where the transport can (small frames that leave together then cost the peer one
+        wake-up). The default sends them one by one."""
+        for chunks in frames:
+            self.send(chunks)
+
     @abc.abstractmethod
     def recv(self, timeout: Optional[float] = None) -> Optional[Frame]:
         """Receive the next frame; None if nothing complete arrived within ``timeout`` seconds.

@@ -156,6 +156,10 @@ class SocketConnection(Connection):
             except OSError as exc:
                 raise PeerLostError(f"lost connection to {self.peer} while sending: {exc}") from exc
 
+    def send_frames(self, frames: Sequence[Sequence[Buffer]]) -> None:
+        """Send the frames with one ``sendmsg`` (as far as the socket takes them at once)."""
+        self.send([chunk for chunks in frames for chunk in chunks])
+
     def recv(self, timeout: Optional[float] = None) -> Optional[Frame]:
         deadline = None if timeout is None else time.monotonic() + timeout
         reader = self._reader
@@ -309,10 +313,21 @@ class SharedMemoryConnection(SocketConnection):
             return self._pool.segments
         return self._segments.segments if self._segments is not None else 0
 
+    def _lends(self, chunks: Sequence[Buffer]) -> bool:
+        """Whether this frame's buffers may go into shared segments (a DATA frame with buffers, once offered)."""
+        _magic, _version, kind, n_buffers, _length = HEADER.unpack_from(memoryview(chunks[0]))
+        return self._pool is not None and kind == MessageKind.DATA and n_buffers > 0
+
+    def send_frames(self, frames: Sequence[Sequence[Buffer]]) -> None:
+        """One ``sendmsg`` for frames without buffers to lend; one by one otherwise."""
+        if any(self._lends(chunks) for chunks in frames):
+            Connection.send_frames(self, frames)
+        else:
+            super().send_frames(frames)
+
     def send(self, chunks: Sequence[Buffer]) -> None:
         pool = self._pool
-        _magic, _version, kind, n_buffers, _length = HEADER.unpack_from(memoryview(chunks[0]))
-        if pool is None or kind != MessageKind.DATA or not n_buffers:
+        if pool is None or not self._lends(chunks):
             return super().send(chunks)
         kind, body, buffers = split_frame(chunks)
         with self._send_lock:

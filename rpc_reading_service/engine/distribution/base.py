@@ -133,6 +133,11 @@ class DistributionPolicy(abc.ABC):
         (None: nothing does). A checkpoint records it; resuming where it differs is refused."""
         return None
 
+    def credits(self, prefetch: int) -> int:
+        """DATA frames a worker may send ahead of the consumer (its credit window): ``prefetch``,
+        the bound on what waits in the trainer per worker."""
+        return prefetch
+
     def skip(self, progress: "EpochProgress", rank: int) -> int:
         """Items of its stream worker ``rank`` skips when its session starts this epoch."""
         return progress.consumed[rank]

@@ -33,13 +33,15 @@ from ...errors import ConfigurationError, WorkerLostError
 from ...selection import LeasedChunks, WorkerSelection
 from ...settings import NumberRule, check_number
 from .base import DistributionPolicy, EpochRun, FleetView, Merger
-from .leases import LeaseBook, check_book_state
+from .leases import MAX_DEPTH, LeaseBook, check_book_state
 from .merge import _take
 
 __all__ = ["Dynamic", "DEFAULT_CHUNK_SIZE"]
 
 #: Positions per chunk unless given: measured with benchmarks/bench_distribution.py (see DISTRIBUTION.md).
 DEFAULT_CHUNK_SIZE = 16
+#: The credit window of a "dynamic" epoch's workers (DATA frames; see :meth:`Dynamic.credits`).
+CREDITS = 2 * MAX_DEPTH
 
 
 def _positive(name: str, value: Any) -> int:
@@ -107,6 +109,13 @@ class Dynamic(DistributionPolicy):
         """Each worker keeps the chunks leased to it."""
         return LeasedChunks(self.chunk_size)
 
+    def credits(self, prefetch: int) -> int:
+        """More than ``prefetch``: the merger takes every frame as it comes and the lease window
+        bounds what waits in the trainer, so credits only pace the socket. With a window of
+        :data:`CREDITS` (credits go back in halves) most of them ride along with a LEASE send
+        instead of costing the worker a wake-up of their own."""
+        return max(prefetch, CREDITS)
+
     def skip(self, progress: Any, rank: int) -> int:
         """Nothing is skipped by position: leases carry what was delivered of their chunk."""
         return 0
@@ -156,11 +165,9 @@ class _DynamicMerger(Merger):
     # -- leasing --------------------------------------------------------------------------------
     def _top_up(self, channel: WorkerChannel) -> None:
         book, leases = self.book, []
-        while True:
-            lease = book.lease(channel.rank)
-            if lease is None:
-                break
-            leases.append(lease)
+        if book.wants_leases(channel.rank):  # then up to its full depth, in one send
+            while (lease := book.lease(channel.rank)) is not None:
+                leases.append(lease)
         finish = book.to_finish()
         if leases or channel.rank in finish:
             channel.lease(self.run.wire, leases, final=channel.rank in finish)

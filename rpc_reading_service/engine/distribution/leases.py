@@ -94,6 +94,12 @@ class LeaseBook:
         self.delivered.setdefault(chunk, skip)
         return choice
 
+    def wants_leases(self, rank: int) -> bool:
+        """Whether ``rank`` is due a top-up: it holds at most half its :meth:`depth_of` (then it is
+        leased up to the full depth at once, so a fast worker gets its leases a few in one send
+        instead of one per chunk it reports done)."""
+        return len(self.outstanding[rank]) <= self.depth_of(rank) // 2
+
     def depth_of(self, rank: int) -> int:
         """Chunks ``rank`` may hold ahead: ``depth``; 1 for a worker whose chunks take long; more
         for one whose chunks take less than a round trip (enough for :data:`LEAD_SECONDS` of its work)."""
