@@ -106,6 +106,14 @@ def _consumed(dl: DataLoader2) -> List[int]:
     return [worker.items_consumed for worker in dl.reading_service.stats().workers]
 
 
+def _shard_ended(dl: DataLoader2, rank: int) -> bool:
+    """Whether the trainer has received worker ``rank``'s END_OF_SHARD (its last item, taken
+    as completed, may come before it: the END follows after the batching linger)."""
+    from rpc_reading_service.protocol import SessionState
+
+    return dl.reading_service._engine.channels[rank].protocol.state is SessionState.READY
+
+
 def _assert_exactly_once(epoch: List[Any], reference: List[Any], in_order: bool) -> None:
     ids = [x for x, _ in epoch]
     assert len(ids) == len(set(ids)), "an item arrived twice"
@@ -199,7 +207,7 @@ def _epoch_with_fault(dl: DataLoader2, point: str, fault: str, victims: _Victims
             hit()
         for item in it:
             strike.items.append(item)
-            if not strike.pids and when(_consumed(dl)):
+            if not strike.pids and when(_consumed(dl)) and (point != "after-end-of-shard" or _shard_ended(dl, rank)):
                 hit()
     except WorkerLostError as exc:
         strike.error, strike.error_at = exc, time.monotonic()
