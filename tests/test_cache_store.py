@@ -162,6 +162,15 @@ def test_cache_keys_are_stable_and_tell_functions_apart():
     assert pickle.loads(pickle.dumps(CacheKeyError("x"))).args == ("x",)
 
 
+def test_equal_keys_share_a_cache_entry_however_they_were_built():
+    name = "img/" + "a" * 20
+    again = "".join(["img/", "a" * 20])  # equal, but another object
+    assert pickle.dumps((name, name)) != pickle.dumps((name, again))  # pickle's memo: why keys are not pickled
+    assert cache_key("ns", (name, name)) == cache_key("ns", (name, again)) == cache_key("ns", [name, again])
+    assert cache_key("ns", frozenset({1})) == cache_key("ns", frozenset({1}))  # other picklable keys still work
+    assert cache_key("ns", 1) != cache_key("ns", "1") != cache_key("ns", b"1")
+
+
 def test_config_is_checked_once(tmp_path):
     assert parse_size("64K") == 65536 and parse_size("2GiB") == 2 << 30 and parse_size(7) == 7
     assert CacheConfig.create(None) is None

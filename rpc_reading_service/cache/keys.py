@@ -7,7 +7,8 @@ import hashlib
 import pickle
 from typing import Any, Callable
 
-from ..errors import CacheKeyError
+from ..errors import CacheKeyError, StickyKeyError
+from ..sticky.hashing import encode_key
 
 __all__ = ["function_namespace", "cache_key"]
 
@@ -32,17 +33,27 @@ def function_namespace(fn: Callable[..., Any], namespace: str = "") -> str:
 
 
 def cache_key(namespace: str, key: Any) -> str:
-    """The hex blake2b hash of ``(namespace, key)`` pickled with protocol 5.
+    """The hex blake2b hash of ``namespace`` and ``key``.
 
-    ``key`` must pickle to the same bytes in every process and run: str, bytes, int, float,
-    bool, None and tuples of them do; sets and objects whose pickles vary do not. Raises
-    :class:`~rpc_reading_service.errors.CacheKeyError` when it cannot be pickled.
+    str, bytes, int, float, None and tuples or lists of them are encoded canonically
+    (:func:`~rpc_reading_service.sticky.hashing.encode_key`: equal keys give equal bytes,
+    which a pickle does not promise, since its memo encodes a repeated object differently
+    from an equal copy); other keys are pickled with protocol 5, so they must pickle to the
+    same bytes in every process and run (sets and objects whose pickles vary do not).
+    Raises :class:`~rpc_reading_service.errors.CacheKeyError` when a key can be neither.
     """
     try:
-        encoded = pickle.dumps((namespace, key), protocol=5)
-    except Exception as exc:  # noqa: BLE001 - pickling raises many types
-        raise CacheKeyError(
-            f"cached_map ({namespace.split('|')[0]}): the key {key!r:.80} cannot be pickled ({exc}); pass a "
-            "key_fn that returns a str, bytes, int or tuple of them (e.g. the file path)"
-        ) from exc
-    return hashlib.blake2b(encoded, digest_size=20).hexdigest()
+        encoded = b"k" + encode_key(key)
+    except StickyKeyError:
+        try:
+            encoded = b"p" + pickle.dumps(key, protocol=5)
+        except Exception as exc:  # noqa: BLE001 - pickling raises many types
+            raise CacheKeyError(
+                f"cached_map ({namespace.split('|')[0]}): the key {key!r:.80} cannot be pickled ({exc}); pass a "
+                "key_fn that returns a str, bytes, int or tuple of them (e.g. the file path)"
+            ) from exc
+    digest = hashlib.blake2b(digest_size=20)
+    name = namespace.encode("utf-8", "surrogatepass")
+    digest.update(len(name).to_bytes(8, "big") + name)
+    digest.update(encoded)
+    return digest.hexdigest()
