@@ -573,6 +573,19 @@ def test_dynamic_resume_equals_uninterrupted_run(rs_factory, cut, graph):
 
 
 @pytest.mark.timeout(60)
+def test_dynamic_as_completed_resumes_exactly_once(rs_factory):
+    """``Dynamic(in_order=False)`` delivers chunks as they complete, so the order is the workers';
+    a mid-epoch checkpoint still resumes with every item of the epoch exactly once."""
+    from rpc_reading_service.engine.distribution.dynamic import Dynamic
+
+    make_rs = lambda: rs_factory(3, distribution=Dynamic(chunk_size=3, in_order=False))  # noqa: E731
+    got, state = interrupted_run(make_rs, *CUTS["mid-epoch"])
+    for epoch in got:
+        assert sorted(x for x, _ in epoch) == list(range(N_ITEMS))
+    assert json.loads(state[RS_STATE])["distribution"] is not None
+
+
+@pytest.mark.timeout(60)
 def test_dynamic_state_is_refused_by_another_distribution_and_vice_versa(rs_factory):
     make_dynamic = _dynamic_rs(rs_factory)
     for take, resume, words in ((make_dynamic, lambda: rs_factory(3), "holds state of a distribution"),
