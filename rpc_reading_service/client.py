@@ -140,30 +140,31 @@ class WorkerChannel:
         return describe_worker(self.rank, self.address)
 
     def _send_or_report(
-        self, message: Message, wait: float = -1, epoch: Optional[int] = None, if_room: bool = False
+        self, *messages: Message, wait: float = -1, epoch: Optional[int] = None, if_room: bool = False
     ) -> None:
-        """Send ``message`` unless the session is over; a failed send is the receiver's to report.
+        """Send ``messages`` (in one write where the transport can) unless the session is over;
+        a failed send is the receiver's to report.
 
         ``wait``: seconds to wait for a send in progress (``-1``: as long as it takes); after
-        that, ``message`` is not sent. With ``epoch``, it is not sent either once another
-        epoch started (or this one stopped). ``if_room``: not sent either when the connection
-        has no room for it now (the send would wait for the worker to read).
+        that, nothing is sent. With ``epoch``, nothing is sent either once another epoch
+        started (or this one stopped). ``if_room``: nothing either when the connection has no
+        room for it now (the send would wait for the worker to read).
         """
         if not self._send_lock.acquire(timeout=wait):
-            log.debug("not sending %s to %s: another send is stuck", message.kind.name, self.name)
+            log.debug("not sending %s to %s: another send is stuck", _kinds(messages), self.name)
             return
         try:
             if if_room and not self.conn.has_room():
-                log.debug("not sending %s to %s: its connection is full", message.kind.name, self.name)
+                log.debug("not sending %s to %s: its connection is full", _kinds(messages), self.name)
                 return
             with self._state_lock:
                 if self.protocol.state is SessionState.CLOSED:
                     return  # the receiver reports why it ended
                 if epoch is not None and (epoch != self.protocol.epoch or self.protocol.stopped):
                     return
-                chunks = self.protocol.send(message)
+                frames = [self.protocol.send(message) for message in messages]
             try:
-                self.conn.send(chunks)
+                self.conn.send_frames(frames)
             except (PeerLostError, OSError) as exc:
                 # Not the end yet: the peer's last frames (an ERROR, a REJECT that explains
                 # why it closed) may still wait to be read; recv reports the loss.
@@ -302,15 +303,7 @@ class WorkerChannel:
         if self._ungranted:
             messages.insert(0, Credit(epoch, self._ungranted))
             self._ungranted = 0
-        with self._send_lock:
-            with self._state_lock:
-                if self.protocol.state is SessionState.CLOSED:
-                    return
-                frames = [self.protocol.send(message) for message in messages]
-            try:
-                self.conn.send_frames(frames)
-            except (PeerLostError, OSError) as exc:
-                log.debug("send to %s failed: %s", self.name, exc)  # the receiver reports the loss
+        self._send_or_report(*messages)
 
     def close(self, timeout: float = 2.0) -> None:
         """Say CLOSE, stop receiving and close the connection (idempotent).
@@ -449,6 +442,11 @@ class WorkerChannel:
             "Fix what blocks there, or raise item_timeout if items legitimately take that long"
         )
         return ItemTimeoutError(message, self.rank, self.address, position=position, stack=event.stack)
+
+
+def _kinds(messages: Sequence[Message]) -> str:
+    """``CREDIT+LEASE``: the kinds of ``messages``, for log lines."""
+    return "+".join(message.kind.name for message in messages)
 
 
 def _ignore(event: Any) -> bool:
