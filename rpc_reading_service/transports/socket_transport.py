@@ -243,11 +243,18 @@ class SocketConnection(Connection):
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             return False
+        return self._wait(True, remaining) or deadline is None or time.monotonic() < deadline
+
+    def _wait(self, readable: bool, timeout: Optional[float]) -> bool:
+        """Wait up to ``timeout`` until the socket is readable (or writable); True if it is."""
         try:
-            ready, _, _ = select.select([self._sock], [], [], remaining)
+            if readable:
+                ready, _, _ = select.select([self._sock], [], [], timeout)
+            else:
+                _, ready, _ = select.select([], [self._sock], [], timeout)
         except (OSError, ValueError) as exc:  # closed under us by another thread
             raise PeerLostError(f"connection to {self.peer} is closed") from exc
-        return bool(ready) or deadline is None or time.monotonic() < deadline
+        return bool(ready)
 
     def _closed_by_peer(self) -> PeerLostError:
         what = "in the middle of a frame" if self._reader.mid_frame else ""
@@ -466,15 +473,6 @@ class TLSSocketConnection(SocketConnection):
                 view = view[sent:]
             else:
                 self._wait(want_read, 1.0)
-
-    def _wait(self, readable: bool, timeout: Optional[float]) -> None:
-        try:
-            if readable:
-                select.select([self._sock], [], [], timeout)
-            else:
-                select.select([], [self._sock], [], timeout)
-        except (OSError, ValueError) as exc:  # closed under us by another thread
-            raise PeerLostError(f"connection to {self.peer} is closed") from exc
 
     def _recv_into(self, view: memoryview, deadline: Optional[float]) -> Optional[int]:
         while True:
