@@ -460,8 +460,6 @@ class WorkerSession:
         #: ``(epoch, position in the shard, monotonic start, thread id)`` while the producer
         #: waits for the graph's next item; None otherwise. Read by the sender (item_timeout).
         self._producing: Optional[Tuple[int, int, float, int]] = None
-        #: What ``_producing`` was while the producer waits for dispatched input.
-        self._input_wait_item: Optional[Tuple[int, int, float, int]] = None
         #: The item_timeout ERROR once it fired (the session then ends with it).
         self._timed_out: Optional[Error] = None
         self._stopping = threading.Event()
@@ -582,7 +580,7 @@ class WorkerSession:
         self.outbox.start_epoch(request.epoch, request.credits)
         self._cancel_input()
         if request.dispatched:
-            self._inbox = Inbox(request.epoch, lambda epoch: self.outbox.grant_input(epoch, 1), self._waiting_for_input)
+            self._inbox = Inbox(request.epoch, lambda epoch: self.outbox.grant_input(epoch, 1), self._waiting_for_trainer)
             self.outbox.grant_input(request.epoch, max(1, request.credits))
         if self._leases is not None:
             self._leases.cancel()  # the superseded epoch's producer stops waiting for leases
@@ -659,7 +657,7 @@ class WorkerSession:
                 if watched:
                     items, put = self._watched(epoch, iter(self._graph)), self._unwatched(put)
                     if leases is not None:
-                        leases.waiting = self._waiting_for_lease
+                        leases.waiting = self._waiting_for_trainer
                 for index, item in enumerate(items):
                     if index < skip:
                         continue
@@ -689,8 +687,10 @@ class WorkerSession:
             except _Cancelled:
                 pass
 
-    def _waiting_for_lease(self, waiting: bool) -> None:
-        """Waiting for the trainer's next lease is not producing an item: the watchdog looks away."""
+    def _waiting_for_trainer(self, waiting: bool) -> None:
+        """Waiting for the trainer (its next lease, or the items its dispatcher deals, which set
+        that pace) is not producing an item: item_timeout does not count it, and the item's
+        clock restarts after it."""
         producing = self._producing
         if producing is not None:
             epoch, position, _started, ident = producing
@@ -709,15 +709,6 @@ class WorkerSession:
                 return
             yield item
             index += 1
-
-    def _waiting_for_input(self, waiting: bool) -> None:
-        """Waiting for the items the trainer deals is not producing (its dispatcher sets that
-        pace): item_timeout does not count it, and the item's clock restarts after it."""
-        if waiting:
-            self._input_wait_item, self._producing = self._producing, None
-        elif self._input_wait_item is not None:
-            epoch, position, _started, ident = self._input_wait_item
-            self._producing, self._input_wait_item = (epoch, position, time.monotonic(), ident), None
 
     def _unwatched(self, put: Callable[[int, EncodedItem], None]) -> Callable[[int, EncodedItem], None]:
         """``put``, first telling the item_timeout check the item is done: waiting for the trainer's
