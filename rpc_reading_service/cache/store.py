@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 from .entry import decode_entry, encode_entry
 
@@ -36,11 +36,13 @@ LOW_WATER = 0.9
 STALE_TEMP_SECONDS = 3600.0  # a temp file this old was left by a writer that died
 
 
-def _touch(path: str) -> None:
-    # An explicit nanosecond time, not the kernel's coarse clock: two hits milliseconds apart
-    # must still be ordered for LRU.
+def _touch(file: Union[str, int]) -> None:
+    """Make an entry (a path, or an open file: no second path lookup) the most recently used.
+
+    An explicit nanosecond time, not the kernel's coarse clock: two hits milliseconds apart
+    must still be ordered for LRU."""
     now = time.time_ns()
-    os.utime(path, ns=(now, now))
+    os.utime(file, ns=(now, now))
 
 
 class DiskStore:
@@ -64,33 +66,42 @@ class DiskStore:
         """The file that holds ``key``'s entry."""
         return os.path.join(self._entries, key[:2], key + ".entry")
 
-    def get(self, key: str) -> Optional[bytes]:
-        """``key``'s payload (and mark it recently used), or ``None`` on a miss or a corrupt entry."""
+    def get(self, key: str) -> Optional[memoryview]:
+        """``key``'s payload (and mark it recently used), or ``None`` on a miss or a corrupt entry.
+
+        The payload is a view of memory read for this call alone, so a value may be rebuilt on it.
+        """
         path = self.entry_path(key)
         try:
-            with open(path, "rb") as handle:
-                data = handle.read()
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
         except OSError as exc:
             log.warning("cannot read cache entry %s (%s); computing the item instead", path, exc)
             return None
-        payload = decode_entry(data)
-        if payload is None:
-            log.warning(
-                "cache entry %s is corrupt or partial (%d bytes): deleted, computing it again",
-                path,
-                len(data),
-            )
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                self._account(-len(data))
+        try:
+            data = bytearray(os.fstat(fd).st_size)
+            read = os.readv(fd, [data])  # one syscall for the whole entry
+            if read == len(data):
+                payload = decode_entry(data)
+                if payload is not None:
+                    with contextlib.suppress(OSError):
+                        _touch(fd)
+                    return payload
+        except OSError as exc:
+            log.warning("cannot read cache entry %s (%s); computing the item instead", path, exc)
             return None
-        with contextlib.suppress(OSError):  # a concurrent eviction may have deleted it
-            _touch(path)
-        return payload
+        finally:
+            os.close(fd)
+        log.warning(
+            "cache entry %s is corrupt or partial (%d bytes): deleted, computing it again", path, len(data)
+        )
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            self._account(-len(data))
+        return None
 
-    def put(self, key: str, payload: bytes) -> bool:
+    def put(self, key: str, payload: Union[bytes, bytearray, memoryview]) -> bool:
         """Store ``payload`` under ``key``; False when it was not stored (too big, or writing is off)."""
         if not self.writable:
             return False
