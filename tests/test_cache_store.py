@@ -4,6 +4,7 @@ corrupt entries, a full disk, compute-once across processes), the memory tier, k
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import multiprocessing
 import os
@@ -81,6 +82,18 @@ def test_a_corrupt_entry_is_a_miss_and_is_deleted(tmp_path, caplog):
         assert store.get(KEYS[0]) is None
     assert not os.path.exists(path)
     assert "corrupt" in caplog.text and path in caplog.text
+
+
+def test_an_entry_of_the_earlier_format_is_recomputed_without_a_corruption_warning(tmp_path, caplog):
+    store = DiskStore(str(tmp_path), 1 << 20)
+    store.put(KEYS[0], b"new")
+    path = store.entry_path(KEYS[0])
+    payload = pickle.dumps("old value", protocol=5)  # as 0.x wrote it: blake2b-256 header, plain pickle
+    digest = hashlib.blake2b(payload, digest_size=32).digest()
+    open(path, "wb").write(b"RRSCACH1" + len(payload).to_bytes(8, "big") + digest + payload)
+    with caplog.at_level(logging.INFO, "rpc_reading_service.cache"):
+        assert store.get(KEYS[0]) is None
+    assert not os.path.exists(path) and "corrupt" not in caplog.text and "earlier version" in caplog.text
 
 
 def test_a_failing_write_warns_once_and_stops_writing(tmp_path, caplog):

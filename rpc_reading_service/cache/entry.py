@@ -16,9 +16,10 @@ import struct
 import zlib
 from typing import Optional, Union
 
-__all__ = ["HEADER_BYTES", "encode_entry", "decode_entry"]
+__all__ = ["HEADER_BYTES", "encode_entry", "decode_entry", "is_older_format"]
 
-MAGIC = b"RRSCACH2"  # RRSCACH1 entries (blake2b) read as corrupt: recomputed once, then rewritten
+MAGIC = b"RRSCACH2"
+_OLDER_MAGICS = (b"RRSCACH1",)  # blake2b, payloads pickled by torch: recomputed once, then rewritten
 _HEADER = struct.Struct(">8sQI44x")
 HEADER_BYTES = _HEADER.size
 
@@ -40,3 +41,8 @@ def decode_entry(data: Payload) -> Optional[memoryview]:
     if magic != MAGIC or length != len(payload) or zlib.crc32(payload) != checksum:
         return None
     return payload
+
+
+def is_older_format(data: Payload) -> bool:
+    """Whether ``data`` is an entry an earlier version of this package wrote (not damage)."""
+    return bytes(data[: len(MAGIC)]) in _OLDER_MAGICS

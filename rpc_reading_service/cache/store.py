@@ -7,7 +7,7 @@ Layout under the directory::
                                  renamed into place, so a reader never sees half an entry
     locks/abc.lock               flock stripes: who computes a key (4096 stripes, so the number
                                  of lock files stays bounded however many keys there are)
-    usage, usage.lock            the running total of entry bytes, updated under the flock
+    usage                        the running total of entry bytes, updated under its flock
 
 Recency is the entry's mtime, set on every write and every hit. When the total passes the
 bound, the least recently used entries are deleted until it is at most 90% of the bound (so a
@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from typing import List, Optional, Tuple, Union
 
-from .entry import decode_entry, encode_entry
+from .entry import decode_entry, encode_entry, is_older_format
 
 __all__ = ["DiskStore"]
 
@@ -58,6 +58,7 @@ class DiskStore:
         self.max_bytes = max_bytes
         self.lock_timeout = lock_timeout
         self.writable = True
+        self._told_older_format = False
         self._entries = os.path.join(directory, "entries")
         self._locks = os.path.join(directory, "locks")
         self._usage = os.path.join(directory, "usage")
@@ -93,9 +94,13 @@ class DiskStore:
             return None
         finally:
             os.close(fd)
-        log.warning(
-            "cache entry %s is corrupt or partial (%d bytes): deleted, computing it again", path, len(data)
-        )
+        if not is_older_format(data):
+            log.warning(
+                "cache entry %s is corrupt or partial (%d bytes): deleted, computing it again", path, len(data)
+            )
+        elif not self._told_older_format:
+            self._told_older_format = True
+            log.info("cache %s holds entries of an earlier version: each is computed again once", self.directory)
         with contextlib.suppress(OSError):
             os.unlink(path)
             self._account(-len(data))
@@ -111,10 +116,15 @@ class DiskStore:
         path = self.entry_path(key)
         temp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(temp, "wb") as handle:
+            try:
+                handle = open(temp, "wb")
+            except FileNotFoundError:  # the first entry of its shard directory
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                handle = open(temp, "wb")
+            with handle:
                 handle.write(data)
-            _touch(temp)
+                handle.flush()
+                _touch(handle.fileno())
             try:
                 replaced = os.stat(path).st_size
             except FileNotFoundError:
@@ -176,20 +186,24 @@ class DiskStore:
                 pause = min(pause * 2, 0.02)
 
     def _account(self, delta: int) -> None:
-        """Add ``delta`` to the running total; evict when it passes the bound."""
-        with open(self._usage + ".lock", "a+b") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        """Add ``delta`` to the running total; evict when it passes the bound.
+
+        The total is rewritten in place (one short ``pwrite`` under the file's flock), not
+        through a temporary file and a rename: those were half of the metadata work of a put.
+        A damaged total is counted again.
+        """
+        fd = os.open(self._usage, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
             try:
-                with open(self._usage, "rb") as handle:
-                    total = int(handle.read()) + delta
-            except (OSError, ValueError):
+                total = int(os.pread(fd, 64, 0)) + delta
+            except ValueError:
                 total = self.total_bytes()  # first use, or a damaged usage file: count
             if total > self.max_bytes:
                 total = self._evict()
-            temp = f"{self._usage}.{os.getpid()}.{threading.get_ident()}.tmp"
-            with open(temp, "wb") as handle:
-                handle.write(str(max(total, 0)).encode("ascii"))
-            os.replace(temp, self._usage)
+            os.pwrite(fd, b"%020d" % max(total, 0), 0)  # fixed width: covers what was there
+        finally:
+            os.close(fd)
 
     def _scan(self) -> List[Tuple[int, int, str]]:
         """``(mtime_ns, size, path)`` of every entry; deletes temp files of writers that died."""
