@@ -45,6 +45,18 @@ def _touch(file: Union[str, int]) -> None:
     os.utime(file, ns=(now, now))
 
 
+def _read_into(fd: int, data: bytearray) -> int:
+    """Fill ``data`` from ``fd``: one syscall for an entry (a read stops short only past 2 GiB,
+    or at the end of a file that is shorter than it was); the bytes read."""
+    view, done = memoryview(data), 0
+    while done < len(data):
+        read = os.readv(fd, [view[done:]])
+        if read == 0:
+            break
+        done += read
+    return done
+
+
 class DiskStore:
     """Payloads by key in ``directory``, at most ``max_bytes`` of entries in all.
 
@@ -82,8 +94,7 @@ class DiskStore:
             return None
         try:
             data = bytearray(os.fstat(fd).st_size)
-            read = os.readv(fd, [data])  # one syscall for the whole entry
-            if read == len(data):
+            if _read_into(fd, data) == len(data):
                 payload = decode_entry(data)
                 if payload is not None:
                     with contextlib.suppress(OSError):
