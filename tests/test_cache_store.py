@@ -4,6 +4,7 @@ corrupt entries, a full disk, compute-once across processes), the memory tier, k
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import multiprocessing
 import os
@@ -11,6 +12,7 @@ import pickle
 import time
 
 import pytest
+import torch
 
 from rpc_reading_service.cache import CacheConfig, DiskStore, WorkerCache, parse_size
 from rpc_reading_service.cache.entry import HEADER_BYTES, decode_entry, encode_entry
@@ -82,6 +84,18 @@ def test_a_corrupt_entry_is_a_miss_and_is_deleted(tmp_path, caplog):
     assert "corrupt" in caplog.text and path in caplog.text
 
 
+def test_an_entry_of_the_earlier_format_is_recomputed_without_a_corruption_warning(tmp_path, caplog):
+    store = DiskStore(str(tmp_path), 1 << 20)
+    store.put(KEYS[0], b"new")
+    path = store.entry_path(KEYS[0])
+    payload = pickle.dumps("old value", protocol=5)  # as 0.x wrote it: blake2b-256 header, plain pickle
+    digest = hashlib.blake2b(payload, digest_size=32).digest()
+    open(path, "wb").write(b"RRSCACH1" + len(payload).to_bytes(8, "big") + digest + payload)
+    with caplog.at_level(logging.INFO, "rpc_reading_service.cache"):
+        assert store.get(KEYS[0]) is None
+    assert not os.path.exists(path) and "corrupt" not in caplog.text and "earlier version" in caplog.text
+
+
 def test_a_failing_write_warns_once_and_stops_writing(tmp_path, caplog):
     store = DiskStore(str(tmp_path), 1 << 20)
     (tmp_path / "entries").write_text("not a directory")  # every write fails with an OSError
@@ -109,6 +123,23 @@ def test_hits_are_fresh_copies(tmp_path):
     first = cache.get_or_compute(KEYS[0], lambda: [1, 2])
     first.append(3)  # a later step changing its input in place
     assert cache.get_or_compute(KEYS[0], lambda: pytest.fail("computed on a hit")) == [1, 2]
+
+
+def test_a_tensor_hit_is_rebuilt_on_the_memory_it_was_read_into_and_is_a_fresh_copy(tmp_path, monkeypatch):
+    cache = WorkerCache(CacheConfig.create(str(tmp_path), "1M", "1M"))
+    image = torch.arange(16384, dtype=torch.float32)  # 64 KiB, the size of an item of bench_cache
+    value = cache.get_or_compute(KEYS[0], lambda: {"image": image.clone(), "label": 3})
+    value["image"].zero_()  # the computed value itself, changed in place: the tiers hold copies
+
+    def torch_load(*args, **kwargs):
+        pytest.fail("a hit went through torch.load (a tensor pickled by torch, not out of band)")
+
+    monkeypatch.setattr(torch, "load", torch_load)
+    for tier in ("disk", "memory"):  # the first hit reads the disk and fills the memory tier
+        hit = cache.get_or_compute(KEYS[0], lambda: pytest.fail(f"computed on a {tier} hit"))
+        assert torch.equal(hit["image"], image) and hit["label"] == 3, tier
+        assert hit["image"].data_ptr() % 16 == 0, tier  # aligned: the entry keeps its buffers at multiples of 64
+        hit["image"].zero_()  # a later step changing its input in place: the next hit is unchanged
 
 
 def _compute_slowly(directory: str, calls: str, barrier) -> None:

@@ -7,7 +7,7 @@ Layout under the directory::
                                  renamed into place, so a reader never sees half an entry
     locks/abc.lock               flock stripes: who computes a key (4096 stripes, so the number
                                  of lock files stays bounded however many keys there are)
-    usage, usage.lock            the running total of entry bytes, updated under the flock
+    usage                        the running total of entry bytes, updated under its flock
 
 Recency is the entry's mtime, set on every write and every hit. When the total passes the
 bound, the least recently used entries are deleted until it is at most 90% of the bound (so a
@@ -24,9 +24,9 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
-from .entry import decode_entry, encode_entry
+from .entry import decode_entry, encode_entry, is_older_format
 
 __all__ = ["DiskStore"]
 
@@ -36,11 +36,25 @@ LOW_WATER = 0.9
 STALE_TEMP_SECONDS = 3600.0  # a temp file this old was left by a writer that died
 
 
-def _touch(path: str) -> None:
-    # An explicit nanosecond time, not the kernel's coarse clock: two hits milliseconds apart
-    # must still be ordered for LRU.
+def _touch(file: Union[str, int]) -> None:
+    """Make an entry (a path, or an open file: no second path lookup) the most recently used.
+
+    An explicit nanosecond time, not the kernel's coarse clock: two hits milliseconds apart
+    must still be ordered for LRU."""
     now = time.time_ns()
-    os.utime(path, ns=(now, now))
+    os.utime(file, ns=(now, now))
+
+
+def _read_into(fd: int, data: bytearray) -> int:
+    """Fill ``data`` from ``fd``: one syscall for an entry (a read stops short only past 2 GiB,
+    or at the end of a file that is shorter than it was); the bytes read."""
+    view, done = memoryview(data), 0
+    while done < len(data):
+        read = os.readv(fd, [view[done:]])
+        if read == 0:
+            break
+        done += read
+    return done
 
 
 class DiskStore:
@@ -56,6 +70,7 @@ class DiskStore:
         self.max_bytes = max_bytes
         self.lock_timeout = lock_timeout
         self.writable = True
+        self._told_older_format = False
         self._entries = os.path.join(directory, "entries")
         self._locks = os.path.join(directory, "locks")
         self._usage = os.path.join(directory, "usage")
@@ -64,33 +79,45 @@ class DiskStore:
         """The file that holds ``key``'s entry."""
         return os.path.join(self._entries, key[:2], key + ".entry")
 
-    def get(self, key: str) -> Optional[bytes]:
-        """``key``'s payload (and mark it recently used), or ``None`` on a miss or a corrupt entry."""
+    def get(self, key: str) -> Optional[memoryview]:
+        """``key``'s payload (and mark it recently used), or ``None`` on a miss or a corrupt entry.
+
+        The payload is a view of memory read for this call alone, so a value may be rebuilt on it.
+        """
         path = self.entry_path(key)
         try:
-            with open(path, "rb") as handle:
-                data = handle.read()
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return None
         except OSError as exc:
             log.warning("cannot read cache entry %s (%s); computing the item instead", path, exc)
             return None
-        payload = decode_entry(data)
-        if payload is None:
-            log.warning(
-                "cache entry %s is corrupt or partial (%d bytes): deleted, computing it again",
-                path,
-                len(data),
-            )
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                self._account(-len(data))
+        try:
+            data = bytearray(os.fstat(fd).st_size)
+            if _read_into(fd, data) == len(data):
+                payload = decode_entry(data)
+                if payload is not None:
+                    with contextlib.suppress(OSError):
+                        _touch(fd)
+                    return payload
+        except OSError as exc:
+            log.warning("cannot read cache entry %s (%s); computing the item instead", path, exc)
             return None
-        with contextlib.suppress(OSError):  # a concurrent eviction may have deleted it
-            _touch(path)
-        return payload
+        finally:
+            os.close(fd)
+        if not is_older_format(data):
+            log.warning(
+                "cache entry %s is corrupt or partial (%d bytes): deleted, computing it again", path, len(data)
+            )
+        elif not self._told_older_format:
+            self._told_older_format = True
+            log.info("cache %s holds entries of an earlier version: each is computed again once", self.directory)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            self._account(-len(data))
+        return None
 
-    def put(self, key: str, payload: bytes) -> bool:
+    def put(self, key: str, payload: Union[bytes, bytearray, memoryview]) -> bool:
         """Store ``payload`` under ``key``; False when it was not stored (too big, or writing is off)."""
         if not self.writable:
             return False
@@ -100,10 +127,15 @@ class DiskStore:
         path = self.entry_path(key)
         temp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(temp, "wb") as handle:
+            try:
+                handle = open(temp, "wb")
+            except FileNotFoundError:  # the first entry of its shard directory
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                handle = open(temp, "wb")
+            with handle:
                 handle.write(data)
-            _touch(temp)
+                handle.flush()
+                _touch(handle.fileno())
             try:
                 replaced = os.stat(path).st_size
             except FileNotFoundError:
@@ -165,20 +197,24 @@ class DiskStore:
                 pause = min(pause * 2, 0.02)
 
     def _account(self, delta: int) -> None:
-        """Add ``delta`` to the running total; evict when it passes the bound."""
-        with open(self._usage + ".lock", "a+b") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        """Add ``delta`` to the running total; evict when it passes the bound.
+
+        The total is rewritten in place (one short ``pwrite`` under the file's flock), not
+        through a temporary file and a rename: those were half of the metadata work of a put.
+        A damaged total is counted again.
+        """
+        fd = os.open(self._usage, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
             try:
-                with open(self._usage, "rb") as handle:
-                    total = int(handle.read()) + delta
-            except (OSError, ValueError):
+                total = int(os.pread(fd, 64, 0)) + delta
+            except ValueError:
                 total = self.total_bytes()  # first use, or a damaged usage file: count
             if total > self.max_bytes:
                 total = self._evict()
-            temp = f"{self._usage}.{os.getpid()}.{threading.get_ident()}.tmp"
-            with open(temp, "wb") as handle:
-                handle.write(str(max(total, 0)).encode("ascii"))
-            os.replace(temp, self._usage)
+            os.pwrite(fd, b"%020d" % max(total, 0), 0)  # fixed width: covers what was there
+        finally:
+            os.close(fd)
 
     def _scan(self) -> List[Tuple[int, int, str]]:
         """``(mtime_ns, size, path)`` of every entry; deletes temp files of writers that died."""

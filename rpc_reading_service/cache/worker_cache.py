@@ -1,15 +1,16 @@
-"""The cache a worker session uses: the memory tier over the disk tier, values pickled, and each
-key computed once however many sessions ask for it at the same time."""
+"""The cache a worker session uses: the memory tier over the disk tier, values pickled (tensors
+out of band, see ``values.py``), and each key computed once however many sessions ask for it
+at the same time."""
 
 from __future__ import annotations
 
 import logging
-import pickle
 from typing import Any, Callable, Optional
 
 from .config import CacheConfig
 from .memory import MemoryTier
 from .store import DiskStore
+from .values import pack_value, unpack_value
 
 __all__ = ["WorkerCache"]
 
@@ -22,7 +23,9 @@ class WorkerCache:
     """Values by key in the tiers of a :class:`~rpc_reading_service.cache.config.CacheConfig`.
 
     Values travel through the tiers as pickles (protocol 5), so every hit is a fresh copy: a
-    step after ``cached_map`` that changes its input in place cannot change the cache.
+    step after ``cached_map`` that changes its input in place cannot change the cache. A disk
+    hit's tensors live on the memory the entry was read into (no copy after the read); a
+    memory hit copies the payload once.
     """
 
     def __init__(self, config: CacheConfig):
@@ -53,24 +56,26 @@ class WorkerCache:
         if payload is None:
             return _MISSING
         try:
-            return pickle.loads(payload)
+            return unpack_value(payload)
         except Exception as exc:  # noqa: BLE001 - e.g. the class of a cached value is gone
             log.warning("cached_map: a cached value cannot be unpickled (%s); computing it again", exc)
             return _MISSING
 
-    def _lookup(self, key: str) -> Optional[bytes]:
+    def _lookup(self, key: str) -> Optional[memoryview]:
+        """``key``'s payload in memory nobody else holds (values are rebuilt on it), or ``None``."""
         # A memory hit leaves the disk entry's recency alone: the disk tier ranks what the
         # sessions' memory tiers do not hold, which is what it is there for.
-        payload = self.memory.get(key) if self.memory is not None else None
-        if payload is None and self.disk is not None:
-            payload = self.disk.get(key)
-            if payload is not None and self.memory is not None:
-                self.memory.put(key, payload)
+        kept = self.memory.get(key) if self.memory is not None else None
+        if kept is not None:
+            return memoryview(bytearray(kept))
+        payload = self.disk.get(key) if self.disk is not None else None
+        if payload is not None and self.memory is not None:
+            self.memory.put(key, bytes(payload))
         return payload
 
     def _store(self, key: str, value: Any) -> Any:
         try:
-            payload = pickle.dumps(value, protocol=5)
+            payload = pack_value(value)
         except Exception as exc:  # noqa: BLE001 - pickling raises many types
             if not self._warned_unpicklable:
                 self._warned_unpicklable = True
