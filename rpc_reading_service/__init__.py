@@ -61,11 +61,16 @@ def __getattr__(name: str) -> Any:
         from .engine.distribution.sticky import Sticky
 
         return {"Dynamic": Dynamic, "Sticky": Sticky}.get(name) or getattr(distribution, name)
+    if name == "shared_empty":  # torch loads on first use too
+        from .shared_items import shared_empty
+
+        return shared_empty
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "__version__",
     "RPCReadingService",
+    "shared_empty",
     "LocalWorkers",
     "WorkerAddresses",
     "StoreDiscovery",

@@ -372,6 +372,7 @@ class SharedMemoryConnection(SocketConnection):
         if frame.kind == MessageKind.SHARED_MEMORY_OFFER and self._segments is None:
             if self._lend and self._pool is None:
                 self._pool = SegmentPool()
+                self._pool.offer_to_producers()
             return None
         if frame.kind == MessageKind.SHARED_DATA and self._segments is not None:
             shared = decode_shared_data(frame)

@@ -1,0 +1,43 @@
+"""Items made directly in shared memory: what a worker's graph calls to skip the hand-over copy.
+
+A local worker hands every large buffer over in a shared segment, which costs one copy of
+the item in the worker. A stage that makes its output in a segment of the session's pool
+instead (a decoder writing into a buffer it was given, a collate stacking into one) saves
+that copy: the transport recognises the memory and lends the segment as it is.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, Union
+
+import torch
+
+from .serialization import SHARED_MEMORY_MIN_BYTES
+from .transports.shared_memory import allocate
+
+__all__ = ["shared_empty"]
+
+
+def shared_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """An uninitialised CPU tensor, like ``torch.empty(shape, dtype=dtype)``, which a local
+    worker hands over to the trainer with no copy when it is (part of) an item.
+
+    Inside the session of a local worker (Unix socket, shared memory offered by the trainer),
+    the tensor lives in a segment of that session's pool; write every element, then yield it
+    in an item. Everywhere else (remote workers over TCP, a trainer with ``pin_memory`` on
+    CUDA, in-process iteration, tensors under 256 KiB, a full pool) it is ordinary memory,
+    so a graph that calls it runs unchanged anywhere. The trainer receives an ordinary,
+    writable tensor either way. Do not write to the tensor after yielding it: the trainer
+    reads the same memory.
+    """
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"shared_empty: dtype must be a torch.dtype, got {dtype!r}")
+    size = torch.Size((shape,) if isinstance(shape, int) else tuple(shape))
+    if any(d < 0 for d in size):
+        raise ValueError(f"shared_empty: every dimension must be >= 0, got shape {tuple(size)}")
+    nbytes = math.prod(size) * dtype.itemsize
+    memory = allocate(nbytes) if nbytes >= SHARED_MEMORY_MIN_BYTES else None
+    if memory is None:
+        return torch.empty(size, dtype=dtype)
+    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(size)
