@@ -9,14 +9,15 @@ that copy: the transport recognises the memory and lends the segment as it is.
 from __future__ import annotations
 
 import math
-from typing import Sequence, Union
+from typing import Any, Sequence, Union
 
 import torch
+from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
 from .serialization import SHARED_MEMORY_MIN_BYTES
 from .transports.shared_memory import allocate
 
-__all__ = ["shared_empty"]
+__all__ = ["shared_collate", "shared_empty"]
 
 
 def shared_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -41,3 +42,22 @@ def shared_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.ui
     if memory is None:
         return torch.empty(size, dtype=dtype)
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(size)
+
+
+def _stack_in_shared_memory(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+    elem = batch[0]
+    if elem.device.type != "cpu" or elem.layout != torch.strided or elem.is_nested:
+        return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # its own checks and errors
+    return torch.stack(batch, 0, out=shared_empty((len(batch), *elem.shape), elem.dtype))
+
+
+_SHARED_COLLATE_FN_MAP = {**default_collate_fn_map, torch.Tensor: _stack_in_shared_memory}
+
+
+def shared_collate(batch: Any) -> Any:
+    """``torch.utils.data.default_collate``, stacking tensors (and numpy arrays) into
+    :func:`shared_empty` memory: a local worker hands the batch over with no copy, as torch's
+    DataLoader workers stack theirs into shared memory. Use it where the graph collates:
+    ``datapipe.batch(64).collate(collate_fn=shared_collate)``.
+    """
+    return collate(batch, collate_fn_map=_SHARED_COLLATE_FN_MAP)

@@ -182,7 +182,7 @@ def test_numpy_arrays_keep_their_segment_lent_while_they_live():
 
 
 def test_items_made_in_a_segment_are_lent_as_they_are_and_reused_once_both_sides_let_go():
-    from rpc_reading_service import shared_empty
+    from rpc_reading_service import shared_collate, shared_empty
 
     pool, segments = SegmentPool(max_bytes=3 * (BIG + 4096)), SegmentMap("test")
     def shared(tensor) -> bool:
@@ -191,6 +191,12 @@ def test_items_made_in_a_segment_are_lent_as_they_are_and_reused_once_both_sides
     assert not shared(shared_empty((BIG,))) and pool.segments == 0  # no session here: ordinary memory
     pool.offer_to_producers()
     try:
+        samples = [{"x": numpy.full(BIG // 8, i, dtype=numpy.int32), "i": i} for i in range(2)]
+        batch = shared_collate(samples)  # torch's default_collate, stacked into a segment
+        assert shared(batch["x"]) and pool.segments == 1
+        expected = torch.utils.data.default_collate(samples)
+        assert torch.equal(batch["x"], expected["x"]) and torch.equal(batch["i"], expected["i"])
+        del batch
         for round_ in range(3):
             made = shared_empty((BIG // 4,), torch.int32)
             made.fill_(round_)
@@ -261,14 +267,14 @@ def test_pinned_memory_is_never_shared():
 
 # -- real processes -----------------------------------------------------------------------------------
 def item_of_every_size(index: int):
-    """A big tensor (shared), one made in shared memory (lent with no copy), a big array
+    """A big tensor (shared), a batch collated in shared memory (lent with no copy), a big array
     (shared), a mid-size tensor (out of band, through the socket) and a small one (in
     band): every byte is ``index``."""
-    from rpc_reading_service import shared_empty
+    from rpc_reading_service import shared_collate
 
     return {
         "big": torch.full((BIG,), index, dtype=torch.uint8),
-        "made": shared_empty((BIG // 2, 2), torch.uint8).fill_(index),
+        "made": shared_collate([torch.full((BIG // 2,), index, dtype=torch.uint8)] * 2),
         "array": numpy.full(SHARED_MEMORY_MIN_BYTES // 4, index, dtype=numpy.int32),
         "mid": torch.full((100_000,), index, dtype=torch.uint8),
         "small": torch.full((10,), index, dtype=torch.int64),
@@ -314,7 +320,7 @@ def test_local_workers_hand_big_buffers_over_in_shared_memory():
                 index = int(item["small"][0])
                 assert all(bool((value == index).all()) for value in item.values())
                 assert in_shared_memory(item["big"].data_ptr(), ranges)
-                assert in_shared_memory(item["made"].data_ptr(), ranges) and item["made"].shape == (BIG // 2, 2)
+                assert in_shared_memory(item["made"].data_ptr(), ranges) and item["made"].shape == (2, BIG // 2)
                 assert in_shared_memory(item["array"].ctypes.data, ranges)
                 assert not in_shared_memory(item["mid"].data_ptr(), ranges)
             item["big"][:] = 0  # received memory is writable
