@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence, Union
 
+import numpy
 import torch
 from torch.utils.data._utils.collate import collate, collate_tensor_fn, default_collate_fn_map
 
@@ -38,9 +39,13 @@ def shared_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.ui
     if any(d < 0 for d in size):
         raise ValueError(f"shared_empty: every dimension must be >= 0, got shape {tuple(size)}")
     nbytes = math.prod(size) * dtype.itemsize
-    memory = allocate(nbytes) if nbytes >= SHARED_MEMORY_MIN_BYTES else None
-    if memory is None:
+    if nbytes < SHARED_MEMORY_MIN_BYTES:
         return torch.empty(size, dtype=dtype)
+    memory = allocate(nbytes)
+    if memory is None:
+        # numpy's memory, not torch.empty's: numpy asks for huge pages for large arrays, which
+        # made a fresh 8 MiB tensor cost half as much to write here.
+        return torch.from_numpy(numpy.empty(nbytes, dtype=numpy.uint8)).view(dtype).view(size)
     return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(size)
 
 
