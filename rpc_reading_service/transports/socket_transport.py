@@ -302,7 +302,8 @@ class SharedMemoryConnection(SocketConnection):
     The trainer's end (``offered``) said SHARED_MEMORY_OFFER after the handshake; it
     receives the descriptors of new segments with the bytes (``recvmsg``) and turns every
     SHARED_DATA frame back into the DATA frame it wraps. The worker's end (``lend``) puts
-    the large buffers of its DATA frames in segments once the trainer offered. Transport
+    the large buffers of its DATA frames in segments once the trainer offered, and lets
+    the graph make its items in them (``rpc_reading_service.shared_empty``). Transport
     frames never reach the session above.
     """
 
