@@ -272,9 +272,11 @@ def item_of_every_size(index: int):
     band): every byte is ``index``."""
     from rpc_reading_service import shared_collate
 
+    made = shared_collate([torch.full((BIG // 2,), index, dtype=torch.uint8)] * 2)
     return {
         "big": torch.full((BIG,), index, dtype=torch.uint8),
-        "made": shared_collate([torch.full((BIG // 2,), index, dtype=torch.uint8)] * 2),
+        "made": made,
+        "made_in_a_segment": in_shared_memory(made.data_ptr(), shared_ranges(os.getpid())),  # in the worker
         "array": numpy.full(SHARED_MEMORY_MIN_BYTES // 4, index, dtype=numpy.int32),
         "mid": torch.full((100_000,), index, dtype=torch.uint8),
         "small": torch.full((10,), index, dtype=torch.int64),
@@ -318,6 +320,7 @@ def test_local_workers_hand_big_buffers_over_in_shared_memory():
             ranges = shared_ranges(os.getpid())
             for item in items:
                 index = int(item["small"][0])
+                assert item.pop("made_in_a_segment") is True  # a forked session's graph made it in its pool
                 assert all(bool((value == index).all()) for value in item.values())
                 assert in_shared_memory(item["big"].data_ptr(), ranges)
                 assert in_shared_memory(item["made"].data_ptr(), ranges) and item["made"].shape == (2, BIG // 2)
