@@ -94,8 +94,8 @@ _producer_pools: "weakref.WeakSet[SegmentPool]" = weakref.WeakSet()
 def allocate(nbytes: int) -> Optional[Buffer]:
     """``nbytes`` of writable memory in a segment of this process's session, which its
     connection will hand over without a copy; None when there is no such session (no
-    local worker session here, the trainer did not offer shared memory, several sessions
-    in this process, or the pool is full)."""
+    local worker session here, the trainer did not offer shared memory, a session that
+    shares its server's process, or the pool is full)."""
     pools = list(_producer_pools)
     if len(pools) != 1:
         return None  # several sessions in one process (threads): which one sends it is unknown

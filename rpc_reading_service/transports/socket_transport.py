@@ -310,6 +310,7 @@ class SharedMemoryConnection(SocketConnection):
     def __init__(self, sock: socket.socket, peer: str, reader: FrameReader, offered: bool = False, lend: bool = False):
         super().__init__(sock, peer, reader)
         self._lend = lend
+        self._accepted_in = os.getpid()
         self._pool: Optional[SegmentPool] = None
         self._segments: Optional[SegmentMap] = SegmentMap(peer) if offered else None
         self._fds: "collections.deque[int]" = collections.deque()
@@ -373,7 +374,11 @@ class SharedMemoryConnection(SocketConnection):
         if frame.kind == MessageKind.SHARED_MEMORY_OFFER and self._segments is None:
             if self._lend and self._pool is None:
                 self._pool = SegmentPool()
-                self._pool.offer_to_producers()
+                # Only a session in a process of its own (forked after the accept): one that
+                # shares the server's process (threads) could leave its items' segments mapped
+                # there after it ends, through anything still referencing them (a traceback).
+                if os.getpid() != self._accepted_in:
+                    self._pool.offer_to_producers()
             return None
         if frame.kind == MessageKind.SHARED_DATA and self._segments is not None:
             shared = decode_shared_data(frame)
