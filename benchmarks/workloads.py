@@ -36,9 +36,11 @@ class Workload:
     """What one epoch yields: ``n_items`` items of one kind.
 
     kind: ``"ints"`` (the index itself), ``"tensor"`` (a fresh ``torch.uint8`` tensor
-    of ``item_bytes`` bytes, see :func:`make_tensor`) or ``"sleep"`` (the index, after ``sleep_s`` seconds of
-    sleep in the producing worker).  ``block``: shard blocks of that many indices instead
-    of single ones (see :func:`build_datapipe`).
+    of ``item_bytes`` bytes, see :func:`make_tensor`), ``"shared-tensor"`` (the same, made
+    with ``rpc_reading_service.shared_empty``, see :func:`make_tensor_in_shared_memory`) or
+    ``"sleep"`` (the index, after ``sleep_s`` seconds of sleep in the producing worker).
+    ``block``: shard blocks of that many indices instead of single ones (see
+    :func:`build_datapipe`).
     """
 
     kind: str
@@ -76,6 +78,25 @@ def make_tensor(index: int, nbytes: int):
     return torch.from_numpy(make_array(index, nbytes))
 
 
+def make_tensor_in_shared_memory(index: int, nbytes: int):
+    """:func:`make_tensor`'s item, written by the same one-thread numpy fill into memory from
+    ``rpc_reading_service.shared_empty``: in a local worker's session a segment its
+    transport hands over with no copy, elsewhere (the production limit) ordinary memory."""
+    import torch
+    from rpc_reading_service import shared_empty
+
+    tensor = shared_empty(nbytes, dtype=torch.uint8)
+    tensor.numpy().fill(fill_value(index))
+    return tensor
+
+
+def made_in_shared_memory(workload: "Workload") -> "Workload":
+    """``workload`` with its tensors made by :func:`make_tensor_in_shared_memory`."""
+    if workload.kind != "tensor":
+        raise ValueError(f"only tensor workloads can be made in shared memory, not {workload.kind!r}")
+    return dataclasses.replace(workload, kind="shared-tensor")
+
+
 def sleep_then_return(index: int, seconds: float) -> int:
     """A sleep-bound stage: ``map(lambda x: (time.sleep(s), x)[1])``."""
     time.sleep(seconds)
@@ -88,6 +109,8 @@ def item_function(workload: Workload):
         return None
     if workload.kind == "tensor":
         return functools.partial(make_tensor, nbytes=workload.item_bytes)
+    if workload.kind == "shared-tensor":
+        return functools.partial(make_tensor_in_shared_memory, nbytes=workload.item_bytes)
     if workload.kind == "sleep":
         return functools.partial(sleep_then_return, seconds=workload.sleep_s)
     raise ValueError(f"unknown workload kind {workload.kind!r}")

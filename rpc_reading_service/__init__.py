@@ -61,11 +61,17 @@ def __getattr__(name: str) -> Any:
         from .engine.distribution.sticky import Sticky
 
         return {"Dynamic": Dynamic, "Sticky": Sticky}.get(name) or getattr(distribution, name)
+    if name in ("shared_empty", "shared_collate"):  # torch loads on first use too
+        from . import shared_items
+
+        return getattr(shared_items, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "__version__",
     "RPCReadingService",
+    "shared_empty",
+    "shared_collate",
     "LocalWorkers",
     "WorkerAddresses",
     "StoreDiscovery",

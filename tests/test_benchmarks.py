@@ -96,9 +96,12 @@ def test_the_prose_quotes_the_targets_rows():
         {"goal": "tensor8m: RPCRS-tcp W=1 >= 0.85x raw-socket (both one stream)", "measured": 0.9158,
          "detail": "1.85 GB/s vs 2.02 GB/s"},
         {"goal": "tensor8m: RPCRS-local W=2 >= 3x torch-DataLoader W=2", "measured": None, "detail": "not run"},
+        {"goal": "tensor8m: RPCRS-local-shm W=2 >= 0.6x production-limit-shm W=2 (items made with shared_empty)",
+         "measured": 0.7312, "detail": "9.02 GB/s vs 12.34 GB/s"},
     ]
     paragraph = local_workers_paragraph(rows)
     assert "delivered 5.10 GB/s in this run: 0.41x the production limit (12.37 GB/s), 6.07x MPRS (0.84 GB/s)." in paragraph
     assert "One worker over TCP delivered 1.85 GB/s, 0.92x the raw TCP stream" in paragraph
+    assert "shared_empty (no copy at all) delivered 9.02 GB/s, 0.73x the production limit of the same code (12.34 GB/s)" in paragraph
     assert "DataLoader" not in paragraph
     assert local_workers_paragraph([]) is None

@@ -181,6 +181,48 @@ def test_numpy_arrays_keep_their_segment_lent_while_they_live():
     assert pool.segments == 2  # both free again: reused
 
 
+def test_items_made_in_a_segment_are_lent_as_they_are_and_reused_once_both_sides_let_go():
+    from rpc_reading_service import shared_collate, shared_empty
+
+    pool, segments = SegmentPool(max_bytes=3 * (BIG + 4096)), SegmentMap("test")
+    def shared(tensor) -> bool:
+        return in_shared_memory(tensor.data_ptr(), shared_ranges(os.getpid()))
+
+    assert not shared(shared_empty((BIG,))) and pool.segments == 0  # no session here: ordinary memory
+    pool.offer_to_producers()
+    try:
+        samples = [{"x": numpy.full(BIG // 8, i, dtype=numpy.int32), "i": i} for i in range(2)]
+        batch = shared_collate(samples)  # torch's default_collate, stacked into a segment
+        assert shared(batch["x"]) and pool.segments == 1
+        expected = torch.utils.data.default_collate(samples)
+        assert torch.equal(batch["x"], expected["x"]) and torch.equal(batch["i"], expected["i"])
+        del batch
+        for round_ in range(3):
+            made = shared_empty((BIG // 4,), torch.int32)
+            made.fill_(round_)
+            encoded = dumps_item(made)
+            (buffer,) = _hand_over(pool, segments, encoded.buffers)
+            received = loads_item(EncodedItem(encoded.payload, [buffer]))
+            made[0] = -1  # the very same memory: nothing was copied
+            assert int(received[0]) == -1 and bool((received[1:] == round_).all())
+            (again,) = _hand_over(pool, segments, encoded.buffers)  # sent twice while lent: copied then
+            made[1] = -2
+            assert int(loads_item(EncodedItem(encoded.payload, [again]))[1]) == round_
+            del made, encoded, buffer, received, again
+            gc.collect()
+        assert pool.segments == 2 == segments.segments  # the made one and the copy's, reused every round
+        held = [shared_empty((BIG,)) for _ in range(3)]  # in the producer's hands: never lent to copies
+        assert all(shared(t) for t in held) and pool.segments == 3
+        assert not shared(shared_empty((BIG,))) and not shared(shared_empty((SHARED_MEMORY_MIN_BYTES - 1,)))
+        assert pool.segments == 3  # full, or too small to be worth a segment: ordinary memory
+        (buffer,) = _hand_over(pool, segments, dumps_item(held[0]).buffers)
+        held[0][5] = 9  # lent as it is, though the pool was full
+        assert numpy.frombuffer(buffer, numpy.uint8)[5] == 9
+    finally:
+        pool.close()
+    assert not shared(shared_empty((BIG,)))  # a closed pool gives out nothing
+
+
 def test_the_map_refuses_placements_outside_what_the_worker_announced():
     pool, segments = SegmentPool(), SegmentMap("worker 0 (unix:@x)")
     (buffer,) = _hand_over(pool, segments, [bytes(SHARED_MEMORY_MIN_BYTES)])
@@ -225,10 +267,16 @@ def test_pinned_memory_is_never_shared():
 
 # -- real processes -----------------------------------------------------------------------------------
 def item_of_every_size(index: int):
-    """A big tensor (shared), a big array (shared), a mid-size tensor (out of band, through
-    the socket) and a small one (in band): every byte is ``index``."""
+    """A big tensor (shared), a batch collated in shared memory (lent with no copy), a big array
+    (shared), a mid-size tensor (out of band, through the socket) and a small one (in
+    band): every byte is ``index``."""
+    from rpc_reading_service import shared_collate
+
+    made = shared_collate([torch.full((BIG // 2,), index, dtype=torch.uint8)] * 2)
     return {
         "big": torch.full((BIG,), index, dtype=torch.uint8),
+        "made": made,
+        "made_in_a_segment": in_shared_memory(made.data_ptr(), shared_ranges(os.getpid())),  # in the worker
         "array": numpy.full(SHARED_MEMORY_MIN_BYTES // 4, index, dtype=numpy.int32),
         "mid": torch.full((100_000,), index, dtype=torch.uint8),
         "small": torch.full((10,), index, dtype=torch.int64),
@@ -272,8 +320,10 @@ def test_local_workers_hand_big_buffers_over_in_shared_memory():
             ranges = shared_ranges(os.getpid())
             for item in items:
                 index = int(item["small"][0])
+                assert item.pop("made_in_a_segment") is True  # a forked session's graph made it in its pool
                 assert all(bool((value == index).all()) for value in item.values())
                 assert in_shared_memory(item["big"].data_ptr(), ranges)
+                assert in_shared_memory(item["made"].data_ptr(), ranges) and item["made"].shape == (2, BIG // 2)
                 assert in_shared_memory(item["array"].ctypes.data, ranges)
                 assert not in_shared_memory(item["mid"].data_ptr(), ranges)
             item["big"][:] = 0  # received memory is writable
@@ -362,7 +412,7 @@ def test_sigkill_of_a_worker_or_of_the_trainer_mid_epoch_leaves_nothing(fresh_se
     try:
         iterator = iter(dl)
         held = [next(iterator) for _ in range(6)]
-        assert all(in_shared_memory(item["big"].data_ptr(), shared_ranges(os.getpid())) for item in held)
+        assert all(in_shared_memory(item[key].data_ptr(), shared_ranges(os.getpid())) for item in held for key in ("big", "made"))
         victim = server.session_pids()[0]
         os.kill(victim, signal.SIGKILL)
         with pytest.raises(WorkerLostError):
@@ -371,7 +421,7 @@ def test_sigkill_of_a_worker_or_of_the_trainer_mid_epoch_leaves_nothing(fresh_se
         del iterator
     finally:
         dl.shutdown()
-    assert all(bool((item["big"] == int(item["small"][0])).all()) for item in held)  # intact after the kill
+    assert all(bool((item[key] == int(item["small"][0])).all()) for item in held for key in ("big", "made"))  # intact after the kill
     del held
     gc.collect()
     assert wait_until(lambda: not server.session_pids(), 10)

@@ -14,6 +14,11 @@ cost more than a copy into warm ones): the first byte of a segment says whether 
 worker lent it to the trainer, and the trainer sets it back to free when the last
 tensor or array built on it is gone. Mappings are not inherited by forked children
 (``MADV_DONTFORK``): a worker server forked from the trainer holds none of them.
+
+A worker's graph may also make its items in a segment (:func:`allocate`, behind
+``rpc_reading_service.shared_empty``): the pool then lends that segment as it is, with no
+copy at all. Such a segment is in the producer's hands while the memory given out lives
+in the worker, and is reused only once that memory is gone and the trainer let go of it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import numpy
 from ..errors import RemoteProtocolError
 from ..protocol.frames import Buffer, Frame, SharedBuffer, SharedFrame
 
-__all__ = ["HEADER_BYTES", "SegmentPool", "SegmentMap", "shared_memory_available"]
+__all__ = ["HEADER_BYTES", "SegmentPool", "SegmentMap", "allocate", "shared_memory_available"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +61,7 @@ def _map(fd: int, size: int, populate: bool) -> mmap.mmap:
 
 
 class _Segment:
-    __slots__ = ("id", "size", "mapping", "state", "data")
+    __slots__ = ("id", "size", "mapping", "state", "data", "address", "fd", "in_hand")
 
     def __init__(self, segment_id: int, size: int, mapping: mmap.mmap):
         self.id = segment_id
@@ -64,10 +69,37 @@ class _Segment:
         self.mapping = mapping
         self.state = memoryview(mapping)[:1]
         self.data = numpy.frombuffer(mapping, dtype=numpy.uint8, offset=HEADER_BYTES)
+        self.address = self.data.ctypes.data
+        self.fd: Optional[int] = None  # a segment made for a producer: its descriptor, until announced
+        self.in_hand = False  # memory of it given to a producer lives in this process
 
     @property
     def capacity(self) -> int:
         return self.size - HEADER_BYTES
+
+    @property
+    def available(self) -> bool:
+        """Neither lent to the trainer nor in a producer's hands: free to reuse or retire."""
+        return self.state[0] == _FREE and not self.in_hand
+
+
+def _put_down(segment: _Segment) -> None:
+    segment.in_hand = False
+
+
+#: The pools whose connections let producers make items in their segments (see :func:`allocate`).
+_producer_pools: "weakref.WeakSet[SegmentPool]" = weakref.WeakSet()
+
+
+def allocate(nbytes: int) -> Optional[Buffer]:
+    """``nbytes`` of writable memory in a segment of this process's session, which its
+    connection will hand over without a copy; None when there is no such session (no
+    local worker session here, the trainer did not offer shared memory, a session that
+    shares its server's process, or the pool is full)."""
+    pools = list(_producer_pools)
+    if len(pools) != 1:
+        return None  # several sessions in one process (threads): which one sends it is unknown
+    return pools[0].allocate(nbytes)
 
 
 class SegmentPool:
@@ -89,6 +121,40 @@ class SegmentPool:
         self._lock = threading.Lock()
         self._warned = False
         self._closed = False
+        self._retired: List[int] = []  # retired between frames (by allocate): told with the next one
+
+    def offer_to_producers(self) -> None:
+        """Let this process's graph make items in this pool's segments (:func:`allocate`)."""
+        with self._lock:
+            if not self._closed:
+                _producer_pools.add(self)
+
+    def allocate(self, nbytes: int) -> Optional[Buffer]:
+        """``nbytes`` of a free (or new) segment, in the producer's hands while the returned
+        memory lives here; None when the pool cannot hold another segment of that size."""
+        with self._lock:
+            if self._closed or nbytes <= 0:
+                return None
+            segment = self._fitting(nbytes)
+            if segment is None:
+                segment = self._make_room_for(nbytes, self._retired)
+            if segment is None:
+                return None
+            segment.in_hand = True
+            memory = (ctypes.c_ubyte * nbytes).from_buffer(segment.mapping, HEADER_BYTES)
+            weakref.finalize(memory, _put_down, segment).atexit = False
+            return memory  # type: ignore[return-value]
+
+    def _made_in(self, view: memoryview) -> Optional[Tuple[_Segment, int]]:
+        """The segment a producer made ``view`` in and its offset there, if any."""
+        held = [s for s in self._segments.values() if s.in_hand]
+        if not held:
+            return None
+        address = numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data
+        for segment in held:
+            if segment.address <= address and address + view.nbytes <= segment.address + segment.capacity:
+                return segment, address - segment.address
+        return None
 
     @property
     def segments(self) -> int:
@@ -107,15 +173,18 @@ class SegmentPool:
         shared: List[SharedBuffer] = []
         inline: List[Buffer] = []
         new: List[Tuple[int, int, int]] = []
-        retired: List[int] = []
         with self._lock:
-            free = sorted((s for s in self._segments.values() if s.state[0] == _FREE), key=lambda s: s.capacity)
+            retired, self._retired = self._retired, []
+            free = sorted((s for s in self._segments.values() if s.available), key=lambda s: s.capacity)
             for segment in free[: max(0, len(free) - self.max_free)]:  # a consumer let go of many at once
                 self._retire(segment, retired)
             for index, buffer in enumerate(buffers):
                 view = memoryview(buffer).cast("B")
                 segment = None
                 if view.nbytes >= min_bytes and not self._closed:
+                    made = self._made_in(view)
+                    if made is not None and self._lend_made(*made, view.nbytes, index, shared, new):
+                        continue
                     segment = self._segment_for(view, new, retired)
                 if segment is None:
                     inline.append(buffer)
@@ -126,19 +195,44 @@ class SegmentPool:
                 shared.append(SharedBuffer(index, segment.id, HEADER_BYTES, view.nbytes))
         return shared, inline, new, retired
 
+    def _lend_made(self, segment: _Segment, offset: int, nbytes: int, index: int, shared: list, new: list) -> bool:
+        """Lend a buffer a producer made in ``segment`` as it is; False when it must be copied
+        (the segment is lent already: its memory was sent before and is still in use)."""
+        if segment.state[0] != _FREE:
+            return False
+        if segment.fd is not None:
+            if len(new) >= MAX_NEW_SEGMENTS_PER_FRAME:
+                return False
+            new.append((segment.id, segment.size, segment.fd))
+            segment.fd = None
+        segment.state[0] = _LENT
+        shared.append(SharedBuffer(index, segment.id, HEADER_BYTES + offset, nbytes))
+        return True
+
     def sent(self, new: Sequence[Tuple[int, int, int]]) -> None:
         """The descriptors of ``new`` segments were sent (or the send failed): close ours."""
         for _id, _size, fd in new:
             os.close(fd)
 
+    def _fitting(self, nbytes: int) -> Optional[_Segment]:
+        """The smallest available segment that holds ``nbytes`` and is at most twice that."""
+        fitting = [s for s in self._segments.values() if s.available and nbytes <= s.capacity <= 2 * nbytes]
+        return min(fitting, key=lambda s: s.capacity) if fitting else None
+
     def _segment_for(self, view: memoryview, new: list, retired: list) -> Optional[_Segment]:
-        nbytes = view.nbytes
-        free = [s for s in self._segments.values() if s.state[0] == _FREE]
-        fitting = [s for s in free if nbytes <= s.capacity <= 2 * nbytes]
-        if fitting:
-            return min(fitting, key=lambda s: s.capacity)
+        fitting = self._fitting(view.nbytes)
+        if fitting is not None:
+            return fitting
         if len(new) >= MAX_NEW_SEGMENTS_PER_FRAME:
             return None
+        return self._make_room_for(view.nbytes, retired, view, new)
+
+    def _make_room_for(
+        self, nbytes: int, retired: list, view: Optional[memoryview] = None, new: Optional[list] = None
+    ) -> Optional[_Segment]:
+        """A new segment for ``nbytes`` (holding ``view``'s bytes, announced in ``new``; or
+        made for a producer), after retiring free segments past ``max_free`` or ``max_bytes``."""
+        free = [s for s in self._segments.values() if s.available]
         size = -(-(nbytes + HEADER_BYTES) // _PAGE) * _PAGE
         surplus = len(free) - self.max_free + 1
         for segment in sorted(free, key=lambda s: s.capacity):
@@ -150,8 +244,9 @@ class SegmentPool:
             return None
         return self._create(size, view, new)
 
-    def _create(self, size: int, view: memoryview, new: list) -> Optional[_Segment]:
-        """A new segment of ``size`` bytes holding ``view``'s bytes."""
+    def _create(self, size: int, view: Optional[memoryview], new: Optional[list]) -> Optional[_Segment]:
+        """A new segment of ``size`` bytes holding ``view``'s bytes, its descriptor in ``new``;
+        without ``view``, an empty one that keeps its descriptor until it is first lent."""
         try:
             fd = os.memfd_create("rpc-reading-service", os.MFD_CLOEXEC)
         except OSError as exc:
@@ -162,7 +257,7 @@ class SegmentPool:
             # per page of a mapping), then maps them all at once.
             os.ftruncate(fd, size)
             written = 0
-            while written < view.nbytes:
+            while view is not None and written < view.nbytes:
                 written += os.pwrite(fd, view[written:], HEADER_BYTES + written)
             mapping = _map(fd, size, populate=True)
         except (OSError, ValueError) as exc:
@@ -173,13 +268,20 @@ class SegmentPool:
         self._next_id += 1
         self._segments[segment.id] = segment
         self._bytes += size
-        new.append((segment.id, size, fd))
+        if new is None:
+            segment.fd = fd
+        else:
+            new.append((segment.id, size, fd))
         return segment
 
     def _retire(self, segment: _Segment, retired: list) -> None:
         del self._segments[segment.id]
         self._bytes -= segment.size
-        retired.append(segment.id)
+        if segment.fd is not None:  # never announced: the trainer does not know it
+            os.close(segment.fd)
+            segment.fd = None
+        else:
+            retired.append(segment.id)
 
     def _warn(self, exc: BaseException) -> None:
         if not self._warned:
@@ -190,6 +292,11 @@ class SegmentPool:
         """Drop every segment (the trainer's mappings keep what it still uses alive)."""
         with self._lock:
             self._closed = True
+            _producer_pools.discard(self)
+            for segment in self._segments.values():
+                if segment.fd is not None:
+                    os.close(segment.fd)
+                    segment.fd = None
             self._segments.clear()
             self._bytes = 0
 

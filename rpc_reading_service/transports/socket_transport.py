@@ -302,13 +302,15 @@ class SharedMemoryConnection(SocketConnection):
     The trainer's end (``offered``) said SHARED_MEMORY_OFFER after the handshake; it
     receives the descriptors of new segments with the bytes (``recvmsg``) and turns every
     SHARED_DATA frame back into the DATA frame it wraps. The worker's end (``lend``) puts
-    the large buffers of its DATA frames in segments once the trainer offered. Transport
+    the large buffers of its DATA frames in segments once the trainer offered, and lets
+    the graph make its items in them (``rpc_reading_service.shared_empty``). Transport
     frames never reach the session above.
     """
 
     def __init__(self, sock: socket.socket, peer: str, reader: FrameReader, offered: bool = False, lend: bool = False):
         super().__init__(sock, peer, reader)
         self._lend = lend
+        self._accepted_in = os.getpid()
         self._pool: Optional[SegmentPool] = None
         self._segments: Optional[SegmentMap] = SegmentMap(peer) if offered else None
         self._fds: "collections.deque[int]" = collections.deque()
@@ -372,6 +374,11 @@ class SharedMemoryConnection(SocketConnection):
         if frame.kind == MessageKind.SHARED_MEMORY_OFFER and self._segments is None:
             if self._lend and self._pool is None:
                 self._pool = SegmentPool()
+                # Only a session in a process of its own (forked after the accept): one that
+                # shares the server's process (threads) could leave its items' segments mapped
+                # there after it ends, through anything still referencing them (a traceback).
+                if os.getpid() != self._accepted_in:
+                    self._pool.offer_to_producers()
             return None
         if frame.kind == MessageKind.SHARED_DATA and self._segments is not None:
             shared = decode_shared_data(frame)

@@ -10,12 +10,25 @@ from __future__ import annotations
 
 from benchsuite.contenders.alternatives import MPRS, RPCDataloaderContender, TorchDataLoader
 from benchsuite.contenders.base import Contender
-from benchsuite.contenders.limits import InProcess, ProductionLimit, RawSocket, RawUnixSocket
-from benchsuite.contenders.ours import RPCRSLocal, RPCRSTcp, RPCRSTorchRPC, RPCRSTwoServers
+from benchsuite.contenders.limits import (
+    InProcess,
+    ProductionLimit,
+    ProductionLimitMadeInSharedMemory,
+    RawSocket,
+    RawUnixSocket,
+)
+from benchsuite.contenders.ours import (
+    RPCRSLocal,
+    RPCRSLocalMadeInSharedMemory,
+    RPCRSTcp,
+    RPCRSTorchRPC,
+    RPCRSTwoServers,
+)
 
 CONTENDERS: dict[str, type[Contender]] = {
-    c.name: c for c in (InProcess, ProductionLimit, MPRS, TorchDataLoader, RPCRSLocal, RPCRSTcp,
-                        RPCRSTwoServers, RPCRSTorchRPC, RPCDataloaderContender, RawSocket, RawUnixSocket)
+    c.name: c for c in (InProcess, ProductionLimit, ProductionLimitMadeInSharedMemory, MPRS, TorchDataLoader,
+                        RPCRSLocal, RPCRSLocalMadeInSharedMemory, RPCRSTcp, RPCRSTwoServers, RPCRSTorchRPC,
+                        RPCDataloaderContender, RawSocket, RawUnixSocket)
 }
 ONE_STREAM = tuple(name for name, c in CONTENDERS.items() if c.one_stream)  # no worker count
 ONE_ROUND = tuple(name for name, c in CONTENDERS.items() if c.one_round)

@@ -22,6 +22,7 @@ class Contender:
     one_round = False  # full run: measured in one round only (no target depends on it)
     skipped_when_quick = False  # --quick leaves it out unless selected by name
     servers_needed: Optional[int] = None  # running worker servers it uses (None: one per worker)
+    production_limit = "production-limit"  # the contender that makes the same items and moves none
 
     def __init__(self, servers: Optional[dict] = None):
         self.servers = servers or {}

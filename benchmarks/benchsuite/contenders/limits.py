@@ -12,7 +12,7 @@ import sys
 import tempfile
 from typing import Iterator
 
-from workloads import build_datapipe, produce_share
+from workloads import build_datapipe, made_in_shared_memory, produce_share
 
 from benchsuite.contenders.base import Contender
 from benchsuite.measure import CLOCK_START, MadeElsewhere
@@ -80,6 +80,20 @@ class ProductionLimit(Contender):
             for _ in chunk:
                 yield item
             made += len(chunk)
+
+
+class ProductionLimitMadeInSharedMemory(ProductionLimit):
+    """:class:`ProductionLimit` for items made with ``rpc_reading_service.shared_empty``
+    (``workloads.make_tensor_in_shared_memory``): the same production code as
+    ``RPCRS-local-shm``, run outside a worker session, so its memory is ordinary memory."""
+
+    name = "production-limit-shm"
+    production_limit = name
+
+    def epoch(self, workload, num_workers):
+        import rpc_reading_service.shared_items  # noqa: F401 - imported before the producers fork, untimed
+
+        return super().epoch(made_in_shared_memory(workload), num_workers)
 
 
 class RawSocket(Contender):

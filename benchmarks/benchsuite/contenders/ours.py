@@ -6,6 +6,8 @@ from __future__ import annotations
 import inspect
 from typing import Optional
 
+from workloads import made_in_shared_memory
+
 from benchsuite.contenders.base import DataLoader2Contender
 
 
@@ -35,6 +37,18 @@ class RPCRSLocal(RPCRSContender):
         if self.transport == "socket":
             return RPCReadingService(num_workers=num_workers)
         return RPCReadingService(num_workers=num_workers, transport=self.transport)
+
+
+class RPCRSLocalMadeInSharedMemory(RPCRSLocal):
+    """:class:`RPCRSLocal` whose graph makes its tensors with ``rpc_reading_service.shared_empty``
+    (``workloads.make_tensor_in_shared_memory``): in the session's shared segments, which the
+    transport hands over with no copy. Compared with ``production-limit-shm``, the same code."""
+
+    name = "RPCRS-local-shm"
+    production_limit = "production-limit-shm"
+
+    def epoch(self, workload, num_workers):
+        return super().epoch(made_in_shared_memory(workload), num_workers)
 
 
 class RPCRSTorchRPC(RPCRSLocal):

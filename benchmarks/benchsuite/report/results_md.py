@@ -55,6 +55,8 @@ LOCAL_PROSE = (
     ("tensor8m: RPCRS-local W=2 >= 3x torch-DataLoader W=2", "torch's DataLoader"),
 )
 TCP_PROSE = "tensor8m: RPCRS-tcp W=1 >= 0.85x raw-socket (both one stream)"
+MADE_IN_SHARED_MEMORY_PROSE = ("tensor8m: RPCRS-local-shm W=2 >= 0.6x production-limit-shm W=2 "
+                               "(items made with shared_empty)")
 
 
 def local_workers_paragraph(rows: list[dict]) -> Optional[str]:
@@ -73,6 +75,12 @@ def local_workers_paragraph(rows: list[dict]) -> Optional[str]:
     if parts:
         sentences.append(f"Two local workers, which hand every 8 MiB tensor over in shared memory, delivered "
                          f"{rate} in this run: {', '.join(parts)}.")
+    made = by_goal.get(MADE_IN_SHARED_MEMORY_PROSE)
+    if made is not None:
+        ours, _, theirs = made["detail"].partition(" vs ")
+        sentences.append(f"Two local workers whose graph makes its tensors with shared_empty (no copy at all) "
+                         f"delivered {ours}, {measured_text(made)} the production limit of the same code "
+                         f"({theirs}).")
     tcp = by_goal.get(TCP_PROSE)
     if tcp is not None:
         ours, _, theirs = tcp["detail"].partition(" vs ")

@@ -151,6 +151,8 @@ TARGETS = [
     ratio_target("tiny", "RPCRS-local", 2, 5, "torch-DataLoader"),
     ratio_target("tiny", "RPCRS-tcp", 2, 5, "torch-DataLoader"),
     ratio_target("tensor8m", "RPCRS-local", 2, 0.6, "production-limit"),
+    ratio_target("tensor8m", "RPCRS-local-shm", 2, 0.6, "production-limit-shm",
+                 note=" (items made with shared_empty)"),
     ratio_target("tensor8m", "RPCRS-local", 2, 4, "MPRS"),
     ratio_target("tensor8m", "RPCRS-local", 2, 3, "torch-DataLoader"),
     ratio_target("tensor8m", "RPCRS-tcp", 1, 0.85, "raw-socket", note=" (both one stream)"),
@@ -175,6 +177,8 @@ TARGET_NOTES = [
     "(column 'vs RPCDataloader')",
     "production-limit: W processes that only make the items (nothing moved), the ceiling for local workers; "
     "raw-socket makes every item as the workers do",
+    "production-limit-shm: the same for items made with rpc_reading_service.shared_empty (ordinary memory "
+    "outside a worker session); RPCRS-local-shm: local workers whose graph makes its items that way",
     "memory (info, no target): issue 15 asks that it stays bounded by prefetch; the credit window is "
     "W x prefetch x item size",
     "raw-socket is one TCP stream, so it is compared with RPCRS-tcp at W=1 (one stream); at W=2 three busy "

@@ -7,7 +7,7 @@ from typing import Callable
 
 from workloads import ITEMS_IN_FLIGHT, MIB, Workload
 
-from benchsuite.contenders import ONE_STREAM
+from benchsuite.contenders import CONTENDERS, ONE_STREAM
 from benchsuite.contenders.base import Contender
 from benchsuite.measure import drain
 from benchsuite.report.format import (
@@ -44,6 +44,8 @@ def plan_tiny(quick: bool) -> dict:
 
 
 SAME_W_REFERENCES = ("production-limit", "MPRS", "torch-DataLoader", "RPCDataloader")
+#: Local workers whose graph makes its items in shared memory, and the limit of the same code (W=2 only).
+MADE_IN_SHARED_MEMORY = ("production-limit-shm", "RPCRS-local-shm")
 
 
 def plan_tensor(mib: int) -> Callable[[bool], dict]:
@@ -58,12 +60,13 @@ def plan_tensor(mib: int) -> Callable[[bool], dict]:
                 "workers_by_contender": {**{name: [1] for name in ONE_STREAM},
                                          **{name: both for name in ("production-limit", "MPRS",
                                                                     "torch-DataLoader", "RPCRS-local",
-                                                                    "RPCRS-tcp", "RPCDataloader")}},
+                                                                    "RPCRS-tcp", "RPCDataloader")},
+                                         **{name: [2] for name in MADE_IN_SHARED_MEMORY}},
                 # MPRS runs its epochs to the end (see MPRS): ~0.3-0.7 GB/s here, so a shorter one
                 "item_caps": {"MPRS": total // 2 // (mib * MIB)},
                 # it makes items at memory speed: a longer epoch, so that its rate is not one of a
                 # few milliseconds (it stops at the time budget)
-                "epoch_scales": {"production-limit": 8},
+                "epoch_scales": {"production-limit": 8, "production-limit-shm": 8},
                 "budget_s": 0.5 if quick else 1.5, "rounds": 1 if quick else ROUNDS,
                 "rate_key": "bytes_per_s"}
     return plan
@@ -119,7 +122,8 @@ def report_tensor(scenario: Scenario, params: dict, results: dict) -> str:
 
     def cells(name: str, d: dict) -> list:
         rate = d["bytes_per_s"]
-        same_w = [point_value(results, ref, "bytes_per_s", d["workers"]) for ref in SAME_W_REFERENCES]
+        references = [CONTENDERS[name].production_limit, *SAME_W_REFERENCES[1:]]
+        same_w = [point_value(results, ref, "bytes_per_s", d["workers"]) for ref in references]
         return ([f"{d['items']:,}", fmt_num(d["bytes"] / GB, ".2f", " GB"),
                  fmt_num(rate / GB if rate else None, ".2f", " GB/s"), rounds_text(d, GB, ".2f")]
                 + [fmt_ratio(ratio(rate, ref)) for ref in list(raw.values()) + same_w] + [budget_note(d)])
@@ -146,7 +150,11 @@ def report_tensor(scenario: Scenario, params: dict, results: dict) -> str:
         "services hand a fresh buffer to the consumer for every item",
         "W=1 is one stream, like the raw limits; "
         "at W=2 three busy processes (trainer + 2 workers) share 2 cores",
-        "in-process moves nothing: it is the cost of making the items in one process"] + rounds_notes(params)
+        "in-process moves nothing: it is the cost of making the items in one process",
+        "RPCRS-local-shm: RPCRS-local with the items made by rpc_reading_service.shared_empty in the "
+        "session's shared segments (workloads.make_tensor_in_shared_memory: the same fill), handed over "
+        "with no copy; its vs prod. limit is production-limit-shm, the same code outside a session "
+        "(ordinary memory)"] + rounds_notes(params)
         + [f"{', '.join(caps)}: epoch capped at {min(caps.values()):,} items (runs its epochs to the end)"
            for caps in [params.get("item_caps") or {}] if caps])
 
@@ -158,6 +166,6 @@ SCENARIOS = [
              measure_throughput, report_tiny, timeout_budgeted),
     Scenario("tensor1m", TENSOR_CONTENDERS, plan_tensor(1), measure_throughput, report_tensor,
              timeout_budgeted),
-    Scenario("tensor8m", TENSOR_CONTENDERS, plan_tensor(8), measure_throughput, report_tensor,
+    Scenario("tensor8m", TENSOR_CONTENDERS + MADE_IN_SHARED_MEMORY, plan_tensor(8), measure_throughput, report_tensor,
              timeout_budgeted),
 ]
