@@ -167,13 +167,17 @@ def test_the_workers_inbox_grants_per_frame_and_says_when_it_waits():
     assert type(caught.value).__name__ == "_Cancelled"  # the producer's signal to stop
 
 
-def test_dynamic_distribution_refuses_a_dispatching_graph_and_says_what_to_use():
-    """The engine checks the workers' part, where torchdata's placeholder stands for the dispatch."""
-    _dispatching_part, workers_part = split_dispatching(dispatching(10, with_draw))
-    for graph in (dispatching(10, with_draw), workers_part):
-        with pytest.raises(ConfigurationError, match="does not support sharding_round_robin_dispatch yet.*"
-                           "use distribution='round_robin' with it, or sharding_filter"):  # fmt: skip
-            Dynamic().check_graph(graph)
+def test_dynamic_takes_a_dispatching_graph_that_maps_each_item_alone_and_refuses_one_that_holds_items():
+    """The engine checks the workers' part, where torchdata's placeholder stands for the dispatch:
+    per dispatched item (map, filter, flatmap) is fine, batch/shuffle/sharding_filter after it is not."""
+    _dispatching_part, workers_part = split_dispatching(dispatching(10, with_draw).filter(has_even_id))
+    Dynamic().check_graph(workers_part)  # no sharding_filter needed: a unit is a dispatched item
+    Dynamic().check_graph(dispatching(10, with_draw))  # the shuffle before the dispatch point is the dispatcher's
+    for after in (lambda dp: dp.batch(2), lambda dp: dp.shuffle(), lambda dp: dp.sharding_filter()):
+        _dispatching_part, workers_part = split_dispatching(after(dispatching(10, with_draw)))
+        with pytest.raises(ConfigurationError, match="resequences the outputs of each dispatched item.*"
+                           "(Batcher|Shuffler|ShardingFilter).*move them before sharding_round_robin_dispatch"):  # fmt: skip
+            Dynamic().check_graph(workers_part)
 
 
 # -- end to end: local workers -------------------------------------------------------------------
@@ -302,7 +306,8 @@ def test_reassign_feeds_a_killed_workers_input_to_its_replacement_exactly_once()
 @pytest.mark.parametrize("distribution", ["dynamic", "sticky"])
 def test_policies_that_pick_items_themselves_refuse_a_dispatching_graph(distribution):
     """Not an empty or mis-dealt epoch: the dispatch point is cut off before the policy sees the
-    workers' graph, so the engine refuses the combination itself."""
+    workers' graph, so the engine refuses the combination itself ("dynamic": the sharding_filter
+    after the dispatch point)."""
     from rpc_reading_service.errors import ConfigurationError
 
     dp = IterableWrapper(range(20)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
