@@ -10,6 +10,7 @@ which starts both.)
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import signal
@@ -361,3 +362,76 @@ def test_workers_that_stop_reading_their_input_are_lost_on_time_and_their_input_
     assert stopped and not set(stopped) & set(pids)  # both were replaced
     assert replaced_after is not None and replaced_after < timeout + 2.0, replaced_after
     assert sorted(seen) == list(range(n))  # every item once
+
+
+# -- "dynamic" with a dispatch point: a unit is one dispatched item --------------------------------
+class SlowRank:
+    """``worker_init_fn``: worker ``rank`` spends ``extra`` more seconds on each of its items."""
+
+    def __init__(self, rank: int, extra: float):
+        self.rank, self.extra = rank, extra
+
+    def __call__(self, datapipe: IterDataPipe, info: Any) -> IterDataPipe:
+        return datapipe.map(functools.partial(slow_identity, delay=self.extra)) if info.worker_id == self.rank else datapipe
+
+
+def _dynamic_dispatch_loader(distribution: Any = "dynamic", **options: Any) -> DataLoader2:
+    rs = RPCReadingService(num_workers=3, distribution=distribution, **options)
+    dl = DataLoader2(dispatching(90, slow_identity, with_draw).filter(has_even_id), reading_service=rs)
+    dl.seed(SEED)
+    return dl
+
+
+@pytest.fixture(scope="module")
+def dynamic_dispatch_reference() -> List[Any]:
+    """One fault-free epoch of equal workers: what every run of the same seed must deliver."""
+    with _dynamic_dispatch_loader() as dl:
+        reference = list(dl)
+    assert [x for x, _ in sorted(reference)] == list(range(0, 90, 2))
+    return reference
+
+
+@pytest.mark.timeout(30)
+def test_dynamic_dispatch_deals_by_speed_keeps_the_seeds_order_and_resumes_a_checkpoint(dynamic_dispatch_reference):
+    """Worker 0 is 10x slower: it gets fewer units (not item k to worker k % 3), yet the items, their
+    random draws after the dispatch point and their order are those of equal workers; a checkpoint
+    resumes exactly; first-ready delivery has every item once."""
+    restored = None
+    dl = _dynamic_dispatch_loader(worker_init_fn=SlowRank(0, 0.02))
+    try:
+        it = iter(dl)
+        head = [next(it) for _ in range(17)]
+        state = dl.state_dict()
+        rest = list(it)
+        units = [w.units for w in dl.reading_service.stats().workers]
+        assert head + rest == dynamic_dispatch_reference
+        assert sum(units) == 90 and units[0] < min(units[1:]), units
+        restored = DataLoader2.from_state(state, RPCReadingService(num_workers=3, distribution="dynamic"))
+        assert list(restored) == rest
+    finally:
+        dl.shutdown()
+        if restored is not None:
+            restored.shutdown()
+    with _dynamic_dispatch_loader(Dynamic(in_order=False), worker_init_fn=SlowRank(0, 0.02)) as dl:
+        assert sorted(dl) == sorted(dynamic_dispatch_reference)
+
+
+@pytest.mark.timeout(30)
+def test_dynamic_dispatch_reassigns_a_killed_workers_units_exactly_once(dynamic_dispatch_reference):
+    victim = None
+    dl = _dynamic_dispatch_loader(
+        on_worker_failure="reassign", timeout=5.0, liveness=Liveness(heartbeat_interval=0.2)
+    )
+    try:
+        epoch = []
+        for item in dl:
+            epoch.append(item)
+            workers = dl.reading_service.stats().workers
+            if victim is None and workers[1].items_consumed >= 5:
+                victim = workers[1].pid
+                os.kill(victim, signal.SIGKILL)
+        pids = [w.pid for w in dl.reading_service.stats().workers]
+    finally:
+        dl.shutdown()
+    assert victim is not None and victim not in pids  # worker 1 was replaced
+    assert epoch == dynamic_dispatch_reference  # every item once, in the order of the seed
