@@ -37,6 +37,8 @@ class DispatchedMerger(_DynamicMerger):
 
     def __init__(self, policy: Dynamic, run: EpochRun):
         super().__init__(policy, run)
+        if policy.window is None:  # a unit is one item: bound the trainer's buffer by as many items as chunks do
+            self.book.window *= policy.chunk_size
         self.units_source: "UnitDispatch" = run.dispatched
         self.book.available = 0
         #: Per rank: ITEMS frames and items sent to its current session this epoch.
