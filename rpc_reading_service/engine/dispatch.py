@@ -471,6 +471,8 @@ class UnitDispatch(Dispatch):
 
     def advance(self, limit: int, released: int) -> None:
         """Pull up to ``limit``; forget the items below ``released`` (every unit there was delivered)."""
+        if limit <= self.limit and released <= self._released:
+            return  # the usual case (called at every top-up): no lock; only the merger moves them
         with self._cond:
             if limit > self.limit:
                 self.limit = limit
