@@ -406,9 +406,9 @@ class UnitDispatch(Dispatch):
     """``"dynamic"`` with a dispatch point: the dispatching part's items kept by index, as units
     the epoch's merger leases to whichever worker has room (one dispatched item is one unit).
 
-    The thread pulls items ahead of the leases, up to :attr:`limit` (the merger keeps it at the
-    end of its lease window): what waits here is bounded by that window. An item stays until
-    :meth:`release` says every unit below was delivered (a lost worker's units are sent again).
+    The thread pulls items ahead of the leases, up to :attr:`limit` (the merger keeps it a few
+    leases per worker ahead, within its lease window). With reassignment an item stays until
+    :meth:`advance` says every unit below was delivered (a lost worker's units are sent again).
     ``notify()`` (from the thread) wakes the merger after :meth:`want`: more items, or the end.
     """
 
@@ -457,9 +457,10 @@ class UnitDispatch(Dispatch):
             self._wanted = False
         self._notify()
 
-    def item(self, index: int) -> EncodedItem:
-        """Unit ``index``'s item (pulled, not released)."""
-        return self._items[index]
+    def item(self, index: int, keep: bool = True) -> EncodedItem:
+        """Unit ``index``'s item (pulled, not released); ``keep=False`` forgets it (no lost worker's
+        units are ever sent again: ``on_worker_failure="raise"``)."""
+        return self._items[index] if keep else self._items.pop(index)
 
     def want(self, seen: int) -> None:
         """The merger has leased every unit below ``seen`` and wants more: notify once there are."""

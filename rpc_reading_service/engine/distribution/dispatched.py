@@ -25,6 +25,7 @@ from ...errors import WorkerLostError
 from ...protocol import EncodedItem, EndOfInput, Items
 from .base import EpochRun
 from .dynamic import Dynamic, _DynamicMerger
+from .leases import MAX_DEPTH
 
 if TYPE_CHECKING:
     from ..dispatch import UnitDispatch
@@ -63,7 +64,9 @@ class DispatchedMerger(_DynamicMerger):
             self._end_input(self.run.channels[finished])
         if source.total is None and (book.next_chunk >= book.available or book.pending):
             source.want(book.available)  # the next top-up comes with a "dispatched" event
-        source.advance(book.complete_below + book.window, book.complete_below)
+        # Pull a full lease depth per worker ahead, never past the lease window.
+        ahead = book.next_chunk + MAX_DEPTH * len(self.run.channels)
+        source.advance(min(book.complete_below + book.window, ahead), book.complete_below)
 
     def _finish(self, ranks: Iterable[int]) -> None:
         for rank in ranks:
@@ -75,7 +78,7 @@ class DispatchedMerger(_DynamicMerger):
         batch: List[EncodedItem] = []
         nbytes = 0
         for chunk, _skip in leases:
-            item = source.item(chunk)
+            item = source.item(chunk, keep=self.run.replace is not None)
             if batch and (len(batch) >= source.max_items or nbytes + item.nbytes > source.max_bytes):
                 frames.append(self._frame(rank, batch))
                 batch, nbytes = [], 0

@@ -69,6 +69,10 @@ class Dynamic(DistributionPolicy):
             (bounds the trainer's buffer; default ``4 * depth * num_workers``).
         in_order: True (default): resequenced by chunk, deterministic for a seed; False:
             items in arrival order (also ``RPCReadingService(distribution="dynamic", in_order=False)``).
+
+    With a dispatch point a unit is one dispatched item (:mod:`.dispatched`): ``depth`` and
+    ``window`` count units, and the default window is ``chunk_size`` times the chunks' (the
+    same bound in items).
     """
 
     name = "dynamic"
