@@ -100,7 +100,7 @@ def check_per_item_after_dispatch(graph: DataPipe, policy: str) -> None:
     ``policy`` that resequences outputs by dispatched item ("dynamic"): a map, filter or flatmap
     is fine (0..k outputs per input); a DataPipe that holds items across inputs (batch, shuffle,
     bucketing, grouping, prefetch) would mix the items of units other workers may have, and a
-    ``sharding_filter`` there would drop the units that are not its rank's."""
+    ``sharding_filter`` or ``header`` there would drop units by worker."""
     holding = tuple(getattr(torchdata_iter, name) for name in _HOLDS_ACROSS_INPUTS)
     dispatch_points = (torchdata_iter.ShardingRoundRobinDispatcher, _DummyIterDataPipe)
     found, levels = set(), [traverse_dps(graph)]
@@ -122,6 +122,7 @@ def check_per_item_after_dispatch(graph: DataPipe, policy: str) -> None:
 #: torchdata DataPipes (``torchdata.datapipes.iter`` names) that hold items across their inputs.
 _HOLDS_ACROSS_INPUTS = (
     "Batcher", "BucketBatcher", "MaxTokenBucketizer", "Shuffler", "Grouper", "Prefetcher", "ShardingFilter",
+    "Header",  # a per-worker limit: which items it keeps would depend on the workers' speeds
 )  # fmt: skip
 
 

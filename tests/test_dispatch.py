@@ -435,3 +435,25 @@ def test_dynamic_dispatch_reassigns_a_killed_workers_units_exactly_once(dynamic_
         dl.shutdown()
     assert victim is not None and victim not in pids  # worker 1 was replaced
     assert epoch == dynamic_dispatch_reference  # every item once, in the order of the seed
+
+
+class FirstThree(IterDataPipe):
+    """A DataPipe that stops early: it takes three items of its input, then ends."""
+
+    def __init__(self, datapipe: IterDataPipe):
+        self.datapipe = datapipe
+
+    def __iter__(self):
+        for index, item in enumerate(self.datapipe):
+            if index == 3:
+                return
+            yield item
+
+
+@pytest.mark.timeout(30)
+def test_dynamic_dispatch_says_so_when_a_workers_graph_stops_before_its_units_not_a_short_epoch():
+    rs = RPCReadingService(num_workers=2, distribution="dynamic")
+    with DataLoader2(FirstThree(dispatching(200)), reading_service=rs) as dl:
+        with pytest.raises(ConfigurationError, match=r"worker \d .* ended its stream with \d+ dispatched items .* "
+                           "must take every item it is given"):  # fmt: skip
+            list(dl)

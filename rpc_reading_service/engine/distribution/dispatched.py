@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Dict, Iterable, List, Tuple
 
 from ...client import WorkerChannel
-from ...errors import WorkerLostError
+from ...errors import ConfigurationError, WorkerLostError
 from ...protocol import EncodedItem, EndOfInput, Items
 from .base import EpochRun
 from .dynamic import Dynamic, _DynamicMerger
@@ -95,6 +95,19 @@ class DispatchedMerger(_DynamicMerger):
 
     def _end_input(self, channel: WorkerChannel) -> None:
         channel.send_input(EndOfInput(self.run.wire, self._items[channel.rank]))
+
+    def _stream_ended(self, channel: WorkerChannel) -> None:
+        """A worker's graph ends after its last unit; one that ends before (a DataPipe after the
+        dispatch point that stops early) would lose the units it holds: say so, not a short epoch."""
+        held = list(self.book.outstanding[channel.rank])
+        if held:
+            raise ConfigurationError(
+                f"worker {channel.rank} ({channel.address}) ended its stream with {len(held)} dispatched items "
+                f"(units {held[:5]}) leased to it and not taken by its graph: with distribution='dynamic' the graph "
+                "after sharding_round_robin_dispatch must take every item it is given (no header() or other "
+                "DataPipe that stops early there); move it before the dispatch point, or use distribution='round_robin'"
+            )
+        super()._stream_ended(channel)
 
     def _replace(self, lost: WorkerChannel, error: WorkerLostError) -> None:
         self._frames[lost.rank] = self._items[lost.rank] = 0  # the replacement's input starts at frame 0

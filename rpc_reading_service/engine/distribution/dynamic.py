@@ -231,8 +231,7 @@ class _DynamicMerger(Merger):
                 self._top_up(event.channel)
                 self._top_up_all()
             elif event.kind == "end":
-                book.end(rank)
-                self._finish_all()
+                self._stream_ended(event.channel)
             elif event.kind == "data":
                 try:
                     items = _take(event, run.wire)
@@ -255,6 +254,11 @@ class _DynamicMerger(Merger):
                 except WorkerLostError as exc:
                     self._replace(event.channel, exc)
         progress.finish()
+
+    def _stream_ended(self, channel: WorkerChannel) -> None:
+        """``channel``'s stream ended (END_OF_SHARD): its leases still outstanding lie past the stream's end."""
+        self.book.end(channel.rank)
+        self._finish_all()
 
     def _next_event(self) -> Event:
         progress = self.run.progress
