@@ -8,6 +8,9 @@ total work divided by the fleet's summed speed (``items * ms / (3 + 1/4)`` for 3
 workers and one 4x slower); each policy's epoch is measured against it (the best of
 ``--epochs`` epochs after a warm-up epoch, so session setup is not counted).
 
+The same unequal fleet with a dispatch point (``sharding_round_robin_dispatch``: the trainer
+deals the items; a unit of "dynamic" is one dispatched item), round-robin against dynamic.
+
 Also the overhead of "dynamic" against round-robin where balancing cannot help: equal
 workers with sleep-bound items, and tiny items (no sleep at all: the per-item and per-chunk
 cost of the machinery itself).
@@ -27,6 +30,7 @@ import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
@@ -65,13 +69,22 @@ def graph(items: int, seconds: float) -> Any:
     return IterableWrapper(range(items)).shuffle().sharding_filter().map(SleepPerItem(seconds))
 
 
-def epoch_seconds(distribution: Any, items: int, seconds: float, slow_extra: float, epochs: int) -> float:
+def dispatching_graph(items: int, seconds: float) -> Any:
+    """The same work behind a dispatch point: the trainer deals the shuffled items to the workers."""
+    dispatched = IterableWrapper(range(items)).shuffle().sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    return dispatched.map(SleepPerItem(seconds))
+
+
+def epoch_seconds(
+    distribution: Any, items: int, seconds: float, slow_extra: float, epochs: int,
+    make_graph: Callable[[int, float], Any] = graph,
+) -> float:  # fmt: skip
     """The best epoch time of ``epochs`` epochs (after one warm-up epoch) of one policy."""
     service = RPCReadingService(
         num_workers=WORKERS, distribution=distribution, worker_init_fn=SlowWorker(0, slow_extra)
     )
     best = float("inf")
-    with DataLoader2(graph(items, seconds), reading_service=service) as dl:
+    with DataLoader2(make_graph(items, seconds), reading_service=service) as dl:
         dl.seed(0)
         assert len(list(dl)) == items  # warm-up: sessions set up, first epoch
         for _ in range(epochs):
@@ -101,6 +114,20 @@ def unequal_fleet(items: int, ms: float, epochs: int, chunk_size: int) -> str:
         rows.append((name, f"{took:.2f}", f"{ideal:.2f}", f"{took / ideal:.2f}x"))
     return table(
         f"{WORKERS} workers, one {SLOWDOWN:g}x slower: {items} items of {ms:g} ms",
+        ("policy", "epoch s", "ideal s", "vs ideal"), rows,
+    )  # fmt: skip
+
+
+def dispatch_fleet(items: int, ms: float, epochs: int) -> str:
+    """The unequal fleet with a dispatch point: a unit of "dynamic" is one dispatched item."""
+    seconds = ms / 1000
+    ideal = items * seconds / (WORKERS - 1 + 1 / SLOWDOWN)
+    rows = []
+    for name in ("round_robin", "dynamic"):
+        took = epoch_seconds(name, items, seconds, seconds * (SLOWDOWN - 1), epochs, dispatching_graph)
+        rows.append((name, f"{took:.2f}", f"{ideal:.2f}", f"{took / ideal:.2f}x"))
+    return table(
+        f"sharding_round_robin_dispatch, {WORKERS} workers, one {SLOWDOWN:g}x slower: {items} items of {ms:g} ms",
         ("policy", "epoch s", "ideal s", "vs ideal"), rows,
     )  # fmt: skip
 
@@ -147,6 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"load average at the start: {os.getloadavg()[0]:.1f} (a shared machine distorts the tiny-items row most)\n")
     print(unequal_fleet(args.items, args.ms, args.epochs, args.chunk_size))
     print(overhead(args.items, args.ms, args.tiny_items, args.epochs, args.chunk_size))
+    print(dispatch_fleet(args.items, args.ms, args.epochs))
     if args.chunk_sizes:
         sizes = [int(size) for size in args.chunk_sizes.split(",")]
         print(chunk_sweep(args.items, args.ms, args.epochs, sizes, args.tiny_items))

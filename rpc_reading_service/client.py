@@ -291,13 +291,17 @@ class WorkerChannel:
             credits, self._ungranted = self._ungranted, 0
             self._send_or_report(Credit(epoch, credits))
 
-    def lease(self, epoch: int, chunks: Sequence[Tuple[int, int]] = (), final: bool = False) -> None:
+    def lease(
+        self, epoch: int, chunks: Sequence[Tuple[int, int]] = (), final: bool = False, items: Sequence[Items] = ()
+    ) -> None:
         """Lease ``chunks`` (``(chunk, skip)`` pairs: its first ``skip`` items are not sent) of ``epoch``'s
         stream to the worker, then with ``final`` say that no more come ("dynamic"; nothing for a
-        superseded epoch). Credits not granted yet go along: one send (the consumer's thread only)."""
+        superseded epoch). Credits not granted yet go along: one send (the consumer's thread only).
+        ``items``: ITEMS frames that follow the leases (a dispatched epoch's units, one item each)."""
         if epoch != self.epoch:
             return
         messages: List[Message] = [Lease(epoch, chunk, skip) for chunk, skip in chunks]
+        messages.extend(items)
         if final:
             messages.append(Lease(epoch, final=True))
         if self._ungranted:

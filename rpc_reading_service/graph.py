@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import torch
+import torchdata.datapipes.iter as torchdata_iter
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2.graph import DataPipe, find_dps, list_dps, replace_dp, set_datapipes_seed, traverse_dps
 from torchdata.dataloader2.graph.utils import _find_replicable_branches
@@ -33,6 +34,7 @@ __all__ = [
     "DistributedInfo",
     "distributed_info",
     "split_dispatching",
+    "check_per_item_after_dispatch",
     "split_replicable",
     "apply_distributed_sharding",
     "draw_epoch_seed",
@@ -90,6 +92,38 @@ def split_dispatching(datapipe: DataPipe) -> Tuple[Optional[DataPipe], DataPipe]
         return None, datapipe
     graph = replace_dp(graph, dispatching, _DummyIterDataPipe())
     return dispatching, list(graph.values())[0][0]
+
+
+def check_per_item_after_dispatch(graph: DataPipe, policy: str) -> None:
+    """Refuse a workers' graph (``graph``, with torchdata's dispatch placeholder) whose DataPipes
+    after the dispatch point do not map each dispatched item to its outputs on their own, for a
+    ``policy`` that resequences outputs by dispatched item ("dynamic"): a map, filter or flatmap
+    is fine (0..k outputs per input); a DataPipe that holds items across inputs (batch, shuffle,
+    bucketing, grouping, prefetch) would mix the items of units other workers may have, and a
+    ``sharding_filter`` or ``header`` there would drop units by worker."""
+    holding = tuple(getattr(torchdata_iter, name) for name in _HOLDS_ACROSS_INPUTS)
+    dispatch_points = (torchdata_iter.ShardingRoundRobinDispatcher, _DummyIterDataPipe)
+    found, levels = set(), [traverse_dps(graph)]
+    while levels:  # the DataPipes down to the dispatch point (the part before it may hold anything)
+        for datapipe, inputs in levels.pop().values():
+            if not isinstance(datapipe, dispatch_points):
+                if isinstance(datapipe, holding):
+                    found.add(type(datapipe).__name__)
+                levels.append(inputs)
+    if found:
+        raise ConfigurationError(
+            f"distribution={policy!r} with sharding_round_robin_dispatch resequences the outputs of each dispatched "
+            f"item, and the graph after the dispatch point has {', '.join(sorted(found))}, which hold items across inputs "
+            "(or pick them by worker rank): move them before sharding_round_robin_dispatch, or to the trainer's end "
+            "of the graph after a non-replicable DataPipe, or use distribution='round_robin'"
+        )
+
+
+#: torchdata DataPipes (``torchdata.datapipes.iter`` names) that hold items across their inputs.
+_HOLDS_ACROSS_INPUTS = (
+    "Batcher", "BucketBatcher", "MaxTokenBucketizer", "Shuffler", "Grouper", "Prefetcher", "ShardingFilter",
+    "Header",  # a per-worker limit: which items it keeps would depend on the workers' speeds
+)  # fmt: skip
 
 
 def split_replicable(datapipe: DataPipe) -> Tuple[DataPipe, Callable[[DataPipe], DataPipe]]:

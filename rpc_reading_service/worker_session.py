@@ -98,6 +98,11 @@ class Inbox:
     ``on_taken(epoch)`` runs each time the producer takes a frame: the session grants the
     trainer one more ITEMS frame then. ``on_wait(True)`` runs when the producer starts waiting
     for a frame, ``on_wait(False)`` when it stops.
+
+    In a leased epoch ("dynamic" with a dispatch point) each item is one unit, leased right
+    before its ITEMS frame (:meth:`lease`): with :attr:`unit_hooks` ``(started, done)`` set,
+    ``started(unit, skip)`` runs before the unit's item goes into the graph and ``done(unit,
+    None)`` when the graph asks for the next input (so every output of the unit was made).
     """
 
     def __init__(
@@ -110,6 +115,13 @@ class Inbox:
         self._frames: Deque[Sequence[EncodedItem]] = collections.deque()
         self._ended = False
         self._cancelled = False
+        self._units: Deque[Tuple[int, int]] = collections.deque()
+        self.unit_hooks: Optional[Tuple[Callable[[int, int], None], Callable[[int, Optional[int]], None]]] = None
+
+    def lease(self, unit: int, skip: int) -> None:
+        """The next item to come is unit ``unit``; its first ``skip`` outputs were already delivered."""
+        with self._cond:
+            self._units.append((unit, skip))
 
     def put(self, items: Sequence[EncodedItem]) -> None:
         """Add the items of one ITEMS frame."""
@@ -143,9 +155,17 @@ class Inbox:
                 if not self._frames:
                     return
                 items = self._frames.popleft()
+                units = [self._units.popleft() for _ in items] if self.unit_hooks is not None else None
             self._on_taken(self.epoch)
-            for item in items:
+            if units is None:
+                for item in items:
+                    yield loads_item(item)
+                continue
+            started, done = self.unit_hooks  # type: ignore[misc]
+            for item, (unit, skip) in zip(items, units):
+                started(unit, skip)
                 yield loads_item(item)
+                done(unit, None)
 
 
 class DispatchedInput(IterDataPipe):
@@ -618,7 +638,12 @@ class WorkerSession:
             self._leases.cancel()
 
     def _lease(self, message: Lease) -> None:
-        """A chunk leased for the current epoch (called with the lock held)."""
+        """A chunk leased for the current epoch (called with the lock held); in a dispatched
+        epoch, the unit of the next dispatched item."""
+        if self._inbox is not None and self._inbox.epoch == message.epoch:
+            if not message.final:
+                self._inbox.lease(message.chunk, message.skip)
+            return
         if self._leases is None:
             return
         if message.final:
@@ -651,6 +676,8 @@ class WorkerSession:
                 context = SelectionContext(request.epoch, request.seed, request.global_worker_id, leases)
                 if chunks is not None:
                     context.chunk_started, context.chunk_done = chunks.started, chunks.done
+                    if inbox is not None:  # "dynamic" with a dispatch point: a unit is one dispatched item
+                        inbox.unit_hooks = (chunks.started, chunks.done)
                 for selection in self._selections:
                     selection.set_context(context)
                 items = self._graph

@@ -10,6 +10,7 @@ which starts both.)
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import signal
@@ -167,13 +168,17 @@ def test_the_workers_inbox_grants_per_frame_and_says_when_it_waits():
     assert type(caught.value).__name__ == "_Cancelled"  # the producer's signal to stop
 
 
-def test_dynamic_distribution_refuses_a_dispatching_graph_and_says_what_to_use():
-    """The engine checks the workers' part, where torchdata's placeholder stands for the dispatch."""
-    _dispatching_part, workers_part = split_dispatching(dispatching(10, with_draw))
-    for graph in (dispatching(10, with_draw), workers_part):
-        with pytest.raises(ConfigurationError, match="does not support sharding_round_robin_dispatch yet.*"
-                           "use distribution='round_robin' with it, or sharding_filter"):  # fmt: skip
-            Dynamic().check_graph(graph)
+def test_dynamic_takes_a_dispatching_graph_that_maps_each_item_alone_and_refuses_one_that_holds_items():
+    """The engine checks the workers' part, where torchdata's placeholder stands for the dispatch:
+    per dispatched item (map, filter, flatmap) is fine, batch/shuffle/sharding_filter after it is not."""
+    _dispatching_part, workers_part = split_dispatching(dispatching(10, with_draw).filter(has_even_id))
+    Dynamic().check_graph(workers_part)  # no sharding_filter needed: a unit is a dispatched item
+    Dynamic().check_graph(dispatching(10, with_draw))  # the shuffle before the dispatch point is the dispatcher's
+    for after in (lambda dp: dp.batch(2), lambda dp: dp.shuffle(), lambda dp: dp.sharding_filter()):
+        _dispatching_part, workers_part = split_dispatching(after(dispatching(10, with_draw)))
+        with pytest.raises(ConfigurationError, match="resequences the outputs of each dispatched item.*"
+                           "(Batcher|Shuffler|ShardingFilter).*move them before sharding_round_robin_dispatch"):  # fmt: skip
+            Dynamic().check_graph(workers_part)
 
 
 # -- end to end: local workers -------------------------------------------------------------------
@@ -302,7 +307,8 @@ def test_reassign_feeds_a_killed_workers_input_to_its_replacement_exactly_once()
 @pytest.mark.parametrize("distribution", ["dynamic", "sticky"])
 def test_policies_that_pick_items_themselves_refuse_a_dispatching_graph(distribution):
     """Not an empty or mis-dealt epoch: the dispatch point is cut off before the policy sees the
-    workers' graph, so the engine refuses the combination itself."""
+    workers' graph, so the engine refuses the combination itself ("dynamic": the sharding_filter
+    after the dispatch point)."""
     from rpc_reading_service.errors import ConfigurationError
 
     dp = IterableWrapper(range(20)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
@@ -356,3 +362,98 @@ def test_workers_that_stop_reading_their_input_are_lost_on_time_and_their_input_
     assert stopped and not set(stopped) & set(pids)  # both were replaced
     assert replaced_after is not None and replaced_after < timeout + 2.0, replaced_after
     assert sorted(seen) == list(range(n))  # every item once
+
+
+# -- "dynamic" with a dispatch point: a unit is one dispatched item --------------------------------
+class SlowRank:
+    """``worker_init_fn``: worker ``rank`` spends ``extra`` more seconds on each of its items."""
+
+    def __init__(self, rank: int, extra: float):
+        self.rank, self.extra = rank, extra
+
+    def __call__(self, datapipe: IterDataPipe, info: Any) -> IterDataPipe:
+        return datapipe.map(functools.partial(slow_identity, delay=self.extra)) if info.worker_id == self.rank else datapipe
+
+
+def _dynamic_dispatch_loader(distribution: Any = "dynamic", **options: Any) -> DataLoader2:
+    rs = RPCReadingService(num_workers=3, distribution=distribution, **options)
+    dl = DataLoader2(dispatching(90, slow_identity, with_draw).filter(has_even_id), reading_service=rs)
+    dl.seed(SEED)
+    return dl
+
+
+@pytest.fixture(scope="module")
+def dynamic_dispatch_reference() -> List[Any]:
+    """One fault-free epoch of equal workers: what every run of the same seed must deliver."""
+    with _dynamic_dispatch_loader() as dl:
+        reference = list(dl)
+    assert [x for x, _ in sorted(reference)] == list(range(0, 90, 2))
+    return reference
+
+
+@pytest.mark.timeout(30)
+def test_dynamic_dispatch_deals_by_speed_keeps_the_seeds_order_and_resumes_a_checkpoint(dynamic_dispatch_reference):
+    """Worker 0 is 15x slower: it gets fewer units (not item k to worker k % 3), yet the items, their
+    random draws after the dispatch point and their order are those of equal workers; a checkpoint
+    resumes exactly; first-ready delivery has every item once."""
+    restored = None
+    dl = _dynamic_dispatch_loader(worker_init_fn=SlowRank(0, 0.03))
+    try:
+        it = iter(dl)
+        head = [next(it) for _ in range(17)]
+        state = dl.state_dict()
+        rest = list(it)
+        units = [w.units for w in dl.reading_service.stats().workers]
+        assert head + rest == dynamic_dispatch_reference
+        assert sum(units) == 90 and units[0] < 90 // 3, units  # less than its round-robin share
+        restored = DataLoader2.from_state(state, RPCReadingService(num_workers=3, distribution="dynamic"))
+        assert list(restored) == rest
+    finally:
+        dl.shutdown()
+        if restored is not None:
+            restored.shutdown()
+    with _dynamic_dispatch_loader(Dynamic(in_order=False), worker_init_fn=SlowRank(0, 0.03)) as dl:
+        assert sorted(dl) == sorted(dynamic_dispatch_reference)
+
+
+@pytest.mark.timeout(30)
+def test_dynamic_dispatch_reassigns_a_killed_workers_units_exactly_once(dynamic_dispatch_reference):
+    victim = None
+    dl = _dynamic_dispatch_loader(
+        on_worker_failure="reassign", timeout=5.0, liveness=Liveness(heartbeat_interval=0.2)
+    )
+    try:
+        epoch = []
+        for item in dl:
+            epoch.append(item)
+            workers = dl.reading_service.stats().workers
+            if victim is None and workers[1].items_consumed >= 5:
+                victim = workers[1].pid
+                os.kill(victim, signal.SIGKILL)
+        pids = [w.pid for w in dl.reading_service.stats().workers]
+    finally:
+        dl.shutdown()
+    assert victim is not None and victim not in pids  # worker 1 was replaced
+    assert epoch == dynamic_dispatch_reference  # every item once, in the order of the seed
+
+
+class FirstThree(IterDataPipe):
+    """A DataPipe that stops early: it takes three items of its input, then ends."""
+
+    def __init__(self, datapipe: IterDataPipe):
+        self.datapipe = datapipe
+
+    def __iter__(self):
+        for index, item in enumerate(self.datapipe):
+            if index == 3:
+                return
+            yield item
+
+
+@pytest.mark.timeout(30)
+def test_dynamic_dispatch_says_so_when_a_workers_graph_stops_before_its_units_not_a_short_epoch():
+    rs = RPCReadingService(num_workers=2, distribution="dynamic")
+    with DataLoader2(FirstThree(dispatching(200)), reading_service=rs) as dl:
+        with pytest.raises(ConfigurationError, match=r"worker \d .* ended its stream with \d+ dispatched items .* "
+                           "must take every item it is given"):  # fmt: skip
+            list(dl)

@@ -113,8 +113,9 @@ def test_dynamic_refuses_graphs_it_cannot_cut_into_chunks():
     with pytest.raises(ConfigurationError, match="has none: add .sharding_filter()"):
         Dynamic().check_graph(IterableWrapper(range(3)).map(noisy))
     dispatched = IterableWrapper(range(3)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
-    with pytest.raises(ConfigurationError, match="does not support sharding_round_robin_dispatch yet"):
-        Dynamic().check_graph(dispatched.map(noisy))
+    Dynamic().check_graph(dispatched.map(noisy))  # a unit is a dispatched item: no sharding_filter needed
+    with pytest.raises(ConfigurationError, match="graph after the dispatch point has Batcher"):
+        Dynamic().check_graph(dispatched.map(noisy).batch(2))
 
 
 def test_the_stream_end_is_learnt_and_chunks_past_it_are_empty():

@@ -781,6 +781,25 @@ def test_leased_chunks_are_reported_done_in_order_with_the_items_since_the_last_
     assert link.to_trainer(EndOfShard(1, 2)) == [EndOfShard(1, 2)] and link.trainer.leases_outstanding == []
 
 
+def test_a_dispatched_leased_epoch_leases_each_item_before_the_frame_that_carries_it():
+    """"dynamic" with a dispatch point: a unit is one dispatched item, paired with its LEASE in order."""
+    link = Link().set_up().start(1, credits=2, dispatched=True, leased=True)
+    link.to_trainer(ItemCredit(1, 2))
+    with pytest.raises(LocalProtocolError, match="ITEMS frame 0 of epoch 1 with items 0 to 0 .* leased only 0 units"):
+        link.trainer.send(Items(1, 0, items(b"u0")))
+    link.to_worker(Lease(1, 0))
+    link.to_worker(Lease(1, 3))
+    (event,) = link.to_worker(Items(1, 0, items(b"u0", b"u3")))
+    assert payloads(event) == [b"u0", b"u3"]
+    link.to_trainer(Data(1, 0, items(b"out0")))
+    assert link.to_trainer(ChunkDone(1, 0, 1)) == [ChunkDone(1, 0, 1)]
+    forged = Link().set_up().start(1, dispatched=True, leased=True)
+    forged.to_worker(Lease(1, 0))
+    with pytest.raises(RemoteProtocolError, match="with items 0 to 1 of its input, but leased only 1 units"):
+        forged.deliver(Items(1, 0, items(b"a", b"b")).encode(), forged.worker)
+    assert forged.worker.state is SessionState.CLOSED
+
+
 def test_leases_belong_to_leased_epochs_and_a_forged_report_is_remote():
     link = Link().set_up().start(1)
     with pytest.raises(LocalProtocolError, match="not started with leased=True"):

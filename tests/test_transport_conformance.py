@@ -20,6 +20,7 @@ import time
 
 import pytest
 import torch
+from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from _server_helpers import wait_until
 from conftest import _pythonpath, children_of, process_alive, run_epochs, start_server
 from torchdata.dataloader2 import DataLoader2
@@ -59,6 +60,11 @@ def big_item(x):
 
 def shuffled():
     return IterableWrapper(range(N_ITEMS)).shuffle().sharding_filter().map(with_noise)
+
+
+def dispatched():
+    """The shuffle in the trainer's dispatcher, the rest (with its global RNG draws) on the workers."""
+    return IterableWrapper(range(N_ITEMS)).shuffle().sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(with_noise)
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +127,20 @@ def test_dynamic_distribution_gives_the_same_order_on_every_transport(servers, t
     if "dynamic" not in _reference:
         _reference["dynamic"] = run_epochs(shuffled(), remote(servers("socket"), "socket", distribution="dynamic"), seed=11)
     assert got == _reference["dynamic"]
+
+
+@pytest.mark.parametrize("transport", ["socket", "torch_rpc"])  # the built-in ones (the suite's time budget)
+def test_dynamic_with_a_dispatch_point_gives_the_same_order_on_every_transport(servers, transport):
+    """A unit is one dispatched item, leased with its item: exactly once, and one order for the seed."""
+    got = run_epochs(dispatched(), remote(servers(transport), transport, distribution="dynamic"), n_epochs=1, seed=11)
+    assert sorted(x for x, _ in got[0]) == list(range(N_ITEMS))
+    if transport == "socket":
+        _reference["dispatched"] = got
+    elif "dispatched" not in _reference:  # run on its own
+        _reference["dispatched"] = run_epochs(
+            dispatched(), remote(servers("socket"), "socket", distribution="dynamic"), n_epochs=1, seed=11
+        )
+    assert got == _reference["dispatched"]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

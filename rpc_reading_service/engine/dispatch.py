@@ -20,6 +20,10 @@ blocking would deadlock the epoch. A rank then holds more, up to about a worker'
 not keep pace with their inputs and :class:`~rpc_reading_service.errors.DispatchStalledError`
 says so instead of a hang; a silent worker (a stopped process) is left to the loss detection.
 
+With ``distribution="dynamic"`` no rank owns fixed positions: :class:`UnitDispatch` pulls the
+items ahead by index and the epoch's merger leases each one (a unit) to whichever worker has
+room (:mod:`~rpc_reading_service.engine.distribution.dispatched`).
+
 With ``keep_history`` (``on_worker_failure="reassign"``), every item dealt to a rank this
 epoch is kept, so that a replacement session can be fed the rank's whole input again
 (it replays its shard from the start and skips what the trainer consumed): exactly once.
@@ -31,13 +35,13 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from ..errors import DispatchStalledError
 from ..protocol import EncodedItem, EndOfInput, EndOfShard, Error, ItemCredit, Items, Message
 from ..serialization import ItemEncoder
 
-__all__ = ["Dispatch", "RankInput"]
+__all__ = ["Dispatch", "RankInput", "UnitDispatch"]
 
 log = logging.getLogger(__name__)
 
@@ -373,19 +377,124 @@ class Dispatch:
         while previous is not None and not previous.join(_JOIN_POLL):
             if self._stopped.is_set():
                 return
-        inputs, count = self.inputs, len(self.inputs)
         encode = ItemEncoder().encode
         try:
             for index, item in enumerate(self.datapipe):
                 if self._stopped.is_set():
                     return
                 self.pulled = index + 1
-                if not inputs[index % count].deal(encode(item)):
+                if not self._deal(index, encode(item)):
                     return
         except BaseException as exc:  # noqa: BLE001 - the trainer must hear of it, never wait in silence
             if not self._stopped.is_set():
                 log.info("the dispatching part raised %s after %d items", type(exc).__name__, self.pulled)
                 self._on_error(exc)
             return
-        for rank_input in inputs:
+        self._finish()
+
+    def _deal(self, index: int, item: EncodedItem) -> bool:
+        """Hand on item ``index`` (False: stop): round-robin, item k to rank k % n."""
+        return self.inputs[index % len(self.inputs)].deal(item)
+
+    def _finish(self) -> None:
+        """Every item was dealt."""
+        for rank_input in self.inputs:
             rank_input.finish()
+
+
+class UnitDispatch(Dispatch):
+    """``"dynamic"`` with a dispatch point: the dispatching part's items kept by index, as units
+    the epoch's merger leases to whichever worker has room (one dispatched item is one unit).
+
+    The thread pulls items ahead of the leases, up to :attr:`limit` (the merger keeps it a few
+    leases per worker ahead, within its lease window). With reassignment an item stays until
+    :meth:`advance` says every unit below was delivered (a lost worker's units are sent again).
+    ``notify()`` (from the thread) wakes the merger after :meth:`want`: more items, or the end.
+    """
+
+    def __init__(
+        self,
+        datapipe: Any,
+        epoch: int,
+        on_error: Callable[[BaseException], None],
+        notify: Callable[[], None],
+        limit: int,
+        max_items: int,
+        max_bytes: int,
+        previous: Optional["Dispatch"] = None,
+    ):
+        super().__init__(datapipe, [], on_error, previous)
+        self.epoch = epoch
+        #: The bounds of one ITEMS frame (the session's packing bounds).
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self._notify = notify
+        self._cond = threading.Condition()
+        self._items: Dict[int, EncodedItem] = {}
+        self._released = 0
+        #: Items pulled so far; their number in all once the dispatching part ended (else None).
+        self.produced = 0
+        self.total: Optional[int] = None
+        #: No item at or past this index is pulled yet.
+        self.limit = limit
+        self._wanted = False
+
+    def _deal(self, index: int, item: EncodedItem) -> bool:
+        with self._cond:
+            while index >= self.limit and not self._stopped.is_set():
+                self._cond.wait()
+            if self._stopped.is_set():
+                return False
+            self._items[index] = item
+            self.produced = index + 1
+            wanted, self._wanted = self._wanted, False
+        if wanted:
+            self._notify()
+        return True
+
+    def _finish(self) -> None:
+        with self._cond:
+            self.total = self.produced
+            self._wanted = False
+        self._notify()
+
+    def item(self, index: int, keep: bool = True) -> EncodedItem:
+        """Unit ``index``'s item (pulled, not released); ``keep=False`` forgets it (no lost worker's
+        units are ever sent again: ``on_worker_failure="raise"``)."""
+        return self._items[index] if keep else self._items.pop(index)
+
+    def want(self, seen: int) -> None:
+        """The merger has leased every unit below ``seen`` and wants more: notify once there are."""
+        with self._cond:
+            ready = self.produced > seen or self.total is not None
+            self._wanted = not ready
+        if ready:
+            self._notify()
+
+    def advance(self, limit: int, released: int) -> None:
+        """Pull up to ``limit``; forget the items below ``released`` (every unit there was delivered)."""
+        if limit <= self.limit and released <= self._released:
+            return  # the usual case (called at every top-up): no lock; only the merger moves them
+        with self._cond:
+            if limit > self.limit:
+                self.limit = limit
+                self._cond.notify_all()
+            while self._released < released:
+                self._items.pop(self._released, None)
+                self._released += 1
+
+    def credit_sink(self, channel: Any) -> Callable[[Any], None]:
+        """The input-event handler of ``channel`` (a WorkerChannel): notify when its ITEM_CREDIT
+        ends a time without credit (the merger leases only what credit lets it send)."""
+
+        def handle(event: Any) -> None:
+            if isinstance(event, ItemCredit) and event.epoch == self.epoch and channel.protocol.item_credits == event.credits:
+                self._notify()
+
+        return handle
+
+    def stop(self) -> None:
+        """Stop pulling (a new epoch, an early exit, shutdown)."""
+        super().stop()
+        with self._cond:
+            self._items.clear()
+            self._cond.notify_all()

@@ -37,9 +37,14 @@ class Positions:
 
 
 class Epoch:
-    """One epoch of an :class:`~rpc_reading_service.engine.Engine`: an iterable of its items."""
+    """One epoch of an :class:`~rpc_reading_service.engine.Engine`: an iterable of its items.
 
-    def __init__(self, engine: "Engine", number: int, wire: int, seed: int, positions: Positions):
+    ``dispatched``: the epoch's dispatched units, for a policy that leases them itself
+    (:attr:`EpochRun.dispatched <rpc_reading_service.engine.distribution.EpochRun>`)."""
+
+    def __init__(
+        self, engine: "Engine", number: int, wire: int, seed: int, positions: Positions, dispatched: Any = None
+    ):
         self.engine = engine
         #: The epoch's number (counted from 1; a resumed epoch keeps its own) and its shared seed.
         self.number = number
@@ -51,7 +56,7 @@ class Epoch:
         self._merger: Optional[Merger] = None
         if engine.in_process_graph is None:
             replace = self._replace if engine.config.reassign is not None else None
-            run = EpochRun(engine.channels, engine.events, self.progress, replace, positions.policy, wire)
+            run = EpochRun(engine.channels, engine.events, self.progress, replace, positions.policy, wire, dispatched)
             self._merger = engine.config.distribution.merger(run)
         #: Worker losses this epoch by (rank, items of its shard consumed): see :meth:`_replace`.
         self._losses: Dict[Tuple[int, int], int] = {}

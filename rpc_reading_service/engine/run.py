@@ -33,7 +33,7 @@ from ..graph import DistributedInfo, init_worker_graph, reset_dispatching_graph,
 from ..selection import selection_in_place
 from ..serialization import dumps_graph, pack_exception, rebuild_exception
 from ..stats import ReadingServiceStats, WorkerStats
-from .dispatch import Dispatch, RankInput
+from .dispatch import Dispatch, RankInput, UnitDispatch
 from .epoch import Epoch, Positions
 from .fleet import Fleet, close_channels
 from .guard import IterationGuard
@@ -124,6 +124,8 @@ class Engine:
         ``sharding_filter`` (the caller's graph is put back as it was)."""
         config, policy = self.config, self.config.distribution
         policy.check_graph(graph)
+        if self.dispatching is not None and policy.dispatch_units:  # the policy leases the dispatched items
+            return dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
         selection = policy.worker_selection(self.fleet)
         if self.dispatching is not None and (selection is not None or policy.leased):
             # The graph's dispatch point is already cut off here: the policy's own check cannot see it.
@@ -160,14 +162,17 @@ class Engine:
         self.epoch_number = self.epoch_number + 1 if number is None else number
         self._wire_epochs += 1
         positions = positions or Positions((0,) * max(1, self.num_workers))
-        epoch = Epoch(self, self.epoch_number, self._wire_epochs, seed, positions)
+        units = None
+        if self.dispatching is not None and self.in_process_graph is None and self.config.distribution.dispatch_units:
+            units = self._new_unit_dispatch(self._wire_epochs, seed)
+        epoch = Epoch(self, self.epoch_number, self._wire_epochs, seed, positions, dispatched=units)
         self.epoch = epoch
         if self.in_process_graph is not None:
             self.in_process_graph = reset_worker_graph(
                 self.in_process_graph, WorkerInfo(1, 0), seed, self.dist.rank, self.config.worker_reset_fn
             )
             return epoch
-        dispatch = self._new_dispatch(epoch) if self.dispatching is not None else None
+        dispatch = units or (self._new_dispatch(epoch) if self.dispatching is not None else None)
         for channel in self.channels:
             self.start_channel(channel, epoch)
         if dispatch is not None:
@@ -203,12 +208,35 @@ class Engine:
             for channel in self.channels
         ]  # fmt: skip
         reset_dispatching_graph(self.dispatching, epoch.seed)
-        self.dispatch = Dispatch(self.dispatching, inputs, self._dispatch_failed(epoch), previous)
+        self.dispatch = Dispatch(self.dispatching, inputs, self._dispatch_failed(epoch.wire), previous)
         for channel in self.channels:
             channel.input_sink = self.dispatch.input_sink(channel.rank)
         return self.dispatch
 
-    def _dispatch_failed(self, epoch: Epoch) -> Callable[[BaseException], None]:
+    def _new_unit_dispatch(self, wire: int, seed: int) -> UnitDispatch:
+        """Stop the last epoch's dispatching and set up this one's for a policy that leases the
+        dispatched items itself (its merger does; the thread starts with the epoch). A resumed
+        epoch pulls from the first item again: the same item for each unit."""
+        previous = self.dispatch
+        if previous is not None:
+            previous.stop()
+        options = self.fleet.session_options()
+
+        def notify() -> None:
+            channels = self.channels
+            if channels:
+                self.events.put(Event(channels[0], "dispatched", wire))
+
+        reset_dispatching_graph(self.dispatching, seed)
+        self.dispatch = UnitDispatch(
+            self.dispatching, wire, self._dispatch_failed(wire), notify, max(1, self.config.prefetch),
+            options.batch_max_items, options.batch_max_bytes, previous,
+        )  # fmt: skip
+        for channel in self.channels:
+            channel.input_sink = self.dispatch.credit_sink(channel)
+        return self.dispatch
+
+    def _dispatch_failed(self, wire: int) -> Callable[[BaseException], None]:
         """Report an exception of the dispatching part to the consumer, with MPRS's words."""
 
         def report(exc: BaseException) -> None:
@@ -216,7 +244,7 @@ class Engine:
             if not isinstance(exc, RPCReadingServiceError):  # the graph's own: MPRS's words
                 error = rebuild_exception(pack_exception(exc), None, None, where="dispatching process")
             for channel in list(self.channels):  # whichever worker the consumer waits for
-                channel.queue.put(Event(channel, "error", epoch.wire, error=error))
+                channel.queue.put(Event(channel, "error", wire, error=error))
 
         return report
 
@@ -224,7 +252,9 @@ class Engine:
         """A replacement session took over ``channel.rank``: it gets the rank's input of this
         epoch again (before its epoch starts: its events go to the dispatcher)."""
         dispatch = self.dispatch
-        if dispatch is not None:
+        if isinstance(dispatch, UnitDispatch):  # its merger leases the lost units again
+            channel.input_sink = dispatch.credit_sink(channel)
+        elif dispatch is not None:
             dispatch.inputs[channel.rank].restart(channel.send_input, channel.heard_since)
             channel.input_sink = dispatch.input_sink(channel.rank)
 

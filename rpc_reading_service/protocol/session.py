@@ -44,7 +44,9 @@ The rules:
   stream (LEASE) in increasing order, then at most one final LEASE; the worker reports each
   one done (CHUNK_DONE) in the order leased, with the items its DATA frames carried since
   the previous report. END_OF_SHARD ends the leases still outstanding (they lie past the
-  stream's end); a LEASE that crosses it is dropped.
+  stream's end); a LEASE that crosses it is dropped. In an epoch both dispatched and leased
+  ("dynamic" with a dispatch point: a unit is one dispatched item) every dispatched item is
+  leased before the ITEMS frame that carries it (the worker pairs them in order).
 - Liveness: ``tick(now)`` returns a heartbeat when nothing was sent for
   ``heartbeat_interval`` and a :class:`PeerTimedOut` event (closing the session) after
   ``peer_timeout`` of silence (``setup_timeout`` before READY).
@@ -231,6 +233,8 @@ class _Leases:
     latest: int = -1
     final: bool = False
     items_at_mark: int = 0
+    #: Chunks leased in all (a dispatched epoch's units: each item needs its lease first).
+    leased: int = 0
 
 
 class _SessionProtocol:
@@ -510,7 +514,18 @@ class _SessionProtocol:
                 "the chunks leased to a worker must increase"
             )
         leases.latest = message.chunk
+        leases.leased += 1
         leases.outstanding.append(message.chunk)
+
+    def _items_leased(self, epoch: int, sequence: int, count: int, error: Callable[[str], Exception]) -> None:
+        """In a dispatched and leased epoch, every item of an ITEMS frame needs its LEASE first."""
+        leases, flow = self._leases, self._input
+        if leases is not None and flow is not None and flow.items + count > leases.leased:
+            raise error(
+                f"it sent ITEMS frame {sequence} of epoch {epoch} with items {flow.items} to "
+                f"{flow.items + count - 1} of its input, but leased only {leases.leased} units: in a "
+                "dispatched 'dynamic' epoch each item is leased before the frame that carries it"
+            )
 
     def _chunk_done(self, message: ChunkDone, error: Callable[[str], Exception]) -> None:
         """Check and record a CHUNK_DONE: the oldest outstanding lease, with the items since the last one."""
@@ -569,6 +584,8 @@ class TrainerSession(_SessionProtocol):
 
     def _send_items(self, message: Items) -> None:
         self._sent_current(message.epoch, message.kind)
+        if self._data.open:  # else the worker drops it, as the LEASE before it
+            self._items_leased(message.epoch, message.sequence, len(message.items), self._local)
         flow = self._frame_in_flow(self._input, message.kind, message.epoch, message.sequence, self._local)
         flow.items += len(message.items)
 
@@ -696,9 +713,10 @@ class WorkerProtocol(_SessionProtocol):
         return [message] if self._data.open else []
 
     def _receive_items(self, frame: Frame) -> List[Event]:
-        epoch, sequence, _count = self._header(frame)
+        epoch, sequence, count = self._header(frame)
         if not self._received_current(epoch, frame.kind) or not self._data.open:
             return []
+        self._items_leased(epoch, sequence, count, self._remote)
         flow = self._frame_in_flow(self._input, frame.kind, epoch, sequence, self._remote)
         message = self._decode(Items, frame)
         flow.items += len(message.items)

@@ -79,6 +79,10 @@ class EpochRun:
     replace: Optional["ReplaceFn"]
     resume: Optional[Mapping[str, Any]]
     wire: int
+    #: A dispatching graph's units under a policy with :attr:`DistributionPolicy.dispatch_units`
+    #: (an :class:`~rpc_reading_service.engine.dispatch.UnitDispatch`), set by the engine before
+    #: the epoch is iterated; None otherwise.
+    dispatched: Optional[Any] = None
 
 
 class Merger(abc.ABC):
@@ -112,6 +116,9 @@ class DistributionPolicy(abc.ABC):
     shared_queue: ClassVar[bool] = False
     #: True: workers walk the stream by leases (epochs start with START_EPOCH ``leased``).
     leased: ClassVar[bool] = False
+    #: True: with a dispatch point (``sharding_round_robin_dispatch``) the policy's merger leases
+    #: the dispatched items as units itself (:attr:`EpochRun.dispatched`) instead of the round-robin deal.
+    dispatch_units: ClassVar[bool] = False
 
     @property
     def in_order(self) -> bool:

@@ -17,6 +17,9 @@ completely + ``window``) is leased, so at most ``window`` chunks of items wait i
 The DataPipes after ``sharding_filter`` should pass items one by one (map, filter,
 flatmap, ...): a ``batch`` there groups items of consecutive leased chunks of one worker,
 which depend on the workers' speeds.
+
+With a dispatch point (``sharding_round_robin_dispatch``) a unit is one dispatched item
+instead: see :mod:`.dispatched`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torchdata.dataloader2.utils.dispatch import _DummyIterDataPipe, find_lca_ro
 
 from ...client import Event, WorkerChannel
 from ...errors import ConfigurationError, WorkerLostError
+from ...graph import check_per_item_after_dispatch
 from ...selection import LeasedChunks, WorkerSelection
 from ...settings import NumberRule, check_number
 from .base import DistributionPolicy, EpochRun, FleetView, Merger
@@ -65,11 +69,16 @@ class Dynamic(DistributionPolicy):
             (bounds the trainer's buffer; default ``4 * depth * num_workers``).
         in_order: True (default): resequenced by chunk, deterministic for a seed; False:
             items in arrival order (also ``RPCReadingService(distribution="dynamic", in_order=False)``).
+
+    With a dispatch point a unit is one dispatched item (:mod:`.dispatched`): ``depth`` and
+    ``window`` count units, and the default window is ``chunk_size`` times the chunks' (the
+    same bound in items).
     """
 
     name = "dynamic"
     shared_queue = True
     leased = True
+    dispatch_units = True
 
     def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, depth: int = 2, window: Optional[int] = None,
                  in_order: bool = True):  # fmt: skip
@@ -89,16 +98,16 @@ class Dynamic(DistributionPolicy):
         return f"Dynamic(chunk_size={self.chunk_size}, depth={self.depth}, window={self.window}, in_order={self._in_order})"
 
     def check_graph(self, graph: Any) -> None:
-        """Refuse a graph with a dispatch point (not supported yet) or without ``sharding_filter``.
+        """Refuse a graph without ``sharding_filter``, or with a dispatch point and DataPipes
+        after it that do not map each dispatched item to its outputs alone.
 
         The engine checks the workers' part of a dispatching graph, in which torchdata's
         placeholder stands for the dispatch point."""
-        dispatched = find_lca_round_robin_sharding_dp(traverse_dps(graph)) is not None
-        if dispatched or find_dps(traverse_dps(graph), _DummyIterDataPipe):
-            raise ConfigurationError(
-                "distribution='dynamic' does not support sharding_round_robin_dispatch yet (its unit would be "
-                "one dispatched item): use distribution='round_robin' with it, or sharding_filter() with 'dynamic'"
-            )
+        if find_lca_round_robin_sharding_dp(traverse_dps(graph)) is not None or find_dps(
+            traverse_dps(graph), _DummyIterDataPipe
+        ):
+            check_per_item_after_dispatch(graph, self.name)
+            return
         if not find_dps(traverse_dps(graph), ShardingFilterIterDataPipe):
             raise ConfigurationError(
                 "distribution='dynamic' leases chunks of the stream at a sharding_filter, and this graph has "
@@ -121,7 +130,11 @@ class Dynamic(DistributionPolicy):
         return 0
 
     def merger(self, run: EpochRun) -> Merger:
-        """Lease, receive and resequence one epoch."""
+        """Lease, receive and resequence one epoch (with a dispatch point: its dispatched items)."""
+        if run.dispatched is not None:
+            from .dispatched import DispatchedMerger  # a subclass of _DynamicMerger, below
+
+            return DispatchedMerger(self, run)
         return _DynamicMerger(self, run)
 
     def check_state(self, state: Any) -> None:
@@ -203,6 +216,9 @@ class _DynamicMerger(Merger):
                 if book.over and len(book.ended) == len(channels):
                     break
             event = self._next_event()
+            if event.kind == "dispatched":  # the trainer's dispatcher pulled more units
+                self._top_up_all()
+                continue
             rank = event.channel.rank
             if event.channel is not channels[rank]:
                 continue  # left over from a replaced session
@@ -215,8 +231,7 @@ class _DynamicMerger(Merger):
                 self._top_up(event.channel)
                 self._top_up_all()
             elif event.kind == "end":
-                book.end(rank)
-                self._finish_all()
+                self._stream_ended(event.channel)
             elif event.kind == "data":
                 try:
                     items = _take(event, run.wire)
@@ -239,6 +254,11 @@ class _DynamicMerger(Merger):
                 except WorkerLostError as exc:
                     self._replace(event.channel, exc)
         progress.finish()
+
+    def _stream_ended(self, channel: WorkerChannel) -> None:
+        """``channel``'s stream ended (END_OF_SHARD): its leases still outstanding lie past the stream's end."""
+        self.book.end(channel.rank)
+        self._finish_all()
 
     def _next_event(self) -> Event:
         progress = self.run.progress

@@ -66,6 +66,8 @@ class LeaseBook:
         self.finished: Set[int] = set()
         #: Chunks leased per rank this epoch (``stats()``'s units).
         self.units: Dict[int, int] = {rank: 0 for rank in range(num_workers)}
+        #: Chunks below this exist yet (None: all of them; a dispatched epoch's units exist once pulled).
+        self.available: Optional[int] = None
 
     # -- leasing --------------------------------------------------------------------------------
     def lease(self, rank: int) -> Optional[Tuple[int, int]]:
@@ -75,6 +77,8 @@ class LeaseBook:
         latest = self.latest[rank]
         choice: Optional[Tuple[int, int]] = None
         for index, (chunk, skip) in enumerate(self.pending):
+            if self.available is not None and chunk >= self.available:
+                break  # pending is sorted: none after it exists yet either
             if chunk > latest:  # a session walks its stream once: only chunks ahead of its latest lease
                 choice = self.pending.pop(index)
                 break
@@ -83,6 +87,8 @@ class LeaseBook:
             if self.stream_chunks is not None and chunk >= self.stream_chunks:
                 return None
             if chunk >= self.complete_below + self.window or chunk <= latest:
+                return None
+            if self.available is not None and chunk >= self.available:
                 return None
             self.next_chunk += 1
             choice = (chunk, 0)
@@ -148,6 +154,10 @@ class LeaseBook:
             chunk = leftover.popleft()
             self.totals[chunk] = self.skips.pop(chunk)
             self._maybe_complete(chunk)
+
+    def stream_ends_at(self, chunks: int) -> None:
+        """The stream has at most ``chunks`` chunks (known from a worker's walk, or to the trainer's dispatcher)."""
+        self._stream_ends_at(chunks)
 
     def _stream_ends_at(self, chunks: int) -> None:
         self.stream_chunks = chunks if self.stream_chunks is None else min(self.stream_chunks, chunks)
