@@ -107,6 +107,25 @@ def test_a_fast_worker_is_topped_up_from_half_its_depth_to_full_at_once():
     assert book.wants_leases(0)  # ... until half its depth is left
 
 
+def test_a_fast_worker_is_not_sent_lone_leases_as_the_window_moves_unless_it_holds_none():
+    book = LeaseBook(num_workers=2, chunk_size=4, depth=2, window=12)
+    for now in (10.0, 10.0001):  # rank 0 is fast: its depth grows past the window's room
+        book.lease(0)
+        assert book.arrived(0, 4) == [(book.outstanding[0][0], 4)]
+        book.done(0, book.outstanding[0][0], 4, None, now=now)
+    while book.lease(0) is not None:
+        pass
+    assert book.depth_of(0) > 8 and len(book.outstanding[0]) == 10  # chunks 2..11: the window is full
+    for chunk in range(2):
+        for _ in range(4):
+            book.deliver(chunk)
+    for chunk in range(2, 8):
+        book.done(0, chunk, 4, None, now=10.0002)  # not delivered: the window stays
+    # The window has room for 2 more, the worker holds 4 of its depth: no send of one or two leases ...
+    assert not book.wants_leases(0) and book.wants_leases(1)  # ... but a worker holding nothing gets them
+    assert book.lease(1) == (12, 0)
+
+
 def test_dynamic_refuses_graphs_it_cannot_cut_into_chunks():
     from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 

@@ -103,8 +103,17 @@ class LeaseBook:
     def wants_leases(self, rank: int) -> bool:
         """Whether ``rank`` is due a top-up: it holds at most half its :meth:`depth_of` (then it is
         leased up to the full depth at once, so a fast worker gets its leases a few in one send
-        instead of one per chunk it reports done)."""
-        return len(self.outstanding[rank]) <= self.depth_of(rank) // 2
+        instead of one per chunk it reports done), and the window has room for half its depth
+        (else every chunk delivered would cost a send of one lease) or it holds nothing."""
+        held, depth = len(self.outstanding[rank]), self.depth_of(rank)
+        if held > depth // 2:
+            return False
+        if not held or self.pending:
+            return True
+        room = self.complete_below + self.window - self.next_chunk
+        if self.stream_chunks is not None:
+            room = min(room, self.stream_chunks - self.next_chunk)
+        return room >= min(depth - held, max(1, depth // 2)) or (self.stream_chunks is not None and room > 0)
 
     def depth_of(self, rank: int) -> int:
         """Chunks ``rank`` may hold ahead: ``depth``; 1 for a worker whose chunks take long; more
