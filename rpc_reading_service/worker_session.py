@@ -201,7 +201,8 @@ class Outbox:
         self._open_since = 0.0
         #: When the producer put the epoch's latest item (None before its first).
         self._last_put: Optional[float] = None
-        #: Sealed batches waiting for credit, and markers (CHUNK_DONE) that follow them without credit.
+        #: Sealed batches waiting for credit, and markers (CHUNK_DONE) that follow them without credit
+        #: (ahead of the open batch, which may still hold their chunks' last items).
         self._sealed: Deque[Union[List[EncodedItem], Message]] = collections.deque()
         #: ITEM_CREDIT to send (a dispatched epoch), and whether the epoch's input is still open.
         self._input_credits = 0
