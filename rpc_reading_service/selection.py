@@ -59,7 +59,7 @@ class SelectionContext:
         leases: The chunks the trainer leases to this session ("dynamic"); None otherwise.
         chunk_started: The walk entered a chunk leased here, whose first ``skip`` items the
             session must not send (they were delivered before a resume or a reassignment).
-        chunk_done: Report a finished chunk; the session sends CHUNK_DONE after the items produced so far.
+        chunk_done: Report a finished chunk; the session sends CHUNK_DONE with its item count.
     """
 
     epoch: int
@@ -298,7 +298,8 @@ class LeasedChunks(WorkerSelection):
 
     The walk waits at the first position of a chunk until the trainer decided it (it keeps
     every worker a lease or two ahead); a finished chunk is reported right after its last
-    item went through the graph, so its CHUNK_DONE follows its items. Outside a session
+    item went through the graph (its CHUNK_DONE, with the count, goes ahead of the items
+    still packed). Outside a session
     (``num_workers=0``) it keeps everything.
     """
 

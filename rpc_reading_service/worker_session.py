@@ -80,7 +80,7 @@ REFUSAL_LINGER = 5.0
 _MAX_SENDER_WAIT = 1.0
 #: Looks at the item being produced per ``item_timeout`` (at least one a second).
 _ITEM_CHECKS_PER_TIMEOUT = 4
-#: Most frames the sender takes for one send (a CHUNK_DONE rides with its chunk's DATA).
+#: Most frames the sender takes for one send (CHUNK_DONEs ride with the DATA behind them).
 _FRAMES_PER_SEND = 16
 
 #: A frame that ends an epoch: a message (encoded when it leaves) or chunks already encoded.
@@ -221,7 +221,8 @@ class Outbox:
         self._open_since = 0.0
         #: When the producer put the epoch's latest item (None before its first).
         self._last_put: Optional[float] = None
-        #: Sealed batches waiting for credit, and markers (CHUNK_DONE) that follow them without credit.
+        #: Sealed batches waiting for credit, and markers (CHUNK_DONE) that follow them without credit
+        #: (ahead of the open batch, which may still hold their chunks' last items).
         self._sealed: Deque[Union[List[EncodedItem], Message]] = collections.deque()
         #: ITEM_CREDIT to send (a dispatched epoch), and whether the epoch's input is still open.
         self._input_credits = 0
@@ -302,26 +303,31 @@ class Outbox:
                 self._cond.notify_all()
             self._open.append(item)
             self._open_bytes += item.nbytes
-            if slow and len(self._open) == 1 and not self._sealed and self._credits >= 2:
+            if slow and len(self._open) == 1 and not self._batch_waits() and self._credits >= 2:
                 self._seal()  # the sender wakes once, for a frame to send
             elif len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes:
-                while self._sealed:
+                while self._batch_waits():
                     self._cond.wait()
                     self._check(epoch)
                 if self._open:  # the sender may have taken it while we waited
                     self._seal()
 
     def mark(self, epoch: int, marker: Message) -> None:
-        """Queue ``marker`` (a CHUNK_DONE) right after the items of ``epoch`` put so far; it needs no credit."""
+        """Queue ``marker`` (a CHUNK_DONE, which needs no credit) after the sealed batches of ``epoch``.
+
+        The open batch is not sealed for it: the marker leaves ahead of the items still open
+        (it carries the chunk's item count, so the trainer knows where the chunk ends in the
+        frames that follow), and the next chunk's items join the same batch: a chunk of tiny
+        items costs no DATA frame and no wake-up of the sender of its own."""
         with self._cond:
             self._check(epoch)
-            if self._open:
-                self._seal()
             self._sealed.append(marker)
             # The walk may now wait for its next lease: that gap says nothing of how fast items
             # come, so the next chunk's first item is not sealed alone as a slow one.
             self._last_put = None
-            self._cond.notify_all()
+            if not self._open or self._credits <= 0:
+                self._cond.notify_all()
+            # else the sender wakes within ``linger`` for the open batch and takes the marker with it
 
     def finish(self, epoch: int, final_frame: FinalFrame, end_session: bool = False) -> None:
         """Queue the frame that ends ``epoch`` (END_OF_SHARD or ERROR) after its data.
@@ -347,6 +353,10 @@ class Outbox:
     def _check(self, epoch: int) -> None:
         if self._closed or epoch != self.epoch or self._final_ends_session:
             raise _Cancelled()
+
+    def _batch_waits(self) -> bool:
+        """Whether a sealed batch of items waits for credit (markers ahead of the open batch do not count)."""
+        return any(not isinstance(entry, Message) for entry in self._sealed)
 
     def _seal(self) -> None:
         self._sealed.append(self._open)
@@ -393,6 +403,10 @@ class Outbox:
             return self._encode(ItemCredit(self.epoch, credits)), 0.0
         self._track_credit_wait(now)
         if self._sealed and isinstance(self._sealed[0], Message):
+            if self._open and self._credits > 0 and self._final is None:
+                lingered_until = self._open_since + self._options.linger
+                if now < lingered_until:  # the marker leaves in one send with the open batch
+                    return None, lingered_until - now
             marker = self._sealed.popleft()
             self._cond.notify_all()
             return self._encode(marker), 0.0
@@ -849,7 +863,7 @@ class _ChunkCount:
         seed_chunk(self.seed, chunk)
 
     def done(self, chunk: int, stream_length: Optional[int]) -> None:
-        """``chunk`` is done: CHUNK_DONE follows its items."""
+        """``chunk`` is done: its CHUNK_DONE leaves ahead of its items not sent yet."""
         self.outbox.mark(self.epoch, ChunkDone(self.epoch, chunk, self.items, stream_length))
         self.items, self.skip = 0, 0
 

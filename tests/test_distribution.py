@@ -107,6 +107,25 @@ def test_a_fast_worker_is_topped_up_from_half_its_depth_to_full_at_once():
     assert book.wants_leases(0)  # ... until half its depth is left
 
 
+def test_a_fast_worker_is_not_sent_lone_leases_as_the_window_moves_unless_it_holds_none():
+    book = LeaseBook(num_workers=2, chunk_size=4, depth=2, window=12)
+    for now in (10.0, 10.0001):  # rank 0 is fast: its depth grows past the window's room
+        book.lease(0)
+        assert book.arrived(0, 4) == [(book.outstanding[0][0], 4)]
+        book.done(0, book.outstanding[0][0], 4, None, now=now)
+    while book.lease(0) is not None:
+        pass
+    assert book.depth_of(0) > 8 and len(book.outstanding[0]) == 10  # chunks 2..11: the window is full
+    for chunk in range(2):
+        for _ in range(4):
+            book.deliver(chunk)
+    for chunk in range(2, 8):
+        book.done(0, chunk, 4, None, now=10.0002)  # not delivered: the window stays
+    # The window has room for 2 more, the worker holds 4 of its depth: no send of one or two leases ...
+    assert not book.wants_leases(0) and book.wants_leases(1)  # ... but a worker holding nothing gets them
+    assert book.lease(1) == (12, 0)
+
+
 def test_dynamic_refuses_graphs_it_cannot_cut_into_chunks():
     from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 
@@ -138,6 +157,7 @@ def test_the_stream_end_is_learnt_and_chunks_past_it_are_empty():
 def test_a_lost_session_gives_back_its_undelivered_chunks_with_what_was_delivered_as_skip():
     book = LeaseBook(num_workers=2, chunk_size=4, depth=2, window=100)
     book.lease(0), book.lease(1), book.lease(0), book.lease(1)  # 0: chunks 0, 2; 1: chunks 1, 3
+    assert book.arrived(1, 4) == [(1, 4)]
     book.done(1, 1, 4, None)
     for _ in range(3):
         book.deliver(3)  # first-ready delivery: 3 items of chunk 3 already handed on
@@ -149,6 +169,23 @@ def test_a_lost_session_gives_back_its_undelivered_chunks_with_what_was_delivere
     book.done(0, 2, 4, None)
     assert book.lease(0) == (5, 0), "a session walks its stream once: never a chunk below its latest lease"
     assert book.lease(1) == (3, 3)
+
+
+def test_a_frame_is_split_by_the_reported_counts_and_a_reported_chunk_whose_tail_was_lost_is_leased_again():
+    book = LeaseBook(num_workers=1, chunk_size=4, depth=4, window=100)
+    for _ in range(3):
+        book.lease(0)  # chunks 0, 1, 2
+    assert book.arrived(0, 3) == [(0, 3)]
+    book.done(0, 0, 4, None)  # reported with its last item still packed: it comes in the next frame
+    book.done(0, 1, 2, None)  # a chunk whose items all travel after its report
+    assert book.arrived(0, 5) == [(0, 1), (1, 2), (2, 2)]  # one frame: the tail of 0, all of 1, head of 2
+    book.done(0, 2, 4, None)
+    assert book.arrived(0, 1) == [(2, 1)] and book.arrived(0, 1) == [(2, 1)]
+    book.lease(0)  # chunk 3
+    book.done(0, 3, 3, None)
+    assert book.arrived(0, 1) == [(3, 1)]
+    book.deliver(3)  # first-ready: handed on already
+    assert book.lost(0) == [3] and book.lease(0) == (3, 1)  # reported, but 2 of its 3 items never came
 
 
 def test_checkpoint_state_gives_back_held_items_and_resumes_the_rest():
@@ -233,7 +270,8 @@ def test_every_policy_gives_every_item_exactly_once_and_dynamic_shows_its_chunks
     dp = IterableWrapper(range(N)).sharding_filter()
     orders = {}
     for name, distribution in (("round_robin",) * 2, ("first_ready",) * 2, ("dynamic",) * 2,
-                               ("dynamic, as they arrive", Dynamic(in_order=False)), ("sticky",) * 2,
+                               ("dynamic, as they arrive", Dynamic(in_order=False)),
+                               ("dynamic, narrow window", Dynamic(chunk_size=1, window=1)), ("sticky",) * 2,
                                ("backwards",) * 2):  # fmt: skip
         service = remote(worker_server, 3, distribution=distribution)
         with DataLoader2(dp, reading_service=service) as dl:

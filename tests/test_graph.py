@@ -18,6 +18,7 @@ from rpc_reading_service.graph import (
     draw_epoch_seed,
     init_worker_graph,
     reset_worker_graph,
+    seed_chunk,
     split_dispatching,
     split_replicable,
     worker_seed_generator,
@@ -141,3 +142,21 @@ def test_split_dispatching_cuts_off_the_part_before_the_dispatch_point():
     worker_graph = init_worker_graph(rest, WorkerInfo(2, 1), None, dispatched_input=IterableWrapper([1, 2, 3]))
     assert list(worker_graph) == [10, 20, 30]
     assert split_dispatching(IterableWrapper(range(3)).sharding_filter())[0] is None
+
+
+def test_seed_chunk_seeds_like_torchdata_whatever_was_seeded_before():
+    """The chunk's randomness is torchdata's for SeedGenerator(epoch_seed).spawn(chunk), also
+    when chunks come out of order (the epoch's generator is made once and reused)."""
+    from torchdata.dataloader2.utils.worker import _set_global_random_state
+
+    numpy = pytest.importorskip("numpy")
+
+    def draws() -> tuple:
+        return random.random(), torch.rand(2).tolist(), numpy.random.rand()
+
+    for chunk in (3, 0, 3, 1000):
+        _set_global_random_state(SeedGenerator(11).spawn(chunk))
+        expected = draws()
+        random.seed(1), torch.manual_seed(1), numpy.random.seed(1)
+        seed_chunk(11, chunk)
+        assert draws() == expected, chunk

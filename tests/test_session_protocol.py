@@ -763,22 +763,36 @@ def test_a_join_reaches_the_worker_as_a_join_and_is_refused_with_a_reason():
 def test_leased_chunks_are_reported_done_in_order_with_the_items_since_the_last_report():
     link = Link().set_up().start(1, credits=4, leased=True)
     with pytest.raises(RemoteProtocolError, match="DATA frame 0 of epoch 1 with items but holds no lease"):
-        Link().set_up().start(1, leased=True).to_trainer(Data(1, 0, items(b"x")))
+        forged = Link().set_up().start(1, leased=True)
+        forged.deliver(Data(1, 0, items(b"x")).encode(), forged.trainer)
     assert link.to_worker(Lease(1, 0)) == [Lease(1, 0)] and link.to_worker(Lease(1, 2, skip=1)) == [Lease(1, 2, 1)]
     with pytest.raises(LocalProtocolError, match="LEASE of chunk 1 of epoch 1 after chunk 2: .* must increase"):
         link.trainer.send(Lease(1, 1))
     link.to_trainer(Data(1, 0, items(b"a", b"b")))
     with pytest.raises(LocalProtocolError, match="CHUNK_DONE for chunk 2 of epoch 1 where chunk 0 was due"):
         link.worker.send(ChunkDone(1, 2, 0))
-    with pytest.raises(LocalProtocolError, match="with 3 items, but its DATA frames carried 2"):
-        link.worker.send(ChunkDone(1, 0, 3))
-    assert link.to_trainer(ChunkDone(1, 0, 2)) == [ChunkDone(1, 0, 2)]
+    with pytest.raises(LocalProtocolError, match="with 1 items, but its DATA frames carried 2 since the previous"):
+        link.worker.send(ChunkDone(1, 0, 1))
+    assert link.to_trainer(ChunkDone(1, 0, 3)) == [ChunkDone(1, 0, 3)]  # its third item is still packed
     assert link.trainer.leases_outstanding == [2] == link.worker.leases_outstanding
+    # One frame: the last item of chunk 0, then chunk 2's first; a DATA past the reports needs a lease.
+    link.to_trainer(Data(1, 1, items(b"c", b"d")))
+    with pytest.raises(LocalProtocolError, match="with 0 items, but its DATA frames carried 1 since the previous"):
+        link.worker.send(ChunkDone(1, 2, 0))
     assert link.to_worker(Lease(1, final=True)) == [Lease(1, final=True)]
     with pytest.raises(LocalProtocolError, match="after its final LEASE"):
         link.trainer.send(Lease(1, 5))
-    # END_OF_SHARD ends chunk 2 (past the stream's end); a LEASE crossing it is dropped by the worker.
-    assert link.to_trainer(EndOfShard(1, 2)) == [EndOfShard(1, 2)] and link.trainer.leases_outstanding == []
+    assert link.to_trainer(ChunkDone(1, 2, 2)) == [ChunkDone(1, 2, 2)]
+    with pytest.raises(LocalProtocolError, match="with items but holds no lease"):
+        link.worker.send(Data(1, 2, items(b"e", b"f")))  # one item is chunk 2's, the other nobody's
+    with pytest.raises(LocalProtocolError, match="after 4 items, but its CHUNK_DONEs reported 5"):
+        link.worker.send(EndOfShard(1, 4))
+    link.to_trainer(Data(1, 2, items(b"e")))
+    assert link.to_trainer(EndOfShard(1, 5)) == [EndOfShard(1, 5)] and link.trainer.leases_outstanding == []
+    # END_OF_SHARD ends the leases still outstanding (past the stream's end); a LEASE crossing it is dropped.
+    ended = Link().set_up().start(1, leased=True)
+    ended.to_worker(Lease(1, 0))
+    assert ended.to_trainer(EndOfShard(1, 0)) == [EndOfShard(1, 0)] and ended.trainer.leases_outstanding == []
 
 
 def test_a_dispatched_leased_epoch_leases_each_item_before_the_frame_that_carries_it():

@@ -125,20 +125,23 @@ def test_a_final_frame_that_ends_the_session_goes_after_the_data_and_refuses_mor
     assert outbox.session_over
 
 
-def test_a_chunk_done_leaves_in_one_send_with_its_data_and_the_wait_for_a_lease_is_not_a_slow_item():
+def test_chunk_ends_share_a_data_frame_and_the_wait_for_a_lease_is_not_a_slow_item():
     outbox = Outbox(SessionOptions(batch_max_items=100, linger=0.05))
     outbox.start_epoch(1, credits=4)
     outbox.put(1, item(0))
     outbox.put(1, item(1))
-    outbox.mark(1, ChunkDone(1, 0, 2))
-    frames = outbox.take_frames(1.0)
-    assert [frame_of(f).kind for f in frames] == [MessageKind.DATA, MessageKind.CHUNK_DONE]
-    assert data_items(frames[0])[2] == [0, 1]
-    time.sleep(0.08)  # longer than linger: the walk waited for its next lease
+    outbox.mark(1, ChunkDone(1, 0, 2))  # chunk 0's items stay open for the next chunk's to join
     outbox.put(1, item(2))
-    assert outbox.take_frames(0.01) is None  # lingers for company, not sealed alone as a slow item
+    outbox.mark(1, ChunkDone(1, 1, 1))
+    frames = outbox.take_frames(1.0)
+    kinds = [frame_of(f).kind for f in frames]
+    assert kinds == [MessageKind.CHUNK_DONE, MessageKind.CHUNK_DONE, MessageKind.DATA]  # counts go ahead
+    assert data_items(frames[2])[2] == [0, 1, 2]
+    time.sleep(0.08)  # longer than linger: the walk waited for its next lease
     outbox.put(1, item(3))
-    assert data_items(outbox.take_frames(1.0)[0])[2] == [2, 3]
+    assert outbox.take_frames(0.01) is None  # lingers for company, not sealed alone as a slow item
+    outbox.put(1, item(4))
+    assert data_items(outbox.take_frames(1.0)[0])[2] == [3, 4]
 
 
 def test_an_item_slower_than_linger_leaves_at_once():

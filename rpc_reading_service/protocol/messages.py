@@ -497,8 +497,10 @@ class Lease(Message):
 
 @dataclass(frozen=True)
 class ChunkDone(Message):
-    """Worker to trainer ("dynamic" epochs): leased ``chunk`` is done; its ``items`` items are the
-    ones the DATA frames carried since the previous CHUNK_DONE. ``stream_length`` (positions)
+    """Worker to trainer ("dynamic" epochs): leased ``chunk`` is done with ``items`` items: the ones
+    DATA frames carried since the previous chunk's end, then the first ones of the DATA frames
+    that follow (it is sent as soon as the chunk's last item is packed, ahead of that item's
+    frame, which may also hold the next chunk's first items). ``stream_length`` (positions)
     when the stream ended in this chunk, else None."""
 
     kind: ClassVar[MessageKind] = MessageKind.CHUNK_DONE

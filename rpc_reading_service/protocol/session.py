@@ -42,9 +42,14 @@ The rules:
   count, so a lost or reordered frame is detected.
 - Leases ("dynamic" epochs, START_EPOCH ``leased``): the trainer leases chunks of the
   stream (LEASE) in increasing order, then at most one final LEASE; the worker reports each
-  one done (CHUNK_DONE) in the order leased, with the items its DATA frames carried since
-  the previous report. END_OF_SHARD ends the leases still outstanding (they lie past the
-  stream's end); a LEASE that crosses it is dropped. In an epoch both dispatched and leased
+  one done (CHUNK_DONE) in the order leased, with its item count, as soon as the chunk's
+  last item is packed: at least the items its DATA frames carried since the previous chunk's
+  end, and the rest are the first items of the DATA frames that follow (a frame may hold
+  the tail of one chunk and the head of the next, so tiny items of many chunks share one
+  frame). DATA items past every reported chunk need an outstanding lease; END_OF_SHARD
+  needs every reported item carried, and ends the leases still outstanding (they lie past
+  the stream's end); a LEASE that crosses it is dropped.
+  In an epoch both dispatched and leased
   ("dynamic" with a dispatch point: a unit is one dispatched item) every dispatched item is
   leased before the ITEMS frame that carries it (the worker pairs them in order).
 - Liveness: ``tick(now)`` returns a heartbeat when nothing was sent for
@@ -227,12 +232,13 @@ class _Flow:
 @dataclass
 class _Leases:
     """The chunks of a "dynamic" epoch leased to the worker: in increasing order, each reported
-    done (CHUNK_DONE) in the order leased, with the items DATA carried since the previous one."""
+    done (CHUNK_DONE) in the order leased, with its item count (DATA carries them before or after)."""
 
     outstanding: Deque[int] = field(default_factory=collections.deque)
     latest: int = -1
     final: bool = False
-    items_at_mark: int = 0
+    #: Items of the epoch's chunks reported done (DATA's items up to here belong to them).
+    reported: int = 0
     #: Chunks leased in all (a dispatched epoch's units: each item needs its lease first).
     leased: int = 0
 
@@ -528,7 +534,8 @@ class _SessionProtocol:
             )
 
     def _chunk_done(self, message: ChunkDone, error: Callable[[str], Exception]) -> None:
-        """Check and record a CHUNK_DONE: the oldest outstanding lease, with the items since the last one."""
+        """Check and record a CHUNK_DONE: the oldest outstanding lease, with at least the items DATA
+        carried since the previous chunk's end (the rest follow in the next DATA frames)."""
         leases = self._leases
         if leases is None:
             raise error(f"it sent CHUNK_DONE for epoch {message.epoch}, which was not started with leased=True")
@@ -540,14 +547,29 @@ class _SessionProtocol:
                 f"it sent CHUNK_DONE for chunk {message.chunk} of epoch {message.epoch} where {due} was due: "
                 "chunks are reported done once each, in the order leased"
             )
-        carried = self._data.items - leases.items_at_mark
-        if message.items != carried:
+        carried = self._data.items - leases.reported
+        if message.items < carried:
             raise error(
                 f"it sent CHUNK_DONE for chunk {message.chunk} of epoch {message.epoch} with {message.items} items, "
-                f"but its DATA frames carried {carried} since the previous one"
+                f"but its DATA frames carried {carried} since the previous chunk's end"
             )
         leases.outstanding.popleft()
-        leases.items_at_mark = self._data.items
+        leases.reported += message.items
+
+    def _check_data_leased(self, epoch: int, sequence: int, count: int, error: Callable[[str], Exception]) -> None:
+        """DATA of a leased epoch: items past the chunks reported done belong to an outstanding lease."""
+        leases = self._leases
+        if count and leases is not None and not leases.outstanding and self._data.items + count > leases.reported:
+            raise error(f"it sent DATA frame {sequence} of epoch {epoch} with items but holds no lease")
+
+    def _check_reported_carried(self, message: EndOfShard, error: Callable[[str], Exception]) -> None:
+        """END_OF_SHARD of a leased epoch: every item its CHUNK_DONEs reported was carried by DATA."""
+        leases = self._leases
+        if leases is not None and leases.reported > message.items_sent:
+            raise error(
+                f"it sent END_OF_SHARD for epoch {message.epoch} after {message.items_sent} items, but its CHUNK_DONEs "
+                f"reported {leases.reported}"
+            )
 
     def _end_leases(self) -> None:
         """END_OF_SHARD of a leased epoch: leases still outstanding lie past the stream's end (empty)."""
@@ -635,9 +657,8 @@ class TrainerSession(_SessionProtocol):
         epoch, sequence, count = self._header(frame)
         if not self._received_current(epoch, frame.kind):
             return []
+        self._check_data_leased(epoch, sequence, count, self._remote)
         flow = self._frame_in_flow(self._data, frame.kind, epoch, sequence, self._remote)
-        if count and self._leases is not None and not self._leases.outstanding:
-            raise self._remote(f"it sent DATA frame {sequence} of epoch {epoch} with items but holds no lease")
         flow.items += count
         return [DataReceived(epoch, sequence, count, frame)]
 
@@ -645,6 +666,7 @@ class TrainerSession(_SessionProtocol):
         message = self._decode(EndOfShard, frame)
         if not self._received_current(message.epoch, message.kind):
             return []
+        self._check_reported_carried(message, self._remote)
         self._end_flow(self._data, message, self._remote)
         self._end_leases()
         self.state = SessionState.READY
@@ -762,11 +784,13 @@ class WorkerProtocol(_SessionProtocol):
 
     def _send_data(self, message: Data) -> None:
         self._sent_current(message.epoch, message.kind)
+        self._check_data_leased(message.epoch, message.sequence, len(message.items), self._local)
         flow = self._frame_in_flow(self._data, message.kind, message.epoch, message.sequence, self._local)
         flow.items += len(message.items)
 
     def _send_end_of_shard(self, message: EndOfShard) -> None:
         self._sent_current(message.epoch, message.kind)
+        self._check_reported_carried(message, self._local)
         self._end_flow(self._data, message, self._local)
         self._end_leases()
         self.state = SessionState.READY

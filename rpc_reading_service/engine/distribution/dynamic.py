@@ -11,6 +11,13 @@ delivered completely are leased again to its replacement, skipping what was deli
 (exactly once); a checkpoint records which chunks were delivered, and how much of the
 partly delivered ones.
 
+On the wire a chunk costs (nearly) nothing of its own: its CHUNK_DONE carries its item count
+and leaves as soon as its last item is packed, ahead of the DATA frame that holds that item,
+so the items of many chunks share one packed frame and the trainer splits a frame by the
+counts (:meth:`~.leases.LeaseBook.arrived`); leases go out several at a time, further ahead
+for a worker whose chunks finish fast. Chunk boundaries are positions of the stream, never
+a matter of timing: the per-chunk seeds keep the same seed giving the same items.
+
 Buffering is bounded by ``window``: no chunk at or past (the oldest chunk not delivered
 completely + ``window``) is leased, so at most ``window`` chunks of items wait in the trainer.
 
@@ -210,11 +217,17 @@ class _DynamicMerger(Merger):
                 run.events.put(channel.held_loss)
                 channel.held_loss = None
         self._top_up_all()
+        window_from = book.complete_below
         while not (book.over and len(book.ended) == len(channels)):
             if self.in_order:
                 yield from self._deliver_ready()
                 if book.over and len(book.ended) == len(channels):
                     break
+            if book.complete_below != window_from:
+                # Delivery moved the window: a chunk's last items may come after its report, so
+                # the workers the window held back may wait for a lease with nothing to report.
+                window_from = book.complete_below
+                self._top_up_all()
             event = self._next_event()
             if event.kind == "dispatched":  # the trainer's dispatcher pulled more units
                 self._top_up_all()
@@ -238,14 +251,16 @@ class _DynamicMerger(Merger):
                 except WorkerLostError as exc:
                     self._replace(event.channel, exc)
                     continue
-                chunk = book.owner_chunk(rank)
-                self.producers[chunk] = rank
-                if self.in_order:
-                    self.buffers[chunk].extend(items)
-                else:
-                    for item in items:
-                        self._hand_on(rank, chunk)
-                        yield item
+                start = 0
+                for chunk, count in book.arrived(rank, len(items)):
+                    self.producers[chunk] = rank
+                    if self.in_order:
+                        self.buffers[chunk].extend(items[start : start + count])
+                    else:
+                        for item in items[start : start + count]:
+                            self._hand_on(rank, chunk)
+                            yield item
+                    start += count
             elif event.kind == "lost" and run.replace is None and rank in book.ended:
                 event.channel.held_loss = event  # this epoch has all of its items: the next one needs it
             else:

@@ -2,7 +2,9 @@
 
 Pure bookkeeping (no I/O, no threads), driven by the dynamic merger and tested on its own.
 A chunk is ``chunk_size`` consecutive positions of the sharded stream. Its life:
-leased to one worker session -> reported done with its item count -> delivered item by item
+leased to one worker session -> reported done with its item count (its last items may
+arrive after the report, in a DATA frame shared with the next chunk's first ones:
+:meth:`LeaseBook.arrived` says which items of a frame are whose) -> delivered item by item
 -> complete. A lost session's chunks that are not complete go back to ``pending`` with the
 count already delivered as their skip, and are leased again (exactly once).
 
@@ -48,6 +50,10 @@ class LeaseBook:
         #: The number of chunks of the stream, once a worker's walk reached its end.
         self.stream_chunks: Optional[int] = None
         self.outstanding: Dict[int, Deque[int]] = {rank: collections.deque() for rank in range(num_workers)}
+        #: Per rank, ``(chunk, items still to come)`` of the chunks reported done before all their
+        #: items arrived, oldest first; and the items arrived of its oldest outstanding chunk.
+        self.arriving: Dict[int, Deque[Tuple[int, int]]] = {rank: collections.deque() for rank in range(num_workers)}
+        self._arrived_of_head: Dict[int, int] = {rank: 0 for rank in range(num_workers)}
         #: The latest chunk leased to each rank's current session (-1: a fresh session).
         self.latest: Dict[int, int] = {rank: -1 for rank in range(num_workers)}
         #: The skip each outstanding chunk was leased with.
@@ -103,8 +109,17 @@ class LeaseBook:
     def wants_leases(self, rank: int) -> bool:
         """Whether ``rank`` is due a top-up: it holds at most half its :meth:`depth_of` (then it is
         leased up to the full depth at once, so a fast worker gets its leases a few in one send
-        instead of one per chunk it reports done)."""
-        return len(self.outstanding[rank]) <= self.depth_of(rank) // 2
+        instead of one per chunk it reports done), and the window has room for half its depth
+        (else every chunk delivered would cost a send of one lease) or it holds nothing."""
+        held, depth = len(self.outstanding[rank]), self.depth_of(rank)
+        if held > depth // 2:
+            return False
+        if not held or self.pending:
+            return True
+        room = self.complete_below + self.window - self.next_chunk
+        if self.stream_chunks is not None:
+            room = min(room, self.stream_chunks - self.next_chunk)
+        return room >= min(depth - held, max(1, depth // 2)) or (self.stream_chunks is not None and room > 0)
 
     def depth_of(self, rank: int) -> int:
         """Chunks ``rank`` may hold ahead: ``depth``; 1 for a worker whose chunks take long; more
@@ -125,9 +140,27 @@ class LeaseBook:
         return ranks
 
     # -- what the workers report ----------------------------------------------------------------
-    def owner_chunk(self, rank: int) -> int:
-        """The chunk ``rank``'s items belong to now: its oldest lease not reported done."""
-        return self.outstanding[rank][0]
+    def arrived(self, rank: int, count: int) -> List[Tuple[int, int]]:
+        """File ``count`` items that came from ``rank`` (one DATA frame): ``(chunk, items)`` in order.
+
+        A worker reports a chunk done as soon as its last item is packed, so the first items
+        of a frame may finish chunks reported before it; the rest belong to its oldest lease
+        not reported done."""
+        segments: List[Tuple[int, int]] = []
+        arriving = self.arriving[rank]
+        while count and arriving:
+            chunk, left = arriving[0]
+            taken = min(left, count)
+            segments.append((chunk, taken))
+            count -= taken
+            if taken == left:
+                arriving.popleft()
+            else:
+                arriving[0] = (chunk, left - taken)
+        if count:
+            segments.append((self.outstanding[rank][0], count))  # the state machine checked there is one
+            self._arrived_of_head[rank] += count
+        return segments
 
     def done(self, rank: int, chunk: int, items: int, stream_length: Optional[int], now: Optional[float] = None) -> None:
         """``rank`` finished ``chunk`` with ``items`` items (after its skip), at ``now`` (monotonic)."""
@@ -139,6 +172,10 @@ class LeaseBook:
             self.chunk_seconds[rank] = seconds if last is None else 0.5 * last + 0.5 * seconds
         head = self.outstanding[rank].popleft()
         assert head == chunk, (head, chunk)  # the session's state machine checked the order
+        to_come = items - self._arrived_of_head[rank]
+        self._arrived_of_head[rank] = 0
+        if to_come > 0:
+            self.arriving[rank].append((chunk, to_come))
         self.totals[chunk] = self.skips.pop(chunk) + items
         if stream_length is not None:
             self._stream_ends_at(-(-stream_length // self.chunk_size))
@@ -163,14 +200,20 @@ class LeaseBook:
         self.stream_chunks = chunks if self.stream_chunks is None else min(self.stream_chunks, chunks)
 
     def lost(self, rank: int) -> List[int]:
-        """``rank``'s session is lost: its chunks not done go back to pending (skipping what was
-        delivered of them) and its replacement starts fresh. Returns those chunks."""
-        chunks = list(self.outstanding[rank])
-        for chunk in chunks:
+        """``rank``'s session is lost: its chunks not done, and the ones done whose items did not
+        all arrive, go back to pending (skipping what was delivered of them) and its
+        replacement starts fresh. Returns those chunks."""
+        arriving = [chunk for chunk, _left in self.arriving[rank]]
+        for chunk in arriving:
+            del self.totals[chunk]
+        for chunk in self.outstanding[rank]:
             self.skips.pop(chunk)
-            self.pending.append((chunk, self.delivered.get(chunk, 0)))
+        chunks = arriving + list(self.outstanding[rank])
+        self.pending.extend((chunk, self.delivered.get(chunk, 0)) for chunk in chunks)
         self.pending.sort()
         self.outstanding[rank].clear()
+        self.arriving[rank].clear()
+        self._arrived_of_head[rank] = 0
         self._reported_at.pop(rank, None)
         self.chunk_seconds.pop(rank, None)
         self.latest[rank] = -1
