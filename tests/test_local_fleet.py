@@ -3,7 +3,10 @@ that they leave nothing behind. Real forked and spawned servers, real sockets.""
 
 from __future__ import annotations
 
+import functools
+import gc
 import secrets
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,6 +47,29 @@ def test_worker_output_reaches_the_trainer_and_never_blocks_the_graph(start_meth
     assert out.count(PRINT_LINE) == 16 * LINES_PER_ITEM
     assert err.count(PRINT_LINE) == 16 * LINES_PER_ITEM
     assert "listening on" not in out  # the address travels on a pipe of its own
+
+
+def _tagged(item: int, frozen: int, warm: bool) -> tuple:
+    return item, frozen, warm
+
+
+def note_what_the_session_inherited(datapipe, worker_info):
+    """A worker_init_fn (run as the session sets up): tag each item with what the session
+    inherited from its server, before its first epoch ran anything."""
+    return datapipe.map(
+        functools.partial(_tagged, frozen=gc.get_freeze_count(), warm="numpy.random" in sys.modules)
+    )
+
+
+@pytest.mark.timeout(30)
+def test_forked_sessions_inherit_a_warmed_up_frozen_server():
+    """The local server warms torchdata's seeding path up (numpy.random is imported lazily by
+    the first seeding) and freezes its heap out of the collector's reach before it forks, as a
+    CLI server does: else each of 64 sessions paid ~25 ms of CPU for it in its first epoch."""
+    service = RPCReadingService(num_workers=2, worker_init_fn=note_what_the_session_inherited, timeout=20)
+    [items] = run_epochs(IterableWrapper(range(4)).sharding_filter(), service, n_epochs=1)
+    assert sorted(item for item, _, _ in items) == list(range(4))
+    assert all(frozen > 10_000 and warm for _, frozen, warm in items), items
 
 
 TRAINER = """
