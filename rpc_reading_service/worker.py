@@ -115,10 +115,10 @@ class WorkerServer:
         torch's first seeding (which reads source lines for a CUDA traceback), abc caches.
         Done once here, every fork inherits it. Then ``gc.freeze()``: the collector no longer
         walks (so writes to) the objects inherited from this process, which keeps sessions
-        from copying the server's heap page by page (copy-on-write).
+        from copying the server's heap page by page (copy-on-write). No ``gc.collect()``
+        first: with torch imported it costs ~100 ms of CPU, before the first session can fork.
         """
         warm_up_worker_graph_utilities()
-        gc.collect()
         gc.freeze()
 
     def serve_forever(self) -> None:
