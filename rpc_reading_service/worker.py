@@ -28,6 +28,7 @@ from .discovery import WorkerRegistration, advertised_address
 from .errors import ConfigurationError
 from .keys import AUTH_KEY_ENV, load_auth_key
 from .protocol import DEFAULT_MAX_FRAME_BYTES
+from .protocol.messages import resolve_field_types
 from .transports import available_transports, create_transport
 from .transports.base import Connection, Listener
 
@@ -112,13 +113,15 @@ class WorkerServer:
 
         A session's first epoch used to cost about 30 ms of CPU for what every session does
         alike: torchdata's first traversal and seeding of a graph, numpy.random's lazy import,
-        torch's first seeding (which reads source lines for a CUDA traceback), abc caches.
+        torch's first seeding (which reads source lines for a CUDA traceback), abc caches, the
+        protocol's field types.
         Done once here, every fork inherits it. Then ``gc.freeze()``: the collector no longer
         walks (so writes to) the objects inherited from this process, which keeps sessions
         from copying the server's heap page by page (copy-on-write). No ``gc.collect()``
         first: with torch imported it costs ~100 ms of CPU, before the first session can fork.
         """
         warm_up_worker_graph_utilities()
+        resolve_field_types()
         gc.freeze()
 
     def serve_forever(self) -> None:
