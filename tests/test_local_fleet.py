@@ -3,7 +3,10 @@ that they leave nothing behind. Real forked and spawned servers, real sockets.""
 
 from __future__ import annotations
 
+import functools
+import gc
 import secrets
+import sys
 from pathlib import Path
 
 import pytest
@@ -44,6 +47,35 @@ def test_worker_output_reaches_the_trainer_and_never_blocks_the_graph(start_meth
     assert out.count(PRINT_LINE) == 16 * LINES_PER_ITEM
     assert err.count(PRINT_LINE) == 16 * LINES_PER_ITEM
     assert "listening on" not in out  # the address travels on a pipe of its own
+
+
+def _tagged(item: int, frozen: int, warm: bool, field_types: int) -> tuple:
+    return item, frozen, warm, field_types
+
+
+def note_what_the_session_inherited(datapipe, worker_info):
+    """A worker_init_fn (run as the session sets up): tag each item with what the session
+    inherited from its server, before its first epoch ran anything."""
+    from rpc_reading_service.protocol import messages
+
+    inherited = dict(
+        frozen=gc.get_freeze_count(),
+        warm="numpy.random" in sys.modules,
+        field_types=messages._field_types.cache_info().currsize,
+    )
+    return datapipe.map(functools.partial(_tagged, **inherited))
+
+
+@pytest.mark.timeout(30)
+def test_forked_sessions_inherit_a_warmed_up_frozen_server():
+    """The local server warms torchdata's seeding path up (numpy.random is imported lazily by
+    the first seeding) and freezes its heap out of the collector's reach before it forks, as a
+    CLI server does: else each of 64 sessions paid ~25 ms of CPU for it in its first epoch.
+    The protocol's field types are resolved there too (a session resolves only SETUP's own)."""
+    service = RPCReadingService(num_workers=2, worker_init_fn=note_what_the_session_inherited, timeout=20)
+    [items] = run_epochs(IterableWrapper(range(4)).sharding_filter(), service, n_epochs=1)
+    assert sorted(item for item, *_ in items) == list(range(4))
+    assert all(frozen > 10_000 and warm and field_types > 2 for _, frozen, warm, field_types in items), items
 
 
 TRAINER = """

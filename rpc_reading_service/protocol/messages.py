@@ -64,6 +64,7 @@ __all__ = [
     "Lease",
     "ChunkDone",
     "MESSAGE_TYPES",
+    "resolve_field_types",
     "decode_setup",
     "decode_message",
 ]
@@ -559,3 +560,18 @@ def decode_message(frame: Frame) -> Message:
             f"received a {frame.kind.name} frame after the handshake, which only the handshake uses"
         )
     return cls.decode(frame)
+
+
+def resolve_field_types() -> None:
+    """Resolve (and cache) the field types of every control message now.
+
+    A worker server calls this before it forks sessions, which would otherwise each resolve
+    them again the first time they build or check one (``typing.get_type_hints``: about 2 ms
+    of CPU per session, paid by 64 sessions at once when a trainer opens them)."""
+    classes, pending = [SessionOptions], list(_Control.__subclasses__())
+    while pending:
+        cls = pending.pop()
+        classes.append(cls)
+        pending.extend(cls.__subclasses__())
+    for cls in classes:
+        _field_types(cls)
