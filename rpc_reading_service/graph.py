@@ -8,23 +8,32 @@ every epoch (advancing it), so the epochs of a ``dl.seed(s)`` run differ.
 
 from __future__ import annotations
 
-import functools
+import random
 import threading
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import torch
+from torch.utils.data import IterDataPipe, MapDataPipe
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
-from torchdata.dataloader2.graph import DataPipe, find_dps, list_dps, replace_dp, set_datapipes_seed, traverse_dps
+from torchdata.dataloader2.graph import (
+    DataPipe,
+    find_dps,
+    list_dps,
+    replace_dp,
+    set_datapipes_seed,
+    set_graph_random_seed,
+    traverse_dps,
+)
 from torchdata.dataloader2.graph.utils import _find_replicable_branches
 from torchdata.dataloader2.random import SeedGenerator
-from torchdata.dataloader2.utils import WorkerInfo, process_init_fn, process_reset_fn
+from torchdata.dataloader2.utils import WorkerInfo, process_init_fn
 from torchdata.dataloader2.utils.dispatch import (
     _DummyIterDataPipe,
     find_lca_round_robin_sharding_dp,
     find_non_dispatching_branches,
 )
-from torchdata.dataloader2.utils.worker import _set_global_random_state
+from torchdata.dataloader2.utils.worker import HAS_NUMPY, _set_global_random_state
 
 from .errors import ConfigurationError
 from .selection import selections_in, share_seeds_before_selections
@@ -197,13 +206,35 @@ def reset_worker_graph(
     global_worker_id: int,
     worker_reset_fn: Optional[ResetFn],
 ) -> DataPipe:
-    """Seed the graph and the global RNGs of one worker for an epoch, then run ``worker_reset_fn``."""
+    """Seed the graph and the global RNGs of one worker for an epoch, then run ``worker_reset_fn``:
+    torchdata's ``process_reset_fn``, step by step, with the global RNGs seeded by
+    :func:`_seed_global_rngs` (the same seeds, drawn in the same order)."""
     generator = worker_seed_generator(epoch_seed, global_worker_id)
     with _traversal_lock:
-        shared: Optional[Callable[[DataPipe], DataPipe]] = None
+        _seed_global_rngs(generator)
+        set_graph_random_seed(datapipe, generator)
         if selections_in(datapipe):  # a distribution policy's replacement of sharding_filter
-            shared = functools.partial(share_seeds_before_selections, seed_generator=generator)
-        return process_reset_fn(datapipe, worker_info, generator, iter_reset_fn=shared, custom_reset_fn=worker_reset_fn)
+            datapipe = share_seeds_before_selections(datapipe, seed_generator=generator)
+        if worker_reset_fn is not None:
+            datapipe = worker_reset_fn(datapipe, worker_info, generator)
+            assert isinstance(datapipe, (IterDataPipe, MapDataPipe)), "worker_reset_fn must return a DataPipe"
+        return datapipe
+
+
+def _seed_global_rngs(seed_generator: SeedGenerator) -> None:
+    """Seed ``random``, torch and numpy from ``seed_generator`` as torchdata does (same draws, same
+    order). On a host with no accelerator only torch's CPU generator is seeded: ``torch.manual_seed``
+    would also queue a seed for a CUDA that can never start here, recording the caller's stack
+    (``traceback.format_stack``, about 1 ms of CPU per epoch and per leased chunk)."""
+    if torch.accelerator.is_available():
+        _set_global_random_state(seed_generator)
+        return
+    random.seed(seed_generator.generate_seed())
+    torch.default_generator.manual_seed(seed_generator.generate_seed())
+    if HAS_NUMPY:
+        import numpy
+
+        numpy.random.seed(seed_generator.generate_seed() >> 32)  # torchdata's uint64 to uint32
 
 
 def reset_dispatching_graph(datapipe: DataPipe, epoch_seed: int) -> DataPipe:
@@ -237,4 +268,4 @@ def seed_chunk(epoch_seed: int, chunk: int) -> None:
     """Seed the global RNGs (``random``, torch, numpy) of a worker for one leased chunk of a "dynamic"
     epoch, from the epoch's seed and the chunk's index alone: the randomness after the sharding
     point then depends on the chunk, not on which worker got it (nor on what it did before)."""
-    _set_global_random_state(SeedGenerator(epoch_seed).spawn(chunk))
+    _seed_global_rngs(SeedGenerator(epoch_seed).spawn(chunk))
