@@ -187,7 +187,8 @@ class Outbox:
     state machine), and written through ``send`` (the connection's ``send_frames``) by
     :meth:`send_next` (the sender thread), or by the producer itself: a slow item sealed alone
     that is small (:data:`_INLINE_MAX_BYTES`) leaves from :meth:`put` when no other send is in
-    progress, so that a slow stage costs no wake-up of the sender per item. :attr:`sending` is
+    progress, so that a slow stage costs no wake-up of the sender per item; data that waited for
+    credit leaves from the thread that granted it (:meth:`write_taken`). :attr:`sending` is
     held from encoding frames to writing them: frames leave in the order recorded. The outbox
     counts the trainer's credits only to know when to block: the state machine is what
     enforces them.
@@ -210,6 +211,8 @@ class Outbox:
         #: producer waits for the sealed slot. Only then does taking a frame notify anybody.
         self._sender_waiting = False
         self._producer_waiting = False
+        #: Frames a credit let go, taken by :meth:`grant` for its caller to write.
+        self._taken: List[List[Buffer]] = []
         self.epoch: Optional[int] = None
         self._credits = 0
         self._open: List[EncodedItem] = []
@@ -275,8 +278,21 @@ class Outbox:
         with self._cond:
             if epoch == self.epoch:
                 self._credits += credits
-                if self._sealed or self._open:  # else nobody waits for it: the sender sleeps on
-                    self._cond.notify_all()
+                if not (self._sealed or self._open):
+                    return  # nobody waits for it: the sender sleeps on
+                if self._send is not None and self._final is None and self.sending.acquire(blocking=False):
+                    # Data waited for this credit: the caller writes it (write_taken), the sender sleeps on.
+                    self._taken = self._ready_frames([], _FRAMES_PER_SEND, final=False)
+                    if self._taken:
+                        return
+                    self.sending.release()
+                self._cond.notify_all()
+
+    def write_taken(self) -> None:
+        """Write the frames a :meth:`grant` took (the caller of ``grant``, once it released ``lock``)."""
+        frames, self._taken = self._taken, []
+        if frames:
+            self._write_inline(frames)
 
     def close(self) -> None:
         """Wake and stop everybody."""
@@ -652,11 +668,14 @@ class WorkerSession:
             frame = self.conn.recv()
             if frame is None:
                 continue
-            with self._lock:  # the outbox follows the state machine in the same step
-                for event in self.protocol.receive_frame(frame):
-                    handler = self._on_event.get(type(event))
-                    if handler is not None:
-                        handler(event)
+            try:
+                with self._lock:  # the outbox follows the state machine in the same step
+                    for event in self.protocol.receive_frame(frame):
+                        handler = self._on_event.get(type(event))
+                        if handler is not None:
+                            handler(event)
+            finally:
+                self.outbox.write_taken()  # data a CREDIT let go leaves from here: no wake-up of the sender
 
     def _start_epoch(self, request: StartEpoch) -> None:
         """Start ``request.epoch`` (called with the lock held): its producer, or the report
