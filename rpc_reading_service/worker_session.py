@@ -348,8 +348,10 @@ class Outbox:
             self._send(frames)
         finally:
             self.sending.release()
-            if self._sender_waiting:
-                with self._cond:
+            # Under the lock: a sender that found the write in progress has set the flag and
+            # waits by then, so it is never left waiting for a notify that came too early.
+            with self._cond:
+                if self._sender_waiting:
                     self._cond.notify_all()
 
     def mark(self, epoch: int, marker: Message) -> None:
