@@ -16,24 +16,28 @@ from typing import Callable, Optional, Tuple
 
 import torch
 import torchdata.datapipes.iter as torchdata_iter
+from torch.utils.data import IterDataPipe, MapDataPipe
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
-from torchdata.dataloader2.graph import DataPipe, find_dps, list_dps, replace_dp, set_datapipes_seed, traverse_dps
+from torchdata.dataloader2.graph import (
+    DataPipe,
+    find_dps,
+    list_dps,
+    replace_dp,
+    set_datapipes_seed,
+    set_graph_random_seed,
+    traverse_dps,
+)
 from torchdata.dataloader2.graph.utils import _find_replicable_branches
 from torchdata.dataloader2.random import SeedGenerator
-from torchdata.dataloader2.utils import WorkerInfo, process_init_fn, process_reset_fn
+from torchdata.dataloader2.utils import WorkerInfo, process_init_fn
 from torchdata.dataloader2.utils.dispatch import (
     _DummyIterDataPipe,
     find_lca_round_robin_sharding_dp,
     find_non_dispatching_branches,
 )
-from torchdata.dataloader2.utils.worker import _set_global_random_state
+from torchdata.dataloader2.utils.worker import HAS_NUMPY, _set_global_random_state
 
 from .errors import ConfigurationError
-
-try:
-    import numpy
-except ImportError:  # numpy is optional, as in torchdata
-    numpy = None  # type: ignore[assignment]
 from .selection import selections_in, share_seeds_before_selections
 
 __all__ = [
@@ -237,13 +241,41 @@ def reset_worker_graph(
     global_worker_id: int,
     worker_reset_fn: Optional[ResetFn],
 ) -> DataPipe:
-    """Seed the graph and the global RNGs of one worker for an epoch, then run ``worker_reset_fn``."""
+    """Seed the graph and the global RNGs of one worker for an epoch, then run ``worker_reset_fn``:
+    torchdata's ``process_reset_fn``, step by step, with the global RNGs seeded by
+    :func:`_seed_global_rngs` (the same seeds, drawn in the same order)."""
     generator = worker_seed_generator(epoch_seed, global_worker_id)
     with _traversal_lock:
-        shared: Optional[Callable[[DataPipe], DataPipe]] = None
+        _seed_global_rngs(generator)
+        set_graph_random_seed(datapipe, generator)
         if selections_in(datapipe):  # a distribution policy's replacement of sharding_filter
-            shared = functools.partial(share_seeds_before_selections, seed_generator=generator)
-        return process_reset_fn(datapipe, worker_info, generator, iter_reset_fn=shared, custom_reset_fn=worker_reset_fn)
+            datapipe = share_seeds_before_selections(datapipe, seed_generator=generator)
+        if worker_reset_fn is not None:
+            datapipe = worker_reset_fn(datapipe, worker_info, generator)
+            assert isinstance(datapipe, (IterDataPipe, MapDataPipe)), "worker_reset_fn must return a DataPipe"
+        return datapipe
+
+
+def _seed_global_rngs(seed_generator: SeedGenerator) -> None:
+    """Seed ``random``, torch and numpy from ``seed_generator`` as torchdata does (same draws, same
+    order). On a host with no accelerator only torch's CPU generator is seeded: ``torch.manual_seed``
+    would also queue a seed for a CUDA that can never start here, recording the caller's stack
+    (``traceback.format_stack``, about 1 ms of CPU per epoch and per leased chunk)."""
+    if _accelerator_available():
+        _set_global_random_state(seed_generator)
+        return
+    random.seed(seed_generator.generate_seed())
+    torch.default_generator.manual_seed(seed_generator.generate_seed())
+    if HAS_NUMPY:
+        import numpy
+
+        numpy.random.seed(seed_generator.generate_seed() >> 32)  # torchdata's uint64 to uint32
+
+
+def _accelerator_available() -> bool:
+    """Whether this host has a device whose generator ``torch.manual_seed`` would seed."""
+    accelerator = getattr(torch, "accelerator", None)  # torch >= 2.6
+    return accelerator.is_available() if accelerator is not None else torch.cuda.is_available()
 
 
 def reset_dispatching_graph(datapipe: DataPipe, epoch_seed: int) -> DataPipe:
@@ -285,23 +317,9 @@ def _same(value: object) -> object:
 def seed_chunk(epoch_seed: int, chunk: int) -> None:
     """Seed the global RNGs (``random``, torch, numpy) of a worker for one leased chunk of a "dynamic"
     epoch, from the epoch's seed and the chunk's index alone: the randomness after the sharding
-    point then depends on the chunk, not on which worker got it (nor on what it did before).
-
-    The same seeds as torchdata's ``_set_global_random_state``; while no accelerator is
-    initialized, torch's CPU generator is seeded directly: ``torch.manual_seed`` also queues a
-    lazy seed per uninitialized accelerator, formatting the caller's stack each time (about
-    0.2 ms, per chunk of a "dynamic" epoch: most of what a chunk of tiny items cost)."""
-    seeds = _epoch_seeds(epoch_seed).spawn(chunk)  # spawning leaves the epoch's generator as it was
-    if any(device.is_initialized() for device in _ACCELERATORS):
-        _set_global_random_state(seeds)
-        return
-    random.seed(seeds.generate_seed())
-    torch.default_generator.manual_seed(seeds.generate_seed())
-    if numpy is not None:
-        numpy.random.seed(seeds.generate_seed() >> 32)  # numpy takes 32 bits, as torchdata gives it
+    point then depends on the chunk, not on which worker got it (nor on what it did before)."""
+    _seed_global_rngs(_epoch_seeds(epoch_seed).spawn(chunk))  # spawning leaves the epoch's generator as it was
 
 
 #: The epoch's seed generator, made once for all its chunks (making one costs as much as spawning).
 _epoch_seeds = functools.lru_cache(maxsize=4)(SeedGenerator)
-#: The accelerator modules whose generators ``torch.manual_seed`` seeds (lazily until initialized).
-_ACCELERATORS = tuple(getattr(torch, name) for name in ("cuda", "xpu", "mtia") if hasattr(torch, name))

@@ -82,6 +82,9 @@ _MAX_SENDER_WAIT = 1.0
 _ITEM_CHECKS_PER_TIMEOUT = 4
 #: Most frames the sender takes for one send (CHUNK_DONEs ride with the DATA behind them).
 _FRAMES_PER_SEND = 16
+#: Largest slow item a producer sends itself: bigger ones go to the sender thread, so that
+#: producing the next item overlaps sending this one.
+_INLINE_MAX_BYTES = 64 * 1024
 
 #: A frame that ends an epoch: a message (encoded when it leaves) or chunks already encoded.
 FinalFrame = Union[Message, List[Buffer]]
@@ -199,10 +202,16 @@ class Outbox:
     must not spend the last credits on one-item frames. At most one sealed
     batch waits for credit; past that the producer blocks (backpressure).
 
-    A frame leaves through ``encode`` (a session passes its state machine's ``send``, which
+    A frame is encoded through ``encode`` (a session passes its state machine's ``send``, which
     checks and records it) while the outbox holds ``lock`` (a session passes the lock of its
-    state machine). The outbox counts the trainer's credits only to know when to block:
-    the state machine is what enforces them.
+    state machine), and written through ``send`` (the connection's ``send_frames``) by
+    :meth:`send_next` (the sender thread), or by the producer itself: a slow item sealed alone
+    that is small (:data:`_INLINE_MAX_BYTES`) leaves from :meth:`put` when no other send is in
+    progress, so that a slow stage costs no wake-up of the sender per item; data that waited for
+    credit leaves from the thread that granted it (:meth:`write_taken`). :attr:`sending` is
+    held from encoding frames to writing them: frames leave in the order recorded. The outbox
+    counts the trainer's credits only to know when to block: the state machine is what
+    enforces them.
     """
 
     def __init__(
@@ -210,10 +219,20 @@ class Outbox:
         options: SessionOptions,
         encode: Callable[[Message], List[Buffer]] = lambda message: message.encode(),
         lock: Optional["threading.RLock"] = None,
+        send: Optional[Callable[[List[List[Buffer]]], None]] = None,
     ):
         self._options = options
         self._encode = encode
+        self._send = send
         self._cond = threading.Condition(lock)
+        #: Held from taking frames (encoding them) to writing them; see the class docstring.
+        self.sending = threading.Lock()
+        #: The sender waits for :attr:`sending` while the producer writes a frame of its own; the
+        #: producer waits for the sealed slot. Only then does taking a frame notify anybody.
+        self._sender_waiting = False
+        self._producer_waiting = False
+        #: Frames a credit let go, taken by :meth:`grant` for its caller to write.
+        self._taken: List[List[Buffer]] = []
         self.epoch: Optional[int] = None
         self._credits = 0
         self._open: List[EncodedItem] = []
@@ -280,7 +299,21 @@ class Outbox:
         with self._cond:
             if epoch == self.epoch:
                 self._credits += credits
+                if not (self._sealed or self._open):
+                    return  # nobody waits for it: the sender sleeps on
+                if self._send is not None and self._final is None and self.sending.acquire(blocking=False):
+                    # Data waited for this credit: the caller writes it (write_taken), the sender sleeps on.
+                    self._taken = self._ready_frames([], _FRAMES_PER_SEND, final=False)
+                    if self._taken:
+                        return
+                    self.sending.release()
                 self._cond.notify_all()
+
+    def write_taken(self) -> None:
+        """Write the frames a :meth:`grant` took (the caller of ``grant``, once it released ``lock``)."""
+        frames, self._taken = self._taken, []
+        if frames:
+            self._write_inline(frames)
 
     def close(self) -> None:
         """Wake and stop everybody."""
@@ -293,24 +326,54 @@ class Outbox:
     def put(self, epoch: int, item: EncodedItem) -> None:
         """Add one item of ``epoch``; blocks while a full batch waits for credit."""
         options = self._options
+        frames: Optional[List[List[Buffer]]] = None
         with self._cond:
             self._check(epoch)
             now = time.monotonic()
             slow = self._last_put is not None and now - self._last_put > options.linger
             self._last_put = now
-            if not self._open:
+            opened = not self._open
+            if opened:
                 self._open_since = now
-                self._cond.notify_all()
             self._open.append(item)
             self._open_bytes += item.nbytes
-            if slow and len(self._open) == 1 and not self._batch_waits() and self._credits >= 2:
-                self._seal()  # the sender wakes once, for a frame to send
-            elif len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes:
+            if slow and opened and not self._batch_waits() and self._credits >= 2:
+                frames = self._take_inline(item)
+                if frames is None:
+                    self._seal()  # the sender wakes once, for a frame to send
+            elif opened:
+                self._cond.notify_all()  # the sender times the linger from now
+            if len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes:
                 while self._batch_waits():
+                    self._producer_waiting = True
                     self._cond.wait()
+                    self._producer_waiting = False
                     self._check(epoch)
                 if self._open:  # the sender may have taken it while we waited
                     self._seal()
+        if frames is not None:
+            self._write_inline(frames)
+
+    def _take_inline(self, item: EncodedItem) -> Optional[List[List[Buffer]]]:
+        """The frames for the producer to write itself (its item, sealed alone, and what was ready
+        before it), holding :attr:`sending`; None when the sender is to write them."""
+        if self._send is None or item.nbytes > _INLINE_MAX_BYTES or not self.sending.acquire(blocking=False):
+            return None
+        self._sealed.append(self._open)
+        self._open, self._open_bytes = [], 0
+        return self._ready_frames([], _FRAMES_PER_SEND, final=False)
+
+    def _write_inline(self, frames: List[List[Buffer]]) -> None:
+        assert self._send is not None
+        try:
+            self._send(frames)
+        finally:
+            self.sending.release()
+            # Under the lock: a sender that found the write in progress has set the flag and
+            # waits by then, so it is never left waiting for a notify that came too early.
+            with self._cond:
+                if self._sender_waiting:
+                    self._cond.notify_all()
 
     def mark(self, epoch: int, marker: Message) -> None:
         """Queue ``marker`` (a CHUNK_DONE, which needs no credit) after the sealed batches of ``epoch``.
@@ -366,34 +429,73 @@ class Outbox:
     # -- sender side --------------------------------------------------------------------------
     def take(self, timeout: float) -> Optional[List[Buffer]]:
         """Return the next frame to send, or None after ``timeout`` seconds with nothing to send."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while not self._closed:
-                now = time.monotonic()
-                frame, wait = self._next_frame(now)
-                if frame is not None:
-                    return frame
-                wait = min(wait, deadline - now)
-                if wait <= 0:
-                    return None
-                self._cond.wait(wait)
+        frames = self._take_for_sending(timeout, 1)
+        if frames is None:
             return None
+        self.sending.release()
+        return frames[0]
 
     def take_frames(self, timeout: float) -> Optional[List[List[Buffer]]]:
         """The next frame (waiting up to ``timeout`` seconds, None if nothing came) and the ones
         ready right behind it (a CHUNK_DONE after its chunk's DATA, more credited DATA), at most
         :data:`_FRAMES_PER_SEND`, to leave in one send: one wake-up of the trainer instead of several."""
-        first = self.take(timeout)
-        if first is None:
-            return None
-        frames = [first]
-        with self._cond:
-            while len(frames) < _FRAMES_PER_SEND and not self._closed and not self.session_over:
-                frame, _wait = self._next_frame(time.monotonic())
-                if frame is None:
-                    break
-                frames.append(frame)
+        frames = self._take_for_sending(timeout, _FRAMES_PER_SEND)
+        if frames is not None:
+            self.sending.release()
         return frames
+
+    def send_next(self, timeout: float) -> bool:
+        """Write what :meth:`take_frames` takes through ``send`` (the sender thread's call);
+        False when nothing came within ``timeout`` seconds."""
+        assert self._send is not None
+        frames = self._take_for_sending(timeout, _FRAMES_PER_SEND)
+        if frames is None:
+            return False
+        try:
+            self._send(frames)
+        finally:
+            self.sending.release()
+        return True
+
+    def _take_for_sending(self, timeout: float, limit: int) -> Optional[List[List[Buffer]]]:
+        """Up to ``limit`` frames once one is ready (None after ``timeout`` seconds), returned
+        with :attr:`sending` held for the caller to release once they are written."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                wait = deadline - now
+                if not self.sending.acquire(blocking=False):  # the producer writes a frame of its own
+                    self._sender_waiting = True
+                else:
+                    self._sender_waiting = False
+                    frame, ready_in = self._next_frame(now)
+                    if frame is not None:
+                        return self._ready_frames([frame], limit, final=True)
+                    self.sending.release()
+                    wait = min(wait, ready_in)
+                if wait <= 0:
+                    return None
+                self._cond.wait(wait)
+            return None
+
+    def _ready_frames(self, frames: List[List[Buffer]], limit: int, final: bool) -> List[List[Buffer]]:
+        """``frames`` and the ones ready behind them, at most ``limit``; with ``final``, also the
+        epoch's final frame (then nothing more)."""
+        while len(frames) < limit and not self._closed and not self.session_over:
+            if not final and self._final is not None:
+                break
+            frame, _wait = self._next_frame(time.monotonic())
+            if frame is None:
+                break
+            frames.append(frame)
+        return frames
+
+    def _wake_producer(self) -> None:
+        """The sealed slot got free: wake the producer if it waits for it (only then: a notify
+        would also wake the sender)."""
+        if self._producer_waiting:
+            self._cond.notify_all()
 
     def _next_frame(self, now: float) -> Tuple[Optional[List[Buffer]], float]:
         if self.epoch is None:
@@ -408,7 +510,7 @@ class Outbox:
                 if now < lingered_until:  # the marker leaves in one send with the open batch
                     return None, lingered_until - now
             marker = self._sealed.popleft()
-            self._cond.notify_all()
+            self._wake_producer()
             return self._encode(marker), 0.0
         if self._credits > 0:
             if not self._sealed and self._open:
@@ -419,7 +521,7 @@ class Outbox:
             if self._sealed:
                 items = self._sealed.popleft()
                 assert isinstance(items, list)
-                self._cond.notify_all()  # a producer may wait for the sealed slot
+                self._wake_producer()
                 self._credits -= 1
                 self.items_sent += len(items)
                 self.bytes_sent += sum(item.nbytes for item in items)
@@ -482,7 +584,7 @@ class WorkerSession:
             setup_timeout=self.options.setup_timeout,
             lenient=True,
         )
-        self.outbox = Outbox(self.options, self.protocol.send, self._lock)
+        self.outbox = Outbox(self.options, self.protocol.send, self._lock, self._send_frames)
         self._graph: Any = None
         self._worker_info: Any = None
         self._reset_fn: Any = None
@@ -569,7 +671,7 @@ class WorkerSession:
 
     def _set_up(self, setup: Setup) -> bool:
         self.options = setup.options
-        self.outbox = Outbox(self.options, self.protocol.send, self._lock)
+        self.outbox = Outbox(self.options, self.protocol.send, self._lock, self._send_frames)
         try:
             from torchdata.dataloader2.utils import WorkerInfo
 
@@ -602,11 +704,14 @@ class WorkerSession:
             frame = self.conn.recv()
             if frame is None:
                 continue
-            with self._lock:  # the outbox follows the state machine in the same step
-                for event in self.protocol.receive_frame(frame):
-                    handler = self._on_event.get(type(event))
-                    if handler is not None:
-                        handler(event)
+            try:
+                with self._lock:  # the outbox follows the state machine in the same step
+                    for event in self.protocol.receive_frame(frame):
+                        handler = self._on_event.get(type(event))
+                        if handler is not None:
+                            handler(event)
+            finally:
+                self.outbox.write_taken()  # data a CREDIT let go leaves from here: no wake-up of the sender
 
     def _start_epoch(self, request: StartEpoch) -> None:
         """Start ``request.epoch`` (called with the lock held): its producer, or the report
@@ -802,24 +907,23 @@ class WorkerSession:
                 throughput.maybe_log()
                 now = time.monotonic()
                 if now >= next_tick:
-                    with self._lock:
-                        due = self.protocol.tick(now)
+                    with self.outbox.sending:  # a heartbeat leaves in the order recorded, too
+                        with self._lock:
+                            due = self.protocol.tick(now)
+                        if due.chunks and not any(isinstance(event, PeerTimedOut) for event in due.events):
+                            self.conn.send(due.chunks)
                     if any(isinstance(event, PeerTimedOut) for event in due.events):
                         log.warning(
                             "trainer %s silent for %.1f s; ending its session", self.conn.peer, self.protocol.peer_timeout
                         )
                         self._end()
                         return
-                    if due.chunks:
-                        self.conn.send(due.chunks)
                     next_tick = now + min(due.wait, _MAX_SENDER_WAIT)
                     if limit is not None:
                         self._check_item(now, limit)
                         next_tick = min(next_tick, now + limit / _ITEM_CHECKS_PER_TIMEOUT)
-                frames = self.outbox.take_frames(timeout=max(0.0, next_tick - time.monotonic()))
-                if frames is None:
+                if not self.outbox.send_next(timeout=max(0.0, next_tick - time.monotonic())):
                     continue
-                self.conn.send_frames(frames)
                 if self.outbox.session_over:
                     log.info("session for %s ended after its last frame", self.conn.peer)
                     self._end()
@@ -829,6 +933,15 @@ class WorkerSession:
             self._end()
         except Exception:  # noqa: BLE001
             log.exception("sender for %s failed", self.conn.peer)
+            self._end()
+
+    def _send_frames(self, frames: List[List[Buffer]]) -> None:
+        """The outbox's writes (from the sender, or a producer sending a slow item itself): a
+        trainer lost meanwhile ends the session."""
+        try:
+            self.conn.send_frames(frames)
+        except PeerLostError as exc:
+            log.info("lost trainer %s while sending: %s", self.conn.peer, exc)
             self._end()
 
     def _end(self) -> None:

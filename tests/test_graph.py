@@ -101,6 +101,25 @@ def test_randomness_after_sharding_differs_per_worker_and_repeats_per_seed():
     assert shard(dp, 2, 0, 6) != w0
 
 
+def test_worker_reset_seeds_the_graph_and_global_rngs_exactly_as_torchdata_process_reset_fn():
+    """reset_worker_graph seeds torch's CPU generator itself on a host with no accelerator (no
+    ``torch.manual_seed``, which records a stack for CUDA): the seeds and their order stay torchdata's."""
+    import numpy
+    from torchdata.dataloader2.utils import process_reset_fn
+
+    dp = IterableWrapper(range(40)).shuffle().sharding_filter().shuffle().map(draw)
+    info = WorkerInfo(4, 1)
+
+    def epoch(reset):
+        graph = reset(init_worker_graph(dp, info, None))
+        return list(graph), random.random(), torch.rand(2).tolist(), numpy.random.rand()
+
+    ours = epoch(lambda graph: reset_worker_graph(graph, info, 77, 1, None))
+    theirs = epoch(lambda graph: process_reset_fn(graph, info, worker_seed_generator(77, 1)))
+    assert ours == theirs
+    assert epoch(lambda graph: reset_worker_graph(graph, info, 78, 1, None)) != ours
+
+
 def test_distributed_and_worker_sharding_combine_to_global_shards():
     dp = IterableWrapper(range(40)).sharding_filter()
     seen = []

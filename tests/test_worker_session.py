@@ -160,3 +160,26 @@ def test_an_item_slower_than_linger_leaves_at_once():
     time.sleep(0.15)
     outbox.put(1, item(3))  # slow, but one credit left: batching as before
     assert outbox.take(0.02) is None
+
+
+def test_a_small_slow_item_is_written_by_its_producer_and_a_big_one_by_the_sender():
+    # One slow item per frame without a hand-off: the producer's put writes it (no wake-up of
+    # the sender); a big one still goes to the sender, so that producing overlaps sending it.
+    written = []
+    outbox = Outbox(
+        SessionOptions(batch_max_items=100, linger=0.01),
+        send=lambda frames: written.append((threading.current_thread(), [frame_of(f).kind for f in frames])),
+    )
+    outbox.start_epoch(1, credits=4)
+    outbox.put(1, item(0))  # the epoch's first item lingers for company: the sender's
+    assert outbox.send_next(1.0) and written == [(threading.current_thread(), [MessageKind.DATA])]
+    written.clear()
+    producer = threading.Thread(target=lambda: (time.sleep(0.03), outbox.put(1, item(1))))
+    producer.start()
+    producer.join(5.0)
+    assert written == [(producer, [MessageKind.DATA])]
+    assert outbox.take(0.0) is None  # nothing left for the sender
+    time.sleep(0.03)
+    outbox.put(1, EncodedItem(b"x" * (1 << 20)))  # slow, but big
+    assert len(written) == 1
+    assert outbox.send_next(1.0) and written[1] == (threading.current_thread(), [MessageKind.DATA])
