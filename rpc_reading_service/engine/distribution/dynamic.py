@@ -239,10 +239,12 @@ class _DynamicMerger(Merger):
                 assert event.chunk is not None
                 done = event.chunk
                 book.done(rank, done.chunk, done.items, done.stream_length)
-                # Every worker with room, not only this one: a worker the window left without a
-                # lease reports nothing until it gets one.
                 self._top_up(event.channel)
-                self._top_up_all()
+                if done.stream_length is not None:
+                    # The stream's end is known: the others may be leased its last chunks, or told
+                    # that none come. A report gives them no other room: the window moves only as
+                    # items are delivered, and the check above tops everyone up then.
+                    self._top_up_all()
             elif event.kind == "end":
                 self._stream_ended(event.channel)
             elif event.kind == "data":
