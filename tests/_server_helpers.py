@@ -9,6 +9,7 @@ it forked, even when a test fails half-way.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -62,6 +63,35 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# The worker's own ``main`` once per argument list of argv[1] (JSON), output captured per run.
+_CLI_RUNS_SCRIPT = """
+import contextlib, io, json, sys
+from rpc_reading_service.worker import main
+runs = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # --help, argparse's refusals
+            code = exc.code
+    runs.append([argv, code, out.getvalue(), err.getvalue()])
+print(json.dumps(runs))
+"""
+
+
+def worker_cli_runs(
+    argvs: Sequence[Sequence[str]], env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None
+) -> List[subprocess.CompletedProcess]:
+    """``python -m rpc_reading_service.worker ARGS`` for each list in ``argvs``, all in ONE
+    interpreter (one torch import instead of one per list), one result per list. Only for
+    arguments the worker answers and exits on (help, refusals): one that starts a server serves on."""
+    done = subprocess.run([sys.executable, "-c", _CLI_RUNS_SCRIPT, json.dumps([list(a) for a in argvs])],
+                          capture_output=True, text=True, timeout=45, env=env, cwd=cwd)
+    assert done.returncode == 0, f"the worker CLI runs failed ({done.returncode}):\n{done.stderr}"
+    return [subprocess.CompletedProcess([*WORKER_CLI, *run[0]], *run[1:]) for run in json.loads(done.stdout)]
 
 
 # -- worker servers --------------------------------------------------------------------------
