@@ -329,12 +329,17 @@ def wait_dead(
 # Name prefixes of threads that outlive a test by design (a process-wide agent started on first
 # use, say). Keep it short, and say why next to each entry.
 ALLOWED_THREAD_PREFIXES: Tuple[str, ...] = ()
+# How long the guard waits for a test's threads to end before it calls them leaked (read at call time).
+THREAD_END_WAIT_S = 3.0
 
 
 def threads_left_behind(
-    before: Collection[threading.Thread], timeout: float = 3.0, allowed: Optional[Sequence[str]] = None
+    before: Collection[threading.Thread],
+    timeout: Optional[float] = None,
+    allowed: Optional[Sequence[str]] = None,
 ) -> List[threading.Thread]:
-    """Threads started since ``before`` still alive after waiting up to ``timeout`` for them to end.
+    """Threads started since ``before`` still alive after waiting up to ``timeout`` (by default
+    :data:`THREAD_END_WAIT_S`) for them to end.
 
     Daemon threads count too. Threads whose name starts with one of ``allowed`` (by default
     :data:`ALLOWED_THREAD_PREFIXES`, read at call time) do not.
@@ -346,7 +351,7 @@ def threads_left_behind(
         new = (t for t in threading.enumerate() if id(t) not in known and t.is_alive())
         return [t for t in new if not t.name.startswith(prefixes)]
 
-    wait_until(lambda: not leaked(), timeout)
+    wait_until(lambda: not leaked(), THREAD_END_WAIT_S if timeout is None else timeout)
     return leaked()
 
 
