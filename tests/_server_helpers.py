@@ -9,6 +9,7 @@ it forked, even when a test fails half-way.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -62,6 +63,35 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+# The worker's own ``main`` once per argument list of argv[1] (JSON), output captured per run.
+_CLI_RUNS_SCRIPT = """
+import contextlib, io, json, sys
+from rpc_reading_service.worker import main
+runs = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # --help, argparse's refusals
+            code = exc.code
+    runs.append([argv, code, out.getvalue(), err.getvalue()])
+print(json.dumps(runs))
+"""
+
+
+def worker_cli_runs(
+    argvs: Sequence[Sequence[str]], env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None
+) -> List[subprocess.CompletedProcess]:
+    """``python -m rpc_reading_service.worker ARGS`` for each list in ``argvs``, all in ONE
+    interpreter (one torch import instead of one per list), one result per list. Only for
+    arguments the worker answers and exits on (help, refusals): one that starts a server serves on."""
+    done = subprocess.run([sys.executable, "-c", _CLI_RUNS_SCRIPT, json.dumps([list(a) for a in argvs])],
+                          capture_output=True, text=True, timeout=45, env=env, cwd=cwd)
+    assert done.returncode == 0, f"the worker CLI runs failed ({done.returncode}):\n{done.stderr}"
+    return [subprocess.CompletedProcess([*WORKER_CLI, *run[0]], *run[1:]) for run in json.loads(done.stdout)]
 
 
 # -- worker servers --------------------------------------------------------------------------
@@ -299,12 +329,17 @@ def wait_dead(
 # Name prefixes of threads that outlive a test by design (a process-wide agent started on first
 # use, say). Keep it short, and say why next to each entry.
 ALLOWED_THREAD_PREFIXES: Tuple[str, ...] = ()
+# How long the guard waits for a test's threads to end before it calls them leaked (read at call time).
+THREAD_END_WAIT_S = 3.0
 
 
 def threads_left_behind(
-    before: Collection[threading.Thread], timeout: float = 3.0, allowed: Optional[Sequence[str]] = None
+    before: Collection[threading.Thread],
+    timeout: Optional[float] = None,
+    allowed: Optional[Sequence[str]] = None,
 ) -> List[threading.Thread]:
-    """Threads started since ``before`` still alive after waiting up to ``timeout`` for them to end.
+    """Threads started since ``before`` still alive after waiting up to ``timeout`` (by default
+    :data:`THREAD_END_WAIT_S`) for them to end.
 
     Daemon threads count too. Threads whose name starts with one of ``allowed`` (by default
     :data:`ALLOWED_THREAD_PREFIXES`, read at call time) do not.
@@ -316,7 +351,7 @@ def threads_left_behind(
         new = (t for t in threading.enumerate() if id(t) not in known and t.is_alive())
         return [t for t in new if not t.name.startswith(prefixes)]
 
-    wait_until(lambda: not leaked(), timeout)
+    wait_until(lambda: not leaked(), THREAD_END_WAIT_S if timeout is None else timeout)
     return leaked()
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _server_helpers import remote, run_epochs  # noqa: E402 - tests/ is on sys.path
+from _server_helpers import remote, run_epochs, worker_cli_runs  # noqa: E402 - tests/ is on sys.path
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
@@ -221,19 +221,16 @@ def test_local_workers_keep_a_given_cache_dir_for_the_next_run(tmp_path, start_m
 
 @pytest.mark.timeout(30)
 def test_the_cli_documents_and_checks_the_cache_flags(tmp_path):
-    worker = [sys.executable, "-m", "rpc_reading_service.worker"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    shown = subprocess.run([*worker, "--help"], capture_output=True, text=True, timeout=20, env=env)
+    shown, *refused = worker_cli_runs(
+        [["--help"], ["--port", "0", "--cache-dir", str(tmp_path)],
+         ["--port", "0", "--cache-dir", str(tmp_path), "--cache-size", "lots"]], env=env,
+    )  # fmt: skip
+    assert shown.returncode == 0
     for flag in ("--cache-dir", "--cache-size", "--cache-memory"):
         assert flag in shown.stdout
-    for args, words in [
-        (["--cache-dir", str(tmp_path)], "needs --cache-size"),
-        (["--cache-dir", str(tmp_path), "--cache-size", "lots"], "not a size"),
-    ]:
-        refused = subprocess.run(
-            [*worker, "--port", "0", *args], capture_output=True, text=True, timeout=20, env=env
-        )
-        assert refused.returncode == 2 and words in refused.stderr, refused.stderr
+    for run, words in zip(refused, ["needs --cache-size", "not a size"]):
+        assert run.returncode == 2 and words in run.stderr, run.stderr
 
 
 def test_the_reading_service_checks_its_cache_options():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import socket
 import struct
-import subprocess
 import sys
 import threading
 
@@ -19,7 +18,7 @@ from conftest import _pythonpath
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import _pythonpath, free_port
+from _server_helpers import _pythonpath, free_port, worker_cli_runs
 from rpc_reading_service import (
     AuthenticationError,
     ConfigurationError,
@@ -179,16 +178,14 @@ def test_wrong_key(worker_server):
 @pytest.mark.timeout(60)
 def test_worker_without_key_refuses_public_interfaces(tmp_path):
     env = {"PYTHONPATH": _pythonpath(), "PATH": "/usr/bin:/bin"}
-    command = [sys.executable, "-m", "rpc_reading_service.worker", "--host", "0.0.0.0", "--port", "0"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=45, env=env, cwd=str(tmp_path))
+    public = ["--host", "0.0.0.0", "--port", "0"]
+    result, unreadable = worker_cli_runs(
+        [public, ["--auth-key-file", str(tmp_path / "absent")]], env=env, cwd=str(tmp_path)
+    )
     assert result.returncode == 2
     assert "refusing to listen on 0.0.0.0 without an auth key" in result.stderr
     assert "--auth-key-file" in result.stderr and "Traceback" not in result.stderr
-    result = subprocess.run(
-        [*command[:-4], "--auth-key-file", str(tmp_path / "absent")], capture_output=True, text=True, timeout=45,
-        env=env, cwd=str(tmp_path),
-    )  # fmt: skip
-    assert result.returncode == 2 and "cannot read --auth-key-file" in result.stderr
+    assert unreadable.returncode == 2 and "cannot read --auth-key-file" in unreadable.stderr
 
 
 # -- versions -----------------------------------------------------------------------------------------

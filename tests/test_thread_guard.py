@@ -17,6 +17,8 @@ import _server_helpers
 never = threading.Event()
 # set for the whole run: a fixture (monkeypatch) would be undone before the guard looks
 _server_helpers.ALLOWED_THREAD_PREFIXES = ("rrs-agent-",)
+# each leak costs the guard's whole wait: a shorter one, still well past rrs-finishing's 0.3 s
+_server_helpers.THREAD_END_WAIT_S = 1.5
 
 
 def test_leaks_a_daemon_thread():
