@@ -38,14 +38,14 @@ from torch.utils.data.datapipes.iter.sharding import ShardingFilterIterDataPipe
 from torchdata.dataloader2.graph import find_dps, traverse_dps
 from torchdata.dataloader2.utils.dispatch import _DummyIterDataPipe, find_lca_round_robin_sharding_dp
 
-from ...client import Event, WorkerChannel
+from ...client import WorkerChannel
 from ...errors import ConfigurationError, WorkerLostError
 from ...graph import check_per_item_after_dispatch
 from ...selection import LeasedChunks, WorkerSelection
 from ...settings import NumberRule, check_number
 from .base import DistributionPolicy, EpochRun, FleetView, Merger
 from .leases import MAX_DEPTH, LeaseBook, check_book_state
-from .merge import _take
+from .merge import _next_frame, _report_held_losses, _take
 
 __all__ = ["Dynamic", "DEFAULT_CHUNK_SIZE"]
 
@@ -212,10 +212,7 @@ class _DynamicMerger(Merger):
         if not channels:  # the engine was closed
             progress.finish()
             return
-        for channel in channels:
-            if channel.held_loss is not None:  # lost after its stream ended in an earlier epoch
-                run.events.put(channel.held_loss)
-                channel.held_loss = None
+        _report_held_losses(channels, run.events)
         self._top_up_all()
         window_from = book.complete_below
         while not (book.over and len(book.ended) == len(channels)):
@@ -228,7 +225,7 @@ class _DynamicMerger(Merger):
                 # the workers the window held back may wait for a lease with nothing to report.
                 window_from = book.complete_below
                 self._top_up_all()
-            event = self._next_event()
+            event = _next_frame(run.events, progress)
             if event.kind == "dispatched":  # the trainer's dispatcher pulled more units
                 self._top_up_all()
                 continue
@@ -276,13 +273,6 @@ class _DynamicMerger(Merger):
         """``channel``'s stream ended (END_OF_SHARD): its leases still outstanding lie past the stream's end."""
         self.book.end(channel.rank)
         self._finish_all()
-
-    def _next_event(self) -> Event:
-        progress = self.run.progress
-        while True:
-            event = progress.wait(self.run.events)
-            if event.kind in ("lost", "closed") or event.epoch == progress.epoch:
-                return event
 
     def _deliver_ready(self) -> Iterator[Any]:
         """Hand on the buffered items of the oldest chunks, in chunk order, as far as they are here."""
