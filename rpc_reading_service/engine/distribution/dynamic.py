@@ -110,12 +110,11 @@ class Dynamic(DistributionPolicy):
 
         The engine checks the workers' part of a dispatching graph, in which torchdata's
         placeholder stands for the dispatch point."""
-        if find_lca_round_robin_sharding_dp(traverse_dps(graph)) is not None or find_dps(
-            traverse_dps(graph), _DummyIterDataPipe
-        ):
+        dps = traverse_dps(graph)  # pickles every DataPipe of the graph: once
+        if find_lca_round_robin_sharding_dp(dps) is not None or find_dps(dps, _DummyIterDataPipe):
             check_per_item_after_dispatch(graph, self.name)
             return
-        if not find_dps(traverse_dps(graph), ShardingFilterIterDataPipe):
+        if not find_dps(dps, ShardingFilterIterDataPipe):
             raise ConfigurationError(
                 "distribution='dynamic' leases chunks of the stream at a sharding_filter, and this graph has "
                 "none: add .sharding_filter() where the items should be split among the workers"
