@@ -123,9 +123,13 @@ class Engine:
         """The pickled graph for the workers, with the policy's worker-side selection in place of
         ``sharding_filter`` (the caller's graph is put back as it was)."""
         config, policy = self.config, self.config.distribution
+
+        def dump(shipped: DataPipe) -> bytes:
+            return dumps_graph((shipped, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+
         policy.check_graph(graph)
         if self.dispatching is not None and policy.dispatch_units:  # the policy leases the dispatched items
-            return dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+            return dump(graph)
         selection = policy.worker_selection(self.fleet)
         if self.dispatching is not None and (selection is not None or policy.leased):
             # The graph's dispatch point is already cut off here: the policy's own check cannot see it.
@@ -135,9 +139,9 @@ class Engine:
                 "distribution='round_robin' (or 'first_ready') with a dispatching graph"
             )
         if selection is None:
-            return dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+            return dump(graph)
         with selection_in_place(graph, selection) as shipped:
-            return dumps_graph((shipped, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+            return dump(shipped)
 
     def placement(self) -> Optional[str]:
         """The policy's digest of what, besides the number of workers, decides which worker owns
