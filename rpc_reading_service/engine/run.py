@@ -123,9 +123,13 @@ class Engine:
         """The pickled graph for the workers, with the policy's worker-side selection in place of
         ``sharding_filter`` (the caller's graph is put back as it was)."""
         config, policy = self.config, self.config.distribution
+
+        def dump(shipped: DataPipe) -> bytes:
+            return dumps_graph((shipped, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+
         policy.check_graph(graph)
         if self.dispatching is not None and policy.dispatch_units:  # the policy leases the dispatched items
-            return dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+            return dump(graph)
         selection = policy.worker_selection(self.fleet)
         if self.dispatching is not None and (selection is not None or policy.leased):
             # The graph's dispatch point is already cut off here: the policy's own check cannot see it.
@@ -135,9 +139,9 @@ class Engine:
                 "distribution='round_robin' (or 'first_ready') with a dispatching graph"
             )
         if selection is None:
-            return dumps_graph((graph, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+            return dump(graph)
         with selection_in_place(graph, selection) as shipped:
-            return dumps_graph((shipped, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+            return dump(shipped)
 
     def placement(self) -> Optional[str]:
         """The policy's digest of what, besides the number of workers, decides which worker owns
@@ -193,9 +197,7 @@ class Engine:
         """Stop the last epoch's dispatching and set up this one's (its thread starts after
         every worker was told to start the epoch). A resumed epoch deals from its first item
         again: the same items to the same ranks, and each worker skips what was consumed."""
-        previous = self.dispatch
-        if previous is not None:
-            previous.stop()
+        previous = self._supersede_dispatch(epoch.seed)
         options, cond = self.fleet.session_options(), threading.Condition()
         keep_history = self.config.reassign is not None
         # A worker's pipeline, in frames: one pending here, the credit window, one in its graph,
@@ -207,7 +209,6 @@ class Engine:
                       depth * options.batch_max_bytes, channel.heard_since)
             for channel in self.channels
         ]  # fmt: skip
-        reset_dispatching_graph(self.dispatching, epoch.seed)
         self.dispatch = Dispatch(self.dispatching, inputs, self._dispatch_failed(epoch.wire), previous)
         for channel in self.channels:
             channel.input_sink = self.dispatch.input_sink(channel.rank)
@@ -217,9 +218,7 @@ class Engine:
         """Stop the last epoch's dispatching and set up this one's for a policy that leases the
         dispatched items itself (its merger does; the thread starts with the epoch). A resumed
         epoch pulls from the first item again: the same item for each unit."""
-        previous = self.dispatch
-        if previous is not None:
-            previous.stop()
+        previous = self._supersede_dispatch(seed)
         options = self.fleet.session_options()
 
         def notify() -> None:
@@ -227,7 +226,6 @@ class Engine:
             if channels:
                 self.events.put(Event(channels[0], "dispatched", wire))
 
-        reset_dispatching_graph(self.dispatching, seed)
         self.dispatch = UnitDispatch(
             self.dispatching, wire, self._dispatch_failed(wire), notify, max(1, self.config.prefetch),
             options.batch_max_items, options.batch_max_bytes, previous,
@@ -235,6 +233,15 @@ class Engine:
         for channel in self.channels:
             channel.input_sink = self.dispatch.credit_sink(channel)
         return self.dispatch
+
+    def _supersede_dispatch(self, seed: int) -> Optional[Dispatch]:
+        """Stop the last epoch's dispatching (returned: the next one's thread waits for it to end)
+        and seed the dispatching part for the next one."""
+        previous = self.dispatch
+        if previous is not None:
+            previous.stop()
+        reset_dispatching_graph(self.dispatching, seed)
+        return previous
 
     def _dispatch_failed(self, wire: int) -> Callable[[BaseException], None]:
         """Report an exception of the dispatching part to the consumer, with MPRS's words."""

@@ -38,14 +38,14 @@ from torch.utils.data.datapipes.iter.sharding import ShardingFilterIterDataPipe
 from torchdata.dataloader2.graph import find_dps, traverse_dps
 from torchdata.dataloader2.utils.dispatch import _DummyIterDataPipe, find_lca_round_robin_sharding_dp
 
-from ...client import Event, WorkerChannel
+from ...client import WorkerChannel
 from ...errors import ConfigurationError, WorkerLostError
 from ...graph import check_per_item_after_dispatch
 from ...selection import LeasedChunks, WorkerSelection
 from ...settings import NumberRule, check_number
 from .base import DistributionPolicy, EpochRun, FleetView, Merger
 from .leases import MAX_DEPTH, LeaseBook, check_book_state
-from .merge import _take
+from .merge import _next_frame, _report_held_losses, _take
 
 __all__ = ["Dynamic", "DEFAULT_CHUNK_SIZE"]
 
@@ -110,12 +110,11 @@ class Dynamic(DistributionPolicy):
 
         The engine checks the workers' part of a dispatching graph, in which torchdata's
         placeholder stands for the dispatch point."""
-        if find_lca_round_robin_sharding_dp(traverse_dps(graph)) is not None or find_dps(
-            traverse_dps(graph), _DummyIterDataPipe
-        ):
+        dps = traverse_dps(graph)  # pickles every DataPipe of the graph: once
+        if find_lca_round_robin_sharding_dp(dps) is not None or find_dps(dps, _DummyIterDataPipe):
             check_per_item_after_dispatch(graph, self.name)
             return
-        if not find_dps(traverse_dps(graph), ShardingFilterIterDataPipe):
+        if not find_dps(dps, ShardingFilterIterDataPipe):
             raise ConfigurationError(
                 "distribution='dynamic' leases chunks of the stream at a sharding_filter, and this graph has "
                 "none: add .sharding_filter() where the items should be split among the workers"
@@ -212,10 +211,7 @@ class _DynamicMerger(Merger):
         if not channels:  # the engine was closed
             progress.finish()
             return
-        for channel in channels:
-            if channel.held_loss is not None:  # lost after its stream ended in an earlier epoch
-                run.events.put(channel.held_loss)
-                channel.held_loss = None
+        _report_held_losses(channels, run.events)
         self._top_up_all()
         window_from = book.complete_below
         while not (book.over and len(book.ended) == len(channels)):
@@ -228,7 +224,7 @@ class _DynamicMerger(Merger):
                 # the workers the window held back may wait for a lease with nothing to report.
                 window_from = book.complete_below
                 self._top_up_all()
-            event = self._next_event()
+            event = _next_frame(run.events, progress)
             if event.kind == "dispatched":  # the trainer's dispatcher pulled more units
                 self._top_up_all()
                 continue
@@ -276,13 +272,6 @@ class _DynamicMerger(Merger):
         """``channel``'s stream ended (END_OF_SHARD): its leases still outstanding lie past the stream's end."""
         self.book.end(channel.rank)
         self._finish_all()
-
-    def _next_event(self) -> Event:
-        progress = self.run.progress
-        while True:
-            event = progress.wait(self.run.events)
-            if event.kind in ("lost", "closed") or event.epoch == progress.epoch:
-                return event
 
     def _deliver_ready(self) -> Iterator[Any]:
         """Hand on the buffered items of the oldest chunks, in chunk order, as far as they are here."""

@@ -178,7 +178,7 @@ class LeaseBook:
             self.arriving[rank].append((chunk, to_come))
         self.totals[chunk] = self.skips.pop(chunk) + items
         if stream_length is not None:
-            self._stream_ends_at(-(-stream_length // self.chunk_size))
+            self.stream_ends_at(-(-stream_length // self.chunk_size))
         self._maybe_complete(chunk)
 
     def end(self, rank: int) -> None:
@@ -186,7 +186,7 @@ class LeaseBook:
         self.ended.add(rank)
         leftover = self.outstanding[rank]
         if leftover:
-            self._stream_ends_at(leftover[0])
+            self.stream_ends_at(leftover[0])
         while leftover:
             chunk = leftover.popleft()
             self.totals[chunk] = self.skips.pop(chunk)
@@ -194,9 +194,6 @@ class LeaseBook:
 
     def stream_ends_at(self, chunks: int) -> None:
         """The stream has at most ``chunks`` chunks (known from a worker's walk, or to the trainer's dispatcher)."""
-        self._stream_ends_at(chunks)
-
-    def _stream_ends_at(self, chunks: int) -> None:
         self.stream_chunks = chunks if self.stream_chunks is None else min(self.stream_chunks, chunks)
 
     def lost(self, rank: int) -> List[int]:

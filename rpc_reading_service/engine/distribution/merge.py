@@ -36,6 +36,14 @@ def _next_frame(event_source: "queue.SimpleQueue[Event]", progress: EpochProgres
         # A stale frame of an abandoned epoch: drop it.
 
 
+def _report_held_losses(channels: Sequence[WorkerChannel], events: "queue.SimpleQueue[Event]") -> None:
+    """Queue the losses held back from an earlier epoch (a worker lost after its stream ended there)."""
+    for channel in channels:
+        if channel.held_loss is not None:
+            events.put(channel.held_loss)
+            channel.held_loss = None
+
+
 def _take(event: Event, epoch: int) -> List[Any]:
     """Return the unpickled items of a current-epoch event, raising for errors and lost workers."""
     if event.kind in ("error", "lost", "closed"):
@@ -183,10 +191,7 @@ def iterate_as_completed(
     """
     epoch = progress.epoch
     current = {channel.rank: _Cursor(channel) for channel in channels}
-    for channel in channels:
-        if channel.held_loss is not None:
-            events.put(channel.held_loss)
-            channel.held_loss = None
+    _report_held_losses(channels, events)
     finished: set[int] = set()  # ranks whose END_OF_SHARD arrived
     while len(finished) < len(current):
         event = _next_frame(events, progress)

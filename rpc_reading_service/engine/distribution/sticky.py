@@ -55,13 +55,14 @@ class Sticky(RoundRobin):
     def check_graph(self, graph: Any) -> None:
         """Refuse a graph without ``sharding_filter`` (where items are keyed), with one that applies
         to a ``sharding_group_filter`` only, or with a dispatch point (items dealt by position)."""
-        if find_lca_round_robin_sharding_dp(traverse_dps(graph)) is not None:
+        dps = traverse_dps(graph)  # pickles every DataPipe of the graph: once
+        if find_lca_round_robin_sharding_dp(dps) is not None:
             raise ConfigurationError(
                 "distribution='sticky' keys the items at a sharding_filter, and "
                 "sharding_round_robin_dispatch deals them to the workers by position: "
                 "use distribution='round_robin' with it"
             )
-        filters = find_dps(traverse_dps(graph), ShardingFilterIterDataPipe)
+        filters = find_dps(dps, ShardingFilterIterDataPipe)
         if not filters:
             raise ConfigurationError(
                 "distribution='sticky' needs a sharding_filter() in the graph: the point whose items "
