@@ -38,7 +38,7 @@ from torchdata.dataloader2.utils.dispatch import (
 from torchdata.dataloader2.utils.worker import HAS_NUMPY, _set_global_random_state
 
 from .errors import ConfigurationError
-from .selection import selections_in, share_seeds_before_selections
+from .selection import share_seeds_before_selections
 
 __all__ = [
     "DistributedInfo",
@@ -248,8 +248,8 @@ def reset_worker_graph(
     with _traversal_lock:
         _seed_global_rngs(generator)
         set_graph_random_seed(datapipe, generator)
-        if selections_in(datapipe):  # a distribution policy's replacement of sharding_filter
-            datapipe = share_seeds_before_selections(datapipe, seed_generator=generator)
+        # a distribution policy's replacements of sharding_filter (none: no seed is drawn)
+        datapipe = share_seeds_before_selections(datapipe, seed_generator=generator)
         if worker_reset_fn is not None:
             datapipe = worker_reset_fn(datapipe, worker_info, generator)
             assert isinstance(datapipe, (IterDataPipe, MapDataPipe)), "worker_reset_fn must return a DataPipe"

@@ -910,9 +910,10 @@ class WorkerSession:
                     with self.outbox.sending:  # a heartbeat leaves in the order recorded, too
                         with self._lock:
                             due = self.protocol.tick(now)
-                        if due.chunks and not any(isinstance(event, PeerTimedOut) for event in due.events):
+                        timed_out = any(isinstance(event, PeerTimedOut) for event in due.events)
+                        if due.chunks and not timed_out:
                             self.conn.send(due.chunks)
-                    if any(isinstance(event, PeerTimedOut) for event in due.events):
+                    if timed_out:
                         log.warning(
                             "trainer %s silent for %.1f s; ending its session", self.conn.peer, self.protocol.peer_timeout
                         )

@@ -313,9 +313,14 @@ def encode_credit(epoch: int, credits: int, kind: MessageKind = MessageKind.CRED
 
 def decode_credit(frame: Frame) -> Tuple[int, int]:
     """Decode a CREDIT (or ITEM_CREDIT) frame into ``(epoch, credits)``."""
-    if len(frame.body) != _CREDIT.size:
-        raise RemoteProtocolError(f"{frame.kind.name} frame body has {len(frame.body)} bytes, expected {_CREDIT.size}")
-    return _CREDIT.unpack(frame.body)
+    return _unpack(_CREDIT, frame)
+
+
+def _unpack(layout: struct.Struct, frame: Frame) -> Tuple[int, ...]:
+    """The values of a frame whose body is exactly ``layout``."""
+    if len(frame.body) != layout.size:
+        raise RemoteProtocolError(f"{frame.kind.name} frame body has {len(frame.body)} bytes, expected {layout.size}")
+    return layout.unpack(frame.body)
 
 
 # -- DATA frames: many items packed into one frame ---------------------------------------------
@@ -523,9 +528,7 @@ def encode_lease(epoch: int, chunk: int, skip: int, final: bool) -> List[Buffer]
 
 def decode_lease(frame: Frame) -> Tuple[int, int, int, bool]:
     """Decode a LEASE frame into ``(epoch, chunk, skip, final)``."""
-    if len(frame.body) != _LEASE.size:
-        raise RemoteProtocolError(f"{frame.kind.name} frame body has {len(frame.body)} bytes, expected {_LEASE.size}")
-    epoch, chunk, skip, final = _LEASE.unpack(frame.body)
+    epoch, chunk, skip, final = _unpack(_LEASE, frame)
     if final not in (0, 1):
         raise RemoteProtocolError(f"{frame.kind.name} frame has final flag {final}, expected 0 or 1")
     return epoch, chunk, skip, bool(final)
@@ -540,8 +543,4 @@ def encode_chunk_done(epoch: int, chunk: int, items: int, stream_length: int) ->
 
 def decode_chunk_done(frame: Frame) -> Tuple[int, int, int, int]:
     """Decode a CHUNK_DONE frame into ``(epoch, chunk, items, stream_length)``."""
-    if len(frame.body) != _CHUNK_DONE.size:
-        raise RemoteProtocolError(
-            f"{frame.kind.name} frame body has {len(frame.body)} bytes, expected {_CHUNK_DONE.size}"
-        )
-    return _CHUNK_DONE.unpack(frame.body)
+    return _unpack(_CHUNK_DONE, frame)
