@@ -53,8 +53,9 @@ def shared_memory_available() -> bool:
     return hasattr(os, "memfd_create") and hasattr(mmap, "MADV_DONTFORK")
 
 
-def _map(fd: int, size: int, populate: bool) -> mmap.mmap:
-    flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+def _map(fd: int, size: int) -> mmap.mmap:
+    """A shared mapping of the segment, its pages mapped at once (MAP_POPULATE, where there is one)."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     mapping.madvise(mmap.MADV_DONTFORK)
     return mapping
@@ -259,7 +260,7 @@ class SegmentPool:
             written = 0
             while view is not None and written < view.nbytes:
                 written += os.pwrite(fd, view[written:], HEADER_BYTES + written)
-            mapping = _map(fd, size, populate=True)
+            mapping = _map(fd, size)
         except (OSError, ValueError) as exc:
             os.close(fd)
             self._warn(exc)
@@ -345,7 +346,7 @@ class SegmentMap:
             raise self._error(f"announced segment {segment_id} twice")
         if not HEADER_BYTES < size <= os.fstat(fd).st_size:
             raise self._error(f"announced segment {segment_id} of {size} bytes, which its descriptor does not hold")
-        self._segments[segment_id] = _Segment(segment_id, size, _map(fd, size, populate=True))
+        self._segments[segment_id] = _Segment(segment_id, size, _map(fd, size))
 
     def _buffer(self, placed: SharedBuffer) -> Buffer:
         segment = self._segments.get(placed.segment)
