@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, List
 
-from .errors import ConfigurationError
 from .registry import Registry
 
 __all__ = ["ENTRY_POINT_GROUP", "register_distribution", "available_distributions", "create_distribution"]
@@ -63,18 +62,7 @@ def create_distribution(name: str, **options: Any) -> Any:
     none or the factory does not return a DistributionPolicy."""
     from .engine.distribution.base import DistributionPolicy
 
-    factory = _registry.factory(name)
-    try:
-        policy = factory(**options)
-    except TypeError as exc:
-        if not options:
-            raise
-        raise ConfigurationError(f"distribution {name!r} does not accept the options {sorted(options)}: {exc}") from exc
-    if not isinstance(policy, DistributionPolicy):
-        raise ConfigurationError(
-            f"distribution factory for {name!r} returned {type(policy).__name__}, not a DistributionPolicy"
-        )
-    return policy
+    return _registry.create(name, DistributionPolicy, **options)
 
 
 register_distribution("round_robin", _round_robin)

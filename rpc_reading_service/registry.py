@@ -80,3 +80,21 @@ class Registry:
         if factory is None:
             raise ConfigurationError(f"unknown {self.kind} {name!r}; available {self.kind}s: {', '.join(names)}")
         return factory
+
+    def create(self, name: str, expected: type, **options: Any) -> Any:
+        """``factory(**options)`` of the factory registered under ``name``; ConfigurationError if
+        it takes none of these options or returns no ``expected``."""
+        factory = self.factory(name)
+        try:
+            made = factory(**options)
+        except TypeError as exc:
+            if not options:
+                raise
+            raise ConfigurationError(
+                f"{self.kind} {name!r} does not accept the options {sorted(options)}: {exc}"
+            ) from exc
+        if not isinstance(made, expected):
+            raise ConfigurationError(
+                f"{self.kind} factory for {name!r} returned {type(made).__name__}, not a {expected.__name__}"
+            )
+        return made

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, List
 
-from ..errors import ConfigurationError
 from ..registry import Registry
 from .base import Connection, Listener, PeerLostError, Transport
 
@@ -59,18 +58,7 @@ def create_transport(name: str, **options: Any) -> Transport:
     """Instantiate the transport registered under ``name`` with transport-specific ``options``
     (for ``"socket"``: ``max_frame_bytes``, ``tls_cert``, ``tls_key``, ``tls_ca_file``,
     ``tls_server_hostname``)."""
-    factory = _registry.factory(name)
-    try:
-        transport = factory(**options)
-    except TypeError as exc:
-        if not options:
-            raise
-        raise ConfigurationError(
-            f"transport {name!r} does not accept the options {sorted(options)}: {exc}"
-        ) from exc
-    if not isinstance(transport, Transport):
-        raise ConfigurationError(f"transport factory for {name!r} returned {type(transport).__name__}, not a Transport")
-    return transport
+    return _registry.create(name, Transport, **options)
 
 
 register_transport("socket", _socket_factory)
