@@ -218,7 +218,7 @@ def init_worker_graph(
         graph = traverse_dps(datapipe)
         placeholders = find_dps(graph, _DummyIterDataPipe)
         if not placeholders:
-            return process_init_fn(datapipe, worker_info, worker_init_fn)
+            return _run_worker_init_fn(worker_init_fn, process_init_fn(datapipe, worker_info), worker_info)
         if dispatched_input is None:
             raise ConfigurationError(
                 "this graph was cut for dispatching (sharding_round_robin_dispatch) but the worker has no "
@@ -229,9 +229,25 @@ def init_worker_graph(
                 branch, worker_info.num_workers, worker_info.worker_id, SHARDING_PRIORITIES.MULTIPROCESSING
             )
         datapipe = list(replace_dp(graph, placeholders[0], dispatched_input).values())[0][0]
-        if worker_init_fn is not None:
-            datapipe = worker_init_fn(datapipe, worker_info)
+        return _run_worker_init_fn(worker_init_fn, datapipe, worker_info)
+
+
+def _run_worker_init_fn(
+    worker_init_fn: Optional[InitFn], datapipe: DataPipe, worker_info: WorkerInfo
+) -> DataPipe:
+    """``worker_init_fn(datapipe, worker_info)`` (or ``datapipe`` without one), checked to be a
+    DataPipe as torchdata's ``process_init_fn`` asserts, but with a message that says what to do."""
+    if worker_init_fn is None:
         return datapipe
+    result = worker_init_fn(datapipe, worker_info)
+    if not isinstance(result, (IterDataPipe, MapDataPipe)):
+        name = getattr(worker_init_fn, "__qualname__", type(worker_init_fn).__name__)
+        raise ConfigurationError(
+            f"worker_init_fn {name} returned {type(result).__name__} on worker {worker_info.worker_id} "
+            f"of {worker_info.num_workers}, not a DataPipe: return the DataPipe it was given (or one "
+            "built on it), e.g. end it with `return datapipe`"
+        )
+    return result
 
 
 def reset_worker_graph(

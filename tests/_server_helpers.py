@@ -242,7 +242,7 @@ def run_epochs(datapipe, reading_service, n_epochs=2, seed=None):
 
 # -- /proc -----------------------------------------------------------------------------------
 def children_of(pid: int) -> List[int]:
-    """Live (non-zombie) children of ``pid``, from /proc/<pid>/task/*/children."""
+    """Live children of ``pid`` (see :func:`process_alive`), from /proc/<pid>/task/*/children."""
     found: List[int] = []
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -267,7 +267,7 @@ def _live_processes() -> Iterator[Tuple[int, List[str]]]:
                 fields = handle.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if fields[0] not in ("Z", "X"):
+        if fields[0] not in ("Z", "X") or process_alive(int(entry)):
             yield int(entry), fields
 
 
@@ -291,8 +291,16 @@ def process_state(pid: int) -> Optional[str]:
 
 
 def process_alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    return process_state(pid) not in (None, "Z", "X")
+    """True until ``pid`` has ended entirely (its parent can reap it, or has).
+
+    Its main thread alone turning zombie is not the end: the process's other threads may
+    still be exiting (or running, holding its sockets), and its parent cannot reap it yet: a
+    worker server still counts such a session."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    return tasks != [str(pid)] or process_state(pid) not in (None, "Z", "X")
 
 
 def rss_kib(pid: int) -> int:

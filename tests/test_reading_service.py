@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
@@ -72,6 +73,10 @@ def raise_two_arg(x):
 
 def failing_init(datapipe, worker_info):
     raise RuntimeError("init failed on purpose")
+
+
+def init_without_return(datapipe, worker_info):
+    datapipe.map(str)  # forgot to return it
 
 
 def tag(worker_id, x):
@@ -244,11 +249,32 @@ def test_unrebuildable_exception_type_becomes_remote_worker_error(worker_server)
     assert "worker process 1" in message and worker_server.address in message
 
 
-def test_worker_init_fn_raising_is_a_startup_error_not_a_hang(worker_server):
-    dp = IterableWrapper(range(10)).sharding_filter()
+RETURNS_NONE = (
+    r"(?s)worker process [01] .*ConfigurationError: worker_init_fn init_without_return returned NoneType "
+    r"on worker [01] of 2, not a DataPipe: return the DataPipe it was given"
+)
+
+
+@pytest.mark.parametrize(
+    "init_fn, dispatching, cause, error",
+    [
+        (failing_init, False, RuntimeError, "init failed on purpose"),
+        # torchdata's process_init_fn asserts the return (MPRS's worker dies of it and its trainer hangs)
+        (init_without_return, False, ConfigurationError, RETURNS_NONE),
+        (init_without_return, True, ConfigurationError, RETURNS_NONE),
+    ],
+    ids=["raises", "returns-none", "returns-none-dispatching"],
+)
+def test_worker_init_fn_failing_is_a_startup_error_not_a_hang(worker_server, init_fn, dispatching, cause, error):
+    dp = IterableWrapper(range(10))
+    if dispatching:
+        dp = dp.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    else:
+        dp = dp.sharding_filter()
     start = time.monotonic()
-    with pytest.raises(WorkerStartupError, match="init failed on purpose"):
-        run_epochs(dp, remote(worker_server, 2, worker_init_fn=failing_init), n_epochs=1)
+    with pytest.raises(WorkerStartupError, match=error) as info:
+        run_epochs(dp, remote(worker_server, 2, worker_init_fn=init_fn), n_epochs=1)
+    assert type(info.value.__cause__) is cause  # the worker's error, rebuilt
     assert time.monotonic() - start < 10
 
 

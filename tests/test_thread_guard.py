@@ -18,7 +18,7 @@ never = threading.Event()
 # set for the whole run: a fixture (monkeypatch) would be undone before the guard looks
 _server_helpers.ALLOWED_THREAD_PREFIXES = ("rrs-agent-",)
 # each leak costs the guard's whole wait: a shorter one, still well past rrs-finishing's 0.3 s
-_server_helpers.THREAD_END_WAIT_S = 1.5
+_server_helpers.THREAD_END_WAIT_S = 1.0
 
 
 def test_leaks_a_daemon_thread():
