@@ -49,6 +49,7 @@ from .protocol import (
     StartEpoch,
     Tick,
     TrainerSession,
+    credit_batch,
 )
 from .serialization import rebuild_exception
 from .transports.base import Connection, PeerLostError
@@ -272,7 +273,7 @@ class WorkerChannel:
         # Credits go back in batches of half the window: one CREDIT frame (and one wake-up of
         # the worker) per two frames taken when items travel one per frame, and the worker
         # always holds at least one credit, since fewer than ``credits`` are ever held back.
-        self._credit_batch, self._ungranted = max(1, credits // 2), 0
+        self._credit_batch, self._ungranted = credit_batch(credits), 0
         self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased=leased))
 
     def send_input(self, message: Union[Items, EndOfInput]) -> None:

@@ -65,6 +65,7 @@ from .protocol import (
     StartEpoch,
     StopEpoch,
     WorkerProtocol,
+    credit_batch,
 )
 from .selection import LeaseInbox, SelectionContext, SelectionFilter, selections_in
 from .serialization import ItemEncoder, fallback_exception_info, loads_graph, loads_item, pack_exception
@@ -199,7 +200,10 @@ class Outbox:
     more than ``linger`` after the one before it (a slow, say sleep-bound, stage) is sealed
     at once while the trainer keeps up (two credits or more left): waiting would only delay
     it, and wake the sender twice; a producer that was merely descheduled on a busy host
-    must not spend the last credits on one-item frames. At most one sealed
+    must not spend the last credits on one-item frames. With fewer credits left, and the
+    trainer owing a CREDIT for the frames it holds (it returns them once half the window is
+    due), such an item waits for that CREDIT, which takes it along (:meth:`grant`), without
+    waking the sender; nor is the sender woken for items while no credit is left. At most one sealed
     batch waits for credit; past that the producer blocks (backpressure).
 
     A frame is encoded through ``encode`` (a session passes its state machine's ``send``, which
@@ -238,6 +242,11 @@ class Outbox:
         self._open: List[EncodedItem] = []
         self._open_bytes = 0
         self._open_since = 0.0
+        #: A slow item opened the batch and waits for credit: sealed without lingering once two credits are there.
+        self._open_slow = False
+        #: The epoch's credit window (what ``start_epoch`` granted): frames sent and not yet credited back are
+        #: ``_window - _credits``.
+        self._window = 0
         #: When the producer put the epoch's latest item (None before its first).
         self._last_put: Optional[float] = None
         #: Sealed batches waiting for credit, and markers (CHUNK_DONE) that follow them without credit
@@ -261,8 +270,8 @@ class Outbox:
         """Drop whatever belongs to an older epoch and start ``epoch`` with ``credits``."""
         with self._cond:
             self.epoch = epoch
-            self._credits = credits
-            self._open, self._open_bytes = [], 0
+            self._credits = self._window = credits
+            self._open, self._open_bytes, self._open_slow = [], 0, False
             self._sealed.clear()
             self._input_credits, self._input_open = 0, True
             self._final = None
@@ -277,7 +286,7 @@ class Outbox:
             if epoch is None or epoch == self.epoch:
                 self.epoch = None
                 self._sealed.clear()
-                self._open, self._open_bytes = [], 0
+                self._open, self._open_bytes, self._open_slow = [], 0, False
                 self._final = None
                 self._cond.notify_all()
 
@@ -341,8 +350,10 @@ class Outbox:
                 frames = self._take_inline(item)
                 if frames is None:
                     self._seal()  # the sender wakes once, for a frame to send
-            elif opened:
-                self._cond.notify_all()  # the sender times the linger from now
+            elif slow and opened and self._credit_owed():
+                self._open_slow = True  # the CREDIT the trainer owes takes it along: no wake-up of the sender
+            elif opened and self._credits > 0:
+                self._cond.notify_all()  # the sender times the linger from now (without credit, grant() does)
             if len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes:
                 while self._batch_waits():
                     self._producer_waiting = True
@@ -360,7 +371,7 @@ class Outbox:
         if self._send is None or item.nbytes > _INLINE_MAX_BYTES or not self.sending.acquire(blocking=False):
             return None
         self._sealed.append(self._open)
-        self._open, self._open_bytes = [], 0
+        self._open, self._open_bytes, self._open_slow = [], 0, False
         return self._ready_frames([], _FRAMES_PER_SEND, final=False)
 
     def _write_inline(self, frames: List[List[Buffer]]) -> None:
@@ -413,6 +424,11 @@ class Outbox:
             self.credit_wait_seconds += now - self._credit_wait_since
             self._credit_wait_since = None
 
+    def _credit_owed(self) -> bool:
+        """Whether the trainer holds enough of this epoch's frames that it owes a CREDIT without
+        more of them (:func:`~rpc_reading_service.protocol.credit_batch`)."""
+        return self._window - self._credits >= credit_batch(self._window)
+
     def _check(self, epoch: int) -> None:
         if self._closed or epoch != self.epoch or self._final_ends_session:
             raise _Cancelled()
@@ -423,7 +439,7 @@ class Outbox:
 
     def _seal(self) -> None:
         self._sealed.append(self._open)
-        self._open, self._open_bytes = [], 0
+        self._open, self._open_bytes, self._open_slow = [], 0, False
         self._cond.notify_all()
 
     # -- sender side --------------------------------------------------------------------------
@@ -514,7 +530,11 @@ class Outbox:
             return self._encode(marker), 0.0
         if self._credits > 0:
             if not self._sealed and self._open:
-                if self._final is not None or now - self._open_since >= self._options.linger:
+                if (
+                    self._final is not None
+                    or (self._open_slow and self._credits >= 2)
+                    or now - self._open_since >= self._options.linger
+                ):
                     self._seal()
                 else:
                     return None, self._open_since + self._options.linger - now

@@ -183,3 +183,34 @@ def test_a_small_slow_item_is_written_by_its_producer_and_a_big_one_by_the_sende
     outbox.put(1, EncodedItem(b"x" * (1 << 20)))  # slow, but big
     assert len(written) == 1
     assert outbox.send_next(1.0) and written[1] == (threading.current_thread(), [MessageKind.DATA])
+
+
+def test_a_slow_item_short_of_credit_waits_for_the_credit_owed_without_waking_the_sender():
+    # One credit left and three frames with the trainer: it owes a CREDIT (it returns them once
+    # half the window is due). The slow item waits for it and leaves from the thread that
+    # grants it, at once; the sender, asleep, is not woken for it.
+    written = []
+    outbox = Outbox(
+        SessionOptions(batch_max_items=100, linger=0.01),
+        send=lambda frames: written.append((threading.current_thread(), [data_items(f)[2] for f in frames])),
+    )
+    outbox.start_epoch(1, credits=4)
+    outbox.put(1, item(0))  # the epoch's first item lingers for company: the sender's
+    assert outbox.send_next(1.0)
+    sender = threading.Thread(target=outbox.send_next, args=(5.0,))
+    sender.start()
+    try:
+        for i in (1, 2):  # slow, two credits or more: written by the producer (this thread)
+            time.sleep(0.03)
+            outbox.put(1, item(i))
+        time.sleep(0.03)
+        outbox.put(1, item(3))  # slow, one credit left
+        time.sleep(0.1)  # ten lingers: a woken sender would have sent it with the last credit
+        assert [items for _thread, items in written] == [[[0]], [[1]], [[2]]]
+        outbox.grant(1, 2)  # the CREDIT the trainer owed
+        outbox.write_taken()
+        assert written[-1] == (threading.current_thread(), [[3]])
+    finally:
+        outbox.close()
+        sender.join(5.0)
+    assert not sender.is_alive()

@@ -53,6 +53,7 @@ from .messages import (
     Message,
     Ready,
     SessionOptions,
+    credit_batch,
     Setup,
     StartEpoch,
     StopEpoch,
@@ -94,6 +95,7 @@ __all__ = [
     # messages
     "Message",
     "SessionOptions",
+    "credit_batch",
     "Setup",
     "Join",
     "Ready",

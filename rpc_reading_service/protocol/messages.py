@@ -199,6 +199,13 @@ class SessionOptions:
         return cls(**{name: value for name, value in values.items() if name in known})
 
 
+def credit_batch(window: int) -> int:
+    """How many credits a trainer returns in one CREDIT with a window of ``window`` frames: half
+    of it (at least one), so that the worker always holds a credit. A worker that holds this
+    many of its frames uncredited knows a CREDIT is owed to it without sending more."""
+    return max(1, window // 2)
+
+
 @dataclass(frozen=True)
 class Setup(_Control):
     """Trainer to worker, first after the handshake: the graph and this worker's place.
