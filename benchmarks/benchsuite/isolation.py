@@ -27,7 +27,11 @@ def describe_exception(exc: BaseException) -> str:
 def _child_main(task: dict, execute: Execute, conn, log_path: Optional[str]) -> None:
     """Entry point of a forked child: new process group, quiet output, ``execute(task, emit)``,
     send its outcome."""
-    os.setsid()
+    # A process group of its own, not a session: with the kernel's CPU autogroups (on by
+    # default) a new session is a scheduling group of its own, and the trainer would then get
+    # as much CPU as all the running worker servers' sessions together, which no host with
+    # its workers elsewhere (nor local workers, forked into the trainer's group) sees.
+    os.setpgid(0, 0)
     die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import torch

@@ -108,7 +108,8 @@ def report_sessions(scenario: Scenario, params: dict, results: dict) -> str:
                "worker's first; vs DataLoader: efficiency minus torch.utils.data.DataLoader's at the same W",
                "CPU / 1k items: the trainer process's CPU seconds (all its threads) per 1,000 steady items",
                "RPCRS-2servers: the W sessions on two running worker servers, W/2 on each (one process per "
-               "session)"]
+               "session); the trainer and the servers' sessions share one CPU scheduling group (autogroup), "
+               "as local workers share the trainer's"]
         + [f"{name}: trainer RSS per session {fmt_num(rss_per_session_mib(results, name)[0], '.2f', ' MiB')} "
            f"({rss_per_session_mib(results, name)[1]})" for name in results])
     first = params["workers_list"][0]
