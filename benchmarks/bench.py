@@ -12,7 +12,9 @@ plain-text table per scenario (measured value, ratios), then a table of targets:
 Contenders: ``in-process`` (plain iteration of the graph), ``production-limit`` (W
 processes that only make the items, nothing moved: the ceiling for local workers; each
 item stays alive while the next ``workloads.ITEMS_IN_FLIGHT`` are made, as a hand-over
-holds it, so no item is written into the previous one's cache-hot buffer),
+holds it, so no item is written into the previous one's cache-hot buffer), ``copy-limit``
+(the same processes, each copying every item once into a warm shared segment: the ceiling
+of local workers' default hand-over, which makes that one copy),
 ``MPRS`` (torchdata MultiProcessingReadingService), ``torch-DataLoader``
 (``torch.utils.data.DataLoader(graph, num_workers=W, batch_size=None)``, what most users
 run), ``RPCRS-local`` / ``RPCRS-torch_rpc``
@@ -44,7 +46,8 @@ How it measures:
   consumer reads every byte (``max``, which allocates nothing).  Slow contenders get
   shorter epochs (item caps) and stop at a time budget; their rate is computed from
   what they did.  MPRS always runs its epoch to the end (its mid-epoch shutdown can
-  hang).
+  hang).  In the tensor scenarios every other contender runs the production limit's
+  longer epoch, so that no rate is mostly its start-up.
 * Full run: the throughput scenarios (tiny, tensor1m, tensor8m) run in two rounds,
   every contender once per round, interleaved, and keep each (contender, W)'s best
   round; every round's rate is printed.  A burst of load from other jobs then hits

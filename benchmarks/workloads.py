@@ -181,17 +181,53 @@ def raw_sender(address: str, nbytes: int, count: int) -> None:
             pass  # the receiver stopped early (time budget): not an error
 
 
-def produce_share(workload: Workload, rank: int, num_workers: int, done_fd: int, go) -> None:
+class SegmentRing:
+    """:data:`ITEMS_IN_FLIGHT` shared segments of ``nbytes`` (memfd, every page mapped up
+    front), written in turn: :meth:`append` copies an item's bytes into the next one and
+    lets the item go, as a local worker's hand-over does with a pool of warm segments (the
+    trainer holds up to that many), with nothing moved."""
+
+    def __init__(self, nbytes: int):
+        import mmap
+
+        import numpy
+
+        self._segments = []
+        for _ in range(ITEMS_IN_FLIGHT):
+            fd = os.memfd_create("bench-copy-limit", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(fd, nbytes)
+                mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            finally:
+                os.close(fd)
+            self._segments.append(numpy.frombuffer(mapping, dtype=numpy.uint8))
+        self._next = 0
+
+    def append(self, item) -> None:
+        """Copy ``item`` (a tensor or array of ``nbytes`` bytes) into the next segment."""
+        import numpy
+
+        numpy.copyto(self._segments[self._next], numpy.asarray(item).reshape(-1).view(numpy.uint8))
+        self._next = (self._next + 1) % len(self._segments)
+
+    def clear(self) -> None:
+        """Nothing to let go of: the segments live as long as the ring."""
+
+
+def produce_share(workload: Workload, rank: int, num_workers: int, done_fd: int, go,
+                  copy_to_shared_memory: bool = False) -> None:
     """Once ``go`` (an event) is set, make worker ``rank``'s share of ``workload`` and hand
     each item nowhere: nothing is moved.
 
     Each item stays alive while the producer makes the next :data:`ITEMS_IN_FLIGHT` (as
     a hand-over holds it), so every item is written to memory of its own, not to the
-    previous item's cache-hot buffer.  One byte per item goes to ``done_fd`` (a pipe), so
-    the measuring process counts items as they are made.
+    previous item's cache-hot buffer.  With ``copy_to_shared_memory``, each item is
+    instead copied once into a :class:`SegmentRing` (made before ``go``) and let go.  One
+    byte per item goes to ``done_fd`` (a pipe), so the measuring process counts items as
+    they are made.
     """
     make = item_function(workload)
-    held: collections.deque = collections.deque(maxlen=ITEMS_IN_FLIGHT)
+    held = SegmentRing(workload.item_bytes) if copy_to_shared_memory else collections.deque(maxlen=ITEMS_IN_FLIGHT)
     go.wait()
     for index in range(rank, workload.n_items, num_workers):
         held.append(index if make is None else make(index))

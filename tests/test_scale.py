@@ -76,3 +76,32 @@ def test_recv_ready_returns_the_frames_that_arrived_without_blocking_then_the_lo
     finally:
         conn.close()
         theirs.close()
+
+
+@pytest.mark.timeout(20)
+def test_a_large_frame_then_a_small_one_both_wake_an_event_loop_over_tcp():
+    """Over TCP a large buffer raises the socket's receive low-water mark (fewer wake-ups per
+    tensor): the frame's last bytes, and a small frame after it with nothing behind, must
+    still make the socket readable."""
+    import select
+    import time
+
+    from rpc_reading_service.protocol import FrameReader, MessageKind, encode_frame
+    from rpc_reading_service.transports.socket_transport import SocketConnection
+
+    big = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MiB, not a multiple of the low-water mark
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        theirs = socket.create_connection(listener.getsockname())
+        ours, _ = listener.accept()
+    conn = SocketConnection(ours, "peer", FrameReader())
+    try:
+        for kind, buffers in ((MessageKind.HEARTBEAT, [big]), (MessageKind.HEARTBEAT, [])):
+            theirs.sendall(b"".join(bytes(c) for c in encode_frame(kind, [b"head"], buffers)))
+        frames, deadline = [], time.monotonic() + 10
+        while len(frames) < 2 and time.monotonic() < deadline:  # the receive loop's way: wait, then read
+            if select.select([ours], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                frames += conn.recv_ready()
+        assert [bytes(f.buffers[0]) if f.buffers else None for f in frames] == [big, None]
+    finally:
+        conn.close()
+        theirs.close()

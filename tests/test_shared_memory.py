@@ -223,6 +223,25 @@ def test_items_made_in_a_segment_are_lent_as_they_are_and_reused_once_both_sides
     assert not shared(shared_empty((BIG,)))  # a closed pool gives out nothing
 
 
+def test_a_segment_a_producer_let_go_unsent_is_announced_when_a_copy_reuses_it():
+    from rpc_reading_service import shared_empty
+
+    pool, segments = SegmentPool(), SegmentMap("test")
+    pool.offer_to_producers()
+    try:
+        scratch = shared_empty((BIG,))  # made in a segment, dropped without being yielded
+        del scratch
+        gc.collect()
+        assert pool.segments == 1
+        item = torch.full((BIG,), 7, dtype=torch.uint8)  # ordinary memory: copied into that segment
+        encoded = dumps_item(item)
+        (buffer,) = _hand_over(pool, segments, encoded.buffers)
+        assert pool.segments == 1 == segments.segments
+        assert torch.equal(loads_item(EncodedItem(encoded.payload, [buffer])), item)
+    finally:
+        pool.close()
+
+
 def test_the_map_refuses_placements_outside_what_the_worker_announced():
     pool, segments = SegmentPool(), SegmentMap("worker 0 (unix:@x)")
     (buffer,) = _hand_over(pool, segments, [bytes(SHARED_MEMORY_MIN_BYTES)])

@@ -191,6 +191,9 @@ class SegmentPool:
                     inline.append(buffer)
                     continue
                 if not (new and new[-1][0] == segment.id):  # a new one holds the bytes already
+                    if segment.fd is not None:  # made for a producer, which let it go unsent: announce it
+                        new.append((segment.id, segment.size, segment.fd))
+                        segment.fd = None
                     numpy.copyto(segment.data[: view.nbytes], numpy.frombuffer(view, dtype=numpy.uint8))
                 segment.state[0] = _LENT
                 shared.append(SharedBuffer(index, segment.id, HEADER_BYTES, view.nbytes))
@@ -215,17 +218,18 @@ class SegmentPool:
         for _id, _size, fd in new:
             os.close(fd)
 
-    def _fitting(self, nbytes: int) -> Optional[_Segment]:
-        """The smallest available segment that holds ``nbytes`` and is at most twice that."""
-        fitting = [s for s in self._segments.values() if s.available and nbytes <= s.capacity <= 2 * nbytes]
+    def _fitting(self, nbytes: int, announced: bool = False) -> Optional[_Segment]:
+        """The smallest available segment that holds ``nbytes`` and is at most twice that
+        (with ``announced``: only one the trainer knows already)."""
+        fitting = [s for s in self._segments.values() if s.available and nbytes <= s.capacity <= 2 * nbytes
+                   and not (announced and s.fd is not None)]
         return min(fitting, key=lambda s: s.capacity) if fitting else None
 
     def _segment_for(self, view: memoryview, new: list, retired: list) -> Optional[_Segment]:
-        fitting = self._fitting(view.nbytes)
-        if fitting is not None:
+        full = len(new) >= MAX_NEW_SEGMENTS_PER_FRAME  # no room for another descriptor in this frame
+        fitting = self._fitting(view.nbytes, announced=full)
+        if fitting is not None or full:
             return fitting
-        if len(new) >= MAX_NEW_SEGMENTS_PER_FRAME:
-            return None
         return self._make_room_for(view.nbytes, retired, view, new)
 
     def _make_room_for(

@@ -59,6 +59,11 @@ __all__ = ["SocketTransport", "SocketConnection", "SharedMemoryConnection", "TLS
 log = logging.getLogger(__name__)
 
 _STAGING_BYTES = 256 * 1024
+# While a large section is being received over TCP, the socket reports readable only once this
+# much of it (or all that is left) has arrived (SO_RCVLOWAT): a wake-up and a receive per
+# ~0.5 MiB instead of one per few loopback segments, which cost the trainer about a third of its
+# CPU per 8 MiB tensor. It never waits for bytes the frame did not announce.
+_LOW_WATER_BYTES = 512 * 1024
 _IOV_MAX = 512
 # Handshakes in progress at once, in all and per peer address. A good handshake takes a few
 # round trips; one that waited past _STALE_HANDSHAKE_SECONDS makes room for a newcomer, so
@@ -129,6 +134,9 @@ class SocketConnection(Connection):
         self._staging = memoryview(bytearray(_STAGING_BYTES))
         self._pending = memoryview(b"")
         self._closed = False
+        # the socket's receive low-water mark; 0: left alone (Unix sockets, TLS: its records)
+        tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and not isinstance(sock, ssl.SSLSocket)
+        self._low_water = 1 if tcp and hasattr(socket, "SO_RCVLOWAT") else 0
 
     def fileno(self) -> int:
         """The socket's file descriptor."""
@@ -188,6 +196,8 @@ class SocketConnection(Connection):
             elif self._pending:
                 self._parse_pending()
             elif (read and not self._buffered()) or not self._read(time.monotonic()):
+                if self._low_water:
+                    self._arm_low_water()
                 return frames
             else:
                 read = True
@@ -205,6 +215,8 @@ class SocketConnection(Connection):
         False if nothing arrived by ``deadline``."""
         target = self._reader.writable()
         direct = len(target) >= _STAGING_BYTES // 2
+        if self._low_water:
+            self._arm_low_water()
         received = self._recv_into(target if direct else self._staging, deadline)
         if received is None:
             return False
@@ -213,6 +225,18 @@ class SocketConnection(Connection):
         else:
             self._pending = self._staging[:received]
         return True
+
+    def _arm_low_water(self) -> None:
+        """Before waiting for input: the low-water mark for the section being received (at
+        most what is left of it, so a frame's last bytes and the next small frame still wake)."""
+        target = len(self._reader.writable())
+        nbytes = min(target, _LOW_WATER_BYTES) if target >= _STAGING_BYTES // 2 else 1
+        if nbytes != self._low_water:
+            try:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            except OSError:
+                return
+            self._low_water = nbytes
 
     def _buffered(self) -> bool:
         """Whether received bytes wait below the socket (in a TLS layer)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from benchsuite.contenders.alternatives import MPRS, RPCDataloaderContender, TorchDataLoader
 from benchsuite.contenders.base import Contender
 from benchsuite.contenders.limits import (
+    CopyLimit,
     InProcess,
     ProductionLimit,
     ProductionLimitMadeInSharedMemory,
@@ -26,7 +27,7 @@ from benchsuite.contenders.ours import (
 )
 
 CONTENDERS: dict[str, type[Contender]] = {
-    c.name: c for c in (InProcess, ProductionLimit, ProductionLimitMadeInSharedMemory, MPRS, TorchDataLoader,
+    c.name: c for c in (InProcess, ProductionLimit, ProductionLimitMadeInSharedMemory, CopyLimit, MPRS, TorchDataLoader,
                         RPCRSLocal, RPCRSLocalMadeInSharedMemory, RPCRSTcp, RPCRSTwoServers, RPCRSTorchRPC,
                         RPCDataloaderContender, RawSocket, RawUnixSocket)
 }

@@ -44,14 +44,16 @@ class ProductionLimit(Contender):
     """
 
     name = "production-limit"
+    copies_to_shared_memory = False
 
     @contextlib.contextmanager
     def epoch(self, workload, num_workers):
         context = multiprocessing.get_context("fork")
         read_fd, write_fd = os.pipe()
         go = context.Event()
-        producers = [context.Process(target=produce_share, args=(workload, rank, num_workers, write_fd, go),
-                                     daemon=True) for rank in range(num_workers)]
+        producers = [context.Process(target=produce_share, daemon=True,
+                                     args=(workload, rank, num_workers, write_fd, go, self.copies_to_shared_memory))
+                     for rank in range(num_workers)]
         try:
             for producer in producers:
                 producer.start()
@@ -94,6 +96,17 @@ class ProductionLimitMadeInSharedMemory(ProductionLimit):
         import rpc_reading_service.shared_items  # noqa: F401 - imported before the producers fork, untimed
 
         return super().epoch(made_in_shared_memory(workload), num_workers)
+
+
+class CopyLimit(ProductionLimit):
+    """The ceiling for local workers that copy each item once into shared memory (the
+    default hand-over, ``RPCRS-local``): :class:`ProductionLimit`'s processes, each copying
+    every item it makes into the next of ``workloads.ITEMS_IN_FLIGHT`` warm shared segments
+    (made before the clock starts) and letting it go, as a worker's segment pool does;
+    nothing is moved, nothing is received."""
+
+    name = "copy-limit"
+    copies_to_shared_memory = True
 
 
 class RawSocket(Contender):

@@ -153,6 +153,8 @@ TARGETS = [
     ratio_target("tensor8m", "RPCRS-local", 2, 0.6, "production-limit"),
     ratio_target("tensor8m", "RPCRS-local-shm", 2, 0.6, "production-limit-shm",
                  note=" (items made with shared_empty)"),
+    Target("tensor8m: RPCRS-local W=2 / copy-limit W=2 (what one copy into shared memory allows)", None,
+           ratio_at("tensor8m", "bytes_per_s", ("RPCRS-local", 2), ("copy-limit", 2))),
     ratio_target("tensor8m", "RPCRS-local", 2, 4, "MPRS"),
     ratio_target("tensor8m", "RPCRS-local", 2, 3, "torch-DataLoader"),
     ratio_target("tensor8m", "RPCRS-tcp", 1, 0.85, "raw-socket", note=" (both one stream)"),
@@ -179,6 +181,8 @@ TARGET_NOTES = [
     "raw-socket makes every item as the workers do",
     "production-limit-shm: the same for items made with rpc_reading_service.shared_empty (ordinary memory "
     "outside a worker session); RPCRS-local-shm: local workers whose graph makes its items that way",
+    "copy-limit (info, no target): production-limit's processes, each also copying every item once into a warm "
+    "shared segment, as RPCRS-local's workers do; nothing moved",
     "memory (info, no target): issue 15 asks that it stays bounded by prefetch; the credit window is "
     "W x prefetch x item size",
     "raw-socket is one TCP stream, so it is compared with RPCRS-tcp at W=1 (one stream); at W=2 three busy "
