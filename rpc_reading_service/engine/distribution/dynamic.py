@@ -289,18 +289,23 @@ class _DynamicMerger(Merger):
         self._finish_all()
 
     def _deliver_ready(self) -> Iterator[Any]:
-        """Hand on the buffered items of the oldest chunks, in chunk order, as far as they are here."""
-        book = self.book
+        """Hand on the buffered items of the oldest chunks, in chunk order, as far as they are here
+        (the per-item path of an in-order epoch: :meth:`_hand_on` unrolled for one chunk at a time)."""
+        book, buffers, recent, count = self.book, self.buffers, self.recent, self.run.progress.count
         while not book.over:
             chunk = book.complete_below
-            buffer = self.buffers.get(chunk)
+            buffer = buffers.get(chunk)
             if not buffer:
                 return
-            item = buffer.popleft()
-            self._hand_on(self.producers[chunk], chunk)
-            if not buffer:
-                self.buffers.pop(chunk, None)
-            yield item
+            rank = self.producers[chunk]
+            while buffer:
+                item = buffer.popleft()
+                if not buffer:
+                    del buffers[chunk]
+                recent.append(chunk)
+                book.deliver(chunk)
+                count(rank)
+                yield item
 
     def _hand_on(self, rank: int, chunk: int) -> None:
         self.recent.append(chunk)

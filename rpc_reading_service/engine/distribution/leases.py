@@ -248,8 +248,10 @@ class LeaseBook:
     # -- delivery -------------------------------------------------------------------------------
     def deliver(self, chunk: int) -> None:
         """One more item of ``chunk`` was handed on."""
-        self.delivered[chunk] = self.delivered.get(chunk, 0) + 1
-        self._maybe_complete(chunk)
+        delivered = self.delivered[chunk] = self.delivered.get(chunk, 0) + 1
+        total = self.totals.get(chunk)
+        if total is not None and delivered >= total:
+            self._maybe_complete(chunk)
 
     def _maybe_complete(self, chunk: int) -> None:
         total = self.totals.get(chunk)
