@@ -35,8 +35,9 @@ from torchdata.dataloader2.utils.dispatch import (
     find_lca_round_robin_sharding_dp,
     find_non_dispatching_branches,
 )
-from torchdata.dataloader2.utils.worker import HAS_NUMPY, _set_global_random_state
+from torchdata.dataloader2.utils.worker import HAS_NUMPY
 
+from .chunk_seeds import spawned_seeds
 from .errors import ConfigurationError
 from .selection import share_seeds_before_selections
 
@@ -273,19 +274,26 @@ def reset_worker_graph(
 
 
 def _seed_global_rngs(seed_generator: SeedGenerator) -> None:
-    """Seed ``random``, torch and numpy from ``seed_generator`` as torchdata does (same draws, same
-    order). On a host with no accelerator only torch's CPU generator is seeded: ``torch.manual_seed``
-    would also queue a seed for a CUDA that can never start here, recording the caller's stack
-    (``traceback.format_stack``, about 1 ms of CPU per epoch and per leased chunk)."""
+    """Seed ``random``, torch and numpy from ``seed_generator`` as torchdata does (same draws, same order)."""
+    python_seed, torch_seed = seed_generator.generate_seed(), seed_generator.generate_seed()
+    _apply_global_seeds(python_seed, torch_seed, seed_generator.generate_seed() if HAS_NUMPY else None)
+
+
+def _apply_global_seeds(python_seed: int, torch_seed: int, numpy_seed: Optional[int]) -> None:
+    """Seed ``random``, torch and numpy (unless None) with torchdata's three draws, as its
+    ``_set_global_random_state`` does. On a host with no accelerator only torch's CPU generator
+    is seeded: ``torch.manual_seed`` would also queue a seed for a CUDA that can never start
+    here, recording the caller's stack (``traceback.format_stack``, about 1 ms of CPU per epoch
+    and per leased chunk)."""
+    random.seed(python_seed)
     if _accelerator_available():
-        _set_global_random_state(seed_generator)
-        return
-    random.seed(seed_generator.generate_seed())
-    torch.default_generator.manual_seed(seed_generator.generate_seed())
-    if HAS_NUMPY:
+        torch.manual_seed(torch_seed)
+    else:
+        torch.default_generator.manual_seed(torch_seed)
+    if numpy_seed is not None:
         import numpy
 
-        numpy.random.seed(seed_generator.generate_seed() >> 32)  # torchdata's uint64 to uint32
+        numpy.random.seed(numpy_seed >> 32)  # torchdata's uint64 to uint32
 
 
 def _accelerator_available() -> bool:
@@ -333,9 +341,8 @@ def _same(value: object) -> object:
 def seed_chunk(epoch_seed: int, chunk: int) -> None:
     """Seed the global RNGs (``random``, torch, numpy) of a worker for one leased chunk of a "dynamic"
     epoch, from the epoch's seed and the chunk's index alone: the randomness after the sharding
-    point then depends on the chunk, not on which worker got it (nor on what it did before)."""
-    _seed_global_rngs(_epoch_seeds(epoch_seed).spawn(chunk))  # spawning leaves the epoch's generator as it was
-
-
-#: The epoch's seed generator, made once for all its chunks (making one costs as much as spawning).
-_epoch_seeds = functools.lru_cache(maxsize=4)(SeedGenerator)
+    point then depends on the chunk, not on which worker got it (nor on what it did before).
+    The seeds are ``SeedGenerator(epoch_seed).spawn(chunk)``'s, computed without building it
+    (:func:`~rpc_reading_service.chunk_seeds.spawned_seeds`: a sixth of its CPU, per chunk)."""
+    python_seed, torch_seed, numpy_seed = spawned_seeds(epoch_seed, chunk)
+    _apply_global_seeds(python_seed, torch_seed, numpy_seed if HAS_NUMPY else None)

@@ -337,3 +337,25 @@ def test_dynamic_with_a_killed_worker_in_reassign_mode_is_exactly_once_in_the_sa
             except ProcessLookupError:
                 pass
     assert [first, second] == reference
+
+
+
+def test_the_default_window_grows_while_items_are_small_up_to_its_ceiling_never_below_its_first_size():
+    def fast_worker_holds(window_bytes: Any, frames: List[tuple]) -> List[int]:
+        book = LeaseBook(num_workers=1, chunk_size=4, depth=2, window=4, max_depth=8, window_bytes=window_bytes)
+        for items, nbytes in frames:
+            book.received(items, nbytes)
+        for now in (10.0, 10.0001):  # its chunks take 0.1 ms: it may hold max_depth chunks
+            book.lease(0)
+            book.done(0, book.outstanding[0][0], 4, None, now=now)
+        while book.lease(0) is not None:
+            pass
+        return list(book.outstanding[0])
+
+    small = [(4, 4000), (996, 0)]  # 4 bytes an item over the epoch: 62 chunks hold 1000 bytes, capped at 16
+    assert fast_worker_holds(1000, small) == list(range(2, 10))  # max_depth: past the first window (chunks < 4)
+    assert fast_worker_holds(None, small) == [2, 3]  # a window given by the user stays as given
+    assert fast_worker_holds(1000, [(4, 4000)]) == [2, 3]  # 1000 bytes an item: the first window
+    book = LeaseBook(num_workers=1, chunk_size=4, depth=2, window=4, max_depth=8, window_bytes=1000)
+    book.received(1000, 4000)
+    assert book.window == 16  # 2 * max_depth * num_workers

@@ -36,6 +36,9 @@ __all__ = ["DispatchedMerger"]
 class DispatchedMerger(_DynamicMerger):
     """One "dynamic" epoch of a dispatching graph: leases dispatched items, sends them with their leases."""
 
+    max_depth = MAX_DEPTH  # units, each sent with its item: not the deeper leases of chunks
+    sized_window = False
+
     def __init__(self, policy: Dynamic, run: EpochRun):
         super().__init__(policy, run)
         if policy.window is None:  # a unit is one item: bound the trainer's buffer by as many items as chunks do

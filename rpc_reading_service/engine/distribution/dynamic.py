@@ -20,6 +20,8 @@ a matter of timing: the per-chunk seeds keep the same seed giving the same items
 
 Buffering is bounded by ``window``: no chunk at or past (the oldest chunk not delivered
 completely + ``window``) is leased, so at most ``window`` chunks of items wait in the trainer.
+The default window grows while the items are small (to what 4 MiB per worker holds), so that
+a fast worker of tiny items is leased dozens of chunks per send instead of a few.
 
 The DataPipes after ``sharding_filter`` should pass items one by one (map, filter,
 flatmap, ...): a ``batch`` there groups items of consecutive leased chunks of one worker,
@@ -44,7 +46,7 @@ from ...graph import check_per_item_after_dispatch
 from ...selection import LeasedChunks, WorkerSelection
 from ...settings import NumberRule, check_number
 from .base import DistributionPolicy, EpochRun, FleetView, Merger
-from .leases import MAX_DEPTH, LeaseBook, check_book_state
+from .leases import MAX_CHUNK_DEPTH, WINDOW_BYTES_PER_WORKER, LeaseBook, check_book_state
 from .merge import _next_frame, _report_held_losses, _take
 
 __all__ = ["Dynamic", "DEFAULT_CHUNK_SIZE"]
@@ -52,7 +54,7 @@ __all__ = ["Dynamic", "DEFAULT_CHUNK_SIZE"]
 #: Positions per chunk unless given: measured with benchmarks/bench_distribution.py (see DISTRIBUTION.md).
 DEFAULT_CHUNK_SIZE = 16
 #: The credit window of a "dynamic" epoch's workers (DATA frames; see :meth:`Dynamic.credits`).
-CREDITS = 2 * MAX_DEPTH
+CREDITS = 32
 
 
 def _positive(name: str, value: Any) -> int:
@@ -73,7 +75,10 @@ class Dynamic(DistributionPolicy):
         depth: Chunks each worker holds ahead (not yet reported done); 2 keeps it busy while
             its report travels.
         window: At most this many chunks past the oldest one not yet delivered are leased
-            (bounds the trainer's buffer; default ``4 * depth * num_workers``).
+            (bounds the trainer's buffer). Default: ``4 * depth * num_workers``, growing while
+            the items are small to as many chunks as hold 4 MiB per worker (up to
+            ``128 * num_workers``), so that fast workers of tiny items get their leases in
+            few sends (:class:`~.leases.LeaseBook`).
         in_order: True (default): resequenced by chunk, deterministic for a seed; False:
             items in arrival order (also ``RPCReadingService(distribution="dynamic", in_order=False)``).
 
@@ -156,11 +161,19 @@ class Dynamic(DistributionPolicy):
 class _DynamicMerger(Merger):
     """One dynamic epoch: keeps every worker leased, files items under their chunks, delivers them."""
 
+    #: How many units a fast worker may hold, and whether the default window grows while items are small.
+    max_depth = MAX_CHUNK_DEPTH
+    sized_window = True
+
     def __init__(self, policy: Dynamic, run: EpochRun):
         self.run = run
         count = len(run.channels)
         window = policy.window or 4 * policy.depth * max(1, count)
-        self.book = LeaseBook(count, policy.chunk_size, policy.depth, max(window, policy.depth * count))
+        window_bytes = WINDOW_BYTES_PER_WORKER * count if policy.window is None and self.sized_window else None
+        self.book = LeaseBook(
+            count, policy.chunk_size, policy.depth, max(window, policy.depth * count),
+            max_depth=self.max_depth, window_bytes=window_bytes,
+        )  # fmt: skip
         if run.resume is not None:
             self.book.resume(run.resume)
         self.in_order = policy.in_order
@@ -249,6 +262,8 @@ class _DynamicMerger(Merger):
                 except WorkerLostError as exc:
                     self._replace(event.channel, exc)
                     continue
+                assert event.frame is not None
+                book.received(len(items), event.frame.nbytes)
                 start = 0
                 for chunk, count in book.arrived(rank, len(items)):
                     self.producers[chunk] = rank
@@ -274,18 +289,23 @@ class _DynamicMerger(Merger):
         self._finish_all()
 
     def _deliver_ready(self) -> Iterator[Any]:
-        """Hand on the buffered items of the oldest chunks, in chunk order, as far as they are here."""
-        book = self.book
+        """Hand on the buffered items of the oldest chunks, in chunk order, as far as they are here
+        (the per-item path of an in-order epoch: :meth:`_hand_on` unrolled for one chunk at a time)."""
+        book, buffers, recent, count = self.book, self.buffers, self.recent, self.run.progress.count
         while not book.over:
             chunk = book.complete_below
-            buffer = self.buffers.get(chunk)
+            buffer = buffers.get(chunk)
             if not buffer:
                 return
-            item = buffer.popleft()
-            self._hand_on(self.producers[chunk], chunk)
-            if not buffer:
-                self.buffers.pop(chunk, None)
-            yield item
+            rank = self.producers[chunk]
+            while buffer:
+                item = buffer.popleft()
+                if not buffer:
+                    del buffers[chunk]
+                recent.append(chunk)
+                book.deliver(chunk)
+                count(rank)
+                yield item
 
     def _hand_on(self, rank: int, chunk: int) -> None:
         self.recent.append(chunk)

@@ -11,8 +11,13 @@ count already delivered as their skip, and are leased again (exactly once).
 Bounds: a session holds at most ``depth`` chunks not yet reported done (it is kept that far
 ahead; one, once its chunks take longer than ``slow_chunk_seconds``: a worker that slow
 loses little waiting one round trip for its next lease, and holding a second chunk would
-only make the end of the epoch wait longer for it), and no chunk at or past ``complete_below + window`` is leased, so the trainer buffers
-at most ``window`` chunks of items however unequal the workers are.
+only make the end of the epoch wait longer for it; up to ``max_depth``, enough for
+:data:`LEAD_SECONDS` of its work, once they take less), and no chunk at or past ``complete_below + window`` is leased, so the trainer buffers
+at most ``window`` chunks of items however unequal the workers are. With ``window_bytes``
+(the default window) the window grows past its first value while the items are small, to
+as many chunks as hold ``window_bytes`` (:meth:`LeaseBook.received`), up to
+``2 * max_depth * num_workers``: fast workers of small items then get their leases many at a
+time, in a few sends, instead of waiting for the window to move.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Set, Tuple
 
 from ...errors import ConfigurationError
 
-__all__ = ["LeaseBook", "check_book_state", "SLOW_CHUNK_SECONDS"]
+__all__ = ["LeaseBook", "check_book_state", "SLOW_CHUNK_SECONDS", "MAX_CHUNK_DEPTH", "WINDOW_BYTES_PER_WORKER"]
 
 #: A worker whose chunks take longer than this (between its reports) is kept one chunk ahead only.
 SLOW_CHUNK_SECONDS = 0.05
@@ -32,16 +37,27 @@ SLOW_CHUNK_SECONDS = 0.05
 #: chunks, up to :data:`MAX_DEPTH`): tiny items would otherwise wait for the round trip of every lease.
 LEAD_SECONDS = 0.02
 MAX_DEPTH = 16
+#: The default ``max_depth`` of a chunked epoch (a dispatched one keeps :data:`MAX_DEPTH` units).
+MAX_CHUNK_DEPTH = 64
+#: What the default window of a chunked epoch may hold per worker, in bytes received: what
+#: round-robin's default credits let a worker queue (4 frames of up to 1 MiB).
+WINDOW_BYTES_PER_WORKER = 4 * 1024 * 1024
 
 
 class LeaseBook:
     """The chunks of one "dynamic" epoch over ``num_workers`` sessions (ranks)."""
 
     def __init__(
-        self, num_workers: int, chunk_size: int, depth: int, window: int, slow_chunk_seconds: float = SLOW_CHUNK_SECONDS
-    ):
+        self, num_workers: int, chunk_size: int, depth: int, window: int, slow_chunk_seconds: float = SLOW_CHUNK_SECONDS,
+        max_depth: int = MAX_DEPTH, window_bytes: Optional[int] = None,
+    ):  # fmt: skip
         self.chunk_size, self.depth, self.window = chunk_size, depth, window
-        self.slow_chunk_seconds = slow_chunk_seconds
+        self.slow_chunk_seconds, self.max_depth = slow_chunk_seconds, max_depth
+        #: The window's bounds when it is sized by bytes (``window_bytes``), and the bytes and
+        #: items received so far this epoch.
+        self._window_bytes = window_bytes
+        self._window_bounds = (window, max(window, 2 * max_depth * num_workers))
+        self._bytes_received = self._items_received = 0
         #: When each rank last reported a chunk done, and how long its chunks take (smoothed).
         self._reported_at: Dict[int, float] = {}
         self.chunk_seconds: Dict[int, float] = {}
@@ -129,7 +145,7 @@ class LeaseBook:
             return self.depth
         if seconds >= self.slow_chunk_seconds:
             return 1
-        return max(self.depth, min(MAX_DEPTH, math.ceil(LEAD_SECONDS / max(seconds, 1e-6))))
+        return max(self.depth, min(self.max_depth, math.ceil(LEAD_SECONDS / max(seconds, 1e-6))))
 
     def to_finish(self) -> List[int]:
         """Ranks to tell that no more chunks come (the stream's end is known and nothing is pending)."""
@@ -161,6 +177,17 @@ class LeaseBook:
             segments.append((self.outstanding[rank][0], count))  # the state machine checked there is one
             self._arrived_of_head[rank] += count
         return segments
+
+    def received(self, items: int, nbytes: int) -> None:
+        """A DATA frame of ``items`` items and ``nbytes`` bytes arrived: with ``window_bytes``, size the
+        window to the chunks that many bytes hold at the epoch's bytes per item, within its bounds."""
+        if self._window_bytes is None or not items:
+            return
+        self._bytes_received += nbytes
+        self._items_received += items
+        chunk_bytes = self.chunk_size * self._bytes_received / self._items_received
+        floor, ceiling = self._window_bounds
+        self.window = max(floor, min(ceiling, int(self._window_bytes / chunk_bytes)))
 
     def done(self, rank: int, chunk: int, items: int, stream_length: Optional[int], now: Optional[float] = None) -> None:
         """``rank`` finished ``chunk`` with ``items`` items (after its skip), at ``now`` (monotonic)."""
@@ -221,8 +248,10 @@ class LeaseBook:
     # -- delivery -------------------------------------------------------------------------------
     def deliver(self, chunk: int) -> None:
         """One more item of ``chunk`` was handed on."""
-        self.delivered[chunk] = self.delivered.get(chunk, 0) + 1
-        self._maybe_complete(chunk)
+        delivered = self.delivered[chunk] = self.delivered.get(chunk, 0) + 1
+        total = self.totals.get(chunk)
+        if total is not None and delivered >= total:
+            self._maybe_complete(chunk)
 
     def _maybe_complete(self, chunk: int) -> None:
         total = self.totals.get(chunk)
