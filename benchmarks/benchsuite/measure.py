@@ -61,13 +61,16 @@ def read_all(item) -> int:
 
 def drain(contender, workload: Workload, num_workers: int, budget_s: float,
           consume: Callable[[Any], int] = touch, consumer_sleep_s: float = 0.0,
-          warmup_fraction: float = 0.0) -> dict:
+          warmup_fraction: float = 0.0, warmup_epochs: int = 0) -> dict:
     """Run one epoch of ``contender`` (see ``contenders.base.Contender``) and time it.
 
     Stops after ``budget_s`` seconds of items (unless the contender cannot stop early
     cleanly).  The rate is steady-state: counted from the item at ``warmup_fraction``
     of the epoch (the first item by default), or from ``CLOCK_START`` if the loader
-    yields it first.
+    yields it first.  With ``warmup_epochs``, that many whole epochs of the same loader
+    (its workers kept) run first, untimed: the timed epoch is the next one, its times
+    count from its own start, and ``loader_first_item_s`` is the wait from building the
+    loader to its very first item.
     """
     warmup_items = max(1, int(workload.n_items * warmup_fraction))
     items = nbytes = 0
@@ -77,8 +80,15 @@ def drain(contender, workload: Workload, num_workers: int, budget_s: float,
     stopped_by_budget = False
     item = None
     t0 = time.perf_counter()
-    with contender.epoch(workload, num_workers) as loader:
-        for item in loader:
+    loader_first_item_s = None
+    with contender.epochs(workload, num_workers) as next_epoch:
+        for _ in range(warmup_epochs):
+            for item in next_epoch():
+                if loader_first_item_s is None:
+                    loader_first_item_s = time.perf_counter() - t0
+                consume(item)
+            t0 = time.perf_counter()
+        for item in next_epoch():
             if item is CLOCK_START:
                 t_first = t_start = time.perf_counter()
                 cpu_start = time.process_time()
@@ -107,6 +117,8 @@ def drain(contender, workload: Workload, num_workers: int, budget_s: float,
         "items": items,
         "bytes": nbytes,
         "first_item_s": (t_first - t0) if t_first is not None else None,
+        "loader_first_item_s": loader_first_item_s if warmup_epochs else
+        ((t_first - t0) if t_first is not None else None),
         "steady_s": steady_s,
         "steady_items": steady_items,
         "total_s": t_end - t0,

@@ -51,6 +51,21 @@ class TorchDataLoader(Contender):
             if shutdown is not None:
                 shutdown()
 
+    @contextlib.contextmanager
+    def epochs(self, workload, num_workers):
+        """With ``persistent_workers=True``: its workers serve every epoch, as the reading
+        services' do (by default it would start new workers for each epoch)."""
+        from torch.utils.data import DataLoader
+
+        loader = DataLoader(build_datapipe(workload), batch_size=None, num_workers=num_workers,
+                            persistent_workers=num_workers > 0)
+        try:
+            yield lambda: iter(loader)
+        finally:
+            shutdown = getattr(loader._iterator, "_shutdown_workers", None)  # what its __del__ does
+            if shutdown is not None:
+                shutdown()
+
 
 class RPCDataloaderContender(Contender):
     """rpcdataloader 0.2.1: a map-style dataset on running ``rpcdataloader.launch`` workers."""

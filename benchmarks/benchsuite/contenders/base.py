@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from workloads import Workload, build_datapipe
 
@@ -32,6 +32,13 @@ class Contender:
         """Build the loader for one epoch of ``workload`` on ``num_workers`` workers, yield
         an iterable of its items, shut it down on exit."""
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def epochs(self, workload: Workload, num_workers: int) -> Iterator[Callable[[], Iterable]]:
+        """Build the loader once, as :meth:`epoch`, and yield a function that gives the
+        iterable of its next epoch (the same workers serve every epoch); shut it down on exit."""
+        with self.epoch(workload, num_workers) as loader:
+            yield lambda: loader  # a DataLoader2 (and so its reading service) runs a new epoch per iter()
 
     def credit_window_bytes(self, workload: Workload, num_workers: int) -> Optional[int]:
         """Bytes the trainer may hold in flight by design (its credit window), if known."""
