@@ -168,13 +168,22 @@ def _keep_small_buffers_in_band(buffer: pickle.PickleBuffer) -> bool:
 class ItemEncoder:
     """Pickles items one by one, reusing one pickler (a third of the cost of a new one per item).
 
+    A large buffer (a tensor's or array's memory) leaves the pickle out of band, and the item
+    keeps a copy of it as it is now: a graph may write the same memory again for its next item
+    (a reused buffer) before this one is sent, and every item must arrive as it was yielded, as
+    with torch's DataLoader and MPRS, which copy too. ``stage``, if given, decides where that
+    copy goes (say, in a segment of shared memory that the transport lends with no further
+    copy) or returns the buffer itself for memory the producer must not write again (made in
+    such a segment); None leaves it to an ordinary copy.
+
     Not thread-safe: one encoder per producing thread.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stage: Optional[Callable[[memoryview], Optional[Any]]] = None) -> None:
         self._stream = io.BytesIO()
         self._out_of_band: List[pickle.PickleBuffer] = []
         self._pickler = _ItemPickler(self._stream, protocol=5, buffer_callback=self._collect)
+        self._stage = stage
 
     def _collect(self, buffer: pickle.PickleBuffer) -> bool:
         if _keep_small_buffers_in_band(buffer):
@@ -182,15 +191,24 @@ class ItemEncoder:
         self._out_of_band.append(buffer)
         return False
 
+    def _snapshot(self, view: memoryview) -> Any:
+        staged = self._stage(view) if self._stage is not None else None
+        if staged is not None:
+            return staged
+        copy = numpy.empty(view.nbytes, dtype=numpy.uint8)  # numpy's: huge pages for large ones
+        numpy.copyto(copy, numpy.frombuffer(view, dtype=numpy.uint8))
+        return memoryview(copy)
+
     def encode(self, obj: Any) -> EncodedItem:
-        """Pickle one item; large buffers are returned separately for a zero-copy send."""
+        """Pickle one item; large buffers are returned separately (copies of them as they are
+        now) for a send with no further copy."""
         stream = self._stream
         stream.seek(0)
         stream.truncate()
         self._pickler.clear_memo()
         self._out_of_band = []
         self._pickler.dump(obj)
-        return EncodedItem(stream.getvalue(), [b.raw() for b in self._out_of_band])
+        return EncodedItem(stream.getvalue(), [self._snapshot(b.raw()) for b in self._out_of_band])
 
 
 def dumps_item(obj: Any) -> EncodedItem:

@@ -70,6 +70,7 @@ from .protocol import (
 from .selection import LeaseInbox, SelectionContext, SelectionFilter, selections_in
 from .serialization import ItemEncoder, fallback_exception_info, loads_graph, loads_item, pack_exception
 from .transports.base import Connection, PeerLostError
+from .transports.shared_memory import copy_into_segment
 
 __all__ = ["SessionOptions", "Outbox", "Inbox", "DispatchedInput", "WorkerSession"]
 
@@ -810,7 +811,7 @@ class WorkerSession:
                     self._graph, self._worker_info, request.seed, request.global_worker_id, self._reset_fn
                 )
                 skip = request.skip
-                encode, put = ItemEncoder().encode, self.outbox.put
+                encode, put = ItemEncoder(stage=copy_into_segment).encode, self.outbox.put
                 chunks = _ChunkCount(epoch, request.seed, self.outbox) if leases is not None else None
                 context = SelectionContext(request.epoch, request.seed, request.global_worker_id, leases)
                 if chunks is not None:

@@ -30,12 +30,19 @@ from rpc_reading_service.protocol.frames import (
 )
 from rpc_reading_service.serialization import (
     SHARED_MEMORY_MIN_BYTES,
+    ItemEncoder,
     accepts_shared_memory,
     buffer_allocator,
     dumps_item,
     loads_item,
 )
-from rpc_reading_service.transports.shared_memory import HEADER_BYTES, SegmentMap, SegmentPool, shared_memory_available
+from rpc_reading_service.transports.shared_memory import (
+    HEADER_BYTES,
+    SegmentMap,
+    SegmentPool,
+    copy_into_segment,
+    shared_memory_available,
+)
 
 pytestmark = pytest.mark.skipif(not shared_memory_available(), reason="needs memfd (Linux)")
 
@@ -126,6 +133,11 @@ def test_shared_data_wraps_only_data_and_counts_every_buffer():
 
 
 # -- pool and map, in one process -------------------------------------------------------------------
+def encode_in_session(item) -> EncodedItem:
+    """Encode ``item`` as a local worker's session does (large buffers staged in its segments)."""
+    return ItemEncoder(stage=copy_into_segment).encode(item)
+
+
 def _hand_over(pool: SegmentPool, segments: SegmentMap, buffers, max_frame_bytes: int = 1 << 30):
     """What the two ends of a connection do with one frame's buffers: the received buffers."""
     shared, inline, new, retired = pool.lend(buffers, SHARED_MEMORY_MIN_BYTES)
@@ -200,7 +212,7 @@ def test_items_made_in_a_segment_are_lent_as_they_are_and_reused_once_both_sides
         for round_ in range(3):
             made = shared_empty((BIG // 4,), torch.int32)
             made.fill_(round_)
-            encoded = dumps_item(made)
+            encoded = encode_in_session(made)
             (buffer,) = _hand_over(pool, segments, encoded.buffers)
             received = loads_item(EncodedItem(encoded.payload, [buffer]))
             made[0] = -1  # the very same memory: nothing was copied
@@ -215,7 +227,7 @@ def test_items_made_in_a_segment_are_lent_as_they_are_and_reused_once_both_sides
         assert all(shared(t) for t in held) and pool.segments == 3
         assert not shared(shared_empty((BIG,))) and not shared(shared_empty((SHARED_MEMORY_MIN_BYTES - 1,)))
         assert pool.segments == 3  # full, or too small to be worth a segment: ordinary memory
-        (buffer,) = _hand_over(pool, segments, dumps_item(held[0]).buffers)
+        (buffer,) = _hand_over(pool, segments, encode_in_session(held[0]).buffers)
         held[0][5] = 9  # lent as it is, though the pool was full
         assert numpy.frombuffer(buffer, numpy.uint8)[5] == 9
     finally:

@@ -24,7 +24,7 @@ from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from _server_helpers import wait_until
 from conftest import _pythonpath, children_of, process_alive, run_epochs, start_server
 from torchdata.dataloader2 import DataLoader2
-from torchdata.datapipes.iter import IterableWrapper
+from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 from transport_plugin import DIST_DIR, LOG_ENV, PLUGIN_NAME, Counters, CountingTransport
 
 from _server_helpers import _pythonpath, children_of, process_alive, run_epochs, start_server, wait_until
@@ -56,6 +56,23 @@ def fail_at_7(x):
 
 def big_item(x):
     return {"index": x, "tensor": torch.full((40_000,), float(x))}  # 160 KB: out-of-band buffers
+
+
+class ReusedBuffer(IterDataPipe):
+    """Yields (i, the same tensor refilled with i): a graph that writes one buffer for every
+    item, faster than the trainer takes them (300 KiB: out of band, and in shared memory for
+    local workers)."""
+
+    def __iter__(self):
+        buffer = torch.empty(300 * 1024, dtype=torch.uint8)
+        for index in range(N_ITEMS):
+            buffer.fill_(index)
+            yield index, buffer
+
+
+def assert_each_item_as_yielded(items):
+    assert [index for index, _ in items] == list(range(N_ITEMS))
+    assert [(int(t.min()), int(t.max())) for _, t in items] == [(index, index) for index in range(N_ITEMS)]
 
 
 def shuffled():
@@ -150,6 +167,10 @@ def test_tensors_arrive_intact(servers, transport):
     assert [item["index"] for item in epoch] == list(range(6))
     for item in epoch:
         assert torch.equal(item["tensor"], torch.full((40_000,), float(item["index"])))
+    # a graph that refills one buffer for every item: each arrives as it was yielded, not as
+    # the buffer was when it was sent (prefetch=1: items wait for credit while it is refilled)
+    with DataLoader2(ReusedBuffer().sharding_filter(), reading_service=remote(servers(transport), transport, num_workers=1, prefetch=1)) as dl:
+        assert_each_item_as_yielded(list(dl))
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -199,6 +220,10 @@ def test_local_workers(transport, monkeypatch, tmp_path):
     assert wait_until(lambda: not process_alive(server_pid), 5.0), "local worker server left behind"
     if transport == PLUGIN_NAME:
         assert f"listen {server_pid}" in (tmp_path / "plugin.log").read_text()
+    if transport == "socket":  # local workers hand buffers over in shared memory
+        rs = RPCReadingService(num_workers=1, prefetch=1)
+        with DataLoader2(ReusedBuffer().sharding_filter(), reading_service=rs) as dl:
+            assert_each_item_as_yielded(list(dl))
 
 
 def test_the_plugin_carried_the_traffic_on_both_sides(servers):

@@ -35,8 +35,9 @@ import numpy
 
 from ..errors import RemoteProtocolError
 from ..protocol.frames import Buffer, Frame, SharedBuffer, SharedFrame
+from ..serialization import SHARED_MEMORY_MIN_BYTES
 
-__all__ = ["HEADER_BYTES", "SegmentPool", "SegmentMap", "allocate", "shared_memory_available"]
+__all__ = ["HEADER_BYTES", "SegmentPool", "SegmentMap", "allocate", "copy_into_segment", "shared_memory_available"]
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,27 @@ def allocate(nbytes: int) -> Optional[Buffer]:
     return pools[0].allocate(nbytes)
 
 
+def copy_into_segment(view: memoryview) -> Optional[Buffer]:
+    """Where an item's large buffer ``view`` goes as it is encoded (the ``stage`` of an
+    ``ItemEncoder`` in a local worker's session): ``view`` itself if a producer made it in
+    one of this process's segments (:func:`allocate`: it must not write it again), else a
+    copy in a segment, made now; None where :func:`allocate` gives nothing or for a buffer
+    under ``SHARED_MEMORY_MIN_BYTES`` (the encoder then copies it to ordinary memory).
+
+    Copied when the item is encoded rather than when its frame is sent, the item is kept as it
+    was yielded, and its own memory goes back to the allocator at once, warm, for the next
+    item (held until sent, each item's fresh memory costs page faults)."""
+    pools = list(_producer_pools)
+    if view.nbytes < SHARED_MEMORY_MIN_BYTES or len(pools) != 1:
+        return None
+    if pools[0].made_here(view):
+        return view
+    memory = pools[0].allocate(view.nbytes)
+    if memory is not None:
+        numpy.frombuffer(memory, dtype=numpy.uint8)[:] = numpy.frombuffer(view, dtype=numpy.uint8)
+    return memory
+
+
 class SegmentPool:
     """The worker's segments of one connection: lends one to each large buffer it sends.
 
@@ -145,6 +167,11 @@ class SegmentPool:
             memory = (ctypes.c_ubyte * nbytes).from_buffer(segment.mapping, HEADER_BYTES)
             weakref.finalize(memory, _put_down, segment).atexit = False
             return memory  # type: ignore[return-value]
+
+    def made_here(self, view: memoryview) -> bool:
+        """Whether a producer made ``view`` in one of this pool's segments."""
+        with self._lock:
+            return self._made_in(view) is not None
 
     def _made_in(self, view: memoryview) -> Optional[Tuple[_Segment, int]]:
         """The segment a producer made ``view`` in and its offset there, if any."""
