@@ -4,7 +4,7 @@ A "dynamic" worker seeds its global RNGs for every leased chunk (16 positions by
 from the epoch's seed and the chunk's index. Building the spawned ``SeedGenerator`` runs
 torchdata's pure-Python Philox four times (the child's key, a spawn seed of the child that
 is never used, and two blocks of seeds), about half of what a chunk of tiny items costs a
-worker. This module runs the same Philox4x32-10 three times, on plain integers: the same
+worker. This module runs torchdata's Philox4x32-10 block three times, on plain integers: the same
 seeds (tests/test_chunk_seeds.py checks them against torchdata for many seeds and indexes).
 """
 
@@ -13,23 +13,17 @@ from __future__ import annotations
 import functools
 from typing import Tuple
 
+from torchdata.dataloader2.random._philox import philox_10_round
+
 __all__ = ["spawned_seeds"]
 
 _MASK_32 = 0xFFFFFFFF
 _MASK_64 = 0xFFFFFFFFFFFFFFFF
-# Philox4x32-10's constants (torchdata.dataloader2.random._philox).
-_KEY_BUMP_0, _KEY_BUMP_1 = 0x9E3779B9, 0xBB67AE85
-_MULTIPLIER_0, _MULTIPLIER_1 = 0xD2511F53, 0xCD9E8D57
 
 
 def _philox(key0: int, key1: int, c0: int, c1: int, c2: int, c3: int) -> Tuple[int, int, int, int]:
-    """One Philox4x32-10 block: torchdata's ``philox_10_round((key0, key1), [c0, c1, c2, c3])``."""
-    for _ in range(9):
-        p0, p1 = _MULTIPLIER_0 * c0, _MULTIPLIER_1 * c2
-        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ key0, p1 & _MASK_32, (p0 >> 32) ^ c3 ^ key1, p0 & _MASK_32
-        key0, key1 = (key0 + _KEY_BUMP_0) & _MASK_32, (key1 + _KEY_BUMP_1) & _MASK_32
-    p0, p1 = _MULTIPLIER_0 * c0, _MULTIPLIER_1 * c2
-    return (p1 >> 32) ^ c1 ^ key0, p1 & _MASK_32, (p0 >> 32) ^ c3 ^ key1, p0 & _MASK_32
+    """One Philox4x32-10 block, torchdata's own (``philox_10_round``)."""
+    return tuple(philox_10_round((key0, key1), [c0, c1, c2, c3]))  # type: ignore[return-value]
 
 
 @functools.lru_cache(maxsize=4)
