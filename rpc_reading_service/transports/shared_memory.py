@@ -93,15 +93,19 @@ def _put_down(segment: _Segment) -> None:
 _producer_pools: "weakref.WeakSet[SegmentPool]" = weakref.WeakSet()
 
 
+def _producer_pool() -> Optional["SegmentPool"]:
+    """The pool of this process's one session that lets producers make items in its segments."""
+    pools = list(_producer_pools)
+    return pools[0] if len(pools) == 1 else None  # several sessions in one process (threads): which sends it?
+
+
 def allocate(nbytes: int) -> Optional[Buffer]:
     """``nbytes`` of writable memory in a segment of this process's session, which its
     connection will hand over without a copy; None when there is no such session (no
     local worker session here, the trainer did not offer shared memory, a session that
     shares its server's process, or the pool is full)."""
-    pools = list(_producer_pools)
-    if len(pools) != 1:
-        return None  # several sessions in one process (threads): which one sends it is unknown
-    return pools[0].allocate(nbytes)
+    pool = _producer_pool()
+    return pool.allocate(nbytes) if pool is not None else None
 
 
 def copy_into_segment(view: memoryview) -> Optional[Buffer]:
@@ -114,15 +118,8 @@ def copy_into_segment(view: memoryview) -> Optional[Buffer]:
     Copied when the item is encoded rather than when its frame is sent, the item is kept as it
     was yielded, and its own memory goes back to the allocator at once, warm, for the next
     item (held until sent, each item's fresh memory costs page faults)."""
-    pools = list(_producer_pools)
-    if view.nbytes < SHARED_MEMORY_MIN_BYTES or len(pools) != 1:
-        return None
-    if pools[0].made_here(view):
-        return view
-    memory = pools[0].allocate(view.nbytes)
-    if memory is not None:
-        numpy.frombuffer(memory, dtype=numpy.uint8)[:] = numpy.frombuffer(view, dtype=numpy.uint8)
-    return memory
+    pool = _producer_pool() if view.nbytes >= SHARED_MEMORY_MIN_BYTES else None
+    return pool.stage(view) if pool is not None else None
 
 
 class SegmentPool:
@@ -156,22 +153,31 @@ class SegmentPool:
         """``nbytes`` of a free (or new) segment, in the producer's hands while the returned
         memory lives here; None when the pool cannot hold another segment of that size."""
         with self._lock:
-            if self._closed or nbytes <= 0:
-                return None
-            segment = self._fitting(nbytes)
-            if segment is None:
-                segment = self._make_room_for(nbytes, self._retired)
-            if segment is None:
-                return None
-            segment.in_hand = True
-            memory = (ctypes.c_ubyte * nbytes).from_buffer(segment.mapping, HEADER_BYTES)
-            weakref.finalize(memory, _put_down, segment).atexit = False
-            return memory  # type: ignore[return-value]
+            return self._hand_out(nbytes)
 
-    def made_here(self, view: memoryview) -> bool:
-        """Whether a producer made ``view`` in one of this pool's segments."""
+    def stage(self, view: memoryview) -> Optional[Buffer]:
+        """:func:`copy_into_segment` for this pool: ``view`` itself if a producer made it in one
+        of its segments, else a copy in one (:meth:`allocate`), or None if none is to be had."""
         with self._lock:
-            return self._made_in(view) is not None
+            if self._made_in(view) is not None:
+                return view
+            memory = self._hand_out(view.nbytes)
+        if memory is not None:  # the segment is in this producer's hands: copied without the lock
+            numpy.frombuffer(memory, dtype=numpy.uint8)[:] = numpy.frombuffer(view, dtype=numpy.uint8)
+        return memory
+
+    def _hand_out(self, nbytes: int) -> Optional[Buffer]:
+        if self._closed or nbytes <= 0:
+            return None
+        segment = self._fitting(nbytes)
+        if segment is None:
+            segment = self._make_room_for(nbytes, self._retired)
+        if segment is None:
+            return None
+        segment.in_hand = True
+        memory = (ctypes.c_ubyte * nbytes).from_buffer(segment.mapping, HEADER_BYTES)
+        weakref.finalize(memory, _put_down, segment).atexit = False
+        return memory  # type: ignore[return-value]
 
     def _made_in(self, view: memoryview) -> Optional[Tuple[_Segment, int]]:
         """The segment a producer made ``view`` in and its offset there, if any."""
