@@ -290,8 +290,8 @@ class _DynamicMerger(Merger):
 
     def _deliver_ready(self) -> Iterator[Any]:
         """Hand on the buffered items of the oldest chunks, in chunk order, as far as they are here
-        (the per-item path of an in-order epoch: :meth:`_hand_on` unrolled for one chunk at a time)."""
-        book, buffers, recent, count = self.book, self.buffers, self.recent, self.run.progress.count
+        (the per-item path of an in-order epoch: the chunk, its buffer and producer looked up once per chunk)."""
+        book, buffers, hand_on = self.book, self.buffers, self._hand_on
         while not book.over:
             chunk = book.complete_below
             buffer = buffers.get(chunk)
@@ -302,9 +302,7 @@ class _DynamicMerger(Merger):
                 item = buffer.popleft()
                 if not buffer:
                     del buffers[chunk]
-                recent.append(chunk)
-                book.deliver(chunk)
-                count(rank)
+                hand_on(rank, chunk)
                 yield item
 
     def _hand_on(self, rank: int, chunk: int) -> None:

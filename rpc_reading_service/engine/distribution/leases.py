@@ -251,12 +251,15 @@ class LeaseBook:
         delivered = self.delivered[chunk] = self.delivered.get(chunk, 0) + 1
         total = self.totals.get(chunk)
         if total is not None and delivered >= total:
-            self._maybe_complete(chunk)
+            self._complete(chunk)
 
     def _maybe_complete(self, chunk: int) -> None:
         total = self.totals.get(chunk)
-        if total is None or self.delivered.get(chunk, 0) < total:
-            return
+        if total is not None and self.delivered.get(chunk, 0) >= total:
+            self._complete(chunk)
+
+    def _complete(self, chunk: int) -> None:
+        """Every item of ``chunk`` was delivered."""
         self.delivered.pop(chunk, None)
         self.complete.add(chunk)
         while self.complete_below in self.complete:
