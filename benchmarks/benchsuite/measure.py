@@ -112,13 +112,13 @@ def drain(contender, workload: Workload, num_workers: int, budget_s: float,
         del item
     t_closed = time.perf_counter()
     steady_s = (t_end - t_start) if t_start is not None else 0.0
+    first_item_s = (t_first - t0) if t_first is not None else None
     steady_items = items - start_items
     return {
         "items": items,
         "bytes": nbytes,
-        "first_item_s": (t_first - t0) if t_first is not None else None,
-        "loader_first_item_s": loader_first_item_s if warmup_epochs else
-        ((t_first - t0) if t_first is not None else None),
+        "first_item_s": first_item_s,
+        "loader_first_item_s": loader_first_item_s if warmup_epochs else first_item_s,
         "steady_s": steady_s,
         "steady_items": steady_items,
         "total_s": t_end - t0,

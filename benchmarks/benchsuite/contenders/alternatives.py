@@ -45,11 +45,7 @@ class TorchDataLoader(Contender):
         try:
             yield iterator
         finally:
-            # what the iterator's __del__ does; called here so that its shutdown is timed as
-            # the others' are, not whenever the last reference goes
-            shutdown = getattr(iterator, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
+            _shut_down(iterator)
 
     @contextlib.contextmanager
     def epochs(self, workload, num_workers):
@@ -62,9 +58,15 @@ class TorchDataLoader(Contender):
         try:
             yield lambda: iter(loader)
         finally:
-            shutdown = getattr(loader._iterator, "_shutdown_workers", None)  # what its __del__ does
-            if shutdown is not None:
-                shutdown()
+            _shut_down(loader._iterator)
+
+
+def _shut_down(iterator) -> None:
+    """What a DataLoader iterator's ``__del__`` does, called here so that its shutdown is timed
+    as the others' are, not whenever the last reference goes."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
 
 
 class RPCDataloaderContender(Contender):

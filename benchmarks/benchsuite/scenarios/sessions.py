@@ -89,7 +89,7 @@ def report_sessions(scenario: Scenario, params: dict, results: dict) -> str:
         reference = point_value(results, "torch-DataLoader", "efficiency", p["workers"])
         gap = p["efficiency"] - reference if p.get("efficiency") is not None and reference is not None else None
         return [f"{p['items']:,}", fmt_num(p["items_per_s"], ",.0f"), fmt_num(p["efficiency"], ".2f"),
-                fmt_num(gap, "+.2f"), fmt_num(p.get("loader_first_item_s", p["first_item_s"]), ".2f", " s"),
+                fmt_num(gap, "+.2f"), fmt_num(p["loader_first_item_s"], ".2f", " s"),
                 fmt_num(p["cpu_per_1k_s"], ".3f", " s"), fmt_num(p["peak_rss_mib"], ".0f", " MiB")]
 
     def tiny_cells(name: str, p: dict) -> list:
