@@ -400,9 +400,7 @@ def encode_end_of_shard(epoch: int, items_sent: int, kind: MessageKind = Message
 
 def decode_end_of_shard(frame: Frame) -> Tuple[int, int]:
     """Decode an END_OF_SHARD (or END_OF_INPUT) frame into ``(epoch, items_sent)``."""
-    if len(frame.body) != _EPOCH_MARK.size:
-        raise RemoteProtocolError(f"{frame.kind.name} frame has a malformed body")
-    return _EPOCH_MARK.unpack(frame.body)
+    return _unpack(_EPOCH_MARK, frame)
 
 
 # -- shared-memory hand-over (transport-level, Unix sockets only) -------------------------------
