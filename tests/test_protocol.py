@@ -23,7 +23,6 @@ from rpc_reading_service.protocol import (
     decode_credit,
     decode_data,
     decode_end_of_shard,
-    decode_reject,
     encode_control,
     encode_credit,
     encode_data,
@@ -320,9 +319,3 @@ def test_reject_decoding():
     # A reject reason is raw UTF-8, never unpickled, and bounded in size.
     long = roundtrip(encode_reject("é" * 5000))
     assert len(long.body) <= 1024
-    # The handshake says the reason as decode_reject does: escaped, one line (the peer may be anyone).
-    forged = roundtrip(encode_reject("bad\n2026-01-01 INFO forged line \x1b[31m"), allowed_kinds=HANDSHAKE_KINDS)
-    with pytest.raises(AuthenticationError) as info:
-        ClientHandshake(b"k").receive_challenge(forged)
-    assert str(info.value) == f"peer refused the connection: {decode_reject(forged)}"
-    assert "\n" not in str(info.value) and "\x1b" not in str(info.value)

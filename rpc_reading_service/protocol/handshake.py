@@ -34,7 +34,8 @@ def _proof(key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
 
 def _expect(frame: Frame, kind: MessageKind) -> None:
     if frame.kind == MessageKind.REJECT:
-        raise AuthenticationError(f"peer refused the connection: {decode_reject(frame)}")
+        reason = bytes(frame.body[:512]).decode("utf-8", "replace")
+        raise AuthenticationError(f"peer refused the connection: {reason}")
     if frame.kind != kind:
         raise RemoteProtocolError(f"expected {kind.name} during the handshake, got {frame.kind.name}")
 
