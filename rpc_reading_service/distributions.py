@@ -23,30 +23,6 @@ DistributionFactory = Callable[..., Any]
 _registry = Registry("distribution", ENTRY_POINT_GROUP)
 
 
-def _round_robin(**options: Any) -> Any:
-    from .engine.distribution.builtin import RoundRobin
-
-    return RoundRobin(**options)
-
-
-def _first_ready(**options: Any) -> Any:
-    from .engine.distribution.builtin import FirstReady
-
-    return FirstReady(**options)
-
-
-def _dynamic(**options: Any) -> Any:
-    from .engine.distribution.dynamic import Dynamic
-
-    return Dynamic(**options)
-
-
-def _sticky(**options: Any) -> Any:
-    from .engine.distribution.sticky import Sticky
-
-    return Sticky(**options)
-
-
 def register_distribution(name: str, factory: DistributionFactory, *, replace: bool = False) -> None:
     """Make ``factory()`` available as ``RPCReadingService(distribution=name)``."""
     _registry.register(name, factory, replace=replace)
@@ -65,7 +41,7 @@ def create_distribution(name: str, **options: Any) -> Any:
     return _registry.create(name, DistributionPolicy, **options)
 
 
-register_distribution("round_robin", _round_robin)
-register_distribution("first_ready", _first_ready)
-register_distribution("dynamic", _dynamic)
-register_distribution("sticky", _sticky)
+_registry.register_builtin("round_robin", "rpc_reading_service.engine.distribution.builtin:RoundRobin")
+_registry.register_builtin("first_ready", "rpc_reading_service.engine.distribution.builtin:FirstReady")
+_registry.register_builtin("dynamic", "rpc_reading_service.engine.distribution.dynamic:Dynamic")
+_registry.register_builtin("sticky", "rpc_reading_service.engine.distribution.sticky:Sticky")

@@ -9,6 +9,7 @@ module that moved).
 
 from __future__ import annotations
 
+import pkgutil
 import sys
 import threading
 from typing import Any, Callable, Dict, List
@@ -46,6 +47,12 @@ class Registry:
                 )
             self.factories[name] = factory
 
+    def register_builtin(self, name: str, target: str) -> None:
+        """Register the factory at ``target`` (``"package.module:attribute"``, as an entry point
+        names it) under ``name``, imported on first use: a built-in costs no import (of torch,
+        say) until it is chosen."""
+        self.register(name, _loading_factory(lambda: pkgutil.resolve_name(target)))
+
     def entry_points(self) -> list:
         """The installed entry points of the group."""
         from importlib import metadata
@@ -61,11 +68,7 @@ class Registry:
         for entry_point in self.entry_points():
             if entry_point.name in self.factories:
                 continue  # built-ins and explicit registrations win
-
-            def factory(ep=entry_point, **options: Any) -> Any:
-                return ep.load()(**options)
-
-            self.factories[entry_point.name] = factory
+            self.factories[entry_point.name] = _loading_factory(entry_point.load)
 
     def names(self) -> List[str]:
         """Every registered name: built-in, registered and discovered by entry point."""
@@ -98,3 +101,12 @@ class Registry:
                 f"{self.kind} factory for {name!r} returned {type(made).__name__}, not a {expected.__name__}"
             )
         return made
+
+
+def _loading_factory(load: Callable[[], Callable[..., Any]]) -> Callable[..., Any]:
+    """A factory that calls ``load()`` (an import) each time it is called, and what it returns."""
+
+    def factory(**options: Any) -> Any:
+        return load()(**options)
+
+    return factory

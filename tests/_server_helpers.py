@@ -414,6 +414,29 @@ def read_until_closed(sock: socket.socket, timeout: float = 5.0) -> Tuple[bytes,
         data += chunk
 
 
+def send_and_read_until_closed(sock: socket.socket, data: bytes, timeout: float = 5.0) -> Tuple[bytes, bool]:
+    """Send ``data``, half-close, and read what the peer sends until it closes; ``(data, closed)``.
+    Closes ``sock``. A peer that hangs up before reading it all is no error: its reply is read."""
+    try:
+        try:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        return read_until_closed(sock, timeout)
+    finally:
+        sock.close()
+
+
+def reject_reason(data: bytes) -> str:
+    """The reason in the REJECT frame that ``data`` (a server's reply to a bad handshake) starts with."""
+    reader = FrameReader(allowed_kinds=HANDSHAKE_KINDS)
+    reader.feed(data)
+    frame = reader.next_frame()
+    assert frame is not None and frame.kind == MessageKind.REJECT, data
+    return bytes(frame.body).decode()
+
+
 def authenticate(address: str, key: str) -> Tuple[socket.socket, FrameReader]:
     """A raw socket past the HMAC handshake (WELCOME received), and its frame reader."""
     sock = connect(address)

@@ -12,6 +12,7 @@ import socket
 import struct
 import sys
 import threading
+from typing import Tuple
 
 import pytest
 from conftest import _pythonpath
@@ -141,16 +142,21 @@ class FakePeer:
         self.sock.close()
 
 
-@pytest.mark.timeout(30)
-def test_another_service_on_the_port():
-    peer = FakePeer(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+def error_from_fake_peer(reply: bytes) -> Tuple[str, str]:
+    """``(address, message)``: the ProtocolError of an epoch against a FakePeer answering ``reply``."""
+    peer = FakePeer(reply)
     try:
         with pytest.raises(ProtocolError) as info:
             run_epoch(workers=[peer.address], auth_key="k")
     finally:
         peer.close()
-    message = str(info.value)
-    assert message.startswith(f"worker at {peer.address}: not an rpc_reading_service frame")
+    return peer.address, str(info.value)
+
+
+@pytest.mark.timeout(30)
+def test_another_service_on_the_port():
+    address, message = error_from_fake_peer(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+    assert message.startswith(f"worker at {address}: not an rpc_reading_service frame")
     assert "wrong port" in message
 
 
@@ -222,14 +228,8 @@ def test_worker_with_another_protocol_version():
     """A worker answering in protocol version N+1: the trainer names it and says what to do."""
     challenge = b"".join(bytes(c) for c in encode_frame(MessageKind.CHALLENGE, [b"x" * 64]))
     reply = struct.pack("!4sB", MAGIC, PROTOCOL_VERSION + 1) + challenge[5:]
-    peer = FakePeer(reply)
-    try:
-        with pytest.raises(ProtocolError) as info:
-            run_epoch(workers=[peer.address], auth_key="k")
-    finally:
-        peer.close()
-    message = str(info.value)
-    assert message.startswith(f"worker at {peer.address}: protocol version mismatch")
+    address, message = error_from_fake_peer(reply)
+    assert message.startswith(f"worker at {address}: protocol version mismatch")
     assert f"the peer speaks rpc_reading_service protocol version {PROTOCOL_VERSION + 1}" in message
     assert "Install the same rpc_reading_service version on the trainer and on every worker" in message
 

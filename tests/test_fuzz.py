@@ -28,7 +28,9 @@ from _server_helpers import (
     connect,
     frame_bytes,
     read_until_closed,
+    reject_reason,
     running_server,
+    send_and_read_until_closed,
 )
 from rpc_reading_service import RPCReadingService
 from rpc_reading_service.client import WorkerChannel
@@ -178,14 +180,10 @@ def test_preauth_frames_are_never_unpickled(server, marker, evil):
         for kind in MessageKind:
             if position == "after HELLO, as PROOF" and kind != MessageKind.PROOF:
                 continue
-            sock = connect(server.address)
-            try:
-                sent = frame_bytes(encode_frame(kind, [evil]))
-                sock.sendall((hello if position != "first" else b"") + sent)
-                sock.shutdown(socket.SHUT_WR)
-                data, closed = read_until_closed(sock)
-            finally:
-                sock.close()
+            sent = frame_bytes(encode_frame(kind, [evil]))
+            data, closed = send_and_read_until_closed(
+                connect(server.address), (hello if position != "first" else b"") + sent
+            )
             assert closed
             assert MessageKind.WELCOME not in _handshake_replies(data)
     assert server.alive()
@@ -203,16 +201,7 @@ def test_preauth_fuzz(server, marker, evil):
     @given(prefix=prefixes, seeds=st.lists(FRAME_SEEDS, min_size=8, max_size=24))
     def attack(prefix, seeds):
         frames = [build_frame(seed, [evil]) for seed in seeds]
-        sock = connect(server.address)
-        try:
-            try:
-                sock.sendall(prefix + b"".join(frames))
-                sock.shutdown(socket.SHUT_WR)
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # refused already
-            data, closed = read_until_closed(sock)
-        finally:
-            sock.close()
+        data, closed = send_and_read_until_closed(connect(server.address), prefix + b"".join(frames))
         frames_sent[0] += len(frames)
         assert closed, "the server kept a connection that sent garbage and EOF"
         assert set(_handshake_replies(data)) <= {MessageKind.CHALLENGE, MessageKind.REJECT}
@@ -227,14 +216,8 @@ def test_random_bytes_before_a_valid_handshake(server):
     @settings(max_examples=60, **FUZZ_SETTINGS)
     @given(prefix=st.binary(min_size=1, max_size=64))
     def attack(prefix):
-        sock = connect(server.address)
-        try:
-            handshake = ClientHandshake(server.key.encode())
-            sock.sendall(prefix + frame_bytes(handshake.hello()))
-            sock.shutdown(socket.SHUT_WR)
-            data, closed = read_until_closed(sock)
-        finally:
-            sock.close()
+        hello = frame_bytes(ClientHandshake(server.key.encode()).hello())
+        data, closed = send_and_read_until_closed(connect(server.address), prefix + hello)
         assert closed and MessageKind.WELCOME not in _handshake_replies(data)
 
     attack()
@@ -256,20 +239,10 @@ def test_random_bytes_before_a_valid_handshake(server):
     ids=["wrong-magic", "wrong-version", "oversize", "too-many-buffers", "unknown-kind", "session-kind", "cut-header", "cut-body"],
 )
 def test_malformed_preauth_frames(server, data, reason):
-    sock = connect(server.address)
-    try:
-        sock.sendall(data)
-        sock.shutdown(socket.SHUT_WR)
-        reply, closed = read_until_closed(sock)
-    finally:
-        sock.close()
+    reply, closed = send_and_read_until_closed(connect(server.address), data)
     assert closed
     if reason is not None:
-        reader = FrameReader(allowed_kinds=HANDSHAKE_KINDS)
-        reader.feed(reply)
-        frame = reader.next_frame()
-        assert frame is not None and frame.kind == MessageKind.REJECT
-        assert reason in bytes(frame.body).decode()
+        assert reason in reject_reason(reply)
     assert server.alive()
 
 
@@ -342,12 +315,7 @@ def test_postauth_fuzz(server):
 )
 def test_malformed_postauth_frames_end_only_that_session(server, tail):
     sock, _ = authenticate(server.address, server.key)
-    try:
-        sock.sendall(tail)
-        sock.shutdown(socket.SHUT_WR)
-        _, closed = read_until_closed(sock)
-    finally:
-        sock.close()
+    _, closed = send_and_read_until_closed(sock, tail)
     assert closed and server.alive()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from typing import List
 
 import pytest
 
@@ -74,3 +75,62 @@ def test_the_engine_knows_no_dataloader2(path):
         assert module not in DATALOADER2_MODULES, f"{path.name} imports {module}"
         dataloader2 = {"DataLoader2", "ReadingServiceInterface"} & set(names)
         assert not (module == "torchdata.dataloader2" and dataloader2), f"{path.name} imports {dataloader2}"
+
+
+#: The layers of DESIGN.md, lowest first, and the modules (or packages) of each. A module may
+#: import modules of its own layer and of the layers below it; every module has a layer. The
+#: foundation, below them all, holds what every layer uses: errors, names, settings, and the
+#: look-up of worker addresses (which the engine and the worker server both need).
+LAYERS = {
+    "foundation": {
+        "errors", "version", "safe_text", "quiet_imports", "settings", "addresses", "keys", "registry",
+        "discovery",
+    },
+    "graph utilities": {"graph", "selection", "chunk_seeds", "sticky"},
+    "serialization": {"serialization"},
+    "protocol": {"protocol"},
+    "transports": {"transports", "shared_items"},
+    "session drivers": {"client", "receive_loop", "worker_session"},
+    "worker server": {"worker", "cache"},
+    "engine": {"engine", "config", "distributions", "local_fleet", "checkpoint", "stats"},
+    "front ends": {"reading_service", "trainer_graph", "__init__"},
+}
+RANK = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
+LAYER_NAMES = list(LAYERS)
+
+
+def package_relative(path: Path) -> List[str]:
+    """The dotted parts of ``path``'s module below the package (``["engine", "run"]``)."""
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    return parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts
+
+
+def imported_modules(path: Path):
+    """The first part below the package of every module ``path`` imports from the package, at
+    the top or inside a function (a lazy import still runs upward if it points up)."""
+    package = list(path.relative_to(PACKAGE).parent.parts)
+    for level, module, names in imports_of(path):
+        if level == 0:
+            parts = module.split(".")
+            if parts[0] != "rpc_reading_service":
+                continue
+            target = parts[1:]
+        else:
+            target = package[: len(package) - (level - 1)] + (module.split(".") if module else [])
+        if not target:  # ``from . import x`` in the package root, or ``import rpc_reading_service``
+            target = [names[0]] if names else ["__init__"]
+        yield target[0]
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_only_go_down_the_layers(path):
+    own = package_relative(path)[0]
+    assert own in RANK, f"{path.relative_to(PACKAGE)} has no layer: add {own!r} to LAYERS"
+    for target in imported_modules(path):
+        if target == own:
+            continue
+        assert target in RANK, f"{path.relative_to(PACKAGE)} imports {target!r}, which has no layer in LAYERS"
+        assert RANK[target] <= RANK[own], (
+            f"{path.relative_to(PACKAGE)} ({LAYER_NAMES[RANK[own]]}) imports {target} "
+            f"({LAYER_NAMES[RANK[target]]}), a layer above it: imports only go down (DESIGN.md)"
+        )

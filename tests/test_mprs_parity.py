@@ -24,7 +24,7 @@ import os
 import random
 import re
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Any, Callable, Set
 
 import numpy as np
 import pytest
@@ -424,27 +424,28 @@ def test_end_datapipe_is_the_users_non_replicable_datapipe(make_rs):
 PAUSE_GRAPHS = {"plain": lambda: shuffled(10), "double_prefetch": lambda: shuffled(10).prefetch().prefetch()}
 
 
-@pytest.mark.parametrize("graph", sorted(PAUSE_GRAPHS))
-def test_pause_resume(make_rs, graph):
+def items_pausing(make_rs, graph: str, at: Set[int], resume: bool) -> list:
+    """An epoch of ``PAUSE_GRAPHS[graph]`` that pauses after the items numbered in ``at``,
+    and resumes at once if ``resume``."""
     with DataLoader2(PAUSE_GRAPHS[graph](), reading_service=make_rs()) as dl:
         res = []
         for i, x in enumerate(dl):
             res.append(x)
-            if i in {2, 8}:
+            if i in at:
                 dl._pause()
-                dl._resume()
-    assert sorted(res) == list(range(10))
+                if resume:
+                    dl._resume()
+    return res
+
+
+@pytest.mark.parametrize("graph", sorted(PAUSE_GRAPHS))
+def test_pause_resume(make_rs, graph):
+    assert sorted(items_pausing(make_rs, graph, {2, 8}, resume=True)) == list(range(10))
 
 
 @pytest.mark.parametrize("graph", sorted(PAUSE_GRAPHS))
 def test_pause_stops_yielding(make_rs, graph):
-    with DataLoader2(PAUSE_GRAPHS[graph](), reading_service=make_rs()) as dl:
-        res = []
-        for i, x in enumerate(dl):
-            res.append(x)
-            if i == 2:
-                dl._pause()
-    assert len(res) == 3
+    assert len(items_pausing(make_rs, graph, {2}, resume=False)) == 3
 
 
 def test_limit(make_rs):

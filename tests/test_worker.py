@@ -16,13 +16,21 @@ import pytest
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import AUTH_KEY_ENV, VENV_BIN, remote, run_epochs, start_server, wait_dead
+from _server_helpers import (
+    AUTH_KEY_ENV,
+    VENV_BIN,
+    connect,
+    read_until_closed,
+    reject_reason,
+    remote,
+    run_epochs,
+    start_server,
+    wait_dead,
+)
 from rpc_reading_service import AuthenticationError, ConfigurationError, Liveness, RPCReadingService, WorkerLostError
 from rpc_reading_service.addresses import parse_address
 from rpc_reading_service.protocol import (
-    HANDSHAKE_KINDS,
     ClientHandshake,
-    FrameReader,
     MessageKind,
     encode_control,
     encode_frame,
@@ -130,63 +138,44 @@ def test_wrong_or_missing_key_fails_fast(worker_server, key):
 
 
 # -- hostile and broken peers ------------------------------------------------------------------
-def raw_connect(server) -> socket.socket:
-    host, port = parse_address(server.address)
-    return socket.create_connection((host, port), timeout=5)
-
-
-def read_until_closed(sock: socket.socket, timeout: float = 5.0) -> bytes:
-    sock.settimeout(timeout)
-    data = b""
-    while True:
-        try:
-            chunk = sock.recv(4096)
-        except ConnectionResetError:
-            return data
-        if not chunk:
-            return data
-        data += chunk
-
-
-def reject_reason(data: bytes) -> str:
-    reader = FrameReader(allowed_kinds=HANDSHAKE_KINDS)
-    reader.feed(data)
-    frame = reader.next_frame()
-    assert frame is not None and frame.kind == MessageKind.REJECT, data
-    return bytes(frame.body).decode()
+def read_all(sock: socket.socket, timeout: float = 5.0) -> bytes:
+    """What the peer sends until it closes, which it must do within ``timeout`` seconds."""
+    data, closed = read_until_closed(sock, timeout)
+    assert closed, f"the server kept the connection open for {timeout} s"
+    return data
 
 
 def test_garbage_bytes_are_refused_and_server_serves_on(cli_server):
-    with raw_connect(cli_server) as sock:
+    with connect(cli_server.address) as sock:
         sock.sendall(os.urandom(64))
-        reply = read_until_closed(sock)
+        reply = read_all(sock)
     assert "not an rpc_reading_service frame" in reject_reason(reply)
     assert run_epoch(cli_server) == list(range(20))
 
 
 def test_http_request_is_refused_and_server_serves_on(cli_server):
-    with raw_connect(cli_server) as sock:
+    with connect(cli_server.address) as sock:
         sock.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        reply = read_until_closed(sock)
+        reply = read_all(sock)
     reason = reject_reason(reply)
     assert "magic b'GET '" in reason
     assert run_epoch(cli_server) == list(range(20))
 
 
 def test_oversized_or_unauthenticated_frames_are_refused_unread(cli_server):
-    with raw_connect(cli_server) as sock:  # a HELLO announcing 1 GiB
+    with connect(cli_server.address) as sock:  # a HELLO announcing 1 GiB
         header = b"".join(bytes(c) for c in encode_frame(MessageKind.HELLO))
         sock.sendall(header[:8] + (1 << 30).to_bytes(8, "big"))
-        assert "refused before reading it" in reject_reason(read_until_closed(sock))
-    with raw_connect(cli_server) as sock:  # a SETUP with a pickled graph before authenticating
+        assert "refused before reading it" in reject_reason(read_all(sock))
+    with connect(cli_server.address) as sock:  # a SETUP with a pickled graph before authenticating
         sock.sendall(b"".join(bytes(c) for c in encode_control(MessageKind.SETUP, {"graph": b"x"})))
-        assert "not allowed" in reject_reason(read_until_closed(sock))
+        assert "not allowed" in reject_reason(read_all(sock))
     assert run_epoch(cli_server) == list(range(20))
 
 
 def test_half_handshakes_neither_block_others_nor_linger(cli_server):
-    silent = raw_connect(cli_server)  # connects and says nothing
-    half = raw_connect(cli_server)  # says HELLO, never proves the key
+    silent = connect(cli_server.address)  # connects and says nothing
+    half = connect(cli_server.address)  # says HELLO, never proves the key
     try:
         half.sendall(b"".join(bytes(c) for c in ClientHandshake(b"whatever").hello()))
         half.settimeout(5)
@@ -198,8 +187,8 @@ def test_half_handshakes_neither_block_others_nor_linger(cli_server):
         assert time.monotonic() - start < 5
         # The server drops both after its --handshake-timeout (1 s).
         start = time.monotonic()
-        assert read_until_closed(silent, timeout=5) == b""
-        assert read_until_closed(half, timeout=5) == b""
+        assert read_all(silent) == b""
+        assert read_all(half) == b""
         assert time.monotonic() - start < 4
     finally:
         silent.close()

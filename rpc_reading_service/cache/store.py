@@ -87,24 +87,21 @@ class DiskStore:
         path = self.entry_path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
+            try:
+                data = bytearray(os.fstat(fd).st_size)
+                if _read_into(fd, data) == len(data):
+                    payload = decode_entry(data)
+                    if payload is not None:
+                        with contextlib.suppress(OSError):
+                            _touch(fd)
+                        return payload
+            finally:
+                os.close(fd)
         except FileNotFoundError:
             return None
         except OSError as exc:
             log.warning("cannot read cache entry %s (%s); computing the item instead", path, exc)
             return None
-        try:
-            data = bytearray(os.fstat(fd).st_size)
-            if _read_into(fd, data) == len(data):
-                payload = decode_entry(data)
-                if payload is not None:
-                    with contextlib.suppress(OSError):
-                        _touch(fd)
-                    return payload
-        except OSError as exc:
-            log.warning("cannot read cache entry %s (%s); computing the item instead", path, exc)
-            return None
-        finally:
-            os.close(fd)
         if not is_older_format(data):
             log.warning(
                 "cache entry %s is corrupt or partial (%d bytes): deleted, computing it again", path, len(data)

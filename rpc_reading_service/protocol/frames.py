@@ -47,6 +47,7 @@ __all__ = [
     "decode_shared_data",
     "Frame",
     "FrameReader",
+    "header_kind",
     "encode_frame",
     "encode_control",
     "decode_control",
@@ -111,6 +112,25 @@ HANDSHAKE_KINDS = frozenset(
 #: Kinds a transport sends and consumes itself (shared-memory hand-over); never a session's.
 TRANSPORT_KINDS = frozenset({MessageKind.SHARED_MEMORY_OFFER, MessageKind.SHARED_DATA})
 _KNOWN_KINDS = frozenset(int(k) for k in MessageKind)
+
+
+def header_kind(magic: bytes, version: int, kind: int) -> MessageKind:
+    """The kind of a frame whose header holds ``magic``, ``version`` and ``kind``; a
+    RemoteProtocolError saying what the peer is when it is no frame of this protocol version."""
+    if magic != MAGIC:
+        raise RemoteProtocolError(
+            f"not an rpc_reading_service frame (magic {bytes(magic)!r}, expected {MAGIC!r}): "
+            "the other end is not rpc_reading_service (a wrong port, or another service on it?)"
+        )
+    if version != PROTOCOL_VERSION:
+        raise RemoteProtocolError(
+            f"protocol version mismatch: the peer speaks rpc_reading_service protocol version {version}, "
+            f"this process (rpc_reading_service {__version__}) speaks version {PROTOCOL_VERSION}. Install "
+            "the same rpc_reading_service version on the trainer and on every worker"
+        )
+    if kind not in _KNOWN_KINDS:
+        raise RemoteProtocolError(f"unknown message kind {kind}")
+    return MessageKind(kind)
 
 
 @dataclass
@@ -227,20 +247,7 @@ class FrameReader:
 
     def _parse_header(self) -> None:
         magic, version, kind, n_buffers, body_length = HEADER.unpack(self._target)
-        if magic != MAGIC:
-            raise RemoteProtocolError(
-                f"not an rpc_reading_service frame (magic {bytes(magic)!r}, expected {MAGIC!r}): "
-                "the other end is not rpc_reading_service (a wrong port, or another service on it?)"
-            )
-        if version != PROTOCOL_VERSION:
-            raise RemoteProtocolError(
-                f"protocol version mismatch: the peer speaks rpc_reading_service protocol version {version}, "
-                f"this process (rpc_reading_service {__version__}) speaks version {PROTOCOL_VERSION}. Install "
-                "the same rpc_reading_service version on the trainer and on every worker"
-            )
-        if kind not in _KNOWN_KINDS:
-            raise RemoteProtocolError(f"unknown message kind {kind}")
-        kind = MessageKind(kind)
+        kind = header_kind(magic, version, kind)
         if self.allowed_kinds is not None and kind not in self.allowed_kinds:
             raise RemoteProtocolError(f"message {kind.name} is not allowed at this point of the session")
         if n_buffers > MAX_BUFFERS_PER_FRAME:
@@ -393,9 +400,7 @@ def encode_end_of_shard(epoch: int, items_sent: int, kind: MessageKind = Message
 
 def decode_end_of_shard(frame: Frame) -> Tuple[int, int]:
     """Decode an END_OF_SHARD (or END_OF_INPUT) frame into ``(epoch, items_sent)``."""
-    if len(frame.body) != _EPOCH_MARK.size:
-        raise RemoteProtocolError(f"{frame.kind.name} frame has a malformed body")
-    return _EPOCH_MARK.unpack(frame.body)
+    return _unpack(_EPOCH_MARK, frame)
 
 
 # -- shared-memory hand-over (transport-level, Unix sockets only) -------------------------------

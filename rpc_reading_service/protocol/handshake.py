@@ -50,16 +50,23 @@ def decode_reject(frame: Frame) -> str:
     return printable(bytes(frame.body[:1024]).decode("utf-8", "replace"))
 
 
-class ClientHandshake:
-    """The trainer's side of the mutual HMAC challenge-response."""
+class _HandshakeSide:
+    """What both sides of the handshake hold: the key, their own nonce and package version, the
+    peer's nonce once it came, and the peer's package version."""
 
     def __init__(self, key: bytes, package_version: str = "", nonce: Optional[bytes] = None):
         self._key = key
         self._nonce = nonce or os.urandom(NONCE_BYTES)
         self._package_version = package_version.encode("utf-8")[:64]
-        self._server_nonce: Optional[bytes] = None
+        self._peer_nonce: Optional[bytes] = None
+        #: The package version the peer announced ("" if it sent none).
         self.peer_package_version = ""
+        #: Whether the handshake completed (both sides proved the key).
         self.done = False
+
+
+class ClientHandshake(_HandshakeSide):
+    """The trainer's side of the mutual HMAC challenge-response."""
 
     def hello(self) -> List[Buffer]:
         """The first frame to send."""
@@ -89,49 +96,44 @@ class ClientHandshake:
                 "the worker does not hold the same auth key as this trainer: pass the key the worker "
                 "was started with (--auth-key-file / RPC_READING_SERVICE_AUTH_KEY) as auth_key="
             )
-        self._server_nonce = server_nonce
+        self._peer_nonce = server_nonce
         return encode_frame(MessageKind.PROOF, [_proof(self._key, b"client", server_nonce, self._nonce)])
 
     def receive_welcome(self, frame: Frame) -> None:
         """Finish the handshake on the server's WELCOME."""
         _expect(frame, MessageKind.WELCOME)
-        if self._server_nonce is None:
+        if self._peer_nonce is None:
             raise RemoteProtocolError("WELCOME before CHALLENGE")
         # Servers since 0.1.0 put their package version in WELCOME (older ones send nothing).
         self.peer_package_version = bytes(frame.body[:64]).decode("utf-8", "replace")
         self.done = True
 
 
-class ServerHandshake:
+class ServerHandshake(_HandshakeSide):
     """The worker server's side of the mutual HMAC challenge-response."""
 
     def __init__(self, key: bytes, nonce: Optional[bytes] = None, package_version: str = ""):
-        self._key = key
-        self._nonce = nonce or os.urandom(NONCE_BYTES)
-        self._package_version = package_version.encode("utf-8")[:64]
-        self._client_nonce: Optional[bytes] = None
-        self.peer_package_version = ""
-        self.done = False
+        super().__init__(key, package_version, nonce)
 
     def receive_hello(self, frame: Frame) -> List[Buffer]:
         """Answer a HELLO with a CHALLENGE that also proves this server holds the key."""
         _expect(frame, MessageKind.HELLO)
-        if self._client_nonce is not None:
+        if self._peer_nonce is not None:
             raise RemoteProtocolError("second HELLO in one handshake")
         body = bytes(frame.body)
         if len(body) < NONCE_BYTES:
             raise RemoteProtocolError("malformed HELLO frame")
-        self._client_nonce = body[:NONCE_BYTES]
+        self._peer_nonce = body[:NONCE_BYTES]
         self.peer_package_version = body[NONCE_BYTES:].decode("utf-8", "replace")
-        proof = _proof(self._key, b"server", self._client_nonce, self._nonce)
+        proof = _proof(self._key, b"server", self._peer_nonce, self._nonce)
         return encode_frame(MessageKind.CHALLENGE, [self._nonce, proof])
 
     def receive_proof(self, frame: Frame) -> List[Buffer]:
         """Verify the client's PROOF; return WELCOME, or raise AuthenticationError."""
         _expect(frame, MessageKind.PROOF)
-        if self._client_nonce is None:
+        if self._peer_nonce is None:
             raise RemoteProtocolError("PROOF before HELLO")
-        expected = _proof(self._key, b"client", self._nonce, self._client_nonce)
+        expected = _proof(self._key, b"client", self._nonce, self._peer_nonce)
         if not hmac.compare_digest(bytes(frame.body), expected):
             raise AuthenticationError("client failed the auth-key challenge (wrong or missing auth key)")
         self.done = True

@@ -32,18 +32,6 @@ TransportFactory = Callable[..., Transport]
 _registry = Registry("transport", ENTRY_POINT_GROUP)
 
 
-def _socket_factory(**options: Any) -> Transport:
-    from .socket_transport import SocketTransport
-
-    return SocketTransport(**options)
-
-
-def _torch_rpc_factory(**options: Any) -> Transport:
-    from .torch_rpc import TorchRPCTransport
-
-    return TorchRPCTransport(**options)
-
-
 def register_transport(name: str, factory: TransportFactory, *, replace: bool = False) -> None:
     """Make ``factory()`` available as ``RPCReadingService(transport=name)`` and ``--transport name``."""
     _registry.register(name, factory, replace=replace)
@@ -61,5 +49,5 @@ def create_transport(name: str, **options: Any) -> Transport:
     return _registry.create(name, Transport, **options)
 
 
-register_transport("socket", _socket_factory)
-register_transport("torch_rpc", _torch_rpc_factory)
+_registry.register_builtin("socket", "rpc_reading_service.transports.socket_transport:SocketTransport")
+_registry.register_builtin("torch_rpc", "rpc_reading_service.transports.torch_rpc:TorchRPCTransport")

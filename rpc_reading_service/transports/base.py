@@ -142,6 +142,7 @@ class WrappingListener(Listener):
 
     @property  # type: ignore[override]
     def admit(self) -> Optional[Callable[[str], Optional[str]]]:
+        """The inner listener's admission check (:attr:`Listener.admit`); setting it here sets it there."""
         return self._inner.admit
 
     @admit.setter

@@ -11,9 +11,9 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ...version import __version__
 from ...errors import FrameTooLargeError, LocalProtocolError, ProtocolError, RemoteProtocolError
-from ...protocol import HEADER, MAGIC, PROTOCOL_VERSION, Buffer, Frame, MessageKind
+from ...protocol import HEADER, Buffer, Frame
+from ...protocol.frames import header_kind
 from ..base import Allocator
 
 TRANSPORT_NAME = "torch_rpc"
@@ -110,18 +110,7 @@ def _join_frame(
     if not isinstance(head, bytes) or len(head) < HEADER.size:
         raise RemoteProtocolError("torch_rpc frame without a valid header")
     magic, version, kind, n_buffers, body_length = HEADER.unpack_from(head)
-    if magic != MAGIC:
-        raise RemoteProtocolError(f"not an rpc_reading_service frame (magic {bytes(magic)!r}, expected {MAGIC!r})")
-    if version != PROTOCOL_VERSION:
-        raise RemoteProtocolError(
-            f"protocol version mismatch: the peer speaks rpc_reading_service protocol version {version}, "
-            f"this process (rpc_reading_service {__version__}) speaks version {PROTOCOL_VERSION}. Install "
-            "the same rpc_reading_service version on the trainer and on every worker"
-        )
-    try:
-        kind = MessageKind(kind)
-    except ValueError:
-        raise RemoteProtocolError(f"unknown message kind {kind}") from None
+    kind = header_kind(magic, version, kind)
     if len(head) != HEADER.size + _LENGTH.size * n_buffers or len(buffers) != n_buffers:
         raise RemoteProtocolError(f"{kind.name} frame: header announces {n_buffers} buffers, got {len(buffers)}")
     lengths = struct.unpack_from(f"!{n_buffers}Q", head, HEADER.size) if n_buffers else ()

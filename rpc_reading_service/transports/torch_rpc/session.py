@@ -255,4 +255,5 @@ class TorchRPCListener(WrappingListener):
 
     @property
     def refused_handshakes(self) -> int:
+        """Handshakes the socket listener underneath refused (bad key, garbage, too many at once)."""
         return self._inner.refused_handshakes
