@@ -96,9 +96,10 @@ def _reap(status_fds: Dict[int, int]) -> None:
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
             return
-        fd = status_fds.pop(pid)
-        os.write(fd, str(os.waitstatus_to_exitcode(status)).encode())
-        os.close(fd)
+        fd = status_fds.pop(pid, None)
+        if fd is not None:
+            os.write(fd, str(os.waitstatus_to_exitcode(status)).encode())
+            os.close(fd)
 
 
 def _become_server(request: dict, fds: List[int], control: socket.socket) -> None:
