@@ -37,6 +37,8 @@ import sys
 import threading
 from typing import Dict, List, Optional
 
+from rpc_reading_service.local_fleet import _ForkedProcess
+
 _MAX_REQUEST = 1 << 20
 # What _server_helpers.PRELOADED_WORKER runs (kept here: that module imports this one).
 PRELOADED_COMMAND = [
@@ -145,57 +147,39 @@ def _become_server(request: dict, fds: List[int], control: socket.socket) -> Non
 
 
 # -- the test process's side ------------------------------------------------------------------
-class ForkedServerProcess:
-    """The part of ``subprocess.Popen`` the tests use, for a server forked by the forkserver."""
+class ForkedServerProcess(_ForkedProcess):
+    """A server forked by the forkserver, with what ``subprocess.Popen`` has that the tests use:
+    local_fleet's handle of a forked server, its exit code read from the forkserver's pipe (the
+    server is the forkserver's child, not this process's)."""
 
     def __init__(self, pid: int, args: List[str], stdout, status_fd: int) -> None:
-        self.pid = pid
+        super().__init__(pid)
         self.args = args
         self.stdin = None
         self.stdout = stdout
         self.stderr = None
-        self.returncode: Optional[int] = None
-        self._status = os.fdopen(status_fd, "rb", buffering=0)
+        os.set_blocking(status_fd, False)
+        self._status_fd = status_fd
 
     def __repr__(self) -> str:
         return f"ForkedServerProcess(pid={self.pid}, returncode={self.returncode})"
 
-    def _collect(self, timeout: Optional[float]) -> Optional[int]:
+    def poll(self) -> Optional[int]:
+        """The exit code, or None while the server runs."""
         if self.returncode is None:
-            with selectors.DefaultSelector() as selector:
-                selector.register(self._status, selectors.EVENT_READ)
-                if not selector.select(timeout):
-                    return None
-            text = os.read(self._status.fileno(), 64)
-            self._status.close()
+            try:
+                text = os.read(self._status_fd, 64)  # written at once, when the forkserver reaped it
+            except BlockingIOError:
+                return None
+            os.close(self._status_fd)
             if not text:
                 raise RuntimeError(f"the forkserver ended before server {self.pid}; it cannot report its exit code")
             self.returncode = int(text)
         return self.returncode
 
-    def poll(self) -> Optional[int]:
-        """The exit code, or None while the server runs."""
-        return self._collect(0)
-
-    def wait(self, timeout: Optional[float] = None) -> int:
-        """Wait for the server to end; its exit code (``subprocess.TimeoutExpired`` after ``timeout``)."""
-        code = self._collect(timeout)
-        if code is None:
-            raise subprocess.TimeoutExpired(self.args, timeout)
-        return code
-
     def send_signal(self, signum: int) -> None:
         """Signal the server (unless it has been reaped already, as Popen does)."""
-        if self.poll() is None:
-            os.kill(self.pid, signum)
-
-    def terminate(self) -> None:
-        """SIGTERM the server."""
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        """SIGKILL the server."""
-        self.send_signal(signal.SIGKILL)
+        self._signal(signum)
 
 
 class _ForkServer:
