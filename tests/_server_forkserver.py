@@ -44,7 +44,8 @@ _MAX_REQUEST = 1 << 20
 PRELOADED_COMMAND = [
     sys.executable,
     "-c",
-    "import sys, runpy, pytest; runpy.run_module('rpc_reading_service.worker', run_name='__main__', alter_sys=True)",
+    "import sys, runpy, pytest; "
+    "runpy.run_module('rpc_reading_service.worker', run_name='__main__', alter_sys=True)",
 ]
 _PRELOADS = ("pytest", "rpc_reading_service.worker", "torchdata.dataloader2")
 
@@ -173,7 +174,7 @@ class ForkedServerProcess(_ForkedProcess):
                 return None
             os.close(self._status_fd)
             if not text:
-                raise RuntimeError(f"the forkserver ended before server {self.pid}; it cannot report its exit code")
+                raise RuntimeError(f"the forkserver ended before server {self.pid}: no exit code for it")
             self.returncode = int(text)
         return self.returncode
 
@@ -197,7 +198,9 @@ class _ForkServer:
         self.control = ours
         self.lock = threading.Lock()
 
-    def fork(self, command: List[str], env: Dict[str, str], cwd: str, stderr_fd: int, timeout: float) -> ForkedServerProcess:
+    def fork(
+        self, command: List[str], env: Dict[str, str], cwd: str, stderr_fd: int, timeout: float
+    ) -> ForkedServerProcess:
         stdout_r, stdout_w = os.pipe()
         status_r, status_w = os.pipe()
         devnull = os.open(os.devnull, os.O_RDONLY)
