@@ -34,6 +34,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from typing import Dict, List, Optional
 
@@ -189,10 +190,11 @@ class _ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = {name: value for name, value in os.environ.items() if not name.startswith("PYTHON")}
         env.update(python_env)
+        self.stderr = tempfile.TemporaryFile()  # read only to say why it failed
         with theirs:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", _SCRIPT, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env,
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr,
                 start_new_session=True, cwd=os.path.dirname(os.path.abspath(__file__)),
             )  # fmt: skip
         self.control = ours
@@ -207,16 +209,21 @@ class _ForkServer:
         try:
             request = json.dumps({"args": command[len(PRELOADED_COMMAND):], "env": env, "cwd": cwd}).encode()
             with self.lock:
-                socket.send_fds(self.control, [request], [devnull, stdout_w, stderr_fd, status_w])
-                self.control.settimeout(timeout)
-                reply = self.control.recv(4096)
+                try:
+                    self.control.settimeout(timeout)
+                    socket.send_fds(self.control, [request], [devnull, stdout_w, stderr_fd, status_w])
+                    reply = self.control.recv(4096)
+                except ConnectionError:  # the forkserver is gone (said below)
+                    reply = b""
         finally:
             for fd in (devnull, stdout_w, status_w):
                 os.close(fd)
         if not reply:
             os.close(stdout_r)
             os.close(status_r)
-            raise RuntimeError(f"the tests' server forkserver exited (code {self.proc.poll()})")
+            self.stderr.seek(0)
+            said = self.stderr.read()[-3000:].decode(errors="replace")
+            raise RuntimeError(f"the tests' server forkserver exited (code {self.proc.wait(5)}):\n{said}")
         pid = json.loads(reply)["pid"]
         return ForkedServerProcess(pid, command, os.fdopen(stdout_r, "rb"), status_r)
 
@@ -227,6 +234,7 @@ class _ForkServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.stderr.close()
 
 
 _forkserver: Optional[_ForkServer] = None
