@@ -24,9 +24,10 @@ demo: $(STAMP)
 	$(VENV)/bin/python examples/quickstart.py
 
 # Three test processes (most tests wait on worker processes, not the CPU); a file's tests
-# stay together, so module fixtures (the network-namespace cluster) are made once.
+# stay together, so module fixtures (the network-namespace cluster) are made once; files are
+# handed out in collection order, which tests/conftest.py makes longest first.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 3 --dist loadfile
+	$(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder
 
 # Opt-in (not in `make test`): examples/slurm_hetjob.sbatch submitted to a real single-node
 # Slurm. Installs slurm-wlm and munge when missing; as not root, or where it cannot, the

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable, Collection, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
+from _server_forkserver import PRELOADED_COMMAND, forked_server
 from rpc_reading_service import __version__
 from rpc_reading_service.addresses import parse_address
 from rpc_reading_service.local_fleet import read_line, read_listening_address  # noqa: F401 - re-exported for tests
@@ -43,11 +44,8 @@ WORKER_CLI = [sys.executable, "-m", "rpc_reading_service.worker"]
 # forking sessions. Workers import test-module graph functions by reference, and every test
 # module imports pytest (~0.3 s a session otherwise). The server code is unchanged: this is
 # what the server already does for torch and torchdata (import before the first fork).
-PRELOADED_WORKER = [
-    sys.executable,
-    "-c",
-    "import sys, runpy, pytest; runpy.run_module('rpc_reading_service.worker', run_name='__main__', alter_sys=True)",
-]
+# start_server forks it from a forkserver that did those imports once (see _server_forkserver).
+PRELOADED_WORKER = PRELOADED_COMMAND
 
 
 def _pythonpath(extra: Sequence[str] = (), exclude: Sequence[str] = ()) -> str:
@@ -172,6 +170,10 @@ def start_server(
     script for the plain CLI. ``exclude_paths`` are left off the server's PYTHONPATH; ``env``
     is added to its environment. The server runs in ``workdir`` (outside the repo, so that only
     PYTHONPATH decides what it can import) and logs to a file there.
+
+    The default command without ``exclude_paths`` or ``env`` is forked from this test process's
+    forkserver (:mod:`_server_forkserver`: the same server, without importing torch again);
+    anything else is spawned.
     """
     if isinstance(args, str):  # conftest's old start_server took the key second
         raise TypeError(f"start_server(workdir, args, key): args is a list of CLI arguments, not {args!r}")
@@ -190,12 +192,14 @@ def start_server(
     full_env.update(env or {})
     command = list(command or PRELOADED_WORKER)
     stderr_path = workdir / f"server-{secrets.token_hex(4)}.log"
+    argv = [*command, "--host", "127.0.0.1", "--port", "0", "--log-level", "INFO", *key_args, *args]
     with open(stderr_path, "wb") as stderr:
-        proc = subprocess.Popen(
-            [*command, "--host", "127.0.0.1", "--port", "0", "--log-level", "INFO", *key_args, *args],
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, env=full_env,
-            start_new_session=True, cwd=str(workdir),
-        )  # fmt: skip
+        proc = None if env or exclude_paths else forked_server(argv, full_env, str(workdir), stderr.fileno(), timeout)
+        if proc is None:
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, env=full_env,
+                start_new_session=True, cwd=str(workdir),
+            )  # fmt: skip
     server = Server(proc, "", key, stderr_path)
     try:
         server.address = read_listening_address(proc, timeout)

@@ -285,7 +285,7 @@ def test_waiting_for_a_slow_trainer_is_not_a_stuck_item():
         received = []
         for item in dl:
             if not received:
-                time.sleep(2.0)
+                time.sleep(1.0)  # 2x item_timeout: a check that counted this wait would fire in it
             received.append(item)
     assert received == list(range(5000))
 

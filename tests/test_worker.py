@@ -275,6 +275,24 @@ def test_graph_exiting_its_process_is_a_lost_worker(worker_server):
     assert run_epoch(worker_server) == list(range(20))
 
 
+@pytest.mark.timeout(30)
+def test_forked_test_servers_start_as_fresh_ones_and_report_their_exit(fresh_server, tmp_path):
+    """The suite's default servers come from a forkserver (tests/_server_forkserver.py): each
+    leads a session of its own in its working directory, holds none of the forkserver's pipes
+    (not the one the first server's exit code comes on), and its exit code reaches the test."""
+    first, second = fresh_server(), fresh_server(args=["--session-mode", "thread"])
+    for server in (first, second):
+        assert os.getsid(server.pid) == server.pid and os.readlink(f"/proc/{server.pid}/cwd") == str(tmp_path)
+        assert run_epoch(server) == list(range(20))  # the key came from its environment
+    first_status_pipe = os.readlink(f"/proc/self/fd/{first.proc._status_fd}")  # noqa: SLF001
+    held = [os.readlink(f"/proc/{second.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{second.pid}/fd")]
+    assert first_status_pipe not in held, held
+    first.proc.terminate()
+    assert first.proc.wait(10) == 0  # clean SIGTERM stop
+    second.proc.send_signal(signal.SIGKILL)
+    assert second.proc.wait(10) == -signal.SIGKILL and second.proc.poll() == -signal.SIGKILL
+
+
 def test_server_killed_mid_epoch(fresh_server):
     server = fresh_server()
     dp = IterableWrapper(range(10**6)).sharding_filter()

@@ -1,0 +1,265 @@
+"""A pre-imported interpreter that forks the tests' worker servers (one per test process).
+
+A fresh ``PRELOADED_WORKER`` server spends ~2.5 s of CPU importing torch, torchdata and
+pytest before it listens, and the suite starts ~70 of them on a 2-core machine. The
+forkserver imports the same modules once, then forks one server per request. The child first
+makes itself what a fresh ``python -c ... ARGS`` would be: a session of its own, the
+requested working directory, environment and fds 0-2 (nothing else open), default signal
+handlers; then it runs ``rpc_reading_service.worker`` as ``__main__``, as ``PRELOADED_WORKER``
+does. The server code is the same; only the imports are done before the fork (which the
+server itself does before forking its sessions).
+
+``multiprocessing``'s forkserver is not used: its children run inside multiprocessing's
+bootstrap (stdin replaced, the test process's resource tracker, finalizers), which a server
+started from a shell does not.
+
+Only servers whose interpreter would start the same way can come from here: the same
+``PYTHON*`` environment (PYTHONPATH above all) as the forkserver's. :func:`forked_server`
+says so by returning None.
+
+A server's parent is the forkserver, which reaps it and writes its exit code on a pipe of its
+own, read by :class:`ForkedServerProcess` (the part of ``subprocess.Popen`` the tests use).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import importlib.util
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Dict, List, Optional
+
+from rpc_reading_service.local_fleet import _ForkedProcess
+
+_MAX_REQUEST = 1 << 20
+# What _server_helpers.PRELOADED_WORKER runs (kept here: that module imports this one).
+PRELOADED_COMMAND = [
+    sys.executable,
+    "-c",
+    "import sys, runpy, pytest; "
+    "runpy.run_module('rpc_reading_service.worker', run_name='__main__', alter_sys=True)",
+]
+_PRELOADS = ("pytest", "rpc_reading_service.worker", "torchdata.dataloader2")
+
+# The forkserver: preload, then serve requests on the control socket (fd given as argv[1]).
+_SCRIPT = "import sys, _server_forkserver as f; f.serve(int(sys.argv[1]))"
+
+
+def _python_env(env: Dict[str, str]) -> Dict[str, str]:
+    """The variables that decide how an interpreter starts (PYTHONPATH, PYTHONWARNINGS, ...)."""
+    return {name: value for name, value in env.items() if name.startswith("PYTHON")}
+
+
+# -- the forkserver process -------------------------------------------------------------------
+def serve(control_fd: int) -> None:
+    """Preload, then fork a server per request until the test process closes the control socket."""
+    for name in _PRELOADS:
+        importlib.import_module(name)
+    # The child runs the worker module as __main__; a fresh server has no other copy of it.
+    del sys.modules["rpc_reading_service.worker"]
+    del sys.modules["rpc_reading_service"].worker
+    control = socket.socket(fileno=control_fd)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select through wake_w
+    status_fds: Dict[int, int] = {}  # server pid -> the pipe its exit code goes to
+    with selectors.DefaultSelector() as selector:
+        selector.register(control, selectors.EVENT_READ)
+        selector.register(wake_r, selectors.EVENT_READ)
+        while True:
+            for key, _ in selector.select():
+                if key.fileobj is wake_r:
+                    os.read(wake_r, 4096)
+                    continue
+                message, fds, _, _ = socket.recv_fds(control, _MAX_REQUEST, 4)
+                if not message:  # the test process is gone (or done): its servers are its to reap
+                    os._exit(0)
+                pid = os.fork()
+                if pid == 0:
+                    selector.close()
+                    _become_server(json.loads(message), fds, control)
+                for fd in fds[:3]:
+                    os.close(fd)
+                status_fds[pid] = fds[3]
+                control.send(json.dumps({"pid": pid}).encode())
+            _reap(status_fds)
+
+
+def _reap(status_fds: Dict[int, int]) -> None:
+    while status_fds:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            return
+        fd = status_fds.pop(pid, None)
+        if fd is not None:
+            os.write(fd, str(os.waitstatus_to_exitcode(status)).encode())
+            os.close(fd)
+
+
+def _become_server(request: dict, fds: List[int], control: socket.socket) -> None:
+    """In the forked child: set up as a fresh interpreter would be, run the worker, exit."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.setsid()
+        control.close()
+        for target, fd in enumerate(fds[:3]):
+            os.dup2(fd, target)
+        # Nothing else stays open: not the wake-up pipe, not the exit-code pipes (this
+        # server's, or those of the servers forked before it, which would never see EOF).
+        os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+        os.chdir(request["cwd"])
+        # A fresh interpreter lists its working directory ('' on sys.path) while it imports
+        # at start-up: do so now too, not at the server's first late import (which may come
+        # when it has no descriptor left to list it with).
+        importlib.util.find_spec("_no_such_module_")
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = ["-c", *request["args"]]
+
+        runpy.run_module("rpc_reading_service.worker", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as exc:  # as the interpreter treats it
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - report as an uncaught exception would be, then exit
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001
+                pass
+        os._exit(code)
+
+
+# -- the test process's side ------------------------------------------------------------------
+class ForkedServerProcess(_ForkedProcess):
+    """A server forked by the forkserver, with what ``subprocess.Popen`` has that the tests use:
+    local_fleet's handle of a forked server, its exit code read from the forkserver's pipe (the
+    server is the forkserver's child, not this process's)."""
+
+    def __init__(self, pid: int, args: List[str], stdout, status_fd: int) -> None:
+        super().__init__(pid)
+        self.args = args
+        self.stdin = None
+        self.stdout = stdout
+        self.stderr = None
+        os.set_blocking(status_fd, False)
+        self._status_fd = status_fd
+
+    def __repr__(self) -> str:
+        return f"ForkedServerProcess(pid={self.pid}, returncode={self.returncode})"
+
+    def poll(self) -> Optional[int]:
+        """The exit code, or None while the server runs."""
+        if self.returncode is None:
+            try:
+                text = os.read(self._status_fd, 64)  # written at once, when the forkserver reaped it
+            except BlockingIOError:
+                return None
+            os.close(self._status_fd)
+            if not text:
+                raise RuntimeError(f"the forkserver ended before server {self.pid}: no exit code for it")
+            self.returncode = int(text)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        """Signal the server (unless it has been reaped already, as Popen does)."""
+        self._signal(signum)
+
+
+class _ForkServer:
+    def __init__(self, python_env: Dict[str, str]) -> None:
+        self.python_env = python_env
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = {name: value for name, value in os.environ.items() if not name.startswith("PYTHON")}
+        env.update(python_env)
+        self.stderr = tempfile.TemporaryFile()  # read only to say why it failed
+        with theirs:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _SCRIPT, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self.stderr,
+                start_new_session=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+            )  # fmt: skip
+        self.control = ours
+        self.lock = threading.Lock()
+
+    def fork(
+        self, command: List[str], env: Dict[str, str], cwd: str, stderr_fd: int, timeout: float
+    ) -> ForkedServerProcess:
+        stdout_r, stdout_w = os.pipe()
+        status_r, status_w = os.pipe()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        try:
+            request = json.dumps({"args": command[len(PRELOADED_COMMAND):], "env": env, "cwd": cwd}).encode()
+            with self.lock:
+                try:
+                    self.control.settimeout(timeout)
+                    socket.send_fds(self.control, [request], [devnull, stdout_w, stderr_fd, status_w])
+                    reply = self.control.recv(4096)
+                except ConnectionError:  # the forkserver is gone (said below)
+                    reply = b""
+        finally:
+            for fd in (devnull, stdout_w, status_w):
+                os.close(fd)
+        if not reply:
+            os.close(stdout_r)
+            os.close(status_r)
+            self.stderr.seek(0)
+            said = self.stderr.read()[-3000:].decode(errors="replace")
+            raise RuntimeError(f"the tests' server forkserver exited (code {self.proc.wait(5)}):\n{said}")
+        pid = json.loads(reply)["pid"]
+        return ForkedServerProcess(pid, command, os.fdopen(stdout_r, "rb"), status_r)
+
+    def close(self) -> None:
+        self.control.close()  # the forkserver exits on EOF
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.stderr.close()
+
+
+_forkserver: Optional[_ForkServer] = None
+_forkserver_lock = threading.Lock()
+
+
+def _close_forkserver() -> None:
+    if _forkserver is not None:
+        _forkserver.close()
+
+
+def forked_server(
+    command: List[str], env: Dict[str, str], cwd: str, stderr_fd: int, timeout: float = 60.0
+) -> Optional[ForkedServerProcess]:
+    """``command`` (``PRELOADED_WORKER`` and its arguments) forked with ``env`` in ``cwd``, stderr
+    to ``stderr_fd``, stdout a pipe; None if ``command`` is another one or ``env`` would start its
+    interpreter otherwise than this process's forkserver (the caller then spawns the server)."""
+    if command[: len(PRELOADED_COMMAND)] != PRELOADED_COMMAND:
+        return None
+    global _forkserver
+    with _forkserver_lock:
+        if _forkserver is None:
+            _forkserver = _ForkServer(_python_env(env))
+            atexit.register(_close_forkserver)
+        server = _forkserver
+    if _python_env(env) != server.python_env:
+        return None
+    return server.fork(command, env, cwd, stderr_fd, timeout)
