@@ -142,6 +142,10 @@ class LeaseBook:
         mine = self.chunk_seconds.get(rank)
         if expected is None or mine is None or self.next_chunk >= expected:
             return False  # the stream's length is unknown (or runs past the previous epoch's)
+        left = expected - self.next_chunk + len(self.pending)
+        mine_end = (max(0.0, len(self.outstanding[rank]) - 0.5) + 1) * mine
+        if left * min(self.chunk_seconds.values()) >= mine_end * len(self.outstanding):
+            return False  # far from the end: even the fastest could not do what is left before ``rank`` is done
         rate, held, soonest, fastest = 0.0, 0.0, math.inf, math.inf
         for other, chunks in self.outstanding.items():
             if other == rank or other in self.ended or other in self.finished:
@@ -156,9 +160,7 @@ class LeaseBook:
             fastest = min(fastest, seconds)
         if not rate:
             return False
-        left = expected - self.next_chunk + len(self.pending)
         others_end = max((left + held) / rate, soonest)
-        mine_end = (max(0.0, len(self.outstanding[rank]) - 0.5) + 1) * mine
         return mine_end > others_end + 0.5 * fastest
 
     def wants_leases(self, rank: int) -> bool:
