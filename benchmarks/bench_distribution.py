@@ -6,7 +6,11 @@ items wait, they do not compute). In the unequal fleet one worker is 4x slower: 
 ``worker_init_fn`` makes it sleep four times as long per item. The ideal epoch time is the
 total work divided by the fleet's summed speed (``items * ms / (3 + 1/4)`` for 3 normal
 workers and one 4x slower); each policy's epoch is measured against it (the best of
-``--epochs`` epochs after a warm-up epoch, so session setup is not counted).
+``--epochs`` epochs after a warm-up epoch, so session setup is not counted). A ``time.sleep``
+waits longer than asked (more so on a busy host), so each sleep-bound item also reports how
+long its sleeps really took, and each table gives the ideal of those measured sleeps too:
+``items / (3 / fast item + 1 / slow item)``, the host's oversleeping taken out and every cost
+of ours (between the sleeps) still counted.
 
 The same unequal fleet with a dispatch point (``sharding_round_robin_dispatch``: the trainer
 deals the items; a unit of "dynamic" is one dispatched item), round-robin against dynamic.
@@ -28,7 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2
@@ -42,15 +46,23 @@ SLOWDOWN = 4.0
 
 
 class SleepPerItem:
-    """The item's work: ``seconds`` of waiting (what reading from remote storage looks like)."""
+    """The item's work: ``seconds`` of waiting (what reading from remote storage looks like).
 
-    def __init__(self, seconds: float):
-        self.seconds = seconds
+    With ``measured`` the item becomes the tuple of the seconds its sleeps really took (one
+    per ``SleepPerItem`` it went through): what the ideal of the measured sleeps is made of."""
+
+    def __init__(self, seconds: float, measured: bool = False):
+        self.seconds, self.measured = seconds, measured
 
     def __call__(self, item: Any) -> Any:
-        if self.seconds:
-            time.sleep(self.seconds)
-        return item
+        if not self.seconds:
+            return item
+        start = time.perf_counter()
+        time.sleep(self.seconds)
+        if not self.measured:
+            return item
+        slept = time.perf_counter() - start
+        return (*item, slept) if isinstance(item, tuple) else (slept,)
 
 
 class SlowWorker:
@@ -62,17 +74,27 @@ class SlowWorker:
     def __call__(self, datapipe: Any, info: Any) -> Any:
         if info.worker_id != self.rank or not self.extra:
             return datapipe
-        return datapipe.map(SleepPerItem(self.extra))
+        return datapipe.map(SleepPerItem(self.extra, measured=True))
 
 
 def graph(items: int, seconds: float) -> Any:
-    return IterableWrapper(range(items)).shuffle().sharding_filter().map(SleepPerItem(seconds))
+    return IterableWrapper(range(items)).shuffle().sharding_filter().map(SleepPerItem(seconds, measured=True))
 
 
 def dispatching_graph(items: int, seconds: float) -> Any:
     """The same work behind a dispatch point: the trainer deals the shuffled items to the workers."""
     dispatched = IterableWrapper(range(items)).shuffle().sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
-    return dispatched.map(SleepPerItem(seconds))
+    return dispatched.map(SleepPerItem(seconds, measured=True))
+
+
+def measured_ideal(items: List[Any]) -> Optional[float]:
+    """The unequal fleet's ideal epoch from what its sleeps really took: ``len(items)`` items over
+    the normal workers' speed (one item: its one sleep) and the slow one's (its item: two sleeps)."""
+    fast = [sleeps[0] for sleeps in items if isinstance(sleeps, tuple) and len(sleeps) == 1]
+    slow = [sum(sleeps) for sleeps in items if isinstance(sleeps, tuple) and len(sleeps) == 2]
+    if not fast or not slow:
+        return None
+    return len(items) / ((WORKERS - 1) * len(fast) / sum(fast) + len(slow) / sum(slow))
 
 
 def epoch_seconds(
@@ -80,18 +102,26 @@ def epoch_seconds(
     make_graph: Callable[[int, float], Any] = graph,
 ) -> float:  # fmt: skip
     """The best epoch time of ``epochs`` epochs (after one warm-up epoch) of one policy."""
+    return best_epoch(distribution, items, seconds, slow_extra, epochs, make_graph)[0]
+
+
+def best_epoch(
+    distribution: Any, items: int, seconds: float, slow_extra: float, epochs: int,
+    make_graph: Callable[[int, float], Any] = graph,
+) -> Tuple[float, List[Any]]:  # fmt: skip
+    """:func:`epoch_seconds`, and the items of that best epoch."""
     service = RPCReadingService(
         num_workers=WORKERS, distribution=distribution, worker_init_fn=SlowWorker(0, slow_extra)
     )
-    best = float("inf")
+    best: Tuple[float, List[Any]] = (float("inf"), [])
     with DataLoader2(make_graph(items, seconds), reading_service=service) as dl:
         dl.seed(0)
         assert len(list(dl)) == items  # warm-up: sessions set up, first epoch
         for _ in range(epochs):
             start = time.perf_counter()
-            count = sum(1 for _ in dl)
-            best = min(best, time.perf_counter() - start)
-            assert count == items
+            taken = list(dl)
+            best = min(best, (time.perf_counter() - start, taken), key=lambda pair: pair[0])
+            assert len(taken) == items
     return best
 
 
@@ -110,12 +140,18 @@ def unequal_fleet(items: int, ms: float, epochs: int, chunk_size: int) -> str:
     ideal = items * seconds / (WORKERS - 1 + 1 / SLOWDOWN)
     rows = []
     for name, distribution in policies(chunk_size).items():
-        took = epoch_seconds(distribution, items, seconds, seconds * (SLOWDOWN - 1), epochs)
-        rows.append((name, f"{took:.2f}", f"{ideal:.2f}", f"{took / ideal:.2f}x"))
+        took, taken = best_epoch(distribution, items, seconds, seconds * (SLOWDOWN - 1), epochs)
+        rows.append((name, f"{took:.2f}", f"{ideal:.2f}", f"{took / ideal:.2f}x", *_measured(took, taken)))
     return table(
         f"{WORKERS} workers, one {SLOWDOWN:g}x slower: {items} items of {ms:g} ms",
-        ("policy", "epoch s", "ideal s", "vs ideal"), rows,
+        ("policy", "epoch s", "ideal s", "vs ideal", "ideal of the measured sleeps s", "vs it"), rows,
     )  # fmt: skip
+
+
+def _measured(took: float, taken: List[Any]) -> Tuple[str, str]:
+    """The cells of the ideal of the measured sleeps, and the epoch against it."""
+    ideal = measured_ideal(taken)
+    return ("-", "-") if ideal is None else (f"{ideal:.2f}", f"{took / ideal:.2f}x")
 
 
 def dispatch_fleet(items: int, ms: float, epochs: int) -> str:
@@ -124,11 +160,11 @@ def dispatch_fleet(items: int, ms: float, epochs: int) -> str:
     ideal = items * seconds / (WORKERS - 1 + 1 / SLOWDOWN)
     rows = []
     for name in ("round_robin", "dynamic"):
-        took = epoch_seconds(name, items, seconds, seconds * (SLOWDOWN - 1), epochs, dispatching_graph)
-        rows.append((name, f"{took:.2f}", f"{ideal:.2f}", f"{took / ideal:.2f}x"))
+        took, taken = best_epoch(name, items, seconds, seconds * (SLOWDOWN - 1), epochs, dispatching_graph)
+        rows.append((name, f"{took:.2f}", f"{ideal:.2f}", f"{took / ideal:.2f}x", *_measured(took, taken)))
     return table(
         f"sharding_round_robin_dispatch, {WORKERS} workers, one {SLOWDOWN:g}x slower: {items} items of {ms:g} ms",
-        ("policy", "epoch s", "ideal s", "vs ideal"), rows,
+        ("policy", "epoch s", "ideal s", "vs ideal", "ideal of the measured sleeps s", "vs it"), rows,
     )  # fmt: skip
 
 

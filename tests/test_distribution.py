@@ -126,6 +126,52 @@ def test_a_fast_worker_is_not_sent_lone_leases_as_the_window_moves_unless_it_hol
     assert book.lease(1) == (12, 0)
 
 
+def _simulated_epoch(book: LeaseBook, chunk_seconds: List[float], chunks: int) -> List[float]:
+    """Run one epoch of ``chunks`` chunks through ``book`` in simulated time, every worker doing each of
+    its chunks in ``chunk_seconds[rank]`` and topped up as the merger does; return when each worker ended."""
+    free_at = [0.0] * len(chunk_seconds)  # when each worker is done with what it holds
+    finishing = []  # (time, rank, chunk), one per chunk leased
+
+    def top_up(rank: int, now: float) -> None:
+        while book.wants_leases(rank) and book.next_chunk < chunks and (lease := book.lease(rank)) is not None:
+            free_at[rank] = max(free_at[rank], now) + chunk_seconds[rank]
+            finishing.append((free_at[rank], rank, lease[0]))
+
+    for rank in range(len(chunk_seconds)):
+        top_up(rank, 0.0)
+    ended = [0.0] * len(chunk_seconds)
+    while finishing:
+        finishing.sort()
+        now, rank, chunk = finishing.pop(0)
+        book.done(rank, chunk, book.chunk_size, None, now=now)
+        ended[rank] = now
+        for other in [rank] + [r for r in range(len(chunk_seconds)) if r != rank]:
+            top_up(other, now)  # the reporter, then everyone (the merger does as the window moves)
+    assert book.next_chunk == chunks, "every chunk was leased"
+    return ended
+
+
+@pytest.mark.parametrize("expected", [None, 50])
+def test_near_the_end_a_slow_worker_is_not_leased_a_chunk_the_others_would_finish_sooner(expected):
+    # One worker about 4x slower (chunks of 16 items of 5 ms and of 20 ms, each with the same
+    # per-item cost on top, as bench_distribution.py measures them).
+    speeds = [0.3, 0.08, 0.08, 0.08]
+    book = LeaseBook(num_workers=4, chunk_size=16, depth=2, window=1000, expected_chunks=expected)
+    ended = _simulated_epoch(book, speeds, 50)
+    ideal = 50 * 0.08 / (3 + 0.08 / 0.3)
+    if expected is None:  # the stream's length unknown: whoever has room is leased, to the end
+        assert book.units[0] == 5 and max(ended) > 1.2 * ideal
+    else:  # the previous epoch's length: the slow worker's last chunk would end the epoch late
+        assert book.units[0] == 4 and max(ended) < 1.1 * ideal
+    assert sum(book.units.values()) == 50
+
+
+def test_the_tail_rule_never_holds_back_equal_workers():
+    book = LeaseBook(num_workers=4, chunk_size=16, depth=2, window=1000, expected_chunks=41)
+    ended = _simulated_epoch(book, [0.08] * 4, 41)
+    assert max(ended) == pytest.approx(11 * 0.08) and sorted(book.units.values()) == [10, 10, 10, 11]
+
+
 def test_dynamic_refuses_graphs_it_cannot_cut_into_chunks():
     from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 

@@ -56,7 +56,8 @@ class Epoch:
         self._merger: Optional[Merger] = None
         if engine.in_process_graph is None:
             replace = self._replace if engine.config.reassign is not None else None
-            run = EpochRun(engine.channels, engine.events, self.progress, replace, positions.policy, wire, dispatched)
+            hint = engine.epoch.hint() if engine.epoch is not None else None
+            run = EpochRun(engine.channels, engine.events, self.progress, replace, positions.policy, wire, dispatched, hint)
             self._merger = engine.config.distribution.merger(run)
         #: Worker losses this epoch by (rank, items of its shard consumed): see :meth:`_replace`.
         self._losses: Dict[Tuple[int, int], int] = {}
@@ -91,6 +92,10 @@ class Epoch:
     def units(self) -> Optional[Dict[int, int]]:
         """Units of work each rank got this epoch (the policy's, e.g. chunks); None for fixed shards."""
         return None if self._merger is None else self._merger.units()
+
+    def hint(self) -> Optional[Any]:
+        """What the next epoch's distribution policy may start from (:meth:`Merger.hint`)."""
+        return None if self._merger is None else self._merger.hint()
 
     def _one_step_at_a_time(self, items: Iterator[Any]) -> Iterator[Any]:
         """``items``, each taken holding the engine's guard, and only while this epoch is the current one.

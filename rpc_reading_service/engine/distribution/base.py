@@ -83,6 +83,8 @@ class EpochRun:
     #: (an :class:`~rpc_reading_service.engine.dispatch.UnitDispatch`), set by the engine before
     #: the epoch is iterated; None otherwise.
     dispatched: Optional[Any] = None
+    #: What the run's previous epoch's merger passed on (:meth:`Merger.hint`; None: nothing, or no such epoch).
+    hint: Optional[Any] = None
 
 
 class Merger(abc.ABC):
@@ -100,6 +102,11 @@ class Merger(abc.ABC):
 
     def units(self) -> Optional[Dict[int, int]]:
         """Units of work (e.g. chunks) each rank got this epoch, for ``stats()``; None: fixed shards."""
+        return None
+
+    def hint(self) -> Optional[Any]:
+        """What the next epoch's merger of the run may start from (:attr:`EpochRun.hint`, e.g. how long
+        the stream was); only ever a hint: the next epoch must be right without it. None: nothing."""
         return None
 
 

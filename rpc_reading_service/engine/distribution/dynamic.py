@@ -173,6 +173,7 @@ class _DynamicMerger(Merger):
         self.book = LeaseBook(
             count, policy.chunk_size, policy.depth, max(window, policy.depth * count),
             max_depth=self.max_depth, window_bytes=window_bytes,
+            expected_chunks=run.hint if isinstance(run.hint, int) else None,
         )  # fmt: skip
         if run.resume is not None:
             self.book.resume(run.resume)
@@ -193,6 +194,10 @@ class _DynamicMerger(Merger):
     def units(self) -> Dict[int, int]:
         """Chunks leased to each rank this epoch."""
         return dict(self.book.units)
+
+    def hint(self) -> Optional[int]:
+        """The stream's length in chunks, once known: the next epoch's estimate of what is left near its end."""
+        return self.book.stream_chunks
 
     # -- leasing --------------------------------------------------------------------------------
     def _top_up(self, channel: WorkerChannel) -> None:

@@ -18,6 +18,13 @@ at most ``window`` chunks of items however unequal the workers are. With ``windo
 as many chunks as hold ``window_bytes`` (:meth:`LeaseBook.received`), up to
 ``2 * max_depth * num_workers``: fast workers of small items then get their leases many at a
 time, in a few sends, instead of waiting for the window to move.
+
+The end of an epoch: a worker is not leased a chunk that it would likely finish only after the
+rest of the fleet had finished every chunk left, that one included (:meth:`LeaseBook.ends_last`):
+a 4x slower worker's last chunk would otherwise keep the epoch going while the others idle. How
+many chunks are left needs the stream's length: known once a walk reached the end, else the
+previous epoch's (``expected_chunks``; epochs of a run usually have one length). Without it, or
+once the stream runs past it, every worker with room is leased.
 """
 
 from __future__ import annotations
@@ -49,9 +56,11 @@ class LeaseBook:
 
     def __init__(
         self, num_workers: int, chunk_size: int, depth: int, window: int, slow_chunk_seconds: float = SLOW_CHUNK_SECONDS,
-        max_depth: int = MAX_DEPTH, window_bytes: Optional[int] = None,
+        max_depth: int = MAX_DEPTH, window_bytes: Optional[int] = None, expected_chunks: Optional[int] = None,
     ):  # fmt: skip
         self.chunk_size, self.depth, self.window = chunk_size, depth, window
+        #: The stream's chunks as the previous epoch had them (None: unknown), for :meth:`ends_last`.
+        self.expected_chunks = expected_chunks
         self.slow_chunk_seconds, self.max_depth = slow_chunk_seconds, max_depth
         #: The window's bounds when it is sized by bytes (``window_bytes``), and the bytes and
         #: items received so far this epoch.
@@ -112,6 +121,8 @@ class LeaseBook:
                 return None
             if self.available is not None and chunk >= self.available:
                 return None
+            if self.ends_last(rank):
+                return None
             self.next_chunk += 1
             choice = (chunk, 0)
         chunk, skip = choice
@@ -121,6 +132,36 @@ class LeaseBook:
         self.units[rank] += 1
         self.delivered.setdefault(chunk, skip)
         return choice
+
+    def ends_last(self, rank: int) -> bool:
+        """Whether ``rank`` taking one more chunk would likely end the epoch later than leaving it to
+        the others: it would finish that chunk after they finished every chunk left, plus half of the
+        fastest one's chunk (the estimate's slack). Each worker's current chunk counts as half done;
+        the others cannot all finish sooner than the earliest of them finishes one more chunk."""
+        expected = self.stream_chunks if self.stream_chunks is not None else self.expected_chunks
+        mine = self.chunk_seconds.get(rank)
+        if expected is None or mine is None or self.next_chunk >= expected:
+            return False  # the stream's length is unknown (or runs past the previous epoch's)
+        left = expected - self.next_chunk + len(self.pending)
+        mine_end = (max(0.0, len(self.outstanding[rank]) - 0.5) + 1) * mine
+        if left * min(self.chunk_seconds.values()) >= mine_end * len(self.outstanding):
+            return False  # far from the end: even the fastest could not do what is left before ``rank`` is done
+        rate, held, soonest, fastest = 0.0, 0.0, math.inf, math.inf
+        for other, chunks in self.outstanding.items():
+            if other == rank or other in self.ended or other in self.finished:
+                continue
+            seconds = self.chunk_seconds.get(other)
+            if seconds is None:
+                return False  # not measured yet: no estimate
+            ahead = max(0.0, len(chunks) - 0.5)
+            rate += 1 / seconds
+            held += ahead
+            soonest = min(soonest, (ahead + 1) * seconds)
+            fastest = min(fastest, seconds)
+        if not rate:
+            return False
+        others_end = max((left + held) / rate, soonest)
+        return mine_end > others_end + 0.5 * fastest
 
     def wants_leases(self, rank: int) -> bool:
         """Whether ``rank`` is due a top-up: it holds at most half its :meth:`depth_of` (then it is
