@@ -95,7 +95,7 @@ class LeaseBook:
         #: Ranks whose stream ended this epoch, and ranks told that no more leases come.
         self.ended: Set[int] = set()
         self.finished: Set[int] = set()
-        #: Chunks leased per rank this epoch (``stats()``'s units).
+        #: Chunks leased per rank this epoch, less those that lay past the stream's end (``stats()``'s units).
         self.units: Dict[int, int] = {rank: 0 for rank in range(num_workers)}
         #: Chunks below this exist yet (None: all of them; a dispatched epoch's units exist once pulled).
         self.available: Optional[int] = None
@@ -247,6 +247,8 @@ class LeaseBook:
         self.totals[chunk] = self.skips.pop(chunk) + items
         if stream_length is not None:
             self.stream_ends_at(-(-stream_length // self.chunk_size))
+            if chunk * self.chunk_size >= stream_length:
+                self.units[rank] -= 1  # it lay past the end: stats() counts the chunks a worker worked on
         self._maybe_complete(chunk)
 
     def end(self, rank: int) -> None:
@@ -258,6 +260,7 @@ class LeaseBook:
         while leftover:
             chunk = leftover.popleft()
             self.totals[chunk] = self.skips.pop(chunk)
+            self.units[rank] -= 1  # it lay past the end, as in done()
             self._maybe_complete(chunk)
 
     def stream_ends_at(self, chunks: int) -> None:
