@@ -184,8 +184,13 @@ def raw_sender(address: str, nbytes: int, count: int) -> None:
 class SegmentRing:
     """:data:`ITEMS_IN_FLIGHT` shared segments of ``nbytes`` (memfd, every page mapped up
     front), written in turn: :meth:`append` copies an item's bytes into the next one and
-    lets the item go, as a local worker's hand-over does with a pool of warm segments (the
-    trainer holds up to that many), with nothing moved."""
+    lets the item go once the next one is made, as a local worker's hand-over does with a
+    pool of warm segments (the trainer holds up to that many), with nothing moved.
+
+    The last item is kept until the next one arrives because a worker's DataPipe graph keeps
+    it that long (torch's iterator hook holds each output until the next is made): dropped
+    at once, the allocator would hand the next item the same cache-hot buffer, which no
+    worker's graph gets (~0.25 ms less per 8 MiB tensor made here)."""
 
     def __init__(self, nbytes: int):
         import mmap
@@ -202,16 +207,20 @@ class SegmentRing:
                 os.close(fd)
             self._segments.append(numpy.frombuffer(mapping, dtype=numpy.uint8))
         self._next = 0
+        self._last = None
 
     def append(self, item) -> None:
-        """Copy ``item`` (a tensor or array of ``nbytes`` bytes) into the next segment."""
+        """Copy ``item`` (a tensor or array of ``nbytes`` bytes) into the next segment; keep it
+        until the next one is appended."""
         import numpy
 
         numpy.copyto(self._segments[self._next], numpy.asarray(item).reshape(-1).view(numpy.uint8))
         self._next = (self._next + 1) % len(self._segments)
+        self._last = item
 
     def clear(self) -> None:
-        """Nothing to let go of: the segments live as long as the ring."""
+        """Let go of the last item (the segments live as long as the ring)."""
+        self._last = None
 
 
 def produce_share(workload: Workload, rank: int, num_workers: int, done_fd: int, go,

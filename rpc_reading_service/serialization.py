@@ -205,10 +205,16 @@ class ItemEncoder:
         stream = self._stream
         stream.seek(0)
         stream.truncate()
-        self._pickler.clear_memo()
-        self._out_of_band = []
-        self._pickler.dump(obj)
-        return EncodedItem(stream.getvalue(), [self._snapshot(b.raw()) for b in self._out_of_band])
+        try:
+            self._pickler.dump(obj)
+            return EncodedItem(stream.getvalue(), [self._snapshot(b.raw()) for b in self._out_of_band])
+        finally:
+            # The memo and the out-of-band list hold the item: let go of it now, so that its
+            # memory goes back to the allocator before the producer makes the next item, which
+            # then gets the same cache-warm memory (held until the next encode, every other
+            # item's memory was cold: a third more time to make and copy an 8 MiB tensor).
+            self._pickler.clear_memo()
+            self._out_of_band = []
 
 
 def dumps_item(obj: Any) -> EncodedItem:

@@ -28,6 +28,25 @@ def test_every_contender_takes_part_in_a_scenario():
     assert set(CONTENDERS) == {name for scenario in SCENARIOS.values() for name in scenario.contenders}
 
 
+def test_copy_limit_keeps_its_last_item_until_the_next_as_a_graph_does():
+    # A worker's DataPipe graph holds its last output until it makes the next (torch's iterator
+    # hook), so its next item never gets the same cache-hot buffer: neither may copy-limit's.
+    import weakref
+
+    import numpy
+    from workloads import SegmentRing, make_array
+
+    ring = SegmentRing(4096)
+    first = make_array(1, 4096)
+    ref = weakref.ref(first)
+    ring.append(first)
+    del first
+    assert ref() is not None
+    ring.append(make_array(2, 4096))
+    assert ref() is None
+    assert int(numpy.frombuffer(ring._segments[1], dtype=numpy.uint8)[-1]) == 2
+
+
 def table_of(output: str, scenario: str) -> str:
     """The text of one scenario's table in the benchmark's output."""
     match = re.search(rf"^== {scenario}\b.*?(?=\n\n|\Z)", output, re.M | re.S)

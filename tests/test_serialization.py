@@ -17,6 +17,7 @@ from rpc_reading_service.errors import RemoteWorkerError
 from rpc_reading_service.protocol import EncodedItem, FrameReader, MessageKind, decode_data, encode_data, encode_frame
 from rpc_reading_service.serialization import (
     OUT_OF_BAND_MIN_BYTES,
+    ItemEncoder,
     dumps_graph,
     dumps_item,
     fallback_exception_info,
@@ -151,6 +152,26 @@ def test_an_encoded_item_keeps_its_buffers_as_they_were_when_encoded():
     assert np.frombuffer(view, dtype=np.uint8).ctypes.data != tensor.data_ptr()
     tensor.fill_(0)  # a graph that refills its buffer for the next item
     assert torch.equal(loads_item(encoded), expected)
+
+
+def test_an_encoder_lets_go_of_each_item_once_it_is_encoded():
+    # Held until the next item's encode, an item's memory cannot go back to the allocator warm
+    # for the next one, and a worker waiting for credit would keep a whole item alive.
+    import weakref
+
+    encoder = ItemEncoder()
+    big, small = torch.randn(256, 1024), torch.arange(4)
+    refs = [weakref.ref(big), weakref.ref(small)]
+    encoded = encoder.encode({"big": big, "small": small})
+    del big, small
+    assert [ref() for ref in refs] == [None, None]
+    assert loads_item(over_the_wire(encoded))["big"].shape == (256, 1024)
+    held = torch.ones(256, 1024)
+    with pytest.raises((pickle.PicklingError, AttributeError)):
+        encoder.encode({"held": held, "unpicklable": lambda: None})
+    held_ref = weakref.ref(held)
+    del held
+    assert held_ref() is None  # let go of when pickling fails too
 
 
 def test_requires_grad_tensor_uses_torch_reduction():

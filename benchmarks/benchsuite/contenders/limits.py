@@ -102,8 +102,9 @@ class CopyLimit(ProductionLimit):
     """The ceiling for local workers that copy each item once into shared memory (the
     default hand-over, ``RPCRS-local``): :class:`ProductionLimit`'s processes, each copying
     every item it makes into the next of ``workloads.ITEMS_IN_FLIGHT`` warm shared segments
-    (made before the clock starts) and letting it go, as a worker's segment pool does;
-    nothing is moved, nothing is received."""
+    (made before the clock starts) and letting it go once the next is made (as a worker's
+    DataPipe graph holds it), as a worker's segment pool does; nothing is moved, nothing is
+    received."""
 
     name = "copy-limit"
     copies_to_shared_memory = True

@@ -181,8 +181,9 @@ def report_tensor(scenario: Scenario, params: dict, results: dict) -> str:
         "with no copy; its vs prod. limit is production-limit-shm, the same code outside a session "
         "(ordinary memory)"]
         + (["copy-limit: production-limit's processes, each copying every item it makes once into the next of "
-            f"{ITEMS_IN_FLIGHT} warm shared segments (made untimed) and letting it go, nothing moved: the "
-            "ceiling for RPCRS-local, whose workers make that one copy"] if "copy-limit" in results else [])
+            f"{ITEMS_IN_FLIGHT} warm shared segments (made untimed) and letting it go once it made the next (a "
+            "worker's DataPipe graph holds its last item that long), nothing moved: the ceiling for RPCRS-local, "
+            "whose workers make that one copy"] if "copy-limit" in results else [])
         + rounds_notes(params)
         + [f"{', '.join(caps)}: epoch capped at {min(caps.values()):,} items (runs its epochs to the end)"
            for caps in [params.get("item_caps") or {}] if caps])
