@@ -438,10 +438,12 @@ class Outbox:
         """Whether a sealed batch of items waits for credit (markers ahead of the open batch do not count)."""
         return any(not isinstance(entry, Message) for entry in self._sealed)
 
-    def _seal(self) -> None:
+    def _seal(self, wake: bool = True) -> None:
+        """Close the open batch; ``wake``: notify the sender (not when the caller takes it at once)."""
         self._sealed.append(self._open)
         self._open, self._open_bytes, self._open_slow = [], 0, False
-        self._cond.notify_all()
+        if wake:
+            self._cond.notify_all()
 
     # -- sender side --------------------------------------------------------------------------
     def take(self, timeout: float) -> Optional[List[Buffer]]:
@@ -536,7 +538,9 @@ class Outbox:
                     or (self._open_slow and self._credits >= 2)
                     or now - self._open_since >= self._options.linger
                 ):
-                    self._seal()
+                    # Taken right below: a notify would only wake the sender to find the send in
+                    # progress (twice: it then waits for the write to end), once per frame a CREDIT lets go.
+                    self._seal(wake=False)
                 else:
                     return None, self._open_since + self._options.linger - now
             if self._sealed:
