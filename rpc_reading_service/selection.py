@@ -32,6 +32,7 @@ __all__ = [
     "LeasedChunks",
     "selection_in_place",
     "selections_in",
+    "datapipes_before_selections",
     "share_seeds_before_selections",
 ]
 
@@ -211,14 +212,20 @@ def share_seeds_before_selections(datapipe: DataPipe, seed_generator: Any) -> Da
     this subclass): every worker then walks the same stream. Runs as torchdata's ``iter_reset_fn``."""
     from torchdata.dataloader2.graph.settings import set_datapipes_seed
 
+    set_datapipes_seed(datapipes_before_selections(datapipe), seed_generator, distributed_shared=True)
+    return datapipe
+
+
+def datapipes_before_selections(datapipe: DataPipe) -> List[DataPipe]:
+    """The DataPipes before each :class:`SelectionFilter` of a graph, each once, in the order
+    :func:`share_seeds_before_selections` seeds them."""
     seen, before = set(), []
     for selection in selections_in(datapipe):
         for dp in list_dps(traverse_dps(selection)):
             if id(dp) not in seen:
                 seen.add(id(dp))
                 before.append(dp)
-    set_datapipes_seed(before, seed_generator, distributed_shared=True)
-    return datapipe
+    return before
 
 
 def selections_in(graph: DataPipe) -> List[SelectionFilter]:

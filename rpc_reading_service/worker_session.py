@@ -42,7 +42,7 @@ from torchdata.datapipes.iter import IterDataPipe
 
 from .version import __version__
 from .errors import FrameTooLargeError, RemoteProtocolError
-from .graph import init_worker_graph, reset_worker_graph, seed_chunk
+from .graph import WorkerGraphSeeds, init_worker_graph, reset_worker_graph, seed_chunk
 from .protocol import (
     Buffer,
     ChunkDone,
@@ -613,6 +613,8 @@ class WorkerSession:
         self._graph: Any = None
         self._worker_info: Any = None
         self._reset_fn: Any = None
+        #: How to seed the graph each epoch (None: traverse it each time).
+        self._seeds: Optional[WorkerGraphSeeds] = None
         #: The source of dealt items in a dispatched graph, and the current epoch's input.
         self._dispatched_input = DispatchedInput()
         self._inbox: Optional[Inbox] = None
@@ -704,6 +706,8 @@ class WorkerSession:
             self._worker_info = WorkerInfo(setup.num_workers, setup.worker_rank)
             self._graph = init_worker_graph(datapipe, self._worker_info, init_fn, self._dispatched_input)
             self._selections = selections_in(self._graph)
+            # Found once, not at every epoch's start; a worker_reset_fn may rebuild the graph.
+            self._seeds = WorkerGraphSeeds(self._graph) if self._reset_fn is None else None
         except BaseException as exc:  # noqa: BLE001 - includes SystemExit from user code
             info = _describe(exc)
             log.warning("session setup for %s failed: %s: %s", self.conn.peer, info["type_name"], info["message"])
@@ -812,7 +816,7 @@ class WorkerSession:
                 if watched:  # worker_reset_fn and the graph's reset count as producing item 0
                     self._producing = (epoch, 0, time.monotonic(), threading.get_ident())
                 self._graph = reset_worker_graph(
-                    self._graph, self._worker_info, request.seed, request.global_worker_id, self._reset_fn
+                    self._graph, self._worker_info, request.seed, request.global_worker_id, self._reset_fn, self._seeds
                 )
                 skip = request.skip
                 encode, put = ItemEncoder(stage=copy_into_segment).encode, self.outbox.put
