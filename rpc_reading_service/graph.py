@@ -39,7 +39,7 @@ from torchdata.dataloader2.utils.worker import HAS_NUMPY
 
 from .chunk_seeds import spawned_seeds
 from .errors import ConfigurationError
-from .selection import datapipes_before_selections, share_seeds_before_selections
+from .selection import datapipes_before, selections_in, share_seeds_before_selections
 
 __all__ = [
     "DistributedInfo",
@@ -270,14 +270,9 @@ class WorkerGraphSeeds:
             self.graph = datapipe
             graph = traverse_dps(datapipe)
             sharding = find_dps(graph, torchdata_iter.ShardingFilter)
-            seen, self._shared = set(), []
-            for sharding_dp in sharding:  # set_graph_random_seed's "dps_before_sharding"
-                for dp in list_dps(traverse_dps(sharding_dp)):
-                    if id(dp) not in seen:
-                        seen.add(id(dp))
-                        self._shared.append(dp)
+            self._shared = datapipes_before(sharding)  # set_graph_random_seed's "dps_before_sharding"
             self._local = list_dps(graph, exclude_dps=sharding)
-            self._before_selections = datapipes_before_selections(datapipe)
+            self._before_selections = datapipes_before(selections_in(datapipe))
 
     def seed(self, seed_generator: SeedGenerator) -> None:
         """What ``set_graph_random_seed`` then :func:`share_seeds_before_selections` do, without traversing."""
