@@ -816,8 +816,9 @@ class WorkerSession:
                 if watched:  # worker_reset_fn and the graph's reset count as producing item 0
                     self._producing = (epoch, 0, time.monotonic(), threading.get_ident())
                 self._graph = reset_worker_graph(
-                    self._graph, self._worker_info, request.seed, request.global_worker_id, self._reset_fn, self._seeds
-                )
+                    self._graph, self._worker_info, request.seed, request.global_worker_id, self._reset_fn,
+                    self._seeds,
+                )  # fmt: skip
                 skip = request.skip
                 encode, put = ItemEncoder(stage=copy_into_segment).encode, self.outbox.put
                 chunks = _ChunkCount(epoch, request.seed, self.outbox) if leases is not None else None
