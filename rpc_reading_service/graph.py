@@ -275,7 +275,7 @@ class WorkerGraphSeeds:
             self._before_selections = datapipes_before(selections_in(datapipe))
 
     def seed(self, seed_generator: SeedGenerator) -> None:
-        """Seed as ``set_graph_random_seed`` then :func:`share_seeds_before_selections` do, with no traversal."""
+        """Seed as ``set_graph_random_seed``, then :func:`share_seeds_before_selections`, do."""
         set_datapipes_seed(self._shared, seed_generator, distributed_shared=True)
         set_datapipes_seed(self._local, seed_generator, distributed_shared=False)
         set_datapipes_seed(self._before_selections, seed_generator, distributed_shared=True)
