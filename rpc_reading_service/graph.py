@@ -39,7 +39,7 @@ from torchdata.dataloader2.utils.worker import HAS_NUMPY
 
 from .chunk_seeds import spawned_seeds
 from .errors import ConfigurationError
-from .selection import share_seeds_before_selections
+from .selection import datapipes_before, selections_in, share_seeds_before_selections
 
 __all__ = [
     "DistributedInfo",
@@ -53,6 +53,7 @@ __all__ = [
     "worker_seed_generator",
     "init_worker_graph",
     "reset_worker_graph",
+    "WorkerGraphSeeds",
     "reset_dispatching_graph",
     "warm_up_worker_graph_utilities",
     "seed_chunk",
@@ -251,22 +252,56 @@ def _run_worker_init_fn(
     return result
 
 
+class WorkerGraphSeeds:
+    """The DataPipes that each epoch of one worker graph seeds, found once.
+
+    Finding them is torchdata's graph traversal, which pickles the whole graph: about three
+    quarters of a reset's CPU, paid per session and per epoch, all at an epoch's start. These
+    are the lists ``set_graph_random_seed`` and :func:`share_seeds_before_selections` build
+    (with torchdata's own ``traverse_dps``, ``find_dps`` and ``list_dps``, in their order), and
+    :meth:`seed` seeds them with torchdata's ``set_datapipes_seed``: the same draws in the same
+    order. Valid while the graph keeps its structure: a session builds one only when there is no
+    ``worker_reset_fn`` (which may rebuild the graph), and :func:`reset_worker_graph` uses it only
+    for the graph it was made of.
+    """
+
+    def __init__(self, datapipe: DataPipe):
+        with _traversal_lock:
+            self.graph = datapipe
+            graph = traverse_dps(datapipe)
+            sharding = find_dps(graph, torchdata_iter.ShardingFilter)
+            self._shared = datapipes_before(sharding)  # set_graph_random_seed's "dps_before_sharding"
+            self._local = list_dps(graph, exclude_dps=sharding)
+            self._before_selections = datapipes_before(selections_in(datapipe))
+
+    def seed(self, seed_generator: SeedGenerator) -> None:
+        """Seed as ``set_graph_random_seed``, then :func:`share_seeds_before_selections`, do."""
+        set_datapipes_seed(self._shared, seed_generator, distributed_shared=True)
+        set_datapipes_seed(self._local, seed_generator, distributed_shared=False)
+        set_datapipes_seed(self._before_selections, seed_generator, distributed_shared=True)
+
+
 def reset_worker_graph(
     datapipe: DataPipe,
     worker_info: WorkerInfo,
     epoch_seed: int,
     global_worker_id: int,
     worker_reset_fn: Optional[ResetFn],
+    seeds: Optional[WorkerGraphSeeds] = None,
 ) -> DataPipe:
     """Seed the graph and the global RNGs of one worker for an epoch, then run ``worker_reset_fn``:
     torchdata's ``process_reset_fn``, step by step, with the global RNGs seeded by
-    :func:`_seed_global_rngs` (the same seeds, drawn in the same order)."""
+    :func:`_seed_global_rngs` (the same seeds, drawn in the same order). ``seeds``: the graph's
+    :class:`WorkerGraphSeeds`, if it was made of ``datapipe`` (else the graph is traversed)."""
     generator = worker_seed_generator(epoch_seed, global_worker_id)
     with _traversal_lock:
         _seed_global_rngs(generator)
-        set_graph_random_seed(datapipe, generator)
-        # a distribution policy's replacements of sharding_filter (none: no seed is drawn)
-        datapipe = share_seeds_before_selections(datapipe, seed_generator=generator)
+        if seeds is not None and seeds.graph is datapipe:
+            seeds.seed(generator)
+        else:
+            set_graph_random_seed(datapipe, generator)
+            # a distribution policy's replacements of sharding_filter (none: no seed is drawn)
+            datapipe = share_seeds_before_selections(datapipe, seed_generator=generator)
         if worker_reset_fn is not None:
             datapipe = worker_reset_fn(datapipe, worker_info, generator)
             assert isinstance(datapipe, (IterDataPipe, MapDataPipe)), "worker_reset_fn must return a DataPipe"

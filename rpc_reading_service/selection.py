@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES, ShardingFilterIterDataPipe
 from torchdata.dataloader2.graph import DataPipe, find_dps, list_dps, replace_dp, traverse_dps
@@ -32,6 +32,7 @@ __all__ = [
     "LeasedChunks",
     "selection_in_place",
     "selections_in",
+    "datapipes_before",
     "share_seeds_before_selections",
 ]
 
@@ -211,14 +212,20 @@ def share_seeds_before_selections(datapipe: DataPipe, seed_generator: Any) -> Da
     this subclass): every worker then walks the same stream. Runs as torchdata's ``iter_reset_fn``."""
     from torchdata.dataloader2.graph.settings import set_datapipes_seed
 
+    set_datapipes_seed(datapipes_before(selections_in(datapipe)), seed_generator, distributed_shared=True)
+    return datapipe
+
+
+def datapipes_before(points: Sequence[DataPipe]) -> List[DataPipe]:
+    """The DataPipes before each of ``points`` (DataPipes of one graph), each once, in the order
+    torchdata's ``set_graph_random_seed`` lists those before its sharding filters."""
     seen, before = set(), []
-    for selection in selections_in(datapipe):
-        for dp in list_dps(traverse_dps(selection)):
+    for point in points:
+        for dp in list_dps(traverse_dps(point)):
             if id(dp) not in seen:
                 seen.add(id(dp))
                 before.append(dp)
-    set_datapipes_seed(before, seed_generator, distributed_shared=True)
-    return datapipe
+    return before
 
 
 def selections_in(graph: DataPipe) -> List[SelectionFilter]:

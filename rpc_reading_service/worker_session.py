@@ -42,7 +42,7 @@ from torchdata.datapipes.iter import IterDataPipe
 
 from .version import __version__
 from .errors import FrameTooLargeError, RemoteProtocolError
-from .graph import init_worker_graph, reset_worker_graph, seed_chunk
+from .graph import WorkerGraphSeeds, init_worker_graph, reset_worker_graph, seed_chunk
 from .protocol import (
     Buffer,
     ChunkDone,
@@ -438,10 +438,12 @@ class Outbox:
         """Whether a sealed batch of items waits for credit (markers ahead of the open batch do not count)."""
         return any(not isinstance(entry, Message) for entry in self._sealed)
 
-    def _seal(self) -> None:
+    def _seal(self, wake: bool = True) -> None:
+        """Close the open batch; ``wake``: notify the sender (not when the caller takes it at once)."""
         self._sealed.append(self._open)
         self._open, self._open_bytes, self._open_slow = [], 0, False
-        self._cond.notify_all()
+        if wake:
+            self._cond.notify_all()
 
     # -- sender side --------------------------------------------------------------------------
     def take(self, timeout: float) -> Optional[List[Buffer]]:
@@ -536,7 +538,9 @@ class Outbox:
                     or (self._open_slow and self._credits >= 2)
                     or now - self._open_since >= self._options.linger
                 ):
-                    self._seal()
+                    # Taken right below: a notify would only wake the sender to find the send in
+                    # progress (twice: it then waits for the write to end), once per frame a CREDIT lets go.
+                    self._seal(wake=False)
                 else:
                     return None, self._open_since + self._options.linger - now
             if self._sealed:
@@ -609,6 +613,8 @@ class WorkerSession:
         self._graph: Any = None
         self._worker_info: Any = None
         self._reset_fn: Any = None
+        #: How to seed the graph each epoch (None: traverse it each time).
+        self._seeds: Optional[WorkerGraphSeeds] = None
         #: The source of dealt items in a dispatched graph, and the current epoch's input.
         self._dispatched_input = DispatchedInput()
         self._inbox: Optional[Inbox] = None
@@ -700,6 +706,8 @@ class WorkerSession:
             self._worker_info = WorkerInfo(setup.num_workers, setup.worker_rank)
             self._graph = init_worker_graph(datapipe, self._worker_info, init_fn, self._dispatched_input)
             self._selections = selections_in(self._graph)
+            # Found once, not at every epoch's start; a worker_reset_fn may rebuild the graph.
+            self._seeds = WorkerGraphSeeds(self._graph) if self._reset_fn is None else None
         except BaseException as exc:  # noqa: BLE001 - includes SystemExit from user code
             info = _describe(exc)
             log.warning("session setup for %s failed: %s: %s", self.conn.peer, info["type_name"], info["message"])
@@ -808,8 +816,9 @@ class WorkerSession:
                 if watched:  # worker_reset_fn and the graph's reset count as producing item 0
                     self._producing = (epoch, 0, time.monotonic(), threading.get_ident())
                 self._graph = reset_worker_graph(
-                    self._graph, self._worker_info, request.seed, request.global_worker_id, self._reset_fn
-                )
+                    self._graph, self._worker_info, request.seed, request.global_worker_id, self._reset_fn,
+                    self._seeds,
+                )  # fmt: skip
                 skip = request.skip
                 encode, put = ItemEncoder(stage=copy_into_segment).encode, self.outbox.put
                 chunks = _ChunkCount(epoch, request.seed, self.outbox) if leases is not None else None

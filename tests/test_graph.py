@@ -12,6 +12,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 from rpc_reading_service.graph import (
     DistributedInfo,
+    WorkerGraphSeeds,
     advance_trainer_rng,
     apply_distributed_sharding,
     distributed_info,
@@ -118,6 +119,21 @@ def test_worker_reset_seeds_the_graph_and_global_rngs_exactly_as_torchdata_proce
     theirs = epoch(lambda graph: process_reset_fn(graph, info, worker_seed_generator(77, 1)))
     assert ours == theirs
     assert epoch(lambda graph: reset_worker_graph(graph, info, 78, 1, None)) != ours
+
+
+def test_seeds_found_once_seed_every_epoch_as_traversing_the_graph_does():
+    """A session finds its graph's random DataPipes once (WorkerGraphSeeds): each epoch then gets
+    the same seeds as a reset that traverses the graph; seeds made of another graph are not used."""
+    dp = IterableWrapper(range(40)).shuffle().sharding_filter().shuffle().map(draw)
+    info = WorkerInfo(4, 1)
+    traversed, found = init_worker_graph(dp, info, None), init_worker_graph(dp, info, None)
+    seeds = WorkerGraphSeeds(found)
+    for epoch_seed in (77, 78, 79):
+        expected = list(reset_worker_graph(traversed, info, epoch_seed, 1, None))
+        assert list(reset_worker_graph(found, info, epoch_seed, 1, None, seeds)) == expected
+    other = init_worker_graph(dp, info, None)
+    expected = list(reset_worker_graph(traversed, info, 80, 1, None))
+    assert list(reset_worker_graph(other, info, 80, 1, None, seeds)) == expected
 
 
 def test_distributed_and_worker_sharding_combine_to_global_shards():

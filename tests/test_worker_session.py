@@ -207,9 +207,15 @@ def test_a_slow_item_short_of_credit_waits_for_the_credit_owed_without_waking_th
         outbox.put(1, item(3))  # slow, one credit left
         time.sleep(0.1)  # ten lingers: a woken sender would have sent it with the last credit
         assert [items for _thread, items in written] == [[[0]], [[1]], [[2]]]
+        notified = []
+        notify_all = outbox._cond.notify_all
+        outbox._cond.notify_all = lambda: (notified.append(True), notify_all())
         outbox.grant(1, 2)  # the CREDIT the trainer owed
         outbox.write_taken()
         assert written[-1] == (threading.current_thread(), [[3]])
+        # Sealed and taken by the granting thread: nobody was woken (the sender twice, before:
+        # for the sealed frame, then at the end of the write it found in progress).
+        assert notified == []
     finally:
         outbox.close()
         sender.join(5.0)
