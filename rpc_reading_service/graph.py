@@ -12,7 +12,7 @@ import functools
 import random
 import threading
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, ContextManager, Optional, Tuple
 
 import torch
 import torchdata.datapipes.iter as torchdata_iter
@@ -42,6 +42,7 @@ from .errors import ConfigurationError
 from .selection import datapipes_before, selections_in, share_seeds_before_selections
 
 __all__ = [
+    "graph_traversal",
     "DistributedInfo",
     "distributed_info",
     "split_dispatching",
@@ -62,10 +63,18 @@ __all__ = [
 InitFn = Callable[[DataPipe, WorkerInfo], DataPipe]
 ResetFn = Callable[[DataPipe, WorkerInfo, SeedGenerator], DataPipe]
 
-# torch traverses a graph by pickling it under a process-wide reduce_ex hook, and refuses
-# ("Attempt to override existing reduce_ex_hook") when another thread traverses at the same
-# time: sessions of a thread-mode server set up and reset their graphs one at a time.
-_traversal_lock = threading.Lock()
+# torch traverses a graph by pickling it under process-wide getstate/reduce_ex hooks, and refuses
+# ("Attempt to override existing getstate_hook") when another thread traverses at the same
+# time: sessions of a thread-mode server set up and reset their graphs one at a time. Reentrant,
+# so that a session's setup holds it across init_worker_graph and its own look at the graph.
+_traversal_lock = threading.RLock()
+
+
+def graph_traversal() -> ContextManager[bool]:
+    """Hold this while traversing a DataPipe graph (``traverse_dps``, directly or through
+    torchdata) in a process whose other threads may traverse too: the functions of this module
+    hold it already; nesting is fine."""
+    return _traversal_lock
 
 
 @dataclass(frozen=True)

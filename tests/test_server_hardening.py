@@ -97,11 +97,8 @@ def _removed(group: Path) -> bool:
 @pytest.mark.parametrize("mode", ["fork", "thread"])
 def test_failed_fork_refuses_only_the_new_session(tmp_path, mode):
     server = start_server(tmp_path, args=["--session-mode", mode])
-    # (One session in thread mode: two graphs set up at once in one process race in torch's
-    # traverse_dps, "Attempt to override existing reduce_ex_hook".)
-    sessions = 2 if mode == "fork" else 1
     graph = IterableWrapper(range(30)).sharding_filter().map(slow_identity)
-    busy = DataLoader2(graph, reading_service=_service(server, sessions))
+    busy = DataLoader2(graph, reading_service=_service(server, 2))
     try:
         items = iter(busy)
         taken = [next(items) for _ in range(4)]  # trainer A holds running sessions
@@ -120,6 +117,27 @@ def test_failed_fork_refuses_only_the_new_session(tmp_path, mode):
         busy.shutdown()
         server.stop()  # (after the check: stop() also reaps a server that died)
     assert server.proc.returncode == 0  # it was still serving, and stopped cleanly on SIGTERM
+
+
+def _same(item: int) -> int:
+    return item
+
+
+@pytest.mark.timeout(60)
+def test_sessions_of_a_thread_mode_server_set_up_their_graphs_at_once(tmp_path):
+    """Six sessions of one thread-mode server set up a deep graph at the same moment. torch
+    traverses a graph under process-wide pickling hooks, so the sessions must take turns: before
+    they did, 9 of 15 such loaders failed with "Attempt to override existing getstate_hook"."""
+    server = start_server(tmp_path, args=["--session-mode", "thread"])
+    graph = IterableWrapper(range(24)).sharding_filter()
+    for _ in range(40):
+        graph = graph.map(_same)
+    try:
+        for _ in range(6):
+            assert sorted(run_epochs(graph, _service(server, 6), n_epochs=1)[0]) == list(range(24))
+    finally:
+        server.stop()
+    assert "Traceback" not in server.stderr()
 
 
 @pytest.mark.timeout(60)
