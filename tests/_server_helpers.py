@@ -57,10 +57,33 @@ def _pythonpath(extra: Sequence[str] = (), exclude: Sequence[str] = ()) -> str:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the OS just reported free (for servers that cannot take port 0)."""
-    with socket.socket() as sock:
+    """A TCP port on 127.0.0.1 that the OS just reported free (for servers that cannot take port 0).
+
+    Chosen at random below the kernel's ephemeral range and checked by binding it: a port the OS
+    hands out for ``bind(0)`` lies in that range, where any outgoing connection of a parallel test
+    may take it as its local port before our server binds it (EADDRINUSE in torch.distributed's
+    rendezvous, seen in CI); ports below the range are only ever taken on purpose."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = 10_000 + secrets.randbelow(low - 10_000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # below the range is crowded: let the OS pick, as before
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low = int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default; elsewhere the same range is common
+    return max(low, 10_001)
 
 
 # The worker's own ``main`` once per argument list of argv[1] (JSON), output captured per run.
