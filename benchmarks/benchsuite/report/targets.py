@@ -113,6 +113,20 @@ def rss_per_session(contender: str):
     return measured
 
 
+def first_item_within(contender: str, workers: int, seconds: float):
+    """A measure: ``seconds`` over ``contender``'s first item at ``workers`` sessions in the
+    sessions scenario (loader construction and ``iter()`` to the first item of its first
+    epoch): >= 1 is within ``seconds``."""
+    def measured(all_results: dict) -> tuple[Optional[float], str]:
+        if "sessions" not in all_results:
+            return None, "sessions not run"
+        value = point_value(all_results["sessions"]["contenders"], contender, "loader_first_item_s", workers)
+        if not value:
+            return None, f"{contender}: no W={workers} point"
+        return seconds / value, f"{value:.2f} s"
+    return measured
+
+
 def memory_vs_window(contender: str):
     """A measure: ``contender``'s trainer peak growth over its credit window (slow consumer)."""
     def measured(all_results: dict) -> tuple[Optional[float], str]:
@@ -169,6 +183,8 @@ TARGETS = [
              efficiency_at(name, 64, "sessions", minus="torch-DataLoader")) for name in ("RPCRS-local", "RPCRS-2servers")),
     *(Target(f"sessions: {name} efficiency at W=128 >= 0.8", 0.8, efficiency_at(name, 128, "sessions"))
       for name in ("RPCRS-local", "RPCRS-2servers")),
+    *(Target(f"sessions: {name} first item of 64 sessions within 1 s (1 s / measured)", 1.0,
+             first_item_within(name, 64, 1.0)) for name in ("RPCRS-local", "RPCRS-2servers")),
     Target("sessions: RPCRS-local tiny items/s at W=64 >= 0.5x W=2", 0.5,
            ratio_at("sessions", "tiny_items_per_s", ("RPCRS-local", 64), ("RPCRS-local", 2))),
     Target("sessions: RPCRS-local trainer RSS per session <= 2 MiB (2 MiB / measured)", 1.0,
