@@ -316,6 +316,12 @@ def test_reject_decoding():
         ClientHandshake(b"k").receive_challenge(frame)
     with pytest.raises(AuthenticationError, match="go away"):
         ClientHandshake(b"k").receive_welcome(frame)
+    # The reason reaches the user's terminal: the trainer escapes it (the peer may not have authenticated).
+    forged = roundtrip(encode_reject("bye\n2026-01-01 FORGED\x1b[2J"), allowed_kinds=HANDSHAKE_KINDS)
+    for receive in (ClientHandshake(b"k").receive_challenge, ClientHandshake(b"k").receive_welcome):
+        with pytest.raises(AuthenticationError) as info:
+            receive(forged)
+        assert str(info.value) == "peer refused the connection: bye\\n2026-01-01 FORGED\\x1b[2J"
     # A reject reason is raw UTF-8, never unpickled, and bounded in size.
     long = roundtrip(encode_reject("é" * 5000))
     assert len(long.body) <= 1024

@@ -32,9 +32,11 @@ def _proof(key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
     return hmac.new(key, label + first + second, hashlib.sha256).digest()
 
 
-def _expect(frame: Frame, kind: MessageKind) -> None:
+def _expect(frame: Frame, kind: MessageKind, escape_reason: bool = False) -> None:
+    # The trainer's error reaches a user's terminal as it is, so the client escapes a REJECT's
+    # reason (the peer may not have authenticated); the server escapes all it logs itself.
     if frame.kind == MessageKind.REJECT:
-        reason = bytes(frame.body[:512]).decode("utf-8", "replace")
+        reason = decode_reject(frame) if escape_reason else bytes(frame.body[:512]).decode("utf-8", "replace")
         raise AuthenticationError(f"peer refused the connection: {reason}")
     if frame.kind != kind:
         raise RemoteProtocolError(f"expected {kind.name} during the handshake, got {frame.kind.name}")
@@ -74,7 +76,7 @@ class ClientHandshake(_HandshakeSide):
 
     def receive_challenge(self, frame: Frame) -> List[Buffer]:
         """Check the server's proof of the key; return the PROOF frame to send."""
-        _expect(frame, MessageKind.CHALLENGE)
+        _expect(frame, MessageKind.CHALLENGE, escape_reason=True)
         body = bytes(frame.body)
         if len(body) != NONCE_BYTES + _DIGEST_BYTES:
             raise RemoteProtocolError("malformed CHALLENGE frame")
@@ -101,7 +103,7 @@ class ClientHandshake(_HandshakeSide):
 
     def receive_welcome(self, frame: Frame) -> None:
         """Finish the handshake on the server's WELCOME."""
-        _expect(frame, MessageKind.WELCOME)
+        _expect(frame, MessageKind.WELCOME, escape_reason=True)
         if self._peer_nonce is None:
             raise RemoteProtocolError("WELCOME before CHALLENGE")
         # Servers since 0.1.0 put their package version in WELCOME (older ones send nothing).
