@@ -126,6 +126,8 @@ def _send_chunks(sock: socket.socket, chunks: Sequence[Buffer], fds: Sequence[in
 class SocketConnection(Connection):
     """An authenticated TCP connection carrying frames."""
 
+    sends_synchronously = True  # sendmsg (or SSL_write) has taken every byte when send() returns
+
     def __init__(self, sock: socket.socket, peer: str, reader: FrameReader):
         self.peer = peer
         self._sock = sock
