@@ -335,6 +335,10 @@ class SharedMemoryConnection(SocketConnection):
     frames never reach the session above.
     """
 
+    # A local worker's large buffers go into shared segments as they are encoded (the segment
+    # pool decides where each one goes): they are not sent from the producer's own memory.
+    sends_synchronously = False
+
     def __init__(self, sock: socket.socket, peer: str, reader: FrameReader, offered: bool = False, lend: bool = False):
         super().__init__(sock, peer, reader)
         self._lend = lend
