@@ -213,7 +213,11 @@ class Outbox:
     :meth:`send_next` (the sender thread), or by the producer itself: a slow item sealed alone
     that is small (:data:`_INLINE_MAX_BYTES`) leaves from :meth:`put` when no other send is in
     progress, so that a slow stage costs no wake-up of the sender per item; data that waited for
-    credit leaves from the thread that granted it (:meth:`write_taken`). :attr:`sending` is
+    credit leaves from the thread that granted it (:meth:`write_taken`). A borrowed item
+    (:attr:`~rpc_reading_service.serialization.EncodedItem.borrowed`: large buffers in the
+    producer's own memory) is sealed alone and written before its :meth:`put` returns, by the
+    producer itself when credit allows, so the graph cannot write that memory while it is
+    still to be sent. :attr:`sending` is
     held from encoding frames to writing them: frames leave in the order recorded. The outbox
     counts the trainer's credits only to know when to block: the state machine is what
     enforces them.
@@ -347,7 +351,9 @@ class Outbox:
                 self._open_since = now
             self._open.append(item)
             self._open_bytes += item.nbytes
-            if slow and opened and not self._batch_waits() and self._credits >= 2:
+            if item.borrowed:
+                pass  # sealed alone and written below, before the producer makes its next item
+            elif slow and opened and not self._batch_waits() and self._credits >= 2:
                 frames = self._take_inline(item)
                 if frames is None:
                     self._seal()  # the sender wakes once, for a frame to send
@@ -355,16 +361,46 @@ class Outbox:
                 self._open_slow = True  # the CREDIT the trainer owes takes it along: no wake-up of the sender
             elif opened and self._credits > 0:
                 self._cond.notify_all()  # the sender times the linger from now (without credit, grant() does)
-            if len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes:
+            full = len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes
+            if full or item.borrowed:
                 while self._batch_waits():
                     self._producer_waiting = True
                     self._cond.wait()
                     self._producer_waiting = False
                     self._check(epoch)
                 if self._open:  # the sender may have taken it while we waited
-                    self._seal()
+                    self._seal(wake=not item.borrowed)
+                if item.borrowed:
+                    frames = self._take_borrowed()
         if frames is not None:
             self._write_inline(frames)
+        if item.borrowed:
+            self._until_written(epoch, item)
+
+    def _take_borrowed(self) -> Optional[List[List[Buffer]]]:
+        """The frames for the producer to write itself, its borrowed item's among them when
+        the trainer's credit allows (no wake-up of the sender); else None, the sender is woken."""
+        if self._send is not None and self._credits > 0 and self.sending.acquire(blocking=False):
+            frames = self._ready_frames([], _FRAMES_PER_SEND, final=False)
+            if frames:
+                return frames
+            self.sending.release()
+        self._cond.notify_all()
+        return None
+
+    def _until_written(self, epoch: int, item: EncodedItem) -> None:
+        """Return once ``item`` (borrowed: its buffers are the producer's memory) has been written
+        out, or dropped unsent with its epoch: only then may the producer make its next item."""
+        try:
+            with self._cond:
+                while any(type(entry) is list and entry and entry[-1] is item for entry in self._sealed):
+                    self._producer_waiting = True
+                    self._cond.wait()
+                    self._producer_waiting = False
+                    self._check(epoch)
+        finally:
+            with self.sending:  # held by whoever took it, from taking it until it is written
+                pass
 
     def _take_inline(self, item: EncodedItem) -> Optional[List[List[Buffer]]]:
         """The frames for the producer to write itself (its item, sealed alone, and what was ready
@@ -821,7 +857,10 @@ class WorkerSession:
                     self._seeds,
                 )  # fmt: skip
                 skip = request.skip
-                encode, put = ItemEncoder(stage=copy_into_segment).encode, self.outbox.put
+                # Large buffers go out uncopied from the producer's memory where the send is
+                # synchronous (the outbox then writes each one before the next item is made).
+                borrow = self.options.batch_max_bytes if self.conn.sends_synchronously else None
+                encode, put = ItemEncoder(copy_into_segment, borrow).encode, self.outbox.put
                 chunks = _ChunkCount(epoch, request.seed, self.outbox) if leases is not None else None
                 context = SelectionContext(request.epoch, request.seed, request.global_worker_id, leases)
                 if chunks is not None:

@@ -61,10 +61,13 @@ def big_item(x):
 class ReusedBuffer(IterDataPipe):
     """Yields (i, the same tensor refilled with i): a graph that writes one buffer for every
     item, faster than the trainer takes them (300 KiB: out of band, and in shared memory for
-    local workers)."""
+    local workers; 2 MiB: over TCP, sent from the graph's memory itself, uncopied)."""
+
+    def __init__(self, nbytes: int = 300 * 1024):
+        self.nbytes = nbytes
 
     def __iter__(self):
-        buffer = torch.empty(300 * 1024, dtype=torch.uint8)
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8)
         for index in range(N_ITEMS):
             buffer.fill_(index)
             yield index, buffer
@@ -169,8 +172,12 @@ def test_tensors_arrive_intact(servers, transport):
         assert torch.equal(item["tensor"], torch.full((40_000,), float(item["index"])))
     # a graph that refills one buffer for every item: each arrives as it was yielded, not as
     # the buffer was when it was sent (prefetch=1: items wait for credit while it is refilled)
-    with DataLoader2(ReusedBuffer().sharding_filter(), reading_service=remote(servers(transport), transport, num_workers=1, prefetch=1)) as dl:
-        assert_each_item_as_yielded(list(dl))
+    # 2 MiB (over batch_max_bytes): sent uncopied from the graph's own buffer where the
+    # connection's send is synchronous (the socket transport's)
+    for nbytes in (300 * 1024, 2 << 20) if transport == "socket" else (300 * 1024,):
+        rs = remote(servers(transport), transport, num_workers=1, prefetch=1)
+        with DataLoader2(ReusedBuffer(nbytes).sharding_filter(), reading_service=rs) as dl:
+            assert_each_item_as_yielded(list(dl))
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -220,3 +220,29 @@ def test_a_slow_item_short_of_credit_waits_for_the_credit_owed_without_waking_th
         outbox.close()
         sender.join(5.0)
     assert not sender.is_alive()
+
+
+def test_a_borrowed_item_is_written_before_its_put_returns():
+    # A borrowed item's buffers are the producer's memory (a TCP worker's large tensors, sent
+    # uncopied): its producer writes it itself when credit allows, else its put waits until
+    # the thread that takes it (here the granting one) has written it, never returning before.
+    written = []
+    outbox = Outbox(
+        SessionOptions(batch_max_items=100, linger=10.0),
+        send=lambda frames: written.append((threading.current_thread(), [data_items(f)[2] for f in frames])),
+    )
+    outbox.start_epoch(1, credits=1)
+    outbox.put(1, EncodedItem(b"0", borrowed=True))  # no linger: written at once, by its producer
+    assert written == [(threading.current_thread(), [[0]])]
+    returned = threading.Event()
+    producer = threading.Thread(target=lambda: (outbox.put(1, EncodedItem(b"1", borrowed=True)), returned.set()))
+    producer.start()
+    try:
+        assert not returned.wait(0.1) and len(written) == 1  # no credit: not written, put waits
+        outbox.grant(1, 1)
+        outbox.write_taken()
+        assert written[-1] == (threading.current_thread(), [[1]])
+        assert returned.wait(5.0)
+    finally:
+        outbox.close()
+        producer.join(5.0)

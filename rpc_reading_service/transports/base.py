@@ -26,6 +26,11 @@ class Connection(abc.ABC):
 
     #: ``host:port`` (or another transport-specific name) of the peer, for messages.
     peer: str
+    #: True when :meth:`send` returns only once the memory of the chunks it was given is no
+    #: longer needed (written to the kernel, or copied): a worker may then send an item's large
+    #: buffers from the producer's own memory, uncopied. False (the default) for a transport
+    #: that may still read them after returning (an asynchronous send).
+    sends_synchronously: bool = False
 
     @abc.abstractmethod
     def send(self, chunks: Sequence[Buffer]) -> None:
