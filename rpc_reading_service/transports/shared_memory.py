@@ -73,6 +73,27 @@ def _write_pages(fd: int, size: int, view: Optional[memoryview]) -> None:
         offset += os.pwritev(fd, [_ZEROS] * min(64, left // len(_ZEROS)) or [_ZEROS[:left]], offset)
 
 
+def _address(view: memoryview) -> int:
+    """Where ``view``'s first byte is in this process (a writable view: without a copy of numpy's
+    array wrapper, a fifth of its cost; numpy's answer for a read-only one)."""
+    if view.readonly:
+        return numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+#: This process's id, kept by a fork hook: read for every received buffer and every release,
+#: where ``os.getpid()`` would be a system call each.
+_pid = os.getpid()
+
+
+def _note_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_note_fork)
+
+
 def _map(fd: int, size: int) -> mmap.mmap:
     """A shared mapping of the segment, its pages mapped at once (MAP_POPULATE, where there is one)."""
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -82,7 +103,7 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 
 class _Segment:
-    __slots__ = ("id", "size", "mapping", "state", "data", "address", "fd", "in_hand")
+    __slots__ = ("id", "size", "mapping", "state", "data", "address", "fd", "in_hand", "hand")
 
     def __init__(self, segment_id: int, size: int, mapping: mmap.mmap):
         self.id = segment_id
@@ -93,6 +114,7 @@ class _Segment:
         self.address = self.data.ctypes.data
         self.fd: Optional[int] = None  # a segment made for a producer: its descriptor, until announced
         self.in_hand = False  # memory of it given to a producer lives in this process
+        self.hand: Optional[weakref.ref] = None  # that memory, whose end puts the segment down
 
     @property
     def capacity(self) -> int:
@@ -103,19 +125,36 @@ class _Segment:
         """Neither lent to the trainer nor in a producer's hands: free to reuse or retire."""
         return self.state[0] == _FREE and not self.in_hand
 
-
-def _put_down(segment: _Segment) -> None:
-    segment.in_hand = False
+    def put_down(self, _memory: weakref.ref) -> None:
+        """The memory given to a producer is gone (a weak reference's callback)."""
+        self.in_hand = False
+        self.hand = None
 
 
 #: The pools whose connections let producers make items in their segments (see :func:`allocate`).
 _producer_pools: "weakref.WeakSet[SegmentPool]" = weakref.WeakSet()
+#: The one pool of ``_producer_pools`` (None with none or several), kept as they change: looked
+#: up for every item made and every large buffer encoded.
+_sole_producer_pool: Optional["weakref.ref[SegmentPool]"] = None
+_producer_pools_lock = threading.Lock()
+
+
+def _change_producer_pools(pool: "SegmentPool", offered: bool) -> None:
+    global _sole_producer_pool
+    with _producer_pools_lock:
+        if offered:
+            _producer_pools.add(pool)
+        else:
+            _producer_pools.discard(pool)
+        pools = list(_producer_pools)
+        # several sessions in one process (threads): which one sends an item made here?
+        _sole_producer_pool = weakref.ref(pools[0]) if len(pools) == 1 else None
 
 
 def _producer_pool() -> Optional["SegmentPool"]:
     """The pool of this process's one session that lets producers make items in its segments."""
-    pools = list(_producer_pools)
-    return pools[0] if len(pools) == 1 else None  # several sessions in one process (threads): which sends it?
+    sole = _sole_producer_pool
+    return sole() if sole is not None else None
 
 
 def allocate(nbytes: int) -> Optional[Buffer]:
@@ -166,7 +205,7 @@ class SegmentPool:
         """Let this process's graph make items in this pool's segments (:func:`allocate`)."""
         with self._lock:
             if not self._closed:
-                _producer_pools.add(self)
+                _change_producer_pools(self, True)
 
     def allocate(self, nbytes: int) -> Optional[Buffer]:
         """``nbytes`` of a free (or new) segment, in the producer's hands while the returned
@@ -193,17 +232,17 @@ class SegmentPool:
             segment = self._make_room_for(nbytes, self._retired)
         if segment is None:
             return None
-        segment.in_hand = True
         memory = (ctypes.c_ubyte * nbytes).from_buffer(segment.mapping, HEADER_BYTES)
-        weakref.finalize(memory, _put_down, segment).atexit = False
+        segment.in_hand = True
+        segment.hand = weakref.ref(memory, segment.put_down)
         return memory  # type: ignore[return-value]
 
     def _made_in(self, view: memoryview) -> Optional[Tuple[_Segment, int]]:
         """The segment a producer made ``view`` in and its offset there, if any."""
         held = [s for s in self._segments.values() if s.in_hand]
-        if not held:
+        if not held or not view.nbytes:
             return None
-        address = numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data
+        address = _address(view)
         for segment in held:
             if segment.address <= address and address + view.nbytes <= segment.address + segment.capacity:
                 return segment, address - segment.address
@@ -345,7 +384,7 @@ class SegmentPool:
         """Drop every segment (the trainer's mappings keep what it still uses alive)."""
         with self._lock:
             self._closed = True
-            _producer_pools.discard(self)
+            _change_producer_pools(self, False)
             for segment in self._segments.values():
                 if segment.fd is not None:
                     os.close(segment.fd)
@@ -357,7 +396,7 @@ class SegmentPool:
 def _release(state: memoryview, owner: int) -> None:
     # A process forked from the owner (the local worker server) has these objects but not
     # the mapping (MADV_DONTFORK): writing there would be a segfault.
-    if os.getpid() == owner:
+    if _pid == owner:
         state[0] = _FREE
 
 
@@ -409,7 +448,7 @@ class SegmentMap:
         # A ctypes array, not a numpy view: numpy collapses a view's base to the mapping, so
         # the view could die while arrays built on it live; this object lives as long as they do.
         memory = (ctypes.c_ubyte * placed.length).from_buffer(segment.mapping, placed.offset)
-        weakref.finalize(memory, _release, segment.state, os.getpid()).atexit = False
+        weakref.finalize(memory, _release, segment.state, _pid).atexit = False
         return memory  # type: ignore[return-value]
 
     def _error(self, what: str) -> RemoteProtocolError:
