@@ -180,6 +180,20 @@ def copy_into_segment(view: memoryview) -> Optional[Buffer]:
     return pool.stage(view) if pool is not None else None
 
 
+def _new_segment(size: int, view: Optional[memoryview]) -> Tuple[mmap.mmap, int]:
+    """A new memfd segment of ``size`` bytes holding ``view``'s bytes after the header (or
+    zeros), mapped: ``(mapping, descriptor)``. Raises OSError or ValueError if the system
+    refuses one."""
+    fd = os.memfd_create("rpc-reading-service", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        _write_pages(fd, size, view)
+        return _map(fd, size), fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class SegmentPool:
     """The worker's segments of one connection: lends one to each large buffer it sends.
 
@@ -209,9 +223,35 @@ class SegmentPool:
 
     def allocate(self, nbytes: int) -> Optional[Buffer]:
         """``nbytes`` of a free (or new) segment, in the producer's hands while the returned
-        memory lives here; None when the pool cannot hold another segment of that size."""
+        memory lives here; None when the pool cannot hold another segment of that size.
+
+        A new segment is made outside the lock (its pages cost milliseconds): meanwhile the
+        connection goes on lending and sending what is ready."""
+        if nbytes <= 0:
+            return None
         with self._lock:
-            return self._hand_out(nbytes)
+            if self._closed:
+                return None
+            segment = self._fitting(nbytes)
+            if segment is not None:
+                return self._hand_out(segment, nbytes)
+            size = self._reserve(nbytes, self._retired)
+        if size is None:
+            return None
+        try:
+            mapping, fd = _new_segment(size, None)
+        except (OSError, ValueError) as exc:
+            with self._lock:
+                self._bytes -= size
+                self._warn(exc)
+            return None
+        with self._lock:
+            if self._closed:
+                self._bytes -= size
+                mapping.close()
+                os.close(fd)
+                return None
+            return self._hand_out(self._register(size, mapping, fd, None), nbytes)
 
     def stage(self, view: memoryview) -> Optional[Buffer]:
         """:func:`copy_into_segment` for this pool: ``view`` itself if a producer made it in one
@@ -219,19 +259,13 @@ class SegmentPool:
         with self._lock:
             if self._made_in(view) is not None:
                 return view
-            memory = self._hand_out(view.nbytes)
+        memory = self.allocate(view.nbytes)
         if memory is not None:  # the segment is in this producer's hands: copied without the lock
             numpy.frombuffer(memory, dtype=numpy.uint8)[:] = numpy.frombuffer(view, dtype=numpy.uint8)
         return memory
 
-    def _hand_out(self, nbytes: int) -> Optional[Buffer]:
-        if self._closed or nbytes <= 0:
-            return None
-        segment = self._fitting(nbytes)
-        if segment is None:
-            segment = self._make_room_for(nbytes, self._retired)
-        if segment is None:
-            return None
+    @staticmethod
+    def _hand_out(segment: _Segment, nbytes: int) -> Buffer:
         memory = (ctypes.c_ubyte * nbytes).from_buffer(segment.mapping, HEADER_BYTES)
         segment.in_hand = True
         segment.hand = weakref.ref(memory, segment.put_down)
@@ -323,11 +357,22 @@ class SegmentPool:
             return fitting
         return self._make_room_for(view.nbytes, retired, view, new)
 
-    def _make_room_for(
-        self, nbytes: int, retired: list, view: Optional[memoryview] = None, new: Optional[list] = None
-    ) -> Optional[_Segment]:
-        """A new segment for ``nbytes`` (holding ``view``'s bytes, announced in ``new``; or
-        made for a producer), after retiring free segments past ``max_free`` or ``max_bytes``."""
+    def _make_room_for(self, nbytes: int, retired: list, view: memoryview, new: list) -> Optional[_Segment]:
+        """A new segment holding ``view``'s bytes (``nbytes``), announced in ``new`` (see :meth:`_reserve`)."""
+        size = self._reserve(nbytes, retired)
+        if size is None:
+            return None
+        try:
+            mapping, fd = _new_segment(size, view)
+        except (OSError, ValueError) as exc:
+            self._bytes -= size
+            self._warn(exc)
+            return None
+        return self._register(size, mapping, fd, new)
+
+    def _reserve(self, nbytes: int, retired: list) -> Optional[int]:
+        """Room for a new segment for ``nbytes``, after retiring free segments past ``max_free``
+        or ``max_bytes``: its size, counted in the pool's bytes; None if there is no room."""
         free = [s for s in self._segments.values() if s.available]
         size = -(-(nbytes + HEADER_BYTES) // _PAGE) * _PAGE
         surplus = len(free) - self.max_free + 1
@@ -338,28 +383,15 @@ class SegmentPool:
             surplus -= 1
         if self._bytes + size > self.max_bytes:
             return None
-        return self._create(size, view, new)
+        self._bytes += size
+        return size
 
-    def _create(self, size: int, view: Optional[memoryview], new: Optional[list]) -> Optional[_Segment]:
-        """A new segment of ``size`` bytes holding ``view``'s bytes, its descriptor in ``new``;
-        without ``view``, an empty one that keeps its descriptor until it is first lent."""
-        try:
-            fd = os.memfd_create("rpc-reading-service", os.MFD_CLOEXEC)
-        except OSError as exc:
-            self._warn(exc)
-            return None
-        try:
-            os.ftruncate(fd, size)
-            _write_pages(fd, size, view)
-            mapping = _map(fd, size)
-        except (OSError, ValueError) as exc:
-            os.close(fd)
-            self._warn(exc)
-            return None
+    def _register(self, size: int, mapping: mmap.mmap, fd: int, new: Optional[list]) -> _Segment:
+        """Add a new segment (its ``size`` already counted by :meth:`_reserve`); its descriptor goes
+        in ``new``, or (made for a producer) stays with it until it is first lent."""
         segment = _Segment(self._next_id, size, mapping)
         self._next_id += 1
         self._segments[segment.id] = segment
-        self._bytes += size
         if new is None:
             segment.fd = fd
         else:
