@@ -47,7 +47,8 @@ def shared_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.ui
         # numpy's memory, not torch.empty's: numpy asks for huge pages for large arrays, which
         # made a fresh 8 MiB tensor cost half as much to write here.
         return torch.from_numpy(numpy.empty(nbytes, dtype=numpy.uint8)).view(dtype).view(size)
-    return torch.frombuffer(memory, dtype=torch.uint8).view(dtype).view(size)
+    tensor = torch.frombuffer(memory, dtype=dtype)
+    return tensor if len(size) == 1 else tensor.view(size)
 
 
 def _stack_in_shared_memory(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:

@@ -254,6 +254,39 @@ def test_a_segment_a_producer_let_go_unsent_is_announced_when_a_copy_reuses_it()
         pool.close()
 
 
+def test_frames_sent_together_bring_every_new_segment_over_a_real_socket():
+    import socket
+
+    from rpc_reading_service.protocol.frames import decode_data
+    from rpc_reading_service.transports.shared_memory import MAX_NEW_SEGMENTS_PER_FRAME
+    from rpc_reading_service.transports.socket_transport import SharedMemoryConnection
+
+    worker_sock, trainer_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    worker = SharedMemoryConnection(worker_sock, "trainer", FrameReader(), lend=True)
+    trainer = SharedMemoryConnection(trainer_sock, "worker 0", FrameReader(), offered=True)
+    try:
+        trainer.send(encode_frame(MessageKind.SHARED_MEMORY_OFFER, []))
+        assert worker.recv(timeout=5.0) is None and worker.shared_segments == 0  # the offer is consumed
+        per_frame = MAX_NEW_SEGMENTS_PER_FRAME // 2 + 1  # two frames bring more descriptors than one send may
+        frames, expected = [], []
+        for sequence in range(3):
+            items = [dumps_item(numpy.full(SHARED_MEMORY_MIN_BYTES, 10 * sequence + i, dtype=numpy.uint8))
+                     for i in range(per_frame)]
+            expected.append([10 * sequence + i for i in range(per_frame)])
+            frames.append(encode_frame(MessageKind.DATA, *encode_data(0, sequence, items)))
+        worker.send_frames(frames)
+        for sequence in range(3):
+            frame = trainer.recv(timeout=5.0)
+            assert frame is not None and frame.kind == MessageKind.DATA
+            _epoch, got_sequence, items = decode_data(frame)
+            assert got_sequence == sequence
+            assert [int(loads_item(item)[-1]) for item in items] == expected[sequence]
+        assert worker.shared_segments == trainer.shared_segments == 3 * per_frame
+    finally:
+        worker.close()
+        trainer.close()
+
+
 def test_the_map_refuses_placements_outside_what_the_worker_announced():
     pool, segments = SegmentPool(), SegmentMap("worker 0 (unix:@x)")
     (buffer,) = _hand_over(pool, segments, [bytes(SHARED_MEMORY_MIN_BYTES)])

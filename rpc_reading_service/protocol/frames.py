@@ -26,7 +26,7 @@ import enum
 import pickle
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..errors import FrameTooLargeError, LocalProtocolError, RemoteProtocolError
 from ..serialization import Buffer, EncodedItem
@@ -427,9 +427,9 @@ _SHARED_RETIRED = struct.Struct("!I")
 _SHARED_BUFFER = struct.Struct("!HIQQ")
 
 
-@dataclass(frozen=True)
-class SharedBuffer:
-    """Buffer ``index`` of a frame, ``length`` bytes at ``offset`` of shared segment ``segment``."""
+class SharedBuffer(NamedTuple):
+    """Buffer ``index`` of a frame, ``length`` bytes at ``offset`` of shared segment ``segment``
+    (a named tuple: one or more per frame of large items, made and read on the hot path)."""
 
     index: int
     segment: int
@@ -484,14 +484,11 @@ def encode_shared_data(
         raise LocalProtocolError(f"only DATA frames hand buffers over in shared memory, not {kind.name}")
     if len(shared) + len(inline) != n_buffers:
         raise LocalProtocolError(f"{len(shared)} shared and {len(inline)} inline buffers are not the frame's {n_buffers}")
-    table = bytearray(_pack(_SHARED_HEAD, kind, int(kind), n_buffers, len(new_segments), len(retired), len(shared)))
-    for segment, size in new_segments:
-        table += _pack(_SHARED_NEW, MessageKind.SHARED_DATA, segment, size)
-    for segment in retired:
-        table += _pack(_SHARED_RETIRED, MessageKind.SHARED_DATA, segment)
-    for buffer in shared:
-        table += _pack(_SHARED_BUFFER, MessageKind.SHARED_DATA, buffer.index, buffer.segment, buffer.offset, buffer.length)
-    return encode_frame(MessageKind.SHARED_DATA, [table, *body], inline)
+    parts = [_pack(_SHARED_HEAD, kind, int(kind), n_buffers, len(new_segments), len(retired), len(shared))]
+    parts += [_pack(_SHARED_NEW, MessageKind.SHARED_DATA, segment, size) for segment, size in new_segments]
+    parts += [_pack(_SHARED_RETIRED, MessageKind.SHARED_DATA, segment) for segment in retired]
+    parts += [_pack(_SHARED_BUFFER, MessageKind.SHARED_DATA, *buffer) for buffer in shared]
+    return encode_frame(MessageKind.SHARED_DATA, [b"".join(parts), *body], inline)
 
 
 def decode_shared_data(frame: Frame) -> SharedFrame:
@@ -506,19 +503,22 @@ def decode_shared_data(frame: Frame) -> SharedFrame:
     if end > len(body):
         raise RemoteProtocolError("SHARED_DATA frame too short for its tables")
     offset = _SHARED_HEAD.size
-    new = [_SHARED_NEW.unpack_from(body, offset + i * _SHARED_NEW.size) for i in range(n_new)]
+    new = list(_SHARED_NEW.iter_unpack(body[offset : offset + n_new * _SHARED_NEW.size]))
     offset += n_new * _SHARED_NEW.size
-    retired = [_SHARED_RETIRED.unpack_from(body, offset + i * _SHARED_RETIRED.size)[0] for i in range(n_retired)]
+    retired = [segment for (segment,) in _SHARED_RETIRED.iter_unpack(body[offset : offset + n_retired * _SHARED_RETIRED.size])]
     offset += n_retired * _SHARED_RETIRED.size
-    shared = [SharedBuffer(*_SHARED_BUFFER.unpack_from(body, offset + i * _SHARED_BUFFER.size)) for i in range(n_shared)]
-    indexes = [b.index for b in shared]
-    if any(b >= a for a, b in zip(indexes[1:], indexes)) or any(i >= n_buffers for i in indexes):
-        raise RemoteProtocolError(f"SHARED_DATA frame's shared buffer indexes {indexes} do not ascend below {n_buffers}")
+    shared = list(map(SharedBuffer._make, _SHARED_BUFFER.iter_unpack(body[offset:end])))
+    last = -1
+    for placed in shared:
+        if placed.index <= last or placed.index >= n_buffers:
+            indexes = [b.index for b in shared]
+            raise RemoteProtocolError(f"SHARED_DATA frame's shared buffer indexes {indexes} do not ascend below {n_buffers}")
+        last = placed.index
     if len(shared) + len(frame.buffers) != n_buffers:
         raise RemoteProtocolError(
             f"SHARED_DATA frame has {len(shared)} shared and {len(frame.buffers)} inline buffers, not {n_buffers}"
         )
-    return SharedFrame(MessageKind(kind), n_buffers, [tuple(n) for n in new], retired, shared, body[end:], list(frame.buffers))
+    return SharedFrame(MessageKind.DATA, n_buffers, new, retired, shared, body[end:], list(frame.buffers))
 # -- LEASE / CHUNK_DONE: the chunks of a "dynamic" epoch ------------------------------------------
 _LEASE = struct.Struct("!IQQB")
 _CHUNK_DONE = struct.Struct("!IQQq")

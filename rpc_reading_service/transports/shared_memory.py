@@ -73,6 +73,27 @@ def _write_pages(fd: int, size: int, view: Optional[memoryview]) -> None:
         offset += os.pwritev(fd, [_ZEROS] * min(64, left // len(_ZEROS)) or [_ZEROS[:left]], offset)
 
 
+def _address(view: memoryview) -> int:
+    """Where ``view``'s first byte is in this process: through ctypes for a writable view (a sixth
+    of the cost of wrapping it in a numpy array), through numpy for a read-only one."""
+    if view.readonly:
+        return numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+#: This process's id, kept by a fork hook: read for every received buffer and every release,
+#: where ``os.getpid()`` would be a system call each.
+_pid = os.getpid()
+
+
+def _note_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_note_fork)
+
+
 def _map(fd: int, size: int) -> mmap.mmap:
     """A shared mapping of the segment, its pages mapped at once (MAP_POPULATE, where there is one)."""
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -82,7 +103,7 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 
 class _Segment:
-    __slots__ = ("id", "size", "mapping", "state", "data", "address", "fd", "in_hand")
+    __slots__ = ("id", "size", "mapping", "state", "data", "address", "fd", "in_hand", "hand")
 
     def __init__(self, segment_id: int, size: int, mapping: mmap.mmap):
         self.id = segment_id
@@ -93,6 +114,7 @@ class _Segment:
         self.address = self.data.ctypes.data
         self.fd: Optional[int] = None  # a segment made for a producer: its descriptor, until announced
         self.in_hand = False  # memory of it given to a producer lives in this process
+        self.hand: Optional[weakref.ref] = None  # that memory, whose end puts the segment down
 
     @property
     def capacity(self) -> int:
@@ -103,19 +125,36 @@ class _Segment:
         """Neither lent to the trainer nor in a producer's hands: free to reuse or retire."""
         return self.state[0] == _FREE and not self.in_hand
 
-
-def _put_down(segment: _Segment) -> None:
-    segment.in_hand = False
+    def put_down(self, _memory: weakref.ref) -> None:
+        """The memory given to a producer is gone (a weak reference's callback)."""
+        self.in_hand = False
+        self.hand = None
 
 
 #: The pools whose connections let producers make items in their segments (see :func:`allocate`).
 _producer_pools: "weakref.WeakSet[SegmentPool]" = weakref.WeakSet()
+#: The one pool of ``_producer_pools`` (None with none or several), kept as they change: looked
+#: up for every item made and every large buffer encoded.
+_sole_producer_pool: Optional["weakref.ref[SegmentPool]"] = None
+_producer_pools_lock = threading.Lock()
+
+
+def _change_producer_pools(pool: "SegmentPool", offered: bool) -> None:
+    global _sole_producer_pool
+    with _producer_pools_lock:
+        if offered:
+            _producer_pools.add(pool)
+        else:
+            _producer_pools.discard(pool)
+        pools = list(_producer_pools)
+        # several sessions in one process (threads): which one sends an item made here?
+        _sole_producer_pool = weakref.ref(pools[0]) if len(pools) == 1 else None
 
 
 def _producer_pool() -> Optional["SegmentPool"]:
     """The pool of this process's one session that lets producers make items in its segments."""
-    pools = list(_producer_pools)
-    return pools[0] if len(pools) == 1 else None  # several sessions in one process (threads): which sends it?
+    sole = _sole_producer_pool
+    return sole() if sole is not None else None
 
 
 def allocate(nbytes: int) -> Optional[Buffer]:
@@ -139,6 +178,20 @@ def copy_into_segment(view: memoryview) -> Optional[Buffer]:
     item (held until sent, each item's fresh memory costs page faults)."""
     pool = _producer_pool() if view.nbytes >= SHARED_MEMORY_MIN_BYTES else None
     return pool.stage(view) if pool is not None else None
+
+
+def _new_segment(size: int, view: Optional[memoryview]) -> Tuple[mmap.mmap, int]:
+    """A new memfd segment of ``size`` bytes holding ``view``'s bytes after the header (or
+    zeros), mapped: ``(mapping, descriptor)``. Raises OSError or ValueError if the system
+    refuses one."""
+    fd = os.memfd_create("rpc-reading-service", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        _write_pages(fd, size, view)
+        return _map(fd, size), fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class SegmentPool:
@@ -166,13 +219,39 @@ class SegmentPool:
         """Let this process's graph make items in this pool's segments (:func:`allocate`)."""
         with self._lock:
             if not self._closed:
-                _producer_pools.add(self)
+                _change_producer_pools(self, True)
 
     def allocate(self, nbytes: int) -> Optional[Buffer]:
         """``nbytes`` of a free (or new) segment, in the producer's hands while the returned
-        memory lives here; None when the pool cannot hold another segment of that size."""
+        memory lives here; None when the pool cannot hold another segment of that size.
+
+        A new segment is made outside the lock (its pages cost milliseconds): meanwhile the
+        connection goes on lending and sending what is ready."""
+        if nbytes <= 0:
+            return None
         with self._lock:
-            return self._hand_out(nbytes)
+            if self._closed:
+                return None
+            segment = self._fitting(nbytes)
+            if segment is not None:
+                return self._hand_out(segment, nbytes)
+            size = self._reserve(nbytes, self._retired)
+        if size is None:
+            return None
+        try:
+            mapping, fd = _new_segment(size, None)
+        except (OSError, ValueError) as exc:
+            with self._lock:
+                self._bytes -= size
+                self._warn(exc)
+            return None
+        with self._lock:
+            if self._closed:
+                self._bytes -= size
+                mapping.close()
+                os.close(fd)
+                return None
+            return self._hand_out(self._register(size, mapping, fd, None), nbytes)
 
     def stage(self, view: memoryview) -> Optional[Buffer]:
         """:func:`copy_into_segment` for this pool: ``view`` itself if a producer made it in one
@@ -180,30 +259,24 @@ class SegmentPool:
         with self._lock:
             if self._made_in(view) is not None:
                 return view
-            memory = self._hand_out(view.nbytes)
+        memory = self.allocate(view.nbytes)
         if memory is not None:  # the segment is in this producer's hands: copied without the lock
             numpy.frombuffer(memory, dtype=numpy.uint8)[:] = numpy.frombuffer(view, dtype=numpy.uint8)
         return memory
 
-    def _hand_out(self, nbytes: int) -> Optional[Buffer]:
-        if self._closed or nbytes <= 0:
-            return None
-        segment = self._fitting(nbytes)
-        if segment is None:
-            segment = self._make_room_for(nbytes, self._retired)
-        if segment is None:
-            return None
-        segment.in_hand = True
+    @staticmethod
+    def _hand_out(segment: _Segment, nbytes: int) -> Buffer:
         memory = (ctypes.c_ubyte * nbytes).from_buffer(segment.mapping, HEADER_BYTES)
-        weakref.finalize(memory, _put_down, segment).atexit = False
+        segment.in_hand = True
+        segment.hand = weakref.ref(memory, segment.put_down)
         return memory  # type: ignore[return-value]
 
     def _made_in(self, view: memoryview) -> Optional[Tuple[_Segment, int]]:
         """The segment a producer made ``view`` in and its offset there, if any."""
         held = [s for s in self._segments.values() if s.in_hand]
-        if not held:
+        if not held or not view.nbytes:
             return None
-        address = numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data
+        address = _address(view)
         for segment in held:
             if segment.address <= address and address + view.nbytes <= segment.address + segment.capacity:
                 return segment, address - segment.address
@@ -284,11 +357,22 @@ class SegmentPool:
             return fitting
         return self._make_room_for(view.nbytes, retired, view, new)
 
-    def _make_room_for(
-        self, nbytes: int, retired: list, view: Optional[memoryview] = None, new: Optional[list] = None
-    ) -> Optional[_Segment]:
-        """A new segment for ``nbytes`` (holding ``view``'s bytes, announced in ``new``; or
-        made for a producer), after retiring free segments past ``max_free`` or ``max_bytes``."""
+    def _make_room_for(self, nbytes: int, retired: list, view: memoryview, new: list) -> Optional[_Segment]:
+        """A new segment holding ``view``'s bytes (``nbytes``), announced in ``new`` (see :meth:`_reserve`)."""
+        size = self._reserve(nbytes, retired)
+        if size is None:
+            return None
+        try:
+            mapping, fd = _new_segment(size, view)
+        except (OSError, ValueError) as exc:
+            self._bytes -= size
+            self._warn(exc)
+            return None
+        return self._register(size, mapping, fd, new)
+
+    def _reserve(self, nbytes: int, retired: list) -> Optional[int]:
+        """Room for a new segment for ``nbytes``, after retiring free segments past ``max_free``
+        or ``max_bytes``: its size, counted in the pool's bytes; None if there is no room."""
         free = [s for s in self._segments.values() if s.available]
         size = -(-(nbytes + HEADER_BYTES) // _PAGE) * _PAGE
         surplus = len(free) - self.max_free + 1
@@ -299,28 +383,15 @@ class SegmentPool:
             surplus -= 1
         if self._bytes + size > self.max_bytes:
             return None
-        return self._create(size, view, new)
+        self._bytes += size
+        return size
 
-    def _create(self, size: int, view: Optional[memoryview], new: Optional[list]) -> Optional[_Segment]:
-        """A new segment of ``size`` bytes holding ``view``'s bytes, its descriptor in ``new``;
-        without ``view``, an empty one that keeps its descriptor until it is first lent."""
-        try:
-            fd = os.memfd_create("rpc-reading-service", os.MFD_CLOEXEC)
-        except OSError as exc:
-            self._warn(exc)
-            return None
-        try:
-            os.ftruncate(fd, size)
-            _write_pages(fd, size, view)
-            mapping = _map(fd, size)
-        except (OSError, ValueError) as exc:
-            os.close(fd)
-            self._warn(exc)
-            return None
+    def _register(self, size: int, mapping: mmap.mmap, fd: int, new: Optional[list]) -> _Segment:
+        """Add a new segment (its ``size`` already counted by :meth:`_reserve`); its descriptor goes
+        in ``new``, or (made for a producer) stays with it until it is first lent."""
         segment = _Segment(self._next_id, size, mapping)
         self._next_id += 1
         self._segments[segment.id] = segment
-        self._bytes += size
         if new is None:
             segment.fd = fd
         else:
@@ -345,7 +416,7 @@ class SegmentPool:
         """Drop every segment (the trainer's mappings keep what it still uses alive)."""
         with self._lock:
             self._closed = True
-            _producer_pools.discard(self)
+            _change_producer_pools(self, False)
             for segment in self._segments.values():
                 if segment.fd is not None:
                     os.close(segment.fd)
@@ -357,7 +428,7 @@ class SegmentPool:
 def _release(state: memoryview, owner: int) -> None:
     # A process forked from the owner (the local worker server) has these objects but not
     # the mapping (MADV_DONTFORK): writing there would be a segfault.
-    if os.getpid() == owner:
+    if _pid == owner:
         state[0] = _FREE
 
 
@@ -409,7 +480,7 @@ class SegmentMap:
         # A ctypes array, not a numpy view: numpy collapses a view's base to the mapping, so
         # the view could die while arrays built on it live; this object lives as long as they do.
         memory = (ctypes.c_ubyte * placed.length).from_buffer(segment.mapping, placed.offset)
-        weakref.finalize(memory, _release, segment.state, os.getpid()).atexit = False
+        weakref.finalize(memory, _release, segment.state, _pid).atexit = False
         return memory  # type: ignore[return-value]
 
     def _error(self, what: str) -> RemoteProtocolError:

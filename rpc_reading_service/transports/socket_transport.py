@@ -28,7 +28,7 @@ import socket
 import ssl
 import threading
 import time
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from ..version import __version__
 from ..addresses import format_address, parse_address, unix_socket_path
@@ -360,29 +360,46 @@ class SharedMemoryConnection(SocketConnection):
         return self._pool is not None and kind == MessageKind.DATA and n_buffers > 0
 
     def send_frames(self, frames: Sequence[Sequence[Buffer]]) -> None:
-        """One ``sendmsg`` for frames without buffers to lend; one by one otherwise."""
-        if any(self._lends(chunks) for chunks in frames):
-            Connection.send_frames(self, frames)
-        else:
-            super().send_frames(frames)
-
-    def send(self, chunks: Sequence[Buffer]) -> None:
+        """One ``sendmsg`` for the frames, their large buffers lent in shared segments (a
+        ``sendmsg`` per :data:`MAX_NEW_SEGMENTS_PER_FRAME` descriptors of new segments, which
+        is what the trainer takes in with one receive)."""
         pool = self._pool
-        if pool is None or not self._lends(chunks):
-            return super().send(chunks)
-        kind, body, buffers = split_frame(chunks)
+        if pool is None or not any(self._lends(chunks) for chunks in frames):
+            return super().send_frames(frames)
         with self._send_lock:
             if self._closed:
                 raise PeerLostError(f"connection to {self.peer} is closed")
-            shared, inline, new, retired = pool.lend(buffers, SHARED_MEMORY_MIN_BYTES)
+            pending: List[Buffer] = []
+            new_segments: List[Tuple[int, int, int]] = []
             try:
-                if shared or retired:
-                    chunks = encode_shared_data(kind, body, len(buffers), shared, inline, [(i, n) for i, n, _ in new], retired)
-                _send_chunks(self._sock, chunks, [fd for _, _, fd in new])
+                for chunks in frames:
+                    if self._lends(chunks):
+                        kind, body, buffers = split_frame(chunks)
+                        shared, inline, new, retired = pool.lend(buffers, SHARED_MEMORY_MIN_BYTES)
+                        if new and len(new_segments) + len(new) > MAX_NEW_SEGMENTS_PER_FRAME:
+                            self._send_lent(pool, pending, new_segments)
+                        new_segments += new
+                        if shared or retired:
+                            chunks = encode_shared_data(kind, body, len(buffers), shared, inline,
+                                                        [(i, n) for i, n, _ in new], retired)
+                    pending += chunks
+                self._send_lent(pool, pending, new_segments)
             except OSError as exc:
                 raise PeerLostError(f"lost connection to {self.peer} while sending: {exc}") from exc
             finally:
-                pool.sent(new)
+                pool.sent(new_segments)  # those a failed send left open
+
+    def _send_lent(self, pool: SegmentPool, pending: List[Buffer], new_segments: List[Tuple[int, int, int]]) -> None:
+        """Send ``pending`` with the descriptors of ``new_segments`` (then closed here); empty both."""
+        _send_chunks(self._sock, pending, [fd for _, _, fd in new_segments])
+        pool.sent(new_segments)
+        pending.clear()
+        new_segments.clear()
+
+    def send(self, chunks: Sequence[Buffer]) -> None:
+        if self._pool is None or not self._lends(chunks):
+            return super().send(chunks)
+        self.send_frames([chunks])
 
     def recv(self, timeout: Optional[float] = None) -> Optional[Frame]:
         deadline = None if timeout is None else time.monotonic() + timeout
