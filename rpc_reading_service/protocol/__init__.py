@@ -17,6 +17,7 @@ from .frames import (
     HANDSHAKE_MAX_FRAME_BYTES,
     HEADER,
     MAGIC,
+    MAX_LEASE_RUN,
     PROTOCOL_VERSION,
     Buffer,
     EncodedItem,

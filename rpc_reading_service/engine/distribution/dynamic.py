@@ -252,7 +252,7 @@ class _DynamicMerger(Merger):
             if event.kind == "chunk_done":
                 assert event.chunk is not None
                 done = event.chunk
-                book.done(rank, done.chunk, done.items, done.stream_length)
+                book.done_many(rank, done.chunk, done.counts, done.stream_length)
                 self._top_up(event.channel)
                 if done.stream_length is not None:
                     # The stream's end is known: the others may be leased its last chunks, or told

@@ -32,7 +32,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from typing import Any, Deque, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ...errors import ConfigurationError
 
@@ -232,14 +232,27 @@ class LeaseBook:
 
     def done(self, rank: int, chunk: int, items: int, stream_length: Optional[int], now: Optional[float] = None) -> None:
         """``rank`` finished ``chunk`` with ``items`` items (after its skip), at ``now`` (monotonic)."""
+        self.done_many(rank, chunk, (items,), stream_length, now)
+
+    def done_many(
+        self, rank: int, chunk: int, counts: Sequence[int], stream_length: Optional[int], now: Optional[float] = None
+    ) -> None:  # fmt: skip
+        """``rank`` finished its oldest leases, from ``chunk`` on, with ``counts`` items each (after
+        their skips), at ``now`` (monotonic): one CHUNK_DONE. Each of them took its share of the
+        time since ``rank``'s previous report."""
         now = time.monotonic() if now is None else now
         previous = self._reported_at.get(rank)
         self._reported_at[rank] = now
         if previous is not None:
-            seconds, last = now - previous, self.chunk_seconds.get(rank)
+            seconds, last = (now - previous) / len(counts), self.chunk_seconds.get(rank)
             self.chunk_seconds[rank] = seconds if last is None else 0.5 * last + 0.5 * seconds
-        head = self.outstanding[rank].popleft()
-        assert head == chunk, (head, chunk)  # the session's state machine checked the order
+        assert self.outstanding[rank][0] == chunk, (self.outstanding[rank][0], chunk)  # the state machine checked it
+        for items in counts:
+            self._done(rank, items, stream_length)
+
+    def _done(self, rank: int, items: int, stream_length: Optional[int]) -> None:
+        """``rank``'s oldest lease is done with ``items`` items."""
+        chunk = self.outstanding[rank].popleft()
         to_come = items - self._arrived_of_head[rank]
         self._arrived_of_head[rank] = 0
         if to_come > 0:
