@@ -9,9 +9,11 @@ arrive after the report, in a DATA frame shared with the next chunk's first ones
 count already delivered as their skip, and are leased again (exactly once).
 
 Bounds: a session holds at most ``depth`` chunks not yet reported done (it is kept that far
-ahead; one, once its chunks take longer than ``slow_chunk_seconds``: a worker that slow
-loses little waiting one round trip for its next lease, and holding a second chunk would
-only make the end of the epoch wait longer for it; up to ``max_depth``, enough for
+ahead; one, once its chunks take longer than ``slow_chunk_seconds``, while the stream's
+length is unknown: a worker that slow loses little waiting one round trip for its next lease,
+and holding a second chunk could make the end of the epoch wait longer for it; two once the
+length is known or expected, when the tail rule below keeps that chunk from the worker that
+would end the epoch with it; up to ``max_depth``, enough for
 :data:`LEAD_SECONDS` of its work, once they take less), and no chunk at or past ``complete_below + window`` is leased, so the trainer buffers
 at most ``window`` chunks of items however unequal the workers are. With ``window_bytes``
 (the default window) the window grows past its first value while the items are small, to
@@ -179,13 +181,17 @@ class LeaseBook:
         return room >= min(depth - held, max(1, depth // 2)) or (self.stream_chunks is not None and room > 0)
 
     def depth_of(self, rank: int) -> int:
-        """Chunks ``rank`` may hold ahead: ``depth``; 1 for a worker whose chunks take long; more
-        for one whose chunks take less than a round trip (enough for :data:`LEAD_SECONDS` of its work)."""
+        """Chunks ``rank`` may hold ahead: ``depth``; for a worker whose chunks take long, 1, or at
+        most 2 while the stream's length is known or expected (then :meth:`ends_last` keeps a
+        second chunk from the worker that would end the epoch with it, and the others do not
+        wait a lease's round trip at each chunk boundary); more for one whose chunks take less
+        than a round trip (enough for :data:`LEAD_SECONDS` of its work)."""
         seconds = self.chunk_seconds.get(rank)
         if seconds is None:
             return self.depth
         if seconds >= self.slow_chunk_seconds:
-            return 1
+            known = self.stream_chunks is not None or self.expected_chunks is not None
+            return min(self.depth, 2) if known else 1
         return max(self.depth, min(self.max_depth, math.ceil(LEAD_SECONDS / max(seconds, 1e-6))))
 
     def to_finish(self) -> List[int]:
