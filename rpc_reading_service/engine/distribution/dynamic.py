@@ -46,7 +46,7 @@ from ...graph import check_per_item_after_dispatch
 from ...selection import LeasedChunks, WorkerSelection
 from ...settings import NumberRule, check_number
 from .base import DistributionPolicy, EpochRun, FleetView, Merger
-from .leases import MAX_CHUNK_DEPTH, WINDOW_BYTES_PER_WORKER, LeaseBook, check_book_state
+from .leases import CHUNK_LEAD_SECONDS, MAX_CHUNK_DEPTH, WINDOW_BYTES_PER_WORKER, LeaseBook, check_book_state
 from .merge import _next_frame, _report_held_losses, _take
 
 __all__ = ["Dynamic", "DEFAULT_CHUNK_SIZE"]
@@ -161,8 +161,10 @@ class Dynamic(DistributionPolicy):
 class _DynamicMerger(Merger):
     """One dynamic epoch: keeps every worker leased, files items under their chunks, delivers them."""
 
-    #: How many units a fast worker may hold, and whether the default window grows while items are small.
+    #: How many units a fast worker may hold, how much of its work ahead, and whether the default
+    #: window grows while items are small.
     max_depth = MAX_CHUNK_DEPTH
+    lead_seconds = CHUNK_LEAD_SECONDS
     sized_window = True
 
     def __init__(self, policy: Dynamic, run: EpochRun):
@@ -172,7 +174,7 @@ class _DynamicMerger(Merger):
         window_bytes = WINDOW_BYTES_PER_WORKER * count if policy.window is None and self.sized_window else None
         self.book = LeaseBook(
             count, policy.chunk_size, policy.depth, max(window, policy.depth * count),
-            max_depth=self.max_depth, window_bytes=window_bytes,
+            max_depth=self.max_depth, window_bytes=window_bytes, lead_seconds=self.lead_seconds,
             expected_chunks=run.hint if isinstance(run.hint, int) else None,
         )  # fmt: skip
         if run.resume is not None:

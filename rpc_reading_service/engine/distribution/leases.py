@@ -14,7 +14,7 @@ length is unknown: a worker that slow loses little waiting one round trip for it
 and holding a second chunk could make the end of the epoch wait longer for it; two once the
 length is known or expected, when the tail rule below keeps that chunk from the worker that
 would end the epoch with it; up to ``max_depth``, enough for
-:data:`LEAD_SECONDS` of its work, once they take less), and no chunk at or past ``complete_below + window`` is leased, so the trainer buffers
+``lead_seconds`` of its work, once they take less), and no chunk at or past ``complete_below + window`` is leased, so the trainer buffers
 at most ``window`` chunks of items however unequal the workers are. With ``window_bytes``
 (the default window) the window grows past its first value while the items are small, to
 as many chunks as hold ``window_bytes`` (:meth:`LeaseBook.received`), up to
@@ -38,13 +38,21 @@ from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tup
 
 from ...errors import ConfigurationError
 
-__all__ = ["LeaseBook", "check_book_state", "SLOW_CHUNK_SECONDS", "MAX_CHUNK_DEPTH", "WINDOW_BYTES_PER_WORKER"]
+__all__ = [
+    "LeaseBook", "check_book_state", "SLOW_CHUNK_SECONDS", "MAX_CHUNK_DEPTH", "CHUNK_LEAD_SECONDS",
+    "WINDOW_BYTES_PER_WORKER",
+]  # fmt: skip
 
 #: A worker whose chunks take longer than this (between its reports) is kept one chunk ahead only.
 SLOW_CHUNK_SECONDS = 0.05
 #: A worker whose chunks take less is kept this much of its own work ahead (more than ``depth``
 #: chunks, up to :data:`MAX_DEPTH`): tiny items would otherwise wait for the round trip of every lease.
 LEAD_SECONDS = 0.02
+#: The lead of a chunked epoch's fast workers: chunks are reported in batches (one CHUNK_DONE for
+#: the chunks finished since the last send), so each of them is timed at its share of the time
+#: between reports, and 20 ms of lead would leave a worker of tiny items a few chunks, topped up
+#: in many sends; 100 ms keeps it dozens ahead, topped up in few (each send hands the GIL around).
+CHUNK_LEAD_SECONDS = 0.1
 MAX_DEPTH = 16
 #: The default ``max_depth`` of a chunked epoch (a dispatched one keeps :data:`MAX_DEPTH` units).
 MAX_CHUNK_DEPTH = 64
@@ -59,11 +67,12 @@ class LeaseBook:
     def __init__(
         self, num_workers: int, chunk_size: int, depth: int, window: int, slow_chunk_seconds: float = SLOW_CHUNK_SECONDS,
         max_depth: int = MAX_DEPTH, window_bytes: Optional[int] = None, expected_chunks: Optional[int] = None,
+        lead_seconds: float = LEAD_SECONDS,
     ):  # fmt: skip
         self.chunk_size, self.depth, self.window = chunk_size, depth, window
         #: The stream's chunks as the previous epoch had them (None: unknown), for :meth:`ends_last`.
         self.expected_chunks = expected_chunks
-        self.slow_chunk_seconds, self.max_depth = slow_chunk_seconds, max_depth
+        self.slow_chunk_seconds, self.max_depth, self.lead_seconds = slow_chunk_seconds, max_depth, lead_seconds
         #: The window's bounds when it is sized by bytes (``window_bytes``), and the bytes and
         #: items received so far this epoch.
         self._window_bytes = window_bytes
@@ -185,14 +194,14 @@ class LeaseBook:
         most 2 while the stream's length is known or expected (then :meth:`ends_last` keeps a
         second chunk from the worker that would end the epoch with it, and the others do not
         wait a lease's round trip at each chunk boundary); more for one whose chunks take less
-        than a round trip (enough for :data:`LEAD_SECONDS` of its work)."""
+        than a round trip (enough for ``lead_seconds`` of its work)."""
         seconds = self.chunk_seconds.get(rank)
         if seconds is None:
             return self.depth
         if seconds >= self.slow_chunk_seconds:
             known = self.stream_chunks is not None or self.expected_chunks is not None
             return min(self.depth, 2) if known else 1
-        return max(self.depth, min(self.max_depth, math.ceil(LEAD_SECONDS / max(seconds, 1e-6))))
+        return max(self.depth, min(self.max_depth, math.ceil(self.lead_seconds / max(seconds, 1e-6))))
 
     def to_finish(self) -> List[int]:
         """Ranks to tell that no more chunks come (the stream's end is known and nothing is pending)."""
