@@ -11,11 +11,12 @@ delivered completely are leased again to its replacement, skipping what was deli
 (exactly once); a checkpoint records which chunks were delivered, and how much of the
 partly delivered ones.
 
-On the wire a chunk costs (nearly) nothing of its own: its CHUNK_DONE carries its item count
-and leaves as soon as its last item is packed, ahead of the DATA frame that holds that item,
-so the items of many chunks share one packed frame and the trainer splits a frame by the
-counts (:meth:`~.leases.LeaseBook.arrived`); leases go out several at a time, further ahead
-for a worker whose chunks finish fast. Chunk boundaries are positions of the stream, never
+On the wire a chunk costs (nearly) nothing of its own: its item count leaves in a CHUNK_DONE
+as soon as its last item is packed, ahead of the DATA frame that holds that item, so the
+items of many chunks share one packed frame and the trainer splits a frame by the counts
+(:meth:`~.leases.LeaseBook.arrived`); one CHUNK_DONE carries the counts of every chunk the
+worker finished since its last send, and one LEASE grants a run of consecutive chunks.
+Leases go out several at a time, further ahead for a worker whose chunks finish fast. Chunk boundaries are positions of the stream, never
 a matter of timing: the per-chunk seeds keep the same seed giving the same items.
 
 Buffering is bounded by ``window``: no chunk at or past (the oldest chunk not delivered
