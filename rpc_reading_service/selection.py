@@ -19,7 +19,7 @@ import collections
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tuple
 
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES, ShardingFilterIterDataPipe
 from torchdata.dataloader2.graph import DataPipe, find_dps, list_dps, replace_dp, traverse_dps

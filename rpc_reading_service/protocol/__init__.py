@@ -66,6 +66,7 @@ from .session import DataReceived, Event, PeerTimedOut, Refused, SessionState, T
 __all__ = [
     # frames
     "PROTOCOL_VERSION",
+    "MAX_LEASE_RUN",
     "MAGIC",
     "HEADER",
     "Buffer",
