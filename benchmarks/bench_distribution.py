@@ -17,7 +17,10 @@ deals the items; a unit of "dynamic" is one dispatched item), round-robin agains
 
 Also the overhead of "dynamic" against round-robin where balancing cannot help: equal
 workers with sleep-bound items, and tiny items (no sleep at all: the per-item and per-chunk
-cost of the machinery itself).
+cost of the machinery itself). The tiny-items row keeps one loader of each policy open at
+once and alternates their epochs (``--rounds`` of each, after a warm-up epoch each), and beside
+the wall time gives the CPU seconds of the trainer process and of its worker processes per
+item: both policies get the same rounds on the same machine state.
 
 Run standalone, from the repo root::
 
@@ -125,6 +128,84 @@ def best_epoch(
     return best
 
 
+def descendants(pid: int) -> List[int]:
+    """Every live descendant process of ``pid`` (from /proc/<pid>/task/*/children, Linux)."""
+    found: List[int] = []
+    for task in _listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as handle:
+                children = [int(child) for child in handle.read().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
+def _listdir(path: str) -> List[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of the processes ``pids`` so far (the ones gone count 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def tiny_items_rounds(items: int, rounds: int, chunk_size: int) -> str:
+    """Tiny items (no work), round-robin against dynamic: a loader of each open at once, their
+    epochs alternating (round-robin first in each round), the wall and the CPU of every round, and
+    the ratio of each round's pair (taken back to back, so the least moved by a changing load)."""
+    contenders = {"round_robin": "round_robin", f"dynamic (chunk {chunk_size})": Dynamic(chunk_size)}
+    results: Dict[str, List[Tuple[float, float, float]]] = {name: [] for name in contenders}
+    loaders: Dict[str, Any] = {}
+    workers: Dict[str, List[int]] = {}
+    try:
+        for name, distribution in contenders.items():
+            before = set(descendants(os.getpid()))
+            service = RPCReadingService(num_workers=WORKERS, distribution=distribution)
+            loader = loaders[name] = DataLoader2(graph(items, 0.0), reading_service=service)
+            loader.seed(0)
+            assert len(list(loader)) == items  # warm-up: sessions set up, first epoch
+            workers[name] = [pid for pid in descendants(os.getpid()) if pid not in before]
+        for _ in range(rounds):
+            for name, loader in loaders.items():
+                trainer, fleet, start = time.process_time(), cpu_seconds(workers[name]), time.perf_counter()
+                count = sum(1 for _item in loader)
+                wall = time.perf_counter() - start
+                results[name].append((wall, time.process_time() - trainer, cpu_seconds(workers[name]) - fleet))
+                assert count == items
+    finally:
+        for loader in loaders.values():
+            loader.shutdown()
+    rows = []
+    for name, runs in results.items():
+        walls = ", ".join(f"{wall:.3f}" for wall, _t, _w in runs)
+        cpus = ", ".join(f"{trainer:.2f} + {fleet:.2f}" for _wall, trainer, fleet in runs)
+        best_cpu = min(trainer + fleet for _wall, trainer, fleet in runs)
+        rows.append((name, walls, f"{min(r[0] for r in runs):.3f}", cpus, f"{best_cpu / items * 1e6:.1f}"))
+    base, dynamic = results.values()
+    wall_ratio = min(r[0] for r in dynamic) / min(r[0] for r in base)
+    cpu_ratio = min(r[1] + r[2] for r in dynamic) / min(r[1] + r[2] for r in base)
+    per_round = ", ".join(f"{d[0] / r[0]:.2f}x" for r, d in zip(base, dynamic))  # each round's pair, back to back
+    rows.append(("dynamic / round_robin", per_round, f"**{wall_ratio:.2f}x**", "", f"{cpu_ratio:.2f}x"))
+    return table(
+        f"Tiny items (no work), {items} items, {WORKERS} workers: {rounds} rounds, the policies' epochs alternating",
+        ("policy", "wall s per round", "best wall s", "CPU s per round (trainer + workers)", "best CPU us per item"),
+        rows,
+    )  # fmt: skip
+
+
 def policies(chunk_size: int) -> Dict[str, Any]:
     return {"round_robin": "round_robin", "first_ready": "first_ready", f"dynamic (chunk {chunk_size})": Dynamic(chunk_size)}
 
@@ -168,9 +249,9 @@ def dispatch_fleet(items: int, ms: float, epochs: int) -> str:
     )  # fmt: skip
 
 
-def overhead(items: int, ms: float, tiny_items: int, epochs: int, chunk_size: int) -> str:
+def overhead(items: int, ms: float, epochs: int, chunk_size: int) -> str:
     rows = []
-    for label, count, seconds in ((f"equal workers, {ms:g} ms items", items, ms / 1000), ("tiny items (no work)", tiny_items, 0.0)):
+    for label, count, seconds in ((f"equal workers, {ms:g} ms items", items, ms / 1000),):
         base = epoch_seconds("round_robin", count, seconds, 0.0, epochs)
         dynamic = epoch_seconds(Dynamic(chunk_size), count, seconds, 0.0, epochs)
         rows.append((f"{label}, {count} items", f"{base:.3f}", f"{dynamic:.3f}", f"{dynamic / base:.2f}x"))
@@ -199,17 +280,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--items", type=int, default=800, help="items per epoch (sleep-bound)")
     parser.add_argument("--ms", type=float, default=5.0, help="milliseconds per item on a normal worker")
-    parser.add_argument("--tiny-items", type=int, default=20000, help="items per epoch of the no-work workload")
+    parser.add_argument("--tiny-items", type=int, default=100000, help="items per epoch of the no-work workload")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating epochs of each policy on tiny items")
     parser.add_argument("--epochs", type=int, default=2, help="timed epochs per run (the best counts)")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
     parser.add_argument("--chunk-sizes", default="", help="comma-separated chunk sizes to sweep (e.g. 4,16,64)")
     parser.add_argument("--quick", action="store_true", help="fewer items and epochs (under a minute)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.items, args.tiny_items, args.epochs = 400, 5000, 1
+        args.items, args.tiny_items, args.epochs, args.rounds = 400, 20000, 1, 2
     print(f"load average at the start: {os.getloadavg()[0]:.1f} (a shared machine distorts the tiny-items row most)\n")
     print(unequal_fleet(args.items, args.ms, args.epochs, args.chunk_size))
-    print(overhead(args.items, args.ms, args.tiny_items, args.epochs, args.chunk_size))
+    print(overhead(args.items, args.ms, args.epochs, args.chunk_size))
+    print(tiny_items_rounds(args.tiny_items, args.rounds, args.chunk_size))
     print(dispatch_fleet(args.items, args.ms, args.epochs))
     if args.chunk_sizes:
         sizes = [int(size) for size in args.chunk_sizes.split(",")]

@@ -40,6 +40,7 @@ from .protocol import (
     Frame,
     ItemCredit,
     Items,
+    MAX_LEASE_RUN,
     Lease,
     Message,
     Ready,
@@ -301,7 +302,7 @@ class WorkerChannel:
         ``items``: ITEMS frames that follow the leases (a dispatched epoch's units, one item each)."""
         if epoch != self.epoch:
             return
-        messages: List[Message] = [Lease(epoch, chunk, skip) for chunk, skip in chunks]
+        messages: List[Message] = [Lease(epoch, chunk, skip, count=count) for chunk, skip, count in lease_runs(chunks)]
         messages.extend(items)
         if final:
             messages.append(Lease(epoch, final=True))
@@ -447,6 +448,18 @@ class WorkerChannel:
             "Fix what blocks there, or raise item_timeout if items legitimately take that long"
         )
         return ItemTimeoutError(message, self.rank, self.address, position=position, stack=event.stack)
+
+
+def lease_runs(chunks: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
+    """``(chunk, skip)`` leases as ``(first chunk, its skip, count)`` runs of consecutive chunks (one
+    LEASE frame each): a chunk with a skip of its own starts a run."""
+    runs: List[List[int]] = []
+    for chunk, skip in chunks:
+        if runs and not skip and chunk == runs[-1][0] + runs[-1][2] and runs[-1][2] < MAX_LEASE_RUN:
+            runs[-1][2] += 1
+        else:
+            runs.append([chunk, skip, 1])
+    return [(chunk, skip, count) for chunk, skip, count in runs]
 
 
 def _kinds(messages: Sequence[Message]) -> str:

@@ -15,10 +15,11 @@ Pure graph code: no I/O; the session driver feeds the inbox and sends what it re
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tuple
 
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES, ShardingFilterIterDataPipe
 from torchdata.dataloader2.graph import DataPipe, find_dps, list_dps, replace_dp, traverse_dps
@@ -238,13 +239,16 @@ class LeaseInbox:
     """The chunks the trainer leased to one session in one epoch, fed by the control loop and
     waited on by the producer (thread-safe).
 
-    Leases come in increasing chunk order; a chunk below this session's latest lease that it
-    was not leased belongs to another worker. ``finish()`` says no more leases will come.
+    Leases come in increasing chunk order, in runs of consecutive chunks; a chunk below this
+    session's latest lease that it was not leased belongs to another worker. ``finish()`` says
+    no more leases will come. The walk asks about chunks in increasing order, so the runs it
+    has passed are forgotten.
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._skips: Dict[int, int] = {}
+        #: ``[start, stop, skip of start]`` of the runs leased and not passed by the walk, in order.
+        self._runs: Deque[Tuple[int, int, int]] = collections.deque()
         self._latest = -1
         self._final = False
         self._cancelled = False
@@ -252,11 +256,12 @@ class LeaseInbox:
         #: session's item watchdog does not count waiting for the trainer as producing).
         self.waiting: Optional[Callable[[bool], None]] = None
 
-    def add(self, chunk: int, skip: int = 0) -> None:
-        """Lease ``chunk`` to this session; its first ``skip`` items were already delivered."""
+    def add(self, chunk: int, skip: int = 0, count: int = 1) -> None:
+        """Lease the ``count`` chunks from ``chunk`` on to this session; the first ``skip`` items of
+        ``chunk`` were already delivered."""
         with self._cond:
-            self._skips[chunk] = skip
-            self._latest = max(self._latest, chunk)
+            self._runs.append((chunk, chunk + count, skip))
+            self._latest = max(self._latest, chunk + count - 1)
             self._cond.notify_all()
 
     def finish(self) -> None:
@@ -273,15 +278,20 @@ class LeaseInbox:
 
     def decide(self, chunk: int) -> Optional[int]:
         """Block until ``chunk`` is decided: its skip if it is leased here, None if it is another's.
+        Chunks are asked about in increasing order.
 
         Raises :class:`StopSelection` when no lease will ever come for it (or the epoch ended).
         """
         with self._cond:
+            runs = self._runs
             while True:
                 if self._cancelled:
                     raise StopSelection()
-                if chunk in self._skips:
-                    return self._skips[chunk]
+                while runs and runs[0][1] <= chunk:
+                    runs.popleft()  # passed: every chunk of it was walked and reported
+                if runs and runs[0][0] <= chunk:
+                    start, _stop, skip = runs[0]
+                    return skip if chunk == start else 0
                 if chunk < self._latest:
                     return None
                 if self._final:
@@ -297,7 +307,7 @@ class LeaseInbox:
     def outstanding(self, done: int) -> List[int]:
         """The leased chunks after ``done`` (the last one reported), in order."""
         with self._cond:
-            return sorted(chunk for chunk in self._skips if chunk > done)
+            return [chunk for start, stop, _skip in self._runs for chunk in range(max(start, done + 1), stop)]
 
 
 class LeasedChunks(WorkerSelection):

@@ -423,16 +423,25 @@ class Outbox:
                 if self._sender_waiting:
                     self._cond.notify_all()
 
-    def mark(self, epoch: int, marker: Message) -> None:
+    def mark(self, epoch: int, marker: ChunkDone) -> None:
         """Queue ``marker`` (a CHUNK_DONE, which needs no credit) after the sealed batches of ``epoch``.
 
         The open batch is not sealed for it: the marker leaves ahead of the items still open
         (it carries the chunk's item count, so the trainer knows where the chunk ends in the
         frames that follow), and the next chunk's items join the same batch: a chunk of tiny
-        items costs no DATA frame and no wake-up of the sender of its own."""
+        items costs no DATA frame and no wake-up of the sender of its own. A CHUNK_DONE still
+        waiting with no batch sealed behind it takes the marker's counts along: one frame for
+        the chunks a worker finished since its last send."""
         with self._cond:
             self._check(epoch)
-            self._sealed.append(marker)
+            last = self._sealed[-1] if self._sealed else None
+            if isinstance(last, ChunkDone):
+                self._sealed[-1] = ChunkDone(
+                    epoch, last.chunk, last.counts + marker.counts,
+                    last.stream_length if marker.stream_length is None else marker.stream_length,
+                )  # fmt: skip
+            else:
+                self._sealed.append(marker)
             # The walk may now wait for its next lease: that gap says nothing of how fast items
             # come, so the next chunk's first item is not sealed alone as a slow one.
             self._last_put = None
@@ -823,18 +832,18 @@ class WorkerSession:
             self._leases.cancel()
 
     def _lease(self, message: Lease) -> None:
-        """A chunk leased for the current epoch (called with the lock held); in a dispatched
-        epoch, the unit of the next dispatched item."""
+        """A run of chunks leased for the current epoch (called with the lock held); in a
+        dispatched epoch, the units of the next dispatched items."""
         if self._inbox is not None and self._inbox.epoch == message.epoch:
-            if not message.final:
-                self._inbox.lease(message.chunk, message.skip)
+            for unit in message.chunks:
+                self._inbox.lease(unit, message.skip if unit == message.chunk else 0)
             return
         if self._leases is None:
             return
         if message.final:
             self._leases.finish()
         else:
-            self._leases.add(message.chunk, message.skip)
+            self._leases.add(message.chunk, message.skip, message.count)
 
     # -- producer -----------------------------------------------------------------------------
     def _produce(self, request: StartEpoch, previous: Optional[threading.Thread], inbox: Optional[Inbox]) -> None:
@@ -1048,7 +1057,7 @@ class _ChunkCount:
 
     def done(self, chunk: int, stream_length: Optional[int]) -> None:
         """``chunk`` is done: its CHUNK_DONE leaves ahead of its items not sent yet."""
-        self.outbox.mark(self.epoch, ChunkDone(self.epoch, chunk, self.items, stream_length))
+        self.outbox.mark(self.epoch, ChunkDone(self.epoch, chunk, (self.items,), stream_length))
         self.items, self.skip = 0, 0
 
 

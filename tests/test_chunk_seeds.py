@@ -5,7 +5,9 @@ import random
 import pytest
 from torchdata.dataloader2.random import SeedGenerator
 
-from rpc_reading_service.chunk_seeds import spawned_seeds
+from torchdata.dataloader2.random._philox import philox_10_round
+
+from rpc_reading_service.chunk_seeds import _philox, spawned_seeds
 
 
 def _torchdata_draws(seed: int, index: int) -> tuple:
@@ -25,3 +27,9 @@ def test_spawned_seeds_are_torchdatas_for_edge_and_random_seeds_and_indexes():
 def test_spawned_seeds_refuse_a_negative_index():
     with pytest.raises(ValueError, match="index >= 0, got -1"):
         spawned_seeds(5, -1)
+
+
+def test_a_philox_block_is_torchdatas():
+    rng = random.Random(7)
+    for words in [[0] * 6, [2**32 - 1] * 6] + [[rng.getrandbits(32) for _ in range(6)] for _ in range(2000)]:
+        assert _philox(*words) == tuple(philox_10_round((words[0], words[1]), words[2:])), words

@@ -79,16 +79,29 @@ def test_leases_go_in_increasing_order_to_whoever_has_room_and_stay_within_the_w
     assert book.units == {0: 3, 1: 1}
 
 
-def test_a_slow_worker_is_kept_one_chunk_ahead_and_a_fast_one_further():
-    book = LeaseBook(num_workers=2, chunk_size=4, depth=2, window=100)
+@pytest.mark.parametrize("expected", [None, 100000])
+def test_a_slow_worker_is_kept_one_chunk_ahead_and_a_fast_one_further(expected):
+    book = LeaseBook(num_workers=2, chunk_size=4, depth=2, window=100, expected_chunks=expected)
     assert book.depth_of(0) == book.depth_of(1) == 2  # nothing measured yet
     for rank, gap in ((0, 0.2), (1, 0.0001)):
         for _ in range(2):
             book.lease(rank)
         book.done(rank, book.outstanding[rank][0], 4, None, now=10.0)
         book.done(rank, book.outstanding[rank][0], 4, None, now=10.0 + gap)
-    assert book.depth_of(0) == 1 and book.depth_of(1) > 2
-    assert book.lease(0) is not None and book.lease(0) is None
+    # Two ahead once the stream's length is expected: the tail rule (ends_last) keeps its last chunk from it.
+    assert book.depth_of(0) == (1 if expected is None else 2) and book.depth_of(1) > 2
+    assert book.lease(0) is not None and (book.lease(0) is None) == (expected is None)
+
+
+def test_chunks_reported_in_one_chunk_done_share_the_time_since_the_previous_report():
+    book = LeaseBook(num_workers=1, chunk_size=4, depth=8, window=100)
+    for _ in range(5):
+        book.lease(0)
+    book.done_many(0, 0, (4,), None, now=10.0)
+    book.done_many(0, 1, (4, 4, 3), None, now=10.3)  # three chunks of 0.1 s, one frame
+    assert book.chunk_seconds[0] == pytest.approx(0.1) and list(book.outstanding[0]) == [4]
+    assert book.totals == {0: 4, 1: 4, 2: 4, 3: 3}
+    assert book.arrived(0, 20) == [(0, 4), (1, 4), (2, 4), (3, 3), (4, 5)]
 
 
 def test_a_fast_worker_is_topped_up_from_half_its_depth_to_full_at_once():

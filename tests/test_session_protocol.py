@@ -7,6 +7,7 @@ A misbehaving peer is simulated by encoding a message directly (bypassing its st
 from __future__ import annotations
 
 import collections
+import struct
 from typing import List
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rpc_reading_service.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from rpc_reading_service.protocol.frames import TRANSPORT_KINDS
+from rpc_reading_service.protocol.frames import MAX_LEASE_RUN, PROTOCOL_VERSION, TRANSPORT_KINDS
 from rpc_reading_service.protocol import (
     MESSAGE_TYPES,
     ChunkDone,
@@ -502,7 +503,7 @@ def test_building_a_wrong_message_is_local_and_unknown_keys_are_ignored():
 
 # -- golden bytes: a codec change must not silently change the wire ---------------------------------
 def header(kind: int, n_buffers: int, body_length: int) -> bytes:
-    return b"RRSV" + bytes([1, kind]) + n_buffers.to_bytes(2, "big") + body_length.to_bytes(8, "big")
+    return b"RRSV" + bytes([PROTOCOL_VERSION, kind]) + n_buffers.to_bytes(2, "big") + body_length.to_bytes(8, "big")
 
 
 def wire(chunks) -> bytes:
@@ -516,7 +517,7 @@ def test_golden_hello():
 
 def test_golden_credit():
     assert wire(Credit(7, 3).encode()) == bytes.fromhex(
-        "52525356 01 14 0000 0000000000000008 00000007 00000003"
+        "52525356 02 14 0000 0000000000000008 00000007 00000003"
     )
 
 
@@ -542,14 +543,25 @@ def test_golden_end_of_shard_and_heartbeat():
 
 
 def test_golden_lease_and_chunk_done():
-    assert wire(Lease(3, 9, 2).encode()) == header(27, 0, 21) + bytes.fromhex(
-        "00000003 0000000000000009 0000000000000002 00"
+    # Protocol version 2: a LEASE grants a run of chunks, a CHUNK_DONE carries one count per chunk.
+    assert wire(Lease(3, 9, 2, count=4).encode()) == header(27, 0, 25) + bytes.fromhex(
+        "00000003 0000000000000009 0000000000000002 00000004 00"
     )
-    assert wire(Lease(3, final=True).encode())[-1:] == b"\x01"
-    assert wire(ChunkDone(3, 9, 5).encode()) == header(28, 0, 28) + bytes.fromhex(
-        "00000003 0000000000000009 0000000000000005 ffffffffffffffff"
+    assert wire(Lease(3, final=True).encode()) == header(27, 0, 25) + bytes.fromhex("00000003") + bytes(20) + b"\x01"
+    assert wire(ChunkDone(3, 9, (5, 0)).encode()) == header(28, 0, 40) + bytes.fromhex(
+        "00000003 0000000000000009 ffffffffffffffff 00000002 0000000000000005 0000000000000000"
     )
-    assert ChunkDone.decode(frames_of(ChunkDone(3, 9, 5, 77).encode())[0]).stream_length == 77
+    assert ChunkDone.decode(frames_of(ChunkDone(3, 9, (5,), 77).encode())[0]) == ChunkDone(3, 9, (5,), 77)
+    assert Lease.decode(frames_of(Lease(3, 9, count=4).encode())[0]).chunks == range(9, 13)
+    for forged, problem in (
+        (encode_frame(MessageKind.LEASE, [struct.pack("!IQQIB", 3, 9, 0, 0, 0)]), "leases 0 chunks"),
+        (encode_frame(MessageKind.LEASE, [struct.pack("!IQQIB", 3, 9, 0, 1 << 20, 0)]), "leases 1048576 chunks"),
+        (encode_frame(MessageKind.LEASE, [struct.pack("!IQQIB", 3, 9, 0, 1, 1)]), "final LEASE frame leases 1 chunks, expected 0"),
+        (encode_frame(MessageKind.CHUNK_DONE, [struct.pack("!IQqI", 3, 9, -1, 0)]), "reports 0 chunks"),
+        (encode_frame(MessageKind.CHUNK_DONE, [struct.pack("!IQqIQ", 3, 9, -1, 2, 5)]), "reports 2 chunks in a body of 32"),
+    ):
+        with pytest.raises(RemoteProtocolError, match=problem):
+            MESSAGE_TYPES[frames_of(forged)[0].kind].decode(frames_of(forged)[0])
 
 
 def test_golden_typed_control_message():
@@ -605,8 +617,8 @@ MESSAGES = st.one_of(
     st.builds(Items, u32, u64, encoded_items),
     st.builds(EndOfShard, u32, u64),
     st.builds(EndOfInput, u32, u64),
-    st.builds(Lease, u32, u64, u64, st.booleans()),
-    st.builds(ChunkDone, u32, u64, u64, st.none() | st.integers(0, (1 << 63) - 1)),
+    st.builds(Lease, u32, u64, u64, st.booleans(), st.integers(1, MAX_LEASE_RUN)),
+    st.builds(ChunkDone, u32, u64, st.lists(u64, min_size=1, max_size=70).map(tuple), st.none() | st.integers(0, (1 << 63) - 1)),
 )
 
 
@@ -770,19 +782,19 @@ def test_leased_chunks_are_reported_done_in_order_with_the_items_since_the_last_
         link.trainer.send(Lease(1, 1))
     link.to_trainer(Data(1, 0, items(b"a", b"b")))
     with pytest.raises(LocalProtocolError, match="CHUNK_DONE for chunk 2 of epoch 1 where chunk 0 was due"):
-        link.worker.send(ChunkDone(1, 2, 0))
+        link.worker.send(ChunkDone(1, 2, (0,)))
     with pytest.raises(LocalProtocolError, match="with 1 items, but its DATA frames carried 2 since the previous"):
-        link.worker.send(ChunkDone(1, 0, 1))
-    assert link.to_trainer(ChunkDone(1, 0, 3)) == [ChunkDone(1, 0, 3)]  # its third item is still packed
+        link.worker.send(ChunkDone(1, 0, (1,)))
+    assert link.to_trainer(ChunkDone(1, 0, (3,))) == [ChunkDone(1, 0, (3,))]  # its third item is still packed
     assert link.trainer.leases_outstanding == [2] == link.worker.leases_outstanding
     # One frame: the last item of chunk 0, then chunk 2's first; a DATA past the reports needs a lease.
     link.to_trainer(Data(1, 1, items(b"c", b"d")))
     with pytest.raises(LocalProtocolError, match="with 0 items, but its DATA frames carried 1 since the previous"):
-        link.worker.send(ChunkDone(1, 2, 0))
+        link.worker.send(ChunkDone(1, 2, (0,)))
     assert link.to_worker(Lease(1, final=True)) == [Lease(1, final=True)]
     with pytest.raises(LocalProtocolError, match="after its final LEASE"):
         link.trainer.send(Lease(1, 5))
-    assert link.to_trainer(ChunkDone(1, 2, 2)) == [ChunkDone(1, 2, 2)]
+    assert link.to_trainer(ChunkDone(1, 2, (2,))) == [ChunkDone(1, 2, (2,))]
     with pytest.raises(LocalProtocolError, match="with items but holds no lease"):
         link.worker.send(Data(1, 2, items(b"e", b"f")))  # one item is chunk 2's, the other nobody's
     with pytest.raises(LocalProtocolError, match="after 4 items, but its CHUNK_DONEs reported 5"):
@@ -793,6 +805,27 @@ def test_leased_chunks_are_reported_done_in_order_with_the_items_since_the_last_
     ended = Link().set_up().start(1, leased=True)
     ended.to_worker(Lease(1, 0))
     assert ended.to_trainer(EndOfShard(1, 0)) == [EndOfShard(1, 0)] and ended.trainer.leases_outstanding == []
+
+
+def test_a_lease_grants_a_run_of_chunks_and_a_chunk_done_reports_several():
+    link = Link().set_up().start(1, credits=4, leased=True)
+    assert link.to_worker(Lease(1, 0, skip=1, count=3)) == [Lease(1, 0, 1, count=3)]
+    link.to_worker(Lease(1, 5, count=2))
+    assert link.trainer.leases_outstanding == [0, 1, 2, 5, 6] == link.worker.leases_outstanding
+    with pytest.raises(LocalProtocolError, match="LEASE of chunk 6 of epoch 1 after chunk 6"):
+        link.trainer.send(Lease(1, 6))
+    link.to_trainer(Data(1, 0, items(b"a", b"b")))
+    with pytest.raises(LocalProtocolError, match="with 1 items, but its DATA frames carried 2"):
+        link.worker.send(ChunkDone(1, 0, (1, 9)))  # the DATA so far holds the first chunk's items only
+    with pytest.raises(LocalProtocolError, match="for 6 chunks from chunk 0 of epoch 1, but holds 5 leases"):
+        link.worker.send(ChunkDone(1, 0, (2, 0, 0, 0, 0, 0)))
+    assert link.to_trainer(ChunkDone(1, 0, (2, 3, 1, 4))) == [ChunkDone(1, 0, (2, 3, 1, 4))]
+    assert link.trainer.leases_outstanding == [6] == link.worker.leases_outstanding
+    link.to_trainer(Data(1, 1, items(b"c", b"d", b"e", b"f", b"g", b"h", b"i", b"j")))
+    with pytest.raises(LocalProtocolError, match="where chunk 6 was due"):
+        link.worker.send(ChunkDone(1, 5, (0,)))
+    assert link.to_trainer(ChunkDone(1, 6, (0,), 97)) == [ChunkDone(1, 6, (0,), 97)]
+    assert link.to_trainer(EndOfShard(1, 10)) == [EndOfShard(1, 10)]
 
 
 def test_a_dispatched_leased_epoch_leases_each_item_before_the_frame_that_carries_it():
@@ -806,7 +839,7 @@ def test_a_dispatched_leased_epoch_leases_each_item_before_the_frame_that_carrie
     (event,) = link.to_worker(Items(1, 0, items(b"u0", b"u3")))
     assert payloads(event) == [b"u0", b"u3"]
     link.to_trainer(Data(1, 0, items(b"out0")))
-    assert link.to_trainer(ChunkDone(1, 0, 1)) == [ChunkDone(1, 0, 1)]
+    assert link.to_trainer(ChunkDone(1, 0, (1,))) == [ChunkDone(1, 0, (1,))]
     forged = Link().set_up().start(1, dispatched=True, leased=True)
     forged.to_worker(Lease(1, 0))
     with pytest.raises(RemoteProtocolError, match="with items 0 to 1 of its input, but leased only 1 units"):
@@ -821,7 +854,7 @@ def test_leases_belong_to_leased_epochs_and_a_forged_report_is_remote():
     forged = Link().set_up().start(1, leased=True)
     forged.to_worker(Lease(1, 4))
     with pytest.raises(RemoteProtocolError, match="CHUNK_DONE for chunk 3 of epoch 1 where chunk 4 was due"):
-        forged.deliver(ChunkDone(1, 3, 0).encode(), forged.trainer)
+        forged.deliver(ChunkDone(1, 3, (0,)).encode(), forged.trainer)
     assert forged.trainer.state is SessionState.CLOSED
     crossing = Link().set_up().start(1, leased=True)
     crossing.to_trainer(EndOfShard(1, 0))

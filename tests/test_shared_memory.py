@@ -21,7 +21,7 @@ import torch
 
 from _server_helpers import remote, wait_until
 from rpc_reading_service.errors import LocalProtocolError, RemoteProtocolError, WorkerLostError
-from rpc_reading_service.protocol import EncodedItem, FrameReader, MessageKind, encode_data, encode_frame
+from rpc_reading_service.protocol import PROTOCOL_VERSION, EncodedItem, FrameReader, MessageKind, encode_data, encode_frame
 from rpc_reading_service.protocol.frames import (
     SharedBuffer,
     decode_shared_data,
@@ -51,7 +51,7 @@ BIG = 1 << 20
 
 
 def header(kind: int, n_buffers: int, body_length: int) -> bytes:
-    return b"RRSV" + bytes([1, kind]) + n_buffers.to_bytes(2, "big") + body_length.to_bytes(8, "big")
+    return b"RRSV" + bytes([PROTOCOL_VERSION, kind]) + n_buffers.to_bytes(2, "big") + body_length.to_bytes(8, "big")
 
 
 def wire(chunks) -> bytes:

@@ -130,13 +130,14 @@ def test_chunk_ends_share_a_data_frame_and_the_wait_for_a_lease_is_not_a_slow_it
     outbox.start_epoch(1, credits=4)
     outbox.put(1, item(0))
     outbox.put(1, item(1))
-    outbox.mark(1, ChunkDone(1, 0, 2))  # chunk 0's items stay open for the next chunk's to join
+    outbox.mark(1, ChunkDone(1, 0, (2,)))  # chunk 0's items stay open for the next chunk's to join
     outbox.put(1, item(2))
-    outbox.mark(1, ChunkDone(1, 1, 1))
+    outbox.mark(1, ChunkDone(1, 1, (1,)))
     frames = outbox.take_frames(1.0)
     kinds = [frame_of(f).kind for f in frames]
-    assert kinds == [MessageKind.CHUNK_DONE, MessageKind.CHUNK_DONE, MessageKind.DATA]  # counts go ahead
-    assert data_items(frames[2])[2] == [0, 1, 2]
+    assert kinds == [MessageKind.CHUNK_DONE, MessageKind.DATA]  # counts go ahead, both chunks' in one frame
+    assert ChunkDone.decode(frame_of(frames[0])) == ChunkDone(1, 0, (2, 1))
+    assert data_items(frames[1])[2] == [0, 1, 2]
     time.sleep(0.08)  # longer than linger: the walk waited for its next lease
     outbox.put(1, item(3))
     assert outbox.take_frames(0.01) is None  # lingers for company, not sealed alone as a slow item

@@ -17,6 +17,7 @@ from .frames import (
     HANDSHAKE_MAX_FRAME_BYTES,
     HEADER,
     MAGIC,
+    MAX_LEASE_RUN,
     PROTOCOL_VERSION,
     Buffer,
     EncodedItem,
@@ -65,6 +66,7 @@ from .session import DataReceived, Event, PeerTimedOut, Refused, SessionState, T
 __all__ = [
     # frames
     "PROTOCOL_VERSION",
+    "MAX_LEASE_RUN",
     "MAGIC",
     "HEADER",
     "Buffer",

@@ -34,6 +34,7 @@ from ..version import __version__
 
 __all__ = [
     "PROTOCOL_VERSION",
+    "MAX_LEASE_RUN",
     "MAGIC",
     "HEADER",
     "Buffer",
@@ -64,7 +65,8 @@ __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
 ]
 
-PROTOCOL_VERSION = 1
+#: 2: a LEASE grants a run of consecutive chunks, a CHUNK_DONE reports several chunks' item counts.
+PROTOCOL_VERSION = 2
 MAGIC = b"RRSV"
 HEADER = struct.Struct("!4sBBHQ")
 BUFFER_LENGTH = struct.Struct("!Q")
@@ -520,32 +522,56 @@ def decode_shared_data(frame: Frame) -> SharedFrame:
         )
     return SharedFrame(MessageKind.DATA, n_buffers, new, retired, shared, body[end:], list(frame.buffers))
 # -- LEASE / CHUNK_DONE: the chunks of a "dynamic" epoch ------------------------------------------
-_LEASE = struct.Struct("!IQQB")
-_CHUNK_DONE = struct.Struct("!IQQq")
+_LEASE = struct.Struct("!IQQIB")
+_CHUNK_DONE_HEAD = struct.Struct("!IQqI")
+_CHUNK_COUNT = struct.Struct("!Q")
+#: Most chunks one LEASE may grant (the trainer leases a worker at most ``MAX_CHUNK_DEPTH`` at once).
+MAX_LEASE_RUN = 4096
 
 
-def encode_lease(epoch: int, chunk: int, skip: int, final: bool) -> List[Buffer]:
-    """Encode the lease of ``chunk`` of ``epoch`` (its first ``skip`` items are not to be sent);
-    ``final``: no more leases this epoch (``chunk`` and ``skip`` are then 0)."""
+def encode_lease(epoch: int, chunk: int, skip: int, count: int, final: bool) -> List[Buffer]:
+    """Encode the lease of the ``count`` consecutive chunks from ``chunk`` of ``epoch`` (the first
+    ``skip`` items of the first one are not to be sent); ``final``: no more leases this epoch
+    (``count`` is then 0)."""
     kind = MessageKind.LEASE
-    return encode_frame(kind, [_pack(_LEASE, kind, epoch, chunk, skip, int(final))])
+    return encode_frame(kind, [_pack(_LEASE, kind, epoch, chunk, skip, count, int(final))])
 
 
-def decode_lease(frame: Frame) -> Tuple[int, int, int, bool]:
-    """Decode a LEASE frame into ``(epoch, chunk, skip, final)``."""
-    epoch, chunk, skip, final = _unpack(_LEASE, frame)
+def decode_lease(frame: Frame) -> Tuple[int, int, int, bool, int]:
+    """Decode a LEASE frame into ``(epoch, chunk, skip, final, count)``."""
+    epoch, chunk, skip, count, final = _unpack(_LEASE, frame)
     if final not in (0, 1):
         raise RemoteProtocolError(f"{frame.kind.name} frame has final flag {final}, expected 0 or 1")
-    return epoch, chunk, skip, bool(final)
+    if final and count:
+        raise RemoteProtocolError(f"final {frame.kind.name} frame leases {count} chunks, expected 0")
+    if not final and not 1 <= count <= MAX_LEASE_RUN:
+        raise RemoteProtocolError(f"{frame.kind.name} frame leases {count} chunks, expected 1 to {MAX_LEASE_RUN}")
+    return epoch, chunk, skip, bool(final), count
 
 
-def encode_chunk_done(epoch: int, chunk: int, items: int, stream_length: int) -> List[Buffer]:
-    """Encode that ``chunk`` of ``epoch`` is done after ``items`` items; ``stream_length`` is the
-    stream's length in positions when it ended in this chunk, else -1."""
+def encode_chunk_done(epoch: int, chunk: int, counts: Sequence[int], stream_length: int) -> List[Buffer]:
+    """Encode that the leases of ``epoch`` from ``chunk`` on (the worker's next ones, in the order
+    leased) are done with ``counts`` items each; ``stream_length`` is the stream's length in
+    positions when it ended in the last of them, else -1."""
     kind = MessageKind.CHUNK_DONE
-    return encode_frame(kind, [_pack(_CHUNK_DONE, kind, epoch, chunk, items, stream_length)])
+    head = _pack(_CHUNK_DONE_HEAD, kind, epoch, chunk, stream_length, len(counts))
+    try:
+        body = struct.pack(f"!{len(counts)}Q", *counts)
+    except struct.error as exc:
+        raise LocalProtocolError(f"cannot encode {kind.name} counts {list(counts)}: {exc}") from exc
+    return encode_frame(kind, [head, body])
 
 
-def decode_chunk_done(frame: Frame) -> Tuple[int, int, int, int]:
-    """Decode a CHUNK_DONE frame into ``(epoch, chunk, items, stream_length)``."""
-    return _unpack(_CHUNK_DONE, frame)
+def decode_chunk_done(frame: Frame) -> Tuple[int, int, Tuple[int, ...], int]:
+    """Decode a CHUNK_DONE frame into ``(epoch, chunk, counts, stream_length)``."""
+    body = frame.body
+    if len(body) < _CHUNK_DONE_HEAD.size:
+        raise RemoteProtocolError(f"{frame.kind.name} frame body has {len(body)} bytes, expected at least {_CHUNK_DONE_HEAD.size}")
+    epoch, chunk, length, n = _CHUNK_DONE_HEAD.unpack_from(body)
+    expected = _CHUNK_DONE_HEAD.size + n * _CHUNK_COUNT.size
+    if n < 1 or len(body) != expected:
+        raise RemoteProtocolError(
+            f"{frame.kind.name} frame reports {n} chunks in a body of {len(body)} bytes, expected at least 1 chunk "
+            f"and {expected} bytes"
+        )
+    return epoch, chunk, struct.unpack_from(f"!{n}Q", body, _CHUNK_DONE_HEAD.size), length

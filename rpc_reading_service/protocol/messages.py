@@ -21,7 +21,7 @@ import dataclasses
 import functools
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Type, TypeVar, Union
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from ..errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from .frames import (
@@ -480,11 +480,12 @@ class EndOfInput(EndOfShard):
 
 @dataclass(frozen=True)
 class Lease(Message):
-    """Trainer to worker ("dynamic" epochs): ``chunk`` of the stream is this worker's; its first
-    ``skip`` items were delivered already (a resumed or reassigned chunk) and are not sent.
+    """Trainer to worker ("dynamic" epochs): the ``count`` consecutive chunks of the stream from
+    ``chunk`` on are this worker's; the first ``skip`` items of the first one were delivered
+    already (a resumed or reassigned chunk) and are not sent.
 
-    ``final``: no more chunks will be leased to this worker in ``epoch`` (then ``chunk`` and
-    ``skip`` are 0); the worker stops its walk where its leases end.
+    ``final``: no more chunks will be leased to this worker in ``epoch`` (then ``chunk``,
+    ``skip`` and ``count`` are 0); the worker stops its walk where its leases end.
     """
 
     kind: ClassVar[MessageKind] = MessageKind.LEASE
@@ -492,10 +493,20 @@ class Lease(Message):
     chunk: int = 0
     skip: int = 0
     final: bool = False
+    count: int = 1
+
+    def __post_init__(self) -> None:
+        if self.final:
+            object.__setattr__(self, "count", 0)
+
+    @property
+    def chunks(self) -> range:
+        """The chunks leased (none in a final LEASE)."""
+        return range(self.chunk, self.chunk + self.count)
 
     def encode(self) -> List[Buffer]:
         """The chunks of this LEASE frame."""
-        return encode_lease(self.epoch, self.chunk, self.skip, self.final)
+        return encode_lease(self.epoch, self.chunk, self.skip, self.count, self.final)
 
     @classmethod
     def decode(cls, frame: Frame) -> "Lease":
@@ -505,30 +516,32 @@ class Lease(Message):
 
 @dataclass(frozen=True)
 class ChunkDone(Message):
-    """Worker to trainer ("dynamic" epochs): leased ``chunk`` is done with ``items`` items: the ones
-    DATA frames carried since the previous chunk's end, then the first ones of the DATA frames
-    that follow (it is sent as soon as the chunk's last item is packed, ahead of that item's
-    frame, which may also hold the next chunk's first items). ``stream_length`` (positions)
-    when the stream ended in this chunk, else None."""
+    """Worker to trainer ("dynamic" epochs): the worker's oldest outstanding leases, from ``chunk``
+    on in the order leased, are done with ``counts`` items each (one count per chunk: every chunk
+    it finished since its previous CHUNK_DONE). The items are the ones DATA frames carried since
+    the previous chunk's end, then the first ones of the DATA frames that follow (it is sent as
+    soon as the last chunk's last item is packed, ahead of that item's frame, which may also hold
+    the next chunk's first items). ``stream_length`` (positions) when the stream ended in the
+    last of these chunks, else None."""
 
     kind: ClassVar[MessageKind] = MessageKind.CHUNK_DONE
     epoch: int
     chunk: int
-    items: int
+    counts: Tuple[int, ...]
     stream_length: Optional[int] = None
 
     def encode(self) -> List[Buffer]:
         """The chunks of this CHUNK_DONE frame."""
         length = -1 if self.stream_length is None else self.stream_length
-        return encode_chunk_done(self.epoch, self.chunk, self.items, length)
+        return encode_chunk_done(self.epoch, self.chunk, self.counts, length)
 
     @classmethod
     def decode(cls, frame: Frame) -> "ChunkDone":
         """Decode a CHUNK_DONE frame."""
-        epoch, chunk, items, length = decode_chunk_done(frame)
+        epoch, chunk, counts, length = decode_chunk_done(frame)
         if length < -1:
             raise RemoteProtocolError(f"CHUNK_DONE frame has stream length {length}, expected -1 or more")
-        return cls(epoch, chunk, items, None if length < 0 else length)
+        return cls(epoch, chunk, counts, None if length < 0 else length)
 
 
 MESSAGE_TYPES: Dict[MessageKind, Type[Message]] = {

@@ -41,9 +41,10 @@ The rules:
   epoch are numbered from 0 per direction, and END_OF_SHARD / END_OF_INPUT carry the item
   count, so a lost or reordered frame is detected.
 - Leases ("dynamic" epochs, START_EPOCH ``leased``): the trainer leases chunks of the
-  stream (LEASE) in increasing order, then at most one final LEASE; the worker reports each
-  one done (CHUNK_DONE) in the order leased, with its item count, as soon as the chunk's
-  last item is packed: at least the items its DATA frames carried since the previous chunk's
+  stream (LEASE: a run of consecutive chunks) in increasing order, then at most one final
+  LEASE; the worker reports them done (CHUNK_DONE: the item counts of one or more chunks, the
+  oldest outstanding first) in the order leased, as soon as the last one's last item is
+  packed: at least the items its DATA frames carried since the previous reported chunk's
   end, and the rest are the first items of the DATA frames that follow (a frame may hold
   the tail of one chunk and the head of the next, so tiny items of many chunks share one
   frame). DATA items past every reported chunk need an outstanding lease; END_OF_SHARD
@@ -234,7 +235,10 @@ class _Leases:
     """The chunks of a "dynamic" epoch leased to the worker: in increasing order, each reported
     done (CHUNK_DONE) in the order leased, with its item count (DATA carries them before or after)."""
 
-    outstanding: Deque[int] = field(default_factory=collections.deque)
+    #: Runs ``[start, stop)`` of chunks leased and not reported done, oldest first (a LEASE of a
+    #: long run costs one entry, not one per chunk), and how many chunks they hold.
+    outstanding: Deque[List[int]] = field(default_factory=collections.deque)
+    held: int = 0
     latest: int = -1
     final: bool = False
     #: Items of the epoch's chunks reported done (DATA's items up to here belong to them).
@@ -502,7 +506,9 @@ class _SessionProtocol:
     @property
     def leases_outstanding(self) -> List[int]:
         """Chunks leased in the current epoch and not reported done yet, in order ("dynamic")."""
-        return list(self._leases.outstanding) if self._leases is not None else []
+        if self._leases is None:
+            return []
+        return [chunk for start, stop in self._leases.outstanding for chunk in range(start, stop)]
 
     def _lease(self, message: Lease, error: Callable[[str], Exception]) -> None:
         """Check and record a LEASE: only in a leased epoch, chunks increasing, nothing after the final one."""
@@ -519,9 +525,15 @@ class _SessionProtocol:
                 f"it sent LEASE of chunk {message.chunk} of epoch {message.epoch} after chunk {leases.latest}: "
                 "the chunks leased to a worker must increase"
             )
-        leases.latest = message.chunk
-        leases.leased += 1
-        leases.outstanding.append(message.chunk)
+        stop = message.chunk + message.count
+        leases.latest = stop - 1
+        leases.leased += message.count
+        leases.held += message.count
+        runs = leases.outstanding
+        if runs and runs[-1][1] == message.chunk:
+            runs[-1][1] = stop
+        else:
+            runs.append([message.chunk, stop])
 
     def _items_leased(self, epoch: int, sequence: int, count: int, error: Callable[[str], Exception]) -> None:
         """In a dispatched and leased epoch, every item of an ITEMS frame needs its LEASE first."""
@@ -534,27 +546,42 @@ class _SessionProtocol:
             )
 
     def _chunk_done(self, message: ChunkDone, error: Callable[[str], Exception]) -> None:
-        """Check and record a CHUNK_DONE: the oldest outstanding lease, with at least the items DATA
-        carried since the previous chunk's end (the rest follow in the next DATA frames)."""
+        """Check and record a CHUNK_DONE: the oldest outstanding leases, with at least the items DATA
+        carried since the previous reported chunk's end (the rest follow in the next DATA frames)."""
         leases = self._leases
         if leases is None:
             raise error(f"it sent CHUNK_DONE for epoch {message.epoch}, which was not started with leased=True")
         if not self._data.open:
             raise error(f"it sent CHUNK_DONE for epoch {message.epoch} after ending that epoch")
-        if not leases.outstanding or leases.outstanding[0] != message.chunk:
-            due = f"chunk {leases.outstanding[0]}" if leases.outstanding else "no chunk (none is leased)"
+        runs, count = leases.outstanding, len(message.counts)
+        if not runs or runs[0][0] != message.chunk:
+            due = f"chunk {runs[0][0]}" if runs else "no chunk (none is leased)"
             raise error(
                 f"it sent CHUNK_DONE for chunk {message.chunk} of epoch {message.epoch} where {due} was due: "
                 "chunks are reported done once each, in the order leased"
             )
-        carried = self._data.items - leases.reported
-        if message.items < carried:
+        if count > leases.held:
             raise error(
-                f"it sent CHUNK_DONE for chunk {message.chunk} of epoch {message.epoch} with {message.items} items, "
+                f"it sent CHUNK_DONE for {count} chunks from chunk {message.chunk} of epoch {message.epoch}, but "
+                f"holds {leases.held} leases: chunks are reported done once each, in the order leased"
+            )
+        # DATA carried since the previous report holds the first chunk's items only: the worker
+        # reports a chunk with the ones before it while no DATA frame was sealed in between.
+        carried = self._data.items - leases.reported
+        if message.counts[0] < carried:
+            raise error(
+                f"it sent CHUNK_DONE for chunk {message.chunk} of epoch {message.epoch} with {message.counts[0]} items, "
                 f"but its DATA frames carried {carried} since the previous chunk's end"
             )
-        leases.outstanding.popleft()
-        leases.reported += message.items
+        leases.held -= count
+        while count:
+            run = runs[0]
+            taken = min(count, run[1] - run[0])
+            run[0] += taken
+            count -= taken
+            if run[0] == run[1]:
+                runs.popleft()
+        leases.reported += sum(message.counts)
 
     def _check_data_leased(self, epoch: int, sequence: int, count: int, error: Callable[[str], Exception]) -> None:
         """DATA of a leased epoch: items past the chunks reported done belong to an outstanding lease."""
@@ -575,6 +602,7 @@ class _SessionProtocol:
         """END_OF_SHARD of a leased epoch: leases still outstanding lie past the stream's end (empty)."""
         if self._leases is not None:
             self._leases.outstanding.clear()
+            self._leases.held = 0
 
 
 def _nothing_method(self: object, message: object) -> None:

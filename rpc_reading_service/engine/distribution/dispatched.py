@@ -25,7 +25,7 @@ from ...errors import ConfigurationError, WorkerLostError
 from ...protocol import EncodedItem, EndOfInput, Items
 from .base import EpochRun
 from .dynamic import Dynamic, _DynamicMerger
-from .leases import MAX_DEPTH
+from .leases import LEAD_SECONDS, MAX_DEPTH
 
 if TYPE_CHECKING:
     from ..dispatch import UnitDispatch
@@ -37,6 +37,7 @@ class DispatchedMerger(_DynamicMerger):
     """One "dynamic" epoch of a dispatching graph: leases dispatched items, sends them with their leases."""
 
     max_depth = MAX_DEPTH  # units, each sent with its item: not the deeper leases of chunks
+    lead_seconds = LEAD_SECONDS
     sized_window = False
 
     def __init__(self, policy: Dynamic, run: EpochRun):

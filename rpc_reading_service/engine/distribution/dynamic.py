@@ -11,11 +11,12 @@ delivered completely are leased again to its replacement, skipping what was deli
 (exactly once); a checkpoint records which chunks were delivered, and how much of the
 partly delivered ones.
 
-On the wire a chunk costs (nearly) nothing of its own: its CHUNK_DONE carries its item count
-and leaves as soon as its last item is packed, ahead of the DATA frame that holds that item,
-so the items of many chunks share one packed frame and the trainer splits a frame by the
-counts (:meth:`~.leases.LeaseBook.arrived`); leases go out several at a time, further ahead
-for a worker whose chunks finish fast. Chunk boundaries are positions of the stream, never
+On the wire a chunk costs (nearly) nothing of its own: its item count leaves in a CHUNK_DONE
+as soon as its last item is packed, ahead of the DATA frame that holds that item, so the
+items of many chunks share one packed frame and the trainer splits a frame by the counts
+(:meth:`~.leases.LeaseBook.arrived`); one CHUNK_DONE carries the counts of every chunk the
+worker finished since its last send, and one LEASE grants a run of consecutive chunks.
+Leases go out several at a time, further ahead for a worker whose chunks finish fast. Chunk boundaries are positions of the stream, never
 a matter of timing: the per-chunk seeds keep the same seed giving the same items.
 
 Buffering is bounded by ``window``: no chunk at or past (the oldest chunk not delivered
@@ -46,7 +47,7 @@ from ...graph import check_per_item_after_dispatch
 from ...selection import LeasedChunks, WorkerSelection
 from ...settings import NumberRule, check_number
 from .base import DistributionPolicy, EpochRun, FleetView, Merger
-from .leases import MAX_CHUNK_DEPTH, WINDOW_BYTES_PER_WORKER, LeaseBook, check_book_state
+from .leases import CHUNK_LEAD_SECONDS, MAX_CHUNK_DEPTH, WINDOW_BYTES_PER_WORKER, LeaseBook, check_book_state
 from .merge import _next_frame, _report_held_losses, _take
 
 __all__ = ["Dynamic", "DEFAULT_CHUNK_SIZE"]
@@ -161,8 +162,10 @@ class Dynamic(DistributionPolicy):
 class _DynamicMerger(Merger):
     """One dynamic epoch: keeps every worker leased, files items under their chunks, delivers them."""
 
-    #: How many units a fast worker may hold, and whether the default window grows while items are small.
+    #: How many units a fast worker may hold, how much of its work ahead, and whether the default
+    #: window grows while items are small.
     max_depth = MAX_CHUNK_DEPTH
+    lead_seconds = CHUNK_LEAD_SECONDS
     sized_window = True
 
     def __init__(self, policy: Dynamic, run: EpochRun):
@@ -172,7 +175,7 @@ class _DynamicMerger(Merger):
         window_bytes = WINDOW_BYTES_PER_WORKER * count if policy.window is None and self.sized_window else None
         self.book = LeaseBook(
             count, policy.chunk_size, policy.depth, max(window, policy.depth * count),
-            max_depth=self.max_depth, window_bytes=window_bytes,
+            max_depth=self.max_depth, window_bytes=window_bytes, lead_seconds=self.lead_seconds,
             expected_chunks=run.hint if isinstance(run.hint, int) else None,
         )  # fmt: skip
         if run.resume is not None:
@@ -252,7 +255,7 @@ class _DynamicMerger(Merger):
             if event.kind == "chunk_done":
                 assert event.chunk is not None
                 done = event.chunk
-                book.done(rank, done.chunk, done.items, done.stream_length)
+                book.done_many(rank, done.chunk, done.counts, done.stream_length)
                 self._top_up(event.channel)
                 if done.stream_length is not None:
                     # The stream's end is known: the others may be leased its last chunks, or told

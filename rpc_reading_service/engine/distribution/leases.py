@@ -9,10 +9,12 @@ arrive after the report, in a DATA frame shared with the next chunk's first ones
 count already delivered as their skip, and are leased again (exactly once).
 
 Bounds: a session holds at most ``depth`` chunks not yet reported done (it is kept that far
-ahead; one, once its chunks take longer than ``slow_chunk_seconds``: a worker that slow
-loses little waiting one round trip for its next lease, and holding a second chunk would
-only make the end of the epoch wait longer for it; up to ``max_depth``, enough for
-:data:`LEAD_SECONDS` of its work, once they take less), and no chunk at or past ``complete_below + window`` is leased, so the trainer buffers
+ahead; one, once its chunks take longer than ``slow_chunk_seconds``, while the stream's
+length is unknown: a worker that slow loses little waiting one round trip for its next lease,
+and holding a second chunk could make the end of the epoch wait longer for it; two once the
+length is known or expected, when the tail rule below keeps that chunk from the worker that
+would end the epoch with it; up to ``max_depth``, enough for
+``lead_seconds`` of its work, once they take less), and no chunk at or past ``complete_below + window`` is leased, so the trainer buffers
 at most ``window`` chunks of items however unequal the workers are. With ``window_bytes``
 (the default window) the window grows past its first value while the items are small, to
 as many chunks as hold ``window_bytes`` (:meth:`LeaseBook.received`), up to
@@ -32,17 +34,25 @@ from __future__ import annotations
 import collections
 import math
 import time
-from typing import Any, Deque, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ...errors import ConfigurationError
 
-__all__ = ["LeaseBook", "check_book_state", "SLOW_CHUNK_SECONDS", "MAX_CHUNK_DEPTH", "WINDOW_BYTES_PER_WORKER"]
+__all__ = [
+    "LeaseBook", "check_book_state", "SLOW_CHUNK_SECONDS", "MAX_CHUNK_DEPTH", "CHUNK_LEAD_SECONDS",
+    "WINDOW_BYTES_PER_WORKER",
+]  # fmt: skip
 
 #: A worker whose chunks take longer than this (between its reports) is kept one chunk ahead only.
 SLOW_CHUNK_SECONDS = 0.05
 #: A worker whose chunks take less is kept this much of its own work ahead (more than ``depth``
 #: chunks, up to :data:`MAX_DEPTH`): tiny items would otherwise wait for the round trip of every lease.
 LEAD_SECONDS = 0.02
+#: The lead of a chunked epoch's fast workers: chunks are reported in batches (one CHUNK_DONE for
+#: the chunks finished since the last send), so each of them is timed at its share of the time
+#: between reports, and 20 ms of lead would leave a worker of tiny items a few chunks, topped up
+#: in many sends; 100 ms keeps it dozens ahead, topped up in few (each send hands the GIL around).
+CHUNK_LEAD_SECONDS = 0.1
 MAX_DEPTH = 16
 #: The default ``max_depth`` of a chunked epoch (a dispatched one keeps :data:`MAX_DEPTH` units).
 MAX_CHUNK_DEPTH = 64
@@ -57,11 +67,12 @@ class LeaseBook:
     def __init__(
         self, num_workers: int, chunk_size: int, depth: int, window: int, slow_chunk_seconds: float = SLOW_CHUNK_SECONDS,
         max_depth: int = MAX_DEPTH, window_bytes: Optional[int] = None, expected_chunks: Optional[int] = None,
+        lead_seconds: float = LEAD_SECONDS,
     ):  # fmt: skip
         self.chunk_size, self.depth, self.window = chunk_size, depth, window
         #: The stream's chunks as the previous epoch had them (None: unknown), for :meth:`ends_last`.
         self.expected_chunks = expected_chunks
-        self.slow_chunk_seconds, self.max_depth = slow_chunk_seconds, max_depth
+        self.slow_chunk_seconds, self.max_depth, self.lead_seconds = slow_chunk_seconds, max_depth, lead_seconds
         #: The window's bounds when it is sized by bytes (``window_bytes``), and the bytes and
         #: items received so far this epoch.
         self._window_bytes = window_bytes
@@ -179,14 +190,18 @@ class LeaseBook:
         return room >= min(depth - held, max(1, depth // 2)) or (self.stream_chunks is not None and room > 0)
 
     def depth_of(self, rank: int) -> int:
-        """Chunks ``rank`` may hold ahead: ``depth``; 1 for a worker whose chunks take long; more
-        for one whose chunks take less than a round trip (enough for :data:`LEAD_SECONDS` of its work)."""
+        """Chunks ``rank`` may hold ahead: ``depth``; for a worker whose chunks take long, 1, or at
+        most 2 while the stream's length is known or expected (then :meth:`ends_last` keeps a
+        second chunk from the worker that would end the epoch with it, and the others do not
+        wait a lease's round trip at each chunk boundary); more for one whose chunks take less
+        than a round trip (enough for ``lead_seconds`` of its work)."""
         seconds = self.chunk_seconds.get(rank)
         if seconds is None:
             return self.depth
         if seconds >= self.slow_chunk_seconds:
-            return 1
-        return max(self.depth, min(self.max_depth, math.ceil(LEAD_SECONDS / max(seconds, 1e-6))))
+            known = self.stream_chunks is not None or self.expected_chunks is not None
+            return min(self.depth, 2) if known else 1
+        return max(self.depth, min(self.max_depth, math.ceil(self.lead_seconds / max(seconds, 1e-6))))
 
     def to_finish(self) -> List[int]:
         """Ranks to tell that no more chunks come (the stream's end is known and nothing is pending)."""
@@ -232,14 +247,27 @@ class LeaseBook:
 
     def done(self, rank: int, chunk: int, items: int, stream_length: Optional[int], now: Optional[float] = None) -> None:
         """``rank`` finished ``chunk`` with ``items`` items (after its skip), at ``now`` (monotonic)."""
+        self.done_many(rank, chunk, (items,), stream_length, now)
+
+    def done_many(
+        self, rank: int, chunk: int, counts: Sequence[int], stream_length: Optional[int], now: Optional[float] = None
+    ) -> None:  # fmt: skip
+        """``rank`` finished its oldest leases, from ``chunk`` on, with ``counts`` items each (after
+        their skips), at ``now`` (monotonic): one CHUNK_DONE. Each of them took its share of the
+        time since ``rank``'s previous report."""
         now = time.monotonic() if now is None else now
         previous = self._reported_at.get(rank)
         self._reported_at[rank] = now
         if previous is not None:
-            seconds, last = now - previous, self.chunk_seconds.get(rank)
+            seconds, last = (now - previous) / len(counts), self.chunk_seconds.get(rank)
             self.chunk_seconds[rank] = seconds if last is None else 0.5 * last + 0.5 * seconds
-        head = self.outstanding[rank].popleft()
-        assert head == chunk, (head, chunk)  # the session's state machine checked the order
+        assert self.outstanding[rank][0] == chunk, (self.outstanding[rank][0], chunk)  # the state machine checked it
+        for items in counts:
+            self._done(rank, items, stream_length)
+
+    def _done(self, rank: int, items: int, stream_length: Optional[int]) -> None:
+        """``rank``'s oldest lease is done with ``items`` items."""
+        chunk = self.outstanding[rank].popleft()
         to_come = items - self._arrived_of_head[rank]
         self._arrived_of_head[rank] = 0
         if to_come > 0:
