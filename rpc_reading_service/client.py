@@ -164,6 +164,7 @@ class WorkerChannel:
         if not self._send_lock.acquire(timeout=wait):
             log.debug("not sending %s to %s: another send is stuck", _kinds(messages), self.name)
             return None
+        frames: Optional[List[List[Any]]] = None
         try:
             if if_room and not self.conn.has_room():
                 log.debug("not sending %s to %s: its connection is full", _kinds(messages), self.name)
@@ -173,14 +174,11 @@ class WorkerChannel:
                     return None  # the receiver reports why it ended
                 if epoch is not None and (epoch != self.protocol.epoch or self.protocol.stopped):
                     return None
-                frames = [self.protocol.send(message) for message in messages]
-        except BaseException:
-            self._send_lock.release()
-            raise
-        if not frames:
-            self._send_lock.release()
-            return None
-        return frames
+                frames = [self.protocol.send(message) for message in messages] or None
+            return frames
+        finally:
+            if frames is None:  # nothing to write: the lock is not handed on
+                self._send_lock.release()
 
     def _write(self, frames: List[List[Any]]) -> None:
         """Send what :meth:`_record` recorded, in one write where the transport can, and release
