@@ -151,44 +151,25 @@ class WorkerChannel:
         started (or this one stopped). ``if_room``: nothing either when the connection has no
         room for it now (the send would wait for the worker to read).
         """
-        frames = self._record(messages, wait, epoch, if_room)
-        if frames is not None:
-            self._write(frames)
-
-    def _record(
-        self, messages: Sequence[Message], wait: float = -1, epoch: Optional[int] = None, if_room: bool = False
-    ) -> Optional[List[List[Any]]]:
-        """The first half of :meth:`_send_or_report`: ``messages`` recorded by the state machine,
-        their frames returned with the send lock held, for :meth:`_write` to send (and release);
-        None (the lock released) when nothing is to be sent."""
         if not self._send_lock.acquire(timeout=wait):
             log.debug("not sending %s to %s: another send is stuck", _kinds(messages), self.name)
-            return None
-        frames: Optional[List[List[Any]]] = None
+            return
         try:
             if if_room and not self.conn.has_room():
                 log.debug("not sending %s to %s: its connection is full", _kinds(messages), self.name)
-                return None
+                return
             with self._state_lock:
                 if self.protocol.state is SessionState.CLOSED:
-                    return None  # the receiver reports why it ended
+                    return  # the receiver reports why it ended
                 if epoch is not None and (epoch != self.protocol.epoch or self.protocol.stopped):
-                    return None
-                frames = [self.protocol.send(message) for message in messages] or None
-            return frames
-        finally:
-            if frames is None:  # nothing to write: the lock is not handed on
-                self._send_lock.release()
-
-    def _write(self, frames: List[List[Any]]) -> None:
-        """Send what :meth:`_record` recorded, in one write where the transport can, and release
-        the send lock; a failed send is the receiver's to report."""
-        try:
-            self.conn.send_frames(frames)
-        except (PeerLostError, OSError) as exc:
-            # Not the end yet: the peer's last frames (an ERROR, a REJECT that explains
-            # why it closed) may still wait to be read; recv reports the loss.
-            log.debug("send to %s failed: %s", self.name, exc)
+                    return
+                frames = [self.protocol.send(message) for message in messages]
+            try:
+                self.conn.send_frames(frames)
+            except (PeerLostError, OSError) as exc:
+                # Not the end yet: the peer's last frames (an ERROR, a REJECT that explains
+                # why it closed) may still wait to be read; recv reports the loss.
+                log.debug("send to %s failed: %s", self.name, exc)
         finally:
             self._send_lock.release()
 
@@ -287,34 +268,13 @@ class WorkerChannel:
         """Start ``epoch`` on the worker (superseding any epoch still running there); with
         ``dispatched``, its input comes from the trainer (:meth:`send_input`); ``leased``: the
         worker walks its stream by the chunks :meth:`lease` hands it."""
-        self.prepare_epoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased)()
-
-    def prepare_epoch(
-        self,
-        epoch: int,
-        seed: int,
-        global_worker_id: int,
-        credits: int,
-        skip: int = 0,
-        dispatched: bool = False,
-        leased: bool = False,
-    ) -> Callable[[], None]:
-        """:meth:`start_epoch` up to the write: START recorded, its frame made; returns the call
-        that writes it. Until that call this channel sends nothing else (its send lock is held),
-        so call it soon, and always. The engine prepares every worker's START first and then
-        writes them in one tight pass: each write wakes a worker, and a trainer that also
-        encoded between the writes lost its core to the sessions it had woken (60-196 ms for
-        64 sessions, the last one's epoch starting that much after the first's)."""
         self.epoch = epoch
         self.stats = ChannelStats()
         # Credits go back in batches of half the window: one CREDIT frame (and one wake-up of
         # the worker) per two frames taken when items travel one per frame, and the worker
         # always holds at least one credit, since fewer than ``credits`` are ever held back.
         self._credit_batch, self._ungranted = credit_batch(credits), 0
-        frames = self._record([StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased=leased)])
-        if frames is None:
-            return _nothing
-        return lambda: self._write(frames)
+        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased=leased))
 
     def send_input(self, message: Union[Items, EndOfInput]) -> None:
         """Send an ITEMS or END_OF_INPUT frame of the dispatched input (the state machine
@@ -497,7 +457,3 @@ def _kinds(messages: Sequence[Message]) -> str:
 def _ignore(event: Any) -> bool:
     """Events this driver does not act on."""
     return False
-
-
-def _nothing() -> None:
-    """The write of a START that was not recorded (the session is over)."""

@@ -208,19 +208,3 @@ def test_close_ends_both_ends(pair):
     assert event.kind == "closed"
     link.channel.start_epoch(2, seed=2, global_worker_id=0, credits=1)  # after close: nothing sent, no error
     assert link.channel.protocol.epoch == 1
-
-
-def test_a_prepared_start_holds_the_channel_until_it_is_written(pair):
-    # The engine makes every worker's START first and writes them in one pass afterwards: in
-    # between, the channel sends nothing else (frames leave in the order recorded).
-    p = pair().setup(IterableWrapper(range(6)))
-    write = p.channel.prepare_epoch(1, seed=1, global_worker_id=0, credits=2)
-    assert p.channel._send_lock.locked()
-    assert p.channel.protocol.epoch == 1  # recorded by the state machine, not written yet
-    write()
-    assert not p.channel._send_lock.locked()
-    assert list(iterate_in_order([p.channel], EpochProgress(1, [0]))) == list(range(6))
-    p.channel.close()
-    closed_write = p.channel.prepare_epoch(2, seed=2, global_worker_id=0, credits=2)
-    assert not p.channel._send_lock.locked()  # nothing recorded on a closed session
-    closed_write()

@@ -177,29 +177,18 @@ class Engine:
             )
             return epoch
         dispatch = units or (self._new_dispatch(epoch) if self.dispatching is not None else None)
-        # Every START made first, then written in one tight pass (see WorkerChannel.prepare_epoch).
-        writes: List[Callable[[], None]] = []
-        try:
-            for channel in self.channels:
-                writes.append(self.prepare_channel(channel, epoch))
-        finally:
-            for write in writes:  # also those prepared before a failure: each holds its channel's send lock
-                write()
+        for channel in self.channels:
+            self.start_channel(channel, epoch)
         if dispatch is not None:
             dispatch.start()
         return epoch
 
     def start_channel(self, channel: WorkerChannel, epoch: Epoch) -> None:
         """Start ``epoch`` on one worker, skipping what the policy says was consumed of its stream."""
-        self.prepare_channel(channel, epoch)()
-
-    def prepare_channel(self, channel: WorkerChannel, epoch: Epoch) -> Callable[[], None]:
-        """:meth:`start_channel` up to the write of its START: returns the call that writes it,
-        which the caller must make soon (see :meth:`WorkerChannel.prepare_epoch`)."""
         global_rank = self.dist.global_worker_id(channel.rank, self.num_workers)
         policy = self.config.distribution
         skip = policy.skip(epoch.progress, channel.rank)
-        return channel.prepare_epoch(
+        channel.start_epoch(
             epoch.wire, epoch.seed, global_rank, policy.credits(self.config.prefetch), skip=skip,
             dispatched=self.dispatching is not None, leased=policy.leased,
         )  # fmt: skip
