@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 class RemoteStream(IterDataPipe):
     """The trainer-side stand-in for the graph that runs on the workers: the current epoch's items."""
 
+    #: Not a fork's child: torch's per-item iterator check looks this up, and without it raises
+    #: (and formats) an AttributeError for every item (see graph.settle_iterator_checks).
+    _is_child_datapipe = False
+
     def __init__(self, engine: Engine):
         self._engine: Optional[Engine] = engine
 

@@ -195,3 +195,38 @@ def test_seed_chunk_seeds_like_torchdata_whatever_was_seeded_before():
         random.seed(1), torch.manual_seed(1), numpy.random.seed(1)
         seed_chunk(11, chunk)
         assert draws() == expected, chunk
+
+
+def test_worker_graphs_iterate_without_torchs_per_item_attribute_error():
+    # torch's iterator hook asks every DataPipe, for every item, hasattr(dp, "_is_child_datapipe"):
+    # without the flag that raised (and formatted) an AttributeError in IterDataPipe.__getattr__.
+    from torch.utils.data import IterDataPipe
+
+    lookups = []
+    getattr_ = IterDataPipe.__getattr__
+
+    def counting(self, name):
+        if name == "_is_child_datapipe":
+            lookups.append(type(self).__name__)
+        return getattr_(self, name)
+
+    left, right = IterableWrapper(range(40)).sharding_filter().map(_double).fork(2)
+    graph = init_worker_graph(left.zip(right), WorkerInfo(2, 1), None)
+    IterDataPipe.__getattr__ = counting
+    try:
+        items = list(graph)
+    finally:
+        IterDataPipe.__getattr__ = getattr_
+    assert items == [(2 * x, 2 * x) for x in range(1, 40, 2)]
+    assert lookups == []
+    # torch's check itself still holds: a second iterator invalidates the first
+    first = iter(graph)
+    next(first)
+    second = iter(graph)
+    next(second)
+    with pytest.raises(RuntimeError, match="invalidated|single iterator"):
+        next(first)
+
+
+def _double(x):
+    return 2 * x
