@@ -238,7 +238,7 @@ def test_worker_with_another_protocol_version():
 def test_package_version_mismatch_with_the_same_protocol_warns_both_sides(fresh_server, caplog):
     """Different package versions that speak the same protocol work, and both sides say so."""
     code = (
-        "import sys, rpc_reading_service.transports.socket_transport as st; st.__version__ = '0.0.9'; "
+        "import sys, rpc_reading_service.transports.socket_transport.listener as st; st.__version__ = '0.0.9'; "
         "from rpc_reading_service.worker import main; sys.exit(main())"
     )
     server = fresh_server(command=[sys.executable, "-c", code])

@@ -377,9 +377,10 @@ def test_overall_handshake_cap_answers_server_busy(monkeypatch):
     import threading
 
     from rpc_reading_service.transports import socket_transport
+    from rpc_reading_service.transports.socket_transport import listener as socket_listener
 
-    monkeypatch.setattr(socket_transport, "_MAX_PENDING_HANDSHAKES", 4)
-    monkeypatch.setattr(socket_transport, "_STALE_HANDSHAKE_SECONDS", 0.3)
+    monkeypatch.setattr(socket_listener, "_MAX_PENDING_HANDSHAKES", 4)
+    monkeypatch.setattr(socket_listener, "_STALE_HANDSHAKE_SECONDS", 0.3)
     transport = socket_transport.SocketTransport()
     listener = transport.listen("127.0.0.1", 0, b"k" * 16, handshake_timeout=10.0)
     silent: List[socket.socket] = []

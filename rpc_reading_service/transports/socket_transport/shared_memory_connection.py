@@ -1,0 +1,168 @@
+"""The socket transport's connection over a Unix socket between processes of one host, which
+hands large buffers over in shared memory."""
+
+from __future__ import annotations
+
+import array
+import collections
+import contextlib
+import os
+import socket
+import time
+from typing import List, Optional, Sequence, Tuple
+
+from ...errors import RemoteProtocolError
+from ...protocol import HEADER, Buffer, Frame, FrameReader, MessageKind
+from ...protocol.frames import TRANSPORT_KINDS, decode_shared_data, encode_shared_data, split_frame
+from ...serialization import SHARED_MEMORY_MIN_BYTES
+from ..base import PeerLostError
+from ..shared_memory import MAX_NEW_SEGMENTS_PER_FRAME, SegmentMap, SegmentPool
+from .connection import SocketConnection
+from .sockets import _send_chunks
+
+__all__ = ["SharedMemoryConnection"]
+
+_ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_NEW_SEGMENTS_PER_FRAME * array.array("i").itemsize) if hasattr(socket, "CMSG_SPACE") else 0
+
+
+class SharedMemoryConnection(SocketConnection):
+    """A :class:`SocketConnection` over a Unix socket that hands large buffers over in
+    shared memory (see :mod:`.shared_memory`).
+
+    The trainer's end (``offered``) said SHARED_MEMORY_OFFER after the handshake; it
+    receives the descriptors of new segments with the bytes (``recvmsg``) and turns every
+    SHARED_DATA frame back into the DATA frame it wraps. The worker's end (``lend``) puts
+    the large buffers of its DATA frames in segments once the trainer offered, and lets
+    the graph make its items in them (``rpc_reading_service.shared_empty``). Transport
+    frames never reach the session above.
+    """
+
+    # A local worker's large buffers go into shared segments as they are encoded (the segment
+    # pool decides where each one goes): they are not sent from the producer's own memory.
+    sends_synchronously = False
+
+    def __init__(self, sock: socket.socket, peer: str, reader: FrameReader, offered: bool = False, lend: bool = False):
+        super().__init__(sock, peer, reader)
+        self._lend = lend
+        self._accepted_in = os.getpid()
+        self._pool: Optional[SegmentPool] = None
+        self._segments: Optional[SegmentMap] = SegmentMap(peer) if offered else None
+        self._fds: "collections.deque[int]" = collections.deque()
+
+    @property
+    def shared_segments(self) -> int:
+        """Shared segments this end holds (the worker's pool, or the trainer's mappings)."""
+        if self._pool is not None:
+            return self._pool.segments
+        return self._segments.segments if self._segments is not None else 0
+
+    def _lends(self, chunks: Sequence[Buffer]) -> bool:
+        """Whether this frame's buffers may go into shared segments (a DATA frame with buffers, once offered)."""
+        _magic, _version, kind, n_buffers, _length = HEADER.unpack_from(memoryview(chunks[0]))
+        return self._pool is not None and kind == MessageKind.DATA and n_buffers > 0
+
+    def send_frames(self, frames: Sequence[Sequence[Buffer]]) -> None:
+        """One ``sendmsg`` for the frames, their large buffers lent in shared segments (a
+        ``sendmsg`` per :data:`MAX_NEW_SEGMENTS_PER_FRAME` descriptors of new segments, which
+        is what the trainer takes in with one receive)."""
+        pool = self._pool
+        if pool is None or not any(self._lends(chunks) for chunks in frames):
+            return super().send_frames(frames)
+        with self._send_lock:
+            if self._closed:
+                raise PeerLostError(f"connection to {self.peer} is closed")
+            pending: List[Buffer] = []
+            new_segments: List[Tuple[int, int, int]] = []
+            try:
+                for chunks in frames:
+                    if self._lends(chunks):
+                        kind, body, buffers = split_frame(chunks)
+                        shared, inline, new, retired = pool.lend(buffers, SHARED_MEMORY_MIN_BYTES)
+                        if new and len(new_segments) + len(new) > MAX_NEW_SEGMENTS_PER_FRAME:
+                            self._send_lent(pool, pending, new_segments)
+                        new_segments += new
+                        if shared or retired:
+                            chunks = encode_shared_data(kind, body, len(buffers), shared, inline,
+                                                        [(i, n) for i, n, _ in new], retired)
+                    pending += chunks
+                self._send_lent(pool, pending, new_segments)
+            except OSError as exc:
+                raise PeerLostError(f"lost connection to {self.peer} while sending: {exc}") from exc
+            finally:
+                pool.sent(new_segments)  # those a failed send left open
+
+    def _send_lent(self, pool: SegmentPool, pending: List[Buffer], new_segments: List[Tuple[int, int, int]]) -> None:
+        """Send ``pending`` with the descriptors of ``new_segments`` (then closed here); empty both."""
+        _send_chunks(self._sock, pending, [fd for _, _, fd in new_segments])
+        pool.sent(new_segments)
+        pending.clear()
+        new_segments.clear()
+
+    def send(self, chunks: Sequence[Buffer]) -> None:
+        if self._pool is None or not self._lends(chunks):
+            return super().send(chunks)
+        self.send_frames([chunks])
+
+    def recv(self, timeout: Optional[float] = None) -> Optional[Frame]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            frame = super().recv(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if frame is None:
+                return None
+            frame = self._session_frame(frame)
+            if frame is not None:
+                return frame
+
+    def recv_ready(self) -> List[Frame]:
+        frames = (self._session_frame(frame) for frame in super().recv_ready())
+        return [frame for frame in frames if frame is not None]
+
+    def _session_frame(self, frame: Frame) -> Optional[Frame]:
+        """The frame for the session above: a SHARED_DATA frame turned back into its DATA frame,
+        None for a transport frame this end consumed (SHARED_MEMORY_OFFER)."""
+        if frame.kind not in TRANSPORT_KINDS:
+            return frame
+        if frame.kind == MessageKind.SHARED_MEMORY_OFFER and self._segments is None:
+            if self._lend and self._pool is None:
+                self._pool = SegmentPool()
+                # Only a session in a process of its own (forked after the accept): one that
+                # shares the server's process (threads) could leave its items' segments mapped
+                # there after it ends, through anything still referencing them (a traceback).
+                if os.getpid() != self._accepted_in:
+                    self._pool.offer_to_producers()
+            return None
+        if frame.kind == MessageKind.SHARED_DATA and self._segments is not None:
+            shared = decode_shared_data(frame)
+            fds = [self._fds.popleft() for _ in range(min(len(shared.new_segments), len(self._fds)))]
+            return self._segments.open(shared, fds, self._reader.max_frame_bytes)
+        raise RemoteProtocolError(f"{self.peer} sent {frame.kind.name}, which this end of the connection never accepts")
+
+    def _recv_some(self, view: memoryview) -> int:
+        if self._segments is None:  # descriptors sent to this end are dropped by the kernel
+            return super()._recv_some(view)
+        n, ancillary, flags, _ = self._sock.recvmsg_into([view], _ANCILLARY_BYTES, socket.MSG_DONTWAIT)
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                self._fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            raise RemoteProtocolError(f"{self.peer} sent more descriptors with one frame than a SHARED_DATA frame may bring")
+        return n
+
+    def close(self) -> None:
+        super().close()
+        self._drop_shared()
+
+    def release(self) -> None:
+        super().release()
+        self._drop_shared()
+
+    def _drop_shared(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+        if self._segments is not None:
+            self._segments.close()
+        while self._fds:
+            with contextlib.suppress(OSError):
+                os.close(self._fds.popleft())

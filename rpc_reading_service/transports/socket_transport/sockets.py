@@ -1,0 +1,91 @@
+"""Plain socket I/O under the socket transport's connections: opening and tuning a socket,
+scatter/gather sends, and closing a refused peer without a reset."""
+
+from __future__ import annotations
+
+import array
+import select
+import socket
+import time
+from typing import Optional, Sequence
+
+from ...addresses import unix_socket_path
+from ...protocol import Buffer, encode_reject
+
+_IOV_MAX = 512
+
+
+def _tune(sock: socket.socket) -> None:
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+
+
+def _open_client_socket(host: str, port: int, timeout: float) -> socket.socket:
+    path = unix_socket_path(host)
+    if not path:
+        return socket.create_connection((host, port), timeout=timeout)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _send_chunks(sock: socket.socket, chunks: Sequence[Buffer], fds: Sequence[int] = ()) -> None:
+    """Send every byte of ``chunks`` with as few system calls as possible (``fds``, on a
+    Unix socket, go with the first byte)."""
+    views = [memoryview(c).cast("B") for c in chunks]
+    views = [v for v in views if v.nbytes]
+    if not hasattr(sock, "sendmsg"):  # pragma: no cover - Windows
+        for view in views:
+            sock.sendall(view)
+        return
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    while views:
+        sent = sock.sendmsg(views[:_IOV_MAX], ancillary)
+        ancillary = []
+        while sent:
+            if sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+def _discard_input(sock: socket.socket, deadline: float) -> None:
+    """Read and drop what the peer sends until it closes or ``deadline`` passes (reading
+    at least what has arrived already; never blocking past ``deadline``).
+
+    Unread input makes close() send a TCP reset, which can destroy a REJECT before the peer
+    reads it. Raw reads (also under TLS): the connection is being closed anyway.
+    """
+    while True:
+        try:
+            if not socket.socket.recv(sock, 65536, socket.MSG_DONTWAIT):
+                return
+        except (BlockingIOError, InterruptedError):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                select.select([sock], [], [], remaining)
+            except (OSError, ValueError):
+                return
+        except (OSError, ValueError):
+            return
+
+
+def _refuse_quietly(sock: socket.socket, reject: Optional[str]) -> None:
+    """Answer a refused peer with a REJECT frame (if any) and close, without a reset."""
+    _discard_input(sock, time.monotonic())
+    if reject is not None:
+        try:
+            sock.send(b"".join(bytes(c) for c in encode_reject(reject)))
+        except (OSError, ValueError):
+            pass
+    sock.close()
