@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tuple
 
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES, ShardingFilterIterDataPipe
-from torchdata.dataloader2.graph import DataPipe, find_dps, list_dps, replace_dp, traverse_dps
+from torchdata.dataloader2.graph import DataPipe, DataPipeGraph, find_dps, list_dps, replace_dp, traverse_dps
 
 __all__ = [
     "SelectionContext",
@@ -229,9 +229,10 @@ def datapipes_before(points: Sequence[DataPipe]) -> List[DataPipe]:
     return before
 
 
-def selections_in(graph: DataPipe) -> List[SelectionFilter]:
-    """The :class:`SelectionFilter` DataPipes of a graph (a worker session hands them their context)."""
-    return list(find_dps(traverse_dps(graph), SelectionFilter))
+def selections_in(graph: DataPipe, traversal: Optional[DataPipeGraph] = None) -> List[SelectionFilter]:
+    """The :class:`SelectionFilter` DataPipes of a graph (a worker session hands them their context).
+    ``traversal``: the graph's ``traverse_dps``, if the caller has it (else it is traversed)."""
+    return list(find_dps(traverse_dps(graph) if traversal is None else traversal, SelectionFilter))
 
 
 # -- dynamic: leased chunks -----------------------------------------------------------------------

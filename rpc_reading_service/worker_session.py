@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .version import __version__
 from .errors import FrameTooLargeError, RemoteProtocolError
-from .graph import WorkerGraphSeeds, graph_traversal, init_worker_graph, reset_worker_graph, seed_chunk
+from .graph import WorkerGraphSeeds, prepare_worker_graph, reset_worker_graph, seed_chunk
 from .protocol import (
     Buffer,
     ChunkDone,
@@ -61,7 +61,7 @@ from .protocol import (
     StopEpoch,
     WorkerProtocol,
 )
-from .selection import LeaseInbox, SelectionContext, SelectionFilter, selections_in
+from .selection import LeaseInbox, SelectionContext, SelectionFilter
 from .serialization import ItemEncoder, fallback_exception_info, loads_graph, pack_exception
 from .transports.base import Connection, PeerLostError
 from .transports.shared_memory import copy_into_segment
@@ -223,11 +223,11 @@ class WorkerSession:
 
             datapipe, init_fn, self._reset_fn = loads_graph(setup.graph)
             self._worker_info = WorkerInfo(setup.num_workers, setup.worker_rank)
-            with graph_traversal():  # other sessions of a thread-mode server traverse their graphs too
-                self._graph = init_worker_graph(datapipe, self._worker_info, init_fn, self._dispatched_input)
-                self._selections = selections_in(self._graph)
-                # Found once, not at every epoch's start; a worker_reset_fn may rebuild the graph.
-                self._seeds = WorkerGraphSeeds(self._graph) if self._reset_fn is None else None
+            # Seeds found once, not at every epoch's start; a worker_reset_fn may rebuild the graph.
+            prepared = prepare_worker_graph(
+                datapipe, self._worker_info, init_fn, self._dispatched_input, find_seeds=self._reset_fn is None
+            )
+            self._graph, self._selections, self._seeds = prepared.datapipe, prepared.selections, prepared.seeds
         except BaseException as exc:  # noqa: BLE001 - includes SystemExit from user code
             info = _describe(exc)
             log.warning("session setup for %s failed: %s: %s", self.conn.peer, info["type_name"], info["message"])

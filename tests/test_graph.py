@@ -18,6 +18,7 @@ from rpc_reading_service.graph import (
     distributed_info,
     draw_epoch_seed,
     init_worker_graph,
+    prepare_worker_graph,
     reset_worker_graph,
     seed_chunk,
     split_dispatching,
@@ -134,6 +135,53 @@ def test_seeds_found_once_seed_every_epoch_as_traversing_the_graph_does():
     other = init_worker_graph(dp, info, None)
     expected = list(reset_worker_graph(traversed, info, 80, 1, None))
     assert list(reset_worker_graph(other, info, 80, 1, None, seeds)) == expected
+
+
+def _add_a_shuffle(datapipe, worker_info):
+    return datapipe.shuffle()
+
+
+def test_a_prepared_graph_traverses_once_and_finds_what_each_step_finds():
+    """prepare_worker_graph finds the selections and seeds from one traversal of the initialised
+    graph: the same SelectionFilters as selections_in, the same epochs as a reset that traverses the
+    graph (also with a worker_init_fn that adds a DataPipe), in fewer pickling passes than the steps."""
+    import copy
+
+    import torch.utils.data.graph as torch_graph
+
+    from rpc_reading_service.selection import LeasedChunks, selection_in_place, selections_in
+
+    source = IterableWrapper(range(40)).shuffle().sharding_filter().shuffle().map(draw)
+    with selection_in_place(source, LeasedChunks(4)) as shipped:
+        dp = copy.deepcopy(shipped)
+    info = WorkerInfo(4, 1)
+    passes = []
+    listing = torch_graph._list_connected_datapipes
+
+    def counted(graph_builder):
+        passes.clear()
+        torch_graph._list_connected_datapipes = lambda *args: passes.append(1) or listing(*args)
+        try:
+            return graph_builder(), len(passes)
+        finally:
+            torch_graph._list_connected_datapipes = listing
+
+    for init_fn in (None, _add_a_shuffle):
+        prepared, prepared_passes = counted(lambda: prepare_worker_graph(copy.deepcopy(dp), info, init_fn))
+
+        def by_steps():
+            graph = init_worker_graph(copy.deepcopy(dp), info, init_fn)
+            return graph, selections_in(graph), WorkerGraphSeeds(graph)
+
+        (traversed, selections, _), step_passes = counted(by_steps)
+        assert prepared_passes < step_passes
+        assert [type(s) for s in prepared.selections] == [type(s) for s in selections] == [type(selections[0])]
+        assert prepared.selections == selections_in(prepared.datapipe)  # its own graph's, the same objects
+        for epoch_seed in (77, 78):
+            expected = list(reset_worker_graph(traversed, info, epoch_seed, 1, None))
+            got = list(reset_worker_graph(prepared.datapipe, info, epoch_seed, 1, None, prepared.seeds))
+            assert got == expected and len(got) > 0
+    assert prepare_worker_graph(copy.deepcopy(dp), info, None, find_seeds=False).seeds is None
 
 
 def test_distributed_and_worker_sharding_combine_to_global_shards():
