@@ -236,15 +236,19 @@ class _Leases:
     done (CHUNK_DONE) in the order leased, with its item count (DATA carries them before or after)."""
 
     #: Runs ``[start, stop)`` of chunks leased and not reported done, oldest first (a LEASE of a
-    #: long run costs one entry, not one per chunk), and how many chunks they hold.
+    #: long run costs one entry, not one per chunk).
     outstanding: Deque[List[int]] = field(default_factory=collections.deque)
-    held: int = 0
     latest: int = -1
     final: bool = False
     #: Items of the epoch's chunks reported done (DATA's items up to here belong to them).
     reported: int = 0
     #: Chunks leased in all (a dispatched epoch's units: each item needs its lease first).
     leased: int = 0
+
+    @property
+    def held(self) -> int:
+        """Chunks leased and not reported done."""
+        return sum(stop - start for start, stop in self.outstanding)
 
 
 class _SessionProtocol:
@@ -528,7 +532,6 @@ class _SessionProtocol:
         stop = message.chunk + message.count
         leases.latest = stop - 1
         leases.leased += message.count
-        leases.held += message.count
         runs = leases.outstanding
         if runs and runs[-1][1] == message.chunk:
             runs[-1][1] = stop
@@ -560,10 +563,11 @@ class _SessionProtocol:
                 f"it sent CHUNK_DONE for chunk {message.chunk} of epoch {message.epoch} where {due} was due: "
                 "chunks are reported done once each, in the order leased"
             )
-        if count > leases.held:
+        held = leases.held
+        if count > held:
             raise error(
                 f"it sent CHUNK_DONE for {count} chunks from chunk {message.chunk} of epoch {message.epoch}, but "
-                f"holds {leases.held} leases: chunks are reported done once each, in the order leased"
+                f"holds {held} leases: chunks are reported done once each, in the order leased"
             )
         # DATA carried since the previous report holds the first chunk's items only: the worker
         # reports a chunk with the ones before it while no DATA frame was sealed in between.
@@ -573,7 +577,6 @@ class _SessionProtocol:
                 f"it sent CHUNK_DONE for chunk {message.chunk} of epoch {message.epoch} with {message.counts[0]} items, "
                 f"but its DATA frames carried {carried} since the previous chunk's end"
             )
-        leases.held -= count
         while count:
             run = runs[0]
             taken = min(count, run[1] - run[0])
@@ -602,7 +605,6 @@ class _SessionProtocol:
         """END_OF_SHARD of a leased epoch: leases still outstanding lie past the stream's end (empty)."""
         if self._leases is not None:
             self._leases.outstanding.clear()
-            self._leases.held = 0
 
 
 def _nothing_method(self: object, message: object) -> None:
