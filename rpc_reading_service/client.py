@@ -55,7 +55,7 @@ from .protocol import (
 from .serialization import rebuild_exception
 from .transports.base import Connection, PeerLostError
 
-__all__ = ["Event", "ChannelStats", "WorkerChannel"]
+__all__ = ["Event", "ChannelStats", "WorkerChannel", "slow_frame"]
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,9 @@ class WorkerChannel:
         self._closing = False
         self._loop = loop
         self._in_loop = False
-        self._credit_batch, self._ungranted = 1, 0  # see start_epoch
+        #: The epoch's credit window, the credits not sent back yet, and the epoch's DATA frames
+        #: received (the receiver counts) and taken (the consumer counts): see :meth:`grant`.
+        self._window, self._ungranted, self._received, self._taken = 1, 0, 0, 0
         self._receiver: Optional[threading.Thread] = None
         #: When dispatching, the epoch's dispatcher hears this session's ITEM_CREDIT, END_OF_SHARD
         #: and ERROR events here (from the receiver thread).
@@ -271,10 +273,7 @@ class WorkerChannel:
         worker walks its stream by the chunks :meth:`lease` hands it."""
         self.epoch = epoch
         self.stats = ChannelStats()
-        # Credits go back in batches of half the window: one CREDIT frame (and one wake-up of
-        # the worker) per two frames taken when items travel one per frame, and the worker
-        # always holds at least one credit, since fewer than ``credits`` are ever held back.
-        self._credit_batch, self._ungranted = credit_batch(credits), 0
+        self._window, self._ungranted, self._received, self._taken = credits, 0, 0, 0
         self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased=leased))
 
     def send_input(self, message: Union[Items, EndOfInput]) -> None:
@@ -283,13 +282,26 @@ class WorkerChannel:
         (a superseded dispatcher's last frame may still be on its way out)."""
         self._send_or_report(message, epoch=message.epoch)
 
-    def grant(self, epoch: int, credits: int = 1) -> None:
-        """Allow the worker ``credits`` more DATA frames of ``epoch`` (nothing for a superseded
-        epoch); sent once half the epoch's credit window is due (the consumer's thread only)."""
+    def grant(self, epoch: int, credits: int = 1, after_slow_frame: bool = False) -> None:
+        """Allow the worker ``credits`` more DATA frames of ``epoch`` for the ones just taken
+        (nothing for a superseded epoch; the consumer's thread only).
+
+        Credits go back in batches: once half the window is due (one CREDIT frame, and one
+        wake-up of the worker, per two frames taken when items travel one per frame; the worker
+        always holds a credit, since fewer than the window are held back). After a
+        :func:`slow_frame` while more of this worker's frames wait here, up to the whole window:
+        the trainer is behind that worker, which meanwhile packs its next items into the frame
+        the CREDIT lets go instead of sending each alone (fewer frames, CREDITs and wake-ups on
+        both sides per item, exactly while the trainer is what limits the rate). A worker that
+        holds half the window uncredited still gets its CREDIT without sending more: its frames
+        here are taken, the last of them with none waiting behind it.
+        """
         if epoch != self.epoch:
             return
         self._ungranted += credits
-        if self._ungranted >= self._credit_batch:
+        self._taken += credits
+        behind = after_slow_frame and self._received > self._taken
+        if self._ungranted >= (self._window if behind else credit_batch(self._window)):
             credits, self._ungranted = self._ungranted, 0
             self._send_or_report(Credit(epoch, credits))
 
@@ -409,6 +421,8 @@ class WorkerChannel:
         # Only the header was read: the consumer decodes, so this thread holds the GIL briefly.
         self.stats.frames += 1
         self.stats.bytes += event.nbytes
+        if event.epoch == self.epoch:
+            self._received += 1
         self.queue.put(Event(self, "data", event.epoch, event.frame))
         return False
 
@@ -448,6 +462,17 @@ class WorkerChannel:
             "Fix what blocks there, or raise item_timeout if items legitimately take that long"
         )
         return ItemTimeoutError(message, self.rank, self.address, position=position, stack=event.stack)
+
+
+#: A DATA frame of one item of at most this many bytes is a slow stage's (see :func:`slow_frame`).
+SLOW_FRAME_MAX_BYTES = 64 * 1024
+
+
+def slow_frame(items: Sequence[Any]) -> bool:
+    """Whether a DATA frame of ``items`` (encoded) is a slow stage's: one small item. A worker
+    seals an item alone when it came too late to wait for another one (a large one fills a frame
+    by itself: that says nothing of its pace)."""
+    return len(items) == 1 and items[0].nbytes <= SLOW_FRAME_MAX_BYTES
 
 
 def lease_runs(chunks: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, int]]:

@@ -41,6 +41,12 @@ def block_at_2(x):
     return x
 
 
+def slow_then_block_at_3(x):
+    """A slow stage (5 ms an item, each sealed alone) whose item 3 waits for RELEASE."""
+    time.sleep(0.005)
+    return block_at_2(x - 1) + 1
+
+
 def failing_init(datapipe, worker_info):
     raise RuntimeError("worker_init_fn failed on purpose")
 
@@ -119,6 +125,24 @@ def test_setup_and_epochs_with_credits(pair):
     assert all(1 <= len(frame) <= 2 for frame in frames) and link.channel.stats.frames == len(frames)
     assert link.epoch(2) == list(range(10))
     assert link.epoch(3, skip=7) == [7, 8, 9]  # a resumed epoch
+
+
+def test_a_slow_stage_is_credited_once_its_frames_waiting_in_the_trainer_are_taken(pair):
+    # Three one-item frames arrive, then the worker's graph blocks (no fourth frame can come).
+    graph = IterableWrapper(range(12)).sharding_filter().map(slow_then_block_at_3)
+    link = pair(heartbeat_interval=5.0, peer_timeout=20.0).setup(graph, linger=0.001)
+    channel = link.channel
+    channel.start_epoch(1, seed=1, global_worker_id=0, credits=4)
+    assert wait_until(lambda: channel.stats.frames == 3, 5.0)
+    items = iterate_in_order([channel], EpochProgress(1, [0]))
+    assert [next(items), next(items)] == [0, 1]
+    # Half the window is due, but a frame of the worker still waits here: no CREDIT yet (the
+    # worker, left one credit, packs its next items for the CREDIT to come).
+    assert channel.protocol.credits == 1 and channel.stats.frames == 3
+    assert next(items) == 2
+    assert channel.protocol.credits == 4  # the last waiting frame taken: all three in one CREDIT
+    RELEASE.set()
+    assert list(items) == list(range(3, 12))
 
 
 def test_a_new_epoch_supersedes_a_running_one(pair):

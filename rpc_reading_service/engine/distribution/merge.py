@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tuple
 
-from ...client import ChannelStats, Event, WorkerChannel
+from ...client import ChannelStats, Event, WorkerChannel, slow_frame
 from ...errors import WorkerLostError
 from ...protocol import decode_data
 from ...serialization import loads_items
@@ -51,8 +51,8 @@ def _take(event: Event, epoch: int) -> List[Any]:
         raise event.error
     if event.kind == "data":
         assert event.frame is not None
-        event.channel.grant(epoch)
         _epoch, _sequence, items = decode_data(event.frame)
+        event.channel.grant(epoch, after_slow_frame=slow_frame(items))
         event.channel.stats.items += len(items)
         return loads_items(items)
     return []
