@@ -32,6 +32,7 @@ from rpc_reading_service.config import ReadingServiceConfig
 from rpc_reading_service.engine.distribution import FirstReady, RoundRobin
 from rpc_reading_service.engine.distribution.dynamic import Dynamic
 from rpc_reading_service.engine.distribution.leases import LeaseBook, check_book_state
+from rpc_reading_service.engine.distribution.schedule import FixedChunks, GuidedChunks
 from rpc_reading_service.selection import WorkerSelection
 
 N = 60
@@ -98,8 +99,8 @@ def test_chunks_reported_in_one_chunk_done_share_the_time_since_the_previous_rep
     for _ in range(5):
         book.lease(0)
     book.done_many(0, 0, (4,), None, now=10.0)
-    book.done_many(0, 1, (4, 4, 3), None, now=10.3)  # three chunks of 0.1 s, one frame
-    assert book.chunk_seconds[0] == pytest.approx(0.1) and list(book.outstanding[0]) == [4]
+    book.done_many(0, 1, (4, 4, 3), None, now=10.3)  # three chunks of 0.1 s (4 positions each), one frame
+    assert book.position_seconds[0] == pytest.approx(0.1 / 4) and list(book.outstanding[0]) == [4]
     assert book.totals == {0: 4, 1: 4, 2: 4, 3: 3}
     assert book.arrived(0, 20) == [(0, 4), (1, 4), (2, 4), (3, 3), (4, 5)]
 
@@ -333,17 +334,19 @@ def test_every_policy_gives_every_item_exactly_once_and_dynamic_shows_its_chunks
                                ("dynamic, narrow window", Dynamic(chunk_size=1, window=1)), ("sticky",) * 2,
                                ("backwards",) * 2):  # fmt: skip
         service = remote(worker_server, 3, distribution=distribution)
+        policy = distribution if isinstance(distribution, Dynamic) else Dynamic()
+        # The first epoch's chunks are of chunk_size (the length unknown), the second's guided by
+        # the first's length; stats() counts no chunk past the end.
+        chunks = [-(-N // policy.chunk_size), GuidedChunks(N, 3, policy.chunk_size, warmup=3 * policy.depth).chunks_below(N)]
         with DataLoader2(dp, reading_service=service) as dl:
-            for _ in range(2):
+            for number in range(2):
                 epoch = list(dl)
                 assert sorted(epoch) == list(range(N)), name
-            stats = dl.reading_service.stats()
-        units = [worker.units for worker in stats.workers]
-        if name.startswith("dynamic"):
-            chunk_size = distribution.chunk_size if isinstance(distribution, Dynamic) else Dynamic().chunk_size
-            assert len(units) == 3 and sum(units) == -(-N // chunk_size), units  # no chunk past the end counted
-        else:
-            assert units == [None] * 3
+                units = [worker.units for worker in dl.reading_service.stats().workers]
+                if name.startswith("dynamic"):
+                    assert len(units) == 3 and sum(units) == chunks[number], (number, units)
+                else:
+                    assert units == [None] * 3
         orders[name] = epoch
     assert orders["round_robin"] == list(range(N))
     # worker 0 now holds what worker 2 had: the round-robin merge starts with position 2
