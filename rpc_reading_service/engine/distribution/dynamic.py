@@ -86,7 +86,7 @@ class Dynamic(DistributionPolicy):
             measured (default :data:`DEFAULT_CHUNK_SIZE`). Smaller balances better at the end
             of an epoch, larger costs fewer messages.
         max_chunk_size: The largest chunk of a guided epoch (default :data:`DEFAULT_MAX_CHUNK_SIZE`):
-            chunks are ``ceil(left / (4 * workers))`` positions of what is left of the expected
+            chunks are ``ceil(left / (8 * workers))`` positions of what is left of the expected
             stream, at most this, shrinking to 1 at the end (:mod:`.schedule`).
         guided: True (default): once the stream's length is known from the previous epoch, a
             guided schedule; False: chunks of ``chunk_size`` always.

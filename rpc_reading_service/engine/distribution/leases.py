@@ -87,8 +87,12 @@ class LeaseBook:
         #: When each rank last reported a chunk done, and how long a position of its chunks takes (smoothed).
         self._reported_at: Dict[int, float] = {}
         self.position_seconds: Dict[int, float] = {}
-        #: Positions of the chunks each rank holds (not reported done).
+        #: Positions of the chunks each rank holds (not reported done), and when it started the
+        #: oldest of them (its previous report, or its lease if it held nothing then).
         self._held: Dict[int, int] = {rank: 0 for rank in range(num_workers)}
+        self._head_started: Dict[int, float] = {}
+        #: The latest report's time: what :meth:`ends_last` counts the work done of current chunks to.
+        self._clock = 0.0
         #: Every chunk below was leased at least once.
         self.next_chunk = 0
         #: The number of chunks of the stream, once a worker's walk reached its end, and its
@@ -147,6 +151,8 @@ class LeaseBook:
             self.next_chunk += 1
             choice = (chunk, 0)
         chunk, skip = choice
+        if not self.outstanding[rank]:
+            self._head_started[rank] = self._clock
         self.outstanding[rank].append(chunk)
         self._held[rank] += self.schedule.size(chunk)
         self.skips[chunk] = skip
@@ -160,17 +166,21 @@ class LeaseBook:
         start = self.schedule.start(chunk)
         return start, self.schedule.start(chunk + 1) - start
 
-    def _ahead(self, rank: int) -> float:
-        """Positions ``rank`` still has to walk of the chunks it holds, its current one counted half done."""
-        held = self.outstanding[rank]
-        return max(0.0, self._held[rank] - 0.5 * self.schedule.size(held[0])) if held else 0.0
+    def _ahead(self, rank: int, per_position: float) -> float:
+        """Positions ``rank`` still has to walk of the chunks it holds: those of its current chunk
+        that it had not walked by the latest report (at ``per_position`` seconds each), and the rest."""
+        if not self.outstanding[rank]:
+            return 0.0
+        walked = (self._clock - self._head_started.get(rank, self._clock)) / max(per_position, 1e-9)
+        return max(0.0, self._held[rank] - min(walked, self.schedule.size(self.outstanding[rank][0])))
 
     def ends_last(self, rank: int) -> bool:
         """Whether ``rank`` taking the next chunk would likely end the epoch later than leaving it to
         the others: it would finish that chunk after they finished every chunk left, plus half of
         the time the fastest one takes for it (the estimate's slack). Each worker's current chunk
-        counts as half done; the others cannot all finish sooner than the earliest of them
-        finishes that chunk too. Times are each worker's measured seconds per position."""
+        counts as done as far as its time since it started it says (at the latest report); the
+        others cannot all finish sooner than the earliest of them finishes that chunk too. Times
+        are each worker's measured seconds per position."""
         expected = self.stream_chunks if self.stream_chunks is not None else self.expected_chunks
         mine = self.position_seconds.get(rank)
         if expected is None or mine is None or self.next_chunk >= expected:
@@ -179,7 +189,7 @@ class LeaseBook:
         size = schedule.size(self.next_chunk)
         left = schedule.start(expected) - schedule.start(self.next_chunk)
         left += sum(schedule.size(chunk) for chunk, _skip in self.pending)
-        mine_end = (self._ahead(rank) + size) * mine
+        mine_end = (self._ahead(rank, mine) + size) * mine
         if left * min(self.position_seconds.values()) >= mine_end * len(self.outstanding):
             return False  # far from the end: even the fastest could not do what is left before ``rank`` is done
         rate, held, soonest, fastest = 0.0, 0.0, math.inf, math.inf
@@ -189,7 +199,7 @@ class LeaseBook:
             seconds = self.position_seconds.get(other)
             if seconds is None:
                 return False  # not measured yet: no estimate
-            ahead = self._ahead(other)
+            ahead = self._ahead(other, seconds)
             rate += 1 / max(seconds, 1e-9)
             held += ahead
             soonest = min(soonest, (ahead + size) * seconds)
@@ -283,7 +293,8 @@ class LeaseBook:
         of the time since ``rank``'s previous report."""
         now = time.monotonic() if now is None else now
         previous = self._reported_at.get(rank)
-        self._reported_at[rank] = now
+        self._reported_at[rank] = self._head_started[rank] = now
+        self._clock = max(self._clock, now)
         assert self.outstanding[rank][0] == chunk, (self.outstanding[rank][0], chunk)  # the state machine checked it
         if previous is not None:
             outstanding, size = self.outstanding[rank], self.schedule.size

@@ -17,13 +17,14 @@ per-chunk seeds and order whatever the workers' speeds, across runs and transpor
   with a large chunk. Past the expected length (a longer stream) chunks are ``first_size``
   positions, as when the length is unknown.
 
-Why these defaults (measured with benchmarks/bench_distribution.py, see DISTRIBUTION.md):
-``divisor`` 4 (with 4 workers, each chunk a sixteenth of what is left): 2, the textbook value
-for equal workers, gives a 4x slower worker chunks it cannot finish before the others finish
-everything left (``4 / 8 > 1 / 3.25``), so the tail rule keeps it idle; 4 keeps it busy to
-near the end. ``largest`` 256: chunks of tiny items cost their per-chunk work (a lease, a
-report, the chunk's seeds) about 400 times per 100000 items instead of 6250 times with 16;
-larger no longer showed. ``smallest`` 1: the last chunks are single items.
+Why these defaults (measured with benchmarks/bench_distribution.py, see DISTRIBUTION.md, and
+with the book alone in simulated time): ``divisor`` 8 (with 4 workers, each chunk a 32nd of
+what is left). 2, the textbook value for equal workers, gives a 4x slower worker chunks it
+cannot finish before the others finish everything left (``4 / 8 > 1 / 3.25``), so the tail
+rule keeps it idle or it ends the epoch late (simulated: up to 1.23x of the ideal); 4 gave up
+to 1.06x, 8 up to 1.02x over slow workers 3.3-4.3x slower. ``largest`` 256: chunks of tiny
+items cost their per-chunk work (a lease, a report, the chunk's seeds) about 500 times per
+100000 items instead of 6250 times with 16. ``smallest`` 1: the last chunks are single items.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any, Dict, List, Optional
 __all__ = ["ChunkSchedule", "FixedChunks", "GuidedChunks", "schedule_from_state", "DIVISOR", "LARGEST", "SMALLEST"]
 
 #: The guided schedule's defaults (see the module docstring for how they were chosen).
-DIVISOR = 4
+DIVISOR = 8
 LARGEST = 256
 SMALLEST = 1
 
