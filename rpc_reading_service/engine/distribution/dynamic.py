@@ -161,6 +161,11 @@ class Dynamic(DistributionPolicy):
         instead of costing the worker a wake-up of their own."""
         return max(prefetch, CREDITS)
 
+    def hint_from_state(self, state: Any) -> Optional[int]:
+        """The stream's length the checkpointed epoch found (what the next epoch's schedule follows)."""
+        length = state.get("stream_length") if isinstance(state, dict) else None
+        return length if isinstance(length, int) and not isinstance(length, bool) and length >= 0 else None
+
     def skip(self, progress: Any, rank: int) -> int:
         """Nothing is skipped by position: leases carry what was delivered of their chunk."""
         return 0
@@ -241,10 +246,7 @@ class _DynamicMerger(Merger):
     def hint(self) -> Optional[int]:
         """The stream's length in positions, once known: the next epoch's expected length (its
         guided schedule, and its estimate of what is left near its end)."""
-        book = self.book
-        if book.stream_length is not None:
-            return book.stream_length
-        return None if book.stream_chunks is None else book.schedule.start(book.stream_chunks)
+        return self.book.length_hint()
 
     # -- leasing --------------------------------------------------------------------------------
     def _top_up(self, channel: WorkerChannel) -> None:

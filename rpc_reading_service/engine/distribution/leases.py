@@ -410,7 +410,17 @@ class LeaseBook:
         schedule = self.schedule.state()
         if schedule is not None:  # a guided epoch's bounds (fixed chunks: chunk_size, as before it existed)
             state["schedule"] = schedule
+        length = self.length_hint()
+        if length is not None:  # the next epoch's expected length, also after a checkpoint between epochs
+            state["stream_length"] = length
         return state
+
+    def length_hint(self) -> Optional[int]:
+        """The stream's length in positions as far as known: reported by a worker, else where the
+        first chunk past its end begins (None: its end not reached)."""
+        if self.stream_length is not None:
+            return self.stream_length
+        return None if self.stream_chunks is None else self.schedule.start(self.stream_chunks)
 
     def resume(self, state: Mapping[str, Any]) -> None:
         """Start from a checkpoint's :meth:`state`: every chunk not complete is leased again (the
@@ -449,10 +459,10 @@ def check_book_state(state: Any, chunk_size: int) -> None:
     def count(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
-    if not isinstance(state, dict) or set(state) not in (_BOOK_KEYS, _BOOK_KEYS | {"schedule"}):
+    if not isinstance(state, dict) or not _BOOK_KEYS <= set(state) <= _BOOK_KEYS | {"schedule", "stream_length"}:
         raise refuse(
             "must be an object with chunk_size, next_chunk, complete_below, complete and delivered (and a "
-            f"guided epoch's schedule), got {state!r:.200}"
+            f"guided epoch's schedule, the stream's length once known), got {state!r:.200}"
         )
     if state["chunk_size"] != chunk_size:
         raise refuse(f"was taken with chunk_size={state['chunk_size']!r}, this run has chunk_size={chunk_size}")
@@ -469,6 +479,8 @@ def check_book_state(state: Any, chunk_size: int) -> None:
         for pair in delivered
     ):
         raise refuse("has 'delivered' entries that are not [chunk, items] pairs of incomplete leased chunks")
+    if "stream_length" in state and not count(state["stream_length"]):
+        raise refuse(f"has a stream_length that is not a count: {state['stream_length']!r:.40}")
     if "schedule" in state:
         schedule = schedule_from_state(state["schedule"], refuse)
         if schedule.first_size != chunk_size:
