@@ -26,8 +26,11 @@ Run standalone, from the repo root::
 
     PYTHONPATH=$PWD python benchmarks/bench_distribution.py [--items 800] [--ms 5] [--quick]
 
-Prints markdown tables. ``--chunk-sizes 4,16,64`` adds a sweep of dynamic's chunk size on the
-unequal fleet (how the default was chosen). Every worker started here is stopped on exit.
+Prints markdown tables. "dynamic" runs with its defaults but for ``--chunk-size`` (16): chunks of
+16 in the warm-up epoch (the stream's length unknown), a guided schedule in the timed ones (up to
+256 positions while much is left, shrinking to 1 at the end). ``--chunk-sizes 4,16,64`` adds a
+sweep of fixed chunk sizes (``guided=False``) on the unequal fleet (how the first epoch's default
+was chosen). Every worker started here is stopped on exit.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 from rpc_reading_service import RPCReadingService
-from rpc_reading_service.engine.distribution.dynamic import DEFAULT_CHUNK_SIZE, Dynamic
+from rpc_reading_service.engine.distribution.dynamic import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_CHUNK_SIZE, Dynamic
 
 WORKERS = 4
 SLOWDOWN = 4.0
@@ -166,7 +169,7 @@ def tiny_items_rounds(items: int, rounds: int, chunk_size: int) -> str:
     """Tiny items (no work), round-robin against dynamic: a loader of each open at once, their
     epochs alternating (round-robin first in each round), the wall and the CPU of every round, and
     the ratio of each round's pair (taken back to back, so the least moved by a changing load)."""
-    contenders = {"round_robin": "round_robin", f"dynamic (chunk {chunk_size})": Dynamic(chunk_size)}
+    contenders = {"round_robin": "round_robin", dynamic_label(chunk_size): Dynamic(chunk_size)}
     results: Dict[str, List[Tuple[float, float, float]]] = {name: [] for name in contenders}
     loaders: Dict[str, Any] = {}
     workers: Dict[str, List[int]] = {}
@@ -206,8 +209,13 @@ def tiny_items_rounds(items: int, rounds: int, chunk_size: int) -> str:
     )  # fmt: skip
 
 
+def dynamic_label(chunk_size: int) -> str:
+    """How the tables name dynamic with its default guided schedule."""
+    return f"dynamic (chunk {chunk_size}, guided up to {DEFAULT_MAX_CHUNK_SIZE})"
+
+
 def policies(chunk_size: int) -> Dict[str, Any]:
-    return {"round_robin": "round_robin", "first_ready": "first_ready", f"dynamic (chunk {chunk_size})": Dynamic(chunk_size)}
+    return {"round_robin": "round_robin", "first_ready": "first_ready", dynamic_label(chunk_size): Dynamic(chunk_size)}
 
 
 def table(title: str, header: Sequence[str], rows: List[Sequence[str]]) -> str:
@@ -256,7 +264,7 @@ def overhead(items: int, ms: float, epochs: int, chunk_size: int) -> str:
         dynamic = epoch_seconds(Dynamic(chunk_size), count, seconds, 0.0, epochs)
         rows.append((f"{label}, {count} items", f"{base:.3f}", f"{dynamic:.3f}", f"{dynamic / base:.2f}x"))
     return table(
-        f"Overhead of dynamic (chunk {chunk_size}) vs round_robin where balancing cannot help",
+        f"Overhead of {dynamic_label(chunk_size)} vs round_robin where balancing cannot help",
         ("workload", "round_robin s", "dynamic s", "dynamic / round_robin"), rows,
     )  # fmt: skip
 
@@ -267,11 +275,11 @@ def chunk_sweep(items: int, ms: float, epochs: int, sizes: Sequence[int], tiny_i
     base = epoch_seconds("round_robin", tiny_items, 0.0, 0.0, epochs)
     rows = []
     for size in sizes:
-        took = epoch_seconds(Dynamic(size), items, seconds, seconds * (SLOWDOWN - 1), epochs)
-        tiny = epoch_seconds(Dynamic(size), tiny_items, 0.0, 0.0, epochs)
+        took = epoch_seconds(Dynamic(size, guided=False), items, seconds, seconds * (SLOWDOWN - 1), epochs)
+        tiny = epoch_seconds(Dynamic(size, guided=False), tiny_items, 0.0, 0.0, epochs)
         rows.append((str(size), f"{took / ideal:.2f}x", f"{tiny / base:.2f}x"))
     return table(
-        "dynamic's chunk size: unequal fleet vs ideal, and tiny items vs round_robin",
+        "dynamic's fixed chunk size (guided=False): unequal fleet vs ideal, and tiny items vs round_robin",
         ("chunk_size", "unequal fleet vs ideal", "tiny items vs round_robin"), rows,
     )  # fmt: skip
 

@@ -306,15 +306,18 @@ class WorkerChannel:
             self._send_or_report(Credit(epoch, credits))
 
     def lease(
-        self, epoch: int, chunks: Sequence[Tuple[int, int]] = (), final: bool = False, items: Sequence[Items] = ()
-    ) -> None:
-        """Lease ``chunks`` (``(chunk, skip)`` pairs: its first ``skip`` items are not sent) of ``epoch``'s
+        self, epoch: int, chunks: Sequence[Tuple[int, int, int, int]] = (), final: bool = False,
+        items: Sequence[Items] = (),
+    ) -> None:  # fmt: skip
+        """Lease ``chunks`` (``(chunk, skip, first position, positions)``: its first ``skip`` items are not sent) of ``epoch``'s
         stream to the worker, then with ``final`` say that no more come ("dynamic"; nothing for a
         superseded epoch). Credits not granted yet go along: one send (the consumer's thread only).
         ``items``: ITEMS frames that follow the leases (a dispatched epoch's units, one item each)."""
         if epoch != self.epoch:
             return
-        messages: List[Message] = [Lease(epoch, chunk, skip, count=count) for chunk, skip, count in lease_runs(chunks)]
+        messages: List[Message] = [
+            Lease(epoch, chunk, skip, count=count, start=start, size=size) for chunk, skip, count, start, size in lease_runs(chunks)
+        ]
         messages.extend(items)
         if final:
             messages.append(Lease(epoch, final=True))
@@ -475,16 +478,22 @@ def slow_frame(items: Sequence[Any]) -> bool:
     return len(items) == 1 and items[0].nbytes <= SLOW_FRAME_MAX_BYTES
 
 
-def lease_runs(chunks: Sequence[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
-    """``(chunk, skip)`` leases as ``(first chunk, its skip, count)`` runs of consecutive chunks (one
-    LEASE frame each): a chunk with a skip of its own starts a run."""
+def lease_runs(chunks: Sequence[Tuple[int, int, int, int]]) -> List[Tuple[int, int, int, int, int]]:
+    """``(chunk, skip, first position, positions)`` leases as ``(first chunk, its skip, count, first
+    position, positions each)`` runs of consecutive chunks of one size that follow each other in the
+    stream (one LEASE frame each): a chunk with a skip of its own starts a run."""
     runs: List[List[int]] = []
-    for chunk, skip in chunks:
-        if runs and not skip and chunk == runs[-1][0] + runs[-1][2] and runs[-1][2] < MAX_LEASE_RUN:
-            runs[-1][2] += 1
-        else:
-            runs.append([chunk, skip, 1])
-    return [(chunk, skip, count) for chunk, skip, count in runs]
+    for chunk, skip, start, size in chunks:
+        if runs:
+            first, _skip, count, run_start, run_size = runs[-1]
+            if (
+                not skip and chunk == first + count and size == run_size and start == run_start + count * size
+                and count < MAX_LEASE_RUN
+            ):  # fmt: skip
+                runs[-1][2] += 1
+                continue
+        runs.append([chunk, skip, 1, start, size])
+    return [(chunk, skip, count, start, size) for chunk, skip, count, start, size in runs]
 
 
 def _kinds(messages: Sequence[Message]) -> str:

@@ -268,6 +268,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
                     raise
             end = self._initialize(datapipe)
             self._engine.epoch_number = state.epoch
+            if not state.in_epoch:  # e.g. "dynamic"'s next chunks follow the checkpointed epoch's length
+                self._engine.first_hint = self._config.distribution.hint_from_state(state.distribution)
             if state.in_epoch:
                 self._resume_state = state
             return end

@@ -240,29 +240,33 @@ class LeaseInbox:
     """The chunks the trainer leased to one session in one epoch, fed by the control loop and
     waited on by the producer (thread-safe).
 
-    Leases come in increasing chunk order, in runs of consecutive chunks; a chunk below this
-    session's latest lease that it was not leased belongs to another worker. ``finish()`` says
-    no more leases will come. The walk asks about chunks in increasing order, so the runs it
-    has passed are forgotten.
+    Leases come in increasing order of chunks and of positions, in runs of consecutive chunks
+    of one size; a position below the end of this session's latest lease that no lease of it
+    holds belongs to another worker. ``finish()`` says no more leases will come. The walk asks
+    about positions in increasing order, so the runs it has passed are forgotten.
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        #: ``[start, stop, skip of start]`` of the runs leased and not passed by the walk, in order.
-        self._runs: Deque[Tuple[int, int, int]] = collections.deque()
-        self._latest = -1
+        #: ``(first chunk, first position, positions per chunk, stop position, skip of the first
+        #: chunk)`` of the runs leased and not passed by the walk, in order.
+        self._runs: Deque[Tuple[int, int, int, int, int]] = collections.deque()
+        self._end = 0  # the position after the latest lease
         self._final = False
         self._cancelled = False
         #: Called with True before the producer waits for a decision and False after (the
         #: session's item watchdog does not count waiting for the trainer as producing).
         self.waiting: Optional[Callable[[bool], None]] = None
 
-    def add(self, chunk: int, skip: int = 0, count: int = 1) -> None:
-        """Lease the ``count`` chunks from ``chunk`` on to this session; the first ``skip`` items of
-        ``chunk`` were already delivered."""
+    def add(self, chunk: int, skip: int = 0, count: int = 1, start: Optional[int] = None, size: int = 1) -> None:
+        """Lease the ``count`` chunks from ``chunk`` on to this session, of ``size`` positions each
+        from position ``start`` on (default: ``chunk``); the first ``skip`` items of ``chunk`` were
+        already delivered."""
+        start = chunk if start is None else start
+        stop = start + count * size
         with self._cond:
-            self._runs.append((chunk, chunk + count, skip))
-            self._latest = max(self._latest, chunk + count - 1)
+            self._runs.append((chunk, start, size, stop, skip))
+            self._end = max(self._end, stop)
             self._cond.notify_all()
 
     def finish(self) -> None:
@@ -277,9 +281,11 @@ class LeaseInbox:
             self._cancelled = True
             self._cond.notify_all()
 
-    def decide(self, chunk: int) -> Optional[int]:
-        """Block until ``chunk`` is decided: its skip if it is leased here, None if it is another's.
-        Chunks are asked about in increasing order.
+    def decide(self, position: int) -> Tuple[Optional[int], int, int]:
+        """Block until ``position`` is decided: ``(chunk, skip, stop)`` when it lies in a chunk leased
+        here (``position`` is then that chunk's first one: the walk enters chunks at their start;
+        ``stop`` is the chunk's end), ``(None, 0, stop)`` when the positions up to ``stop`` are
+        another's. Positions are asked about in increasing order.
 
         Raises :class:`StopSelection` when no lease will ever come for it (or the epoch ended).
         """
@@ -288,13 +294,14 @@ class LeaseInbox:
             while True:
                 if self._cancelled:
                     raise StopSelection()
-                while runs and runs[0][1] <= chunk:
+                while runs and runs[0][3] <= position:
                     runs.popleft()  # passed: every chunk of it was walked and reported
-                if runs and runs[0][0] <= chunk:
-                    start, _stop, skip = runs[0]
-                    return skip if chunk == start else 0
-                if chunk < self._latest:
-                    return None
+                if runs and runs[0][1] <= position:
+                    chunk, start, size, _stop, skip = runs[0]
+                    index = (position - start) // size
+                    return chunk + index, skip if index == 0 else 0, start + (index + 1) * size
+                if position < self._end:
+                    return None, 0, runs[0][1] if runs else self._end
                 if self._final:
                     raise StopSelection()
                 if self.waiting is not None:
@@ -308,58 +315,55 @@ class LeaseInbox:
     def outstanding(self, done: int) -> List[int]:
         """The leased chunks after ``done`` (the last one reported), in order."""
         with self._cond:
-            return [chunk for start, stop, _skip in self._runs for chunk in range(max(start, done + 1), stop)]
+            return [
+                chunk for first, start, size, stop, _skip in self._runs
+                for chunk in range(max(first, done + 1), first + (stop - start) // size)
+            ]  # fmt: skip
 
 
 class LeasedChunks(WorkerSelection):
-    """"dynamic" on a worker: keep the chunks of ``chunk_size`` positions leased to this session.
+    """"dynamic" on a worker: keep the chunks leased to this session (each a run of positions
+    whose bounds its LEASE gives).
 
     The walk waits at the first position of a chunk until the trainer decided it (it keeps
     every worker a lease or two ahead); a finished chunk is reported right after its last
     item went through the graph (its CHUNK_DONE, with the count, goes ahead of the items
-    still packed). Outside a session
-    (``num_workers=0``) it keeps everything.
+    still packed). Outside a session (``num_workers=0``) it keeps everything.
     """
 
     leased = True
 
-    def __init__(self, chunk_size: int):
-        self.chunk_size = chunk_size
+    def __init__(self) -> None:
         self._context: Optional[SelectionContext] = None
         self._mine: Optional[int] = None  # the chunk being walked, when it is this worker's
-        self._chunk = -1
+        self._until = 0  # the position up to which the current decision holds
         self._last_reported = -1
 
     def start_epoch(self, context: SelectionContext) -> None:
         """Start a walk with the session's leases."""
         self._context = context if context.leases is not None else None
-        self._mine, self._chunk, self._last_reported = None, -1, -1
+        self._mine, self._until, self._last_reported = None, 0, -1
 
     def keep(self, position: int, item: Any) -> bool:
         """Whether ``position`` lies in a chunk leased here (waits for the trainer's decision)."""
-        context = self._context
-        if context is None:
-            return True
-        assert context.leases is not None
-        chunk = position // self.chunk_size
-        if chunk != self._chunk:
-            self._chunk = chunk
-            skip = context.leases.decide(chunk)
-            self._mine = None if skip is None else chunk
-            if skip is not None:
-                context.chunk_started(chunk, skip)
-        return self._mine is not None
+        return self.keep_span(position, item)[0]
 
     def keep_span(self, position: int, item: Any) -> Tuple[bool, int]:
-        """:meth:`keep`, decided for the rest of the chunk at once."""
-        kept = self.keep(position, item)
-        if self._context is None:
-            return kept, position + 1
-        return kept, (position // self.chunk_size + 1) * self.chunk_size
+        """:meth:`keep`, decided for the rest of the chunk (or of the others' positions) at once."""
+        context = self._context
+        if context is None:
+            return True, position + 1
+        if position >= self._until:
+            assert context.leases is not None
+            chunk, skip, self._until = context.leases.decide(position)
+            self._mine = chunk
+            if chunk is not None:
+                context.chunk_started(chunk, skip)
+        return self._mine is not None, self._until
 
     def passed(self, position: int) -> None:
         """Report the chunk done once its last position went through the graph."""
-        if self._context is not None and self._mine is not None and (position + 1) % self.chunk_size == 0:
+        if self._mine is not None and position + 1 == self._until:
             self._report(self._mine, None)
             self._mine = None
 
@@ -378,4 +382,3 @@ class LeasedChunks(WorkerSelection):
         assert self._context is not None
         self._last_reported = chunk
         self._context.chunk_done(chunk, length)
-

@@ -317,7 +317,7 @@ class WorkerSession:
         if message.final:
             self._leases.finish()
         else:
-            self._leases.add(message.chunk, message.skip, message.count)
+            self._leases.add(message.chunk, message.skip, message.count, message.start or 0, message.size)
 
     # -- producer -----------------------------------------------------------------------------
     def _produce(self, request: StartEpoch, previous: Optional[threading.Thread], inbox: Optional[Inbox]) -> None:

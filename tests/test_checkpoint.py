@@ -559,8 +559,8 @@ def _dynamic_rs(rs_factory):
 @pytest.mark.parametrize(
     "cut, graph",
     [("mid-epoch", make_graph), ("after-last-item", make_graph), ("mid-epoch-2", make_graph),
-     ("mid-epoch", read_ahead_graph)],
-    ids=["mid-epoch", "after-last-item", "mid-epoch-2", "mid-epoch-read-ahead"],
+     ("between-epochs", make_graph), ("mid-epoch", read_ahead_graph)],
+    ids=["mid-epoch", "after-last-item", "mid-epoch-2", "between-epochs", "mid-epoch-read-ahead"],
 )  # fmt: skip
 def test_dynamic_resume_equals_uninterrupted_run(rs_factory, cut, graph):
     """Resuming a "dynamic" epoch leases the chunks not delivered again, skipping what was: the
@@ -572,6 +572,10 @@ def test_dynamic_resume_equals_uninterrupted_run(rs_factory, cut, graph):
     assert got == expected
     book = json.loads(state[RS_STATE])["distribution"]
     assert book is not None and book["chunk_size"] == 3
+    # The second epoch's chunks follow a guided schedule of the first's length: its checkpoint
+    # holds it; one between the epochs holds the first's length, so the second is the same.
+    assert ("schedule" in book) == (cut == "mid-epoch-2")
+    assert book.get("schedule", {"length": N_ITEMS})["length"] == N_ITEMS and book.get("stream_length", N_ITEMS) == N_ITEMS
 
 
 @pytest.mark.timeout(60)

@@ -31,7 +31,8 @@ from rpc_reading_service import (
 from rpc_reading_service.config import ReadingServiceConfig
 from rpc_reading_service.engine.distribution import FirstReady, RoundRobin
 from rpc_reading_service.engine.distribution.dynamic import Dynamic
-from rpc_reading_service.engine.distribution.leases import LeaseBook, check_book_state
+from rpc_reading_service.engine.distribution.leases import LeaseBook, check_book_state, checkpoint_schedule
+from rpc_reading_service.engine.distribution.schedule import FixedChunks, GuidedChunks
 from rpc_reading_service.selection import WorkerSelection
 
 N = 60
@@ -98,8 +99,8 @@ def test_chunks_reported_in_one_chunk_done_share_the_time_since_the_previous_rep
     for _ in range(5):
         book.lease(0)
     book.done_many(0, 0, (4,), None, now=10.0)
-    book.done_many(0, 1, (4, 4, 3), None, now=10.3)  # three chunks of 0.1 s, one frame
-    assert book.chunk_seconds[0] == pytest.approx(0.1) and list(book.outstanding[0]) == [4]
+    book.done_many(0, 1, (4, 4, 3), None, now=10.3)  # three chunks of 0.1 s (4 positions each), one frame
+    assert book.position_seconds[0] == pytest.approx(0.1 / 4) and list(book.outstanding[0]) == [4]
     assert book.totals == {0: 4, 1: 4, 2: 4, 3: 3}
     assert book.arrived(0, 20) == [(0, 4), (1, 4), (2, 4), (3, 3), (4, 5)]
 
@@ -267,6 +268,98 @@ def test_checkpoint_state_gives_back_held_items_and_resumes_the_rest():
         check_book_state(dict(state, delivered=[[7, 1]]), chunk_size=2)
 
 
+# -- the guided chunk schedule (pure) ------------------------------------------------------------
+@pytest.mark.parametrize("length", [0, 1, 7, 800, 100000])
+@pytest.mark.parametrize("workers", [1, 4])
+def test_a_guided_schedule_covers_the_expected_stream_exactly_and_shrinks_toward_its_end(length, workers):
+    schedule = GuidedChunks(length, workers, first_size=16, largest=256, divisor=8, smallest=1, warmup=2 * workers)
+    chunks = schedule.chunks_below(length)
+    sizes = [schedule.size(chunk) for chunk in range(chunks)]
+    assert sum(sizes) == length and all(size >= 1 for size in sizes)  # no gap, no overlap, no empty chunk
+    assert [schedule.start(chunk) for chunk in range(chunks)] == [sum(sizes[:chunk]) for chunk in range(chunks)]
+    assert all(size <= 16 for size in sizes[: 2 * workers]) and max(sizes, default=1) <= 256  # warm-up, largest
+    after = sizes[2 * workers :]
+    assert after == sorted(after, reverse=True)  # never growing once measured: shrinking toward the end
+    if length >= 800:
+        assert sizes[-1] == 1 and max(sizes) > 16  # single items at the end, larger chunks while much is left
+    # Past the expected length (a longer stream): chunks of first_size, as when the length is unknown.
+    assert [schedule.size(chunks + extra) for extra in range(3)] == [16] * 3
+    for position in range(0, length + 40, max(1, length // 97)):  # every position lies in its chunk
+        chunk = schedule.chunks_below(position + 1) - 1
+        assert schedule.start(chunk) <= position < schedule.start(chunk + 1)
+    # A pure function of its parameters: rebuilt from its checkpoint state, the same bounds.
+    again = GuidedChunks(**schedule.state())
+    assert [again.start(chunk) for chunk in range(chunks + 3)] == [schedule.start(chunk) for chunk in range(chunks + 3)]
+
+
+def test_a_guided_schedule_of_a_long_stream_is_built_without_listing_its_chunks():
+    started = time.perf_counter()
+    schedule = GuidedChunks(10**12, 64, first_size=16, largest=256, divisor=8, smallest=1, warmup=128)
+    assert time.perf_counter() - started < 0.5
+    chunks = schedule.chunks_below(10**12)
+    assert schedule.start(chunks) == 10**12 and schedule.size(chunks - 1) == 1 and schedule.size(1000) == 256
+
+
+def _simulated_guided_epoch(book: LeaseBook, position_seconds: List[float], length: int) -> List[float]:
+    """:func:`_simulated_epoch` with chunks of the book's schedule, each taking its size times the
+    worker's seconds per position, plus a lease's round trip of 1.5 ms when the worker waited for it."""
+    free_at, finishing, chunks = [0.0] * len(position_seconds), [], book.schedule.chunks_below(length)
+
+    def top_up(rank: int, now: float) -> None:
+        while book.wants_leases(rank) and book.next_chunk < chunks and (lease := book.lease(rank)) is not None:
+            start, size = book.bounds(lease[0])
+            free_at[rank] = max(free_at[rank], now + 0.0015) + size * position_seconds[rank]
+            finishing.append((free_at[rank], rank, lease[0], size))
+
+    for rank in range(len(position_seconds)):
+        top_up(rank, 0.0)
+    ended = [0.0] * len(position_seconds)
+    while finishing:
+        finishing.sort()
+        now, rank, chunk, size = finishing.pop(0)
+        book.done(rank, chunk, size, None, now=now)
+        ended[rank] = now
+        for other in [rank] + [r for r in range(len(position_seconds)) if r != rank]:
+            top_up(other, now)
+    return ended
+
+
+@pytest.mark.parametrize("slow", [0.018, 0.0204, 0.0225])
+def test_a_guided_epoch_ends_near_the_ideal_where_fixed_chunks_of_16_leave_the_grain(slow):
+    # bench_distribution.py's unequal fleet in simulated time: 800 items, one worker about 4x slower.
+    speeds, length = [slow, 0.0055, 0.0055, 0.0055], 800
+    ideal = length / sum(1 / seconds for seconds in speeds)
+    ends = {}
+    for name, schedule in (("fixed", FixedChunks(16)), ("guided", GuidedChunks(length, 4, 16, warmup=8))):
+        book = LeaseBook(4, 16, 2, 10000, expected_chunks=schedule.chunks_below(length), schedule=schedule)
+        ends[name] = max(_simulated_guided_epoch(book, speeds, length)) / ideal
+        assert sum(book.units.values()) == schedule.chunks_below(length)
+    assert ends["guided"] < 1.03 and ends["guided"] < ends["fixed"], ends
+
+
+def test_a_guided_checkpoint_holds_its_schedule_and_length_and_is_checked_strictly():
+    schedule = GuidedChunks(40, 2, first_size=4, warmup=4)
+    book = LeaseBook(num_workers=2, chunk_size=4, depth=2, window=100, schedule=schedule)
+    assert [book.lease(0), book.lease(1)] == [(0, 0), (1, 0)] and book.bounds(1) == (3, 3)  # ceil(40 / 16)
+    book.done(0, 0, 3, None)
+    book.done(1, 1, 2, 5)  # the stream ended in chunk 1, at position 5 (not the expected 40)
+    state = book.state(given_back=[])
+    check_book_state(state, chunk_size=4)
+    assert state["schedule"] == schedule.state() and state["stream_length"] == 5 and book.stream_chunks == 2
+    assert Dynamic(chunk_size=4).hint_from_state(state) == 5
+    assert checkpoint_schedule(state).state() == schedule.state()
+    assert checkpoint_schedule({k: v for k, v in state.items() if k != "schedule"}) is None  # fixed chunks
+    for tampered, words in (
+        (dict(state, schedule=dict(schedule.state(), divisor=0)), "divisor is 0"),
+        (dict(state, schedule={"length": 40}), "'schedule' that is not an object"),
+        (dict(state, schedule=dict(schedule.state(), first_size=8)), "first_size=8, not its chunk_size=4"),
+        (dict(state, stream_length=-1), "stream_length that is not a count"),
+        (dict(state, extra=1), "must be an object with"),
+    ):
+        with pytest.raises(ConfigurationError, match=words):
+            check_book_state(tampered, chunk_size=4)
+
+
 # -- configuration -----------------------------------------------------------------------------
 def test_distribution_names_objects_and_the_in_order_shorthand():
     assert {"round_robin", "first_ready", "dynamic", "sticky"} <= set(available_distributions())
@@ -333,17 +426,19 @@ def test_every_policy_gives_every_item_exactly_once_and_dynamic_shows_its_chunks
                                ("dynamic, narrow window", Dynamic(chunk_size=1, window=1)), ("sticky",) * 2,
                                ("backwards",) * 2):  # fmt: skip
         service = remote(worker_server, 3, distribution=distribution)
+        policy = distribution if isinstance(distribution, Dynamic) else Dynamic()
+        # The first epoch's chunks are of chunk_size (the length unknown), the second's guided by
+        # the first's length; stats() counts no chunk past the end.
+        chunks = [-(-N // policy.chunk_size), GuidedChunks(N, 3, policy.chunk_size, warmup=3 * policy.depth).chunks_below(N)]
         with DataLoader2(dp, reading_service=service) as dl:
-            for _ in range(2):
+            for number in range(2):
                 epoch = list(dl)
                 assert sorted(epoch) == list(range(N)), name
-            stats = dl.reading_service.stats()
-        units = [worker.units for worker in stats.workers]
-        if name.startswith("dynamic"):
-            chunk_size = distribution.chunk_size if isinstance(distribution, Dynamic) else Dynamic().chunk_size
-            assert len(units) == 3 and sum(units) == -(-N // chunk_size), units  # no chunk past the end counted
-        else:
-            assert units == [None] * 3
+                units = [worker.units for worker in dl.reading_service.stats().workers]
+                if name.startswith("dynamic"):
+                    assert len(units) == 3 and sum(units) == chunks[number], (number, units)
+                else:
+                    assert units == [None] * 3
         orders[name] = epoch
     assert orders["round_robin"] == list(range(N))
     # worker 0 now holds what worker 2 had: the round-robin merge starts with position 2

@@ -152,7 +152,7 @@ def test_a_prepared_graph_traverses_once_and_finds_what_each_step_finds():
     from rpc_reading_service.selection import LeasedChunks, selection_in_place, selections_in
 
     source = IterableWrapper(range(40)).shuffle().sharding_filter().shuffle().map(draw)
-    with selection_in_place(source, LeasedChunks(4)) as shipped:
+    with selection_in_place(source, LeasedChunks()) as shipped:
         dp = copy.deepcopy(shipped)
     info = WorkerInfo(4, 1)
     passes = []

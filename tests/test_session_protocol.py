@@ -517,7 +517,7 @@ def test_golden_hello():
 
 def test_golden_credit():
     assert wire(Credit(7, 3).encode()) == bytes.fromhex(
-        "52525356 02 14 0000 0000000000000008 00000007 00000003"
+        "52525356 03 14 0000 0000000000000008 00000007 00000003"
     )
 
 
@@ -543,20 +543,25 @@ def test_golden_end_of_shard_and_heartbeat():
 
 
 def test_golden_lease_and_chunk_done():
-    # Protocol version 2: a LEASE grants a run of chunks, a CHUNK_DONE carries one count per chunk.
-    assert wire(Lease(3, 9, 2, count=4).encode()) == header(27, 0, 25) + bytes.fromhex(
-        "00000003 0000000000000009 0000000000000002 00000004 00"
+    # Protocol version 3: a LEASE grants a run of chunks of one size from a first position, a
+    # CHUNK_DONE carries one count per chunk.
+    assert wire(Lease(3, 9, 2, count=4, start=100, size=7).encode()) == header(27, 0, 37) + bytes.fromhex(
+        "00000003 0000000000000009 0000000000000002 00000004 00 0000000000000064 00000007"
     )
-    assert wire(Lease(3, final=True).encode()) == header(27, 0, 25) + bytes.fromhex("00000003") + bytes(20) + b"\x01"
+    assert wire(Lease(3, final=True).encode()) == header(27, 0, 37) + bytes.fromhex("00000003") + bytes(20) + b"\x01" + bytes(12)
     assert wire(ChunkDone(3, 9, (5, 0)).encode()) == header(28, 0, 40) + bytes.fromhex(
         "00000003 0000000000000009 ffffffffffffffff 00000002 0000000000000005 0000000000000000"
     )
     assert ChunkDone.decode(frames_of(ChunkDone(3, 9, (5,), 77).encode())[0]) == ChunkDone(3, 9, (5,), 77)
     assert Lease.decode(frames_of(Lease(3, 9, count=4).encode())[0]).chunks == range(9, 13)
+    assert Lease.decode(frames_of(Lease(3, 9, count=4, start=50, size=3).encode())[0]).stop == 62
     for forged, problem in (
-        (encode_frame(MessageKind.LEASE, [struct.pack("!IQQIB", 3, 9, 0, 0, 0)]), "leases 0 chunks"),
-        (encode_frame(MessageKind.LEASE, [struct.pack("!IQQIB", 3, 9, 0, 1 << 20, 0)]), "leases 1048576 chunks"),
-        (encode_frame(MessageKind.LEASE, [struct.pack("!IQQIB", 3, 9, 0, 1, 1)]), "final LEASE frame leases 1 chunks, expected 0"),
+        (encode_frame(MessageKind.LEASE, [struct.pack("!IQQIBQI", 3, 9, 0, 0, 0, 9, 1)]), "leases 0 chunks"),
+        (encode_frame(MessageKind.LEASE, [struct.pack("!IQQIBQI", 3, 9, 0, 1 << 20, 0, 9, 1)]), "leases 1048576 chunks"),
+        (encode_frame(MessageKind.LEASE, [struct.pack("!IQQIBQI", 3, 9, 0, 1, 1, 0, 0)]), "final LEASE frame leases 1 chunks"),
+        (encode_frame(MessageKind.LEASE, [struct.pack("!IQQIBQI", 3, 9, 0, 2, 0, 9, 0)]), "chunks of 0 positions from"),
+        (encode_frame(MessageKind.LEASE, [struct.pack("!IQQIBQI", 3, 9, 0, 2, 0, (1 << 64) - 2, 1)]), "within 64 bits"),
+        (encode_frame(MessageKind.LEASE, [struct.pack("!IQQIB", 3, 9, 0, 1, 0)]), "LEASE"),  # a version-2 body
         (encode_frame(MessageKind.CHUNK_DONE, [struct.pack("!IQqI", 3, 9, -1, 0)]), "reports 0 chunks"),
         (encode_frame(MessageKind.CHUNK_DONE, [struct.pack("!IQqIQ", 3, 9, -1, 2, 5)]), "reports 2 chunks in a body of 32"),
     ):
@@ -780,6 +785,8 @@ def test_leased_chunks_are_reported_done_in_order_with_the_items_since_the_last_
     assert link.to_worker(Lease(1, 0)) == [Lease(1, 0)] and link.to_worker(Lease(1, 2, skip=1)) == [Lease(1, 2, 1)]
     with pytest.raises(LocalProtocolError, match="LEASE of chunk 1 of epoch 1 after chunk 2: .* must increase"):
         link.trainer.send(Lease(1, 1))
+    with pytest.raises(LocalProtocolError, match="LEASE of chunk 3 of epoch 1 from position 2, before the end of the previous"):
+        link.trainer.send(Lease(1, 3, start=2, size=4))  # chunk 2 was position 2: chunk 3 must start past it
     link.to_trainer(Data(1, 0, items(b"a", b"b")))
     with pytest.raises(LocalProtocolError, match="CHUNK_DONE for chunk 2 of epoch 1 where chunk 0 was due"):
         link.worker.send(ChunkDone(1, 2, (0,)))

@@ -56,7 +56,7 @@ class Epoch:
         self._merger: Optional[Merger] = None
         if engine.in_process_graph is None:
             replace = self._replace if engine.config.reassign is not None else None
-            hint = engine.epoch.hint() if engine.epoch is not None else None
+            hint = engine.epoch.hint() if engine.epoch is not None else engine.first_hint
             run = EpochRun(engine.channels, engine.events, self.progress, replace, positions.policy, wire, dispatched, hint)
             self._merger = engine.config.distribution.merger(run)
         #: Worker losses this epoch by (rank, items of its shard consumed): see :meth:`_replace`.

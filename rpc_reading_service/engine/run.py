@@ -21,7 +21,7 @@ import os
 import queue
 import threading
 import weakref
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 from torchdata.dataloader2.graph import DataPipe
 from torchdata.dataloader2.utils import WorkerInfo
@@ -79,6 +79,9 @@ class Engine:
         self.dispatch: Optional[Dispatch] = None
         #: The current (or last) epoch, and the number of the latest one (0 before the first).
         self.epoch: Optional[Epoch] = None
+        #: The first epoch's hint (:meth:`Merger.hint <.distribution.Merger.hint>`): a checkpoint's,
+        #: taken between epochs, so that the next epoch is the one the checkpointed run had.
+        self.first_hint: Optional[Any] = None
         self.epoch_number = 0
         self._wire_epochs = 0
         #: Held while setting up and while taking each item: one thread at a time.

@@ -66,7 +66,8 @@ __all__ = [
 ]
 
 #: 2: a LEASE grants a run of consecutive chunks, a CHUNK_DONE reports several chunks' item counts.
-PROTOCOL_VERSION = 2
+#: 3: a LEASE gives its chunks' positions (first position and size: chunks may differ in size).
+PROTOCOL_VERSION = 3
 MAGIC = b"RRSV"
 HEADER = struct.Struct("!4sBBHQ")
 BUFFER_LENGTH = struct.Struct("!Q")
@@ -522,31 +523,38 @@ def decode_shared_data(frame: Frame) -> SharedFrame:
         )
     return SharedFrame(MessageKind.DATA, n_buffers, new, retired, shared, body[end:], list(frame.buffers))
 # -- LEASE / CHUNK_DONE: the chunks of a "dynamic" epoch ------------------------------------------
-_LEASE = struct.Struct("!IQQIB")
+_LEASE = struct.Struct("!IQQIBQI")
 _CHUNK_DONE_HEAD = struct.Struct("!IQqI")
 _CHUNK_COUNT = struct.Struct("!Q")
 #: Most chunks one LEASE may grant (the trainer leases a worker at most ``MAX_CHUNK_DEPTH`` at once).
 MAX_LEASE_RUN = 4096
 
 
-def encode_lease(epoch: int, chunk: int, skip: int, count: int, final: bool) -> List[Buffer]:
-    """Encode the lease of the ``count`` consecutive chunks from ``chunk`` of ``epoch`` (the first
-    ``skip`` items of the first one are not to be sent); ``final``: no more leases this epoch
-    (``count`` is then 0)."""
+def encode_lease(epoch: int, chunk: int, skip: int, count: int, final: bool, start: int, size: int) -> List[Buffer]:
+    """Encode the lease of the ``count`` consecutive chunks from ``chunk`` of ``epoch``, of ``size``
+    positions each from position ``start`` on (the first ``skip`` items of the first one are not
+    to be sent); ``final``: no more leases this epoch (``count``, ``start`` and ``size`` are then 0)."""
     kind = MessageKind.LEASE
-    return encode_frame(kind, [_pack(_LEASE, kind, epoch, chunk, skip, count, int(final))])
+    return encode_frame(kind, [_pack(_LEASE, kind, epoch, chunk, skip, count, int(final), start, size)])
 
 
-def decode_lease(frame: Frame) -> Tuple[int, int, int, bool, int]:
-    """Decode a LEASE frame into ``(epoch, chunk, skip, final, count)``."""
-    epoch, chunk, skip, count, final = _unpack(_LEASE, frame)
+def decode_lease(frame: Frame) -> Tuple[int, int, int, bool, int, int, int]:
+    """Decode a LEASE frame into ``(epoch, chunk, skip, final, count, start, size)``."""
+    epoch, chunk, skip, count, final, start, size = _unpack(_LEASE, frame)
     if final not in (0, 1):
         raise RemoteProtocolError(f"{frame.kind.name} frame has final flag {final}, expected 0 or 1")
-    if final and count:
-        raise RemoteProtocolError(f"final {frame.kind.name} frame leases {count} chunks, expected 0")
+    if final and (count or start or size):
+        raise RemoteProtocolError(
+            f"final {frame.kind.name} frame leases {count} chunks of {size} positions from {start}, expected 0"
+        )
     if not final and not 1 <= count <= MAX_LEASE_RUN:
         raise RemoteProtocolError(f"{frame.kind.name} frame leases {count} chunks, expected 1 to {MAX_LEASE_RUN}")
-    return epoch, chunk, skip, bool(final), count
+    if not final and (size < 1 or start + count * size >= 2**64):
+        raise RemoteProtocolError(
+            f"{frame.kind.name} frame leases {count} chunks of {size} positions from position {start}: expected "
+            "chunks of at least 1 position within 64 bits"
+        )
+    return epoch, chunk, skip, bool(final), count, start, size
 
 
 def encode_chunk_done(epoch: int, chunk: int, counts: Sequence[int], stream_length: int) -> List[Buffer]:

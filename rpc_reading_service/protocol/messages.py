@@ -481,11 +481,13 @@ class EndOfInput(EndOfShard):
 @dataclass(frozen=True)
 class Lease(Message):
     """Trainer to worker ("dynamic" epochs): the ``count`` consecutive chunks of the stream from
-    ``chunk`` on are this worker's; the first ``skip`` items of the first one were delivered
-    already (a resumed or reassigned chunk) and are not sent.
+    ``chunk`` on are this worker's, chunk ``chunk + i`` being the ``size`` positions from
+    ``start + i * size`` on; the first ``skip`` items of the first one were delivered already (a
+    resumed or reassigned chunk) and are not sent. Without ``start``, chunk ``k`` is position
+    ``k`` alone (a dispatched epoch's unit, one item).
 
     ``final``: no more chunks will be leased to this worker in ``epoch`` (then ``chunk``,
-    ``skip`` and ``count`` are 0); the worker stops its walk where its leases end.
+    ``skip``, ``count``, ``start`` and ``size`` are 0); the worker stops its walk where its leases end.
     """
 
     kind: ClassVar[MessageKind] = MessageKind.LEASE
@@ -494,10 +496,21 @@ class Lease(Message):
     skip: int = 0
     final: bool = False
     count: int = 1
+    start: Optional[int] = None
+    size: int = 1
 
     def __post_init__(self) -> None:
         if self.final:
             object.__setattr__(self, "count", 0)
+            object.__setattr__(self, "start", 0)
+            object.__setattr__(self, "size", 0)
+        elif self.start is None:
+            object.__setattr__(self, "start", self.chunk)
+
+    @property
+    def stop(self) -> int:
+        """The position after the last one leased."""
+        return (self.start or 0) + self.count * self.size
 
     @property
     def chunks(self) -> range:
@@ -506,7 +519,7 @@ class Lease(Message):
 
     def encode(self) -> List[Buffer]:
         """The chunks of this LEASE frame."""
-        return encode_lease(self.epoch, self.chunk, self.skip, self.count, self.final)
+        return encode_lease(self.epoch, self.chunk, self.skip, self.count, self.final, self.start or 0, self.size)
 
     @classmethod
     def decode(cls, frame: Frame) -> "Lease":

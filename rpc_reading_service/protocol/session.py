@@ -41,8 +41,9 @@ The rules:
   epoch are numbered from 0 per direction, and END_OF_SHARD / END_OF_INPUT carry the item
   count, so a lost or reordered frame is detected.
 - Leases ("dynamic" epochs, START_EPOCH ``leased``): the trainer leases chunks of the
-  stream (LEASE: a run of consecutive chunks) in increasing order, then at most one final
-  LEASE; the worker reports them done (CHUNK_DONE: the item counts of one or more chunks, the
+  stream (LEASE: a run of consecutive chunks of one size, with their first position) in
+  increasing order of chunks and of positions (a run starts at or past the end of the
+  previous one), then at most one final LEASE; the worker reports them done (CHUNK_DONE: the item counts of one or more chunks, the
   oldest outstanding first) in the order leased, as soon as the last one's last item is
   packed: at least the items its DATA frames carried since the previous reported chunk's
   end, and the rest are the first items of the DATA frames that follow (a frame may hold
@@ -239,6 +240,8 @@ class _Leases:
     #: long run costs one entry, not one per chunk).
     outstanding: Deque[List[int]] = field(default_factory=collections.deque)
     latest: int = -1
+    #: The position after the last one leased (the next LEASE starts at or past it).
+    positions_end: int = 0
     final: bool = False
     #: Items of the epoch's chunks reported done (DATA's items up to here belong to them).
     reported: int = 0
@@ -529,8 +532,15 @@ class _SessionProtocol:
                 f"it sent LEASE of chunk {message.chunk} of epoch {message.epoch} after chunk {leases.latest}: "
                 "the chunks leased to a worker must increase"
             )
+        if (message.start or 0) < leases.positions_end:
+            raise error(
+                f"it sent LEASE of chunk {message.chunk} of epoch {message.epoch} from position {message.start}, "
+                f"before the end of the previous lease (position {leases.positions_end}): the positions leased "
+                "to a worker must increase"
+            )
         stop = message.chunk + message.count
         leases.latest = stop - 1
+        leases.positions_end = message.stop
         leases.leased += message.count
         runs = leases.outstanding
         if runs and runs[-1][1] == message.chunk:

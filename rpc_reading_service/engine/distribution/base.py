@@ -169,5 +169,10 @@ class DistributionPolicy(abc.ABC):
                 "resume with the distribution the checkpoint was taken with"
             )
 
+    def hint_from_state(self, state: Any) -> Optional[Any]:
+        """What the epoch after a checkpoint taken between epochs may start from: the
+        :meth:`Merger.hint` the checkpointed epoch's state (``state``) records (default: None)."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -18,7 +18,7 @@ What the graph after the dispatch point may hold: DataPipes that map each input 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Iterable, List, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
 
 from ...client import WorkerChannel
 from ...errors import ConfigurationError, WorkerLostError
@@ -26,6 +26,7 @@ from ...protocol import EncodedItem, EndOfInput, Items
 from .base import EpochRun
 from .dynamic import Dynamic, _DynamicMerger
 from .leases import LEAD_SECONDS, MAX_DEPTH
+from .schedule import ChunkSchedule, FixedChunks
 
 if TYPE_CHECKING:
     from ..dispatch import UnitDispatch
@@ -39,6 +40,10 @@ class DispatchedMerger(_DynamicMerger):
     max_depth = MAX_DEPTH  # units, each sent with its item: not the deeper leases of chunks
     lead_seconds = LEAD_SECONDS
     sized_window = False
+
+    def _schedule(self, policy: Dynamic, expected: Optional[int], workers: int) -> ChunkSchedule:
+        """A unit is one item: unit ``k`` is position ``k`` of the dispatched stream."""
+        return FixedChunks(1)
 
     def __init__(self, policy: Dynamic, run: EpochRun):
         super().__init__(policy, run)
@@ -89,7 +94,7 @@ class DispatchedMerger(_DynamicMerger):
             batch.append(item)
             nbytes += item.nbytes
         frames.append(self._frame(rank, batch))
-        channel.lease(self.run.wire, leases, items=frames)
+        channel.lease(self.run.wire, self._with_bounds(leases), items=frames)
 
     def _frame(self, rank: int, items: List[EncodedItem]) -> Items:
         frame = Items(self.run.wire, self._frames[rank], items)

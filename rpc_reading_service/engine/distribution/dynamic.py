@@ -1,7 +1,11 @@
 """``"dynamic"``: chunks of the stream leased on demand, results resequenced by chunk.
 
 Every worker walks the sharded stream (the stream at the ``sharding_filter``) and keeps
-the chunks of ``chunk_size`` positions leased to it (:class:`~rpc_reading_service.selection.LeasedChunks`).
+the chunks leased to it (:class:`~rpc_reading_service.selection.LeasedChunks`), each a run of
+consecutive positions whose bounds its LEASE gives. Chunk bounds are a pure function of the
+position (:mod:`.schedule`): ``chunk_size`` positions while the stream's length is unknown
+(a run's first epoch); once the previous epoch's length is known, a guided schedule: chunks of
+up to ``max_chunk_size`` positions while much is left, shrinking to single items at the end.
 The trainer leases chunks in increasing order to whichever worker has room, keeping each
 ``depth`` chunks ahead so it never waits; a fast worker reports its chunks done sooner and
 so gets more of them. Delivery is resequenced by chunk (chunk 0's items, then chunk 1's ...):
@@ -35,7 +39,7 @@ instead: see :mod:`.dispatched`.
 from __future__ import annotations
 
 import collections
-from typing import Any, Deque, Dict, Iterable, Iterator, Optional
+from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from torch.utils.data.datapipes.iter.sharding import ShardingFilterIterDataPipe
 from torchdata.dataloader2.graph import find_dps, traverse_dps
@@ -47,13 +51,19 @@ from ...graph import check_per_item_after_dispatch
 from ...selection import LeasedChunks, WorkerSelection
 from ...settings import NumberRule, check_number
 from .base import DistributionPolicy, EpochRun, FleetView, Merger
-from .leases import CHUNK_LEAD_SECONDS, MAX_CHUNK_DEPTH, WINDOW_BYTES_PER_WORKER, LeaseBook, check_book_state
+from .leases import (
+    CHUNK_LEAD_SECONDS, MAX_CHUNK_DEPTH, WINDOW_BYTES_PER_WORKER, LeaseBook, check_book_state, checkpoint_schedule,
+)  # fmt: skip
+from .schedule import DIVISOR, LARGEST, SMALLEST, ChunkSchedule, FixedChunks, GuidedChunks
 from .merge import _next_frame, _report_held_losses, _take
 
-__all__ = ["Dynamic", "DEFAULT_CHUNK_SIZE"]
+__all__ = ["Dynamic", "DEFAULT_CHUNK_SIZE", "DEFAULT_MAX_CHUNK_SIZE"]
 
-#: Positions per chunk unless given: measured with benchmarks/bench_distribution.py (see DISTRIBUTION.md).
+#: Positions per chunk while the stream's length is unknown, unless given: measured with
+#: benchmarks/bench_distribution.py (see DISTRIBUTION.md).
 DEFAULT_CHUNK_SIZE = 16
+#: The largest chunk of a guided schedule, unless given (see :mod:`.schedule`).
+DEFAULT_MAX_CHUNK_SIZE = LARGEST
 #: The credit window of a "dynamic" epoch's workers (DATA frames; see :meth:`Dynamic.credits`).
 CREDITS = 32
 
@@ -70,9 +80,16 @@ class Dynamic(DistributionPolicy):
     """Work handed out on demand in chunks of the stream, delivered resequenced (``"dynamic"``).
 
     Args:
-        chunk_size: Consecutive positions of the sharded stream per lease (default
-            :data:`DEFAULT_CHUNK_SIZE`). Smaller balances better at the end of an epoch,
-            larger costs fewer messages.
+        chunk_size: Consecutive positions of the sharded stream per chunk while the stream's
+            length is unknown (a run's first epoch, or past the previous epoch's length), and
+            at most this for each worker's first leases of a guided epoch, before its speed is
+            measured (default :data:`DEFAULT_CHUNK_SIZE`). Smaller balances better at the end
+            of an epoch, larger costs fewer messages.
+        max_chunk_size: The largest chunk of a guided epoch (default :data:`DEFAULT_MAX_CHUNK_SIZE`):
+            chunks are ``ceil(left / (8 * workers))`` positions of what is left of the expected
+            stream, at most this, shrinking to 1 at the end (:mod:`.schedule`).
+        guided: True (default): once the stream's length is known from the previous epoch, a
+            guided schedule; False: chunks of ``chunk_size`` always.
         depth: Chunks each worker holds ahead (not yet reported done); 2 keeps it busy while
             its report travels.
         window: At most this many chunks past the oldest one not yet delivered are leased
@@ -94,8 +111,12 @@ class Dynamic(DistributionPolicy):
     dispatch_units = True
 
     def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, depth: int = 2, window: Optional[int] = None,
-                 in_order: bool = True):  # fmt: skip
+                 in_order: bool = True, max_chunk_size: int = DEFAULT_MAX_CHUNK_SIZE, guided: bool = True):  # fmt: skip
         self.chunk_size = _positive("chunk_size", chunk_size)
+        self.max_chunk_size = _positive("max_chunk_size", max_chunk_size)
+        if not isinstance(guided, bool):
+            raise ConfigurationError(f"Dynamic.guided must be True or False, got {guided!r}")
+        self.guided = guided
         self.depth = _positive("depth", depth)
         self.window = None if window is None else _positive("window", window)
         if not isinstance(in_order, bool):
@@ -108,7 +129,10 @@ class Dynamic(DistributionPolicy):
         return self._in_order
 
     def __repr__(self) -> str:
-        return f"Dynamic(chunk_size={self.chunk_size}, depth={self.depth}, window={self.window}, in_order={self._in_order})"
+        return (
+            f"Dynamic(chunk_size={self.chunk_size}, depth={self.depth}, window={self.window}, in_order={self._in_order}, "
+            f"max_chunk_size={self.max_chunk_size}, guided={self.guided})"
+        )
 
     def check_graph(self, graph: Any) -> None:
         """Refuse a graph without ``sharding_filter``, or with a dispatch point and DataPipes
@@ -128,7 +152,7 @@ class Dynamic(DistributionPolicy):
 
     def worker_selection(self, fleet: FleetView) -> WorkerSelection:
         """Each worker keeps the chunks leased to it."""
-        return LeasedChunks(self.chunk_size)
+        return LeasedChunks()
 
     def credits(self, prefetch: int) -> int:
         """More than ``prefetch``: the merger takes every frame as it comes and the lease window
@@ -136,6 +160,11 @@ class Dynamic(DistributionPolicy):
         :data:`CREDITS` (credits go back in halves) most of them ride along with a LEASE send
         instead of costing the worker a wake-up of their own."""
         return max(prefetch, CREDITS)
+
+    def hint_from_state(self, state: Any) -> Optional[int]:
+        """The stream's length the checkpointed epoch found (what the next epoch's schedule follows)."""
+        length = state.get("stream_length") if isinstance(state, dict) else None
+        return length if isinstance(length, int) and not isinstance(length, bool) and length >= 0 else None
 
     def skip(self, progress: Any, rank: int) -> int:
         """Nothing is skipped by position: leases carry what was delivered of their chunk."""
@@ -173,10 +202,12 @@ class _DynamicMerger(Merger):
         count = len(run.channels)
         window = policy.window or 4 * policy.depth * max(1, count)
         window_bytes = WINDOW_BYTES_PER_WORKER * count if policy.window is None and self.sized_window else None
+        expected = run.hint if isinstance(run.hint, int) and not isinstance(run.hint, bool) else None
+        schedule = self._schedule(policy, expected, count)
         self.book = LeaseBook(
             count, policy.chunk_size, policy.depth, max(window, policy.depth * count),
             max_depth=self.max_depth, window_bytes=window_bytes, lead_seconds=self.lead_seconds,
-            expected_chunks=run.hint if isinstance(run.hint, int) else None,
+            expected_chunks=None if expected is None else schedule.chunks_below(expected), schedule=schedule,
         )  # fmt: skip
         if run.resume is not None:
             self.book.resume(run.resume)
@@ -187,6 +218,20 @@ class _DynamicMerger(Merger):
         self.producers: Dict[int, int] = {}
         #: The chunk of each of the latest items handed on (a checkpoint gives back undelivered ones).
         self.recent: Deque[int] = collections.deque(maxlen=run.progress.recent.maxlen)
+
+    def _schedule(self, policy: Dynamic, expected: Optional[int], workers: int) -> ChunkSchedule:
+        """The epoch's chunk bounds: a resumed epoch's own (positions are what a checkpoint
+        holds); guided once the stream's length is expected (the previous epoch's); else fixed."""
+        if self.run.resume is not None:
+            schedule = checkpoint_schedule(self.run.resume)
+            if schedule is not None:
+                return schedule
+        elif policy.guided and expected:
+            return GuidedChunks(
+                expected, workers, policy.chunk_size, policy.max_chunk_size, DIVISOR, SMALLEST,
+                warmup=policy.depth * workers,
+            )  # fmt: skip
+        return FixedChunks(policy.chunk_size)
 
     def state(self, undelivered: int = 0) -> Dict[str, Any]:
         """The chunk book, giving back the last ``undelivered`` items handed on."""
@@ -199,8 +244,9 @@ class _DynamicMerger(Merger):
         return dict(self.book.units)
 
     def hint(self) -> Optional[int]:
-        """The stream's length in chunks, once known: the next epoch's estimate of what is left near its end."""
-        return self.book.stream_chunks
+        """The stream's length in positions, once known: the next epoch's expected length (its
+        guided schedule, and its estimate of what is left near its end)."""
+        return self.book.length_hint()
 
     # -- leasing --------------------------------------------------------------------------------
     def _top_up(self, channel: WorkerChannel) -> None:
@@ -210,8 +256,13 @@ class _DynamicMerger(Merger):
                 leases.append(lease)
         finish = book.to_finish()
         if leases or channel.rank in finish:
-            channel.lease(self.run.wire, leases, final=channel.rank in finish)
+            channel.lease(self.run.wire, self._with_bounds(leases), final=channel.rank in finish)
         self._finish(rank for rank in finish if rank != channel.rank)
+
+    def _with_bounds(self, leases: List[Tuple[int, int]]) -> List[Tuple[int, int, int, int]]:
+        """``(chunk, skip)`` leases as ``(chunk, skip, first position, positions)``, what LEASE carries."""
+        bounds = self.book.bounds
+        return [(chunk, skip, *bounds(chunk)) for chunk, skip in leases]
 
     def _top_up_all(self) -> None:
         for channel in self.run.channels:

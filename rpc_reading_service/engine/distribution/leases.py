@@ -1,7 +1,9 @@
 """The trainer's book of a "dynamic" epoch's chunks: who holds which lease, what is done and delivered.
 
 Pure bookkeeping (no I/O, no threads), driven by the dynamic merger and tested on its own.
-A chunk is ``chunk_size`` consecutive positions of the sharded stream. Its life:
+A chunk is a run of consecutive positions of the sharded stream, its bounds given by the
+epoch's :class:`~.schedule.ChunkSchedule` (``chunk_size`` positions each unless a schedule is
+given; a guided one shrinks toward the end of the stream). Its life:
 leased to one worker session -> reported done with its item count (its last items may
 arrive after the report, in a DATA frame shared with the next chunk's first ones:
 :meth:`LeaseBook.arrived` says which items of a frame are whose) -> delivered item by item
@@ -9,7 +11,8 @@ arrive after the report, in a DATA frame shared with the next chunk's first ones
 count already delivered as their skip, and are leased again (exactly once).
 
 Bounds: a session holds at most ``depth`` chunks not yet reported done (it is kept that far
-ahead; one, once its chunks take longer than ``slow_chunk_seconds``, while the stream's
+ahead; one, once its chunks take longer than ``slow_chunk_seconds`` (its measured time per
+position times the next chunk's size), while the stream's
 length is unknown: a worker that slow loses little waiting one round trip for its next lease,
 and holding a second chunk could make the end of the epoch wait longer for it; two once the
 length is known or expected, when the tail rule below keeps that chunk from the worker that
@@ -37,9 +40,10 @@ import time
 from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ...errors import ConfigurationError
+from .schedule import ChunkSchedule, FixedChunks, schedule_from_state
 
 __all__ = [
-    "LeaseBook", "check_book_state", "SLOW_CHUNK_SECONDS", "MAX_CHUNK_DEPTH", "CHUNK_LEAD_SECONDS",
+    "LeaseBook", "check_book_state", "checkpoint_schedule", "SLOW_CHUNK_SECONDS", "MAX_CHUNK_DEPTH", "CHUNK_LEAD_SECONDS",
     "WINDOW_BYTES_PER_WORKER",
 ]  # fmt: skip
 
@@ -67,9 +71,11 @@ class LeaseBook:
     def __init__(
         self, num_workers: int, chunk_size: int, depth: int, window: int, slow_chunk_seconds: float = SLOW_CHUNK_SECONDS,
         max_depth: int = MAX_DEPTH, window_bytes: Optional[int] = None, expected_chunks: Optional[int] = None,
-        lead_seconds: float = LEAD_SECONDS,
+        lead_seconds: float = LEAD_SECONDS, schedule: Optional[ChunkSchedule] = None,
     ):  # fmt: skip
         self.chunk_size, self.depth, self.window = chunk_size, depth, window
+        #: Where each chunk begins and ends (fixed chunks of ``chunk_size`` unless given).
+        self.schedule = FixedChunks(chunk_size) if schedule is None else schedule
         #: The stream's chunks as the previous epoch had them (None: unknown), for :meth:`ends_last`.
         self.expected_chunks = expected_chunks
         self.slow_chunk_seconds, self.max_depth, self.lead_seconds = slow_chunk_seconds, max_depth, lead_seconds
@@ -78,13 +84,21 @@ class LeaseBook:
         self._window_bytes = window_bytes
         self._window_bounds = (window, max(window, 2 * max_depth * num_workers))
         self._bytes_received = self._items_received = 0
-        #: When each rank last reported a chunk done, and how long its chunks take (smoothed).
+        #: When each rank last reported a chunk done, and how long a position of its chunks takes (smoothed).
         self._reported_at: Dict[int, float] = {}
-        self.chunk_seconds: Dict[int, float] = {}
+        self.position_seconds: Dict[int, float] = {}
+        #: Positions of the chunks each rank holds (not reported done), and when it started the
+        #: oldest of them (its previous report, or its lease if it held nothing then).
+        self._held: Dict[int, int] = {rank: 0 for rank in range(num_workers)}
+        self._head_started: Dict[int, float] = {}
+        #: The latest report's time: what :meth:`ends_last` counts the work done of current chunks to.
+        self._clock = 0.0
         #: Every chunk below was leased at least once.
         self.next_chunk = 0
-        #: The number of chunks of the stream, once a worker's walk reached its end.
+        #: The number of chunks of the stream, once a worker's walk reached its end, and its
+        #: length in positions once a worker reported it.
         self.stream_chunks: Optional[int] = None
+        self.stream_length: Optional[int] = None
         self.outstanding: Dict[int, Deque[int]] = {rank: collections.deque() for rank in range(num_workers)}
         #: Per rank, ``(chunk, items still to come)`` of the chunks reported done before all their
         #: items arrived, oldest first; and the items arrived of its oldest outstanding chunk.
@@ -137,42 +151,63 @@ class LeaseBook:
             self.next_chunk += 1
             choice = (chunk, 0)
         chunk, skip = choice
+        if not self.outstanding[rank]:
+            self._head_started[rank] = self._clock
         self.outstanding[rank].append(chunk)
+        self._held[rank] += self.schedule.size(chunk)
         self.skips[chunk] = skip
         self.latest[rank] = chunk
         self.units[rank] += 1
         self.delivered.setdefault(chunk, skip)
         return choice
 
+    def bounds(self, chunk: int) -> Tuple[int, int]:
+        """``(first position, positions)`` of ``chunk`` (what its LEASE tells the worker)."""
+        start = self.schedule.start(chunk)
+        return start, self.schedule.start(chunk + 1) - start
+
+    def _ahead(self, rank: int, per_position: float) -> float:
+        """Positions ``rank`` still has to walk of the chunks it holds: those of its current chunk
+        that it had not walked by the latest report (at ``per_position`` seconds each), and the rest."""
+        if not self.outstanding[rank]:
+            return 0.0
+        walked = (self._clock - self._head_started.get(rank, self._clock)) / max(per_position, 1e-9)
+        return max(0.0, self._held[rank] - min(walked, self.schedule.size(self.outstanding[rank][0])))
+
     def ends_last(self, rank: int) -> bool:
-        """Whether ``rank`` taking one more chunk would likely end the epoch later than leaving it to
-        the others: it would finish that chunk after they finished every chunk left, plus half of the
-        fastest one's chunk (the estimate's slack). Each worker's current chunk counts as half done;
-        the others cannot all finish sooner than the earliest of them finishes one more chunk."""
+        """Whether ``rank`` taking the next chunk would likely end the epoch later than leaving it to
+        the others: it would finish that chunk after they finished every chunk left, plus half of
+        the time the fastest one takes for it (the estimate's slack). Each worker's current chunk
+        counts as done as far as its time since it started it says (at the latest report); the
+        others cannot all finish sooner than the earliest of them finishes that chunk too. Times
+        are each worker's measured seconds per position."""
         expected = self.stream_chunks if self.stream_chunks is not None else self.expected_chunks
-        mine = self.chunk_seconds.get(rank)
+        mine = self.position_seconds.get(rank)
         if expected is None or mine is None or self.next_chunk >= expected:
             return False  # the stream's length is unknown (or runs past the previous epoch's)
-        left = expected - self.next_chunk + len(self.pending)
-        mine_end = (max(0.0, len(self.outstanding[rank]) - 0.5) + 1) * mine
-        if left * min(self.chunk_seconds.values()) >= mine_end * len(self.outstanding):
+        schedule = self.schedule
+        size = schedule.size(self.next_chunk)
+        left = schedule.start(expected) - schedule.start(self.next_chunk)
+        left += sum(schedule.size(chunk) for chunk, _skip in self.pending)
+        mine_end = (self._ahead(rank, mine) + size) * mine
+        if left * min(self.position_seconds.values()) >= mine_end * len(self.outstanding):
             return False  # far from the end: even the fastest could not do what is left before ``rank`` is done
         rate, held, soonest, fastest = 0.0, 0.0, math.inf, math.inf
-        for other, chunks in self.outstanding.items():
+        for other in self.outstanding:
             if other == rank or other in self.ended or other in self.finished:
                 continue
-            seconds = self.chunk_seconds.get(other)
+            seconds = self.position_seconds.get(other)
             if seconds is None:
                 return False  # not measured yet: no estimate
-            ahead = max(0.0, len(chunks) - 0.5)
-            rate += 1 / seconds
+            ahead = self._ahead(other, seconds)
+            rate += 1 / max(seconds, 1e-9)
             held += ahead
-            soonest = min(soonest, (ahead + 1) * seconds)
+            soonest = min(soonest, (ahead + size) * seconds)
             fastest = min(fastest, seconds)
         if not rate:
             return False
         others_end = max((left + held) / rate, soonest)
-        return mine_end > others_end + 0.5 * fastest
+        return mine_end > others_end + 0.5 * fastest * size
 
     def wants_leases(self, rank: int) -> bool:
         """Whether ``rank`` is due a top-up: it holds at most half its :meth:`depth_of` (then it is
@@ -195,9 +230,10 @@ class LeaseBook:
         second chunk from the worker that would end the epoch with it, and the others do not
         wait a lease's round trip at each chunk boundary); more for one whose chunks take less
         than a round trip (enough for ``lead_seconds`` of its work)."""
-        seconds = self.chunk_seconds.get(rank)
-        if seconds is None:
+        per_position = self.position_seconds.get(rank)
+        if per_position is None:
             return self.depth
+        seconds = per_position * self.schedule.size(self.next_chunk)
         if seconds >= self.slow_chunk_seconds:
             known = self.stream_chunks is not None or self.expected_chunks is not None
             return min(self.depth, 2) if known else 1
@@ -241,7 +277,7 @@ class LeaseBook:
             return
         self._bytes_received += nbytes
         self._items_received += items
-        chunk_bytes = self.chunk_size * self._bytes_received / self._items_received
+        chunk_bytes = self.schedule.largest * self._bytes_received / self._items_received
         floor, ceiling = self._window_bounds
         self.window = max(floor, min(ceiling, int(self._window_bytes / chunk_bytes)))
 
@@ -253,29 +289,34 @@ class LeaseBook:
         self, rank: int, chunk: int, counts: Sequence[int], stream_length: Optional[int], now: Optional[float] = None
     ) -> None:  # fmt: skip
         """``rank`` finished its oldest leases, from ``chunk`` on, with ``counts`` items each (after
-        their skips), at ``now`` (monotonic): one CHUNK_DONE. Each of them took its share of the
-        time since ``rank``'s previous report."""
+        their skips), at ``now`` (monotonic): one CHUNK_DONE. Each of their positions took its share
+        of the time since ``rank``'s previous report."""
         now = time.monotonic() if now is None else now
         previous = self._reported_at.get(rank)
-        self._reported_at[rank] = now
-        if previous is not None:
-            seconds, last = (now - previous) / len(counts), self.chunk_seconds.get(rank)
-            self.chunk_seconds[rank] = seconds if last is None else 0.5 * last + 0.5 * seconds
+        self._reported_at[rank] = self._head_started[rank] = now
+        self._clock = max(self._clock, now)
         assert self.outstanding[rank][0] == chunk, (self.outstanding[rank][0], chunk)  # the state machine checked it
+        if previous is not None:
+            outstanding, size = self.outstanding[rank], self.schedule.size
+            positions = sum(size(outstanding[index]) for index in range(len(counts)))
+            seconds, last = (now - previous) / positions, self.position_seconds.get(rank)
+            self.position_seconds[rank] = seconds if last is None else 0.5 * last + 0.5 * seconds
         for items in counts:
             self._done(rank, items, stream_length)
 
     def _done(self, rank: int, items: int, stream_length: Optional[int]) -> None:
         """``rank``'s oldest lease is done with ``items`` items."""
         chunk = self.outstanding[rank].popleft()
+        self._held[rank] -= self.schedule.size(chunk)
         to_come = items - self._arrived_of_head[rank]
         self._arrived_of_head[rank] = 0
         if to_come > 0:
             self.arriving[rank].append((chunk, to_come))
         self.totals[chunk] = self.skips.pop(chunk) + items
         if stream_length is not None:
-            self.stream_ends_at(-(-stream_length // self.chunk_size))
-            if chunk * self.chunk_size >= stream_length:
+            self.stream_length = stream_length if self.stream_length is None else min(self.stream_length, stream_length)
+            self.stream_ends_at(self.schedule.chunks_below(stream_length))
+            if self.schedule.start(chunk) >= stream_length:
                 self.units[rank] -= 1  # it lay past the end: stats() counts the chunks a worker worked on
         self._maybe_complete(chunk)
 
@@ -287,6 +328,7 @@ class LeaseBook:
             self.stream_ends_at(leftover[0])
         while leftover:
             chunk = leftover.popleft()
+            self._held[rank] -= self.schedule.size(chunk)
             self.totals[chunk] = self.skips.pop(chunk)
             self.units[rank] -= 1  # it lay past the end, as in done()
             self._maybe_complete(chunk)
@@ -308,10 +350,11 @@ class LeaseBook:
         self.pending.extend((chunk, self.delivered.get(chunk, 0)) for chunk in chunks)
         self.pending.sort()
         self.outstanding[rank].clear()
+        self._held[rank] = 0
         self.arriving[rank].clear()
         self._arrived_of_head[rank] = 0
         self._reported_at.pop(rank, None)
-        self.chunk_seconds.pop(rank, None)
+        self.position_seconds.pop(rank, None)
         self.latest[rank] = -1
         self.ended.discard(rank)
         self.finished.discard(rank)
@@ -357,16 +400,31 @@ class LeaseBook:
                 complete.discard(chunk)
                 delivered[chunk] = self.totals[chunk]
             delivered[chunk] -= 1
-        return {
+        state = {
             "chunk_size": self.chunk_size,
             "next_chunk": self.next_chunk,
             "complete_below": below,
             "complete": sorted(c for c in complete if c >= below),
             "delivered": [[c, n] for c, n in sorted(delivered.items()) if n > 0 and c >= below and c not in complete],
         }
+        schedule = self.schedule.state()
+        if schedule is not None:  # a guided epoch's bounds (fixed chunks: chunk_size, as before it existed)
+            state["schedule"] = schedule
+        length = self.length_hint()
+        if length is not None:  # the next epoch's expected length, also after a checkpoint between epochs
+            state["stream_length"] = length
+        return state
+
+    def length_hint(self) -> Optional[int]:
+        """The stream's length in positions as far as known: reported by a worker, else where the
+        first chunk past its end begins (None: its end not reached)."""
+        if self.stream_length is not None:
+            return self.stream_length
+        return None if self.stream_chunks is None else self.schedule.start(self.stream_chunks)
 
     def resume(self, state: Mapping[str, Any]) -> None:
-        """Start from a checkpoint's :meth:`state`: every chunk not complete is leased again."""
+        """Start from a checkpoint's :meth:`state`: every chunk not complete is leased again (the
+        book must have been built with the state's schedule: :func:`checkpoint_schedule`)."""
         self.next_chunk = state["next_chunk"]
         self.complete_below = state["complete_below"]
         self.complete = set(state["complete"])
@@ -377,20 +435,35 @@ class LeaseBook:
         self.delivered = {c: n for c, n in self.pending}
 
 
+_BOOK_KEYS = frozenset({"chunk_size", "next_chunk", "complete_below", "complete", "delivered"})
+
+
+def _refuse(problem: str) -> ConfigurationError:
+    return ConfigurationError(
+        f"malformed RPCReadingService checkpoint: the 'dynamic' distribution state {problem}. Resume from an "
+        "unmodified state_dict() taken with distribution='dynamic' and the same chunk_size"
+    )
+
+
+def checkpoint_schedule(state: Mapping[str, Any]) -> Optional[ChunkSchedule]:
+    """The chunk bounds of a checked checkpoint's epoch: its guided schedule, or None (fixed
+    chunks of its ``chunk_size``: every checkpoint taken before guided schedules existed)."""
+    schedule = state.get("schedule")
+    return None if schedule is None else schedule_from_state(schedule, _refuse)
+
+
 def check_book_state(state: Any, chunk_size: int) -> None:
     """Refuse a malformed "dynamic" checkpoint state (or one taken with another ``chunk_size``)."""
-
-    def refuse(problem: str) -> ConfigurationError:
-        return ConfigurationError(
-            f"malformed RPCReadingService checkpoint: the 'dynamic' distribution state {problem}. Resume from an "
-            "unmodified state_dict() taken with distribution='dynamic' and the same chunk_size"
-        )
+    refuse = _refuse
 
     def count(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
-    if not isinstance(state, dict) or set(state) != {"chunk_size", "next_chunk", "complete_below", "complete", "delivered"}:
-        raise refuse(f"must be an object with chunk_size, next_chunk, complete_below, complete and delivered, got {state!r:.200}")
+    if not isinstance(state, dict) or not _BOOK_KEYS <= set(state) <= _BOOK_KEYS | {"schedule", "stream_length"}:
+        raise refuse(
+            "must be an object with chunk_size, next_chunk, complete_below, complete and delivered (and a "
+            f"guided epoch's schedule, the stream's length once known), got {state!r:.200}"
+        )
     if state["chunk_size"] != chunk_size:
         raise refuse(f"was taken with chunk_size={state['chunk_size']!r}, this run has chunk_size={chunk_size}")
     if not (count(state["next_chunk"]) and count(state["complete_below"])) or state["complete_below"] > state["next_chunk"]:
@@ -406,3 +479,9 @@ def check_book_state(state: Any, chunk_size: int) -> None:
         for pair in delivered
     ):
         raise refuse("has 'delivered' entries that are not [chunk, items] pairs of incomplete leased chunks")
+    if "stream_length" in state and not count(state["stream_length"]):
+        raise refuse(f"has a stream_length that is not a count: {state['stream_length']!r:.40}")
+    if "schedule" in state:
+        schedule = schedule_from_state(state["schedule"], refuse)
+        if schedule.first_size != chunk_size:
+            raise refuse(f"has a schedule with first_size={schedule.first_size}, not its chunk_size={chunk_size}")

@@ -1,0 +1,163 @@
+"""Where the chunks of a "dynamic" epoch begin and end: a pure function of the position.
+
+A chunk is a run of consecutive positions of the sharded stream, numbered from 0. Its bounds
+never depend on timing or on which worker takes it, so the same seed gives the same items,
+per-chunk seeds and order whatever the workers' speeds, across runs and transports.
+
+- :class:`FixedChunks`: every chunk has ``size`` positions (the stream's length unknown: a
+  run's first epoch; and a dispatched epoch's units, one item each).
+- :class:`GuidedChunks`: guided self-scheduling with factoring (Polychronopoulos & Kuck 1987,
+  Hummel et al. 1992) once the stream's length is expected (the previous epoch's): a chunk is
+  ``ceil(left / (divisor * workers))`` positions, ``left`` being what remains of the expected
+  stream from its first position, within ``[smallest, largest]``: large while much is left
+  (few chunks, so little per-chunk work on tiny items), shrinking toward ``smallest`` at the
+  end (so the workers finish together: the end of the epoch waits for a small chunk, not for
+  a slow worker's large one). The first ``warmup`` chunks (each worker's first leases, given
+  before its speed is measured) are at most ``first_size``: a slow worker does not start
+  with a large chunk. Past the expected length (a longer stream) chunks are ``first_size``
+  positions, as when the length is unknown.
+
+Why these defaults (measured with benchmarks/bench_distribution.py, see DISTRIBUTION.md, and
+with the book alone in simulated time): ``divisor`` 8 (with 4 workers, each chunk a 32nd of
+what is left). 2, the textbook value for equal workers, gives a 4x slower worker chunks it
+cannot finish before the others finish everything left (``4 / 8 > 1 / 3.25``), so the tail
+rule keeps it idle or it ends the epoch late (simulated: up to 1.23x of the ideal); 4 gave up
+to 1.06x, 8 up to 1.02x over slow workers 3.3-4.3x slower. ``largest`` 256: chunks of tiny
+items cost their per-chunk work (a lease, a report, the chunk's seeds) about 500 times per
+100000 items instead of 6250 times with 16. ``smallest`` 1: the last chunks are single items.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any, Dict, List, Optional
+
+__all__ = ["ChunkSchedule", "FixedChunks", "GuidedChunks", "schedule_from_state", "DIVISOR", "LARGEST", "SMALLEST"]
+
+#: The guided schedule's defaults (see the module docstring for how they were chosen).
+DIVISOR = 8
+LARGEST = 256
+SMALLEST = 1
+
+
+class ChunkSchedule:
+    """The bounds of every chunk of one epoch's stream (chunk ``c``: ``[start(c), start(c + 1))``)."""
+
+    #: The largest chunk of the schedule (what the trainer's window is sized by).
+    largest: int = 1
+
+    def start(self, chunk: int) -> int:
+        """The first position of ``chunk``."""
+        raise NotImplementedError
+
+    def size(self, chunk: int) -> int:
+        """The positions of ``chunk``."""
+        return self.start(chunk + 1) - self.start(chunk)
+
+    def chunks_below(self, length: int) -> int:
+        """How many chunks start before position ``length`` (a stream of ``length`` positions has these)."""
+        raise NotImplementedError
+
+    def state(self) -> Optional[Dict[str, int]]:
+        """The schedule as a checkpoint (JSON-able); None for fixed chunks (the checkpoint's ``chunk_size``)."""
+        return None
+
+
+class FixedChunks(ChunkSchedule):
+    """Chunks of ``size`` positions each."""
+
+    def __init__(self, size: int):
+        self.largest = self._size = size
+
+    def start(self, chunk: int) -> int:
+        """``chunk * size``."""
+        return chunk * self._size
+
+    def size(self, chunk: int) -> int:
+        """``size``."""
+        return self._size
+
+    def chunks_below(self, length: int) -> int:
+        """``ceil(length / size)``."""
+        return -(-length // self._size)
+
+
+class GuidedChunks(ChunkSchedule):
+    """Chunks shrinking with what is left of an expected ``length`` (see the module docstring).
+
+    Kept as three runs of chunks, so that a long stream costs no list of millions of starts:
+    the warm-up chunks, the chunks of ``largest`` positions (while much is left) and the
+    shrinking tail."""
+
+    def __init__(
+        self, length: int, workers: int, first_size: int, largest: int = LARGEST, divisor: int = DIVISOR,
+        smallest: int = SMALLEST, warmup: int = 0,
+    ):  # fmt: skip
+        self.length, self.workers, self.first_size = length, workers, first_size
+        self.largest, self.divisor, self.smallest, self.warmup = largest, divisor, smallest, warmup
+        share = divisor * workers
+        position, head = 0, [0]
+        while len(head) <= warmup and position < length:
+            position += self._size_at(length - position, share, first_size)
+            head.append(position)
+        #: The starts of the warm-up chunks, and of the chunk after them.
+        self._head = head
+        #: The chunks of ``largest`` positions: as many as start while more than ``share * (largest - 1)`` is left.
+        self._capped = max(0, -(-(length - position - share * (largest - 1)) // largest))
+        position += self._capped * largest
+        #: The starts of the shrinking chunks, from the first after the capped ones, and ``length``.
+        self._tail = [position]
+        while position < length:
+            position += self._size_at(length - position, share, largest)
+            self._tail.append(position)
+        self._first_tail = len(head) - 1 + self._capped
+        #: Chunks below this lie within the expected length.
+        self._guided = self._first_tail + len(self._tail) - 1
+
+    def _size_at(self, left: int, share: int, most: int) -> int:
+        return min(most, max(self.smallest, -(-left // share)), left)
+
+    def start(self, chunk: int) -> int:
+        """The first position of ``chunk`` (past the expected length: chunks of ``first_size``)."""
+        head = len(self._head) - 1
+        if chunk < head:
+            return self._head[chunk]
+        if chunk < self._first_tail:
+            return self._head[-1] + (chunk - head) * self.largest
+        if chunk <= self._guided:
+            return self._tail[chunk - self._first_tail]
+        return self.length + (chunk - self._guided) * self.first_size
+
+    def chunks_below(self, length: int) -> int:
+        """How many chunks start before position ``length``."""
+        if length > self.length:
+            return self._guided + -(-(length - self.length) // self.first_size)
+        if length <= self._head[-1]:
+            return bisect.bisect_left(self._head, length)
+        if length <= self._tail[0]:
+            return len(self._head) - 1 + -(-(length - self._head[-1]) // self.largest)
+        return self._first_tail + bisect.bisect_left(self._tail, length)
+
+    def state(self) -> Dict[str, int]:
+        """Everything the bounds depend on."""
+        return {
+            "length": self.length, "workers": self.workers, "first_size": self.first_size, "largest": self.largest,
+            "divisor": self.divisor, "smallest": self.smallest, "warmup": self.warmup,
+        }  # fmt: skip
+
+
+_STATE_KEYS = ("length", "workers", "first_size", "largest", "divisor", "smallest", "warmup")
+
+
+def schedule_from_state(state: Any, refuse: Any) -> GuidedChunks:
+    """The :class:`GuidedChunks` of a checkpoint's ``schedule`` entry; ``refuse(problem)`` builds the
+    error for a malformed one (a :class:`~rpc_reading_service.errors.ConfigurationError`)."""
+    if not isinstance(state, dict) or set(state) != set(_STATE_KEYS):
+        raise refuse(f"has a 'schedule' that is not an object with {', '.join(_STATE_KEYS)}: {state!r:.200}")
+    for key in _STATE_KEYS:
+        value = state[key]
+        least = 0 if key in ("length", "warmup") else 1
+        if not isinstance(value, int) or isinstance(value, bool) or not least <= value < 2**40:
+            raise refuse(f"has a 'schedule' whose {key} is {value!r:.40}, expected an integer of at least {least}")
+    return GuidedChunks(**state)
+
