@@ -87,8 +87,13 @@ def _rebuild_tensor(data: Any, dtype: torch.dtype, shape: Sequence[int]) -> torc
     raw = memoryview(data).cast("B")
     if raw.nbytes == 0:
         return torch.empty(tuple(shape), dtype=dtype)
-    flat = torch.frombuffer(raw, dtype=torch.uint8)
-    return flat.view(dtype).view(tuple(shape))
+    # No-op views skipped: each torch call costs ~5-10 us on the receiving thread's cold cache.
+    tensor = torch.frombuffer(raw, dtype=torch.uint8)
+    if dtype is not torch.uint8:
+        tensor = tensor.view(dtype)
+    if len(shape) == 1 and shape[0] == tensor.shape[0]:
+        return tensor
+    return tensor.view(tuple(shape))
 
 
 def _same(obj: Any) -> Any:
@@ -152,18 +157,26 @@ class _ItemPickler(pickle.Pickler):
             if reduction is None:
                 reduction = self._class_reductions[obj] = _class_reduction(obj)
             return reduction
-        if type(obj) is torch.Tensor and obj.device.type not in ("cpu", "meta"):
+        if type(obj) is not torch.Tensor:
+            return NotImplemented
+        # Each torch call costs ~5-20 us here (its code is cold after the item's bytes went
+        # through the cache), so the common case (a contiguous CPU tensor) makes as few as it can.
+        if not obj.is_cpu:
+            if obj.device.type == "meta":
+                return NotImplemented
             # CUDA (and other accelerator) tensors cross as CPU tensors, on every transport:
             # no device maps, and a trainer without that device can still read them.
             return _same, (obj.detach().cpu().requires_grad_(obj.requires_grad),)
-        if type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.layout == torch.strided and not obj.requires_grad:
-            try:
-                contiguous = obj.contiguous().resolve_conj().resolve_neg()
-                raw = contiguous.reshape(-1).view(torch.uint8).numpy()
-            except (RuntimeError, TypeError):
-                return NotImplemented  # quantized and other exotic tensors: torch's own reduction
-            return _rebuild_tensor, (pickle.PickleBuffer(raw), obj.dtype, tuple(obj.shape))
-        return NotImplemented
+        if obj.layout != torch.strided or obj.requires_grad:
+            return NotImplemented
+        try:
+            if not obj.is_contiguous() or obj.is_conj() or obj.is_neg():
+                obj = obj.contiguous().resolve_conj().resolve_neg()
+            flat = obj.reshape(-1)
+            raw = (flat if obj.dtype is torch.uint8 else flat.view(torch.uint8)).numpy()
+        except (RuntimeError, TypeError):
+            return NotImplemented  # quantized and other exotic tensors: torch's own reduction
+        return _rebuild_tensor, (pickle.PickleBuffer(raw), obj.dtype, tuple(obj.shape))
 
 
 def _keep_small_buffers_in_band(buffer: pickle.PickleBuffer) -> bool:
