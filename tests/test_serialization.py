@@ -6,6 +6,7 @@ import pickle
 import sys
 import threading
 import types
+import weakref
 
 import cloudpickle
 
@@ -17,7 +18,12 @@ from rpc_reading_service.errors import RemoteWorkerError
 from rpc_reading_service.protocol import EncodedItem, FrameReader, MessageKind, decode_data, encode_data, encode_frame
 from rpc_reading_service.serialization import (
     OUT_OF_BAND_MIN_BYTES,
+    REUSED_BUFFER_MIN_BYTES,
+    REUSED_BUFFERS_MAX_BYTES,
     ItemEncoder,
+    ReusedBuffers,
+    accepts_shared_memory,
+    buffer_allocator,
     dumps_graph,
     dumps_item,
     fallback_exception_info,
@@ -134,6 +140,49 @@ def test_large_tensor_goes_out_of_band_and_is_rebuilt_on_received_memory():
     assert out.data_ptr() == buffer_address
     buffer[:4] = b"\x00\x00\x00\x00"
     assert out.view(-1)[0].item() == 0.0
+
+
+def _received(tensor, allocate):
+    """``tensor`` sent through a DATA frame whose buffers a reader received into ``allocate``'s memory."""
+    body, buffers = encode_data(1, 0, [dumps_item(tensor)])
+    reader = FrameReader(allocate=allocate)
+    reader.feed(b"".join(bytes(c) for c in encode_frame(MessageKind.DATA, body, buffers)))
+    _, _, items = decode_data(reader.next_frame())
+    return loads_item(items[0])
+
+
+def test_a_large_receive_buffer_is_reused_only_once_nothing_refers_to_it():
+    allocate = buffer_allocator(pin_memory=False)
+    assert isinstance(allocate, ReusedBuffers) and accepts_shared_memory(allocate)
+    n = REUSED_BUFFER_MIN_BYTES // 4
+    first = _received(torch.full((n,), 1.0), allocate)
+    address = first.data_ptr()
+    view = first[10:20].numpy()  # a numpy view of its memory keeps the buffer busy
+    del first
+    second = _received(torch.full((n,), 2.0), allocate)
+    assert second.data_ptr() != address and float(view[0]) == 1.0
+    del view
+    third = _received(torch.full((2, n // 2), 3.0), allocate)  # same bytes, another shape
+    assert third.data_ptr() == address and torch.equal(third, torch.full((2, n // 2), 3.0))
+    assert torch.equal(second, torch.full((n,), 2.0))  # the buffer still in use was left alone
+
+
+def test_reused_receive_buffers_are_bounded_and_small_ones_are_not_kept():
+    allocate = ReusedBuffers()
+    small = weakref.ref(allocate(REUSED_BUFFER_MIN_BYTES - 1))
+    assert small() is None  # not kept
+    size = REUSED_BUFFERS_MAX_BYTES // 4
+    in_use = [allocate(size) for _ in range(6)]  # all in use at once: six buffers
+    held = [weakref.ref(buffer) for buffer in in_use]
+    del in_use
+    kept = [ref() for ref in held if ref() is not None]
+    assert len(kept) == 4  # the pool's bound
+    del kept
+    again = [allocate(size) for _ in range(4)]
+    assert all(buffer is ref() for buffer, ref in zip(again, held))
+    del again
+    allocate(size + 1)  # another size takes the place of free buffers of the old one, oldest first
+    assert [ref() is not None for ref in held[:4]] == [False, False, True, True]
 
 
 def test_large_numpy_array_goes_out_of_band():
