@@ -14,6 +14,7 @@ import pickle
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import children_of, remote, run_epochs, wait_dead
+from _server_helpers import children_of, remote, run_epochs, wait_dead, wait_until
 from rpc_reading_service import (
     ConfigurationError,
     Liveness,
@@ -92,6 +93,16 @@ RESETS = [0]
 
 def count_reset(datapipe, worker_info, seed_generator):
     RESETS[0] += 1
+    return datapipe
+
+
+def hold_setup_of_rank_2(directory, datapipe, worker_info):
+    """worker_init_fn: worker 2's setup waits for ``directory/release`` (at most 10 s), then says it is done."""
+    if worker_info.worker_id == 2:
+        deadline = time.monotonic() + 10
+        while not (Path(directory) / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (Path(directory) / "set-up").touch()
     return datapipe
 
 
@@ -276,6 +287,35 @@ def test_worker_init_fn_failing_is_a_startup_error_not_a_hang(worker_server, ini
         run_epochs(dp, remote(worker_server, 2, worker_init_fn=init_fn), n_epochs=1)
     assert type(info.value.__cause__) is cause  # the worker's error, rebuilt
     assert time.monotonic() - start < 10
+
+
+def test_each_session_starts_the_epoch_once_it_is_set_up(worker_server, tmp_path):
+    # Worker 2's setup is held up on the server: workers 0 and 1 stream meanwhile, and the
+    # epoch is exactly the same once worker 2 is set up.
+    hold = functools.partial(hold_setup_of_rank_2, str(tmp_path))
+    dp = IterableWrapper(range(30)).sharding_filter()
+    with DataLoader2(dp, reading_service=remote(worker_server, 3, worker_init_fn=hold)) as dl:
+        items = iter(dl)
+        head = [next(items), next(items)]  # round-robin: worker 0's first item, then worker 1's
+        assert not (tmp_path / "set-up").exists(), "the first items waited for every session's setup"
+        assert dl.reading_service.stats().workers[2].pid is None  # its READY has not come
+        (tmp_path / "release").touch()
+        assert head + list(items) == list(range(30))
+        assert list(dl) == list(range(30))  # and the next epoch
+
+
+def test_shutting_down_while_a_session_sets_up_is_quick_and_leaves_nothing(worker_server, tmp_path):
+    worker_server.wait_idle()
+    hold = functools.partial(hold_setup_of_rank_2, str(tmp_path))
+    dl = DataLoader2(IterableWrapper(range(30)).sharding_filter(), reading_service=remote(worker_server, 3, worker_init_fn=hold))
+    items = iter(dl)
+    assert next(items) == 0
+    start = time.monotonic()
+    dl.shutdown()  # worker 2 still sets up
+    assert time.monotonic() - start < 3
+    assert wait_until(lambda: not rrs_threads(), 2)  # its setup thread ended with it
+    (tmp_path / "release").touch()
+    assert wait_until(lambda: not worker_server.session_pids(), 5)  # the held session ends once it can
 
 
 def test_worker_init_fn_and_worker_reset_fn_are_applied(worker_server):
