@@ -10,6 +10,7 @@ everything, in bounded time.
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 import queue
 from typing import Any, Callable, List, Optional, Sequence
@@ -69,8 +70,13 @@ class Fleet:
         #: The one thread receiving for every session of the run (made by :meth:`connect`).
         self._loop: Optional[ReceiveLoop] = None
         self._rank_addresses: Optional[List[str]] = None
-        #: The setups of :meth:`connect`, running in the background or queued.
+        #: The setups of :meth:`connect`, running in the background or queued, the pool they run
+        #: in, the thread submitting them, and whether :meth:`close` ended them.
         self._setting_up: List["Future[None]"] = []
+        self._setups: Optional[ThreadPoolExecutor] = None
+        self._launcher: Optional[threading.Thread] = None
+        self._setups_lock = threading.Lock()
+        self._closed = False
 
     def discover(self) -> int:
         """Find the workers of a :class:`StoreDiscovery` or :class:`Hostfile` (once) and return
@@ -142,11 +148,26 @@ class Fleet:
         channels = [self._new_channel(rank, address) for rank, address in enumerate(addresses)]
         for channel in channels:
             channel.queue = sink()
-        parallel = min(MAX_PARALLEL_SETUPS, self.num_workers)
-        setups = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="rrs-setup")
-        self._setting_up = [setups.submit(self._set_up_in_background, channel) for channel in channels]
-        setups.shutdown(wait=False)  # its threads end once every setup ran (close() cancels the rest)
+        # Starting the setup threads takes a few ms each while the first ones already run (each
+        # start waits for the GIL): a thread of its own starts them, and the caller goes on to
+        # start the epoch meanwhile.
+        self._launcher = threading.Thread(target=self._set_up_all, args=(channels,), name="rrs-setup-start", daemon=True)
+        self._launcher.start()
         return channels
+
+    def _set_up_all(self, channels: Sequence[WorkerChannel]) -> None:
+        """Set every channel up in the background, :data:`MAX_PARALLEL_SETUPS` at a time (the
+        launcher thread of :meth:`connect`)."""
+        with self._setups_lock:
+            if self._closed:
+                return
+            self._setups = ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SETUPS, len(channels)), thread_name_prefix="rrs-setup")
+        for channel in channels:
+            try:
+                self._setting_up.append(self._setups.submit(self._set_up_in_background, channel))
+            except RuntimeError:  # close() shut the pool down: no more setups
+                return
+        self._setups.shutdown(wait=False)  # its threads end once every setup ran
 
     def open_channel(self, rank: int, address: str) -> WorkerChannel:
         """Connect to ``address`` and set up the session of worker ``rank``, waiting for it; on a
@@ -214,8 +235,12 @@ class Fleet:
     def close(self) -> None:
         """Stop the receive loop (after the channels closed), local workers and a TCPStore this
         process hosted, and wait (boundedly) for setups still in progress to end (idempotent)."""
-        for setup in self._setting_up:
-            setup.cancel()  # those still queued
+        with self._setups_lock:
+            self._closed = True
+        if self._setups is not None:
+            self._setups.shutdown(wait=False, cancel_futures=True)  # those still queued never run
+        if self._launcher is not None:
+            self._launcher.join(SETUP_CLOSE_WAIT)
         if self._loop is not None:
             self._loop.close()
         if self.local_server is not None:
