@@ -28,6 +28,7 @@ from rpc_reading_service import (
     Liveness,
     RPCReadingService,
     RemoteWorkerError,
+    WorkerLostError,
     WorkerStartupError,
 )
 
@@ -103,6 +104,15 @@ def hold_setup_of_rank_2(directory, datapipe, worker_info):
         while not (Path(directory) / "release").exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         (Path(directory) / "set-up").touch()
+    return datapipe
+
+
+def exit_in_first_setup_of_rank_1(directory, datapipe, worker_info):
+    """worker_init_fn: worker 1's first session dies in its setup; a session after it sets up."""
+    died = Path(directory) / "died"
+    if worker_info.worker_id == 1 and not died.exists():
+        died.touch()
+        os._exit(1)
     return datapipe
 
 
@@ -316,6 +326,21 @@ def test_shutting_down_while_a_session_sets_up_is_quick_and_leaves_nothing(worke
     assert wait_until(lambda: not rrs_threads(), 2)  # its setup thread ended with it
     (tmp_path / "release").touch()
     assert wait_until(lambda: not worker_server.session_pids(), 5)  # the held session ends once it can
+
+
+@pytest.mark.parametrize("failure, distribution", [("reassign", "round_robin"), ("reassign", "dynamic"), ("raise", "round_robin")])
+def test_a_session_lost_in_its_setup_is_reassigned_or_raised(worker_server, tmp_path, failure, distribution):
+    # The other sessions already stream when worker 1's setup fails: "reassign" sets its shard up
+    # on a new session, "raise" names the worker.
+    init = functools.partial(exit_in_first_setup_of_rank_1, str(tmp_path))
+    rs = remote(worker_server, 3, worker_init_fn=init, on_worker_failure=failure, distribution=distribution)
+    dp = IterableWrapper(range(30)).sharding_filter()
+    if failure == "raise":
+        with pytest.raises(WorkerLostError, match=r"worker 1 \(.*\) closed the session during setup"):
+            run_epochs(dp, rs, n_epochs=1)
+    else:
+        assert run_epochs(dp, rs, n_epochs=2) == [list(range(30))] * 2
+    assert (tmp_path / "died").exists()
 
 
 def test_worker_init_fn_and_worker_reset_fn_are_applied(worker_server):
