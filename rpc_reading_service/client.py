@@ -9,6 +9,10 @@ the consumer (the DataLoader2 iterator's thread) unpickles items and grants a cr
 every frame it takes, so at most ``prefetch`` frames per worker are ever
 buffered here.
 
+A channel exists before its session is set up (the engine sets sessions up in the
+background): what is sent to it meanwhile (an epoch's START_EPOCH, leases) is held, and
+goes out in order once READY arrives, so each session starts as soon as it is set up.
+
 A worker that stops reading (a stopped process, a full connection) must not stall the
 others: the receiver sends a heartbeat only when the connection has room for it
 (``Connection.has_room``) and never sends dispatched input (the dispatcher's own thread
@@ -92,17 +96,21 @@ class WorkerChannel:
 
     def __init__(
         self,
-        conn: Connection,
+        conn: Optional[Connection],
         rank: int,
         heartbeat_interval: float,
         peer_timeout: float,
         loop: Optional[ReceiveLoop] = None,
+        address: Optional[str] = None,
     ):
         """``loop``: the receive loop to receive in, when the connection allows (see
-        :meth:`start_receiver`)."""
+        :meth:`start_receiver`). ``conn`` None: the channel of worker ``address`` exists before
+        its connection does (:meth:`attach` it once connected, then :meth:`setup`)."""
         self.conn = conn
         self.rank = rank
-        self.address = conn.peer
+        if conn is None and address is None:
+            raise ValueError("a WorkerChannel made without a connection needs its worker's address")
+        self.address: str = conn.peer if conn is not None else str(address)
         self.heartbeat_interval = heartbeat_interval
         self.peer_timeout = peer_timeout
         self.epoch: Optional[int] = None
@@ -119,6 +127,9 @@ class WorkerChannel:
         #: Why the worker ended the session, if it said (item_timeout).
         self._ended_by: Optional[ItemTimeoutError] = None
         self._closing = False
+        #: Sends asked for before the session is set up (START_EPOCH, LEASE ...): sent in order
+        #: as soon as READY arrives (:meth:`setup`); None from then on.
+        self._held: Optional[List[Tuple[Tuple[Message, ...], Optional[int], bool]]] = []
         self._loop = loop
         self._in_loop = False
         #: The epoch's credit window, the credits not sent back yet, and the epoch's DATA frames
@@ -158,23 +169,41 @@ class WorkerChannel:
             log.debug("not sending %s to %s: another send is stuck", _kinds(messages), self.name)
             return
         try:
-            if if_room and not self.conn.has_room():
-                log.debug("not sending %s to %s: its connection is full", _kinds(messages), self.name)
+            if self._held is not None:  # still setting up: the worker could not take them yet
+                self._held.append((messages, epoch, if_room))
                 return
-            with self._state_lock:
-                if self.protocol.state is SessionState.CLOSED:
-                    return  # the receiver reports why it ended
-                if epoch is not None and (epoch != self.protocol.epoch or self.protocol.stopped):
-                    return
-                frames = [self.protocol.send(message) for message in messages]
-            try:
-                self.conn.send_frames(frames)
-            except (PeerLostError, OSError) as exc:
-                # Not the end yet: the peer's last frames (an ERROR, a REJECT that explains
-                # why it closed) may still wait to be read; recv reports the loss.
-                log.debug("send to %s failed: %s", self.name, exc)
+            self._send_now(messages, epoch, if_room)
         finally:
             self._send_lock.release()
+
+    def _send_now(self, messages: Sequence[Message], epoch: Optional[int], if_room: bool) -> None:
+        """:meth:`_send_or_report`'s sending, holding the send lock."""
+        assert self.conn is not None, "attach() the connection first"
+        if if_room and not self.conn.has_room():
+            log.debug("not sending %s to %s: its connection is full", _kinds(messages), self.name)
+            return
+        with self._state_lock:
+            if self.protocol.state is SessionState.CLOSED:
+                return  # the receiver reports why it ended
+            if epoch is not None and (epoch != self.protocol.epoch or self.protocol.stopped):
+                return
+            frames = [self.protocol.send(message) for message in messages]
+        try:
+            self.conn.send_frames(frames)
+        except (PeerLostError, OSError) as exc:
+            # Not the end yet: the peer's last frames (an ERROR, a REJECT that explains
+            # why it closed) may still wait to be read; recv reports the loss.
+            log.debug("send to %s failed: %s", self.name, exc)
+
+    def _release_held(self) -> None:
+        """The session is set up: send what was asked for meanwhile, in order; from now on
+        every send goes out at once."""
+        with self._send_lock:
+            held, self._held = self._held or [], None
+            if self._closing:
+                return
+            for messages, epoch, if_room in held:
+                self._send_now(messages, epoch, if_room)
 
     def _tick(self, now: Optional[float] = None, blocking: bool = True) -> Tick:
         """The state machine's liveness: send the heartbeat due, return what else it found.
@@ -208,16 +237,30 @@ class WorkerChannel:
             return self.protocol.receive_frame(frame)
 
     # -- setup ----------------------------------------------------------------------------------
+    def attach(self, conn: Connection) -> None:
+        """Give a channel made without a connection the one it was opened with; a channel the
+        trainer closed meanwhile closes ``conn`` and raises :class:`WorkerLostError`."""
+        with self._state_lock:
+            closing = self._closing
+            if not closing:
+                self.conn = conn
+        if closing:
+            conn.close()
+            raise WorkerLostError(f"{self.name}: the trainer closed the session while connecting", self.rank, self.address)
+
     def setup(self, setup: Union[Setup, Mapping[str, Any]], timeout: float) -> None:
-        """Send SETUP (a :class:`Setup`, or its fields as a dict) and wait for READY; raise
-        the worker's error if setup failed there, :class:`WorkerRefusedError` with the
-        server's reason if it refused the session, :class:`WorkerLostError` after ``timeout``."""
+        """Send SETUP (a :class:`Setup`, or its fields as a dict) and wait for READY, then send
+        what was asked for meanwhile (an epoch's START_EPOCH); raise the worker's error if
+        setup failed there, :class:`WorkerRefusedError` with the server's reason if it refused
+        the session, :class:`WorkerLostError` after ``timeout``."""
+        assert self.conn is not None, "attach() the connection first"
         message = setup if isinstance(setup, Setup) else Setup(**setup)
         with self._state_lock:
             self.protocol.setup_timeout = timeout
         # A server that refuses the session may close before reading all of SETUP: its
         # REJECT is still there to read below.
-        self._send_or_report(message)
+        with self._send_lock:
+            self._send_now((message,), None, False)
         while True:
             due = self._tick()
             if due.events:
@@ -231,6 +274,7 @@ class WorkerChannel:
             for event in self._receive(frame):
                 if isinstance(event, Ready):
                     self.info = dataclasses.asdict(event)
+                    self._release_held()
                     return
                 self._raise_setup_failure(event)
 
@@ -246,13 +290,27 @@ class WorkerChannel:
             ) from error
         raise WorkerLostError(f"{self.name} ended the session during setup (it said CLOSE)", self.rank, self.address)
 
+    def fail_setup(self, error: BaseException) -> None:
+        """Setting up in the background failed with ``error``: close the connection and report
+        the session lost with it, for the consumer to raise (or reassign) when it comes to this
+        worker; nothing is reported once the trainer closed the channel."""
+        if self.conn is not None:
+            self.conn.close()
+        if not self._closing:
+            self.queue.put(Event(self, "lost", None, error=error))
+
     def start_receiver(self, sink: "queue.SimpleQueue[Event]") -> None:
         """Start receiving, delivering events to ``sink``: in the channel's receive loop if
-        its connection can be watched by one (``Connection.fileno()``), else in a thread."""
+        its connection can be watched by one (``Connection.fileno()``), else in a thread.
+        Nothing once the trainer closed the channel (it may close while setting up)."""
+        assert self.conn is not None, "attach() the connection first"
         self.queue = sink
         if self._loop is not None and self.conn.fileno() is not None:
-            self._in_loop = True
-            self._loop.add(self)
+            with self._state_lock:  # against close(): it removes the channel only if it was added
+                if self._closing:
+                    return
+                self._in_loop = True
+                self._loop.add(self)
             return
         self._receiver = threading.Thread(target=self._receive_loop, name=f"rrs-recv-{self.rank}", daemon=True)
         self._receiver.start()
@@ -332,16 +390,18 @@ class WorkerChannel:
         A consumer still waiting for this channel's items (another thread) is woken with an
         error: no frame will come any more.
         """
-        if self._closing:
-            return
-        self._closing = True
+        with self._state_lock:
+            if self._closing:
+                return
+            self._closing = True
         # A dispatched ITEMS frame may be stuck in a send to a worker that stopped reading:
         # closing the connection below wakes it, so do not wait for it to say CLOSE.
         self._send_or_report(Close(), wait=min(timeout, 1.0), if_room=True)
         if self._in_loop:
             assert self._loop is not None
             self._loop.remove(self, timeout)  # before closing: the loop must not poll a closed descriptor
-        self.conn.close()
+        if self.conn is not None:  # else the setup's attach() closes it
+            self.conn.close()
         if self._receiver is not None and self._receiver is not threading.current_thread():
             self._receiver.join(timeout)
         closed = RuntimeError(

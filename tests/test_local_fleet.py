@@ -88,7 +88,7 @@ from rpc_reading_service import RPCReadingService
 service = RPCReadingService(num_workers=2)
 dl = DataLoader2(IterableWrapper(range(1000)).sharding_filter(), reading_service=service)
 it = iter(dl)
-next(it)
+next(it), next(it)  # one item of each session: both run (each starts once it is set up)
 print("started", flush=True)
 if sys.stdin.readline().strip() == "exit":
     os._exit(0)  # exits without shutdown(), without atexit hooks

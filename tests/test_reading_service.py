@@ -14,6 +14,7 @@ import pickle
 import random
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,12 +22,13 @@ from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import children_of, remote, run_epochs, wait_dead
+from _server_helpers import children_of, remote, run_epochs, wait_dead, wait_until
 from rpc_reading_service import (
     ConfigurationError,
     Liveness,
     RPCReadingService,
     RemoteWorkerError,
+    WorkerLostError,
     WorkerStartupError,
 )
 
@@ -92,6 +94,25 @@ RESETS = [0]
 
 def count_reset(datapipe, worker_info, seed_generator):
     RESETS[0] += 1
+    return datapipe
+
+
+def hold_setup_of_rank_2(directory, datapipe, worker_info):
+    """worker_init_fn: worker 2's setup waits for ``directory/release`` (at most 10 s), then says it is done."""
+    if worker_info.worker_id == 2:
+        deadline = time.monotonic() + 10
+        while not (Path(directory) / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (Path(directory) / "set-up").touch()
+    return datapipe
+
+
+def exit_in_first_setup_of_rank_1(directory, datapipe, worker_info):
+    """worker_init_fn: worker 1's first session dies in its setup; a session after it sets up."""
+    died = Path(directory) / "died"
+    if worker_info.worker_id == 1 and not died.exists():
+        died.touch()
+        os._exit(1)
     return datapipe
 
 
@@ -276,6 +297,50 @@ def test_worker_init_fn_failing_is_a_startup_error_not_a_hang(worker_server, ini
         run_epochs(dp, remote(worker_server, 2, worker_init_fn=init_fn), n_epochs=1)
     assert type(info.value.__cause__) is cause  # the worker's error, rebuilt
     assert time.monotonic() - start < 10
+
+
+def test_each_session_starts_the_epoch_once_it_is_set_up(worker_server, tmp_path):
+    # Worker 2's setup is held up on the server: workers 0 and 1 stream meanwhile, and the
+    # epoch is exactly the same once worker 2 is set up.
+    hold = functools.partial(hold_setup_of_rank_2, str(tmp_path))
+    dp = IterableWrapper(range(30)).sharding_filter()
+    with DataLoader2(dp, reading_service=remote(worker_server, 3, worker_init_fn=hold)) as dl:
+        items = iter(dl)
+        head = [next(items), next(items)]  # round-robin: worker 0's first item, then worker 1's
+        assert not (tmp_path / "set-up").exists(), "the first items waited for every session's setup"
+        assert dl.reading_service.stats().workers[2].pid is None  # its READY has not come
+        (tmp_path / "release").touch()
+        assert head + list(items) == list(range(30))
+        assert list(dl) == list(range(30))  # and the next epoch
+
+
+def test_shutting_down_while_a_session_sets_up_is_quick_and_leaves_nothing(worker_server, tmp_path):
+    worker_server.wait_idle()
+    hold = functools.partial(hold_setup_of_rank_2, str(tmp_path))
+    dl = DataLoader2(IterableWrapper(range(30)).sharding_filter(), reading_service=remote(worker_server, 3, worker_init_fn=hold))
+    items = iter(dl)
+    assert next(items) == 0
+    start = time.monotonic()
+    dl.shutdown()  # worker 2 still sets up
+    assert time.monotonic() - start < 3
+    assert wait_until(lambda: not rrs_threads(), 2)  # its setup thread ended with it
+    (tmp_path / "release").touch()
+    assert wait_until(lambda: not worker_server.session_pids(), 5)  # the held session ends once it can
+
+
+@pytest.mark.parametrize("failure, distribution", [("reassign", "round_robin"), ("reassign", "dynamic"), ("raise", "round_robin")])
+def test_a_session_lost_in_its_setup_is_reassigned_or_raised(worker_server, tmp_path, failure, distribution):
+    # The other sessions already stream when worker 1's setup fails: "reassign" sets its shard up
+    # on a new session, "raise" names the worker.
+    init = functools.partial(exit_in_first_setup_of_rank_1, str(tmp_path))
+    rs = remote(worker_server, 3, worker_init_fn=init, on_worker_failure=failure, distribution=distribution)
+    dp = IterableWrapper(range(30)).sharding_filter()
+    if failure == "raise":
+        with pytest.raises(WorkerLostError, match=r"worker 1 \(.*\) closed the session during setup"):
+            run_epochs(dp, rs, n_epochs=1)
+    else:
+        assert run_epochs(dp, rs, n_epochs=2) == [list(range(30))] * 2
+    assert (tmp_path / "died").exists()
 
 
 def test_worker_init_fn_and_worker_reset_fn_are_applied(worker_server):

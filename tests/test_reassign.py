@@ -32,7 +32,7 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
-from _server_helpers import wait_dead
+from _server_helpers import wait_dead, wait_until
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
@@ -204,6 +204,9 @@ def _epoch_with_fault(dl: DataLoader2, point: str, fault: str, victims: _Victims
     strike.addresses = dl.reading_service.worker_addresses
     try:
         if when is None:
+            # iter() returns while sessions still set up (each starts the epoch once it is set up):
+            # strike once every session runs, before the first item is taken.
+            assert wait_until(lambda: None not in _pids(dl), 10), "the sessions did not all set up"
             hit()
         for item in it:
             strike.items.append(item)

@@ -2,14 +2,16 @@
 
 A :class:`Fleet` resolves the configured :class:`~rpc_reading_service.config.WorkerSource`
 (a local server it starts, known addresses, a TCPStore or a hostfile), creates the transport
-and opens one set-up :class:`~rpc_reading_service.client.WorkerChannel` per worker rank. It
-also opens the replacement session of a lost worker and closes everything, in bounded time.
+and opens one :class:`~rpc_reading_service.client.WorkerChannel` per worker rank, each setting
+up in the background. It also opens the replacement session of a lost worker and closes
+everything, in bounded time.
 """
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 import queue
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -33,6 +35,10 @@ log = logging.getLogger(__name__)
 #: forking the session, the worker unpickling the graph): 64 sessions in one wave rather
 #: than two; the bound keeps hundreds of sessions from starting hundreds of threads.
 MAX_PARALLEL_SETUPS = 64
+
+#: Seconds closing waits for the setups still in progress to end (a connect in its handshake
+#: ends only when the handshake does).
+SETUP_CLOSE_WAIT = 2.0
 
 #: Makes the queue a new channel delivers its events to.
 Sink = Callable[[], "queue.SimpleQueue[Event]"]
@@ -64,6 +70,13 @@ class Fleet:
         #: The one thread receiving for every session of the run (made by :meth:`connect`).
         self._loop: Optional[ReceiveLoop] = None
         self._rank_addresses: Optional[List[str]] = None
+        #: The setups of :meth:`connect`, running in the background or queued, the pool they run
+        #: in, the thread submitting them, and whether :meth:`close` ended them.
+        self._setting_up: List["Future[None]"] = []
+        self._setups: Optional[ThreadPoolExecutor] = None
+        self._launcher: Optional[threading.Thread] = None
+        self._setups_lock = threading.Lock()
+        self._closed = False
 
     def discover(self) -> int:
         """Find the workers of a :class:`StoreDiscovery` or :class:`Hostfile` (once) and return
@@ -115,67 +128,83 @@ class Fleet:
             item_timeout=self.config.item_timeout,
         )
 
-    def connect(self, graph: bytes, sink: Optional[Sink] = None) -> List[WorkerChannel]:
-        """Start local workers if configured, then open and set up one channel per worker rank
-        (in parallel); on any failure close those that opened and raise the first error.
+    def connect(self, graph: bytes, sink: Sink) -> List[WorkerChannel]:
+        """Start local workers if configured and return one channel per worker rank at once,
+        each connecting and setting up in the background (:data:`MAX_PARALLEL_SETUPS` at a time).
 
-        ``sink``: where each channel delivers its events; a channel starts receiving (and
-        sending heartbeats) as soon as it is set up, so that the first sessions of hundreds
-        do not time out waiting for the last ones.
-
-        Returns only once every session is set up, and the engine starts the first epoch on
-        all of them together: streaming from the first sessions while later ones still set
-        up would bring the first item forward by the setup spread (~0.5 s for 64 sessions of
-        one server, which forks them one by one), but those sessions would then finish their
-        shards first and the epoch would end on the late ones alone: every rank's share is
-        fixed by the distribution, so a head start is idle time at the end, and the epoch's
-        efficiency drops by the spread. Cutting the setup cost is what brings the first item
-        forward (a server warms up and freezes its heap before forking sessions)."""
+        ``sink``: makes the queue each channel delivers its events to. A channel starts
+        receiving (and sending heartbeats) as soon as it is set up, and what is sent to it
+        before (the epoch's START_EPOCH) goes out then: each session starts its epoch once
+        its own setup is done, instead of all of them after the slowest of all setups (the
+        first item of round-robin needs rank 0's setup only; the epoch ends no later than
+        before). A failed setup is reported in the channel's queue as the session lost with
+        its error: the consumer raises it, or reassigns the rank, when it comes to that worker."""
         self._transport = create_transport(
             self.config.transport.name, **self.config.transport.factory_options()
         )
         self._graph = graph
         addresses = self.rank_addresses()
         self._loop = self._loop or ReceiveLoop()  # after a local server forked: not its descriptors
-        channels: List[WorkerChannel] = []
-        errors: List[BaseException] = []
-        parallel = min(MAX_PARALLEL_SETUPS, self.num_workers)
-        with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="rrs-setup") as pool:
-            futures = [
-                pool.submit(self.open_channel, rank, addresses[rank], sink)
-                for rank in range(self.num_workers)
-            ]
-            for future in futures:
-                try:
-                    channels.append(future.result())
-                except BaseException as exc:  # noqa: BLE001 - close every channel, raise the first error
-                    errors.append(exc)
-        if errors:
-            if channels:
-                close_channels(channels)
-            raise errors[0]
+        channels = [self._new_channel(rank, address) for rank, address in enumerate(addresses)]
+        for channel in channels:
+            channel.queue = sink()
+        # Starting the setup threads takes a few ms each while the first ones already run (each
+        # start waits for the GIL): a thread of its own starts them, and the caller goes on to
+        # start the epoch meanwhile.
+        self._launcher = threading.Thread(target=self._set_up_all, args=(channels,), name="rrs-setup-start", daemon=True)
+        self._launcher.start()
         return channels
 
-    def open_channel(self, rank: int, address: str, sink: Optional[Sink] = None) -> WorkerChannel:
-        """Connect to ``address`` and set up the session of worker ``rank``; with ``sink``,
-        start receiving into the queue it returns."""
+    def _set_up_all(self, channels: Sequence[WorkerChannel]) -> None:
+        """Set every channel up in the background, :data:`MAX_PARALLEL_SETUPS` at a time (the
+        launcher thread of :meth:`connect`)."""
+        with self._setups_lock:
+            if self._closed:
+                return
+            self._setups = ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SETUPS, len(channels)), thread_name_prefix="rrs-setup")
+        for channel in channels:
+            try:
+                self._setting_up.append(self._setups.submit(self._set_up_in_background, channel))
+            except RuntimeError:  # close() shut the pool down: no more setups
+                return
+        self._setups.shutdown(wait=False)  # its threads end once every setup ran
+
+    def open_channel(self, rank: int, address: str) -> WorkerChannel:
+        """Connect to ``address`` and set up the session of worker ``rank``, waiting for it; on a
+        failure close it and raise the error."""
+        channel = self._new_channel(rank, address)
+        try:
+            self._set_up(channel)
+        except BaseException:
+            channel.close()
+            raise
+        return channel
+
+    def _new_channel(self, rank: int, address: str) -> WorkerChannel:
+        """The channel of worker ``rank`` at ``address``, before it connects."""
+        options = self.session_options()
+        return WorkerChannel(None, rank, options.heartbeat_interval, options.peer_timeout, self._loop, address=address)
+
+    def _set_up(self, channel: WorkerChannel) -> None:
+        """Connect ``channel`` to its worker and set up its session there."""
         assert self._transport is not None, "connect() must run first"
-        options, timeout = self.session_options(), self.config.liveness.connect_timeout
+        rank, address, timeout = channel.rank, channel.address, self.config.liveness.connect_timeout
         try:
             conn = self._transport.connect(
                 address, self.auth_key or b"", timeout, allocate=buffer_allocator(self.config.pin_memory)
             )
         except PeerLostError as exc:
             raise WorkerLostError(f"worker {rank}: {exc}", rank, address) from exc
-        channel = WorkerChannel(conn, rank, options.heartbeat_interval, options.peer_timeout, self._loop)
+        channel.attach(conn)
+        channel.setup(Setup(self._graph, rank, self.num_workers, self.session_options()), timeout)
+
+    def _set_up_in_background(self, channel: WorkerChannel) -> None:
+        """:meth:`_set_up` in a setup thread, then receive; a failure goes to the channel's queue."""
         try:
-            channel.setup(Setup(self._graph, rank, self.num_workers, options), timeout)
-        except BaseException:
-            channel.close()
-            raise
-        if sink is not None:
-            channel.start_receiver(sink())
-        return channel
+            self._set_up(channel)
+            channel.start_receiver(channel.queue)
+        except BaseException as exc:  # noqa: BLE001 - the consumer raises it, from the channel's queue
+            channel.fail_setup(exc)
 
     def reopen(
         self, rank: int, lost: WorkerChannel, others: Sequence[WorkerChannel], error: WorkerLostError
@@ -205,10 +234,20 @@ class Fleet:
 
     def close(self) -> None:
         """Stop the receive loop (after the channels closed), local workers and a TCPStore this
-        process hosted (idempotent)."""
+        process hosted, and wait (boundedly) for setups still in progress to end (idempotent)."""
+        with self._setups_lock:
+            self._closed = True
+        if self._setups is not None:
+            self._setups.shutdown(wait=False, cancel_futures=True)  # those still queued never run
+        if self._launcher is not None:
+            self._launcher.join(SETUP_CLOSE_WAIT)
         if self._loop is not None:
             self._loop.close()
         if self.local_server is not None:
             self.local_server.stop()
             self.local_server = None
+        # A closed channel ends its setup: at once while it waits for READY (its connection is
+        # shut), after the handshake while it connects (attach() refuses it).
+        wait(self._setting_up, timeout=SETUP_CLOSE_WAIT)
+        self._setting_up = []
         self._hosted_store = None  # stops a TCPStore this trainer hosted (StoreDiscovery(host_store=True))

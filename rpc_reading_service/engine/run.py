@@ -4,6 +4,7 @@
 
     engine = Engine(config)
     engine.start(graph)                     # find, start and connect the workers; ship them the graph
+                                            # (sessions set up in the background, each starts once set up)
     for item in engine.start_epoch(seed):   # one epoch, every item exactly once
         ...
     engine.epoch.positions()                # a checkpoint: start_epoch(seed, positions=...) resumes
@@ -106,7 +107,11 @@ class Engine:
         job: worker ``i`` runs global shard ``dist.rank * num_workers + i``); with
         ``num_workers=0`` the graph runs in this process. ``dispatching``: the part a graph
         with ``sharding_round_robin_dispatch`` runs here, once per epoch, dealing its items
-        to the workers (``graph`` has torchdata's placeholder where it was)."""
+        to the workers (``graph`` has torchdata's placeholder where it was).
+
+        Returns while the sessions still set up (in the background): each one starts an epoch
+        as soon as it is set up; a failed setup is raised when the epoch's items come to its
+        worker (:meth:`Fleet.connect <rpc_reading_service.engine.fleet.Fleet.connect>`)."""
         self.dist = dist or DistributedInfo()
         self.dispatching = dispatching
         self.discover()
