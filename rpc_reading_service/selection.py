@@ -112,7 +112,8 @@ class WorkerSelection:
         return self.keep(position, item), position + 1
 
     def passed(self, position: int) -> None:
-        """The item at ``position`` went through the rest of the graph (kept or not)."""
+        """The item at ``position``, the last of a span :meth:`keep_span` decided (every position
+        with the default one), went through the rest of the graph (kept or not)."""
 
     def end(self, length: Optional[int]) -> None:
         """The walk ended: the stream had ``length`` positions (None: stopped early)."""
@@ -171,8 +172,9 @@ class SelectionFilter(ShardingFilterIterDataPipe):
                     kept, decided_until = selection.keep_span(position, item)
                 if kept:
                     yield item
-                selection.passed(position)
                 position += 1
+                if position == decided_until:  # a span's end (every position, with the default keep_span)
+                    selection.passed(position - 1)
         except StopSelection:
             selection.end(None)
             return

@@ -33,7 +33,7 @@ from rpc_reading_service.engine.distribution import FirstReady, RoundRobin
 from rpc_reading_service.engine.distribution.dynamic import Dynamic
 from rpc_reading_service.engine.distribution.leases import LeaseBook, check_book_state, checkpoint_schedule
 from rpc_reading_service.engine.distribution.schedule import FixedChunks, GuidedChunks
-from rpc_reading_service.selection import WorkerSelection
+from rpc_reading_service.selection import LeasedChunks, LeaseInbox, SelectionContext, SelectionFilter, WorkerSelection
 
 N = 60
 
@@ -266,6 +266,30 @@ def test_checkpoint_state_gives_back_held_items_and_resumes_the_rest():
         check_book_state(state, chunk_size=4)
     with pytest.raises(ConfigurationError, match="delivered"):
         check_book_state(dict(state, delivered=[[7, 1]]), chunk_size=2)
+
+
+def test_a_leased_walk_reports_each_chunk_after_its_last_item_and_is_asked_only_at_span_ends():
+    class Counted(LeasedChunks):
+        def passed(self, position: int) -> None:
+            passed.append(position)
+            super().passed(position)
+
+    passed: List[int] = []
+    out: List[Any] = []
+    reports: List[tuple] = []
+    inbox = LeaseInbox()
+    inbox.add(0, count=2, start=0, size=3)  # positions 0-5: chunks 0 and 1
+    inbox.add(4, count=1, start=10, size=5)  # 6-9 are another worker's; 10-14: chunk 4
+    inbox.finish()
+    walk = SelectionFilter(IterableWrapper(range(20)), Counted())
+    context = SelectionContext(epoch=1, seed=0, global_worker_id=0, leases=inbox)
+    context.chunk_done = lambda chunk, length: reports.append((chunk, length, len(out)))
+    walk.set_context(context)
+    for item in walk:
+        out.append(item)
+    assert out == [0, 1, 2, 3, 4, 5, 10, 11, 12, 13, 14]
+    assert reports == [(0, None, 3), (1, None, 6), (4, None, 11)]  # each once its last item was taken
+    assert passed == [2, 5, 9, 14]  # the last position of each span, not every position
 
 
 # -- the guided chunk schedule (pure) ------------------------------------------------------------

@@ -348,20 +348,28 @@ class _DynamicMerger(Merger):
         self._finish_all()
 
     def _deliver_ready(self) -> Iterator[Any]:
-        """Hand on the buffered items of the oldest chunks, in chunk order, as far as they are here
-        (the per-item path of an in-order epoch: the chunk, its buffer and producer looked up once per chunk)."""
-        book, buffers, hand_on = self.book, self.buffers, self._hand_on
+        """Hand on the buffered items of the oldest chunks, in chunk order, as far as they are here.
+
+        The per-item path of an in-order epoch: the chunk, its buffer, producer and count are
+        looked up once per chunk, and each item costs a store of its chunk's count in the book
+        (what a checkpoint reads) instead of a :meth:`LeaseBook.deliver` call; a chunk can only
+        be complete once its last item here is handed on, so that is checked once, there."""
+        book, buffers, recent, count = self.book, self.buffers, self.recent, self.run.progress.count
+        delivered = book.delivered
         while not book.over:
             chunk = book.complete_below
-            buffer = buffers.get(chunk)
+            buffer = buffers.pop(chunk, None)
             if not buffer:
                 return
-            rank = self.producers[chunk]
+            rank, handed = self.producers[chunk], delivered.get(chunk, 0)
             while buffer:
                 item = buffer.popleft()
+                handed += 1
+                delivered[chunk] = handed
                 if not buffer:
-                    del buffers[chunk]
-                hand_on(rank, chunk)
+                    book.settle(chunk)  # as deliver() would have: complete before the item goes out
+                recent.append(chunk)
+                count(rank)
                 yield item
 
     def _hand_on(self, rank: int, chunk: int) -> None:

@@ -368,6 +368,11 @@ class LeaseBook:
         if total is not None and delivered >= total:
             self._complete(chunk)
 
+    def settle(self, chunk: int) -> None:
+        """Complete ``chunk`` if every item of it was handed on: for a caller that counts the items
+        handed on in :attr:`delivered` itself (one store per item instead of a :meth:`deliver` call)."""
+        self._maybe_complete(chunk)
+
     def _maybe_complete(self, chunk: int) -> None:
         total = self.totals.get(chunk)
         if total is not None and self.delivered.get(chunk, 0) >= total:
