@@ -7,7 +7,9 @@ own for a connection no event loop can watch) moves frames into the state machin
 the heartbeats it finds due, and turns its events into :class:`Event` objects on a queue;
 the consumer (the DataLoader2 iterator's thread) unpickles items and grants a credit for
 every frame it takes, so at most ``prefetch`` frames per worker are ever
-buffered here.
+buffered here. In a receive loop, the CREDIT frames themselves are sent by the loop
+(:meth:`WorkerChannel.send_due`): a send wakes the worker, which on a busy host preempts the
+thread that sent, and the consumer is what the whole trainer waits for.
 
 A channel exists before its session is set up (the engine sets sessions up in the
 background): what is sent to it meanwhile (an epoch's START_EPOCH, leases) is held, and
@@ -135,6 +137,10 @@ class WorkerChannel:
         #: The epoch's credit window, the credits not sent back yet, and the epoch's DATA frames
         #: received (the receiver counts) and taken (the consumer counts): see :meth:`grant`.
         self._window, self._ungranted, self._received, self._taken = 1, 0, 0, 0
+        #: Around the credits not sent back yet (the consumer adds, the receive loop sends), and
+        #: whether the loop was told that they are due.
+        self._credit_lock = threading.Lock()
+        self._credit_due = False
         self._receiver: Optional[threading.Thread] = None
         #: When dispatching, the epoch's dispatcher hears this session's ITEM_CREDIT, END_OF_SHARD
         #: and ERROR events here (from the receiver thread).
@@ -329,9 +335,10 @@ class WorkerChannel:
         """Start ``epoch`` on the worker (superseding any epoch still running there); with
         ``dispatched``, its input comes from the trainer (:meth:`send_input`); ``leased``: the
         worker walks its stream by the chunks :meth:`lease` hands it."""
-        self.epoch = epoch
+        with self._credit_lock:
+            self.epoch = epoch
+            self._window, self._ungranted, self._received, self._taken = credits, 0, 0, 0
         self.stats = ChannelStats()
-        self._window, self._ungranted, self._received, self._taken = credits, 0, 0, 0
         self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased=leased))
 
     def send_input(self, message: Union[Items, EndOfInput]) -> None:
@@ -353,15 +360,46 @@ class WorkerChannel:
         both sides per item, exactly while the trainer is what limits the rate). A worker that
         holds half the window uncredited still gets its CREDIT without sending more: its frames
         here are taken, the last of them with none waiting behind it.
+
+        In a receive loop, the CREDIT is only marked due here and the loop sends it
+        (:meth:`send_due`), with the credits granted until then.
         """
         if epoch != self.epoch:
             return
-        self._ungranted += credits
-        self._taken += credits
-        behind = after_slow_frame and self._received > self._taken
-        if self._ungranted >= (self._window if behind else credit_batch(self._window)):
-            credits, self._ungranted = self._ungranted, 0
+        with self._credit_lock:
+            self._ungranted += credits
+            self._taken += credits
+            behind = after_slow_frame and self._received > self._taken
+            if self._ungranted < (self._window if behind else credit_batch(self._window)):
+                return
+            if self._in_loop:
+                tell, self._credit_due = not self._credit_due, True
+            else:
+                tell, credits, self._ungranted = False, self._ungranted, 0
+        if tell:
+            assert self._loop is not None
+            self._loop.due(self)
+        elif not self._in_loop:
             self._send_or_report(Credit(epoch, credits))
+
+    def send_due(self) -> bool:
+        """Send the CREDIT marked due by :meth:`grant` (the receive loop's call), unless another
+        send holds the connection or it has no room: False then (the loop retries), never
+        waiting, so that no worker's send stalls the loop."""
+        if self._closing or self.conn is None:
+            return True
+        if not self._send_lock.acquire(blocking=False):
+            return False
+        try:
+            if not self.conn.has_room():
+                return False
+            with self._credit_lock:
+                epoch, credits, self._ungranted, self._credit_due = self.epoch, self._ungranted, 0, False
+            if credits and epoch is not None:  # none: a LEASE took them along meanwhile
+                self._send_now([Credit(epoch, credits)], epoch, False)
+            return True
+        finally:
+            self._send_lock.release()
 
     def lease(
         self, epoch: int, chunks: Sequence[Tuple[int, int, int, int]] = (), final: bool = False,
@@ -379,9 +417,10 @@ class WorkerChannel:
         messages.extend(items)
         if final:
             messages.append(Lease(epoch, final=True))
-        if self._ungranted:
-            messages.insert(0, Credit(epoch, self._ungranted))
-            self._ungranted = 0
+        with self._credit_lock:
+            credits, self._ungranted = self._ungranted, 0
+        if credits:
+            messages.insert(0, Credit(epoch, credits))
         self._send_or_report(*messages)
 
     def close(self, timeout: float = 2.0) -> None:

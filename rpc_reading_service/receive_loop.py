@@ -8,8 +8,13 @@ its sessions at once; each readable one is read without blocking
 silent peers) is checked for all sessions together, once per sweep, instead of one timer
 per session.
 
+Small sends that another thread finds due (the consumer's credits) are made here too, in
+the loop's turn (:meth:`ReceiveLoop.due`): a send wakes its peer, and on a busy host the
+woken process preempts the thread that sends; the loop's thread can afford that, the
+trainer's consumer cannot.
+
 The loop knows nothing of the protocol: a session is a :class:`Watched`, whatever answers
-``fileno()``, ``on_readable()`` and ``on_tick(now)`` (the trainer's ``WorkerChannel``).
+``fileno()``, ``on_readable()``, ``on_tick(now)`` and ``send_due()`` (the trainer's ``WorkerChannel``).
 Sessions are added and removed from any thread; the selector itself is only touched by the
 loop's thread, so a connection is never closed while the loop may still poll it.
 """
@@ -33,6 +38,11 @@ log = logging.getLogger(__name__)
 #: and one sweep serves many sessions instead of one sweep per session's due time.
 _SWEEP_SLACK = 0.25
 _MIN_SWEEP_SECONDS = 0.001
+#: A due send that could not be made (another send held the connection, or it had no room)
+#: is retried after this long, doubling up to the maximum while it still cannot: bounded
+#: lateness, and no spinning while a send to a worker that stopped reading is stuck.
+_RETRY_SECONDS = 0.001
+_MAX_RETRY_SECONDS = 0.064
 
 
 class Watched(Protocol):
@@ -46,6 +56,9 @@ class Watched(Protocol):
 
     def on_tick(self, now: float) -> Optional[float]:
         """Liveness at ``now``: seconds until the next check, or None when the session is over."""
+
+    def send_due(self) -> bool:
+        """Make the sends found due (without blocking); False: not possible now, retry later."""
 
 
 class ReceiveLoop:
@@ -69,6 +82,11 @@ class ReceiveLoop:
         self._next_sweep = 0.0
         self._thread: Optional[threading.Thread] = None
         self._closed = False
+        #: Sessions with sends due (by id()), and whether the loop's thread waits in ``select``
+        #: and was woken already: a session made due while the loop runs needs no wake-up.
+        self._due: Dict[int, Watched] = {}
+        self._selecting = self._woken = False
+        self._retry = _RETRY_SECONDS
 
     def add(self, session: Watched) -> None:
         """Watch ``session`` from now on (its frames already received are taken at once)."""
@@ -110,6 +128,16 @@ class ReceiveLoop:
             self._wake_in.close()
             self._wake_out.close()
 
+    def due(self, session: Watched) -> None:
+        """Have the loop call ``session.send_due()`` in its turn (from any thread): soon, since
+        a worker may wait for what it sends; the loop is woken only if it waits in ``select``."""
+        with self._lock:
+            self._due[id(session)] = session
+            wake = self._selecting and not self._woken
+            self._woken = self._woken or wake
+        if wake:
+            self._wake()
+
     # -- the loop's thread ---------------------------------------------------------------------
     def _wake(self) -> None:
         try:
@@ -123,15 +151,37 @@ class ReceiveLoop:
             if self._closed:
                 return
             timeout = max(0.0, self._next_sweep - time.monotonic()) if self._watched else None
-            for key, _events in self._selector.select(timeout):
+            with self._lock:
+                if self._due:  # retries (new ones are sent below before the loop waits)
+                    timeout = self._retry if timeout is None else min(timeout, self._retry)
+                self._selecting = True
+            events = self._selector.select(timeout)
+            with self._lock:
+                self._selecting = self._woken = False
+            for key, _events in events:
                 session = key.data
                 if session is None:
                     self._drain_wake()
                 elif id(session) in self._watched and self._call(session.on_readable, True):
                     self._unwatch(session)
+            self._send_due()
             now = time.monotonic()
             if now >= self._next_sweep:
                 self._sweep(now)
+
+    def _send_due(self) -> None:
+        """One pass over the sessions with sends due; those that cannot send now stay due."""
+        with self._lock:
+            due, self._due = self._due, {}
+        if not due:
+            return
+        left = {key: each for key, each in due.items() if key in self._watched and not self._call(each.send_due, True)}
+        with self._lock:
+            if left:
+                self._due.update(left)
+                self._retry = min(self._retry * 2, _MAX_RETRY_SECONDS)
+            else:
+                self._retry = _RETRY_SECONDS
 
     def _apply_changes(self) -> None:
         with self._lock:
@@ -163,6 +213,8 @@ class ReceiveLoop:
 
     def _unwatch(self, session: Watched) -> None:
         self._watched.pop(id(session), None)
+        with self._lock:
+            self._due.pop(id(session), None)
         for key in list(self._selector.get_map().values()):
             if key.data is session:
                 self._selector.unregister(key.fileobj)

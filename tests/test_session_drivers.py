@@ -1,13 +1,15 @@
 """The two session drivers against each other: a REAL ``WorkerChannel`` and a REAL
-``WorkerSession`` (threads, graphs, outbox, watchdog) joined by an in-memory connection pair.
+``WorkerSession`` (threads, graphs, outbox, watchdog) joined by an in-memory connection pair
+(or, where the trainer's receive loop is tested, a socket pair).
 
-No subprocess, no socket: what runs is exactly the drivers and their state machines. A
+No subprocess: what runs is exactly the drivers and their state machines. A
 stuck peer is one end whose frames stop arriving (``drop_outgoing``).
 """
 
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 import time
 
@@ -20,7 +22,10 @@ from rpc_reading_service.client import WorkerChannel
 from rpc_reading_service.engine.distribution import EpochProgress, iterate_in_order
 from rpc_reading_service.errors import ItemTimeoutError, WorkerLostError, WorkerStartupError
 from rpc_reading_service.protocol import MessageKind, SessionState, StopEpoch, decode_data, encode_frame
+from rpc_reading_service.receive_loop import ReceiveLoop
 from rpc_reading_service.serialization import dumps_graph, loads_items
+from rpc_reading_service.protocol import FrameReader
+from rpc_reading_service.transports.socket_transport import SocketConnection
 from rpc_reading_service.worker_session import WorkerSession
 
 pytestmark = pytest.mark.timeout(20)
@@ -51,15 +56,35 @@ def failing_init(datapipe, worker_info):
     raise RuntimeError("worker_init_fn failed on purpose")
 
 
-class Pair:
-    """A trainer's channel and a worker session serving it in a thread."""
+class SenderRecordingConnection(SocketConnection):
+    """A socket connection that records the thread of every ``send_frames`` (the channel's
+    sends; heartbeats go through ``send``)."""
 
-    def __init__(self, heartbeat_interval: float = 0.1, peer_timeout: float = 5.0):
-        self.trainer_conn, self.worker_conn = connection_pair()
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.senders: list = []
+
+    def send_frames(self, frames) -> None:
+        self.senders.append(threading.current_thread().name)
+        super().send_frames(frames)
+
+
+class Pair:
+    """A trainer's channel and a worker session serving it in a thread; ``over_sockets``: joined
+    by a socket pair, the channel received for by a :class:`ReceiveLoop` (as in a trainer)."""
+
+    def __init__(self, heartbeat_interval: float = 0.1, peer_timeout: float = 5.0, over_sockets: bool = False):
+        self.loop = ReceiveLoop() if over_sockets else None
+        if over_sockets:
+            ours, theirs = socket.socketpair()
+            self.trainer_conn = SenderRecordingConnection(ours, "worker", FrameReader())
+            self.worker_conn = SocketConnection(theirs, "trainer", FrameReader())
+        else:
+            self.trainer_conn, self.worker_conn = connection_pair()
         self.session = WorkerSession(self.worker_conn, server_address="memory")
         self.worker = threading.Thread(target=self.session.run, name="test-worker-session", daemon=True)
         self.worker.start()
-        self.channel = WorkerChannel(self.trainer_conn, 0, heartbeat_interval, peer_timeout)
+        self.channel = WorkerChannel(self.trainer_conn, 0, heartbeat_interval, peer_timeout, loop=self.loop)
         self.options = {"heartbeat_interval": heartbeat_interval, "peer_timeout": peer_timeout}
 
     def setup(self, datapipe, init_fn=None, **options) -> "Pair":
@@ -78,6 +103,8 @@ class Pair:
         self.channel.close(timeout=2.0)
         self.worker_conn.close()
         self.worker.join(5.0)
+        if self.loop is not None:
+            self.loop.close()
         assert not self.worker.is_alive(), "the worker session did not end"
         RELEASE.clear()
 
@@ -143,6 +170,29 @@ def test_a_slow_stage_is_credited_once_its_frames_waiting_in_the_trainer_are_tak
     assert channel.protocol.credits == 4  # the last waiting frame taken: all three in one CREDIT
     RELEASE.set()
     assert list(items) == list(range(3, 12))
+
+
+def test_in_a_receive_loop_the_loop_sends_the_credits_the_consumer_grants(pair):
+    link = pair(over_sockets=True).setup(IterableWrapper(range(40)).sharding_filter(), batch_max_items=1, linger=0.0)
+    assert link.channel._in_loop
+    sent_before = len(link.trainer_conn.senders)
+    # A window of 2 one-item frames: the epoch needs a CREDIT for every other frame taken.
+    assert link.epoch(1, credits=2) == list(range(40))
+    senders = link.trainer_conn.senders[sent_before:]
+    assert senders[0] == threading.current_thread().name  # START_EPOCH
+    assert len(senders) >= 19 and set(senders[1:]) == {"rrs-receive-loop"}, senders  # every CREDIT
+
+
+def test_a_credit_due_while_another_send_holds_the_connection_is_sent_once_it_is_free(pair):
+    link = pair(over_sockets=True).setup(IterableWrapper(range(12)).sharding_filter(), batch_max_items=1, linger=0.0)
+    channel = link.channel
+    channel.start_epoch(1, seed=1, global_worker_id=0, credits=2)
+    items = iterate_in_order([channel], EpochProgress(1, [0]))
+    with channel._send_lock:  # as a dispatcher's send in progress does
+        assert [next(items), next(items)] == [0, 1]  # the window's frames taken: a CREDIT is due
+        assert wait_until(lambda: link.loop._retry >= 0.004, 5.0)  # the loop tried, and retried
+        assert link.session.protocol.credits == 0 and channel.stats.frames == 2
+    assert list(items) == list(range(2, 12))  # the loop's retry sent it
 
 
 def test_a_new_epoch_supersedes_a_running_one(pair):
