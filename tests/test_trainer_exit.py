@@ -16,6 +16,7 @@ from _server_helpers import process_alive, reap, spawn_python
 
 SCRIPT = """
 import sys
+import time
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 from rpc_reading_service import RPCReadingService
@@ -27,6 +28,10 @@ def start():
     it = iter(dl)
     taken = [next(it) for _ in range(10)]
     rs = dl.reading_service
+    # Sessions start as each is set up: first-ready's 10 items may all come from one worker.
+    deadline = time.monotonic() + 20
+    while any(worker.pid is None for worker in rs.stats().workers) and time.monotonic() < deadline:
+        time.sleep(0.01)
     print(rs._local_server.pid, *(worker.pid for worker in rs.stats().workers), flush=True)
     return dl, it
 
