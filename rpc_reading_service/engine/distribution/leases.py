@@ -163,8 +163,7 @@ class LeaseBook:
 
     def bounds(self, chunk: int) -> Tuple[int, int]:
         """``(first position, positions)`` of ``chunk`` (what its LEASE tells the worker)."""
-        start = self.schedule.start(chunk)
-        return start, self.schedule.start(chunk + 1) - start
+        return self.schedule.start(chunk), self.schedule.size(chunk)
 
     def _ahead(self, rank: int, per_position: float) -> float:
         """Positions ``rank`` still has to walk of the chunks it holds: those of its current chunk

@@ -139,13 +139,11 @@ class GuidedChunks(ChunkSchedule):
         return self._first_tail + bisect.bisect_left(self._tail, length)
 
     def state(self) -> Dict[str, int]:
-        """Everything the bounds depend on."""
-        return {
-            "length": self.length, "workers": self.workers, "first_size": self.first_size, "largest": self.largest,
-            "divisor": self.divisor, "smallest": self.smallest, "warmup": self.warmup,
-        }  # fmt: skip
+        """Everything the bounds depend on (the constructor's arguments)."""
+        return {key: getattr(self, key) for key in _STATE_KEYS}
 
 
+#: What a guided schedule's bounds depend on: its constructor's arguments, and its checkpoint's keys.
 _STATE_KEYS = ("length", "workers", "first_size", "largest", "divisor", "smallest", "warmup")
 
 
