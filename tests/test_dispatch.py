@@ -418,16 +418,20 @@ def test_dynamic_dispatch_deals_by_speed_keeps_the_seeds_order_and_resumes_a_che
 
 @pytest.mark.timeout(30)
 def test_dynamic_dispatch_reassigns_a_killed_workers_units_exactly_once(dynamic_dispatch_reference):
+    """Worker 1 is killed mid-epoch; its units go to a new session, exactly once, in the seed's order.
+    Worker 1 is the slow one so that it still holds units when it dies: an equal worker set up
+    last can have delivered all of its units before the kill, and then nothing needs replacing."""
     victim = None
     dl = _dynamic_dispatch_loader(
-        on_worker_failure="reassign", timeout=5.0, liveness=Liveness(heartbeat_interval=0.2)
-    )
+        on_worker_failure="reassign", timeout=5.0, liveness=Liveness(heartbeat_interval=0.2),
+        worker_init_fn=SlowRank(1, 0.02),
+    )  # fmt: skip
     try:
         epoch = []
         for item in dl:
             epoch.append(item)
             workers = dl.reading_service.stats().workers
-            if victim is None and workers[1].items_consumed >= 5:
+            if victim is None and workers[1].items_consumed >= 2:
                 victim = workers[1].pid
                 os.kill(victim, signal.SIGKILL)
         pids = [w.pid for w in dl.reading_service.stats().workers]
