@@ -222,7 +222,7 @@ def paired_table(scenario: Scenario, results: dict) -> str:
                          paired_text(paired), f"{ours / GB:.2f} vs {theirs / GB:.2f} GB/s"])
     if not rows:
         return ""
-    return "\n" + render_table(
+    return "\n\n" + render_table(
         f"== {scenario.name}: paired ratios (median of the rounds that measured both) ==",
         ["ratio", "median", "rounds", "each round's ratio", "detail"], rows,
         notes=["each round's ratio: that round's rate of the first over the second's; * where the first ran "
