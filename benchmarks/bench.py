@@ -51,7 +51,11 @@ How it measures:
 * Full run: the throughput scenarios (tiny, tensor1m, tensor8m) run in two rounds,
   every contender once per round, interleaved, and keep each (contender, W)'s best
   round; every round's rate is printed.  A burst of load from other jobs then hits
-  all contenders alike instead of one.
+  all contenders alike instead of one.  In the tensor tables every ratio is paired:
+  the median of the per-round ratios (a rate over its reference's rate in the same
+  round), not best over best; a round runs each reading service next to the limits it
+  is compared with, every other round in reverse order, and those contenders run a
+  third round, so that one disturbed round does not decide a ratio.
 * Worker servers (one RPCRS server, two rpcdataloader launchers) are started once,
   all at once and before the clock starts, as they would be in a deployment, and
   reused by every scenario.  A failed task restarts its contender's servers.

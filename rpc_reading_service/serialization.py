@@ -161,7 +161,15 @@ class _ItemPickler(pickle.Pickler):
         if type(obj) is not torch.Tensor:
             return NotImplemented
         # Each torch call costs ~5-20 us here (its code is cold after the item's bytes went
-        # through the cache), so the common case (a contiguous CPU tensor) makes as few as it can.
+        # through the cache), so the common case (a contiguous CPU tensor) makes as few as it can:
+        # numpy() alone checks what the slow path below asks one call at a time (CPU, strided,
+        # no grad, no conjugate or negative bit, a dtype numpy has) and raises otherwise.
+        try:
+            array = obj.numpy()
+        except (RuntimeError, TypeError):
+            array = None
+        if array is not None and array.flags.c_contiguous:
+            return _rebuild_tensor, (pickle.PickleBuffer(array), obj.dtype, array.shape)
         if not obj.is_cpu:
             if obj.device.type == "meta":
                 return NotImplemented

@@ -124,3 +124,37 @@ def test_the_prose_quotes_the_targets_rows():
     assert "shared_empty (no copy at all) delivered 9.02 GB/s, 0.73x the production limit of the same code (12.34 GB/s)" in paragraph
     assert "DataLoader" not in paragraph
     assert local_workers_paragraph([]) is None
+
+
+def test_tensor_ratios_pair_the_rounds_that_measured_both():
+    from benchsuite.report.targets import ratio_at
+    from benchsuite.runner import best_of_rounds, round_order
+    from benchsuite.scenarios.throughput import PAIRED_ORDER
+
+    params = SCENARIOS["tensor8m"].plan(False)
+    names = list(SCENARIOS["tensor8m"].contenders)
+    orders = [round_order(names, params, r) for r in range(params["rounds"])]
+    assert orders[1] == orders[0][::-1] and set(orders[2]) == set(PAIRED_ORDER)  # extra rounds: paired ones only
+    for order in orders:  # each contender of a target ratio runs right next to its reference
+        for ours, reference in (("RPCRS-tcp", "raw-socket"), ("RPCRS-local", "production-limit"),
+                                ("RPCRS-local-shm", "production-limit-shm")):
+            assert abs(order.index(ours) - order.index(reference)) == 1
+
+    def outcome(name, rates):  # one outcome per round; round 1 is the reversed one
+        return best_of_rounds([{"ok": True, "round": r, "position": orders[r].index(name),
+                                "data": {"points": [{"workers": 1, "items": 200, "bytes": 1.6e9, "bytes_per_s": rate and rate * 1e9}]}}
+                               for r, rate in enumerate(rates)], "bytes_per_s")
+
+    # the reference's best round (a quiet moment) pairs with ours at a busy one: best/best says 0.75x,
+    # the rounds say ours keeps up (0.95, 1.0, 1.05)
+    results = {"tensor8m": {"params": params, "contenders": {
+        "raw-socket": outcome("raw-socket", [2.0, 1.6, 2.0]), "RPCRS-tcp": outcome("RPCRS-tcp", [1.9, 1.6, 2.1])}}}
+    value, detail = ratio_at("tensor8m", "bytes_per_s", ("RPCRS-tcp", 1), ("raw-socket", 1))(results)
+    assert value == pytest.approx(1.0)
+    assert detail == ("1.60 GB/s vs 1.60 GB/s; median of 3 paired rounds (rates: the one nearest it), "
+                      "each round: 0.95 / 1.00* / 1.05")  # * : RPCRS-tcp ran first (the reversed round)
+    results["tensor8m"]["contenders"]["RPCRS-tcp"] = outcome("RPCRS-tcp", [1.9, None, 2.1])  # a failed round
+    value, detail = ratio_at("tensor8m", "bytes_per_s", ("RPCRS-tcp", 1), ("raw-socket", 1))(results)
+    assert value == pytest.approx(1.0) and "median of 2 paired rounds" in detail
+    table = SCENARIOS["tensor8m"].report(SCENARIOS["tensor8m"], params, results["tensor8m"]["contenders"])
+    assert re.search(r"RPCRS-tcp W=1 / raw-socket\s+1\.00x\s+2\s+0\.95 / 1\.05", table), table

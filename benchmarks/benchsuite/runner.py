@@ -75,20 +75,29 @@ def progress(message: str) -> None:
 
 
 def best_of_rounds(outcomes: list[dict], rate_key: Optional[str]) -> dict:
-    """One outcome from a contender's rounds: for each W, the point of the best round,
-    with every round's rate in ``round_rates``.  One round: returned as it is."""
+    """One outcome from a contender's rounds: for each W, the point of the best round, with
+    every round's rate in ``round_rates`` (index: the round; None where it was not measured)
+    and its place in that round's order in ``round_positions`` (which of two contenders went
+    first, see :func:`benchsuite.report.format.paired_ratio`).  One round: returned as it is."""
     if len(outcomes) == 1 or not rate_key:
         return outcomes[0]
-    by_workers: dict[int, list[dict]] = {}
-    for outcome in outcomes:
+    total = max(o.get("round", i) for i, o in enumerate(outcomes)) + 1
+    by_workers: dict[int, list[tuple[int, float, dict]]] = {}
+    for i, outcome in enumerate(outcomes):
         if outcome.get("ok"):
-            for p in outcome["data"]["points"]:
-                by_workers.setdefault(p["workers"], []).append(p)
+            for k, p in enumerate(outcome["data"]["points"]):
+                position = outcome.get("position", 0) + k / 100  # the task's points run one after another
+                by_workers.setdefault(p["workers"], []).append((outcome.get("round", i), position, p))
     points = []
     for _, candidates in sorted(by_workers.items()):
-        good = [p for p in candidates if "error" not in p and p.get(rate_key)]
-        best = dict(max(good, key=lambda p: p[rate_key])) if good else dict(candidates[0])
-        best["round_rates"] = [p.get(rate_key) for p in candidates]
+        good = [p for _, _, p in candidates if "error" not in p and p.get(rate_key)]
+        best = dict(max(good, key=lambda p: p[rate_key])) if good else dict(candidates[0][2])
+        rates: list[Optional[float]] = [None] * total
+        positions: list[Optional[float]] = [None] * total
+        for round_index, position, p in candidates:
+            rates[round_index] = p.get(rate_key) if "error" not in p else None
+            positions[round_index] = position
+        best["round_rates"], best["round_positions"] = rates, positions
         points.append(best)
     merged = {"ok": any(o.get("ok") for o in outcomes), "data": {"points": points}, "partial": [],
               "rounds": len(outcomes)}
@@ -97,6 +106,18 @@ def best_of_rounds(outcomes: list[dict], rate_key: Optional[str]) -> dict:
     for key in ("wall_s", "cpu_s"):
         merged[key] = sum(o.get(key, 0.0) for o in outcomes)
     return merged
+
+
+def round_order(names: list[str], params: dict, round_index: int) -> list[str]:
+    """The contenders of one round in the order they run: ``params['round_order']`` first (the
+    ones compared in a paired ratio, each next to its reference), then the others; every other
+    round reversed, so that of two contenders compared, each goes first in turn.  After the
+    first ``params['rounds_of_all']`` rounds, only the ``params['paired']`` ones run."""
+    first = [name for name in params.get("round_order", ()) if name in names]
+    order = [name for name in names if name not in first] + first
+    if round_index >= params.get("rounds_of_all", params.get("rounds", 1)):
+        order = [name for name in order if name in params.get("paired", ())]
+    return order[::-1] if round_index % 2 else order
 
 
 def children_cpu_s() -> float:
@@ -219,19 +240,24 @@ class Runner:
 
         With ``params['rounds'] > 1`` every contender runs once per round, interleaved
         (round 1: all contenders, then round 2...), so that a burst of load from other
-        jobs hits all of them alike; each (contender, W) keeps its best round.
+        jobs hits all of them alike; each (contender, W) keeps its best round, and every
+        round's rate.  The order of a round is :func:`round_order`'s; a reversed round also
+        runs each contender's worker counts from the largest down (``descending_workers``),
+        so that the point next to its reference is still the one compared with it.
         """
         params = scenario.plan(self.args.quick)
         rounds: dict[str, list[dict]] = {}
         for round_index in range(params.get("rounds", 1)):
-            for name in self.selected(scenario):
+            round_params = dict(params, descending_workers=bool(round_index % 2))
+            for position, name in enumerate(round_order(self.selected(scenario), params, round_index)):
                 if self.args.quick and name in QUICK_SKIPS and not self.args.contender:
                     rounds[name] = [{"ok": False, "wall_s": 0.0,
                                      "reason": "skipped with --quick (select it with --contender)"}]
                     continue
                 if round_index and (name in ONE_ROUND or not rounds[name][0].get("ok")):
                     continue  # failed once: do not pay its timeout again
-                outcome = self.run_one(scenario, name, params)
+                outcome = self.run_one(scenario, name, round_params)
+                outcome.update(round=round_index, position=position)
                 rounds.setdefault(name, []).append(outcome)
                 status = "ok" if outcome.get("ok") else f"n/a: {outcome.get('reason')}"
                 progress(f"  {scenario.name:<10} {name:<16} {outcome['wall_s']:6.1f} s wall "
@@ -239,7 +265,8 @@ class Runner:
                          + (f"  (round {round_index + 1})" if params.get("rounds", 1) > 1 else ""))
                 if not outcome.get("ok") and self.args.verbose:
                     progress(outcome.get("traceback") or outcome.get("log_tail") or "")
-        outcomes = {name: best_of_rounds(outs, params.get("rate_key")) for name, outs in rounds.items()}
+        outcomes = {name: best_of_rounds(rounds[name], params.get("rate_key"))
+                    for name in self.selected(scenario) if name in rounds}  # the table's order
         return {"params": params, "contenders": outcomes}
 
     def close(self) -> None:

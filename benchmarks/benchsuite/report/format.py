@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from typing import Callable, Iterable, Optional
 
 from benchsuite.contenders import ONE_ROUND, ONE_STREAM
@@ -74,10 +75,50 @@ def value(results: dict, contender: str, key: str) -> Optional[float]:
 
 def rounds_text(data: dict, scale: float, spec: str) -> str:
     """Every round's rate of a point (the best one is the point's rate), or '-'."""
-    rates = data.get("round_rates") or []
+    rates = list(data.get("round_rates") or [])
+    while rates and rates[-1] is None:  # rounds it did not run in (only the paired ones run the last)
+        rates.pop()
     if len(rates) < 2:
         return "-"
     return " / ".join(fmt_num(r / scale if r else None, spec) for r in rates)
+
+
+def paired_ratio(point: Optional[dict], reference: Optional[dict], key: str) -> Optional[dict]:
+    """``point``'s rate over ``reference``'s, paired round by round: the median of the ratios of
+    the rounds that measured both (each round's two rates taken minutes apart at most, with
+    the load of that moment, and who went first alternating: see ``runner.round_order``),
+    not the best round of one over the best round of the other.  Points of one round only:
+    that round's ratio.
+
+    Returns ``{"median", "ratios", "first", "rates"}`` (``ratios[i]`` the i-th common round's,
+    ``first[i]`` whether ``point`` ran before ``reference`` in it, ``rates`` the two rates of
+    the round whose ratio is nearest the median), or None when a side is missing."""
+    if not point or not reference:
+        return None
+    rates = point.get("round_rates")
+    reference_rates = reference.get("round_rates")
+    if not rates or not reference_rates:
+        if not point.get(key) or not reference.get(key):
+            return None
+        value = point[key] / reference[key]
+        return {"median": value, "ratios": [value], "first": [None], "rates": (point[key], reference[key])}
+    positions = point.get("round_positions") or [None] * len(rates)
+    reference_positions = reference.get("round_positions") or [None] * len(reference_rates)
+    rounds = [(a, b, pa, pb) for a, b, pa, pb in zip(rates, reference_rates, positions, reference_positions)
+              if a and b]
+    if not rounds:
+        return None
+    ratios = [a / b for a, b, _, _ in rounds]
+    median = statistics.median(ratios)
+    nearest = min(range(len(ratios)), key=lambda i: abs(ratios[i] - median))
+    first = [None if pa is None or pb is None else pa < pb for _, _, pa, pb in rounds]
+    return {"median": median, "ratios": ratios, "first": first, "rates": rounds[nearest][:2]}
+
+
+def paired_text(paired: dict) -> str:
+    """Every round's ratio of a :func:`paired_ratio`, ``*`` after those in which the first
+    contender ran first: ``0.91* / 0.97 / 1.02*``."""
+    return " / ".join(f"{r:.2f}" + ("*" if first else "") for r, first in zip(paired["ratios"], paired["first"]))
 
 
 def budget_note(data: dict) -> str:
@@ -97,12 +138,18 @@ def points_of(results: dict, contender: str) -> list[dict]:
     return (outcome.get("data") or {}).get("points") or outcome.get("partial") or []
 
 
-def point_value(results: dict, contender: str, key: str, workers: int) -> Optional[float]:
-    """``key`` of a contender's point at ``workers`` workers (one-stream contenders: any)."""
+def point_at(results: dict, contender: str, workers: int) -> Optional[dict]:
+    """A contender's point at ``workers`` workers (one-stream contenders: any), or None."""
     for p in points_of(results, contender):
         if "error" not in p and (p.get("workers") == workers or contender in ONE_STREAM):
-            return p.get(key)
+            return p
     return None
+
+
+def point_value(results: dict, contender: str, key: str, workers: int) -> Optional[float]:
+    """``key`` of a contender's point at ``workers`` workers (one-stream contenders: any)."""
+    point = point_at(results, contender, workers)
+    return None if point is None else point.get(key)
 
 
 def rss_per_session_mib(results: dict, contender: str) -> tuple[Optional[float], str]:
@@ -135,8 +182,20 @@ def point_rows(results: dict, cells: Callable[[str, dict], list]) -> list:
 
 
 def rounds_notes(params: dict) -> list[str]:
-    """The note under a table whose rates are the best of several rounds."""
+    """The note under a table whose rates are the best of several rounds (and, with
+    ``params['paired']``, whose ratios are paired round by round)."""
     if params.get("rounds", 1) < 2:
         return []
-    return [f"rate: the best of {params['rounds']} rounds (all contenders once per round, interleaved; "
-            f"'rounds' lists each round's rate); {', '.join(ONE_ROUND)}: one round"]
+    paired = params.get("paired")
+    everyone = params.get("rounds_of_all", params["rounds"])
+    notes = [f"rate: the best of {everyone} rounds (all contenders once per round, interleaved; "
+             f"'rounds' lists each round's rate); {', '.join(ONE_ROUND)}: one round"]
+    if paired:
+        notes[0] = notes[0].replace(f"the best of {everyone} rounds",
+                                    f"the best of {everyone} rounds ({params['rounds']} for {', '.join(paired)})")
+        notes.append(
+            "vs ...: the median of per-round ratios (each round's rate over the reference's rate in the same round), "
+            "not best over best; every round's ratio is in the paired-ratios table below. Each round runs the "
+            "contenders compared in it next to each other, every other round in reverse order (worker counts too), "
+            "so that each side goes first in turn")
+    return notes

@@ -59,6 +59,12 @@ MADE_IN_SHARED_MEMORY_PROSE = ("tensor8m: RPCRS-local-shm W=2 >= 0.6x production
                                "(items made with shared_empty)")
 
 
+def quoted_rates(detail: str) -> tuple[str, str]:
+    """The two rates a ratio target's detail starts with (``"1.77 GB/s vs 1.80 GB/s; ..."``)."""
+    ours, _, theirs = detail.partition(";")[0].partition(" vs ")
+    return ours, theirs
+
+
 def local_workers_paragraph(rows: list[dict]) -> Optional[str]:
     """What local workers reached in this run, in words, from the target rows (the
     numbers are the targets table's); None when the run measured none of them."""
@@ -68,7 +74,7 @@ def local_workers_paragraph(rows: list[dict]) -> Optional[str]:
         row = by_goal.get(goal)
         if row is None:
             continue
-        ours, _, theirs = row["detail"].partition(" vs ")
+        ours, theirs = quoted_rates(row["detail"])
         rate = ours
         parts.append(f"{measured_text(row)} {reference} ({theirs})")
     sentences = []
@@ -77,13 +83,13 @@ def local_workers_paragraph(rows: list[dict]) -> Optional[str]:
                          f"{rate} in this run: {', '.join(parts)}.")
     made = by_goal.get(MADE_IN_SHARED_MEMORY_PROSE)
     if made is not None:
-        ours, _, theirs = made["detail"].partition(" vs ")
+        ours, theirs = quoted_rates(made["detail"])
         sentences.append(f"Two local workers whose graph makes its tensors with shared_empty (no copy at all) "
                          f"delivered {ours}, {measured_text(made)} the production limit of the same code "
                          f"({theirs}).")
     tcp = by_goal.get(TCP_PROSE)
     if tcp is not None:
-        ours, _, theirs = tcp["detail"].partition(" vs ")
+        ours, theirs = quoted_rates(tcp["detail"])
         sentences.append(f"One worker over TCP delivered {ours}, {measured_text(tcp)} the raw TCP stream with the "
                          f"same production cost ({theirs}).")
     return " ".join(sentences) if sentences else None

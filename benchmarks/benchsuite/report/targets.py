@@ -10,7 +10,17 @@ import dataclasses
 from typing import Callable, Optional
 
 from benchsuite.contenders import ONE_STREAM
-from benchsuite.report.format import GB, fmt_ratio, point_value, points_of, render_table, rss_per_session_mib
+from benchsuite.report.format import (
+    GB,
+    fmt_ratio,
+    paired_ratio,
+    paired_text,
+    point_at,
+    point_value,
+    points_of,
+    render_table,
+    rss_per_session_mib,
+)
 
 
 @dataclasses.dataclass
@@ -40,20 +50,38 @@ def rate_text(key: str, rate: float) -> str:
     return f"{rate / GB:.2f} GB/s" if key == "bytes_per_s" else f"{rate:,.0f}/s"
 
 
+def paired_measure(key: str, point: dict, reference: dict, labels: tuple[str, str] = ("", "")) -> tuple[Optional[float], str]:
+    """Two points' :func:`~benchsuite.report.format.paired_ratio` as a measure: its median, and
+    the rates of the round nearest it, then every round's ratio when there were several."""
+    paired = paired_ratio(point, reference, key)
+    if paired is None:
+        return None, "no round measured both"
+    ours, theirs = paired["rates"]
+    detail = f"{labels[0]}{rate_text(key, ours)} vs {labels[1]}{rate_text(key, theirs)}"
+    if len(paired["ratios"]) > 1:
+        detail += (f"; median of {len(paired['ratios'])} paired rounds (rates: the one nearest it), "
+                   f"each round: {paired_text(paired)}")
+    return paired["median"], detail
+
+
 def ratio_at(scenario: str, key: str, contender: tuple[str, int], reference: tuple[str, int]):
-    """A measure: ``contender``'s ``key`` at its W over ``reference``'s at its W."""
+    """A measure: ``contender``'s ``key`` at its W over ``reference``'s at its W (in a scenario
+    whose ratios are paired, ``params['paired']``, the median of the per-round ratios)."""
     def measured(all_results: dict) -> tuple[Optional[float], str]:
         if scenario not in all_results:
             return None, f"{scenario} not run"
         results = all_results[scenario]["contenders"]
-        values = []
+        points = []
         for name, workers in (contender, reference):
-            v = point_value(results, name, key, workers)
-            if v is None:
+            point = point_at(results, name, workers)
+            if point is None or point.get(key) is None:
                 outcome = results.get(name)
                 return None, (f"{name} not run" if outcome is None else
                               outcome.get("reason") or f"{name}: no W={workers} point")
-            values.append(v)
+            points.append(point)
+        values = [p[key] for p in points]
+        if all_results[scenario].get("params", {}).get("paired"):
+            return paired_measure(key, *points)
         return values[0] / values[1], f"{rate_text(key, values[0])} vs {rate_text(key, values[1])}"
     return measured
 
@@ -72,6 +100,8 @@ def best_ratio(scenario: str, key: str, contender: str, reference: str):
                 return None, outcome.get("reason") or f"{name}: no point"
             best.append(max(points, key=lambda p: p[key]))
         (a, b) = best
+        if all_results[scenario].get("params", {}).get("paired"):
+            return paired_measure(key, a, b, labels=(f"W={a['workers']} ", f"W={b['workers']} "))
         return a[key] / b[key], (f"W={a['workers']} {rate_text(key, a[key])} vs "
                                  f"W={b['workers']} {rate_text(key, b[key])}")
     return measured

@@ -15,6 +15,9 @@ from benchsuite.report.format import (
     budget_note,
     fmt_num,
     fmt_ratio,
+    paired_ratio,
+    paired_text,
+    point_at,
     point_rows,
     point_value,
     points_of,
@@ -50,6 +53,19 @@ MADE_IN_SHARED_MEMORY = ("production-limit-shm", "RPCRS-local-shm")
 AT_MEMORY_SPEED = ("production-limit", "production-limit-shm", "copy-limit")
 
 
+#: The ratio rows of the tensor tables that their notes and the targets quote, paired round by
+#: round (``report.format.paired_ratio``): (contender, W, reference).
+PAIRS = (("RPCRS-tcp", 1, "raw-socket"), ("RPCRS-tcp", 2, "raw-socket"), ("RPCRS-local", 1, "raw-unix"),
+         ("RPCRS-local", 1, "production-limit"), ("RPCRS-local", 2, "production-limit"),
+         ("RPCRS-local", 2, "copy-limit"), ("RPCRS-local-shm", 2, "production-limit-shm"))
+#: The contenders of those rows, in the order a round runs them (after the others): each next to
+#: the reference it is compared with (RPCRS-local between its two limits, raw-unix one further).
+PAIRED_ORDER = ("raw-socket", "RPCRS-tcp", "raw-unix", "copy-limit", "RPCRS-local", "production-limit",
+                "production-limit-shm", "RPCRS-local-shm")
+#: Rounds of the paired contenders in a full run (the others run ``ROUNDS``): a median of three
+#: per-round ratios, so that one disturbed round does not decide it (~15 s a round more).
+PAIRED_ROUNDS = 3
+
 #: Times the base tensor epoch's items that the contenders which stop at the time budget run
 #: (``--quick``: the production limits only). The production limits make items at memory
 #: speed (a base epoch lasts ~50 ms), and a reading service's first few dozen items carry its
@@ -79,8 +95,9 @@ def plan_tensor(mib: int) -> Callable[[bool], dict]:
                 # MPRS runs its epochs to the end (see MPRS): ~0.3-0.7 GB/s here, so a shorter one
                 "item_caps": {"MPRS": total // 2 // (mib * MIB)},
                 "epoch_scales": {name: LONG_EPOCH_SCALE for name in scaled},
-                "budget_s": 0.5 if quick else 1.0, "rounds": 1 if quick else ROUNDS,
-                "rate_key": "bytes_per_s"}
+                "budget_s": 0.5 if quick else 1.0, "rounds": 1 if quick else PAIRED_ROUNDS,
+                "rounds_of_all": 1 if quick else ROUNDS, "paired": list(PAIRED_ORDER),
+                "round_order": list(PAIRED_ORDER), "rate_key": "bytes_per_s"}
     return plan
 
 
@@ -99,8 +116,10 @@ def measure_throughput(contender: Contender, params: dict, emit: Callable[[dict]
     scale = params.get("epoch_scales", {}).get(contender.name)
     if scale:
         workload = dataclasses.replace(workload, n_items=scale * workload.n_items)
-    return measure_points(worker_counts(params, contender.name),
-                          lambda workers: drain(contender, workload, workers, params["budget_s"]), emit)
+    counts = worker_counts(params, contender.name)
+    if params.get("descending_workers"):  # a reversed round (see runner.round_order)
+        counts = counts[::-1]
+    return measure_points(counts, lambda workers: drain(contender, workload, workers, params["budget_s"]), emit)
 
 
 def report_tiny(scenario: Scenario, params: dict, results: dict) -> str:
@@ -142,15 +161,16 @@ def epoch_note(params: dict, workload: Workload) -> str:
 def report_tensor(scenario: Scenario, params: dict, results: dict) -> str:
     """A tensor table: GB/s, vs the raw limits, vs the production limit and the others at the same W."""
     w = Workload.from_dict(params["workload"])
-    raw = {ref: point_value(results, ref, "bytes_per_s", 1) for ref in ("raw-socket", "raw-unix")}
+    raw = {ref: point_at(results, ref, 1) for ref in ("raw-socket", "raw-unix")}
 
     def cells(name: str, d: dict) -> list:
         rate = d["bytes_per_s"]
         references = [CONTENDERS[name].production_limit, *SAME_W_REFERENCES[1:]]
-        same_w = [point_value(results, ref, "bytes_per_s", d["workers"]) for ref in references]
+        same_w = [point_at(results, ref, d["workers"]) for ref in references]
+        ratios = [paired_ratio(d, ref, "bytes_per_s") for ref in list(raw.values()) + same_w]
         return ([f"{d['items']:,}", fmt_num(d["bytes"] / GB, ".2f", " GB"),
                  fmt_num(rate / GB if rate else None, ".2f", " GB/s"), rounds_text(d, GB, ".2f")]
-                + [fmt_ratio(ratio(rate, ref)) for ref in list(raw.values()) + same_w] + [budget_note(d)])
+                + [fmt_ratio(r and r["median"]) for r in ratios] + [budget_note(d)])
 
     counts = sorted({p["workers"] for name in results if name not in ONE_STREAM
                      for p in points_of(results, name)})
@@ -186,7 +206,27 @@ def report_tensor(scenario: Scenario, params: dict, results: dict) -> str:
             "whose workers make that one copy"] if "copy-limit" in results else [])
         + rounds_notes(params)
         + [f"{', '.join(caps)}: epoch capped at {min(caps.values()):,} items (runs its epochs to the end)"
-           for caps in [params.get("item_caps") or {}] if caps])
+           for caps in [params.get("item_caps") or {}] if caps]) + paired_table(scenario, results)
+
+
+def paired_table(scenario: Scenario, results: dict) -> str:
+    """The ratio rows of :data:`PAIRS` measured in this run, each with every round's ratio
+    (the table above prints their medians), or '' when none was."""
+    rows = []
+    for name, workers, reference in PAIRS:
+        paired = paired_ratio(point_at(results, name, workers), point_at(results, reference, workers),
+                              "bytes_per_s")
+        if paired is not None:
+            ours, theirs = paired["rates"]
+            rows.append([f"{name} W={workers} / {reference}", fmt_ratio(paired["median"]), str(len(paired["ratios"])),
+                         paired_text(paired), f"{ours / GB:.2f} vs {theirs / GB:.2f} GB/s"])
+    if not rows:
+        return ""
+    return "\n\n" + render_table(
+        f"== {scenario.name}: paired ratios (median of the rounds that measured both) ==",
+        ["ratio", "median", "rounds", "each round's ratio", "detail"], rows,
+        notes=["each round's ratio: that round's rate of the first over the second's; * where the first ran "
+               "first in that round (they alternate)", "detail: the two rates of the round nearest the median"])
 
 
 TENSOR_CONTENDERS = (("raw-socket", "raw-unix", "production-limit") + DATALOADERS
