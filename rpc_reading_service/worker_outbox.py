@@ -219,13 +219,15 @@ class Outbox:
 
     def _take_borrowed(self) -> Optional[List[List[Buffer]]]:
         """The frames for the producer to write itself, its borrowed item's among them when
-        the trainer's credit allows (no wake-up of the sender); else None, the sender is woken."""
+        the trainer's credit allows (no wake-up of the sender); else None, the sender is woken
+        (not for want of credit: the thread that grants it takes the frames, see :meth:`grant`)."""
         if self._send is not None and self._credits > 0 and self.sending.acquire(blocking=False):
             frames = self._ready_frames([], _FRAMES_PER_SEND, final=False)
             if frames:
                 return frames
             self.sending.release()
-        self._cond.notify_all()
+        if self._send is None or self._credits > 0:
+            self._cond.notify_all()
         return None
 
     def _until_written(self, epoch: int, item: EncodedItem) -> None:

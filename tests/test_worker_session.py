@@ -253,7 +253,8 @@ def test_a_staged_item_that_fills_its_batch_is_written_by_its_producer_without_w
     # A local worker's large buffers are staged in shared segments, so the frame is small on the
     # wire: the producer writes a batch that such an item fills itself, waking nobody (the sender
     # would wake once per frame). Without credit its put returns at once (nothing in the frame is
-    # the producer's memory) and the thread that grants the credit writes it.
+    # the producer's memory), the sender is not woken for a frame it cannot send either, and the
+    # thread that grants the credit writes it.
     current = threading.current_thread()
     written = []
     outbox = Outbox(
@@ -268,10 +269,9 @@ def test_a_staged_item_that_fills_its_batch_is_written_by_its_producer_without_w
     outbox._cond.notify_all = lambda: (notified.append(True), notify_all())
     outbox.put(1, EncodedItem(b"1", staged=True))  # fills it: written by this thread
     assert written == [(current, [[0, 1]])] and notified == []
-    outbox._cond.notify_all = notify_all
     outbox.put(1, EncodedItem(b"2", staged=True))
     outbox.put(1, EncodedItem(b"3", staged=True))  # fills it, no credit left: sealed, put returns
-    assert len(written) == 1
+    assert len(written) == 1 and notified == []
     outbox.grant(1, 1)
     outbox.write_taken()
-    assert written[-1] == (current, [[2, 3]])
+    assert written[-1] == (current, [[2, 3]]) and notified == []
