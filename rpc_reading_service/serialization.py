@@ -64,15 +64,19 @@ class EncodedItem:
 
     ``borrowed``: some buffers are the producer's own memory, not copies (see
     :class:`ItemEncoder`'s ``borrow_min_bytes``): the item must be written out before the
-    producer may make its next item.
+    producer may make its next item. ``staged``: some buffers went where the encoder's ``stage``
+    put them (a local worker's shared segments): the frame that carries the item is small on
+    the wire whatever the buffers' size.
     """
 
-    __slots__ = ("payload", "buffers", "borrowed")  # one per item on the hot path: keep it light
+    __slots__ = ("payload", "buffers", "borrowed", "staged")  # one per item on the hot path: keep it light
 
-    def __init__(self, payload: Buffer, buffers: Optional[List[Buffer]] = None, borrowed: bool = False):
+    def __init__(self, payload: Buffer, buffers: Optional[List[Buffer]] = None, borrowed: bool = False,
+                 staged: bool = False):
         self.payload = payload
         self.buffers = buffers if buffers is not None else []
         self.borrowed = borrowed
+        self.staged = staged
 
     def __repr__(self) -> str:
         return f"EncodedItem({len(self.payload)} bytes, {len(self.buffers)} buffers)"
@@ -223,6 +227,7 @@ class ItemEncoder:
         self._stage = stage
         self._borrow_min_bytes = borrow_min_bytes
         self._borrowed = False
+        self._staged = False
 
     def _collect(self, buffer: pickle.PickleBuffer) -> bool:
         if _keep_small_buffers_in_band(buffer):
@@ -233,6 +238,7 @@ class ItemEncoder:
     def _snapshot(self, view: memoryview) -> Any:
         staged = self._stage(view) if self._stage is not None else None
         if staged is not None:
+            self._staged = True
             return staged
         if self._borrow_min_bytes is not None and view.nbytes >= self._borrow_min_bytes:
             self._borrowed = True
@@ -249,9 +255,9 @@ class ItemEncoder:
         stream.truncate()
         try:
             self._pickler.dump(obj)
-            self._borrowed = False
+            self._borrowed = self._staged = False
             buffers = [self._snapshot(b.raw()) for b in self._out_of_band]
-            return EncodedItem(stream.getvalue(), buffers, self._borrowed)
+            return EncodedItem(stream.getvalue(), buffers, self._borrowed, self._staged)
         finally:
             # The memo and the out-of-band list hold the item: let go of it now, so that its
             # memory goes back to the allocator before the producer makes the next item, which

@@ -47,7 +47,9 @@ class Outbox:
     (:attr:`~rpc_reading_service.serialization.EncodedItem.borrowed`: large buffers in the
     producer's own memory) is sealed alone and written before its :meth:`put` returns, by the
     producer itself when credit allows, so the graph cannot write that memory while it is
-    still to be sent. :attr:`sending` is
+    still to be sent. A staged item (:attr:`~rpc_reading_service.serialization.EncodedItem.staged`:
+    large buffers in shared segments) that fills its batch is written by its producer the same way
+    when credit allows, but its put does not wait for the write. :attr:`sending` is
     held from encoding frames to writing them: frames leave in the order recorded. The outbox
     counts the trainer's credits only to know when to block: the state machine is what
     enforces them.
@@ -181,8 +183,12 @@ class Outbox:
                 self._open_since = now
             self._open.append(item)
             self._open_bytes += item.nbytes
-            if item.borrowed:
-                pass  # sealed alone and written below, before the producer makes its next item
+            # A batch that this staged item fills (its large buffers in shared segments: a frame of
+            # a few hundred bytes on the socket) is written by the producer too: no wake-up of the
+            # sender per item, where writing costs less than handing the frame over.
+            itself = item.borrowed or (item.staged and self._fills_batch())
+            if itself:
+                pass  # sealed and written below (a borrowed item before the producer makes its next one)
             elif slow and opened and not self._batch_waits() and self._credits >= 2:
                 frames = self._take_inline(item)
                 if frames is None:
@@ -191,31 +197,37 @@ class Outbox:
                 self._open_slow = True  # the CREDIT the trainer owes takes it along: no wake-up of the sender
             elif opened and self._credits > 0:
                 self._cond.notify_all()  # the sender times the linger from now (without credit, grant() does)
-            full = len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes
-            if full or item.borrowed:
+            if itself or self._fills_batch():
                 while self._batch_waits():
                     self._producer_waiting = True
                     self._cond.wait()
                     self._producer_waiting = False
                     self._check(epoch)
                 if self._open:  # the sender may have taken it while we waited
-                    self._seal(wake=not item.borrowed)
-                if item.borrowed:
+                    self._seal(wake=not itself)
+                if itself:
                     frames = self._take_borrowed()
         if frames is not None:
             self._write_inline(frames)
         if item.borrowed:
             self._until_written(epoch, item)
 
+    def _fills_batch(self) -> bool:
+        """Whether the open batch has reached its item or byte bound."""
+        options = self._options
+        return len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes
+
     def _take_borrowed(self) -> Optional[List[List[Buffer]]]:
         """The frames for the producer to write itself, its borrowed item's among them when
-        the trainer's credit allows (no wake-up of the sender); else None, the sender is woken."""
+        the trainer's credit allows (no wake-up of the sender); else None, the sender is woken
+        (not for want of credit: the thread that grants it takes the frames, see :meth:`grant`)."""
         if self._send is not None and self._credits > 0 and self.sending.acquire(blocking=False):
             frames = self._ready_frames([], _FRAMES_PER_SEND, final=False)
             if frames:
                 return frames
             self.sending.release()
-        self._cond.notify_all()
+        if self._send is None or self._credits > 0:
+            self._cond.notify_all()
         return None
 
     def _until_written(self, epoch: int, item: EncodedItem) -> None:

@@ -247,3 +247,31 @@ def test_a_borrowed_item_is_written_before_its_put_returns():
     finally:
         outbox.close()
         producer.join(5.0)
+
+
+def test_a_staged_item_that_fills_its_batch_is_written_by_its_producer_without_waiting():
+    # A local worker's large buffers are staged in shared segments, so the frame is small on the
+    # wire: the producer writes a batch that such an item fills itself, waking nobody (the sender
+    # would wake once per frame). Without credit its put returns at once (nothing in the frame is
+    # the producer's memory), the sender is not woken for a frame it cannot send either, and the
+    # thread that grants the credit writes it.
+    current = threading.current_thread()
+    written = []
+    outbox = Outbox(
+        SessionOptions(batch_max_items=2, linger=10.0),
+        send=lambda frames: written.append((threading.current_thread(), [data_items(f)[2] for f in frames])),
+    )
+    outbox.start_epoch(1, credits=1)
+    outbox.put(1, EncodedItem(b"0", staged=True))  # does not fill its batch: lingers as any item
+    assert written == []
+    notified = []
+    notify_all = outbox._cond.notify_all
+    outbox._cond.notify_all = lambda: (notified.append(True), notify_all())
+    outbox.put(1, EncodedItem(b"1", staged=True))  # fills it: written by this thread
+    assert written == [(current, [[0, 1]])] and notified == []
+    outbox.put(1, EncodedItem(b"2", staged=True))
+    outbox.put(1, EncodedItem(b"3", staged=True))  # fills it, no credit left: sealed, put returns
+    assert len(written) == 1 and notified == []
+    outbox.grant(1, 1)
+    outbox.write_taken()
+    assert written[-1] == (current, [[2, 3]]) and notified == []
