@@ -622,7 +622,8 @@ MESSAGES = st.one_of(
     st.builds(Items, u32, u64, encoded_items),
     st.builds(EndOfShard, u32, u64),
     st.builds(EndOfInput, u32, u64),
-    st.builds(Lease, u32, u64, u64, st.booleans(), st.integers(1, MAX_LEASE_RUN)),
+    # a lease's positions must end within 64 bits (the decoder refuses others): chunks from below 2**63
+    st.builds(Lease, u32, st.integers(0, (1 << 63) - 1), u64, st.booleans(), st.integers(1, MAX_LEASE_RUN)),
     st.builds(ChunkDone, u32, u64, st.lists(u64, min_size=1, max_size=70).map(tuple), st.none() | st.integers(0, (1 << 63) - 1)),
 )
 
