@@ -499,8 +499,16 @@ class WorkerChannel:
         if not self._closing:
             # A session the worker ended for a stuck item: say so also in a later epoch.
             error = self._ended_by or WorkerLostError(message, self.rank, self.address)
-            self.queue.put(Event(self, "lost", None, error=error))
+            self._report(Event(self, "lost", None, error=error))
         return True
+
+    def _report(self, event: Event) -> None:
+        """Queue ``event`` for the consumer: in a receive loop, with the others of the loop's turn."""
+        if self._in_loop:
+            assert self._loop is not None
+            self._loop.hand_over(self.queue.put, event)
+        else:
+            self.queue.put(event)
 
     def _receive_loop(self) -> None:
         """The receiver thread of a connection no receive loop can watch."""
@@ -525,7 +533,7 @@ class WorkerChannel:
         self.stats.bytes += event.nbytes
         if event.epoch == self.epoch:
             self._received += 1
-        self.queue.put(Event(self, "data", event.epoch, event.frame))
+        self._report(Event(self, "data", event.epoch, event.frame))
         return False
 
     def _on_item_credit(self, event: ItemCredit) -> bool:
@@ -538,12 +546,12 @@ class WorkerChannel:
             sink(event)
 
     def _on_chunk_done(self, event: ChunkDone) -> bool:
-        self.queue.put(Event(self, "chunk_done", event.epoch, chunk=event))
+        self._report(Event(self, "chunk_done", event.epoch, chunk=event))
         return False
 
     def _on_end_of_shard(self, event: EndOfShard) -> bool:
         self._tell_input(event)
-        self.queue.put(Event(self, "end", event.epoch))
+        self._report(Event(self, "end", event.epoch))
         return False
 
     def _on_error(self, event: Error) -> bool:
@@ -553,7 +561,7 @@ class WorkerChannel:
             error: BaseException = self._ended_by
         else:
             error = rebuild_exception(dict(event.exception), self.rank, self.address)
-        self.queue.put(Event(self, "error", event.epoch, error=error))
+        self._report(Event(self, "error", event.epoch, error=error))
         return False
 
     def _item_timeout_error(self, event: Error) -> ItemTimeoutError:

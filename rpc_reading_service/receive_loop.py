@@ -8,6 +8,12 @@ its sessions at once; each readable one is read without blocking
 silent peers) is checked for all sessions together, once per sweep, instead of one timer
 per session.
 
+What a session hands on to its consumer in the loop's thread (:meth:`ReceiveLoop.hand_over`)
+is held until the loop has read every connection that was ready and made its sends, and
+is then handed on all at once, right before the loop waits again: the consumer, woken by
+the first of them, would otherwise take the GIL at the loop's next ``recv`` and the two
+threads would hand it back and forth once per frame (several futex wake-ups each).
+
 Small sends that another thread finds due (the consumer's credits) are made here too, in
 the loop's turn (:meth:`ReceiveLoop.due`): a send wakes its peer, and on a busy host the
 woken process preempts the thread that sends; the loop's thread can afford that, the
@@ -87,6 +93,9 @@ class ReceiveLoop:
         self._due: Dict[int, Watched] = {}
         self._selecting = self._woken = False
         self._retry = _RETRY_SECONDS
+        #: What sessions handed on in this turn of the loop: (deliver, item), in order.
+        self._handed: List[Tuple[Callable[[Any], None], Any]] = []
+        self._ident: Optional[int] = None
 
     def add(self, session: Watched) -> None:
         """Watch ``session`` from now on (its frames already received are taken at once)."""
@@ -109,6 +118,7 @@ class ReceiveLoop:
             self._changes.append((session, False, done))
         if threading.current_thread() is self._thread:
             self._apply_changes()
+            self._deliver_handed()  # before its owner reports it closed
             return
         self._wake()
         done.wait(timeout)
@@ -138,6 +148,14 @@ class ReceiveLoop:
         if wake:
             self._wake()
 
+    def hand_over(self, deliver: Callable[[Any], None], item: Any) -> None:
+        """``deliver(item)``, at the end of the loop's current turn when called in the loop's
+        thread (in order with the others handed over), else at once."""
+        if threading.get_ident() == self._ident:
+            self._handed.append((deliver, item))
+        else:
+            deliver(item)
+
     # -- the loop's thread ---------------------------------------------------------------------
     def _wake(self) -> None:
         try:
@@ -146,8 +164,18 @@ class ReceiveLoop:
             pass  # full (a wake-up is pending anyway) or closed
 
     def _run(self) -> None:
+        self._ident = threading.get_ident()
+        try:
+            self._turns()
+        finally:
+            self._ident = None
+            self._deliver_handed()
+
+    def _turns(self) -> None:
         while True:
+            self._deliver_handed()  # before a removal is done: its owner reports it closed next
             self._apply_changes()
+            self._deliver_handed()  # an added session's first frames
             if self._closed:
                 return
             timeout = max(0.0, self._next_sweep - time.monotonic()) if self._watched else None
@@ -168,6 +196,15 @@ class ReceiveLoop:
             now = time.monotonic()
             if now >= self._next_sweep:
                 self._sweep(now)
+
+    def _deliver_handed(self) -> None:
+        """Hand on what the sessions handed over in this turn (before the loop waits)."""
+        handed, self._handed = self._handed, []
+        for deliver, item in handed:
+            try:
+                deliver(item)
+            except Exception:  # noqa: BLE001 - one consumer's bug must not stop the others' receiving
+                log.exception("the receive loop's hand-over %r failed", deliver)
 
     def _send_due(self) -> None:
         """One pass over the sessions with sends due; those that cannot send now stay due."""

@@ -1,0 +1,91 @@
+"""The trainer's receive loop on its own: its sessions are plain socket pairs (no worker, no protocol)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import List, Optional
+
+import pytest
+
+from _server_helpers import wait_until
+from rpc_reading_service.receive_loop import ReceiveLoop
+
+pytestmark = pytest.mark.timeout(10)
+
+
+class Session:
+    """A :class:`~rpc_reading_service.receive_loop.Watched` whose bytes come through a socket pair;
+    each byte read is handed over to ``delivered``, and each read notes what was delivered by then."""
+
+    def __init__(self, loop: ReceiveLoop, delivered: List[bytes]):
+        self.loop, self.delivered = loop, delivered
+        self.ours, self.theirs = socket.socketpair()
+        self.ours.setblocking(False)
+        self.seen_when_reading: List[List[bytes]] = []
+        self.reads = 0
+        #: Set: its reads wait for this event (to hold the loop's thread in a turn).
+        self.gate: Optional[threading.Event] = None
+
+    def fileno(self) -> Optional[int]:
+        return self.ours.fileno()
+
+    def on_readable(self) -> bool:
+        self.reads += 1
+        if self.gate is not None:
+            self.gate.wait(5.0)
+        try:
+            data = self.ours.recv(64)
+        except BlockingIOError:
+            return False
+        self.seen_when_reading.append(list(self.delivered))
+        for byte in data:
+            self.loop.hand_over(self.delivered.append, bytes([byte]))
+        return not data
+
+    def on_tick(self, now: float) -> Optional[float]:
+        return 1.0
+
+    def send_due(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.ours.close()
+        self.theirs.close()
+
+
+def test_what_sessions_hand_over_in_one_turn_is_delivered_after_the_turn_in_order():
+    loop, delivered = ReceiveLoop(), []
+    sessions = [Session(loop, delivered) for _ in range(2)]
+    gate = Session(loop, [])
+    try:
+        for session in sessions + [gate]:
+            loop.add(session)
+        assert wait_until(lambda: all(session.reads for session in sessions + [gate]), 5.0)  # watched
+        # Hold the loop's thread in a turn while both sessions' bytes arrive: the next turn reads both.
+        gate.gate = threading.Event()
+        gate.theirs.send(b"g")
+        assert wait_until(lambda: gate.reads == 2, 5.0)
+        for session in sessions:
+            session.theirs.send(b"ab")
+        gate.gate.set()
+        assert wait_until(lambda: len(delivered) == 4, 5.0)
+        assert delivered == [b"a", b"b", b"a", b"b"]  # in the order handed over: each session's in its order
+        # The turn's second read came before anything of its first was delivered.
+        assert [session.seen_when_reading[-1] for session in sessions] == [[], []]
+        sessions[0].theirs.send(b"c")
+        assert wait_until(lambda: delivered[-1:] == [b"c"], 5.0)  # a later turn: delivered too
+        assert sessions[0].seen_when_reading[-1] == delivered[:4]
+    finally:
+        loop.close()
+        for session in sessions + [gate]:
+            session.close()
+
+
+def test_a_hand_over_outside_the_loops_thread_is_delivered_at_once():
+    loop, delivered = ReceiveLoop(), []
+    try:
+        loop.hand_over(delivered.append, 1)
+        assert delivered == [1]
+    finally:
+        loop.close()
