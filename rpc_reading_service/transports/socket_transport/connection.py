@@ -148,15 +148,18 @@ class SocketConnection(Connection):
         return False
 
     def _recv_into(self, view: memoryview, deadline: Optional[float]) -> Optional[int]:
-        # Without a deadline on a blocking socket, one receive that sleeps until bytes come: a
-        # wake-up costs one system call, not a non-blocking try, a select and the receive. A
-        # close() from another thread wakes it (its shutdown ends the receive with 0 bytes).
-        flags = 0 if deadline is None and self._sock.gettimeout() is None else socket.MSG_DONTWAIT
+        if deadline is None and not self._reader.mid_frame:
+            # Waiting for a new frame with no deadline (a worker session's control loop): it has
+            # most likely not come yet, so wait first. A wake-up then costs a select and the
+            # receive, not also a receive that finds nothing; a blocking receive would be one
+            # call, but the kernel wakes a thread blocked in it each time the peer reads bytes
+            # this end sent (once per frame a worker sends), where select sleeps on.
+            self._wait_for_input(None)
         while True:
             if self._closed:
                 raise PeerLostError(f"connection to {self.peer} is closed")
             try:
-                n = self._recv_some(view, flags)
+                n = self._recv_some(view)
             except (BlockingIOError, InterruptedError):
                 if not self._wait_for_input(deadline):
                     return None
@@ -164,15 +167,12 @@ class SocketConnection(Connection):
             except OSError as exc:
                 raise PeerLostError(f"lost connection to {self.peer}: {exc}") from exc
             if n == 0:
-                if self._closed:
-                    raise PeerLostError(f"connection to {self.peer} is closed")
                 raise self._closed_by_peer()
             return n
 
-    def _recv_some(self, view: memoryview, flags: int = socket.MSG_DONTWAIT) -> int:
-        """One receive into ``view``: with ``MSG_DONTWAIT`` it raises BlockingIOError when nothing
-        is there; with 0 (a blocking socket) it waits for bytes."""
-        return self._sock.recv_into(view, 0, flags)
+    def _recv_some(self, view: memoryview) -> int:
+        """One non-blocking receive into ``view`` (raises BlockingIOError when nothing is there)."""
+        return self._sock.recv_into(view, 0, socket.MSG_DONTWAIT)
 
     def _wait_for_input(self, deadline: Optional[float]) -> bool:
         """Wait until the socket is readable; False once ``deadline`` has passed."""

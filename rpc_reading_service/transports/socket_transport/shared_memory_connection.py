@@ -137,10 +137,10 @@ class SharedMemoryConnection(SocketConnection):
             return self._segments.open(shared, fds, self._reader.max_frame_bytes)
         raise RemoteProtocolError(f"{self.peer} sent {frame.kind.name}, which this end of the connection never accepts")
 
-    def _recv_some(self, view: memoryview, flags: int = socket.MSG_DONTWAIT) -> int:
+    def _recv_some(self, view: memoryview) -> int:
         if self._segments is None:  # descriptors sent to this end are dropped by the kernel
-            return super()._recv_some(view, flags)
-        n, ancillary, flags, _ = self._sock.recvmsg_into([view], _ANCILLARY_BYTES, flags)
+            return super()._recv_some(view)
+        n, ancillary, flags, _ = self._sock.recvmsg_into([view], _ANCILLARY_BYTES, socket.MSG_DONTWAIT)
         for level, kind, data in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array.array("i")
