@@ -134,9 +134,8 @@ class WorkerChannel:
         self._held: Optional[List[Tuple[Tuple[Message, ...], Optional[int], bool]]] = []
         self._loop = loop
         self._in_loop = False
-        #: The epoch's credit window, the credits not sent back yet, and the epoch's DATA frames
-        #: received (the receiver counts) and taken (the consumer counts): see :meth:`grant`.
-        self._window, self._ungranted, self._received, self._taken = 1, 0, 0, 0
+        #: The epoch's credit window and the credits not sent back yet: see :meth:`grant`.
+        self._window, self._ungranted = 1, 0
         #: Around the credits not sent back yet (the consumer adds, the receive loop sends), and
         #: whether the loop was told that they are due.
         self._credit_lock = threading.Lock()
@@ -337,7 +336,7 @@ class WorkerChannel:
         worker walks its stream by the chunks :meth:`lease` hands it."""
         with self._credit_lock:
             self.epoch = epoch
-            self._window, self._ungranted, self._received, self._taken = credits, 0, 0, 0
+            self._window, self._ungranted = credits, 0
         self.stats = ChannelStats()
         self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased=leased))
 
@@ -351,15 +350,12 @@ class WorkerChannel:
         """Allow the worker ``credits`` more DATA frames of ``epoch`` for the ones just taken
         (nothing for a superseded epoch; the consumer's thread only).
 
-        Credits go back in batches: once half the window is due (one CREDIT frame, and one
-        wake-up of the worker, per two frames taken when items travel one per frame; the worker
-        always holds a credit, since fewer than the window are held back). After a
-        :func:`slow_frame` while more of this worker's frames wait here, up to the whole window:
-        the trainer is behind that worker, which meanwhile packs its next items into the frame
-        the CREDIT lets go instead of sending each alone (fewer frames, CREDITs and wake-ups on
-        both sides per item, exactly while the trainer is what limits the rate). A worker that
-        holds half the window uncredited still gets its CREDIT without sending more: its frames
-        here are taken, the last of them with none waiting behind it.
+        Credits go back in batches, by the protocol's rule
+        (:func:`~rpc_reading_service.protocol.credit_batch`): once half the window is due (the
+        worker always holds a credit), or after a :func:`slow_frame` once the whole window is:
+        a slow stage needs no credit before it has spent its last one, and packs the items it
+        makes meanwhile into the frame the CREDIT lets go (one CREDIT, and one wake-up of the
+        worker, per window of frames).
 
         In a receive loop, the CREDIT is only marked due here and the loop sends it
         (:meth:`send_due`), with the credits granted until then.
@@ -368,9 +364,7 @@ class WorkerChannel:
             return
         with self._credit_lock:
             self._ungranted += credits
-            self._taken += credits
-            behind = after_slow_frame and self._received > self._taken
-            if self._ungranted < (self._window if behind else credit_batch(self._window)):
+            if self._ungranted < credit_batch(self._window, slow=after_slow_frame):
                 return
             if self._in_loop:
                 tell, self._credit_due = not self._credit_due, True
@@ -531,8 +525,6 @@ class WorkerChannel:
         # Only the header was read: the consumer decodes, so this thread holds the GIL briefly.
         self.stats.frames += 1
         self.stats.bytes += event.nbytes
-        if event.epoch == self.epoch:
-            self._received += 1
         self._report(Event(self, "data", event.epoch, event.frame))
         return False
 

@@ -29,13 +29,12 @@ class Outbox:
     The producer fills an open batch; a batch is sealed when it reaches the item or
     byte bound, or when the sender takes it after ``linger`` seconds. An item that comes
     more than ``linger`` after the one before it (a slow, say sleep-bound, stage) is sealed
-    at once while the trainer keeps up (two credits or more left): waiting would only delay
-    it, and wake the sender twice; a producer that was merely descheduled on a busy host
-    must not spend the last credits on one-item frames. With fewer credits left, and the
-    trainer owing a CREDIT for the frames it holds (it returns them once half the window is
-    due), such an item waits for that CREDIT, which takes it along (:meth:`grant`), without
-    waking the sender; nor is the sender woken for items while no credit is left. At most one sealed
-    batch waits for credit; past that the producer blocks (backpressure).
+    at once while a credit is left: waiting would only delay it, and wake the sender twice.
+    The trainer returns a slow stage's credits once the whole window is due
+    (:func:`~rpc_reading_service.protocol.credit_batch`), so with none left such an item waits
+    for that CREDIT, which takes it along (:meth:`grant`) with the items made meanwhile,
+    without waking the sender; nor is the sender woken for items while no credit is left. At
+    most one sealed batch waits for credit; past that the producer blocks (backpressure).
 
     A frame is encoded through ``encode`` (a session passes its state machine's ``send``, which
     checks and records it) while the outbox holds ``lock`` (a session passes the lock of its
@@ -79,7 +78,7 @@ class Outbox:
         self._open: List[EncodedItem] = []
         self._open_bytes = 0
         self._open_since = 0.0
-        #: A slow item opened the batch and waits for credit: sealed without lingering once two credits are there.
+        #: A slow item opened the batch and waits for credit: sealed without lingering once credit comes.
         self._open_slow = False
         #: The epoch's credit window (what ``start_epoch`` granted): frames sent and not yet credited back are
         #: ``_window - _credits``.
@@ -189,7 +188,7 @@ class Outbox:
             itself = item.borrowed or (item.staged and self._fills_batch())
             if itself:
                 pass  # sealed and written below (a borrowed item before the producer makes its next one)
-            elif slow and opened and not self._batch_waits() and self._credits >= 2:
+            elif slow and opened and not self._batch_waits() and self._credits > 0:
                 frames = self._take_inline(item)
                 if frames is None:
                     self._seal()  # the sender wakes once, for a frame to send
@@ -313,9 +312,9 @@ class Outbox:
             self._credit_wait_since = None
 
     def _credit_owed(self) -> bool:
-        """Whether the trainer holds enough of this epoch's frames that it owes a CREDIT without
-        more of them (:func:`~rpc_reading_service.protocol.credit_batch`)."""
-        return self._window - self._credits >= credit_batch(self._window)
+        """Whether the trainer holds enough of this epoch's frames that it owes a slow stage a
+        CREDIT without more of them (:func:`~rpc_reading_service.protocol.credit_batch`)."""
+        return self._window - self._credits >= credit_batch(self._window, slow=True)
 
     def _check(self, epoch: int) -> None:
         if self._closed or epoch != self.epoch or self._final_ends_session:
@@ -422,7 +421,7 @@ class Outbox:
             if not self._sealed and self._open:
                 if (
                     self._final is not None
-                    or (self._open_slow and self._credits >= 2)
+                    or self._open_slow
                     or now - self._open_since >= self._options.linger
                 ):
                     # Taken right below: a notify would only wake the sender to find the send in

@@ -79,6 +79,54 @@ def test_recv_ready_returns_the_frames_that_arrived_without_blocking_then_the_lo
 
 
 @pytest.mark.timeout(20)
+def test_recv_without_a_deadline_waits_before_it_receives_and_close_ends_the_wait():
+    """A worker session's control loop waits for the trainer's next frame with ``recv()``: one
+    select and one receive per frame, no receive that finds nothing first (a wake-up of its
+    own per CREDIT); a close() from another thread still ends the wait."""
+    import time
+
+    from rpc_reading_service.protocol import FrameReader, MessageKind, encode_frame
+    from rpc_reading_service.transports.base import PeerLostError
+    from rpc_reading_service.transports.socket_transport import SocketConnection
+
+    class Counting(SocketConnection):
+        empty = 0
+
+        def _recv_some(self, view):
+            try:
+                return super()._recv_some(view)
+            except BlockingIOError:
+                self.empty += 1
+                raise
+
+    ours, theirs = socket.socketpair()
+    conn = Counting(ours, "peer", FrameReader())
+    frame = b"".join(bytes(c) for c in encode_frame(MessageKind.HEARTBEAT, [b"x" * 10]))
+    later = threading.Timer(0.05, theirs.sendall, (frame,))
+    later.start()
+    try:
+        for _ in range(2):
+            assert bytes(conn.recv().body) == b"x" * 10
+            later.join()
+            later = threading.Timer(0.05, theirs.sendall, (frame,))
+            later.start()
+        assert conn.empty == 0
+        later.join()
+        assert bytes(conn.recv().body) == b"x" * 10  # arrived before the call: the select returns at once
+        closer = threading.Timer(0.05, conn.close)
+        closer.start()
+        started = time.monotonic()
+        with pytest.raises(PeerLostError):
+            conn.recv()
+        assert time.monotonic() - started < 5.0
+        closer.join()
+    finally:
+        later.cancel()
+        conn.close()
+        theirs.close()
+
+
+@pytest.mark.timeout(20)
 def test_a_large_frame_then_a_small_one_both_wake_an_event_loop_over_tcp():
     """Over TCP a large buffer raises the socket's receive low-water mark (fewer wake-ups per
     tensor): the frame's last bytes, and a small frame after it with nothing behind, must

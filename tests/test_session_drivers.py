@@ -154,22 +154,22 @@ def test_setup_and_epochs_with_credits(pair):
     assert link.epoch(3, skip=7) == [7, 8, 9]  # a resumed epoch
 
 
-def test_a_slow_stage_is_credited_once_its_frames_waiting_in_the_trainer_are_taken(pair):
-    # Three one-item frames arrive, then the worker's graph blocks (no fourth frame can come).
+def test_a_slow_stage_is_credited_once_its_whole_window_is_taken(pair):
+    # Three one-item frames arrive, then the worker's graph blocks (no fourth frame comes yet).
     graph = IterableWrapper(range(12)).sharding_filter().map(slow_then_block_at_3)
     link = pair(heartbeat_interval=5.0, peer_timeout=20.0).setup(graph, linger=0.001)
     channel = link.channel
     channel.start_epoch(1, seed=1, global_worker_id=0, credits=4)
     assert wait_until(lambda: channel.stats.frames == 3, 5.0)
     items = iterate_in_order([channel], EpochProgress(1, [0]))
-    assert [next(items), next(items)] == [0, 1]
-    # Half the window is due, but a frame of the worker still waits here: no CREDIT yet (the
-    # worker, left one credit, packs its next items for the CREDIT to come).
+    assert [next(items), next(items), next(items)] == [0, 1, 2]
+    # All three taken, more than half the window: but the worker holds a credit for its next
+    # slow item, so it needs none yet (one CREDIT per window for a slow stage, not per half).
     assert channel.protocol.credits == 1 and channel.stats.frames == 3
-    assert next(items) == 2
-    assert channel.protocol.credits == 4  # the last waiting frame taken: all three in one CREDIT
     RELEASE.set()
-    assert list(items) == list(range(3, 12))
+    assert next(items) == 3  # sent with the last credit
+    assert channel._ungranted == 0  # the whole window taken: all four went back in one CREDIT
+    assert list(items) == list(range(4, 12))
 
 
 def test_in_a_receive_loop_the_loop_sends_the_credits_the_consumer_grants(pair):

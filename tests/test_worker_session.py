@@ -159,8 +159,13 @@ def test_an_item_slower_than_linger_leaves_at_once():
     assert outbox.take(0.02) is None
     assert data_items(outbox.take(1.0))[2] == [2]
     time.sleep(0.15)
-    outbox.put(1, item(3))  # slow, but one credit left: batching as before
+    outbox.put(1, item(3))  # slow, the last credit: at once too (a slow stage is credited per window)
+    assert data_items(outbox.take(0.02))[2] == [3]
+    time.sleep(0.15)
+    outbox.put(1, item(4))  # slow, no credit left: it waits for the CREDIT ...
     assert outbox.take(0.02) is None
+    outbox.grant(1, 4)
+    assert data_items(outbox.take(0.02))[2] == [4]  # ... and leaves with it, without lingering
 
 
 def test_a_small_slow_item_is_written_by_its_producer_and_a_big_one_by_the_sender():
@@ -187,8 +192,8 @@ def test_a_small_slow_item_is_written_by_its_producer_and_a_big_one_by_the_sende
 
 
 def test_a_slow_item_short_of_credit_waits_for_the_credit_owed_without_waking_the_sender():
-    # One credit left and three frames with the trainer: it owes a CREDIT (it returns them once
-    # half the window is due). The slow item waits for it and leaves from the thread that
+    # A slow stage spends every credit (the trainer returns them once the whole window is due);
+    # with none left, the slow item waits for that CREDIT and leaves from the thread that
     # grants it, at once; the sender, asleep, is not woken for it.
     written = []
     outbox = Outbox(
@@ -201,19 +206,19 @@ def test_a_slow_item_short_of_credit_waits_for_the_credit_owed_without_waking_th
     sender = threading.Thread(target=outbox.send_next, args=(5.0,))
     sender.start()
     try:
-        for i in (1, 2):  # slow, two credits or more: written by the producer (this thread)
+        for i in (1, 2, 3):  # slow, a credit left (the last one too): written by the producer (this thread)
             time.sleep(0.03)
             outbox.put(1, item(i))
         time.sleep(0.03)
-        outbox.put(1, item(3))  # slow, one credit left
-        time.sleep(0.1)  # ten lingers: a woken sender would have sent it with the last credit
-        assert [items for _thread, items in written] == [[[0]], [[1]], [[2]]]
+        outbox.put(1, item(4))  # slow, no credit left: the trainer owes the window's CREDIT
+        time.sleep(0.1)  # ten lingers: a woken sender would have found no credit either
+        assert [items for _thread, items in written] == [[[0]], [[1]], [[2]], [[3]]]
         notified = []
         notify_all = outbox._cond.notify_all
         outbox._cond.notify_all = lambda: (notified.append(True), notify_all())
-        outbox.grant(1, 2)  # the CREDIT the trainer owed
+        outbox.grant(1, 4)  # the CREDIT the trainer owed
         outbox.write_taken()
-        assert written[-1] == (threading.current_thread(), [[3]])
+        assert written[-1] == (threading.current_thread(), [[4]])
         # Sealed and taken by the granting thread: nobody was woken (the sender twice, before:
         # for the sealed frame, then at the end of the write it found in progress).
         assert notified == []

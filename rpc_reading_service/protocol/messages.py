@@ -199,11 +199,18 @@ class SessionOptions:
         return cls(**{name: value for name, value in values.items() if name in known})
 
 
-def credit_batch(window: int) -> int:
-    """How many credits a trainer returns in one CREDIT with a window of ``window`` frames: half
-    of it (at least one), so that the worker always holds a credit. A worker that holds this
-    many of its frames uncredited knows a CREDIT is owed to it without sending more."""
-    return max(1, window // 2)
+def credit_batch(window: int, slow: bool = False) -> int:
+    """How many credits a trainer returns in one CREDIT with a window of ``window`` frames.
+
+    After a frame of a fast stage: half of it (at least one), so that the worker always holds a
+    credit and producing overlaps sending. After a ``slow`` stage's frame (one small item, sealed
+    alone because the next one was not made within ``linger``): the whole window. Such a worker
+    needs no credit before it has spent its last one: it makes an item slower than a CREDIT
+    travels, and packs the items it makes meanwhile into the frame that CREDIT lets go. So it
+    costs one CREDIT, and one wake-up of each side, per window of frames instead of per half.
+    A worker that holds this many of its frames uncredited knows a CREDIT is owed to it without
+    sending more."""
+    return window if slow else max(1, window // 2)
 
 
 @dataclass(frozen=True)

@@ -148,6 +148,13 @@ class SocketConnection(Connection):
         return False
 
     def _recv_into(self, view: memoryview, deadline: Optional[float]) -> Optional[int]:
+        if deadline is None and not self._reader.mid_frame:
+            # Waiting for a new frame with no deadline (a worker session's control loop): it has
+            # most likely not come yet, so wait first. A wake-up then costs a select and the
+            # receive, not also a receive that finds nothing; a blocking receive would be one
+            # call, but the kernel wakes a thread blocked in it each time the peer reads bytes
+            # this end sent (once per frame a worker sends), where select sleeps on.
+            self._wait_for_input(None)
         while True:
             if self._closed:
                 raise PeerLostError(f"connection to {self.peer} is closed")
