@@ -243,6 +243,7 @@ EXOTIC_TENSORS = {
     "quint8-large": lambda: _quantized(torch.quint8, (4 * OUT_OF_BAND_MIN_BYTES,)),
     "quint8-transposed": lambda: _quantized(torch.quint8, (8, 16)).t(),
     "quint8-offset": lambda: _quantized(torch.quint8, (100,))[10:30],
+    "quint8-empty": lambda: _quantized(torch.quint8, (0, 3)),
     "per-channel-qint8": lambda: torch.quantize_per_channel(
         torch.randn(3, 4), torch.tensor([0.1, 0.2, 0.3]), torch.tensor([0, 1, -2]), 0, torch.qint8
     ),
@@ -262,6 +263,7 @@ EXOTIC_TENSORS = {
     "storage-offset-large": lambda: torch.randn(3 * OUT_OF_BAND_MIN_BYTES)[7 : 2 * OUT_OF_BAND_MIN_BYTES],
     "requires-grad-large": lambda: torch.randn(OUT_OF_BAND_MIN_BYTES, requires_grad=True),
     "requires-grad-non-leaf": lambda: torch.randn(5, requires_grad=True) * 2,
+    "requires-grad-empty": lambda: torch.empty(0, requires_grad=True),
     "parameter": lambda: torch.nn.Parameter(torch.randn(3)),
 }
 
@@ -300,6 +302,18 @@ def test_exotic_tensors_arrive_as_they_were_sent(make):
     assert len(received_params) == len(sent_params)
     assert all(torch.equal(r, s) if isinstance(s, torch.Tensor) else r == s for r, s in zip(received_params, sent_params))
     assert torch.equal(after, torch.arange(3))  # the stream goes on after it
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # deprecated quantized creation
+def test_storages_in_torch_reductions_go_out_of_band_and_are_rebuilt_on_received_memory():
+    quantized = _quantized(torch.quint8, (4 * OUT_OF_BAND_MIN_BYTES,))
+    for tensor in (quantized, torch.randn(OUT_OF_BAND_MIN_BYTES, requires_grad=True)):
+        encoded = over_the_wire(dumps_item(tensor))
+        assert len(encoded.buffers) == 1 and len(encoded.payload) < 1024  # not torch.save's bytes in band
+        received = loads_item(encoded)
+        assert received.untyped_storage().data_ptr() == np.frombuffer(encoded.buffers[0], np.uint8).ctypes.data
+    assert torch.equal(received.detach(), tensor.detach()) and received.requires_grad
+    assert received.untyped_storage().nbytes() == tensor.untyped_storage().nbytes()
 
 
 def test_a_tensor_torch_cannot_pickle_is_a_clear_error():

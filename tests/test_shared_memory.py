@@ -352,7 +352,7 @@ def item_of_every_size(index: int):
         "mid": torch.full((100_000,), index, dtype=torch.uint8),
         "small": torch.full((10,), index, dtype=torch.int64),
         # Quantized ones, as big as a plain one that is shared: their memory alone is no plain
-        # tensor (torch's reduction carries them). repeat(): quantizing a big tensor is slow.
+        # tensor (torch's reduction rebuilds them on it). repeat(): quantizing a big one is slow.
         "quantized_big": torch.quantize_per_tensor(torch.tensor([index / 2]), 0.5, 3, torch.quint8).repeat(
             SHARED_MEMORY_MIN_BYTES
         ),
@@ -415,6 +415,7 @@ def test_local_workers_hand_big_buffers_over_in_shared_memory():
             for item in items:
                 index = int(item["small"][0])
                 assert item.pop("made_in_a_segment") is True  # a forked session's graph made it in its pool
+                assert in_shared_memory(item["quantized_big"].data_ptr(), ranges)  # its storage, staged
                 check_quantized(item, index)
                 assert all(bool((value == index).all()) for value in item.values())
                 assert in_shared_memory(item["big"].data_ptr(), ranges)
