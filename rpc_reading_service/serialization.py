@@ -166,7 +166,7 @@ class _ItemPickler(pickle.Pickler):
             return reduction
         if type(obj) is not torch.Tensor:
             kind = type(obj)
-            if kind is torch.storage.TypedStorage and obj.device.type == "cpu":
+            if kind is torch.storage.TypedStorage and obj._untyped_storage.device.type == "cpu":  # .device warns
                 return _storage_reduction(obj)
             if kind is torch.qscheme:  # plain pickle searches every module for it: 2 ms per item
                 return _lookup, ("torch", obj.__reduce__())
