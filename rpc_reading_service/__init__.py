@@ -26,6 +26,7 @@ from .errors import (
     ConfigurationError,
     DiscoveryTimeoutError,
     FrameTooLargeError,
+    ItemPicklingError,
     ItemTimeoutError,
     LocalProtocolError,
     ProtocolError,
@@ -104,4 +105,5 @@ __all__ = [
     "DiscoveryTimeoutError",
     "CacheKeyError",
     "StickyKeyError",
+    "ItemPicklingError",
 ]

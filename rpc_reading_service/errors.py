@@ -25,6 +25,7 @@ __all__ = [
     "CacheKeyError",
     "DispatchStalledError",
     "StickyKeyError",
+    "ItemPicklingError",
 ]
 
 
@@ -142,3 +143,9 @@ class StickyKeyError(RPCReadingServiceError, TypeError):
     """The sticky distribution could not hash an item's key to a worker: the key is not one of
     the accepted types (bytes, str, int, float, None, and tuples or lists of them). The message
     names the worker and the key; pass a ``key_fn`` that returns such a key (e.g. the file path)."""
+
+
+class ItemPicklingError(RPCReadingServiceError, TypeError):
+    """An item holds a tensor that cannot be pickled to cross to the other side (an MKL-DNN
+    tensor, for example). The message names the tensor's kind; convert it in the graph into one
+    that can cross (``.to_dense()``, or a plain strided tensor) before yielding it."""

@@ -8,6 +8,7 @@ that copy: the transport recognises the memory and lends the segment as it is.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Sequence, Union
 
@@ -32,10 +33,18 @@ def shared_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.ui
     threads, in-process iteration, tensors under 256 KiB, a full pool) it is ordinary memory,
     so a graph that calls it runs unchanged anywhere. The trainer receives an ordinary,
     writable tensor either way. Do not write to the tensor after yielding it: the trainer
-    reads the same memory.
+    reads the same memory. A quantized ``dtype`` raises TypeError (the memory alone has no
+    quantizer); :func:`shared_collate` stacks quantized tensors in ordinary memory.
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"shared_empty: dtype must be a torch.dtype, got {dtype!r}")
+    if _is_quantized(dtype):
+        # Its memory alone would make a tensor without scale and zero point, which no quantized op can read.
+        raise TypeError(
+            f"shared_empty: {dtype} is a quantized dtype, and shared_empty makes plain tensors; make the "
+            "quantized tensor with torch.quantize_per_tensor or torch.quantize_per_channel instead: it reaches "
+            "the trainer intact, in ordinary memory"
+        )
     size = torch.Size((shape,) if isinstance(shape, int) else tuple(shape))
     if any(d < 0 for d in size):
         raise ValueError(f"shared_empty: every dimension must be >= 0, got shape {tuple(size)}")
@@ -51,9 +60,15 @@ def shared_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.ui
     return tensor if len(size) == 1 else tensor.view(size)
 
 
+@functools.lru_cache(maxsize=None)
+def _is_quantized(dtype: torch.dtype) -> bool:
+    """Whether tensors of ``dtype`` are quantized (torch.dtype does not say; a tensor does)."""
+    return torch.empty((0,), dtype=dtype).is_quantized
+
+
 def _stack_in_shared_memory(batch: Sequence[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
     elem = batch[0]
-    if elem.device.type != "cpu" or elem.layout != torch.strided or elem.is_nested:
+    if elem.device.type != "cpu" or elem.layout != torch.strided or elem.is_nested or elem.is_quantized:
         return collate_tensor_fn(batch, collate_fn_map=collate_fn_map)  # its own checks and errors
     return torch.stack(batch, 0, out=shared_empty((len(batch), *elem.shape), elem.dtype))
 

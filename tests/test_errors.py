@@ -5,7 +5,7 @@ from rpc_reading_service.errors import describe_worker
 
 
 def test_errors_are_exported_and_typed():
-    for name in ("AuthenticationError", "ProtocolError", "WorkerLostError", "WorkerStartupError",
+    for name in ("AuthenticationError", "ProtocolError", "WorkerLostError", "WorkerStartupError", "ItemPicklingError",
                  "RemoteWorkerError", "FrameTooLargeError", "ConfigurationError"):
         error = getattr(rrs, name)
         assert name in rrs.__all__

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from rpc_reading_service.errors import RemoteWorkerError
+from rpc_reading_service.errors import ItemPicklingError, RemoteWorkerError
 from rpc_reading_service.protocol import EncodedItem, FrameReader, MessageKind, decode_data, encode_data, encode_frame
 from rpc_reading_service.serialization import (
     OUT_OF_BAND_MIN_BYTES,
@@ -227,6 +227,98 @@ def test_requires_grad_tensor_uses_torch_reduction():
     t = torch.randn(3, requires_grad=True)
     out = roundtrip(t)
     assert out.requires_grad and torch.equal(out.detach(), t.detach())
+
+
+def _quantized(dtype, size=(10,)):
+    return torch.quantize_per_tensor(torch.rand(size) * 4, 0.1, 0 if dtype is torch.qint32 else 10, dtype)
+
+
+#: Tensors the out-of-band fast path must not take for plain ones (or must take right), made
+#: when the test runs (quantize_* warns that it is deprecated).
+EXOTIC_TENSORS = {
+    "quint8": lambda: _quantized(torch.quint8),
+    "qint8": lambda: _quantized(torch.qint8),
+    "qint32": lambda: _quantized(torch.qint32),
+    "quint4x2": lambda: _quantized(torch.quint4x2),
+    "quint8-large": lambda: _quantized(torch.quint8, (4 * OUT_OF_BAND_MIN_BYTES,)),
+    "quint8-transposed": lambda: _quantized(torch.quint8, (8, 16)).t(),
+    "quint8-offset": lambda: _quantized(torch.quint8, (100,))[10:30],
+    "quint8-empty": lambda: _quantized(torch.quint8, (0, 3)),
+    "per-channel-qint8": lambda: torch.quantize_per_channel(
+        torch.randn(3, 4), torch.tensor([0.1, 0.2, 0.3]), torch.tensor([0, 1, -2]), 0, torch.qint8
+    ),
+    "per-channel-float-qparams": lambda: torch.quantize_per_channel(
+        torch.randn(3, 4), torch.tensor([0.1, 0.2, 0.3]), torch.tensor([0.0, 0.5, 1.0]), 0, torch.quint8
+    ),
+    "sparse-coo": lambda: torch.randn(4, 5).relu().to_sparse(),
+    "sparse-csr": lambda: torch.randn(4, 5).relu().to_sparse_csr(),
+    "nested": lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)]),
+    "float8": lambda: torch.randn(6).to(torch.float8_e4m3fn),
+    "float8-transposed": lambda: torch.randn(3, 4).to(torch.float8_e5m2).t(),
+    "uint16": lambda: torch.tensor([1, 2, 65535], dtype=torch.uint16),
+    "complex32": lambda: torch.randn(4, dtype=torch.complex64).to(torch.complex32),
+    "complex128-conj": lambda: torch.randn(4, dtype=torch.complex128).conj(),
+    "bool-large": lambda: torch.rand(OUT_OF_BAND_MIN_BYTES * 2) > 0.5,
+    "zero-dim": lambda: torch.tensor(-2.5, dtype=torch.bfloat16),
+    "storage-offset-large": lambda: torch.randn(3 * OUT_OF_BAND_MIN_BYTES)[7 : 2 * OUT_OF_BAND_MIN_BYTES],
+    "requires-grad-large": lambda: torch.randn(OUT_OF_BAND_MIN_BYTES, requires_grad=True),
+    "requires-grad-non-leaf": lambda: torch.randn(5, requires_grad=True) * 2,
+    "requires-grad-empty": lambda: torch.empty(0, requires_grad=True),
+    "parameter": lambda: torch.nn.Parameter(torch.randn(3)),
+}
+
+
+def _as_plain(tensor):
+    """What two tensors must agree on, as plain strided tensors torch.equal can compare (bytes
+    for the dtypes it cannot), with the quantization parameters alongside."""
+    params = ()
+    if tensor.is_quantized:
+        if tensor.qscheme() == torch.per_tensor_affine:
+            params = (tensor.q_scale(), tensor.q_zero_point())
+        else:
+            params = (tensor.q_per_channel_scales(), tensor.q_per_channel_zero_points(), tensor.q_per_channel_axis())
+        return [tensor.int_repr()], (tensor.qscheme(), *params)
+    if tensor.is_nested:
+        return list(tensor.detach().unbind()), ()
+    plain = (tensor.detach().to_dense() if tensor.layout != torch.strided else tensor.detach()).resolve_conj()
+    return [plain.contiguous().view(torch.uint8) if plain.dim() else plain.reshape(1).view(torch.uint8)], ()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # deprecated quantized creation, beta sparse CSR
+@pytest.mark.parametrize("make", EXOTIC_TENSORS.values(), ids=EXOTIC_TENSORS.keys())
+def test_exotic_tensors_arrive_as_they_were_sent(make):
+    tensor = make()
+    out = roundtrip({"tensor": tensor, "after": torch.arange(3)})
+    received, after = out["tensor"], out["after"]
+    assert type(received) is type(tensor)
+    assert (received.dtype, received.layout, received.is_quantized, received.requires_grad) == (
+        tensor.dtype, tensor.layout, tensor.is_quantized, tensor.requires_grad
+    )  # fmt: skip
+    if not tensor.is_nested:
+        assert received.shape == tensor.shape
+    (sent_values, sent_params), (received_values, received_params) = _as_plain(tensor), _as_plain(received)
+    assert len(received_values) == len(sent_values)
+    assert all(torch.equal(r, s) for r, s in zip(received_values, sent_values))
+    assert len(received_params) == len(sent_params)
+    assert all(torch.equal(r, s) if isinstance(s, torch.Tensor) else r == s for r, s in zip(received_params, sent_params))
+    assert torch.equal(after, torch.arange(3))  # the stream goes on after it
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # deprecated quantized creation
+def test_storages_in_torch_reductions_go_out_of_band_and_are_rebuilt_on_received_memory():
+    quantized = _quantized(torch.quint8, (4 * OUT_OF_BAND_MIN_BYTES,))
+    for tensor in (quantized, torch.randn(OUT_OF_BAND_MIN_BYTES, requires_grad=True)):
+        encoded = over_the_wire(dumps_item(tensor))
+        assert len(encoded.buffers) == 1 and len(encoded.payload) < 1024  # not torch.save's bytes in band
+        received = loads_item(encoded)
+        assert received.untyped_storage().data_ptr() == np.frombuffer(encoded.buffers[0], np.uint8).ctypes.data
+    assert torch.equal(received.detach(), tensor.detach()) and received.requires_grad
+    assert received.untyped_storage().nbytes() == tensor.untyped_storage().nbytes()
+
+
+def test_a_tensor_torch_cannot_pickle_is_a_clear_error():
+    with pytest.raises(ItemPicklingError, match=r"torch\.Tensor that cannot be pickled \(layout torch\._mkldnn.*to_dense"):
+        dumps_item({"image": torch.randn(2, 3).to_mkldnn()})
 
 
 # -- graphs -------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ pytestmark = pytest.mark.skipif(not shared_memory_available(), reason="needs mem
 
 SEGMENT_NAME = "memfd:rpc-reading-service"
 BIG = 1 << 20
+QUANTIZED_HALF = SHARED_MEMORY_MIN_BYTES // 2  # a batch of two is as big as a plain one that is shared
 
 
 def header(kind: int, n_buffers: int, body_length: int) -> bytes:
@@ -209,6 +210,12 @@ def test_items_made_in_a_segment_are_lent_as_they_are_and_reused_once_both_sides
         expected = torch.utils.data.default_collate(samples)
         assert torch.equal(batch["x"], expected["x"]) and torch.equal(batch["i"], expected["i"])
         del batch
+        quantized = [torch.quantize_per_tensor(torch.full((4,), float(i)), 0.5, 1, torch.quint8) for i in range(2)]
+        stacked = shared_collate(quantized)  # by torch, in ordinary memory: its quantizer is no segment's
+        assert (stacked.q_scale(), stacked.q_zero_point(), stacked.int_repr().tolist()) == (0.5, 1, [[1] * 4, [3] * 4])
+        with pytest.raises(TypeError, match="torch.quint8 is a quantized dtype"):
+            shared_empty((BIG,), torch.quint8)
+        assert pool.segments == 1
         for round_ in range(3):
             made = shared_empty((BIG // 4,), torch.int32)
             made.fill_(round_)
@@ -332,8 +339,8 @@ def test_pinned_memory_is_never_shared():
 # -- real processes -----------------------------------------------------------------------------------
 def item_of_every_size(index: int):
     """A big tensor (shared), a batch collated in shared memory (lent with no copy), a big array
-    (shared), a mid-size tensor (out of band, through the socket) and a small one (in
-    band): every byte is ``index``."""
+    (shared), a mid-size tensor (out of band, through the socket), a small one (in band):
+    every byte is ``index``; and quantized tensors, a big one, a small one and a batch."""
     from rpc_reading_service import shared_collate
 
     made = shared_collate([torch.full((BIG // 2,), index, dtype=torch.uint8)] * 2)
@@ -344,7 +351,29 @@ def item_of_every_size(index: int):
         "array": numpy.full(SHARED_MEMORY_MIN_BYTES // 4, index, dtype=numpy.int32),
         "mid": torch.full((100_000,), index, dtype=torch.uint8),
         "small": torch.full((10,), index, dtype=torch.int64),
+        # Quantized ones, as big as a plain one that is shared: their memory alone is no plain
+        # tensor (torch's reduction rebuilds them on it). repeat(): quantizing a big one is slow.
+        "quantized_big": torch.quantize_per_tensor(torch.tensor([index / 2]), 0.5, 3, torch.quint8).repeat(
+            SHARED_MEMORY_MIN_BYTES
+        ),
+        "quantized_small": torch.quantize_per_channel(
+            torch.full((2, 3), float(index)), torch.tensor([1.0, 0.5]), torch.tensor([0, -1]), 0, torch.qint8
+        ),
+        "quantized_made": shared_collate(
+            [torch.quantize_per_tensor(torch.tensor([float(index)]), 1.0, 0, torch.quint8).repeat(QUANTIZED_HALF)] * 2
+        ),
     }
+
+
+def check_quantized(item, index: int) -> None:
+    """The quantized tensors of :func:`item_of_every_size` arrived with their quantizers and values."""
+    big, small, made = item.pop("quantized_big"), item.pop("quantized_small"), item.pop("quantized_made")
+    assert (big.dtype, big.shape, big.q_scale(), big.q_zero_point()) == (torch.quint8, (SHARED_MEMORY_MIN_BYTES,), 0.5, 3)
+    assert bool((big.int_repr() == index + 3).all()) and bool((big.dequantize() == index / 2).all())
+    assert (small.dtype, small.q_per_channel_axis()) == (torch.qint8, 0)
+    assert small.q_per_channel_scales().tolist() == [1.0, 0.5] and small.q_per_channel_zero_points().tolist() == [0, -1]
+    assert small.int_repr().tolist() == [[index] * 3, [2 * index - 1] * 3]
+    assert made.shape == (2, QUANTIZED_HALF) and made.q_scale() == 1.0 and bool((made.int_repr() == index).all())
 
 
 def shared_ranges(pid) -> list:
@@ -370,6 +399,7 @@ def segment_descriptors(pid) -> int:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's own rebuild of a quantized tensor warns of TypedStorage
 def test_local_workers_hand_big_buffers_over_in_shared_memory():
     from torchdata.dataloader2 import DataLoader2
     from torchdata.datapipes.iter import IterableWrapper
@@ -385,6 +415,8 @@ def test_local_workers_hand_big_buffers_over_in_shared_memory():
             for item in items:
                 index = int(item["small"][0])
                 assert item.pop("made_in_a_segment") is True  # a forked session's graph made it in its pool
+                assert in_shared_memory(item["quantized_big"].data_ptr(), ranges)  # its storage, staged
+                check_quantized(item, index)
                 assert all(bool((value == index).all()) for value in item.values())
                 assert in_shared_memory(item["big"].data_ptr(), ranges)
                 assert in_shared_memory(item["made"].data_ptr(), ranges) and item["made"].shape == (2, BIG // 2)
