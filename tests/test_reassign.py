@@ -276,6 +276,7 @@ def test_reassign_yields_the_fault_free_epoch(reference, point, fault, in_order,
         strike = _epoch_with_fault(dl, point, fault, victims)
         assert strike.error is None, strike.error
         first, rank, victim, pids_before = strike.items, strike.rank, strike.victim, strike.pids
+        first_epoch_log = caplog.text
         # The next epoch after a reassignment: exactly once again.
         second = list(dl)
         pids_after = _pids(dl)
@@ -292,7 +293,12 @@ def test_reassign_yields_the_fault_free_epoch(reference, point, fault, in_order,
     replayed = re.findall(rf"worker {rank} \(.*replaying its shard from item (\d+)", caplog.text)
     replays = [int(n) for n in replayed]
     assert len(replays) == 1, caplog.text
-    if point == "mid-epoch":
+    if point == "mid-epoch" and f"worker {rank} (" not in first_epoch_log:
+        # On a loaded machine the worker may have sent all of its items and, LINGER later, its
+        # END_OF_SHARD before the stop landed (packed small items: far ahead of the trainer's 40):
+        # that epoch was whole, and the next one replaces it from its first item.
+        assert replays[0] == 0
+    elif point == "mid-epoch":
         # Struck after the trainer took 40 of its items; on a loaded machine the worker may have
         # sent all of them (not yet its END_OF_SHARD, LINGER later) before the stop landed.
         assert SHARDS[1] >= replays[0] >= 40
