@@ -417,28 +417,41 @@ def test_dynamic_dispatch_deals_by_speed_keeps_the_seeds_order_and_resumes_a_che
 
 
 @pytest.mark.timeout(30)
-def test_dynamic_dispatch_reassigns_a_killed_workers_units_exactly_once(dynamic_dispatch_reference):
-    """Worker 1 is killed mid-epoch; its units go to a new session, exactly once, in the seed's order.
-    Worker 1 is the slow one so that it still holds units when it dies: an equal worker set up
-    last can have delivered all of its units before the kill, and then nothing needs replacing."""
+def test_dynamic_dispatch_reassigns_a_killed_workers_units_exactly_once():
+    """Worker 1 is killed while it holds units it has not delivered; they go to a new session,
+    exactly once, in the seed's order. (Without a filter after the dispatch point a unit is one
+    item, so units dealt beyond items received are units held; worker 1 is the slow one and the
+    epoch waits for every session to be set up, so that it holds some: a worker set up last can
+    otherwise have delivered every unit it got before the kill, and then nothing needs replacing.)"""
+
+    def loader() -> DataLoader2:
+        rs = RPCReadingService(
+            num_workers=3, distribution="dynamic", on_worker_failure="reassign", timeout=5.0,
+            liveness=Liveness(heartbeat_interval=0.2), worker_init_fn=SlowRank(1, 0.02),
+        )  # fmt: skip
+        dl = DataLoader2(dispatching(60, slow_identity, with_draw), reading_service=rs)
+        dl.seed(SEED)
+        return dl
+
+    with loader() as dl:
+        reference = list(dl)
     victim = None
-    dl = _dynamic_dispatch_loader(
-        on_worker_failure="reassign", timeout=5.0, liveness=Liveness(heartbeat_interval=0.2),
-        worker_init_fn=SlowRank(1, 0.02),
-    )  # fmt: skip
+    dl = loader()
     try:
+        it = iter(dl)
+        assert wait_until(lambda: None not in [w.pid for w in dl.reading_service.stats().workers], 10)
         epoch = []
-        for item in dl:
+        for item in it:
             epoch.append(item)
-            workers = dl.reading_service.stats().workers
-            if victim is None and workers[1].items_consumed >= 2:
-                victim = workers[1].pid
+            slow = dl.reading_service.stats().workers[1]
+            if victim is None and slow.items_consumed >= 1 and (slow.units or 0) > slow.items_received:
+                victim = slow.pid
                 os.kill(victim, signal.SIGKILL)
         pids = [w.pid for w in dl.reading_service.stats().workers]
     finally:
         dl.shutdown()
     assert victim is not None and victim not in pids  # worker 1 was replaced
-    assert epoch == dynamic_dispatch_reference  # every item once, in the order of the seed
+    assert epoch == reference  # every item once, in the order of the seed
 
 
 class FirstThree(IterDataPipe):
