@@ -196,6 +196,9 @@ def _epoch_with_fault(dl: DataLoader2, point: str, fault: str, victims: _Victims
     strike = _Strike(rank)
 
     def hit() -> None:
+        # Sessions start as each is set up: with first-ready delivery the kill point can come
+        # before another worker's session is up. Its pid is part of what the test compares.
+        assert wait_until(lambda: None not in _pids(dl), 10), "the sessions did not all set up"
         strike.pids = _pids(dl)
         strike.at = victims.hit(strike.victim, fault)
 
@@ -206,7 +209,6 @@ def _epoch_with_fault(dl: DataLoader2, point: str, fault: str, victims: _Victims
         if when is None:
             # iter() returns while sessions still set up (each starts the epoch once it is set up):
             # strike once every session runs, before the first item is taken.
-            assert wait_until(lambda: None not in _pids(dl), 10), "the sessions did not all set up"
             hit()
         for item in it:
             strike.items.append(item)
