@@ -187,12 +187,12 @@ def rounds_notes(params: dict) -> list[str]:
     if params.get("rounds", 1) < 2:
         return []
     paired = params.get("paired")
-    everyone = params.get("rounds_of_all", params["rounds"])
-    notes = [f"rate: the best of {everyone} rounds (all contenders once per round, interleaved; "
+    best = f"the best of {params.get('rounds_of_all', params['rounds'])} rounds"
+    if paired:
+        best += f" ({params['rounds']} for {', '.join(paired)})"
+    notes = [f"rate: {best} (all contenders once per round, interleaved; "
              f"'rounds' lists each round's rate); {', '.join(ONE_ROUND)}: one round"]
     if paired:
-        notes[0] = notes[0].replace(f"the best of {everyone} rounds",
-                                    f"the best of {everyone} rounds ({params['rounds']} for {', '.join(paired)})")
         notes.append(
             "vs ...: the median of per-round ratios (each round's rate over the reference's rate in the same round), "
             "not best over best; every round's ratio is in the paired-ratios table below. Each round runs the "
