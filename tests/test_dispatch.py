@@ -16,7 +16,7 @@ import random
 import signal
 import threading
 import time
-from typing import Any, List
+from typing import Any, List, Optional
 
 import pytest
 from _server_helpers import slow_identity, wait_until
@@ -375,9 +375,11 @@ class SlowRank:
         return datapipe.map(functools.partial(slow_identity, delay=self.extra)) if info.worker_id == self.rank else datapipe
 
 
-def _dynamic_dispatch_loader(distribution: Any = "dynamic", **options: Any) -> DataLoader2:
+def _dynamic_dispatch_loader(distribution: Any = "dynamic", graph: Optional[IterDataPipe] = None, **options: Any) -> DataLoader2:
+    """3 workers, seeded; ``graph`` by default 90 dispatched items with draws, filtered after the dispatch point."""
     rs = RPCReadingService(num_workers=3, distribution=distribution, **options)
-    dl = DataLoader2(dispatching(90, slow_identity, with_draw).filter(has_even_id), reading_service=rs)
+    graph = dispatching(90, slow_identity, with_draw).filter(has_even_id) if graph is None else graph
+    dl = DataLoader2(graph, reading_service=rs)
     dl.seed(SEED)
     return dl
 
@@ -425,13 +427,10 @@ def test_dynamic_dispatch_reassigns_a_killed_workers_units_exactly_once():
     otherwise have delivered every unit it got before the kill, and then nothing needs replacing.)"""
 
     def loader() -> DataLoader2:
-        rs = RPCReadingService(
-            num_workers=3, distribution="dynamic", on_worker_failure="reassign", timeout=5.0,
+        return _dynamic_dispatch_loader(
+            graph=dispatching(60, slow_identity, with_draw), on_worker_failure="reassign", timeout=5.0,
             liveness=Liveness(heartbeat_interval=0.2), worker_init_fn=SlowRank(1, 0.02),
         )  # fmt: skip
-        dl = DataLoader2(dispatching(60, slow_identity, with_draw), reading_service=rs)
-        dl.seed(SEED)
-        return dl
 
     with loader() as dl:
         reference = list(dl)
