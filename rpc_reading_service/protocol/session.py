@@ -138,6 +138,9 @@ M = TypeVar("M", bound=Message)
 class SessionState(enum.Enum):
     """Where a session is; both ends pass through the same states."""
 
+    # Identity's hash, as equality is identity (Enum's hashes the name in Python): per frame.
+    __hash__ = object.__hash__
+
     NEW = "new (before SETUP)"
     SETTING_UP = "setting up (before READY)"
     READY = "ready (between epochs)"
