@@ -452,7 +452,10 @@ class WorkerChannel:
         """Take in the frames that arrived (the receive loop's call); True once receiving is over."""
         if self._closing:
             return True
-        return self._receiving(lambda: self._deliver(self.conn.recv_ready()))
+        try:
+            return self._deliver(self.conn.recv_ready())
+        except Exception as exc:  # noqa: BLE001 - as _receiving() reports it (one call less per read)
+            return self._receiving(lambda: _reraise(exc))
 
     def on_tick(self, now: float) -> Optional[float]:
         """Send the heartbeat due and report a silent worker; seconds until the next check,
@@ -470,9 +473,12 @@ class WorkerChannel:
 
     def _deliver(self, frames: Sequence[Frame]) -> bool:
         """Frames through the state machine, its events to the queue; True: receiving is over."""
+        on_event, receive, lock = self._on_event, self.protocol.receive_frame, self._state_lock
         for frame in frames:
-            for event in self._receive(frame):
-                if self._on_event.get(type(event), _ignore)(event):
+            with lock:
+                events = receive(frame)
+            for event in events:
+                if on_event.get(type(event), _ignore)(event):
                     return True
         return False
 
@@ -523,9 +529,10 @@ class WorkerChannel:
 
     def _on_data(self, event: DataReceived) -> bool:
         # Only the header was read: the consumer decodes, so this thread holds the GIL briefly.
-        self.stats.frames += 1
-        self.stats.bytes += event.nbytes
-        self._report(Event(self, "data", event.epoch, event.frame))
+        stats, frame = self.stats, event.frame
+        stats.frames += 1
+        stats.bytes += frame.nbytes
+        self._report(Event(self, "data", event.epoch, frame))
         return False
 
     def _on_item_credit(self, event: ItemCredit) -> bool:
@@ -598,6 +605,11 @@ def lease_runs(chunks: Sequence[Tuple[int, int, int, int]]) -> List[Tuple[int, i
 def _kinds(messages: Sequence[Message]) -> str:
     """``CREDIT+LEASE``: the kinds of ``messages``, for log lines."""
     return "+".join(message.kind.name for message in messages)
+
+
+def _reraise(error: Exception) -> bool:
+    """Raise ``error`` again (inside :meth:`WorkerChannel._receiving`, which reports it)."""
+    raise error
 
 
 def _ignore(event: Any) -> bool:

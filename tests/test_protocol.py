@@ -90,6 +90,66 @@ def test_feeding_byte_by_byte_yields_the_same_frames():
     assert not reader.mid_frame
 
 
+def test_whole_small_frames_in_one_go_are_the_frames_of_the_incremental_parser():
+    # feed_frames takes whole frames without buffers at once; a frame with buffers, a partial one
+    # and the bytes after them go through the incremental parser, frames in order either way.
+    chunks = (
+        encode_frame(MessageKind.HEARTBEAT)
+        + encode_credit(4, 2)
+        + encode_frame(MessageKind.DATA, [b"body"], [b"A" * 33, b"B"])
+        + encode_data_frame(4, 0, [b"one"])
+        + encode_control(MessageKind.START_EPOCH, {"epoch": 3})
+        + encode_data_frame(4, 1, [b"two", b"three"])
+    )
+    data = wire(chunks)
+    bulk = FrameReader()
+    assert bulk.feed_frames(memoryview(data)) == len(wire(encode_frame(MessageKind.HEARTBEAT) + encode_credit(4, 2)))
+    assert bulk.feed_frames(memoryview(data[:5])) == 0  # not a whole header
+    cut = len(data) - 4  # the last frame arrives in two reads
+    bulk.feed(data[len(wire(encode_frame(MessageKind.HEARTBEAT) + encode_credit(4, 2))) : cut])
+    assert bulk.mid_frame
+    bulk.feed(data[cut:])
+    frames = bulk.completed()
+    assert bulk.completed() == [] and not bulk.mid_frame
+    expected, _ = read_all(data)
+    assert [(f.kind, bytes(f.body), [bytes(b) for b in f.buffers]) for f in frames] == [
+        (f.kind, bytes(f.body), [bytes(b) for b in f.buffers]) for f in expected
+    ]
+    assert [f.kind for f in frames] == [
+        MessageKind.HEARTBEAT, MessageKind.CREDIT, MessageKind.DATA, MessageKind.DATA, MessageKind.START_EPOCH,
+        MessageKind.DATA,
+    ]  # fmt: skip
+    assert decode_credit(frames[1]) == (4, 2)
+    assert [bytes(item.payload) for item in decode_data(frames[5])[2]] == [b"two", b"three"]
+
+
+def test_whole_frames_path_leaves_refusals_to_the_incremental_parser():
+    small = wire(encode_credit(1, 1))
+    over = wire(encode_frame(MessageKind.DATA, [b"x" * 2000]))
+    reader = FrameReader(max_frame_bytes=1000)
+    assert reader.feed_frames(memoryview(small + over)) == len(small)
+    with pytest.raises(FrameTooLargeError, match="2000 bytes"):
+        reader.feed(small + over)
+    reader = FrameReader(HANDSHAKE_MAX_FRAME_BYTES, allowed_kinds=HANDSHAKE_KINDS)
+    assert reader.feed_frames(memoryview(small)) == 0
+    with pytest.raises(ProtocolError, match="CREDIT is not allowed"):
+        reader.feed(small)
+    for header, match in [
+        (HEADER.pack(b"GET ", PROTOCOL_VERSION, 1, 0, 0), "magic"),
+        (HEADER.pack(MAGIC, PROTOCOL_VERSION + 1, 1, 0, 0), "version"),
+        (HEADER.pack(MAGIC, PROTOCOL_VERSION, 99, 0, 0), "unknown message kind 99"),
+    ]:
+        reader = FrameReader()
+        assert reader.feed_frames(memoryview(small + header)) == len(small)
+        with pytest.raises(ProtocolError, match=match):
+            reader.feed(small + header)
+
+
+def encode_data_frame(epoch: int, sequence: int, payloads) -> list:
+    body, buffers = encode_data(epoch, sequence, [EncodedItem(payload) for payload in payloads])
+    return encode_frame(MessageKind.DATA, body, buffers)
+
+
 def test_writable_recv_into_style_reading():
     payload = bytes(range(256)) * 1000
     data = wire(encode_frame(MessageKind.DATA, [b"b"], [payload]))

@@ -138,6 +138,9 @@ M = TypeVar("M", bound=Message)
 class SessionState(enum.Enum):
     """Where a session is; both ends pass through the same states."""
 
+    # Identity's hash, as equality is identity (Enum's hashes the name in Python): per frame.
+    __hash__ = object.__hash__
+
     NEW = "new (before SETUP)"
     SETTING_UP = "setting up (before READY)"
     READY = "ready (between epochs)"
@@ -695,6 +698,16 @@ class TrainerSession(_SessionProtocol):
 
     def _receive_data(self, frame: Frame) -> List[Event]:
         epoch, sequence, count = self._header(frame)
+        flow = self._data
+        if (
+            epoch == self.epoch and not self.stopped and self._leases is None and flow.open and flow.credits > 0
+            and sequence == flow.sequence
+        ):  # fmt: skip
+            # The common frame, which passes every check below (a frame per item of a slow stage): in one test.
+            flow.credits -= 1
+            flow.sequence += 1
+            flow.items += count
+            return [DataReceived(epoch, sequence, count, frame)]
         if not self._received_current(epoch, frame.kind):
             return []
         self._check_data_leased(epoch, sequence, count, self._remote)

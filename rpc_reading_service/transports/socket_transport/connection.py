@@ -39,6 +39,7 @@ class SocketConnection(Connection):
         self._staging = memoryview(bytearray(_STAGING_BYTES))
         self._pending = memoryview(b"")
         self._closed = False
+        self._room_poller: Optional["select.poll"] = None
         # the socket's receive low-water mark; 0: left alone (Unix sockets, TLS: its records)
         tcp = sock.family in (socket.AF_INET, socket.AF_INET6) and not isinstance(sock, ssl.SSLSocket)
         self._low_water = 1 if tcp and hasattr(socket, "SO_RCVLOWAT") else 0
@@ -56,9 +57,16 @@ class SocketConnection(Connection):
         fd = self._sock.fileno()
         if fd < 0:
             return True  # closed: its send says so
-        poller = select.poll()
-        poller.register(fd, select.POLLOUT)
-        return bool(poller.poll(0))
+        poller = self._room_poller
+        if poller is None:  # made once: a poll object per call cost about as much as the poll
+            poller = self._room_poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+        try:
+            return bool(poller.poll(0))
+        except RuntimeError:  # another thread polls it right now
+            poller = select.poll()
+            poller.register(fd, select.POLLOUT)
+            return bool(poller.poll(0))
 
     def send(self, chunks: Sequence[Buffer]) -> None:
         with self._send_lock:
@@ -95,10 +103,8 @@ class SocketConnection(Connection):
         """
         reader, frames, read = self._reader, [], False
         while True:
-            frame = reader.next_frame()
-            if frame is not None:
-                frames.append(frame)
-            elif self._pending:
+            frames += reader.completed()
+            if self._pending:
                 self._parse_pending()
             elif (read and not self._buffered()) or not self._read(time.monotonic()):
                 if self._low_water:
@@ -108,7 +114,12 @@ class SocketConnection(Connection):
                 read = True
 
     def _parse_pending(self) -> None:
-        """Move staged bytes into the frame reader, as far as its current section goes."""
+        """Move staged bytes into the frame reader: the whole small frames at once, else as far
+        as its current section goes."""
+        whole = self._reader.feed_frames(self._pending)
+        if whole:
+            self._pending = self._pending[whole:]
+            return
         target = self._reader.writable()
         n = min(len(target), len(self._pending))
         target[:n] = self._pending[:n]

@@ -22,6 +22,8 @@ from .sockets import _send_chunks
 
 __all__ = ["SharedMemoryConnection"]
 
+#: As plain ints: ``flags & socket.MSG_CTRUNC`` is an enum operation, a Python call per receive.
+_MSG_CTRUNC, _MSG_DONTWAIT = int(socket.MSG_CTRUNC), int(socket.MSG_DONTWAIT)
 _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_NEW_SEGMENTS_PER_FRAME * array.array("i").itemsize) if hasattr(socket, "CMSG_SPACE") else 0
 
 
@@ -114,8 +116,11 @@ class SharedMemoryConnection(SocketConnection):
                 return frame
 
     def recv_ready(self) -> List[Frame]:
-        frames = (self._session_frame(frame) for frame in super().recv_ready())
-        return [frame for frame in frames if frame is not None]
+        frames = super().recv_ready()
+        for frame in frames:
+            if frame.kind in TRANSPORT_KINDS:  # rare: the loop below only when one came
+                return [each for each in map(self._session_frame, frames) if each is not None]
+        return frames
 
     def _session_frame(self, frame: Frame) -> Optional[Frame]:
         """The frame for the session above: a SHARED_DATA frame turned back into its DATA frame,
@@ -140,13 +145,13 @@ class SharedMemoryConnection(SocketConnection):
     def _recv_some(self, view: memoryview) -> int:
         if self._segments is None:  # descriptors sent to this end are dropped by the kernel
             return super()._recv_some(view)
-        n, ancillary, flags, _ = self._sock.recvmsg_into([view], _ANCILLARY_BYTES, socket.MSG_DONTWAIT)
+        n, ancillary, flags, _ = self._sock.recvmsg_into([view], _ANCILLARY_BYTES, _MSG_DONTWAIT)
         for level, kind, data in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array.array("i")
                 fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
                 self._fds.extend(fds)
-        if flags & socket.MSG_CTRUNC:
+        if flags & _MSG_CTRUNC:
             raise RemoteProtocolError(f"{self.peer} sent more descriptors with one frame than a SHARED_DATA frame may bring")
         return n
 
