@@ -17,6 +17,18 @@
 # else "$PYTHON -m rpc_reading_service.worker" (PYTHON defaults to python3).
 set -euo pipefail
 
+# A shell started with SIGINT ignored (a background job of another script, some CI runners)
+# cannot trap it, and Ctrl-C would not stop the workers: start again with SIGINT at its
+# default where env can (GNU coreutils), else say how to stop them.
+if [ -n "$(trap -p INT)" ]; then
+    if [ -z "${_RRS_FLEET_SIGINT:-}" ] && env --default-signal=INT true 2>/dev/null; then
+        _RRS_FLEET_SIGINT=1 exec env --default-signal=INT "$BASH" "$0" "$@"
+    fi
+    echo "launch_local_fleet.sh: SIGINT is ignored in this shell (started in the background?), so Ctrl-C" \
+        "cannot stop it: stop it with kill -TERM $$" >&2
+fi
+unset _RRS_FLEET_SIGINT
+
 count=2
 host=127.0.0.1
 port_base=0

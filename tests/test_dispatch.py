@@ -273,34 +273,62 @@ def test_checkpoint_mid_epoch_resumes_with_the_same_items():
             restored.shutdown()
 
 
-def _reassigning_loader() -> DataLoader2:
+class HoldRank:
+    """``worker_init_fn``: worker ``rank`` stops before its item ``before`` until the file ``release`` exists
+    (a replacement, which replays the rank's input from its first item, stops there too)."""
+
+    def __init__(self, rank: int, before: int, release: str):
+        self.rank, self.before, self.release = rank, before, release
+
+    def __call__(self, datapipe: IterDataPipe, info: Any) -> IterDataPipe:
+        if info.worker_id != self.rank:
+            return datapipe
+        return datapipe.enumerate().map(self._hold)
+
+    def _hold(self, numbered: tuple) -> Any:
+        index, item = numbered
+        if index == self.before:
+            assert wait_until(lambda: os.path.exists(self.release), 20), f"{self.release} never appeared"
+        return item
+
+
+def _reassigning_loader(worker_init_fn: Any = None) -> DataLoader2:
     rs = RPCReadingService(
-        num_workers=3, on_worker_failure="reassign", timeout=5.0, liveness=Liveness(heartbeat_interval=0.2)
-    )
+        num_workers=3, on_worker_failure="reassign", timeout=5.0, liveness=Liveness(heartbeat_interval=0.2),
+        worker_init_fn=worker_init_fn,
+    )  # fmt: skip
     dl = DataLoader2(dispatching(150, slow_identity, with_draw), reading_service=rs)
     dl.seed(SEED)
     return dl
 
 
 @pytest.mark.timeout(30)
-def test_reassign_feeds_a_killed_workers_input_to_its_replacement_exactly_once():
+def test_reassign_feeds_a_killed_workers_input_to_its_replacement_exactly_once(tmp_path):
+    """Worker 1 is killed after the trainer took 20 of its 50 items, while it holds the rest: it
+    stops before its 25th until the kill. (Unheld, its small items run ahead, packed: on a loaded
+    machine, with another worker set up late, it can have sent all 50 and its END before the kill,
+    and then nothing needs replacing. CI failed on that.)"""
     with _reassigning_loader() as dl:
         reference = list(dl)
-    victim = None
-    dl = _reassigning_loader()
+    release = tmp_path / "release"
+    victim = at_kill = None
+    dl = _reassigning_loader(HoldRank(1, 25, str(release)))
     try:
         epoch = []
         for item in dl:
             epoch.append(item)
-            consumed = [w.items_consumed for w in dl.reading_service.stats().workers]
-            if victim is None and consumed[1] == 20:
-                victim = dl.reading_service.stats().workers[1].pid
+            worker = dl.reading_service.stats().workers[1]
+            if victim is None and worker.items_consumed == 20:
+                victim, at_kill = worker.pid, worker
                 os.kill(victim, signal.SIGKILL)
+                release.touch()
         pids = [w.pid for w in dl.reading_service.stats().workers]
     finally:
+        release.touch()
         dl.shutdown()
-    assert victim is not None and victim not in pids  # worker 1 was replaced
-    assert epoch == reference  # every item once, in the fault-free order
+    assert victim is not None and at_kill.items_received < 50, at_kill  # killed while it held items
+    assert victim not in pids, (victim, pids, at_kill)  # worker 1 was replaced
+    assert len(epoch) == len(reference) and epoch == reference  # every item once, in the fault-free order
 
 
 @pytest.mark.timeout(30)

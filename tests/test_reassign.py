@@ -11,9 +11,12 @@ an epoch, and the epoch is compared with a fault-free run of the same seeded gra
   point, and so does the next epoch.
 
 The graph (three local workers) has uneven shards so that every kill point exists:
-worker 0 and 1 read 100 items each, worker 2 only 10 (``worker_init_fn``); worker 1's graph
-lingers after its last item before ending its shard, so the trainer can hold all of its
-items while its END_OF_SHARD is still to come.
+worker 0 and 1 read 100 items each, worker 2 only 10 (``worker_init_fn``). Worker 1's graph
+holds (stops until the test releases it, at the strike) where the kill point needs it to be
+still at work: after its last item before ending its shard (the trainer can hold all of its
+items while its END_OF_SHARD is still to come), or mid-shard. Without the hold, on a loaded
+machine its small items, packed, run far ahead of the trainer: it could have sent its whole
+shard and its END before the strike.
 
 Also: remote servers (a session replaced on the same server; a whole server killed and
 its shards replayed on the other one), and a graph that kills its process at the same
@@ -22,6 +25,7 @@ item every time (gives up after ``max_reassignments``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -29,6 +33,7 @@ import random
 import re
 import signal
 import time
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
@@ -43,7 +48,7 @@ HEARTBEAT = 0.5
 SEED = 5
 N = 300
 SHARDS = [100, 100, 10]  # items per worker rank (worker 2's shard is cut short)
-LINGER = 0.25  # worker 1 waits this long after its last item before ending its shard
+HOLD_WAIT = 20.0  # seconds a held worker waits for its release at most (then it fails)
 EPOCH_ITEMS = sum(SHARDS)
 
 
@@ -54,23 +59,56 @@ def tag(x: int) -> Tuple[int, int]:
     return x, random.randint(0, 10**9)
 
 
-class LingerAtEnd(IterDataPipe):
-    """Yields its source's items, then waits ``seconds`` before ending."""
+class Hold:
+    """Where worker 1 stops (before its item ``before``; its shard's length: before ending it)
+    until the file ``release`` exists. The test closes it before an epoch and opens it when it strikes."""
 
-    def __init__(self, datapipe: IterDataPipe, seconds: float):
-        self.datapipe, self.seconds = datapipe, seconds
+    def __init__(self, release: Path, before: int):
+        self.release, self.before = str(release), before
+
+    def close(self) -> None:
+        """Make the next epoch's worker 1 stop at the hold (its previous epoch is over)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.release)
+
+    def open(self) -> None:
+        """Let worker 1 (or its replacement) go on."""
+        Path(self.release).touch()
+
+    def wait(self) -> None:
+        """In the worker: stop until released."""
+        assert wait_until(lambda: os.path.exists(self.release), HOLD_WAIT), f"never released from {self.release}"
+
+
+class HoldAt(IterDataPipe):
+    """Yields its source's items, stopping at ``hold`` (before item ``hold.before``, or at the end)."""
+
+    def __init__(self, datapipe: IterDataPipe, hold: Hold):
+        self.datapipe, self.hold = datapipe, hold
 
     def __iter__(self) -> Iterator[Any]:
-        yield from self.datapipe
-        time.sleep(self.seconds)
+        count = 0
+        for item in self.datapipe:
+            if count == self.hold.before:
+                self.hold.wait()
+            yield item
+            count += 1
+        if count <= self.hold.before:
+            self.hold.wait()
 
 
-def uneven_shards(datapipe: IterDataPipe, worker_info: Any) -> IterDataPipe:
-    if worker_info.worker_id == 1:
-        return LingerAtEnd(datapipe, LINGER)
-    if worker_info.worker_id == 2:
-        return datapipe.header(SHARDS[2])
-    return datapipe
+class UnevenShards:
+    """``worker_init_fn``: worker 2's shard is cut short; worker 1 stops at ``hold`` (if any)."""
+
+    def __init__(self, hold: Optional[Hold] = None):
+        self.hold = hold
+
+    def __call__(self, datapipe: IterDataPipe, worker_info: Any) -> IterDataPipe:
+        if worker_info.worker_id == 1 and self.hold is not None:
+            return HoldAt(datapipe, self.hold)
+        if worker_info.worker_id == 2:
+            return datapipe.header(SHARDS[2])
+        return datapipe
 
 
 def exit_at(k: int, x: int) -> int:
@@ -85,10 +123,10 @@ def _graph(n: int = N) -> IterDataPipe:
 
 
 # -- helpers --------------------------------------------------------------------------------
-def _local_loader(**kwargs: Any) -> DataLoader2:
+def _local_loader(hold: Optional[Hold] = None, **kwargs: Any) -> DataLoader2:
     service = RPCReadingService(
         num_workers=3,
-        worker_init_fn=uneven_shards,
+        worker_init_fn=UnevenShards(hold),
         timeout=TIMEOUT,
         liveness=Liveness(heartbeat_interval=HEARTBEAT),
         **kwargs,
@@ -159,16 +197,22 @@ def reference() -> Dict[str, Any]:
     return {"epochs": epochs}
 
 
-# Kill points: (victim rank, when to strike given the per-rank consumed counts; None: right
-# after iter(dl), before the first item).
-POINTS: Dict[str, Tuple[int, Optional[Callable[[List[int]], bool]]]] = {
-    "before-first-item": (1, None),
-    "mid-epoch": (1, lambda consumed: consumed[1] == 40),
-    # The trainer took worker 1's last item; its END_OF_SHARD is held back by LINGER.
-    "end-of-shard": (1, lambda consumed: consumed[1] == SHARDS[1]),
+# Kill points: (victim rank, when to strike given the per-rank consumed counts (None: right
+# after iter(dl), before the first item), the item worker 1 holds before until the strike).
+POINTS: Dict[str, Tuple[int, Optional[Callable[[List[int]], bool]], Optional[int]]] = {
+    "before-first-item": (1, None, SHARDS[1]),
+    "mid-epoch": (1, lambda consumed: consumed[1] == 40, 50),
+    # The trainer took worker 1's last item; its END_OF_SHARD is held back.
+    "end-of-shard": (1, lambda consumed: consumed[1] == SHARDS[1], SHARDS[1]),
     # Worker 2's short shard is over (END received) while the others still stream.
-    "after-end-of-shard": (2, lambda consumed: consumed[2] == SHARDS[2] and sum(consumed) >= 40),
+    "after-end-of-shard": (2, lambda consumed: consumed[2] == SHARDS[2] and sum(consumed) >= 40, None),
 }
+
+
+def _hold(point: str, directory: Path) -> Optional[Hold]:
+    """Worker 1's hold for kill point ``point`` (its release file in ``directory``)."""
+    before = POINTS[point][2]
+    return None if before is None else Hold(directory / "release", before)
 FAULTS = ["SIGKILL", "SIGSTOP"]
 
 
@@ -184,23 +228,29 @@ class _Strike:
         self.pids: List[Optional[int]] = []  # every worker's session pid when it struck
         self.server_pid: Optional[int] = None  # the local worker server's
         self.addresses: List[str] = []  # every worker's address
+        self.consumed: List[int] = []  # every worker's items the trainer took when it struck
 
     @property
     def victim(self) -> Optional[int]:
         return self.pids[self.rank] if self.pids else None
 
 
-def _epoch_with_fault(dl: DataLoader2, point: str, fault: str, victims: _Victims) -> _Strike:
-    """One epoch, signalling worker ``rank``'s session process at ``point``."""
-    rank, when = POINTS[point]
+def _epoch_with_fault(dl: DataLoader2, point: str, fault: str, victims: _Victims, hold: Optional[Hold]) -> _Strike:
+    """One epoch, signalling worker ``rank``'s session process at ``point`` (``hold``: worker 1's, opened then)."""
+    rank, when, _ = POINTS[point]
     strike = _Strike(rank)
+    if hold is not None:
+        hold.close()
 
     def hit() -> None:
         # Sessions start as each is set up: with first-ready delivery the kill point can come
         # before another worker's session is up. Its pid is part of what the test compares.
         assert wait_until(lambda: None not in _pids(dl), 10), "the sessions did not all set up"
         strike.pids = _pids(dl)
+        strike.consumed = _consumed(dl)
         strike.at = victims.hit(strike.victim, fault)
+        if hold is not None:
+            hold.open()
 
     it = iter(dl)
     strike.server_pid = dl.reading_service._local_server.pid
@@ -234,11 +284,12 @@ def _assert_lost_error(error: BaseException, rank: int, address: str, fault: str
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("point", list(POINTS))
-def test_raise_names_the_lost_worker_within_the_bound(reference, point, fault):
-    dl = _local_loader(on_worker_failure="raise")
+def test_raise_names_the_lost_worker_within_the_bound(reference, point, fault, tmp_path):
+    hold = _hold(point, tmp_path)
+    dl = _local_loader(hold, on_worker_failure="raise")
     victims = _Victims()
     try:
-        strike = _epoch_with_fault(dl, point, fault, victims)
+        strike = _epoch_with_fault(dl, point, fault, victims, hold)
         items, error, rank = strike.items, strike.error, strike.rank
         server_pid = strike.server_pid
         address = strike.addresses[rank]
@@ -246,7 +297,7 @@ def test_raise_names_the_lost_worker_within_the_bound(reference, point, fault):
         if error is None:
             # Lost after its shard was complete (END received): this epoch is whole, and the
             # loss is reported at the latest when the next epoch needs the worker.
-            assert point == "after-end-of-shard"
+            assert point == "after-end-of-shard", (strike.consumed, len(items))
             _assert_exactly_once(items, reference["epochs"][0], in_order=True)
             with pytest.raises(WorkerLostError) as info:
                 list(dl)
@@ -270,15 +321,15 @@ REASSIGN_CASES = [(point, fault, True) for point in POINTS for fault in FAULTS] 
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("point,fault,in_order", REASSIGN_CASES)
-def test_reassign_yields_the_fault_free_epoch(reference, point, fault, in_order, caplog):
+def test_reassign_yields_the_fault_free_epoch(reference, point, fault, in_order, caplog, tmp_path):
     caplog.set_level(logging.WARNING, logger="rpc_reading_service.engine.epoch")
-    dl = _local_loader(on_worker_failure="reassign", in_order=in_order)
+    hold = _hold(point, tmp_path)
+    dl = _local_loader(hold, on_worker_failure="reassign", in_order=in_order)
     victims = _Victims()
     try:
-        strike = _epoch_with_fault(dl, point, fault, victims)
+        strike = _epoch_with_fault(dl, point, fault, victims, hold)
         assert strike.error is None, strike.error
         first, rank, victim, pids_before = strike.items, strike.rank, strike.victim, strike.pids
-        first_epoch_log = caplog.text
         # The next epoch after a reassignment: exactly once again.
         second = list(dl)
         pids_after = _pids(dl)
@@ -294,20 +345,14 @@ def test_reassign_yields_the_fault_free_epoch(reference, point, fault, in_order,
     assert [pids_after[r] for r in others] == [pids_before[r] for r in others]
     replayed = re.findall(rf"worker {rank} \(.*replaying its shard from item (\d+)", caplog.text)
     replays = [int(n) for n in replayed]
-    assert len(replays) == 1, caplog.text
-    if point == "mid-epoch" and f"worker {rank} (" not in first_epoch_log:
-        # On a loaded machine the worker may have sent all of its items and, LINGER later, its
-        # END_OF_SHARD before the stop landed (packed small items: far ahead of the trainer's 40):
-        # that epoch was whole, and the next one replaces it from its first item.
-        assert replays[0] == 0
-    elif point == "mid-epoch":
-        # Struck after the trainer took 40 of its items; on a loaded machine the worker may have
-        # sent all of them (not yet its END_OF_SHARD, LINGER later) before the stop landed.
-        assert SHARDS[1] >= replays[0] >= 40
+    assert len(replays) == 1, (strike.consumed, caplog.text)
+    if point == "mid-epoch":
+        # Struck after the trainer took 40 of its items, while it held before its 50th.
+        assert 50 >= replays[0] >= 40, (strike.consumed, caplog.text)
     elif point == "end-of-shard":
-        assert replays[0] == SHARDS[1]  # lost before its END_OF_SHARD: replayed to the end
+        assert replays[0] == SHARDS[1], caplog.text  # lost before its END_OF_SHARD: replayed to the end
     elif point == "after-end-of-shard" and in_order:
-        assert replays[0] == 0  # this epoch did not need it any more; replaced for the next one
+        assert replays[0] == 0, caplog.text  # this epoch did not need it any more; replaced for the next one
     wait_dead([server_pid, victim, *pids_before, *pids_after])
 
 
@@ -389,16 +434,17 @@ def test_reassign_gives_up_on_a_graph_that_kills_its_process_every_time():
 
 
 @pytest.mark.timeout(30)
-def test_unrelated_losses_in_successive_epochs_do_not_add_up(caplog):
+def test_unrelated_losses_in_successive_epochs_do_not_add_up(caplog, tmp_path):
     """One loss of worker 1 in each of four epochs: each epoch counts its own (max_reassignments=3)."""
     caplog.set_level(logging.WARNING, logger="rpc_reading_service.engine.epoch")
-    dl = _local_loader(on_worker_failure="reassign")
+    hold = _hold("mid-epoch", tmp_path)
+    dl = _local_loader(hold, on_worker_failure="reassign")
     victims = _Victims()
     pids: List[Optional[int]] = []
     try:
         server_pid = dl.reading_service._local_server.pid if dl.reading_service._local_server else None
         for epoch in range(4):
-            strike = _epoch_with_fault(dl, "mid-epoch", "SIGKILL", victims)
+            strike = _epoch_with_fault(dl, "mid-epoch", "SIGKILL", victims, hold)
             assert strike.error is None, f"epoch {epoch}: {strike.error}"
             ids = [x for x, _ in strike.items]
             assert len(ids) == len(set(ids)) == EPOCH_ITEMS, f"epoch {epoch}: items lost or duplicated"
@@ -502,7 +548,7 @@ def test_raise_after_a_complete_shard_reports_at_the_next_epoch_in_both_orders(r
     dl = _local_loader(on_worker_failure="raise", in_order=in_order)
     victims = _Victims()
     try:
-        strike = _epoch_with_fault(dl, "after-end-of-shard", "SIGKILL", victims)
+        strike = _epoch_with_fault(dl, "after-end-of-shard", "SIGKILL", victims, None)
         assert strike.error is None, strike.error
         _assert_exactly_once(strike.items, reference["epochs"][0], in_order=in_order)
         with pytest.raises(WorkerLostError) as info:
