@@ -351,6 +351,29 @@ def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 
         time.sleep(interval)
 
 
+class FileGate:
+    """A gate a worker process stops at until the test opens it: the file ``path`` exists.
+
+    Holds a worker where a test needs it still at work (e.g. until a kill) without sleeps; the
+    object pickles to the worker with the graph, and every process sees the same file."""
+
+    def __init__(self, path: Path, timeout: float = 20.0):
+        self.path, self.timeout = str(path), timeout
+
+    def close(self) -> None:
+        """Make the next :meth:`wait` stop (until :meth:`open`)."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def open(self) -> None:
+        """Let every process waiting at the gate, and every later one, go on."""
+        Path(self.path).touch()
+
+    def wait(self) -> None:
+        """In the worker: stop until the gate is open (an AssertionError after ``timeout`` seconds)."""
+        assert wait_until(lambda: os.path.exists(self.path), self.timeout), f"the gate {self.path} never opened"
+
+
 def wait_dead(
     pids: Iterable[Optional[int]], timeout: float = 5.0, what: str = "processes left behind"
 ) -> None:

@@ -19,7 +19,7 @@ import time
 from typing import Any, List, Optional
 
 import pytest
-from _server_helpers import slow_identity, wait_until
+from _server_helpers import FileGate, slow_identity, wait_until
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
@@ -274,10 +274,10 @@ def test_checkpoint_mid_epoch_resumes_with_the_same_items():
 
 
 class HoldRank:
-    """``worker_init_fn``: worker ``rank`` stops before its item ``before`` until the file ``release`` exists
-    (a replacement, which replays the rank's input from its first item, stops there too)."""
+    """``worker_init_fn``: worker ``rank`` stops before its item ``before`` until the gate
+    ``release`` opens (a replacement, which replays the rank's input from its first item, stops there too)."""
 
-    def __init__(self, rank: int, before: int, release: str):
+    def __init__(self, rank: int, before: int, release: FileGate):
         self.rank, self.before, self.release = rank, before, release
 
     def __call__(self, datapipe: IterDataPipe, info: Any) -> IterDataPipe:
@@ -288,7 +288,7 @@ class HoldRank:
     def _hold(self, numbered: tuple) -> Any:
         index, item = numbered
         if index == self.before:
-            assert wait_until(lambda: os.path.exists(self.release), 20), f"{self.release} never appeared"
+            self.release.wait()
         return item
 
 
@@ -310,9 +310,9 @@ def test_reassign_feeds_a_killed_workers_input_to_its_replacement_exactly_once(t
     and then nothing needs replacing. CI failed on that.)"""
     with _reassigning_loader() as dl:
         reference = list(dl)
-    release = tmp_path / "release"
+    release = FileGate(tmp_path / "release")
     victim = at_kill = None
-    dl = _reassigning_loader(HoldRank(1, 25, str(release)))
+    dl = _reassigning_loader(HoldRank(1, 25, release))
     try:
         epoch = []
         for item in dl:
@@ -321,10 +321,10 @@ def test_reassign_feeds_a_killed_workers_input_to_its_replacement_exactly_once(t
             if victim is None and worker.items_consumed == 20:
                 victim, at_kill = worker.pid, worker
                 os.kill(victim, signal.SIGKILL)
-                release.touch()
+                release.open()
         pids = [w.pid for w in dl.reading_service.stats().workers]
     finally:
-        release.touch()
+        release.open()
         dl.shutdown()
     assert victim is not None and at_kill.items_received < 50, at_kill  # killed while it held items
     assert victim not in pids, (victim, pids, at_kill)  # worker 1 was replaced

@@ -25,7 +25,6 @@ item every time (gives up after ``max_reassignments``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -37,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
-from _server_helpers import wait_dead, wait_until
+from _server_helpers import FileGate, wait_dead, wait_until
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
@@ -59,25 +58,13 @@ def tag(x: int) -> Tuple[int, int]:
     return x, random.randint(0, 10**9)
 
 
-class Hold:
+class Hold(FileGate):
     """Where worker 1 stops (before its item ``before``; its shard's length: before ending it)
     until the file ``release`` exists. The test closes it before an epoch and opens it when it strikes."""
 
     def __init__(self, release: Path, before: int):
-        self.release, self.before = str(release), before
-
-    def close(self) -> None:
-        """Make the next epoch's worker 1 stop at the hold (its previous epoch is over)."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.release)
-
-    def open(self) -> None:
-        """Let worker 1 (or its replacement) go on."""
-        Path(self.release).touch()
-
-    def wait(self) -> None:
-        """In the worker: stop until released."""
-        assert wait_until(lambda: os.path.exists(self.release), HOLD_WAIT), f"never released from {self.release}"
+        super().__init__(release, HOLD_WAIT)
+        self.before = before
 
 
 class HoldAt(IterDataPipe):
