@@ -454,8 +454,8 @@ class WorkerChannel:
             return True
         try:
             return self._deliver(self.conn.recv_ready())
-        except Exception as exc:  # noqa: BLE001 - as _receiving() reports it (one call less per read)
-            return self._receiving(lambda: _reraise(exc))
+        except Exception as exc:  # noqa: BLE001 - reported, as by _receiving() (one call less per read)
+            return self._receiving_failed(exc)
 
     def on_tick(self, now: float) -> Optional[float]:
         """Send the heartbeat due and report a silent worker; seconds until the next check,
@@ -473,11 +473,9 @@ class WorkerChannel:
 
     def _deliver(self, frames: Sequence[Frame]) -> bool:
         """Frames through the state machine, its events to the queue; True: receiving is over."""
-        on_event, receive, lock = self._on_event, self.protocol.receive_frame, self._state_lock
+        on_event = self._on_event
         for frame in frames:
-            with lock:
-                events = receive(frame)
-            for event in events:
+            for event in self._receive(frame):
                 if on_event.get(type(event), _ignore)(event):
                     return True
         return False
@@ -486,13 +484,17 @@ class WorkerChannel:
         """``step()``, reporting the session lost if receiving failed; True: receiving is over."""
         try:
             return step()
-        except PeerLostError as exc:
-            return self._lost(f"lost {self.name}: {exc}. Its process died or the connection broke")
-        except RemoteProtocolError as exc:
-            return self._lost(str(exc))
         except Exception as exc:  # noqa: BLE001 - never stop silently: the consumer would wait forever
-            log.exception("receiver for %s failed", self.name)
-            return self._lost(f"receiving from {self.name} failed: {exc!r}")
+            return self._receiving_failed(exc)
+
+    def _receiving_failed(self, exc: Exception) -> bool:
+        """Report the session lost for ``exc``, which receiving raised; True: the receiver stops."""
+        if isinstance(exc, PeerLostError):
+            return self._lost(f"lost {self.name}: {exc}. Its process died or the connection broke")
+        if isinstance(exc, RemoteProtocolError):
+            return self._lost(str(exc))
+        log.error("receiver for %s failed", self.name, exc_info=exc)
+        return self._lost(f"receiving from {self.name} failed: {exc!r}")
 
     def _lost(self, message: str) -> bool:
         """Report the session lost (unless the trainer closed it); True: the receiver stops."""
@@ -605,11 +607,6 @@ def lease_runs(chunks: Sequence[Tuple[int, int, int, int]]) -> List[Tuple[int, i
 def _kinds(messages: Sequence[Message]) -> str:
     """``CREDIT+LEASE``: the kinds of ``messages``, for log lines."""
     return "+".join(message.kind.name for message in messages)
-
-
-def _reraise(error: Exception) -> bool:
-    """Raise ``error`` again (inside :meth:`WorkerChannel._receiving`, which reports it)."""
-    raise error
 
 
 def _ignore(event: Any) -> bool:

@@ -212,15 +212,20 @@ class FrameReader:
         """Copy ``data`` into the reader (convenience for tests and non-socket transports)."""
         data = memoryview(data).cast("B")
         while data:
-            whole = self.feed_frames(data)
-            if whole:
-                data = data[whole:]
-                continue
-            target = self.writable()
-            n = min(len(target), len(data))
-            target[:n] = data[:n]
-            data = data[n:]
-            self.advance(n)
+            data = data[self.take(data) :]
+
+    def take(self, data: memoryview) -> int:
+        """Copy what the reader can take now from the start of ``data`` (bytes received, not
+        empty): the whole small frames there at once, else as much of its current section as
+        ``data`` holds; return how many bytes it took (at least one)."""
+        whole = self.feed_frames(data)
+        if whole:
+            return whole
+        target = self.writable()
+        n = min(len(target), len(data))
+        target[:n] = data[:n]
+        self.advance(n)
+        return n
 
     def feed_frames(self, data: memoryview) -> int:
         """Take the whole frames without out-of-band buffers at the start of ``data`` (bytes

@@ -59,14 +59,11 @@ class SocketConnection(Connection):
             return True  # closed: its send says so
         poller = self._room_poller
         if poller is None:  # made once: a poll object per call cost about as much as the poll
-            poller = self._room_poller = select.poll()
-            poller.register(fd, select.POLLOUT)
+            poller = self._room_poller = _writable_poller(fd)
         try:
             return bool(poller.poll(0))
         except RuntimeError:  # another thread polls it right now
-            poller = select.poll()
-            poller.register(fd, select.POLLOUT)
-            return bool(poller.poll(0))
+            return bool(_writable_poller(fd).poll(0))
 
     def send(self, chunks: Sequence[Buffer]) -> None:
         with self._send_lock:
@@ -116,15 +113,7 @@ class SocketConnection(Connection):
     def _parse_pending(self) -> None:
         """Move staged bytes into the frame reader: the whole small frames at once, else as far
         as its current section goes."""
-        whole = self._reader.feed_frames(self._pending)
-        if whole:
-            self._pending = self._pending[whole:]
-            return
-        target = self._reader.writable()
-        n = min(len(target), len(self._pending))
-        target[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
-        self._reader.advance(n)
+        self._pending = self._pending[self._reader.take(self._pending) :]
 
     def _read(self, deadline: Optional[float]) -> bool:
         """One read: a large section straight into its memory, else into the staging buffer.
@@ -237,3 +226,10 @@ class SocketConnection(Connection):
     def release(self) -> None:
         self._closed = True
         self._sock.close()
+
+
+def _writable_poller(fd: int) -> "select.poll":
+    """A poll object watching ``fd`` for room to write."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return poller
