@@ -12,8 +12,8 @@
     isolation.py        a task in a forked child with its own process group and a timeout
     processes.py        helper processes and worker servers that die with their parent
 
-A new table (distribution policies and one slow worker, issue 13; the worker-side cache,
-issue 14; scaling to many sessions, issue 16) is a new module in ``scenarios/`` listed in
+A new table (such as distribution policies and one slow worker, the worker-side cache, or
+scaling to many sessions) is a new module in ``scenarios/`` listed in
 ``scenarios/__init__.py``, plus its contenders in ``contenders/`` if it needs new ones and its
 targets in ``report/targets.py``.
 """

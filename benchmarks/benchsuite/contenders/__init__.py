@@ -2,8 +2,8 @@
 
 ``ours`` holds RPCReadingService's ways of running, ``alternatives`` what users run
 instead, ``limits`` what no reading service can beat.  A later contender (RPCReadingService
-with a distribution policy or one slow worker, issue 13; with the worker-side cache, issue
-14; with many trainer sessions on one server, issue 16) is a class in ``ours`` listed here.
+with a distribution policy or one slow worker; with the worker-side cache; with many trainer
+sessions on one server) is a class in ``ours`` listed here.
 """
 
 from __future__ import annotations

@@ -117,14 +117,14 @@ def results_markdown(run: dict, info: dict, targets: list[dict], printed: str,
         f"- **Runtime**: {run['wall_s']:.0f} s wall",
     ]
     if files:
-        lines.append(f"- **Files**: {', '.join(files)} (every number of this run)")
+        lines.append(f"- **Files**: {', '.join(files)} (every number of this run; written by the run, not committed)")
     lines += ["", "## Targets", "", summary_sentence(targets), ""]
     lines += [target_sentence(row) for row in targets]
     paragraph = local_workers_paragraph(targets)
     if paragraph:
         lines += ["", paragraph]
-    if plot_file:
-        lines += ["", f"![scaling and bandwidth]({plot_file.rsplit('/', 1)[-1]})"]
+    if plot_file:  # a figure, not a link: the figure is not committed
+        lines += ["", f"The figure of this run: `{plot_file}` (scaling and bandwidth)."]
     lines += ["", "## Printed tables (verbatim)", "", "```", printed.rstrip("\n"), "```", "",
               "The profile of an earlier run and what bounded its numbers: [ANALYSIS.md](ANALYSIS.md).", "",
               LINKS_SECTION, ""]

@@ -1,6 +1,6 @@
-"""The targets of the issues: each a ratio of two measured numbers, PASS / MISS, in one table.
+"""The performance targets: each a ratio of two measured numbers, PASS / MISS, in one table.
 
-A later issue's targets (distribution policies: 13, cache: 14, many sessions: 16) are rows
+Later targets (distribution policies, cache, many sessions) are rows
 added to ``TARGETS`` with a measure built from the helpers below.
 """
 
@@ -229,7 +229,7 @@ TARGET_NOTES = [
     "outside a worker session); RPCRS-local-shm: local workers whose graph makes its items that way",
     "copy-limit (info, no target): production-limit's processes, each also copying every item once into a warm "
     "shared segment, as RPCRS-local's workers do; nothing moved",
-    "memory (info, no target): issue 15 asks that it stays bounded by prefetch; the credit window is "
+    "memory (info, no target): it should stay bounded by prefetch; the credit window is "
     "W x prefetch x item size",
     "raw-socket is one TCP stream, so it is compared with RPCRS-tcp at W=1 (one stream); at W=2 three busy "
     "processes share 2 cores",

@@ -2,8 +2,7 @@
 
 One module per scenario family holds its plan (parent side), its measurement (child side) and
 its table.  Later tables go here as modules of their own: distribution policies, a sleep-bound
-stage and one slow worker (issue 13), the worker-side cache (issue 14), scaling to 2-128
-sessions (issue 16).
+stage and one slow worker, the worker-side cache, scaling to 2-128 sessions.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Sessions: many workers per trainer (issue 16), W = 2..128, sleep-bound and tiny items.
+"""Sessions: many workers per trainer, W = 2..128, sleep-bound and tiny items.
 
 Per worker count, two epochs: a sleep-bound stage (10 ms per item: the CPU is mostly idle,
 so what limits the rate is the cost per session) and tiny items (the trainer's receive
@@ -79,7 +79,7 @@ def measure_sessions(contender: Contender, params: dict, emit: Callable[[dict], 
     def point(workers: int) -> dict:
         sleep = Workload("sleep", workers * params["sleep_items_per_worker"], sleep_s=params["sleep_s"],
                          block=params["sleep_block"])
-        # the second epoch of one loader, as issue 16 defines the efficiency: the cost per session
+        # the second epoch of one loader, as the target defines the efficiency: the cost per session
         # of a running fleet, not its start (the first item column is the first epoch's)
         data = _epoch(contender, sleep, workers, params.get("sleep_budget_s", params["budget_s"]), warmup_epochs=1)
         ideal = workers / params["sleep_s"]
