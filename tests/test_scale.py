@@ -1,4 +1,4 @@
-"""Many sessions per trainer (issue 16): 128 sessions on two worker servers, one receive loop.
+"""Many sessions per trainer: 128 sessions on two worker servers, one receive loop.
 
 The trainer receives for every socket session in one event-loop thread (no receiver
 thread per worker), sets sessions up in parallel, and every item of an epoch still arrives

@@ -1,4 +1,4 @@
-"""The worker server under hostile or exhausted conditions (issue 10): a failed fork, no file
+"""The worker server under hostile or exhausted conditions: a failed fork, no file
 descriptors left, a flood of silent sockets, a too-large graph, a wrong or missing key, text
 meant to forge log lines, and a clean run's stderr. Every refusal reaches the trainer with
 its reason; the server and the sessions it already runs go on."""

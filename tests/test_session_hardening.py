@@ -1,4 +1,4 @@
-"""The worker session under hostile graphs and mismatched setups (issue 10, session part).
+"""The worker session under hostile graphs and mismatched setups.
 
 Real worker processes (local fork/spawn workers and ``rpc-reading-worker`` servers):
 
