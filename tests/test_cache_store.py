@@ -198,6 +198,16 @@ def test_a_tensor_hit_is_rebuilt_on_the_memory_it_was_read_into_and_is_a_fresh_c
         hit["image"].zero_()  # a later step changing its input in place: the next hit is unchanged
 
 
+def test_a_sparse_tensor_hit_is_rebuilt_and_leaves_nothing_behind(tmp_path):
+    cache = WorkerCache(CacheConfig.create(str(tmp_path), "1M"))
+    sparse = torch.randn(40, 50).relu().to_sparse()
+    cache.get_or_compute(KEYS[0], lambda: sparse)
+    for _ in range(3):
+        hit = cache.get_or_compute(KEYS[0], lambda: pytest.fail("computed on a hit"))
+        assert hit.layout == torch.sparse_coo and torch.equal(hit.to_dense(), sparse.to_dense())
+    assert torch._utils._sparse_tensors_to_validate == []  # torch's list of tensors to check, never emptied before
+
+
 def _compute_slowly(directory: str, calls: str, barrier) -> None:
     cache = WorkerCache(CacheConfig.create(directory, "1M"))
 
