@@ -219,8 +219,9 @@ def _rebuild_storage(data: Any, dtype: torch.dtype) -> "torch.storage.TypedStora
 
 def _torch_reduction(tensor: torch.Tensor) -> Any:
     """Torch's own reduction of a tensor our buffers cannot carry (quantized, sparse, nested,
-    requiring grad ...), or :class:`ItemPicklingError` naming the tensor's kind when torch has
-    none (an MKL-DNN tensor has no storage to pickle)."""
+    requiring grad ...), a sparse one rebuilt by :func:`_rebuild_sparse_tensor`, or
+    :class:`ItemPicklingError` naming the tensor's kind when torch has none (an MKL-DNN tensor
+    has no storage to pickle)."""
     try:
         reduction = tensor.__reduce_ex__(_ITEM_PROTOCOL)
     except (RuntimeError, TypeError) as exc:  # NotImplementedError is a RuntimeError
