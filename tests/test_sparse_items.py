@@ -19,7 +19,7 @@ from rpc_reading_service.serialization import SHARED_MEMORY_MIN_BYTES, dumps_ite
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")]
 
-ITEMS = 40
+ITEMS = 24
 NNZ = SHARED_MEMORY_MIN_BYTES // 8  # indices of 2 x NNZ int64: out of band, in shared memory locally
 
 
