@@ -63,7 +63,8 @@ class LocalWorkers:
             torch's DataLoader workers; the workers must not use CUDA) or ``"spawn"`` (a fresh
             interpreter importing torch; a second or two).
         cache_dir: Where the local server caches ``cached_map`` results, kept for later runs
-            (default: a temporary directory removed when the run ends).
+            (default: a temporary directory removed when the run ends). Created mode 0700; one
+            that exists must be this user's and writable by nobody else, else it is refused.
         cache_size: The bound of that cache in bytes (an int, or a size such as ``"2G"``).
     """
 

@@ -210,7 +210,7 @@ class LocalWorkerServer:
 
     def _cache_config(self) -> Optional[CacheConfig]:
         if self.cache_dir is not None:
-            return CacheConfig.create(self.cache_dir, self.cache_size)
+            return CacheConfig.create(self.cache_dir, self.cache_size, option="LocalWorkers.cache_dir")
         # The server removes it when it stops, also after the trainer was killed; stop() too.
         self._cache_temp_dir = tempfile.mkdtemp(prefix="rrs-cache-")
         cache = CacheConfig.create(self._cache_temp_dir, self.cache_size)

@@ -43,6 +43,7 @@ __all__ = [
     "dumps_item",
     "loads_item",
     "loads_items",
+    "release_sparse_tensors",
     "dumps_graph",
     "loads_graph",
     "pack_exception",
@@ -218,16 +219,53 @@ def _rebuild_storage(data: Any, dtype: torch.dtype) -> "torch.storage.TypedStora
 
 def _torch_reduction(tensor: torch.Tensor) -> Any:
     """Torch's own reduction of a tensor our buffers cannot carry (quantized, sparse, nested,
-    requiring grad ...), or :class:`ItemPicklingError` naming the tensor's kind when torch has
-    none (an MKL-DNN tensor has no storage to pickle)."""
+    requiring grad ...), a sparse one rebuilt by :func:`_rebuild_sparse_tensor`, or
+    :class:`ItemPicklingError` naming the tensor's kind when torch has none (an MKL-DNN tensor
+    has no storage to pickle)."""
     try:
-        return tensor.__reduce_ex__(_ITEM_PROTOCOL)
+        reduction = tensor.__reduce_ex__(_ITEM_PROTOCOL)
     except (RuntimeError, TypeError) as exc:  # NotImplementedError is a RuntimeError
         raise ItemPicklingError(
             f"an item holds a torch.Tensor that cannot be pickled (layout {tensor.layout}, dtype {tensor.dtype}, "
             f"device {tensor.device}: {type(exc).__name__}: {exc}); convert it in the graph before yielding it, "
             "e.g. with .to_dense() for an MKL-DNN tensor"
         ) from exc
+    if reduction[0] is torch._utils._rebuild_sparse_tensor:
+        return (_rebuild_sparse_tensor,) + tuple(reduction[1:])
+    return reduction
+
+
+def _rebuild_sparse_tensor(layout: torch.layout, data: Sequence[Any]) -> torch.Tensor:
+    """Rebuild a sparse tensor from torch's reduction of it, checked at once when
+    ``torch.sparse.check_sparse_tensor_invariants`` is on (torch's own rebuild queues it on a
+    module-wide list that only ``torch.load`` empties: every received item stayed on it).
+
+    Args:
+        layout: The tensor's sparse layout.
+        data: Its parts, as torch's reduction gives them.
+    """
+    check = torch.sparse.check_sparse_tensor_invariants.is_enabled()
+    if layout == torch.sparse_coo:
+        indices, values, size, coalesced = data
+        return torch.sparse_coo_tensor(indices, values, size, is_coalesced=coalesced, check_invariants=check)
+    compressed_indices, plain_indices, values, size = data
+    return torch.sparse_compressed_tensor(
+        compressed_indices, plain_indices, values, size, layout=layout, check_invariants=check
+    )
+
+
+#: Sparse tensors torch's own rebuild made (in a tensor subclass's reduction, say), waiting for
+#: the check that ``torch.load`` runs and that plain unpickling never does.
+_SPARSE_TENSORS_TO_CHECK = torch._utils._sparse_tensors_to_validate
+
+
+def release_sparse_tensors() -> None:
+    """Check and let go of the sparse tensors torch's own rebuild left on its module-wide list
+    while unpickling, as ``torch.load`` does (else each stays alive there for good); call it
+    after every unpickling of data from elsewhere. Another thread's tensors may be let go
+    unchecked (only with ``check_sparse_tensor_invariants`` on), as with ``torch.load``."""
+    if _SPARSE_TENSORS_TO_CHECK:
+        torch._utils._validate_loaded_sparse_tensors()
 
 
 def _keep_small_buffers_in_band(buffer: pickle.PickleBuffer) -> bool:
@@ -312,13 +350,19 @@ def dumps_item(obj: Any) -> EncodedItem:
 
 def loads_item(item: EncodedItem) -> Any:
     """Unpickle one item, rebuilding its buffers on the memory they were received into."""
-    return pickle.loads(item.payload, buffers=item.buffers)
+    try:
+        return pickle.loads(item.payload, buffers=item.buffers)
+    finally:
+        release_sparse_tensors()
 
 
 def loads_items(items: Sequence[EncodedItem]) -> List[Any]:
     """Unpickle every item of a frame."""
     loads = pickle.loads
-    return [loads(item.payload, buffers=item.buffers) for item in items]
+    try:
+        return [loads(item.payload, buffers=item.buffers) for item in items]
+    finally:
+        release_sparse_tensors()
 
 
 def buffer_allocator(pin_memory: bool) -> Callable[[int], Any]:
@@ -462,6 +506,8 @@ def loads_graph(data: bytes) -> Any:
             "its code travels with the graph",
             name=exc.name,
         ) from exc
+    finally:
+        release_sparse_tensors()  # a graph holding sparse tensors (torch pickled them for cloudpickle)
 
 
 # -- exceptions ---------------------------------------------------------------------------------

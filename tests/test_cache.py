@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import os
+import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -141,7 +144,41 @@ def test_a_corrupted_entry_is_recomputed_never_served(fresh_server, tmp_path):
     epoch = run_epochs(cached(range(10), calls_file, nbytes=100), remote(server), 1)[0]
     assert sorted(epoch) == expected(range(10), 100)
     assert calls(calls_file) == 12
-    assert server.stderr().count("is corrupt or partial") == 2
+    assert server.stderr().count("is corrupt, partial or another key") == 2
+
+
+def test_a_misplaced_or_absurdly_large_entry_is_a_miss_and_entries_are_private(fresh_server, tmp_path):
+    cache = tmp_path / "cache"
+    server = fresh_server(args=cache_args(cache))
+    calls_file = tmp_path / "calls"
+    run_epochs(cached(range(3), calls_file, nbytes=100), remote(server), 1)
+    modes = {path: stat.S_IMODE(path.stat().st_mode) for path in cache.rglob("*")}
+    assert modes and all(mode == (0o700 if path.is_dir() else 0o600) for path, mode in modes.items()), modes
+    entries = sorted(cache.rglob("*.entry"))
+    assert len(entries) == 3
+    shutil.copyfile(entries[0], entries[1])  # a valid entry, under another item's name
+    os.truncate(entries[2], 1 << 40)  # 1 TiB (sparse)
+    epoch = run_epochs(cached(range(3), calls_file, nbytes=100), remote(server), 1)[0]
+    assert sorted(epoch) == expected(range(3), 100)  # not item 0's value twice, no MemoryError
+    assert calls(calls_file) == 5
+    log = server.stderr()
+    assert "is corrupt, partial or another key's" in log and "more than the whole cache may hold" in log, log
+    assert sum(path.stat().st_size for path in cache.rglob("*.entry")) < 1 << 20  # the huge one is gone
+
+
+def test_a_changed_function_body_is_not_served_its_old_results(fresh_server, tmp_path, monkeypatch):
+    server = fresh_server(args=cache_args(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    source = tmp_path / "changing_load.py"
+    results = []
+    for body in ("item + 1", "item * 1000"):
+        source.write_text(f"def load(item):\n    return {body}\n")
+        shutil.rmtree(tmp_path / "__pycache__", ignore_errors=True)
+        module = importlib.reload(module) if results else importlib.import_module("changing_load")
+        dp = IterableWrapper(range(4)).sharding_filter().cached_map(module.load)
+        results.append(sorted(run_epochs(dp, remote(server, pickle_by_value=[module]), 1)[0]))
+    monkeypatch.delitem(sys.modules, "changing_load")
+    assert results == [[1, 2, 3, 4], [0, 1000, 2000, 3000]]
 
 
 def test_a_restarted_server_keeps_its_disk_cache(fresh_server, tmp_path):
@@ -231,6 +268,21 @@ def test_the_cli_documents_and_checks_the_cache_flags(tmp_path):
         assert flag in shown.stdout
     for run, words in zip(refused, ["needs --cache-size", "not a size"]):
         assert run.returncode == 2 and words in run.stderr, run.stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_cache_dir_others_may_write_is_refused_by_the_cli_and_by_local_workers(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # world-writable, sticky as /tmp: still anyone's pickles
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    (run,) = worker_cli_runs([["--port", "0", *cache_args(shared)]], env=env)
+    assert run.returncode == 2 and f"--cache-dir {shared} can be written by every user" in run.stderr, run.stderr
+    assert "chmod 700" in run.stderr
+    service = RPCReadingService(num_workers=1, workers=LocalWorkers(cache_dir=str(shared), cache_size="1M"))
+    with pytest.raises(ConfigurationError, match=r"LocalWorkers.cache_dir .* can be written by every user"):
+        run_epochs(IterableWrapper(range(2)), service, 1)
+    assert list(shared.iterdir()) == []  # nothing written there
 
 
 def test_the_reading_service_checks_its_cache_options():

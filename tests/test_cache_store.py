@@ -9,6 +9,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import stat
 import time
 
 import pytest
@@ -25,8 +26,9 @@ KEYS = [cache_key("test|", name) for name in "abcdefgh"]
 
 def test_an_entry_round_trips_and_any_damage_is_detected():
     payload = os.urandom(1000)
-    entry = encode_entry(payload)
-    assert decode_entry(entry) == payload
+    entry = encode_entry(KEYS[0], payload)
+    assert decode_entry(entry, KEYS[0]) == payload
+    assert decode_entry(entry, KEYS[1]) is None  # another key's entry
     flipped = bytearray(entry)
     flipped[HEADER_BYTES + 500] ^= 0x01
     for damaged in (
@@ -37,7 +39,7 @@ def test_an_entry_round_trips_and_any_damage_is_detected():
         b"",
         b"XX" + entry[2:],
     ):
-        assert decode_entry(damaged) is None
+        assert decode_entry(damaged, KEYS[0]) is None
 
 
 def test_store_hit_miss_and_restart(tmp_path):
@@ -50,7 +52,7 @@ def test_store_hit_miss_and_restart(tmp_path):
 
 def test_lru_eviction_keeps_the_store_under_its_bound(tmp_path):
     payload = b"x" * 1000
-    entry_bytes = len(encode_entry(payload))
+    entry_bytes = len(encode_entry(KEYS[0], payload))
     store = DiskStore(str(tmp_path), int(entry_bytes * 3.5))  # room for three entries
     for key in KEYS[:3]:
         assert store.put(key, payload)
@@ -82,6 +84,60 @@ def test_a_corrupt_entry_is_a_miss_and_is_deleted(tmp_path, caplog):
         assert store.get(KEYS[0]) is None
     assert not os.path.exists(path)
     assert "corrupt" in caplog.text and path in caplog.text
+
+
+def test_an_entry_found_under_another_keys_name_is_a_miss_not_that_keys_value(tmp_path, caplog):
+    store = DiskStore(str(tmp_path), 1 << 20)
+    store.put(KEYS[0], b"value of key 0")
+    store.put(KEYS[1], b"value of key 1")
+    os.replace(store.entry_path(KEYS[0]), store.entry_path(KEYS[1]))  # misplaced: copied, renamed, restored
+    with caplog.at_level(logging.WARNING, "rpc_reading_service.cache"):
+        assert store.get(KEYS[1]) is None
+    assert not os.path.exists(store.entry_path(KEYS[1])) and "another key's" in caplog.text
+    assert store.total_bytes() == 0
+
+
+def test_an_entry_larger_than_the_whole_cache_is_a_miss_and_deleted_without_reading_it(tmp_path, caplog):
+    store = DiskStore(str(tmp_path), 1 << 20)
+    store.put(KEYS[0], b"value")
+    path = store.entry_path(KEYS[0])
+    os.truncate(path, 1 << 40)  # 1 TiB (sparse): reading it raised MemoryError on every run
+    with caplog.at_level(logging.WARNING, "rpc_reading_service.cache"):
+        assert store.get(KEYS[0]) is None
+    assert not os.path.exists(path) and "more than the whole cache may hold" in caplog.text
+    assert store.put(KEYS[0], b"value") and store.get(KEYS[0]) == b"value"
+
+
+def test_the_store_makes_its_files_0600_and_its_directories_0700_whatever_the_umask(tmp_path):
+    store = DiskStore(str(tmp_path / "cache"), 1 << 20)
+    old = os.umask(0)
+    try:
+        store.put(KEYS[0], b"value")
+        with store.computing(KEYS[0]) as locked:
+            assert locked
+    finally:
+        os.umask(old)
+    cache = tmp_path / "cache"
+    modes = {str(path.relative_to(cache)): (path.is_dir(), stat.S_IMODE(path.stat().st_mode)) for path in cache.rglob("*")}
+    assert {"entries", "locks", "usage"} <= set(modes) and any(name.endswith(".entry") for name in modes), modes
+    wrong = {name: oct(mode) for name, (folder, mode) in modes.items() if mode != (0o700 if folder else 0o600)}
+    assert not wrong and stat.S_IMODE(cache.stat().st_mode) == 0o700, wrong
+
+
+def test_an_entry_other_users_may_write_is_deleted_unread(tmp_path, caplog):
+    store = DiskStore(str(tmp_path), 1 << 20)
+    changes = [lambda path: os.chmod(path, 0o666), lambda path: os.chmod(path, 0o620)]
+    if os.geteuid() == 0:
+        changes.append(lambda path: os.chown(path, 65534, 65534))  # nobody's file
+    for change in changes:
+        store.put(KEYS[0], b"value")
+        path = store.entry_path(KEYS[0])
+        change(path)
+        with caplog.at_level(logging.WARNING, "rpc_reading_service.cache"):
+            assert store.get(KEYS[0]) is None
+        assert not os.path.exists(path)
+    assert caplog.text.count("not only by this worker's user, so it is not read") == len(changes)
+    assert "every user" in caplog.text and "its group" in caplog.text
 
 
 def test_an_entry_of_the_earlier_format_is_recomputed_without_a_corruption_warning(tmp_path, caplog):
@@ -140,6 +196,16 @@ def test_a_tensor_hit_is_rebuilt_on_the_memory_it_was_read_into_and_is_a_fresh_c
         assert torch.equal(hit["image"], image) and hit["label"] == 3, tier
         assert hit["image"].data_ptr() % 16 == 0, tier  # aligned: the entry keeps its buffers at multiples of 64
         hit["image"].zero_()  # a later step changing its input in place: the next hit is unchanged
+
+
+def test_a_sparse_tensor_hit_is_rebuilt_and_leaves_nothing_behind(tmp_path):
+    cache = WorkerCache(CacheConfig.create(str(tmp_path), "1M"))
+    sparse = torch.randn(40, 50).relu().to_sparse()
+    cache.get_or_compute(KEYS[0], lambda: sparse)
+    for _ in range(3):
+        hit = cache.get_or_compute(KEYS[0], lambda: pytest.fail("computed on a hit"))
+        assert hit.layout == torch.sparse_coo and torch.equal(hit.to_dense(), sparse.to_dense())
+    assert torch._utils._sparse_tensors_to_validate == []  # torch's list of tensors to check, never emptied before
 
 
 def _compute_slowly(directory: str, calls: str, barrier) -> None:
@@ -217,6 +283,64 @@ def test_config_is_checked_once(tmp_path):
         (tmp_path / "file").write_text("")
         with pytest.raises(ConfigurationError):
             CacheConfig.create(**bad)
+
+
+def test_a_cache_directory_others_may_write_is_refused(tmp_path):
+    private = CacheConfig.create(str(tmp_path / "new" / "cache"), "1M")
+    assert stat.S_IMODE(os.stat(private.directory).st_mode) == 0o700  # created private
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    modes = {0o777: "every user", 0o1777: "every user", 0o770: "its group"}  # 1777: sticky, as /tmp
+    for mode, who in modes.items():
+        shared.chmod(mode)
+        with pytest.raises(ConfigurationError, match=rf"--cache-dir {shared} can be written by {who}.*pickles.*chmod 700"):
+            CacheConfig.create(str(shared), "1M")
+    with pytest.raises(ConfigurationError, match=r"^LocalWorkers.cache_dir .* its group"):
+        CacheConfig.create(str(shared), "1M", option="LocalWorkers.cache_dir")
+    shared.chmod(0o755)
+    assert CacheConfig.create(str(shared), "1M").directory == str(shared)  # readable by others is fine
+    if os.geteuid() == 0:
+        os.chown(shared, 65534, 65534)  # nobody's directory, even if only nobody may write it
+        with pytest.raises(ConfigurationError, match=r"can be written by uid 65534 \(its owner\), not only by this worker's user"):
+            CacheConfig.create(str(shared), "1M")
+
+
+def _defined(body: str, module: str = "user_module"):
+    """A function ``load`` of ``module`` returning ``body``: the same name with other code."""
+    scope = {"__name__": module}
+    exec(f"def load(item):\n    return {body}\n", scope)
+    return scope["load"]
+
+
+def test_a_functions_namespace_changes_with_its_code_and_only_with_it():
+    assert function_namespace(_defined("item + 1")) == function_namespace(_defined("item + 1"))
+    assert function_namespace(_defined("item + 1")) != function_namespace(_defined("item + 2"))
+    assert function_namespace(_defined("item.upper()")) != function_namespace(_defined("item.lower()"))
+    assert function_namespace(_defined("[x + 1 for x in item]")) != function_namespace(_defined("[x + 2 for x in item]"))
+    assert function_namespace(_defined("item + 1")).startswith("user_module.load@")
+    assert function_namespace(_defined("item + 1"), "v2") != function_namespace(_defined("item + 1"))
+
+    class Decode:
+        def __call__(self, item):
+            return item
+
+    assert function_namespace(Decode()) == function_namespace(Decode()) != function_namespace(type(Decode()).__call__)
+
+
+def test_a_functions_namespace_does_not_depend_on_the_order_of_a_set_constant():
+    # A frozenset constant of strings iterates in another order under another hash seed, i.e.
+    # in another process: two equal frozensets in two orders stand for it here.
+    load = _defined("item in {1, 9}")
+    ordered, reordered = frozenset([1, 9]), frozenset([9, 1])
+    assert list(ordered) != list(reordered)
+    consts = [tuple(ordered if isinstance(c, frozenset) else c for c in load.__code__.co_consts),
+              tuple(reordered if isinstance(c, frozenset) else c for c in load.__code__.co_consts)]  # fmt: skip
+    assert ordered in consts[0]
+    names = set()
+    for const in consts:
+        load.__code__ = load.__code__.replace(co_consts=const)
+        names.add(function_namespace(load))
+    assert len(names) == 1 and names.pop().startswith("user_module.load@")  # keyed on the code
 
 
 def test_a_payload_that_does_not_unpickle_is_computed_again(tmp_path):

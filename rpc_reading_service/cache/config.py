@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from dataclasses import dataclass
 from typing import Optional, Union
 
 from ..errors import ConfigurationError
 
-__all__ = ["CacheConfig", "parse_size"]
+__all__ = ["CacheConfig", "check_private_directory", "parse_size", "writable_by_others"]
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -54,12 +55,15 @@ class CacheConfig:
         directory: Optional[str],
         max_bytes: Union[str, int, None] = None,
         memory_bytes: Union[str, int, None] = None,
+        option: str = "--cache-dir",
     ) -> Optional[CacheConfig]:
         """A checked configuration, or ``None`` when neither tier is asked for.
 
-        Creates ``directory`` if needed; raises
-        :class:`~rpc_reading_service.errors.ConfigurationError` when it cannot be written
-        or a size is missing, malformed or not positive.
+        Creates ``directory`` (mode 0700) if needed; raises
+        :class:`~rpc_reading_service.errors.ConfigurationError` when it cannot be written,
+        another user owns it or may write it (see :func:`check_private_directory`), or a
+        size is missing, malformed or not positive. ``option``: how the user named the
+        directory, for the messages.
         """
         size = parse_size(max_bytes, "--cache-size") if max_bytes is not None else None
         memory = parse_size(memory_bytes, "--cache-memory") if memory_bytes is not None else 0
@@ -89,4 +93,44 @@ class CacheConfig:
             raise ConfigurationError(
                 f"the cache directory {directory} is not writable by this user; pick another one"
             )
+        check_private_directory(directory, option)
         return cls(directory, size, memory)
+
+
+def writable_by_others(status: os.stat_result) -> Optional[str]:
+    """Who besides this process's user may write the file or directory of ``status`` ("uid N
+    (its owner)", "every user", "its group"), or ``None``.
+
+    Args:
+        status: Its ``stat``.
+    """
+    if status.st_uid != os.geteuid():
+        return f"uid {status.st_uid} (its owner)"
+    if status.st_mode & stat.S_IWOTH:
+        return "every user"
+    if status.st_mode & stat.S_IWGRP:
+        return "its group"
+    return None
+
+
+def check_private_directory(directory: str, option: str = "--cache-dir") -> None:
+    """Refuse a cache directory that another user owns or that its group or others may write:
+    its entries are pickles, so whoever writes there runs code as the worker's user.
+
+    Args:
+        directory: The cache directory (it exists).
+        option: How the user gave it, for the message.
+
+    Raises:
+        ConfigurationError: Saying who else may write it and how to fix it.
+    """
+    status = os.stat(directory)
+    others = writable_by_others(status)
+    if others is None:
+        return
+    raise ConfigurationError(
+        f"{option} {directory} can be written by {others}, not only by this worker's user (uid {os.geteuid()}; "
+        f"mode {stat.filemode(status.st_mode)}): cache entries are pickles, so whoever can write there could "
+        f"run code as this worker's user. Give a directory of your own that only you can write (`chmod 700 "
+        f"{directory}`), or a new path (it is created private)"
+    )

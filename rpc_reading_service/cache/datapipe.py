@@ -31,9 +31,10 @@ class CachedMapperIterDataPipe(IterDataPipe):
         fn: The deterministic function to cache; its results must pickle (protocol 5; tensors do).
         key_fn: The item's cache key (default: the item itself). It must pickle to the same
             bytes in every process and run: str, bytes, int, float and tuples of them do.
-        namespace: Added to the function's qualified name to tell caches apart; give one when
-            two different functions share a name (partials of one function, changed code
-            whose old results must not be served).
+        namespace: Added to the function's qualified name and code to tell caches apart; give
+            one when results must change while ``fn``'s own code does not (partials of one
+            function with other arguments, a changed helper that ``fn`` calls, other data
+            behind the same keys).
 
     With no cache configured (a server without ``--cache-dir``/``--cache-memory``, or the graph
     running in the trainer), ``fn`` is simply called.
@@ -51,15 +52,17 @@ class CachedMapperIterDataPipe(IterDataPipe):
         self.source_datapipe = source_datapipe
         self.fn = fn
         self.key_fn = key_fn
-        self.namespace = function_namespace(fn, namespace)
+        self.namespace = namespace
 
     def __iter__(self) -> Iterator[T]:
         cache = worker_cache()
+        # Here, not in __init__: the code that runs is the worker's (a function it imports may differ).
+        scope = function_namespace(self.fn, self.namespace) if cache is not None else ""
         for item in self.source_datapipe:
             if cache is None:
                 yield self.fn(item)
                 continue
-            key = cache_key(self.namespace, item if self.key_fn is None else self.key_fn(item))
+            key = cache_key(scope, item if self.key_fn is None else self.key_fn(item))
             yield cache.get_or_compute(key, functools.partial(self.fn, item))
 
     def __len__(self) -> int:

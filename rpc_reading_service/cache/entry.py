@@ -1,7 +1,9 @@
-"""The bytes of one cache entry on disk: a header that lets a reader tell a whole entry from a
-corrupt or partial one.
+"""The bytes of one cache entry on disk: a header that lets a reader tell a whole entry of its key
+from a corrupt, partial or misplaced one.
 
-``MAGIC (8) | payload length (8, big endian) | CRC-32 of the payload (4) | zeros to 64 | payload``.
+``MAGIC (8) | payload length (8, big endian) | CRC-32 of the payload (4) | key digest (16) |
+zeros to 64 | payload``: the key digest (blake2b-128 of the key) makes an entry found under
+another key's name (copied, renamed, restored to the wrong place) a miss, not that key's value.
 
 The CRC-32 is there to catch damage (a torn or truncated write, a flipped bit on disk), not
 tampering: whoever can write the cache directory can run code in the worker anyway (entries
@@ -12,33 +14,50 @@ the payload's buffers, rebuilt in place as tensors, start aligned.
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import zlib
 from typing import Optional, Union
 
 __all__ = ["HEADER_BYTES", "encode_entry", "decode_entry", "is_older_format"]
 
-MAGIC = b"RRSCACH2"
-_OLDER_MAGICS = (b"RRSCACH1",)  # blake2b, payloads pickled by torch: recomputed once, then rewritten
-_HEADER = struct.Struct(">8sQI44x")
+MAGIC = b"RRSCACH3"
+#: RRSCACH1: blake2b, payloads pickled by torch; RRSCACH2: no key. Recomputed once, then rewritten.
+_OLDER_MAGICS = (b"RRSCACH1", b"RRSCACH2")
+_HEADER = struct.Struct(">8sQI16s28x")
 HEADER_BYTES = _HEADER.size
 
 Payload = Union[bytes, bytearray, memoryview]
 
 
-def encode_entry(payload: Payload) -> bytes:
-    """The entry for ``payload``: header, then the payload."""
-    return _HEADER.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
+def _key_digest(key: str) -> bytes:
+    return hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
-def decode_entry(data: Payload) -> Optional[memoryview]:
+def encode_entry(key: str, payload: Payload) -> bytes:
+    """The entry for ``payload`` under ``key``: header, then the payload.
+
+    Args:
+        key: The key the entry is stored under.
+        payload: The bytes to keep.
+    """
+    return _HEADER.pack(MAGIC, len(payload), zlib.crc32(payload), _key_digest(key)) + payload
+
+
+def decode_entry(data: Payload, key: str) -> Optional[memoryview]:
     """The payload of an entry, as a view of ``data`` (no copy), or ``None`` when ``data`` is not
-    a whole, intact entry (wrong magic, truncated, extra bytes, or a checksum that does not match)."""
+    a whole, intact entry of ``key`` (wrong magic, truncated, extra bytes, a checksum that does
+    not match, or another key's entry).
+
+    Args:
+        data: The entry's bytes.
+        key: The key it was looked up under.
+    """
     if len(data) < HEADER_BYTES:
         return None
-    magic, length, checksum = _HEADER.unpack_from(data)
+    magic, length, checksum, digest = _HEADER.unpack_from(data)
     payload = memoryview(data)[HEADER_BYTES:]
-    if magic != MAGIC or length != len(payload) or zlib.crc32(payload) != checksum:
+    if magic != MAGIC or length != len(payload) or digest != _key_digest(key) or zlib.crc32(payload) != checksum:
         return None
     return payload
 

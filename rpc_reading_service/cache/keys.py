@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import pickle
+import types
 from typing import Any, Callable
 
 from ..errors import CacheKeyError, StickyKeyError
@@ -15,21 +16,51 @@ __all__ = ["function_namespace", "cache_key"]
 
 def function_namespace(fn: Callable[..., Any], namespace: str = "") -> str:
     """What tells ``fn``'s results apart from other functions' over one server: its module and
-    qualified name (plus the line and a hash of the bytecode of a lambda, as all lambdas are
-    called ``<lambda>``), the wrapped function of a ``functools.partial``, and the user's
-    ``namespace``."""
+    qualified name, a hash of its code (its own body, not the functions it calls; plus the line
+    of a lambda, as all lambdas are called ``<lambda>``), the wrapped function of a
+    ``functools.partial`` (not its arguments), and the user's ``namespace``.
+
+    Args:
+        fn: The function ``cached_map`` applies (a function, lambda, method, partial or callable object).
+        namespace: The user's ``namespace=``.
+    """
     target = fn.func if isinstance(fn, functools.partial) else fn
     if not hasattr(target, "__qualname__"):
-        target = type(target)  # a callable object: its class
+        target = type(target)  # a callable object: its class, and the code of its __call__
     name = f"{getattr(target, '__module__', '?')}.{target.__qualname__}"
-    code = getattr(target, "__code__", None)
-    if code is not None and target.__name__ == "<lambda>":
-        consts = repr(
-            [c for c in code.co_consts if not hasattr(c, "co_code")]
-        )  # nested code reprs hold addresses
-        digest = hashlib.blake2b(code.co_code + consts.encode(), digest_size=8).hexdigest()
-        name += f"@{code.co_firstlineno}:{digest}"
+    code = getattr(target, "__code__", None) or getattr(getattr(target, "__call__", None), "__code__", None)
+    if isinstance(code, types.CodeType):
+        digest = hashlib.blake2b(digest_size=8)
+        _hash_code(digest, code)
+        line = f"{code.co_firstlineno}:" if getattr(target, "__name__", None) == "<lambda>" else ""
+        name += f"@{line}{digest.hexdigest()}"
     return f"{name}|{namespace}"
+
+
+def _hash_code(digest: Any, code: types.CodeType) -> None:
+    """Feed what ``code`` does to ``digest``: its bytecode, the names it uses and its constants,
+    nested functions' code included, in a form that is the same in every process (a repr of a
+    code object holds its address; a frozenset's order of strings varies with the hash seed).
+
+    Args:
+        digest: A hashlib object.
+        code: The code object.
+    """
+    digest.update(code.co_code)
+    digest.update(repr(code.co_names).encode("utf-8", "surrogatepass"))
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _hash_code(digest, const)
+        else:
+            digest.update(_stable_repr(const).encode("utf-8", "surrogatepass"))
+
+
+def _stable_repr(const: Any) -> str:
+    if isinstance(const, frozenset):
+        return "frozenset(" + ",".join(sorted(_stable_repr(c) for c in const)) + ")"
+    if isinstance(const, tuple):
+        return "(" + ",".join(_stable_repr(c) for c in const) + ")"
+    return f"{type(const).__name__}:{const!r}"
 
 
 def cache_key(namespace: str, key: Any) -> str:

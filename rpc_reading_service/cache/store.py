@@ -9,6 +9,9 @@ Layout under the directory::
                                  of lock files stays bounded however many keys there are)
     usage                        the running total of entry bytes, updated under its flock
 
+Directories are created mode 0700 and files 0600: entries are pickles. An entry that is not
+the worker's user's, or that other users may write, is deleted unread.
+
 Recency is the entry's mtime, set on every write and every hit. When the total passes the
 bound, the least recently used entries are deleted until it is at most 90% of the bound (so a
 full cache does not rescan the directory at every write). Keys are hex strings (hashes).
@@ -26,6 +29,7 @@ import time
 from collections.abc import Iterator
 from typing import List, Optional, Tuple, Union
 
+from .config import writable_by_others
 from .entry import decode_entry, encode_entry, is_older_format
 
 __all__ = ["DiskStore"]
@@ -43,6 +47,18 @@ def _touch(file: Union[str, int]) -> None:
     must still be ordered for LRU."""
     now = time.time_ns()
     os.utime(file, ns=(now, now))
+
+
+#: How a writer creates its temporary entry file, and the lock and usage files are opened
+#: (created mode 0600, never through a symbolic link).
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+_LOCK_FILE = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
+
+
+def _private_directories(*paths: str) -> None:
+    """Create each of ``paths`` that is missing, in order, mode 0700."""
+    for path in paths:
+        os.makedirs(path, mode=0o700, exist_ok=True)
 
 
 def _read_into(fd: int, data: bytearray) -> int:
@@ -80,21 +96,17 @@ class DiskStore:
         return os.path.join(self._entries, key[:2], key + ".entry")
 
     def get(self, key: str) -> Optional[memoryview]:
-        """``key``'s payload (and mark it recently used), or ``None`` on a miss or a corrupt entry.
+        """``key``'s payload (and mark it recently used), or ``None`` on a miss; an entry that is
+        corrupt, another key's, larger than the bound or writable by other users is deleted.
 
         The payload is a view of memory read for this call alone, so a value may be rebuilt on it.
         """
         path = self.entry_path(key)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
             try:
-                data = bytearray(os.fstat(fd).st_size)
-                if _read_into(fd, data) == len(data):
-                    payload = decode_entry(data)
-                    if payload is not None:
-                        with contextlib.suppress(OSError):
-                            _touch(fd)
-                        return payload
+                status = os.fstat(fd)
+                payload, problem = self._read(fd, status, key)
             finally:
                 os.close(fd)
         except FileNotFoundError:
@@ -102,34 +114,63 @@ class DiskStore:
         except OSError as exc:
             log.warning("cannot read cache entry %s (%s); computing the item instead", path, exc)
             return None
-        if not is_older_format(data):
-            log.warning(
-                "cache entry %s is corrupt or partial (%d bytes): deleted, computing it again", path, len(data)
-            )
+        if payload is not None:
+            return payload
+        if problem:
+            log.warning("cache entry %s %s: deleted, computing it again", path, problem)
         elif not self._told_older_format:
             self._told_older_format = True
             log.info("cache %s holds entries of an earlier version: each is computed again once", self.directory)
         with contextlib.suppress(OSError):
             os.unlink(path)
-            self._account(-len(data))
+            if status.st_size <= self.max_bytes:  # a larger one was never counted: put refuses it
+                self._account(-status.st_size)
         return None
+
+    def _read(self, fd: int, status: os.stat_result, key: str) -> Tuple[Optional[memoryview], str]:
+        """``key``'s payload from the open entry ``fd``, or ``None`` and what is wrong with the
+        entry ("" for one of an earlier version).
+
+        Args:
+            fd: The entry, open for reading.
+            status: Its ``fstat``.
+            key: The key it was looked up under.
+        """
+        others = writable_by_others(status)
+        if others is not None:
+            return None, f"can be written by {others}, not only by this worker's user, so it is not read"
+        if status.st_size > self.max_bytes:
+            return None, f"is {status.st_size} bytes, more than the whole cache may hold ({self.max_bytes})"
+        try:
+            data = bytearray(status.st_size)
+        except MemoryError:
+            return None, f"is {status.st_size} bytes, more than this process can read into memory"
+        if _read_into(fd, data) == len(data):
+            payload = decode_entry(data, key)
+            if payload is not None:
+                with contextlib.suppress(OSError):
+                    _touch(fd)
+                return payload, ""
+        if is_older_format(data):
+            return None, ""
+        return None, f"is corrupt, partial or another key's ({len(data)} bytes)"
 
     def put(self, key: str, payload: Union[bytes, bytearray, memoryview]) -> bool:
         """Store ``payload`` under ``key``; False when it was not stored (too big, or writing is off)."""
         if not self.writable:
             return False
-        data = encode_entry(payload)
+        data = encode_entry(key, payload)
         if len(data) > self.max_bytes:
             return False
         path = self.entry_path(key)
         temp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             try:
-                handle = open(temp, "wb")
+                fd = os.open(temp, _NEW_FILE, 0o600)
             except FileNotFoundError:  # the first entry of its shard directory
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                handle = open(temp, "wb")
-            with handle:
+                _private_directories(self.directory, self._entries, os.path.dirname(path))
+                fd = os.open(temp, _NEW_FILE, 0o600)
+            with open(fd, "wb") as handle:
                 handle.write(data)
                 handle.flush()
                 _touch(handle.fileno())
@@ -171,8 +212,11 @@ class DiskStore:
     def _open_lock(self, key: str) -> Optional[int]:
         path = os.path.join(self._locks, key[:3] + ".lock")
         try:
-            os.makedirs(self._locks, exist_ok=True)
-            return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                return os.open(path, _LOCK_FILE, 0o600)
+            except FileNotFoundError:  # the first lock of this directory
+                _private_directories(self.directory, self._locks)
+                return os.open(path, _LOCK_FILE, 0o600)
         except OSError:
             return None
 
@@ -200,7 +244,7 @@ class DiskStore:
         through a temporary file and a rename: those were half of the metadata work of a put.
         A damaged total is counted again.
         """
-        fd = os.open(self._usage, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = os.open(self._usage, _LOCK_FILE, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:

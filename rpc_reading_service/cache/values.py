@@ -16,7 +16,7 @@ from typing import Any, List
 
 import torch
 
-from ..serialization import _ItemPickler
+from ..serialization import _ItemPickler, release_sparse_tensors
 
 __all__ = ["pack_value", "unpack_value"]
 
@@ -72,4 +72,7 @@ def unpack_value(payload: memoryview) -> Any:
         segments.append(payload[start:offset])
     if not segments or offset != len(payload):
         raise ValueError("a cached value's segments do not fill its payload")
-    return pickle.loads(segments[0], buffers=segments[1:])
+    try:
+        return pickle.loads(segments[0], buffers=segments[1:])
+    finally:
+        release_sparse_tensors()
