@@ -61,7 +61,7 @@ from .protocol import (
 from .serialization import rebuild_exception
 from .transports.base import Connection, PeerLostError
 
-__all__ = ["Event", "ChannelStats", "WorkerChannel", "slow_frame"]
+__all__ = ["Event", "ChannelStats", "WorkerChannel", "drop_items", "slow_frame"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,22 @@ class Event:
     frame: Optional[Frame] = None  # a DATA frame, decoded by the consumer
     error: Optional[BaseException] = None
     chunk: Optional[ChunkDone] = None  # a leased chunk the worker finished ("dynamic")
+
+
+def drop_items(events: "queue.SimpleQueue[Event]") -> None:
+    """Drop the items no one will take from ``events`` of closed channels (their buffers in
+    shared memory go back at once, not with the next garbage collection); the other events stay,
+    in order, for a consumer still waiting in another thread."""
+    kept = []
+    while True:
+        try:
+            event = events.get_nowait()
+        except queue.Empty:
+            break
+        if event.kind != "data":
+            kept.append(event)
+    for event in kept:
+        events.put(event)
 
 
 @dataclass

@@ -315,8 +315,8 @@ def test_the_map_refuses_placements_outside_what_the_worker_announced():
 
 @pytest.mark.timeout(20)
 def test_a_process_forked_from_the_trainer_can_drop_received_buffers():
-    # The local worker server is forked from the trainer: it has the trainer's objects but
-    # not its mappings (MADV_DONTFORK), and must not crash when one of them goes.
+    # The local worker server is forked from the trainer: it has the trainer's objects and
+    # mappings, and must not crash (nor free the trainer's segment) when one of them goes.
     pool, segments = SegmentPool(), SegmentMap("test")
     (buffer,) = _hand_over(pool, segments, [bytes(SHARED_MEMORY_MIN_BYTES)])
     pid = os.fork()

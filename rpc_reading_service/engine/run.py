@@ -27,7 +27,7 @@ from typing import Any, Callable, List, Optional
 from torchdata.dataloader2.graph import DataPipe
 from torchdata.dataloader2.utils import WorkerInfo
 
-from ..client import Event, WorkerChannel
+from ..client import Event, WorkerChannel, drop_items
 from ..config import ReadingServiceConfig
 from ..errors import ConfigurationError, RPCReadingServiceError
 from ..graph import DistributedInfo, init_worker_graph, reset_dispatching_graph, reset_worker_graph
@@ -325,3 +325,5 @@ class Engine:
         if channels:
             close_channels(channels)
         self.fleet.close()
+        for events in {id(q): q for q in [self.events, *(channel.queue for channel in channels)]}.values():
+            drop_items(events)

@@ -12,8 +12,9 @@ when the last descriptor and mapping are gone, so nothing outlives the run, even
 SIGKILL of either side. Segments are reused under the credit window (fresh shared pages
 cost more than a copy into warm ones): the first byte of a segment says whether the
 worker lent it to the trainer, and the trainer sets it back to free when the last
-tensor or array built on it is gone. Mappings are not inherited by forked children
-(``MADV_DONTFORK``): a worker server forked from the trainer holds none of them.
+tensor or array built on it is gone. Mappings are inherited by forked children (a
+local worker server forked from the trainer, a torch DataLoader worker reading received
+tensors): a child reads the same memory, and its drops never mark a segment free.
 
 A worker's graph may also make its items in a segment (:func:`allocate`, behind
 ``rpc_reading_service.shared_empty``): the pool then lends that segment as it is, with no
@@ -53,7 +54,7 @@ _ZEROS = memoryview(bytes(256 * 1024))
 
 def shared_memory_available() -> bool:
     """Whether this host can hand buffers over in shared memory (Linux: memfd)."""
-    return hasattr(os, "memfd_create") and hasattr(mmap, "MADV_DONTFORK")
+    return hasattr(os, "memfd_create")
 
 
 def _write_pages(fd: int, size: int, view: Optional[memoryview]) -> None:
@@ -81,25 +82,12 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-#: This process's id, kept by a fork hook: read for every received buffer and every release,
-#: where ``os.getpid()`` would be a system call each.
-_pid = os.getpid()
-
-
-def _note_fork() -> None:
-    global _pid
-    _pid = os.getpid()
-
-
-os.register_at_fork(after_in_child=_note_fork)
-
-
 def _map(fd: int, size: int) -> mmap.mmap:
-    """A shared mapping of the segment, its pages mapped at once (MAP_POPULATE, where there is one)."""
+    """A shared mapping of the segment, its pages mapped at once (MAP_POPULATE, where there is
+    one), inherited by forked children: no MADV_DONTFORK, which left a child with objects on
+    unmapped memory (reading a received tensor, or the munmap as one was dropped, crashed it)."""
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    mapping = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    mapping.madvise(mmap.MADV_DONTFORK)
-    return mapping
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 class _Segment:
@@ -149,6 +137,21 @@ def _change_producer_pools(pool: "SegmentPool", offered: bool) -> None:
         pools = list(_producer_pools)
         # several sessions in one process (threads): which one sends an item made here?
         _sole_producer_pool = weakref.ref(pools[0]) if len(pools) == 1 else None
+
+
+#: This process's id, kept by a fork hook: read for every received buffer and every release,
+#: where ``os.getpid()`` would be a system call each.
+_pid = os.getpid()
+
+
+def _note_fork() -> None:
+    """In a forked child: its own pid, and no producer pool (the parent's sessions are not its own)."""
+    global _pid, _producer_pools, _sole_producer_pool, _producer_pools_lock
+    _pid = os.getpid()
+    _producer_pools, _sole_producer_pool, _producer_pools_lock = weakref.WeakSet(), None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_note_fork)
 
 
 def _producer_pool() -> Optional["SegmentPool"]:
@@ -426,8 +429,7 @@ class SegmentPool:
 
 
 def _release(state: memoryview, owner: int) -> None:
-    # A process forked from the owner (the local worker server) has these objects but not
-    # the mapping (MADV_DONTFORK): writing there would be a segfault.
+    # A process forked from the owner shares the mapping: only the owner may free the segment.
     if _pid == owner:
         state[0] = _FREE
 
