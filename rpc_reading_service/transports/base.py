@@ -134,6 +134,17 @@ class Listener(abc.ABC):
         """File descriptors a forked session process should close."""
         return []
 
+    def wake_on(self, fd: int) -> bool:
+        """Make :meth:`accept` return None as soon as ``fd`` turns readable (it reads what is there).
+
+        Returns False when this listener cannot (the default): the server then notices a stop
+        request at the end of its next ``accept(timeout)`` instead.
+
+        Args:
+            fd: The non-blocking read end of a pipe (the server's ``signal.set_wakeup_fd``).
+        """
+        return False
+
 
 class WrappingListener(Listener):
     """A listener that serves through another one (say, the socket transport's) and wraps
@@ -170,6 +181,9 @@ class WrappingListener(Listener):
 
     def inheritable_fds(self) -> List[int]:
         return self._inner.inheritable_fds()
+
+    def wake_on(self, fd: int) -> bool:
+        return self._inner.wake_on(fd)
 
 
 class Transport(abc.ABC):
