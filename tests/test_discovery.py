@@ -305,7 +305,7 @@ def test_hostfile_comments_and_blank_lines(tmp_path):
 
 @pytest.mark.parametrize(
     "line, message",
-    [("cpu-1", "has no port"), ("cpu-1:29x00", "not a number"), ("cpu-1:70000", "outside 0-65535")],
+    [("cpu-1", "has no port"), ("cpu-1:29x00", "not a number"), ("cpu-1:70000", "outside 1-65535")],
 )
 def test_hostfile_malformed_line_names_file_and_line(tmp_path, line, message):
     path = tmp_path / "workers.txt"
