@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Tuple
+import socket
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from .errors import ConfigurationError
 
-__all__ = ["parse_address", "format_address", "is_loopback_host", "UNIX_PREFIX", "unix_socket_path"]
+__all__ = [
+    "parse_address",
+    "format_address",
+    "is_loopback_host",
+    "UNIX_PREFIX",
+    "unix_socket_path",
+    "server_key",
+    "distinct_servers",
+]
 
 UNIX_PREFIX = "unix:"
 
@@ -87,3 +96,38 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def server_key(address: str) -> Tuple[str, int]:
+    """What identifies the server at ``address``: its resolved IP (IPv4 first) and port, so that
+    ``localhost:P`` and ``127.0.0.1:P`` are one server; the text itself if it does not resolve.
+
+    Args:
+        address: A ``HOST:PORT`` or ``unix:`` address.
+    """
+    host, port = parse_address(address)
+    if host.startswith(UNIX_PREFIX):
+        return host, port
+    try:
+        found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return host, port
+    ips = sorted((info[0] != socket.AF_INET, info[4][0]) for info in found)
+    return (ips[0][1], port) if ips else (host, port)
+
+
+def distinct_servers(addresses: Iterable[str], keys: Optional[Dict[str, Tuple[str, int]]] = None) -> List[str]:
+    """``addresses`` in order, without a second spelling of a server already listed (:func:`server_key`).
+
+    Args:
+        addresses: ``HOST:PORT`` or ``unix:`` addresses.
+        keys: Server keys resolved before, by address (filled in): a caller that asks again
+            and again resolves each name once.
+    """
+    keys = {} if keys is None else keys
+    seen: Dict[Tuple[str, int], str] = {}
+    for address in addresses:
+        if address not in keys:
+            keys[address] = server_key(address)
+        seen.setdefault(keys[address], address)
+    return list(seen.values())

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rpc_reading_service.addresses import format_address, is_loopback_host, parse_address
+from rpc_reading_service.addresses import distinct_servers, format_address, is_loopback_host, parse_address, server_key
 from rpc_reading_service.errors import ConfigurationError
 
 
@@ -61,3 +61,9 @@ def test_port_zero_only_where_it_picks_a_free_port():
     assert parse_address("127.0.0.1:0", any_port=True) == ("127.0.0.1", 0)
     with pytest.raises(ConfigurationError, match="outside 1-65535"):
         parse_address("127.0.0.1:0", what="store address")
+
+
+def test_one_server_under_two_spellings_is_listed_once():
+    assert server_key("localhost:29600") == server_key("127.0.0.1:29600") == ("127.0.0.1", 29600)
+    spellings = ["localhost:29600", "127.0.0.1:29600", "127.0.0.1:29601", "unix:@a", "unix:@a"]
+    assert distinct_servers(spellings) == ["localhost:29600", "127.0.0.1:29601", "unix:@a"]

@@ -12,9 +12,13 @@ from typing import Callable, List, Optional, Sequence
 
 from ..protocol import Buffer, Frame, encode_reject
 
-__all__ = ["Connection", "Listener", "WrappingListener", "Transport", "PeerLostError", "Allocator"]
+__all__ = ["Connection", "Listener", "WrappingListener", "Transport", "PeerLostError", "Allocator", "PROBE_SECONDS"]
 
 Allocator = Callable[[int], Buffer]
+
+#: Seconds :meth:`Transport.probe` waits for a server's answer by default: a live server
+#: answers in milliseconds, but one as busy as a loaded host makes it may take a while.
+PROBE_SECONDS = 3.0
 
 
 class PeerLostError(ConnectionError):
@@ -207,3 +211,18 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def listen(self, host: str, port: int, auth_key: bytes, handshake_timeout: float = 10.0) -> Listener:
         """Start a server endpoint on ``host:port`` (port 0 picks a free one)."""
+
+    def probe(self, address: str, timeout: float = PROBE_SECONDS) -> Optional[str]:
+        """None if a worker server answers at ``address`` within ``timeout`` seconds, else why not.
+
+        Cheap and unauthenticated: discovery asks it of every registered worker, and a lost
+        worker's replacement of every candidate server. The default only connects (a stopped
+        process's kernel still accepts); a transport that can ask its server overrides it.
+
+        Args:
+            address: The server's ``HOST:PORT``.
+            timeout: Seconds for the whole probe.
+        """
+        from ..discovery.store import probe_address
+
+        return probe_address(address, timeout)
