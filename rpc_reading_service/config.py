@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
@@ -23,8 +24,9 @@ from .cache.config import parse_size
 from .discovery import check_discovery_options
 from .distributions import available_distributions, create_distribution
 from .errors import ConfigurationError
+from .keys import weak_key_advice
 from .settings import check_settings
-from .transports import available_transports
+from .transports import available_transports, create_transport
 
 __all__ = [
     "DEFAULT_LOCAL_CACHE_BYTES",
@@ -54,6 +56,27 @@ def _check(owner: str, values: Dict[str, Any]) -> None:
         raise ConfigurationError(f"{owner}.{exc}") from None
 
 
+def _check_cache_dir(directory: str) -> None:
+    """Refuse a ``cache_dir`` the local server could not use: not a directory, not writable, or
+    missing with no writable parent to create it in (nothing is created here)."""
+    what = f"LocalWorkers.cache_dir {directory!r}"
+    if os.path.exists(directory):
+        if not os.path.isdir(directory):
+            raise ConfigurationError(f"{what} is not a directory: give a directory (it is created if missing)")
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise ConfigurationError(f"{what} is not writable by this user: pick a directory you can write to")
+        return
+    parent = os.path.dirname(directory)
+    if not os.path.isdir(parent):
+        raise ConfigurationError(
+            f"{what} cannot be created: its parent {parent!r} does not exist. Create the parent, or pick another path"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigurationError(
+            f"{what} cannot be created: its parent {parent!r} is not writable by this user. Pick another path"
+        )
+
+
 @dataclass(frozen=True)
 class LocalWorkers:
     """Workers started on this host by the reading service (the default).
@@ -79,6 +102,8 @@ class LocalWorkers:
             )
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             raise ConfigurationError(f"LocalWorkers.cache_dir must be a path or None, got {self.cache_dir!r}")
+        if self.cache_dir is not None:
+            _check_cache_dir(os.path.abspath(os.fspath(self.cache_dir)))
         size = parse_size(self.cache_size, "cache_size")
         if size <= 0:
             raise ConfigurationError(f"cache_size must be positive, got {self.cache_size!r}")
@@ -208,6 +233,9 @@ class TransportConfig:
             )
         _check("TransportConfig", {"max_frame_bytes": self.max_frame_bytes, "options": self.options})
         object.__setattr__(self, "options", dict(self.options))  # a copy: the caller may change theirs
+        # The transport owns its options (TLS files, shared_memory, its own keywords): building
+        # it once now refuses what it refuses here, instead of when the first epoch connects.
+        create_transport(self.name, **self.factory_options())
 
     def factory_options(self) -> Dict[str, Any]:
         """The keyword arguments for the transport's factory."""
@@ -391,13 +419,16 @@ class ReadingServiceConfig:
             raise ConfigurationError(f"liveness must be a Liveness(...), got {liveness!r}")
         policy = _distribution(distribution, settings.get("in_order", True))
         settings["in_order"] = policy.in_order
+        key = auth_key.encode("utf-8") if isinstance(auth_key, str) else auth_key
+        if weak_key_advice(key):
+            warnings.warn(weak_key_advice(key), UserWarning, stacklevel=3)  # the caller of RPCReadingService(...)
         config = cls(
             distribution=policy,
             workers=_workers(workers),
             transport=_transport(transport),
             reassign=_failure_policy(on_worker_failure),
             liveness=liveness,
-            auth_key=auth_key.encode("utf-8") if isinstance(auth_key, str) else auth_key,
+            auth_key=key,
             pickle_by_value=tuple(pickle_by_value),
             **settings,
         )

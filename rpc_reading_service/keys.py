@@ -10,9 +10,11 @@ from typing import Optional
 
 from .errors import ConfigurationError
 
-__all__ = ["AUTH_KEY_ENV", "load_auth_key", "new_auth_key"]
+__all__ = ["AUTH_KEY_ENV", "MIN_AUTH_KEY_BYTES", "load_auth_key", "new_auth_key", "weak_key_advice"]
 
 AUTH_KEY_ENV = "RPC_READING_SERVICE_AUTH_KEY"
+#: Shorter keys can be guessed offline from one recorded handshake.
+MIN_AUTH_KEY_BYTES = 16
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +36,29 @@ def load_auth_key(auth_key_file: Optional[str]) -> bytes:
                 "its holder run code on this worker: run `chmod 600 %s`",
                 auth_key_file, stat.filemode(mode), auth_key_file,
             )  # fmt: skip
-        return key
-    return os.environ.get(AUTH_KEY_ENV, "").strip().encode("utf-8")
+    else:
+        key = os.environ.get(AUTH_KEY_ENV, "").strip().encode("utf-8")
+    advice = weak_key_advice(key)
+    if advice:
+        log.warning("%s", advice)
+    return key
 
 
 def new_auth_key() -> bytes:
     """A fresh random shared key (64 hex characters)."""
     return secrets.token_hex(32).encode("ascii")
+
+
+def weak_key_advice(key: Optional[bytes]) -> str:
+    """What to do about a non-empty auth ``key`` shorter than :data:`MIN_AUTH_KEY_BYTES` ("" if it is long enough).
+
+    Args:
+        key: The shared key (None or b"": no key, which is no weak one).
+    """
+    if not key or len(key) >= MIN_AUTH_KEY_BYTES:
+        return ""
+    return (
+        f"the auth key is only {len(key)} bytes: whoever records one handshake can guess a short key offline, and "
+        f"the key lets its holder run code on the workers. Use at least {MIN_AUTH_KEY_BYTES} random bytes, e.g. "
+        "`python -c 'import secrets; print(secrets.token_hex(32))'`"
+    )

@@ -57,12 +57,13 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
     Args:
         num_workers: Worker sessions. With local workers, that many on this host (``0`` runs the
             graph in the trainer's process); with remote ones, spread round-robin over the
-            servers (default: one per server), each session in a process of its own.
+            servers (default: one per server), each session in a process of its own. At most 4096.
         workers: Where the workers come from: :class:`~rpc_reading_service.LocalWorkers`
             (default), :class:`~rpc_reading_service.WorkerAddresses` (or a plain list of
             ``"host:port"``), :class:`~rpc_reading_service.StoreDiscovery` or
             :class:`~rpc_reading_service.Hostfile`.
-        auth_key: The servers' shared key (``str`` or ``bytes``); local workers get a fresh one.
+        auth_key: The servers' shared key (``str`` or ``bytes``; shorter than 16 bytes warns); local
+            workers get a fresh one.
         transport: A registered transport's name (``"socket"``) or a
             :class:`~rpc_reading_service.TransportConfig` (TLS, frame limit, options).
         distribution: How the work is spread and merged: ``"round_robin"`` (default: each worker
@@ -74,7 +75,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             :class:`~rpc_reading_service.Dynamic` ``(chunk_size=...)``. See README "Work distribution".
         in_order: ``False`` is the shorthand for ``distribution="first_ready"`` (with
             ``"dynamic"``: its arrival-order delivery).
-        prefetch: Packed frames each worker may have in flight (the credit window).
+        prefetch: Packed frames each worker may have in flight (the credit window), 1 to 2**20.
         worker_init_fn: ``fn(datapipe, worker_info) -> datapipe``, once per worker.
         worker_reset_fn: ``fn(datapipe, worker_info, seed_generator) -> datapipe``, every epoch.
         timeout: Seconds without any word from a worker before it is declared lost

@@ -15,6 +15,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 from .errors import ConfigurationError
 
 __all__ = [
+    "MAX_PREFETCH",
+    "MAX_WORKERS",
     "NumberRule",
     "RPC_READING_SERVICE_NUMBERS",
     "RPC_READING_SERVICE_FLAGS",
@@ -48,13 +50,19 @@ class NumberRule:
         return f"{kind} {bound}{unit}{' or None' if self.optional else ''}"
 
 
+#: The most worker sessions of one run (each is a process and a connection): far more than a
+#: trainer can feed from, so a larger number is a typo.
+MAX_WORKERS = 4096
+#: The largest ``prefetch`` / ``main_prefetch_cnt``: items or frames held in memory ahead of use.
+MAX_PREFETCH = 1 << 20
+
 RPC_READING_SERVICE_NUMBERS = (
-    NumberRule("num_workers", integer=True, minimum=0),
-    NumberRule("prefetch", integer=True, minimum=1, unit="frames per worker"),
-    NumberRule("main_prefetch_cnt", integer=True, minimum=0, unit="items"),
+    NumberRule("num_workers", integer=True, minimum=0, maximum=MAX_WORKERS),
+    NumberRule("prefetch", integer=True, minimum=1, unit="frames per worker", maximum=MAX_PREFETCH),
+    NumberRule("main_prefetch_cnt", integer=True, minimum=0, unit="items", maximum=MAX_PREFETCH),
     NumberRule("max_frame_bytes", integer=True, minimum=1024, optional=True, unit="bytes"),
     NumberRule("max_reassignments", integer=True, minimum=0),
-    NumberRule("min_workers", integer=True, minimum=1, optional=True),
+    NumberRule("min_workers", integer=True, minimum=1, optional=True, maximum=MAX_WORKERS),
     NumberRule("timeout", integer=False, minimum=0, exclusive=True, unit="seconds"),
     NumberRule("connect_timeout", integer=False, minimum=0, exclusive=True, unit="seconds"),
     NumberRule("heartbeat_interval", integer=False, minimum=0, exclusive=True, unit="seconds"),

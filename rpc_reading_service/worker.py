@@ -101,12 +101,23 @@ class WorkerServer:
         self._terminated: Set[int] = set()  # sessions this server SIGTERMed itself, when shutting down
         self._threads: List[threading.Thread] = []
         self._stop = threading.Event()
+        self._wake_fds: List[int] = []  # wake_on()'s pipe end: sessions close it
         self._cache = cache
         set_worker_cache(cache)  # before any session forks, so every session finds it
 
     def stop(self) -> None:
         """Ask :meth:`serve_forever` to return (safe from signal handlers and other threads)."""
         self._stop.set()
+
+    def wake_on(self, fd: int) -> None:
+        """Have the accept loop wake as soon as ``fd`` (a non-blocking pipe's read end) turns readable.
+
+        Args:
+            fd: The read end of the pipe given to ``signal.set_wakeup_fd``.
+        """
+        self._wake_fds.append(fd)
+        if not self._listener.wake_on(fd):
+            log.debug("listener %s cannot wake on a pipe: stop requests wait for its accept timeout", self.address)
 
     def prepare_to_fork(self) -> None:
         """Make forked sessions cheap; call once before serving (before the address is announced).
@@ -182,18 +193,24 @@ class WorkerServer:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
             return
         _flush_lines()
-        inherited = self._listener.inheritable_fds()
+        inherited = [*self._listener.inheritable_fds(), *self._wake_fds]
+        # A stop signal waits until both sides are past the fork (and its at-fork hooks): the
+        # server's handler only sets a flag; in the session, it acts with the default action.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         try:
             pid = os.fork()
         except OSError as exc:  # BlockingIOError (EAGAIN) at a pids limit, ENOMEM
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             self._refuse_session(conn, f"fork failed: {exc}")
             return
         if pid == 0:  # the session process
             code = 0
             try:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                signal.signal(signal.SIGINT, signal.SIG_DFL)
-                for fd in inherited:
+                for signum in STOP_SIGNALS:
+                    signal.signal(signum, signal.SIG_DFL)
+                wakeup = signal.set_wakeup_fd(-1)  # the server's self-pipe: not this process's
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+                for fd in inherited + ([wakeup] if wakeup >= 0 else []):
                     try:
                         os.close(fd)
                     except OSError:
@@ -205,6 +222,7 @@ class WorkerServer:
                 logging.shutdown()
                 _flush_lines()
                 os._exit(code)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         conn.release()
         self._children[pid] = conn.peer
         log.info("session for %s runs in process %d", conn.peer, pid)
@@ -280,8 +298,8 @@ def _flush_lines() -> None:
             pass
 
 
-class _StopServing(BaseException):
-    """Raised by the SIGTERM/SIGINT handler to leave the accept loop at once."""
+#: The signals that stop a worker server (and end a session process by their default action).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 def serve_until_signalled(server: Union["WorkerServer", Dict[str, Any]], announce: Callable[[str], Any]) -> int:
@@ -296,19 +314,23 @@ def serve_until_signalled(server: Union["WorkerServer", Dict[str, Any]], announc
         server.prepare_to_fork()
     running = server
 
-    def stop_now(signum: int, _frame: object) -> None:
-        # Raising (rather than setting a flag) interrupts the accept loop's select at once,
-        # so stopping takes milliseconds; serve_forever's finally still reaps every session.
-        running.stop()
-        raise _StopServing(signum)
+    def stop_now(_signum: int, _frame: object) -> None:
+        running.stop()  # only a flag, never an exception: the wake-up pipe wakes the accept loop
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, stop_now)
-    announce(f"listening on {server.address}")
+    wake_read, wake_write = os.pipe()
+    for fd in (wake_read, wake_write):
+        os.set_blocking(fd, False)
+    previous = signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
     try:
+        server.wake_on(wake_read)
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, stop_now)  # stays: a second signal while shutting down is ignored
+        announce(f"listening on {server.address}")
         server.serve_forever()
-    except _StopServing:
-        pass
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(wake_read)
+        os.close(wake_write)
     return 0
 
 

@@ -8,10 +8,12 @@ a missing or wrong auth key, and a version mismatch between trainer and worker p
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import struct
 import sys
 import threading
+import warnings
 from typing import Tuple
 
 import pytest
@@ -25,10 +27,12 @@ from rpc_reading_service import (
     ConfigurationError,
     Hostfile,
     Liveness,
+    LocalWorkers,
     ProtocolError,
     Reassign,
     RPCReadingService,
     StoreDiscovery,
+    TLS,
     TransportConfig,
     WorkerLostError,
     __version__,
@@ -59,7 +63,7 @@ def run_epoch(**kwargs):
     [
         ("cpu-node-1", "worker address 'cpu-node-1' has no port: write it as HOST:PORT, e.g. cpu-node-1:29600"),
         ("cpu-node-1:29x00", "worker address 'cpu-node-1:29x00' has port '29x00', which is not a number"),
-        ("cpu-node-1:296000", "worker address 'cpu-node-1:296000' has port 296000, outside 0-65535"),
+        ("cpu-node-1:296000", "worker address 'cpu-node-1:296000' has port 296000, outside 1-65535"),
         (":29600", "worker address ':29600' has no host"),
         ("fe80::1:29600", "IPv6 worker address 'fe80::1:29600' needs brackets: [fe80::1]:29600"),
         ("", "worker address '' is empty"),
@@ -267,19 +271,19 @@ NAN, INF = float("nan"), float("inf")
         ("Liveness.connect_timeout", INF, "a finite number > 0 (seconds)"),
         ("StoreDiscovery.timeout", NAN, "a finite number > 0 (seconds)"),
         ("Hostfile.timeout", -INF, "a finite number > 0 (seconds)"),
-        ("prefetch", 0, "an int >= 1 (frames per worker)"),
-        ("prefetch", 2.5, "an int >= 1 (frames per worker)"),
-        ("prefetch", True, "an int >= 1 (frames per worker)"),
-        ("worker_prefetch_cnt", 0, "an int >= 1 (frames per worker)"),
-        ("main_prefetch_cnt", -1, "an int >= 0 (items)"),
+        ("prefetch", 0, "an int >= 1 and <= 1048576 (frames per worker)"),
+        ("prefetch", 2.5, "an int >= 1 and <= 1048576 (frames per worker)"),
+        ("prefetch", True, "an int >= 1 and <= 1048576 (frames per worker)"),
+        ("worker_prefetch_cnt", 0, "an int >= 1 and <= 1048576 (frames per worker)"),
+        ("main_prefetch_cnt", -1, "an int >= 0 and <= 1048576 (items)"),
         ("TransportConfig.max_frame_bytes", 100, "an int >= 1024 (bytes) or None"),
         ("Reassign.max_reassignments", -1, "an int >= 0"),
         ("Reassign.max_reassignments", INF, "an int >= 0"),
-        ("num_workers", -2, "an int >= 0"),
-        ("num_workers", 2.0, "an int >= 0"),
-        ("num_workers", None, "an int >= 0"),
-        ("StoreDiscovery.min_workers", 0, "an int >= 1 or None"),
-        ("Hostfile.min_workers", NAN, "an int >= 1 or None"),
+        ("num_workers", -2, "an int >= 0 and <= 4096"),
+        ("num_workers", 2.0, "an int >= 0 and <= 4096"),
+        ("num_workers", None, "an int >= 0 and <= 4096"),
+        ("StoreDiscovery.min_workers", 0, "an int >= 1 and <= 4096 or None"),
+        ("Hostfile.min_workers", NAN, "an int >= 1 and <= 4096 or None"),
     ],
 )
 def test_bad_numeric_settings_are_refused_at_construction(setting, value, allowed):
@@ -342,3 +346,69 @@ def test_settings_of_the_wrong_kind_are_refused_at_construction(setting, value, 
     with pytest.raises(ConfigurationError) as info:
         build(setting, value)
     assert str(info.value).startswith(f"{setting} must be {allowed}") and repr(value) in str(info.value)
+
+
+# -- transport options, the local cache directory, bounds and weak keys: caught in __init__ too -------
+@pytest.mark.parametrize(
+    "make, expected",
+    [
+        (lambda: TransportConfig("torch_rpc", tls=TLS("ca.pem")), "transport 'torch_rpc' cannot use TLS"),
+        (lambda: TransportConfig(tls=TLS("/no/such/ca.pem")), "cannot load the TLS CA bundle tls_ca_file='/no/such/ca.pem'"),
+        (lambda: TransportConfig(options={"shared_memory": "no"}), "shared_memory must be True or False, got 'no'"),
+        (lambda: TransportConfig(options={"tls_cafile": "ca.pem"}), "transport 'socket' does not accept the options ['tls_cafile']"),
+        (lambda: TransportConfig("torch_rpc", options={"rpc_timeout": 0}), "rpc_timeout must be positive"),
+    ],
+)
+def test_transport_options_are_refused_at_construction(make, expected):
+    with pytest.raises(ConfigurationError) as info:
+        RPCReadingService(workers=["127.0.0.1:29600"], transport=make())
+    assert expected in str(info.value)
+
+
+def test_unusable_cache_dir_is_refused_at_construction(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(ConfigurationError, match="is not a directory"):
+        RPCReadingService(num_workers=1, workers=LocalWorkers(cache_dir=str(a_file)))
+    with pytest.raises(ConfigurationError, match="its parent .* does not exist. Create the parent"):
+        RPCReadingService(num_workers=1, workers=LocalWorkers(cache_dir=str(tmp_path / "missing" / "cache")))
+    with pytest.raises(ConfigurationError, match="its parent .* does not exist"):
+        LocalWorkers(cache_dir=str(a_file / "cache"))
+    LocalWorkers(cache_dir=str(tmp_path / "new"))  # missing, in a writable directory: created when the run starts
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write to any directory")
+def test_read_only_cache_dir_is_refused_at_construction(tmp_path):
+    read_only = tmp_path / "read-only"
+    read_only.mkdir(mode=0o500)
+    with pytest.raises(ConfigurationError, match="is not writable by this user"):
+        LocalWorkers(cache_dir=str(read_only))
+    with pytest.raises(ConfigurationError, match="is not writable by this user"):
+        LocalWorkers(cache_dir=str(read_only / "cache"))
+
+
+@pytest.mark.parametrize(
+    "setting, bound, allowed",
+    [
+        ("num_workers", 4096, "an int >= 0 and <= 4096"),
+        ("prefetch", 2**20, "an int >= 1 and <= 1048576 (frames per worker)"),
+        ("main_prefetch_cnt", 2**20, "an int >= 0 and <= 1048576 (items)"),
+        ("StoreDiscovery.min_workers", 4096, "an int >= 1 and <= 4096 or None"),
+    ],
+)
+def test_absurdly_large_counts_are_refused_at_construction(setting, bound, allowed):
+    with pytest.raises(ConfigurationError) as info:
+        build(setting, bound + 1)
+    assert str(info.value).startswith(f"{setting} must be {allowed}, got {bound + 1}")
+    build(setting, bound)
+
+
+def test_short_auth_key_warns_with_what_to_do():
+    with pytest.warns(UserWarning, match="the auth key is only 5 bytes.*at least 16 random bytes") as record:
+        RPCReadingService(workers=["127.0.0.1:29600"], auth_key="hunt2")
+    assert record[0].filename == __file__  # points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        RPCReadingService(workers=["127.0.0.1:29600"], auth_key="x" * 16)
+        RPCReadingService(workers=["127.0.0.1:29600"])

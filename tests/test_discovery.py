@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 import secrets
 import signal
@@ -24,6 +25,7 @@ from rpc_reading_service import (
     ConfigurationError,
     DiscoveryTimeoutError,
     Hostfile,
+    Liveness,
     RPCReadingService,
     StoreDiscovery,
 )
@@ -147,6 +149,36 @@ def test_stale_and_duplicate_entries_are_skipped(fleet):
     with pytest.raises(DiscoveryTimeoutError) as info:
         wait_for_workers(store, job, 2, timeout=1.0, store_address=address)
     assert f"registered but not answering: {dead}" in str(info.value)
+
+
+@pytest.mark.timeout(90)
+def test_stopped_worker_and_second_spellings_are_skipped_within_seconds(fleet, tmp_path):
+    """A registered worker that hangs (SIGSTOP: its kernel still accepts connections) fails the
+    probe's handshake within seconds instead of stalling setup for connect_timeout; and
+    ``localhost:P`` registered next to ``127.0.0.1:P`` is one server, given one session."""
+    store, address, servers = fleet
+    job = "stopped"
+    stopped = start_server(tmp_path, key=KEY)
+    live = servers[0].address
+    try:
+        os.killpg(stopped.pid, signal.SIGSTOP)
+        alias = "localhost:" + live.rpartition(":")[2]
+        for entry in (stopped.address, live, alias):
+            slot = store.add(f"{KEY_PREFIX}/{job}/count", 1)
+            store.set(f"{KEY_PREFIX}/{job}/worker/{slot}", entry)
+        started = time.monotonic()
+        items, used = epoch(
+            RPCReadingService(
+                workers=StoreDiscovery(address, job=job, min_workers=1, timeout=20), auth_key=KEY,
+                liveness=Liveness(connect_timeout=30.0),
+            )  # fmt: skip
+        )
+        took = time.monotonic() - started
+    finally:
+        os.killpg(stopped.pid, signal.SIGKILL)
+        stopped.stop()
+    assert items == [2 * i for i in range(40)] and used == [live]
+    assert took < 15.0, f"discovery and the epoch took {took:.1f} s"
 
 
 @pytest.mark.timeout(90)
@@ -305,7 +337,7 @@ def test_hostfile_comments_and_blank_lines(tmp_path):
 
 @pytest.mark.parametrize(
     "line, message",
-    [("cpu-1", "has no port"), ("cpu-1:29x00", "not a number"), ("cpu-1:70000", "outside 0-65535")],
+    [("cpu-1", "has no port"), ("cpu-1:29x00", "not a number"), ("cpu-1:70000", "outside 1-65535")],
 )
 def test_hostfile_malformed_line_names_file_and_line(tmp_path, line, message):
     path = tmp_path / "workers.txt"

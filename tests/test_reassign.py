@@ -544,3 +544,37 @@ def test_raise_after_a_complete_shard_reports_at_the_next_epoch_in_both_orders(r
     finally:
         victims.cleanup()
         dl.shutdown()
+
+
+@pytest.mark.timeout(90)
+def test_stopped_server_is_not_retried_while_another_is_live(fresh_server):
+    """A server that hangs (SIGSTOP: its kernel still accepts connections) loses its sessions;
+    their shards go to the live server at once, not after a connect_timeout spent on the
+    hung one first."""
+    a = fresh_server()
+    b = fresh_server(key=a.key)
+    reference = _two_epochs(_remote_loader([a.address, b.address], a.key, 2))[0]
+    a.wait_idle(5)
+    b.wait_idle(5)
+    service = RPCReadingService(
+        num_workers=2, workers=[a.address, b.address], auth_key=a.key, on_worker_failure="reassign",
+        liveness=Liveness(heartbeat_interval=HEARTBEAT, connect_timeout=30.0), timeout=TIMEOUT,
+    )  # fmt: skip
+    dl = DataLoader2(_graph(200), reading_service=service)
+    dl.seed(SEED)
+    stopped_at = None
+    try:
+        epoch = []
+        for item in dl:
+            epoch.append(item)
+            if len(epoch) == 60:
+                os.killpg(a.pid, signal.SIGSTOP)  # the server and every session it forked
+                stopped_at = time.monotonic()
+        took = time.monotonic() - stopped_at
+        assert dl.reading_service.worker_addresses == [b.address, b.address]
+    finally:
+        dl.shutdown()
+        os.killpg(a.pid, signal.SIGKILL)
+    _assert_exactly_once(epoch, reference, in_order=True)
+    # The lost worker is noticed after TIMEOUT, the hung server fails its probe within seconds.
+    assert took < 15.0, f"the epoch took {took:.1f} s after the server stopped"

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from torchdata.datapipes.iter import IterableWrapper
 from _server_helpers import (
     AUTH_KEY_ENV,
     VENV_BIN,
+    authenticate,
     connect,
     read_until_closed,
     reject_reason,
@@ -345,3 +347,45 @@ def test_sessions_log_their_throughput_periodically(tmp_path):
         assert "waiting for trainer credit" in lines[0]
     finally:
         server.stop()
+
+
+def _fork_sessions_until(server, stop: threading.Event, forked: threading.Event) -> None:
+    """Authenticate to ``server`` over and over (each connection forks a session) until ``stop``."""
+    sockets = []
+    try:
+        while not stop.is_set():
+            try:
+                sockets.append(authenticate(server.address, server.key)[0])
+                forked.set()
+            except (OSError, AssertionError):
+                return  # the server is going away
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_while_forking_sessions_stops_quietly_and_promptly(tmp_path):
+    """SIGTERM landing in the middle of a fork (its at-fork hooks, or a session's first
+    instructions) neither prints "Exception ignored" nor leaves the session unkillable."""
+    for cycle in range(20):
+        server = start_server(tmp_path)
+        stop, forked = threading.Event(), threading.Event()
+        clients = [threading.Thread(target=_fork_sessions_until, args=(server, stop, forked)) for _ in range(3)]
+        try:
+            for client in clients:
+                client.start()
+            assert forked.wait(20), "no session was forked"
+            server.proc.send_signal(signal.SIGTERM)
+            started = time.monotonic()
+            code = server.proc.wait(10)
+            took = time.monotonic() - started
+        finally:
+            stop.set()
+            for client in clients:
+                client.join(10)
+            server.stop()
+        log = server.stderr()
+        assert "Exception ignored" not in log and "Traceback" not in log, f"cycle {cycle}:\n{log}"
+        assert code == 0, f"cycle {cycle}: exit code {code}\n{log}"
+        assert took < 5.0, f"cycle {cycle}: took {took:.1f} s to stop"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from ..addresses import parse_address
+from ..addresses import distinct_servers, parse_address
 from ..errors import ConfigurationError, DiscoveryTimeoutError
 
 __all__ = ["read_hostfile", "wait_for_hostfile"]
@@ -48,9 +48,10 @@ def wait_for_hostfile(path: str, min_workers: Optional[int], timeout: float) -> 
         return addresses
     deadline = time.monotonic() + timeout
     addresses: List[str] = []
+    keys: Dict[str, Tuple[str, int]] = {}  # each listed name resolved once
     while True:
         if os.path.exists(path):
-            addresses = list(dict.fromkeys(read_hostfile(path)))
+            addresses = distinct_servers(read_hostfile(path), keys)
             if len(addresses) >= min_workers:
                 return addresses
         if time.monotonic() >= deadline:

@@ -8,7 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from ..addresses import parse_address, unix_socket_path
+from ..addresses import distinct_servers, parse_address, unix_socket_path
 from ..errors import ConfigurationError, DiscoveryTimeoutError
 from .hostfile import wait_for_hostfile
 from .store import check_job, connect_store, probe_address, registered_workers
@@ -28,20 +28,22 @@ def wait_for_workers(
     store_address: str = "the store",
     probe: Callable[[str], Optional[str]] = probe_address,
 ) -> List[str]:
-    """Wait until at least ``min_workers`` distinct registered workers answer a TCP connect.
+    """Wait until at least ``min_workers`` distinct registered workers answer ``probe`` (a
+    transport's :meth:`~rpc_reading_service.transports.Transport.probe`; by default a TCP connect).
 
-    Returns every live registered address (oldest registration first). Raises
-    :class:`DiscoveryTimeoutError` saying how many of ``min_workers`` registered and which
-    registered addresses did not answer.
+    Returns every live registered address (oldest registration first; one per server, however
+    many spellings registered it). Raises :class:`DiscoveryTimeoutError` saying how many of
+    ``min_workers`` registered and which registered addresses did not answer.
     """
     job = check_job(job)
     deadline = time.monotonic() + timeout
-    answered: Set[str] = set()  # probed once each: a worker sees one bare connect per trainer
+    answered: Set[str] = set()  # probed once each: a worker sees one probe per trainer
     failed: Dict[str, Tuple[str, float]] = {}  # address -> (reason, when): re-probed every second
+    keys: Dict[str, Tuple[str, int]] = {}  # each registered name resolved once
     with ThreadPoolExecutor(max_workers=16, thread_name_prefix="rrs-probe") as pool:
         while True:
             now = time.monotonic()
-            addresses = list(dict.fromkeys(address for _, address in registered_workers(store, job)))
+            addresses = distinct_servers((address for _, address in registered_workers(store, job)), keys)
             due = [
                 a for a in addresses if a not in answered and (a not in failed or now - failed[a][1] >= 1.0)
             ]
@@ -102,12 +104,14 @@ def discover_workers(
     hostfile: Optional[str] = None,
     host_store: bool = False,
     timeout: float = 300.0,
+    probe: Callable[[str], Optional[str]] = probe_address,
 ) -> Tuple[List[str], Any]:
     """Resolve worker addresses for :class:`~rpc_reading_service.RPCReadingService`.
 
     Returns ``(addresses, hosted_store)``; ``hosted_store`` is the TCPStore this process
     serves (``host_store=True``), which must stay alive while workers register and
-    deregister, or None.
+    deregister, or None. ``probe(address)`` tells a live registered worker (None) from a dead one
+    (the reason): the transport's probe, by default a TCP connect.
     """
     if hostfile is not None:
         return wait_for_hostfile(hostfile, min_workers, timeout), None
@@ -115,7 +119,7 @@ def discover_workers(
     handle = connect_store(store, timeout=timeout, host=host_store)
     error: Optional[BaseException] = None
     try:
-        addresses = wait_for_workers(handle, job, min_workers or 1, timeout, store_address=store)
+        addresses = wait_for_workers(handle, job, min_workers or 1, timeout, store_address=store, probe=probe)
     except BaseException as exc:  # noqa: BLE001 - re-raised below, once the store is released
         error = exc.with_traceback(None)  # the traceback's frames would keep a hosted store listening
     if error is not None:

@@ -93,7 +93,7 @@ def connect_store(address: str, timeout: float = 60.0, host: bool = False) -> An
 
     if unix_socket_path(address):
         raise ConfigurationError(f"store address {address!r} must be HOST:PORT, not a Unix socket")
-    store_host, port = parse_address(address, what="store address")
+    store_host, port = parse_address(address, what="store address", any_port=host)
     store_timeout = datetime.timedelta(seconds=max(1.0, timeout))
     if host:
         listen_fd = _bound_listener(store_host, port, address)

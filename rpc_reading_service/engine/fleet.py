@@ -15,6 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import queue
 from typing import Any, Callable, List, Optional, Sequence
 
+from ..addresses import distinct_servers
 from ..client import Event, WorkerChannel
 from ..config import Hostfile, LocalWorkers, ReadingServiceConfig, StoreDiscovery, WorkerAddresses
 from ..discovery import discover_workers
@@ -87,7 +88,7 @@ class Fleet:
         if isinstance(workers, StoreDiscovery):
             self._discovered, self._hosted_store = discover_workers(
                 store=workers.store, job=workers.job, min_workers=workers.min_workers,
-                host_store=workers.host_store, timeout=workers.timeout,
+                host_store=workers.host_store, timeout=workers.timeout, probe=self.transport().probe,
             )  # fmt: skip
         else:
             self._discovered, _ = discover_workers(
@@ -96,6 +97,12 @@ class Fleet:
         if self.num_workers == 0:
             self.num_workers = len(self._discovered)
         return self.num_workers
+
+    def transport(self) -> Transport:
+        """The run's transport, made on first use."""
+        if self._transport is None:
+            self._transport = create_transport(self.config.transport.name, **self.config.transport.factory_options())
+        return self._transport
 
     def rank_addresses(self) -> List[str]:
         """The server address of every worker rank (sessions of one server share it), resolved
@@ -139,9 +146,7 @@ class Fleet:
         first item of round-robin needs rank 0's setup only; the epoch ends no later than
         before). A failed setup is reported in the channel's queue as the session lost with
         its error: the consumer raises it, or reassigns the rank, when it comes to that worker."""
-        self._transport = create_transport(
-            self.config.transport.name, **self.config.transport.factory_options()
-        )
+        self.transport()
         self._graph = graph
         addresses = self.rank_addresses()
         self._loop = self._loop or ReceiveLoop()  # after a local server forked: not its descriptors
@@ -212,18 +217,25 @@ class Fleet:
         """A new session for worker ``rank``, whose channel ``lost`` was lost with ``error``.
 
         Tries the lost worker's server first (only its session may have died), then the
-        other servers; local workers get a new local server if theirs is gone.
+        other servers, each only if it answers a probe within seconds (a hung or stopped
+        server costs no ``connect_timeout``); local workers get a new local server if theirs
+        is gone.
         """
         lost.close(timeout=0.5)
-        candidates = list(dict.fromkeys([lost.address, *(ch.address for ch in others if ch is not lost)]))
+        candidates = distinct_servers([lost.address, *(ch.address for ch in others if ch is not lost)])
+        probe: Optional[Callable[[str], Optional[str]]] = self.transport().probe
         if self.local_server is not None:
             if not self.local_server.alive():
                 self.local_server.stop()
                 self.local_server.start()
             assert self.local_server.address is not None
-            candidates = [self.local_server.address]
+            candidates, probe = [self.local_server.address], None  # it was just checked, or started
         failures = []
         for address in candidates:
+            reason = None if probe is None else probe(address)
+            if reason is not None:
+                failures.append(f"{address}: {reason}")
+                continue
             try:
                 return self.open_channel(rank, address)
             except (WorkerLostError, OSError) as exc:

@@ -12,9 +12,13 @@ from typing import Callable, List, Optional, Sequence
 
 from ..protocol import Buffer, Frame, encode_reject
 
-__all__ = ["Connection", "Listener", "WrappingListener", "Transport", "PeerLostError", "Allocator"]
+__all__ = ["Connection", "Listener", "WrappingListener", "Transport", "PeerLostError", "Allocator", "PROBE_SECONDS"]
 
 Allocator = Callable[[int], Buffer]
+
+#: Seconds :meth:`Transport.probe` waits for a server's answer by default: a live server
+#: answers in milliseconds, but one as busy as a loaded host makes it may take a while.
+PROBE_SECONDS = 3.0
 
 
 class PeerLostError(ConnectionError):
@@ -134,6 +138,17 @@ class Listener(abc.ABC):
         """File descriptors a forked session process should close."""
         return []
 
+    def wake_on(self, fd: int) -> bool:
+        """Make :meth:`accept` return None as soon as ``fd`` turns readable (it reads what is there).
+
+        Returns False when this listener cannot (the default): the server then notices a stop
+        request at the end of its next ``accept(timeout)`` instead.
+
+        Args:
+            fd: The non-blocking read end of a pipe (the server's ``signal.set_wakeup_fd``).
+        """
+        return False
+
 
 class WrappingListener(Listener):
     """A listener that serves through another one (say, the socket transport's) and wraps
@@ -171,6 +186,9 @@ class WrappingListener(Listener):
     def inheritable_fds(self) -> List[int]:
         return self._inner.inheritable_fds()
 
+    def wake_on(self, fd: int) -> bool:
+        return self._inner.wake_on(fd)
+
 
 class Transport(abc.ABC):
     """A way of moving frames between a trainer and worker servers."""
@@ -193,3 +211,18 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def listen(self, host: str, port: int, auth_key: bytes, handshake_timeout: float = 10.0) -> Listener:
         """Start a server endpoint on ``host:port`` (port 0 picks a free one)."""
+
+    def probe(self, address: str, timeout: float = PROBE_SECONDS) -> Optional[str]:
+        """None if a worker server answers at ``address`` within ``timeout`` seconds, else why not.
+
+        Cheap and unauthenticated: discovery asks it of every registered worker, and a lost
+        worker's replacement of every candidate server. The default only connects (a stopped
+        process's kernel still accepts); a transport that can ask its server overrides it.
+
+        Args:
+            address: The server's ``HOST:PORT``.
+            timeout: Seconds for the whole probe.
+        """
+        from ..discovery.store import probe_address
+
+        return probe_address(address, timeout)

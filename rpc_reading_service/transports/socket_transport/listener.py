@@ -36,6 +36,7 @@ _STALE_HANDSHAKE_SECONDS = 1.0
 _ACCEPT_BACKOFF_SECONDS = (0.05, 1.0)  # first and longest pause of accept() when out of descriptors
 _RECURRING_LOG_SECONDS = 10.0
 _OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_WAKE = object()  # the selector's data for the wake-up fd of wake_on()
 _TLS_HANDSHAKE_RECORD = 0x16  # first byte of a TLS ClientHello; a plain frame starts with MAGIC ("R")
 
 
@@ -152,6 +153,16 @@ class _RecurringWarning:
         self._last, self._unlogged = now, 0
 
 
+def _drain(fd: int) -> bool:
+    """Read everything waiting in the non-blocking pipe ``fd``; True (it woke us)."""
+    try:
+        while os.read(fd, 512):
+            pass
+    except (BlockingIOError, InterruptedError):
+        pass
+    return True
+
+
 def _descriptor_limit() -> str:
     try:
         import resource
@@ -220,6 +231,10 @@ class SocketListener(Listener):
         self._warn_out_of_descriptors = _RecurringWarning()
         self._warn_busy = _RecurringWarning()
 
+    def wake_on(self, fd: int) -> bool:
+        self._selector.register(fd, selectors.EVENT_READ, _WAKE)
+        return True
+
     def inheritable_fds(self) -> List[int]:
         # Connections still queued belong to other sessions: a child must not hold them open.
         return [self._sock.fileno(), self._selector.fileno(), *self._pending, *(c.fileno() for c in self._ready)]
@@ -237,16 +252,19 @@ class SocketListener(Listener):
             if self._accepting_again_at is not None:
                 waits.append(self._accepting_again_at - now)
             wait = max(0.0, min(waits)) if waits else None
+            woken = False
             for key, _ in self._selector.select(wait):
                 if key.data is None:
                     self._accept_new()
+                elif key.data is _WAKE:
+                    woken = _drain(key.fd)
                 else:
                     self._advance(key.data)
             self._expire(time.monotonic())
             if self._accepting_again_at is not None and time.monotonic() >= self._accepting_again_at:
                 self._accepting_again_at = None
                 self._selector.register(self._sock, selectors.EVENT_READ, None)
-            if not self._ready and deadline is not None and time.monotonic() >= deadline:
+            if not self._ready and (woken or (deadline is not None and time.monotonic() >= deadline)):
                 return None
         return self._ready.pop(0)
 

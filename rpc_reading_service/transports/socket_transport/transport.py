@@ -27,7 +27,7 @@ from ...protocol import (
     encode_reject,
 )
 from ...serialization import accepts_shared_memory
-from ..base import Allocator, PeerLostError, Transport
+from ..base import PROBE_SECONDS, Allocator, PeerLostError, Transport
 from ..shared_memory import shared_memory_available
 from .authenticated import _connection
 from .connection import SocketConnection
@@ -186,6 +186,36 @@ class SocketTransport(Transport):
                 raise PeerLostError(f"lost the worker at {address} right after the handshake: {exc}") from exc
             return SharedMemoryConnection(sock, address, reader, offered=True)
         return _connection(sock, address, reader)
+
+    def probe(self, address: str, timeout: float = PROBE_SECONDS) -> Optional[str]:
+        """None if a worker server answers the handshake's first message (HELLO: its CHALLENGE, or a
+        REJECT) at ``address`` within ``timeout`` seconds, else why not. Proves nothing about keys.
+
+        Args:
+            address: The server's ``HOST:PORT``.
+            timeout: Seconds for the connect, TLS and the answer together.
+        """
+        deadline = time.monotonic() + timeout
+        try:
+            host, port = parse_address(address)
+            sock = _open_client_socket(host, port, timeout)
+        except (OSError, ConfigurationError) as exc:
+            return str(exc) or type(exc).__name__
+        try:
+            if self._client_tls is not None:
+                sock = self._client_tls_handshake(sock, host, address)
+            sock.sendall(b"".join(bytes(c) for c in ClientHandshake(b"", __version__).hello()))
+            reader = FrameReader(HANDSHAKE_MAX_FRAME_BYTES, allowed_kinds=HANDSHAKE_KINDS)
+            _recv_handshake_frame(sock, reader, deadline, address)
+        except WorkerRefusedError:
+            return None  # it answered
+        except (socket.timeout, TimeoutError):
+            return f"no answer to a handshake within {timeout:.1f} s (the server is hung, stopped or overloaded)"
+        except (OSError, ProtocolError, AuthenticationError) as exc:
+            return str(exc) or type(exc).__name__
+        finally:
+            sock.close()
+        return None
 
     def _offers_shared_memory(self, sock: socket.socket, allocate: Optional[Allocator], peer_version: str) -> bool:
         # A worker of another package version may not know the offer: it would end the session.

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from ...addresses import format_address, is_loopback_host
 from ...errors import ConfigurationError, RemoteProtocolError, WorkerRefusedError
 from ...protocol import Error, Join, MessageKind, Ready, decode_reject
-from ..base import Allocator, PeerLostError, Transport
+from ..base import PROBE_SECONDS, Allocator, PeerLostError, Transport
 from ..socket_transport import SocketConnection, SocketTransport
 from .agent import _rpc
 from .codec import BOOTSTRAP_VERSION, TRANSPORT_NAME, _Inbox, _inboxes
@@ -60,6 +60,9 @@ class TorchRPCTransport(Transport):
         # Items travel over torch RPC; the bootstrap socket carries control frames only.
         self._socket = SocketTransport(**{**socket_options, "shared_memory": False})
         self.max_frame_bytes = self._socket.max_frame_bytes
+
+    def probe(self, address: str, timeout: float = PROBE_SECONDS) -> Optional[str]:
+        return self._socket.probe(address, timeout)  # the bootstrap socket answers as a socket server's
 
     def listen(self, host: str, port: int, auth_key: bytes, handshake_timeout: float = 10.0) -> TorchRPCListener:
         return TorchRPCListener(self._socket.listen(host, port, auth_key, handshake_timeout), self.max_frame_bytes)
