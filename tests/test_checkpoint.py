@@ -21,11 +21,12 @@ from typing import Any, Callable
 
 import pytest
 from conftest import start_server
+from test_checkpoint_bounds import signed
 from torchdata.dataloader2 import DataLoader2, SequentialReadingService
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
 from rpc_reading_service import ConfigurationError, RPCReadingService, available_transports
-from rpc_reading_service.checkpoint import CHECKPOINT_VERSION, ReadingServiceState, checkpoint_digest
+from rpc_reading_service.checkpoint import CHECKPOINT_VERSION, ReadingServiceState
 from rpc_reading_service.engine.distribution import EpochProgress
 
 SEED = 1234
@@ -432,12 +433,6 @@ def _set(values: dict, path: str, value: Any) -> dict:
     return values
 
 
-def _signed(values: dict) -> dict:
-    """``values`` with the digest of its fields as they are now (what a deliberate editor could write)."""
-    fields = {key: value for key, value in values.items() if key != "digest"}
-    return {**fields, "digest": checkpoint_digest(fields)}
-
-
 DELETE = object()
 TAMPERED = {
     "consumed too short": ("consumed", [4, 3], "'consumed' has 2 entries, expected 3"),
@@ -531,7 +526,7 @@ def test_only_the_generator_the_epoch_began_with_asks_for_a_replay():
     assert start == state.epoch_start_seed_generator != seed_generator_state(generator)
     assert state.replays_epoch(SeedGenerator(SEED))  # _restore_checkpoint_beginning_of_epoch()
     assert not state.replays_epoch(generator)  # DataLoader2's advanced generator: resume mid-epoch
-    between_epochs = _signed(_set(_good_state_values(), "in_epoch", False))
+    between_epochs = signed(_set(_good_state_values(), "in_epoch", False))
     assert not ReadingServiceState.from_bytes(json.dumps(between_epochs).encode()).replays_epoch(SeedGenerator(SEED))
 
 

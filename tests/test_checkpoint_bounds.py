@@ -6,7 +6,7 @@ still bounded by what the run can have produced, so that an edited one is refuse
 the bounds, resumes some items of the epoch) instead of eating memory, hanging or silently
 dropping items: positions past the end of a worker's shard or chunk are refused by the worker,
 a "dynamic" book with more open chunks than a window by the trainer. States whose digest an
-editor recomputed (``_signed``) stand for a forger, who gets the same bounds.
+editor recomputed (``signed``) stand for a forger, who gets the same bounds.
 
 Workers are sessions on one keyed server shared by the module. The memory test resumes in a
 subprocess with an address-space limit, so that unbounded code fails fast instead of eating the
@@ -23,7 +23,7 @@ import resource
 import subprocess
 import sys
 import warnings
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -104,7 +104,7 @@ def with_values(state: dict, values: dict) -> dict:
     return dict(state, **{RS_STATE: json.dumps(values).encode()})
 
 
-def _signed(values: dict) -> dict:
+def signed(values: dict) -> dict:
     """``values`` with the digest of its fields as they are now (what a deliberate editor could write)."""
     fields = {key: value for key, value in values.items() if key != "digest"}
     return {**fields, "digest": checkpoint_digest(fields)}
@@ -177,25 +177,37 @@ def test_a_position_past_the_end_of_a_shard_is_refused(make_rs, checkpoints, pol
             resume(with_values(state, values), make_rs(policy))
     values["consumed"][0] = 2**63 - 1  # also with a digest an editor recomputed
     with pytest.raises(ConfigurationError, match=r"(?s)worker process 0 .*field 'consumed' says"):
-        resume(with_values(state, _signed(values)), make_rs(policy))
+        resume(with_values(state, signed(values)), make_rs(policy))
 
 
-def _open_chunk(values: dict) -> Optional[int]:
-    delivered = values["distribution"]["delivered"]
-    return delivered[0][0] if delivered else None
+@pytest.mark.timeout(60)
+def test_a_position_past_the_end_of_the_trainers_own_graph_is_refused(checkpoints):
+    state, _epoch = checkpoints["round_robin"]
+    dl = DataLoader2(sharded(), reading_service=RPCReadingService(num_workers=0))
+    dl.seed(SEED)
+    try:
+        it = iter(dl)
+        head = [next(it) for _ in range(CUT)]
+        values = values_of(dl.state_dict())
+    finally:
+        dl.shutdown()
+    assert values["consumed"] == [CUT] and head
+    values["consumed"] = [N_ITEMS + 1]
+    with pytest.raises(ConfigurationError, match=f"field 'consumed' says {N_ITEMS + 1} items of the trainer's own graph"):
+        resume(with_values(state, signed(values)), RPCReadingService(num_workers=0))
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("policy", ["dynamic", "dynamic-dispatch"])
 def test_more_items_delivered_of_a_chunk_than_it_has_is_refused(make_rs, checkpoints, policy):
     state, _epoch = checkpoints[policy]
-    values = _signed(values_of(state))
+    values = signed(values_of(state))
     book = values["distribution"]
     if not book["delivered"]:  # the cut fell on a chunk boundary: claim items of the next open chunk
         book["delivered"] = [[book["complete_below"], 0]]
     book["delivered"][0][1] = 10**6
     with pytest.raises(ConfigurationError, match=r"field 'distribution' \('delivered'\) says 1000000 items of chunk"):
-        resume(with_values(state, _signed(values)), make_rs(policy))
+        resume(with_values(state, signed(values)), make_rs(policy))
 
 
 @pytest.mark.timeout(120)
@@ -204,14 +216,14 @@ def test_chunks_complete_past_the_end_of_the_stream_are_refused(make_rs, checkpo
     """Every chunk below 10**6 complete: the epoch would end at once with none of its items. With
     the stream's length in the state, the trainer refuses it at once; without, once it knows the end."""
     state, _epoch = checkpoints[policy]
-    values = _signed(values_of(state))
+    values = signed(values_of(state))
     values["distribution"].update(complete_below=10**6, next_chunk=10**6, complete=[], delivered=[])
     values["distribution"]["stream_length"] = N_ITEMS
     with pytest.raises(ConfigurationError, match=f"has next_chunk 1000000, past the end of its stream of {N_ITEMS}"):
-        resume(with_values(state, _signed(values)), make_rs(policy))
+        resume(with_values(state, signed(values)), make_rs(policy))
     del values["distribution"]["stream_length"]
     with pytest.raises(ConfigurationError, match=r"chunks up to 999999 complete, but the stream has \d+ chunks"):
-        resume(with_values(state, _signed(values)), make_rs(policy))
+        resume(with_values(state, signed(values)), make_rs(policy))
 
 
 # -- memory: a number of the state is never the size of an allocation --------------------------------
@@ -339,7 +351,7 @@ def test_a_forged_number_resumes_items_of_the_epoch_or_is_refused(make_rs, check
     numbers = [path for path in _leaves(values) if isinstance(_get(values, path), int) and path[0] != "version"]
     path = data.draw(st.sampled_from(numbers))
     new = data.draw(st.one_of(NUMBERS, st.just(_get(values, path)), st.integers(0, 100)))
-    mutated = _signed(_replace(values, path, new))
+    mutated = signed(_replace(values, path, new))
     try:
         got = resume(with_values(state, mutated), make_rs(policy))
     except ConfigurationError:
