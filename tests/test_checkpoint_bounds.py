@@ -329,7 +329,7 @@ def test_any_mutation_is_refused_or_loads(checkpoints, data):
     values = values_of(checkpoints[policy][0])
     path = data.draw(st.sampled_from(_leaves(values)[1:]))
     mutated = _replace(values, path, data.draw(ANY_VALUE))
-    mutated = data.draw(st.sampled_from([lambda v: v, _signed, _unsigned]))(mutated)
+    mutated = data.draw(st.sampled_from([lambda v: v, signed, _unsigned]))(mutated)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
