@@ -161,9 +161,11 @@ def schedule_from_state(state: Any, refuse: Any) -> GuidedChunks:
         least = 0 if key in ("length", "warmup") else 1
         if not isinstance(value, int) or isinstance(value, bool) or not least <= value < 2**40:
             raise refuse(f"has a 'schedule' whose {key} is {value!r:.40}, expected an integer of at least {least}")
-    # The warm-up chunks and the shrinking tail are lists: at most ``warmup`` and about
-    # ``share * ln(largest)`` entries (each tail chunk takes a ``share``-th of what is left).
-    entries = state["warmup"] + state["divisor"] * state["workers"] * (2 + state["largest"].bit_length())
+    # The warm-up chunks and the shrinking tail are lists, of at most ``warmup`` and about
+    # ``share * ln(largest)`` entries (each tail chunk takes a ``share``-th of what is left), each
+    # at most ``length``.
+    length, share = state["length"], state["divisor"] * state["workers"]
+    entries = min(state["warmup"], length) + min(length, share * (2 + state["largest"].bit_length()))
     if entries > MAX_SCHEDULE_ENTRIES:
         raise refuse(
             f"has a 'schedule' of {state['workers']} workers, divisor {state['divisor']}, warmup {state['warmup']} "
