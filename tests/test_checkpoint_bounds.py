@@ -26,7 +26,7 @@ import warnings
 from typing import Any, Callable, Dict
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2
@@ -355,7 +355,9 @@ def test_a_forged_number_resumes_items_of_the_epoch_or_is_refused(make_rs, check
     try:
         got = resume(with_values(state, mutated), make_rs(policy))
     except ConfigurationError:
+        event("refused")
         return
+    event("resumed")
     if new == _get(values, path):
         assert got == epoch[CUT:] if policy != "first_ready" else sorted(got) == sorted(epoch[CUT:])
     missing = collections.Counter(got) - collections.Counter(epoch)
