@@ -273,6 +273,23 @@ def _check_seed_generator(state: Any, field_name: str = "seed_generator") -> Non
                 _check_int(f"{path}[{index}]", word, 0, _UINT32)
 
 
+#: How deep a policy's state may nest objects and lists ("dynamic": 3): copying and hashing a
+#: deeper one would recurse past Python's limit.
+MAX_POLICY_DEPTH = 16
+
+
+def _nested_at_most(value: Any, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests objects and lists at most ``limit`` deep (no recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth >= limit:
+                return False
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return True
+
+
 def _check_fields(values: Dict[str, Any]) -> None:
     """Refuse a checkpoint with a missing, unknown or out-of-range field, naming the field."""
     expected = [f.name for f in fields(ReadingServiceState)]
@@ -304,6 +321,8 @@ def _check_fields(values: Dict[str, Any]) -> None:
     policy_state = values.get("distribution")
     if policy_state is not None and not isinstance(policy_state, dict):
         raise _refuse("distribution", f"must be null or an object, got {policy_state!r:.80}")
+    if not _nested_at_most(policy_state, MAX_POLICY_DEPTH):
+        raise _refuse("distribution", f"nests objects and lists more than {MAX_POLICY_DEPTH} deep")
     for name in ("distribution_name", "placement"):
         if values.get(name) is not None and not isinstance(values[name], str):
             raise _refuse(name, f"must be null or a string, got {values[name]!r:.80}")

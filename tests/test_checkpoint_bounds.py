@@ -159,9 +159,13 @@ def test_a_state_of_the_wrong_type_is_a_configuration_error(raw):
         ReadingServiceState.from_bytes(raw)
 
 
-def test_a_deeply_nested_state_is_a_configuration_error():
+def test_a_deeply_nested_state_is_a_configuration_error(checkpoints):
     with pytest.raises(ConfigurationError, match="not an RPCReadingService checkpoint"):
         ReadingServiceState.from_bytes(b"[" * 100000 + b"]" * 100000)
+    values = values_of(checkpoints["dynamic"][0])
+    values["distribution"]["complete"] = json.loads("[" * 900 + "]" * 900)  # JSON parses it; copying it would not
+    with pytest.raises(ConfigurationError, match="field 'distribution' nests objects and lists more than 16 deep"):
+        ReadingServiceState.from_bytes(json.dumps(values).encode())
 
 
 # -- positions past the end: the worker knows where its shard ends --------------------------------
