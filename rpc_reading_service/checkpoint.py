@@ -6,11 +6,15 @@ is next in the round-robin, the distribution policy's name and own state ("dynam
 chunks were delivered, and how much of the partly delivered ones; "sticky": a digest of the
 servers the keys were placed on). Resuming replays each worker's shard from the same seed and
 skips the consumed items, so the rest of the epoch comes out exactly as it would have.
+The document carries a SHA-256 digest of its content: an edited or corrupted state is refused
+(docs/checkpointing.md says why it is not keyed).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -22,9 +26,11 @@ from .settings import NumberRule, check_number
 __all__ = [
     "CHECKPOINT_VERSION",
     "ReadingServiceState",
+    "checkpoint_digest",
     "graph_fingerprint",
     "seed_generator_state",
     "load_seed_generator_state",
+    "past_the_end",
 ]
 
 CHECKPOINT_VERSION = 1
@@ -98,23 +104,32 @@ class ReadingServiceState:
     placement: Optional[str] = None
 
     def to_bytes(self) -> bytes:
-        """Serialise as JSON (readable, and nothing to unpickle)."""
-        return json.dumps(asdict(self), sort_keys=True).encode("utf-8")
+        """Serialise as JSON (readable, and nothing to unpickle), with its digest."""
+        values = json.loads(json.dumps(asdict(self)))  # what a reader parses (e.g. a policy's int keys as strings)
+        return json.dumps({**values, DIGEST_FIELD: checkpoint_digest(values)}, sort_keys=True).encode("utf-8")
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "ReadingServiceState":
-        """Parse a checkpoint, refusing other versions and malformed data."""
+        """Parse a checkpoint, refusing other versions, malformed data and a digest that does not match."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ConfigurationError(
+                f"not an RPCReadingService checkpoint: the reading service's state must be bytes (what "
+                f"state_dict() gave), got a {type(data).__name__}"
+            )
         try:
             values: Any = json.loads(bytes(data).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise ConfigurationError(f"not an RPCReadingService checkpoint: {exc}") from exc
         version = values.get("version") if isinstance(values, dict) else None
         if type(version) is not int or version != CHECKPOINT_VERSION:  # not True, which == 1
             raise ConfigurationError(
                 f"checkpoint has version {version!r}, this rpc_reading_service reads version {CHECKPOINT_VERSION}"
             )
+        digest = values.pop(DIGEST_FIELD, None)
         _check_fields(values)
-        return cls(**values)
+        state = cls(**values)
+        _check_digest(digest, asdict(state))
+        return state
 
     def replays_epoch(self, seed_generator: Any) -> bool:
         """Whether DataLoader2 hands back the generator the checkpointed epoch began with.
@@ -171,6 +186,33 @@ class ReadingServiceState:
             )
 
 
+#: The field that holds :func:`checkpoint_digest` (not a dataclass field: it covers them all).
+DIGEST_FIELD = "digest"
+
+
+def checkpoint_digest(values: Dict[str, Any]) -> str:
+    """``"sha256:<hex>"`` of the canonical JSON of a state's fields (``asdict`` of the state)."""
+    canonical = json.dumps(values, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(canonical.encode("ascii")).hexdigest()
+
+
+def _check_digest(digest: Any, values: Dict[str, Any]) -> None:
+    """Refuse a state whose digest does not match its fields; warn about one without a digest."""
+    if digest is None:
+        warnings.warn(
+            "this RPCReadingService checkpoint has no digest (written before checkpoints carried one, or the "
+            "digest was removed): its fields are checked, but an edit of a position inside a shard cannot be "
+            "detected. Take a new checkpoint with this version",
+            UserWarning, stacklevel=4,
+        )  # fmt: skip
+        return
+    if not isinstance(digest, str) or digest != checkpoint_digest(values):
+        raise ConfigurationError(
+            f"RPCReadingService checkpoint does not match its digest ({digest!r:.80}): it was edited, truncated or "
+            "corrupted after state_dict() wrote it. Resume from an unmodified state_dict()"
+        )
+
+
 #: Positions past this are no position in any shard (and would overflow the worker's counters).
 MAX_POSITION = 2**63 - 1
 _UINT32 = 2**32 - 1
@@ -185,6 +227,15 @@ def _refuse(field_name: str, problem: str) -> ConfigurationError:
     return ConfigurationError(
         f"malformed RPCReadingService checkpoint: field {field_name!r} {problem}. The checkpoint was edited, "
         "truncated or written by another program: resume from an unmodified state_dict()"
+    )
+
+
+def past_the_end(field_name: str, what: str, position: int, length: int) -> ConfigurationError:
+    """The error of a worker whose resumed position (field ``field_name``) lies past the end of ``what``."""
+    return ConfigurationError(
+        f"malformed RPCReadingService checkpoint: field {field_name} says {position} items of {what} were "
+        f"consumed, but it has {length} in this epoch. The checkpoint was edited, or the data or the graph changed "
+        "since it was taken: resume from an unmodified state_dict() over the same data"
     )
 
 
@@ -222,6 +273,23 @@ def _check_seed_generator(state: Any, field_name: str = "seed_generator") -> Non
                 _check_int(f"{path}[{index}]", word, 0, _UINT32)
 
 
+#: How deep a policy's state may nest objects and lists ("dynamic": 3): copying and hashing a
+#: deeper one would recurse past Python's limit.
+MAX_POLICY_DEPTH = 16
+
+
+def _nested_at_most(value: Any, limit: int) -> bool:
+    """Whether ``value`` (parsed JSON) nests objects and lists at most ``limit`` deep (no recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth >= limit:
+                return False
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return True
+
+
 def _check_fields(values: Dict[str, Any]) -> None:
     """Refuse a checkpoint with a missing, unknown or out-of-range field, naming the field."""
     expected = [f.name for f in fields(ReadingServiceState)]
@@ -235,7 +303,7 @@ def _check_fields(values: Dict[str, Any]) -> None:
     for index, name in enumerate(_check_list("graph", values["graph"])):
         if not isinstance(name, str):
             raise _refuse(f"graph[{index}]", f"must be a DataPipe class name, got {name!r}")
-    _check_int("epoch", values["epoch"])
+    _check_int("epoch", values["epoch"], 0, MAX_POSITION)
     _check_int("epoch_seed", values["epoch_seed"], 0, 2**64 - 1)
     if not isinstance(values["in_epoch"], bool):
         raise _refuse("in_epoch", f"must be true or false, got {values['in_epoch']!r}")
@@ -253,6 +321,8 @@ def _check_fields(values: Dict[str, Any]) -> None:
     policy_state = values.get("distribution")
     if policy_state is not None and not isinstance(policy_state, dict):
         raise _refuse("distribution", f"must be null or an object, got {policy_state!r:.80}")
+    if not _nested_at_most(policy_state, MAX_POLICY_DEPTH):
+        raise _refuse("distribution", f"nests objects and lists more than {MAX_POLICY_DEPTH} deep")
     for name in ("distribution_name", "placement"):
         if values.get(name) is not None and not isinstance(values[name], str):
             raise _refuse(name, f"must be null or a string, got {values[name]!r:.80}")

@@ -38,6 +38,7 @@ import traceback
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .version import __version__
+from .checkpoint import past_the_end
 from .errors import FrameTooLargeError, RemoteProtocolError
 from .graph import WorkerGraphSeeds, prepare_worker_graph, reset_worker_graph, seed_chunk
 from .protocol import (
@@ -357,6 +358,7 @@ class WorkerSession:
                     items, put = self._watched(epoch, iter(self._graph)), self._unwatched(put)
                     if leases is not None:
                         leases.waiting = self._waiting_for_trainer
+                index = -1
                 for index, item in enumerate(items):
                     if index < skip:
                         continue
@@ -367,6 +369,8 @@ class WorkerSession:
                     sent += 1
                     if chunks is not None:
                         chunks.items += 1
+                if index + 1 < skip:  # a resumed epoch's position lies past the end of the shard
+                    raise past_the_end("'consumed'", "this worker's shard", skip, index + 1)
             except _Cancelled:
                 raise
             except BaseException as exc:  # noqa: BLE001 - report everything, even SystemExit
@@ -522,15 +526,17 @@ class _ChunkCount:
     def __init__(self, epoch: int, seed: int, outbox: Outbox):
         self.epoch, self.seed, self.outbox = epoch, seed, outbox
         self.items = 0
-        self.skip = 0
+        self.skip = self.delivered = 0
 
     def started(self, chunk: int, skip: int) -> None:
         """The walk entered leased ``chunk``: its randomness is the chunk's own."""
-        self.skip = skip
+        self.skip = self.delivered = skip
         seed_chunk(self.seed, chunk)
 
     def done(self, chunk: int, stream_length: Optional[int]) -> None:
         """``chunk`` is done: its CHUNK_DONE leaves ahead of its items not sent yet."""
+        if self.skip > 0:  # a resumed epoch says more of the chunk was delivered than it has
+            raise past_the_end("'distribution' ('delivered')", f"chunk {chunk}", self.delivered, self.delivered - self.skip)
         self.outbox.mark(self.epoch, ChunkDone(self.epoch, chunk, (self.items,), stream_length))
         self.items, self.skip = 0, 0
 

@@ -260,7 +260,7 @@ def test_checkpoint_state_gives_back_held_items_and_resumes_the_rest():
     check_book_state(state, chunk_size=2)
     assert state == {"chunk_size": 2, "next_chunk": 3, "complete_below": 0, "complete": [], "delivered": [[0, 1]]}
     resumed = LeaseBook(num_workers=2, chunk_size=2, depth=3, window=100)
-    resumed.resume(state)
+    resumed.resume(state, open_limit=100)
     assert [resumed.lease(0), resumed.lease(1), resumed.lease(1)] == [(0, 1), (1, 0), (2, 0)]
     with pytest.raises(ConfigurationError, match="chunk_size=2, this run has chunk_size=4"):
         check_book_state(state, chunk_size=4)

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, Mapping, Optional, Tuple
 
+from ..checkpoint import past_the_end
 from ..client import WorkerChannel
 from .distribution import EpochProgress, EpochRun, Merger
 from ..errors import WorkerLostError
@@ -127,11 +128,13 @@ class Epoch:
 
     def _iterate_in_process(self) -> Iterator[Any]:
         progress = self.progress
-        skip = progress.consumed[0]
+        skip, index = progress.consumed[0], -1
         for index, item in enumerate(self.engine.in_process_graph):  # type: ignore[arg-type]
             if index >= skip:
                 progress.count(0)
                 yield item
+        if index + 1 < skip:  # a resumed epoch's position lies past the end of the graph's stream
+            raise past_the_end("'consumed'", "the trainer's own graph (num_workers=0)", skip, index + 1)
         progress.finish()
 
     def _replace(self, lost: WorkerChannel, error: WorkerLostError) -> WorkerChannel:

@@ -45,10 +45,12 @@ class DispatchedMerger(_DynamicMerger):
         """A unit is one item: unit ``k`` is position ``k`` of the dispatched stream."""
         return FixedChunks(1)
 
+    def _window(self, policy: Dynamic, workers: int) -> int:
+        """A unit is one item: by default the trainer's buffer is bound by as many items as chunks are."""
+        return policy.window or 4 * policy.depth * max(1, workers) * policy.chunk_size
+
     def __init__(self, policy: Dynamic, run: EpochRun):
         super().__init__(policy, run)
-        if policy.window is None:  # a unit is one item: bound the trainer's buffer by as many items as chunks do
-            self.book.window *= policy.chunk_size
         self.units_source: "UnitDispatch" = run.dispatched
         self.book.available = 0
         #: Per rank: ITEMS frames and items sent to its current session this epoch.

@@ -45,6 +45,7 @@ from torch.utils.data.datapipes.iter.sharding import ShardingFilterIterDataPipe
 from torchdata.dataloader2.graph import find_dps, traverse_dps
 from torchdata.dataloader2.utils.dispatch import _DummyIterDataPipe, find_lca_round_robin_sharding_dp
 
+from ...checkpoint import MAX_POSITION
 from ...client import WorkerChannel
 from ...errors import ConfigurationError, WorkerLostError
 from ...graph import check_per_item_after_dispatch
@@ -164,7 +165,8 @@ class Dynamic(DistributionPolicy):
     def hint_from_state(self, state: Any) -> Optional[int]:
         """The stream's length the checkpointed epoch found (what the next epoch's schedule follows)."""
         length = state.get("stream_length") if isinstance(state, dict) else None
-        return length if isinstance(length, int) and not isinstance(length, bool) and length >= 0 else None
+        valid = isinstance(length, int) and not isinstance(length, bool) and 0 <= length <= MAX_POSITION
+        return length if valid else None
 
     def skip(self, progress: Any, rank: int) -> int:
         """Nothing is skipped by position: leases carry what was delivered of their chunk."""
@@ -200,7 +202,7 @@ class _DynamicMerger(Merger):
     def __init__(self, policy: Dynamic, run: EpochRun):
         self.run = run
         count = len(run.channels)
-        window = policy.window or 4 * policy.depth * max(1, count)
+        window = self._window(policy, count)
         window_bytes = WINDOW_BYTES_PER_WORKER * count if policy.window is None and self.sized_window else None
         expected = run.hint if isinstance(run.hint, int) and not isinstance(run.hint, bool) else None
         schedule = self._schedule(policy, expected, count)
@@ -209,8 +211,8 @@ class _DynamicMerger(Merger):
             max_depth=self.max_depth, window_bytes=window_bytes, lead_seconds=self.lead_seconds,
             expected_chunks=None if expected is None else schedule.chunks_below(expected), schedule=schedule,
         )  # fmt: skip
-        if run.resume is not None:
-            self.book.resume(run.resume)
+        if run.resume is not None:  # a checkpoint's open chunks: at most a window, and what a trainer-side stage held
+            self.book.resume(run.resume, self.book.widest_window + (run.progress.recent.maxlen or 0))
         self.in_order = policy.in_order
         #: Items received and not yet handed on, by chunk (in order mode).
         self.buffers: Dict[int, Deque[Any]] = collections.defaultdict(collections.deque)
@@ -218,6 +220,10 @@ class _DynamicMerger(Merger):
         self.producers: Dict[int, int] = {}
         #: The chunk of each of the latest items handed on (a checkpoint gives back undelivered ones).
         self.recent: Deque[int] = collections.deque(maxlen=run.progress.recent.maxlen)
+
+    def _window(self, policy: Dynamic, workers: int) -> int:
+        """The lease window's first size, in chunks."""
+        return policy.window or 4 * policy.depth * max(1, workers)
 
     def _schedule(self, policy: Dynamic, expected: Optional[int], workers: int) -> ChunkSchedule:
         """The epoch's chunk bounds: a resumed epoch's own (positions are what a checkpoint

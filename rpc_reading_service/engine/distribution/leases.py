@@ -39,6 +39,7 @@ import math
 import time
 from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
+from ...checkpoint import MAX_POSITION
 from ...errors import ConfigurationError
 from .schedule import ChunkSchedule, FixedChunks, schedule_from_state
 
@@ -124,6 +125,8 @@ class LeaseBook:
         self.units: Dict[int, int] = {rank: 0 for rank in range(num_workers)}
         #: Chunks below this exist yet (None: all of them; a dispatched epoch's units exist once pulled).
         self.available: Optional[int] = None
+        #: A resumed epoch's first chunk above its complete ones, while the stream's end is not known.
+        self._resumed_complete: Optional[int] = None
 
     # -- leasing --------------------------------------------------------------------------------
     def lease(self, rank: int) -> Optional[Tuple[int, int]]:
@@ -328,6 +331,8 @@ class LeaseBook:
         while leftover:
             chunk = leftover.popleft()
             self._held[rank] -= self.schedule.size(chunk)
+            if self.skips[chunk]:
+                raise _refuse(f"has items of chunk {chunk} delivered, which lies past the end of this epoch's stream")
             self.totals[chunk] = self.skips.pop(chunk)
             self.units[rank] -= 1  # it lay past the end, as in done()
             self._maybe_complete(chunk)
@@ -335,6 +340,11 @@ class LeaseBook:
     def stream_ends_at(self, chunks: int) -> None:
         """The stream has at most ``chunks`` chunks (known from a worker's walk, or to the trainer's dispatcher)."""
         self.stream_chunks = chunks if self.stream_chunks is None else min(self.stream_chunks, chunks)
+        if self._resumed_complete is not None and self._resumed_complete > self.stream_chunks:
+            raise _refuse(
+                f"has chunks up to {self._resumed_complete - 1} complete, but the stream has {self.stream_chunks} "
+                "chunks in this epoch (was the checkpoint edited, or the data changed?)"
+            )
 
     def lost(self, rank: int) -> List[int]:
         """``rank``'s session is lost: its chunks not done, and the ones done whose items did not
@@ -426,16 +436,31 @@ class LeaseBook:
             return self.stream_length
         return None if self.stream_chunks is None else self.schedule.start(self.stream_chunks)
 
-    def resume(self, state: Mapping[str, Any]) -> None:
+    @property
+    def widest_window(self) -> int:
+        """The most chunks the window can span this epoch (it may grow to this: :meth:`received`)."""
+        return self._window_bounds[1]
+
+    def resume(self, state: Mapping[str, Any], open_limit: int) -> None:
         """Start from a checkpoint's :meth:`state`: every chunk not complete is leased again (the
-        book must have been built with the state's schedule: :func:`checkpoint_schedule`)."""
-        self.next_chunk = state["next_chunk"]
-        self.complete_below = state["complete_below"]
-        self.complete = set(state["complete"])
+        book must have been built with the state's schedule: :func:`checkpoint_schedule`).
+        ``open_limit``: the most chunks a checkpoint of this run can hold open (leased, not complete)."""
+        below, top, complete = state["complete_below"], state["next_chunk"], set(state["complete"])
+        if top - below - len(complete) > open_limit:
+            raise _refuse(
+                f"has {top - below - len(complete)} chunks open (next_chunk {top}, complete_below {below}), more "
+                f"than a run of this configuration can have ({open_limit}): it was edited, or taken with a larger "
+                "window or depth (resume with the same Dynamic settings)"
+            )
+        known = state.get("stream_length")
+        if known is not None and top > self.schedule.chunks_below(known) + open_limit:
+            raise _refuse(f"has next_chunk {top}, past the end of its stream of {known} positions")
+        #: With the stream's end unknown at the checkpoint, no chunk at or past it was complete then.
+        self._resumed_complete = None if known is not None else max(complete, default=below - 1) + 1
+        self.stream_length = known  # so that a checkpoint of this epoch holds it too
+        self.next_chunk, self.complete_below, self.complete = top, below, complete
         partial = {c: n for c, n in state["delivered"]}
-        self.pending = [
-            (c, partial.get(c, 0)) for c in range(self.complete_below, self.next_chunk) if c not in self.complete
-        ]
+        self.pending = [(c, partial.get(c, 0)) for c in range(below, top) if c not in complete]
         self.delivered = {c: n for c, n in self.pending}
 
 
@@ -485,7 +510,10 @@ def check_book_state(state: Any, chunk_size: int) -> None:
         raise refuse("has 'delivered' entries that are not [chunk, items] pairs of incomplete leased chunks")
     if "stream_length" in state and not count(state["stream_length"]):
         raise refuse(f"has a stream_length that is not a count: {state['stream_length']!r:.40}")
+    schedule: ChunkSchedule = FixedChunks(chunk_size)
     if "schedule" in state:
         schedule = schedule_from_state(state["schedule"], refuse)
         if schedule.first_size != chunk_size:
             raise refuse(f"has a schedule with first_size={schedule.first_size}, not its chunk_size={chunk_size}")
+    if schedule.start(top) > MAX_POSITION:
+        raise refuse(f"has next_chunk {top}, which begins past the last position of any stream")

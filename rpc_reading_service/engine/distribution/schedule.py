@@ -143,6 +143,10 @@ class GuidedChunks(ChunkSchedule):
         return {key: getattr(self, key) for key in _STATE_KEYS}
 
 
+#: The most chunk bounds a checkpoint's guided schedule may keep (about 8 MB; a run of 10000
+#: worker sessions with the defaults keeps under a million).
+MAX_SCHEDULE_ENTRIES = 2**20
+
 #: What a guided schedule's bounds depend on: its constructor's arguments, and its checkpoint's keys.
 _STATE_KEYS = ("length", "workers", "first_size", "largest", "divisor", "smallest", "warmup")
 
@@ -157,5 +161,15 @@ def schedule_from_state(state: Any, refuse: Any) -> GuidedChunks:
         least = 0 if key in ("length", "warmup") else 1
         if not isinstance(value, int) or isinstance(value, bool) or not least <= value < 2**40:
             raise refuse(f"has a 'schedule' whose {key} is {value!r:.40}, expected an integer of at least {least}")
+    # The warm-up chunks and the shrinking tail are lists, of at most ``warmup`` and about
+    # ``share * ln(largest)`` entries (each tail chunk takes a ``share``-th of what is left), each
+    # at most ``length``.
+    length, share = state["length"], state["divisor"] * state["workers"]
+    entries = min(state["warmup"], length) + min(length, share * (2 + state["largest"].bit_length()))
+    if entries > MAX_SCHEDULE_ENTRIES:
+        raise refuse(
+            f"has a 'schedule' of {state['workers']} workers, divisor {state['divisor']}, warmup {state['warmup']} "
+            f"and largest {state['largest']}: far more chunk bounds than any run's ({entries:.3g} > {MAX_SCHEDULE_ENTRIES})"
+        )
     return GuidedChunks(**state)
 
