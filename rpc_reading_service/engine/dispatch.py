@@ -20,6 +20,9 @@ blocking would deadlock the epoch. A rank then holds more, up to about a worker'
 not keep pace with their inputs and :class:`~rpc_reading_service.errors.DispatchStalledError`
 says so instead of a hang; a silent worker (a stopped process) is left to the loss detection.
 
+An exception the dispatching part raises ends the epoch's input there: the workers deliver the
+items dealt before it, in order, then the epoch raises it (:attr:`Dispatch.failure`), as MPRS does.
+
 With ``distribution="dynamic"`` no rank owns fixed positions: :class:`UnitDispatch` pulls the
 items ahead by index and the epoch's merger leases each one (a unit) to whichever worker has
 room (:mod:`~rpc_reading_service.engine.distribution.dispatched`).
@@ -35,7 +38,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..errors import DispatchStalledError
 from ..protocol import EncodedItem, EndOfInput, EndOfShard, Error, ItemCredit, Items, Message
@@ -281,7 +284,8 @@ class Dispatch:
         datapipe: The dispatching part, seeded for the epoch (by the caller: torch traverses a
             graph under a process-wide hook, one thread at a time).
         inputs: One :class:`RankInput` per worker rank, in rank order.
-        on_error: Called with the exception the dispatching part raised (from the thread).
+        on_error: Called with an exception of dispatching (from the thread): one that stops the
+            epoch at once. The dispatching part's own ends its input instead (:attr:`failure`).
         previous: The dispatch of the epoch this one supersedes: its thread must end before
             this one iterates the same DataPipes (a graph supports one iterator at a time).
     """
@@ -302,6 +306,8 @@ class Dispatch:
         self._stopped = threading.Event()
         #: Items taken from the dispatching part so far this epoch.
         self.pulled = 0
+        #: The exception the dispatching part raised (it ended the epoch's input there), if it did.
+        self.failure: Optional[BaseException] = None
         self.epoch = self.inputs[0].epoch if self.inputs else None
         self._thread = threading.Thread(target=self._run, name=f"rrs-dispatch-{self.epoch}", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name=f"rrs-dispatch-send-{self.epoch}", daemon=True)
@@ -379,18 +385,30 @@ class Dispatch:
                 return
         encode = ItemEncoder().encode
         try:
-            for index, item in enumerate(self.datapipe):
+            items, index = self._pull_from(self.datapipe), 0
+            for item in items:
                 if self._stopped.is_set():
                     return
                 self.pulled = index + 1
                 if not self._deal(index, encode(item)):
                     return
+                index += 1
         except BaseException as exc:  # noqa: BLE001 - the trainer must hear of it, never wait in silence
             if not self._stopped.is_set():
-                log.info("the dispatching part raised %s after %d items", type(exc).__name__, self.pulled)
+                log.info("dispatching failed after %d items: %s", self.pulled, type(exc).__name__)
                 self._on_error(exc)
             return
         self._finish()
+
+    def _pull_from(self, datapipe: Any) -> Iterator[Any]:
+        """The dispatching part's items; an exception it raises ends them, kept in :attr:`failure`
+        (raised once the workers delivered the items before it)."""
+        try:
+            yield from datapipe
+        except Exception as exc:  # noqa: BLE001 - the user's graph: any exception
+            if not self._stopped.is_set():
+                log.info("the dispatching part raised %s after %d items", type(exc).__name__, self.pulled)
+                self.failure = exc
 
     def _deal(self, index: int, item: EncodedItem) -> bool:
         """Hand on item ``index`` (False: stop): round-robin, item k to rank k % n."""

@@ -72,7 +72,7 @@ class Epoch:
         if engine.in_process_graph is not None:
             return self._one_step_at_a_time(self._iterate_in_process())
         assert self._merger is not None
-        return self._one_step_at_a_time(iter(self._merger))
+        return self._one_step_at_a_time(self._then_dispatch_failure(iter(self._merger)))
 
     @property
     def finished(self) -> bool:
@@ -124,6 +124,13 @@ class Epoch:
                 guard.depth, guard.holder = 0, None
                 lock.release()
             yield item
+
+    def _then_dispatch_failure(self, items: Iterator[Any]) -> Iterator[Any]:
+        """``items``, then the exception that ended the dispatching part, if one did."""
+        yield from items
+        failure = self.engine.dispatch_failure(self.wire)
+        if failure is not None:
+            raise failure
 
     def _iterate_in_process(self) -> Iterator[Any]:
         progress = self.progress

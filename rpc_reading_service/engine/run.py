@@ -57,6 +57,13 @@ def _close_at_exit() -> None:
             engine.close()
 
 
+def _in_mprs_words(exc: BaseException) -> BaseException:
+    """An exception of the dispatching part as MPRS raises it (ours stay as they are)."""
+    if isinstance(exc, RPCReadingServiceError):
+        return exc
+    return rebuild_exception(pack_exception(exc), None, None, where="dispatching process")
+
+
 class Engine:
     """The workers of one run: where they come from, their sessions, epochs, reassignment and stats.
 
@@ -252,16 +259,22 @@ class Engine:
         return previous
 
     def _dispatch_failed(self, wire: int) -> Callable[[BaseException], None]:
-        """Report an exception of the dispatching part to the consumer, with MPRS's words."""
+        """Report an exception of dispatching to the consumer at once, with MPRS's words."""
 
         def report(exc: BaseException) -> None:
-            error = exc
-            if not isinstance(exc, RPCReadingServiceError):  # the graph's own: MPRS's words
-                error = rebuild_exception(pack_exception(exc), None, None, where="dispatching process")
+            error = _in_mprs_words(exc)
             for channel in list(self.channels):  # whichever worker the consumer waits for
                 channel.queue.put(Event(channel, "error", wire, error=error))
 
         return report
+
+    def dispatch_failure(self, wire: int) -> Optional[BaseException]:
+        """The exception that ended the dispatching part of epoch ``wire`` (in MPRS's words), if one did:
+        the epoch raises it after the items dealt before it."""
+        dispatch = self.dispatch
+        if dispatch is None or dispatch.epoch != wire or dispatch.failure is None:
+            return None
+        return _in_mprs_words(dispatch.failure)
 
     def replace_dispatched(self, channel: WorkerChannel) -> None:
         """A replacement session took over ``channel.rank``: it gets the rank's input of this
