@@ -31,14 +31,12 @@ import dataclasses
 import logging
 import os
 import socket
-import sys
 import threading
 import time
-import traceback
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .version import __version__
-from .errors import FrameTooLargeError, RemoteProtocolError
+from .errors import FrameTooLargeError, RemoteProtocolError, thread_stack
 from .graph import WorkerGraphSeeds, prepare_worker_graph, reset_worker_graph, seed_chunk
 from .protocol import (
     Buffer,
@@ -427,8 +425,7 @@ class WorkerSession:
         if self._timed_out is not None or producing is None or now - producing[2] <= limit:
             return
         epoch, position, started, ident = producing
-        frame = sys._current_frames().get(ident)  # noqa: SLF001 - documented for exactly this use
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(the producer thread is gone)\n"
+        stack = thread_stack(ident, "(the producer thread is gone)")
         seconds = time.monotonic() - started
         log.warning(
             "epoch %d: item %d of the shard took more than %.1f s (item_timeout); ending the session of %s. "

@@ -145,6 +145,8 @@ class Epoch:
         """Replay a lost worker's shard on a new session, skipping what the consumer took."""
         engine, rank, progress = self.engine, lost.rank, self.progress
         assert engine.config.reassign is not None
+        if engine.dispatch is not None and error is engine.dispatch.timed_out:
+            raise error  # the trainer's dispatcher timed out, not a worker: no replacement helps
         # Losses at one position of one shard, this epoch: a replay that gets further is progress
         # (unrelated faults), one that dies at the same place again points at the graph.
         position, limit = progress.consumed[rank], engine.config.reassign.max_reassignments
