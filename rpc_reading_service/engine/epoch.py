@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from ..client import WorkerChannel
 from .distribution import EpochProgress, EpochRun, Merger
-from ..errors import WorkerLostError
+from ..errors import ItemTimeoutError, WorkerLostError
 
 if TYPE_CHECKING:
     from .run import Engine
@@ -73,6 +73,11 @@ class Epoch:
             return self._one_step_at_a_time(self._iterate_in_process())
         assert self._merger is not None
         return self._one_step_at_a_time(self._then_dispatch_failure(iter(self._merger)))
+
+    @property
+    def user_number(self) -> int:
+        """The epoch as users count it (from 0: ``range(epochs)``), in ``stats()`` and messages."""
+        return self.number - 1
 
     @property
     def finished(self) -> bool:
@@ -152,14 +157,15 @@ class Epoch:
         position, limit = progress.consumed[rank], engine.config.reassign.max_reassignments
         losses = self._losses[(rank, position)] = self._losses.get((rank, position), 0) + 1
         if losses > limit:
-            raise WorkerLostError(
+            message = (
                 f"{error} -- gave up: worker {rank}'s shard was lost {losses} times in this epoch with the "
                 f"trainer at the same position (after {position} of its items), and "
                 f"max_reassignments={limit} allows {limit} replays from one position. Does the graph crash "
-                "its process at that item every time? on_worker_failure='raise' shows the first loss",
-                rank,
-                lost.address,
-            ) from error
+                "its process at that item every time? on_worker_failure='raise' shows the first loss"
+            )
+            if isinstance(error, ItemTimeoutError):  # the same kind of failure, every time: keep its type
+                raise ItemTimeoutError(message, rank, lost.address, error.position, error.stack) from error
+            raise WorkerLostError(message, rank, lost.address) from error
         log.warning(
             "%s; replaying its shard from item %d on a new session (replay %d of %d from there this epoch)",
             error, position, losses, limit,

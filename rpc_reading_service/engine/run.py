@@ -213,7 +213,7 @@ class Engine:
         skip = policy.skip(epoch.progress, channel.rank)
         channel.start_epoch(
             epoch.wire, epoch.seed, global_rank, policy.credits(self.config.prefetch), skip=skip,
-            dispatched=self.dispatching is not None, leased=policy.leased,
+            dispatched=self.dispatching is not None, leased=policy.leased, number=epoch.user_number,
         )  # fmt: skip
 
     def _new_dispatch(self, epoch: Epoch) -> Dispatch:
@@ -233,7 +233,7 @@ class Engine:
             for channel in self.channels
         ]  # fmt: skip
         self.dispatch = Dispatch(
-            self.dispatching, inputs, self._dispatch_failed(epoch.wire), self.config.item_timeout, epoch.number - 1
+            self.dispatching, inputs, self._dispatch_failed(epoch.wire), self.config.item_timeout, epoch.user_number
         )
         for channel in self.channels:
             channel.input_sink = self.dispatch.input_sink(channel.rank)
@@ -253,7 +253,8 @@ class Engine:
 
         self.dispatch = UnitDispatch(
             self.dispatching, wire, self._dispatch_failed(wire), notify, max(1, self.config.prefetch),
-            options.batch_max_items, options.batch_max_bytes, self.config.item_timeout, self.epoch_number - 1,
+            options.batch_max_items, options.batch_max_bytes, self.config.item_timeout,
+            self.epoch_number - 1,  # the Epoch's user_number (made after this)
         )  # fmt: skip
         for channel in self.channels:
             channel.input_sink = self.dispatch.credit_sink(channel)
@@ -342,7 +343,7 @@ class Engine:
         ]
         items = sum(progress.consumed)
         return ReadingServiceStats(
-            epoch=epoch.number - 1,  # counted from 1; users count from 0 (range(epochs))
+            epoch=epoch.user_number,
             elapsed_seconds=elapsed,
             items=items,
             items_per_second=items / elapsed,
