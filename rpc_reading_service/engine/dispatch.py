@@ -377,7 +377,7 @@ class Dispatch:
         """The item_timeout check: a dispatching part stuck on one item is reported, with its stack."""
         limit = self._item_timeout
         assert limit is not None
-        while not self._stopped.wait(min(1.0, limit / _ITEM_CHECKS_PER_TIMEOUT)):
+        while not self._stopped.wait(min(1.0, limit / _ITEM_CHECKS_PER_TIMEOUT)) and self._thread.is_alive():
             since = self._pulling_since
             if since is None or time.monotonic() - since <= limit:
                 continue
