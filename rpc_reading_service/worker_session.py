@@ -65,6 +65,7 @@ from .transports.base import Connection, PeerLostError
 from .transports.shared_memory import copy_into_segment
 from .worker_cancel import _Cancelled
 from .worker_inbox import DispatchedInput, Inbox
+from .worker_lock_watch import LockWatch
 from .worker_outbox import Outbox
 
 __all__ = ["SessionOptions", "Outbox", "Inbox", "DispatchedInput", "WorkerSession"]
@@ -111,8 +112,14 @@ class WorkerSession:
         server_address: str = "",
         idle_timeout: Optional[float] = None,
         stats_interval: float = 30.0,
+        own_process: bool = False,
     ):
+        """``own_process``: the session has its process to itself (forked): with item_timeout, a
+        :class:`~rpc_reading_service.worker_lock_watch.LockWatch` ends it when C code holds the
+        interpreter lock for good."""
         self.conn = conn
+        self._own_process = own_process
+        self._lock_watch: Optional[LockWatch] = None
         self.server_address = server_address
         self.stats_interval = stats_interval
         self.options = SessionOptions()
@@ -163,6 +170,9 @@ class WorkerSession:
         try:
             if not self._setup():
                 return
+            if self._own_process and self.options.item_timeout is not None:
+                self._lock_watch = LockWatch(self.options.item_timeout)
+                self._lock_watch.start()
             self._sender = threading.Thread(target=self._send_loop, name="rrs-sender", daemon=True)
             self._sender.start()
             self._control_loop()
@@ -510,6 +520,8 @@ class WorkerSession:
         self.conn.close()
         if self._sender is not None:
             self._sender.join(timeout=2.0)
+        if self._lock_watch is not None:
+            self._lock_watch.stop()
 
 
 class _ChunkCount:
