@@ -128,6 +128,8 @@ class WorkerChannel:
         self._send_lock = threading.Lock()
         #: Why the worker ended the session, if it said (item_timeout).
         self._ended_by: Optional[ItemTimeoutError] = None
+        #: Said after "its process died" when the connection closes: what else ends a session's process.
+        self.closed_hint = ""
         #: The user's number of each epoch started here, by its number on the wire.
         self._numbers: Dict[int, int] = {}
         self._closing = False
@@ -496,7 +498,7 @@ class WorkerChannel:
     def _receiving_failed(self, exc: Exception) -> bool:
         """Report the session lost for ``exc``, which receiving raised; True: the receiver stops."""
         if isinstance(exc, PeerLostError):
-            return self._lost(f"lost {self.name}: {exc}. Its process died or the connection broke")
+            return self._lost(f"lost {self.name}: {exc}. Its process died or the connection broke{self.closed_hint}")
         if isinstance(exc, RemoteProtocolError):
             return self._lost(str(exc))
         log.error("receiver for %s failed", self.name, exc_info=exc)

@@ -282,7 +282,7 @@ def test_a_stuck_item_that_reassign_gives_up_on_stays_an_item_timeout_naming_the
     assert f'File "{__file__}", line' in caught.value.stack and "<dynamic-code>" not in caught.value.stack
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_an_item_stuck_in_c_code_holding_the_interpreter_lock_ends_its_session_with_its_stack_logged(fresh_server):
     """No thread of the session runs (no heartbeats, no item_timeout check): faulthandler's watchdog
     ends the process past item_timeout, the server logs the stacks, and the trainer hears of the end
@@ -290,7 +290,7 @@ def test_an_item_stuck_in_c_code_holding_the_interpreter_lock_ends_its_session_w
     server = fresh_server()
     rs = RPCReadingService(num_workers=1, workers=[server.address], auth_key=server.key, item_timeout=1.0, timeout=30)
     started = time.monotonic()
-    with pytest.raises(WorkerLostError):
+    with pytest.raises(WorkerLostError, match="interpreter lock .* the worker server's log shows where"):
         run_epochs(IterableWrapper(range(N)).sharding_filter().map(hold_the_interpreter_lock_at_3), rs, n_epochs=1)
     assert time.monotonic() - started < 15  # about item_timeout + 2 s; it was the trainer's timeout (30 s)
     assert wait_until(lambda: "C code held its interpreter lock" in server.stderr(), 5.0), server.stderr()
