@@ -144,6 +144,10 @@ class WorkerChannel:
         self._send_lock = threading.Lock()
         #: Why the worker ended the session, if it said (item_timeout).
         self._ended_by: Optional[ItemTimeoutError] = None
+        #: Said after "its process died" when the connection closes: what else ends a session's process.
+        self.closed_hint = ""
+        #: The user's number of each epoch started here, by its number on the wire.
+        self._numbers: Dict[int, int] = {}
         self._closing = False
         #: Sends asked for before the session is set up (START_EPOCH, LEASE ...): sent in order
         #: as soon as READY arrives (:meth:`setup`); None from then on.
@@ -346,10 +350,14 @@ class WorkerChannel:
         skip: int = 0,
         dispatched: bool = False,
         leased: bool = False,
+        number: Optional[int] = None,
     ) -> None:
         """Start ``epoch`` on the worker (superseding any epoch still running there); with
         ``dispatched``, its input comes from the trainer (:meth:`send_input`); ``leased``: the
-        worker walks its stream by the chunks :meth:`lease` hands it."""
+        worker walks its stream by the chunks :meth:`lease` hands it. ``number``: the epoch as
+        the user counts it (``stats()``: from 0), for messages."""
+        if number is not None:
+            self._numbers[epoch] = number
         with self._credit_lock:
             self.epoch = epoch
             self._window, self._ungranted = credits, 0
@@ -506,7 +514,7 @@ class WorkerChannel:
     def _receiving_failed(self, exc: Exception) -> bool:
         """Report the session lost for ``exc``, which receiving raised; True: the receiver stops."""
         if isinstance(exc, PeerLostError):
-            return self._lost(f"lost {self.name}: {exc}. Its process died or the connection broke")
+            return self._lost(f"lost {self.name}: {exc}. Its process died or the connection broke{self.closed_hint}")
         if isinstance(exc, RemoteProtocolError):
             return self._lost(str(exc))
         log.error("receiver for %s failed", self.name, exc_info=exc)
@@ -583,9 +591,11 @@ class WorkerChannel:
 
     def _item_timeout_error(self, event: Error) -> ItemTimeoutError:
         position = -1 if event.position is None else event.position
+        stuck = event.stuck_epoch
+        epoch = self._numbers.get(stuck, f"{stuck} (on the wire)") if stuck is not None else "?"
         message = (
             f"{self.name} spent more than {event.item_timeout} s (item_timeout) producing item {position} "
-            f"of its shard in epoch {event.stuck_epoch} and ended its session. Its graph was here:\n{event.stack}"
+            f"of its shard in epoch {epoch} and ended its session. Its graph was here:\n{event.stack}"
             "Fix what blocks there, or raise item_timeout if items legitimately take that long"
         )
         return ItemTimeoutError(message, self.rank, self.address, position=position, stack=event.stack)

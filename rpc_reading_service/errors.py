@@ -6,9 +6,12 @@ what to do about it. All inherit from :class:`RPCReadingServiceError`.
 
 from __future__ import annotations
 
+import sys
+import traceback
 from typing import Optional
 
 __all__ = [
+    "thread_stack",
     "RPCReadingServiceError",
     "ConfigurationError",
     "ProtocolError",
@@ -41,6 +44,12 @@ def describe_worker(rank: Optional[int], address: Optional[str], noun: str = "wo
     if address is None:
         return f"{noun} {rank}"
     return f"{noun} {rank} ({address})"
+
+
+def thread_stack(ident: Optional[int], gone: str = "(the thread is gone)") -> str:
+    """The Python stack of the running thread ``ident``, formatted (``gone`` if it ended), for a message."""
+    frame = sys._current_frames().get(ident) if ident is not None else None  # noqa: SLF001 - made for this
+    return "".join(traceback.format_stack(frame)) if frame is not None else gone + "\n"
 
 
 class RPCReadingServiceError(Exception):
@@ -99,6 +108,10 @@ class ItemTimeoutError(WorkerLostError):
     ``position`` is the item's index in the worker's shard and ``stack`` the Python stack of
     the worker's producer thread at that moment (also in the message). A lost worker as far
     as ``on_worker_failure="reassign"`` is concerned: its shard is replayed elsewhere.
+
+    The trainer's dispatcher (the DataPipes before ``sharding_round_robin_dispatch``) stuck on
+    one item raises it too, with ``rank`` None, its item's index and its thread's stack: not
+    replayed (no worker is at fault), and a later epoch dispatches from a copy of that part.
     """
 
     def __init__(
@@ -136,7 +149,8 @@ class DispatchStalledError(RPCReadingServiceError, RuntimeError):
     """Dispatching could not go on without holding more than a worker's pipeline of items for one
     worker (``sharding_round_robin_dispatch`` with ``in_order=True``): the workers' outputs do
     not keep pace with their inputs (a filter after the dispatch point, for example). The message
-    names both workers; ``in_order=False`` lets the trainer take whatever is ready."""
+    names both workers; ``in_order=False`` lets the trainer take whatever is ready. Also raised when
+    a new epoch cannot copy a dispatching part that an earlier epoch's thread is stuck in."""
 
 
 class StickyKeyError(RPCReadingServiceError, TypeError):

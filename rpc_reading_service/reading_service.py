@@ -80,8 +80,9 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         worker_reset_fn: ``fn(datapipe, worker_info, seed_generator) -> datapipe``, every epoch.
         timeout: Seconds without any word from a worker before it is declared lost
             (:class:`~rpc_reading_service.errors.WorkerLostError`).
-        item_timeout: Seconds one worker may spend producing one item (``None``: no limit); past
-            it :class:`~rpc_reading_service.errors.ItemTimeoutError` with the worker's stack.
+        item_timeout: Seconds one worker (or the dispatching part, before
+            ``sharding_round_robin_dispatch``) may spend producing one item (``None``: no limit);
+            past it :class:`~rpc_reading_service.errors.ItemTimeoutError` with its stack.
         pickle_by_value: Modules not installed on the workers whose code travels by value.
         liveness: :class:`~rpc_reading_service.Liveness` (heartbeat interval, connect timeout).
         on_worker_failure: ``"raise"`` (default), or ``"reassign"`` /

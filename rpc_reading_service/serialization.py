@@ -480,14 +480,35 @@ def _main_modules() -> List[types.ModuleType]:
     return [sys.modules[name] for name in ("__mp_main__",) if name in sys.modules]
 
 
+#: cloudpickle writes every code object it pickles by value with this file name.
+_DYNAMIC_CODE = "<dynamic-code>"
+
+
+def _code_in_file(code: types.CodeType, filename: str) -> types.CodeType:
+    """``code`` with its file name back (the unpickling side of :class:`_GraphPickler`)."""
+    return code.replace(co_filename=filename)
+
+
+class _GraphPickler(cloudpickle.Pickler):
+    """cloudpickle's pickler, keeping the file of the code it pickles by value: a worker's
+    tracebacks and stacks (item_timeout) then name the user's file, not ``<dynamic-code>``."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is types.CodeType and obj.co_filename != _DYNAMIC_CODE:
+            return _code_in_file, (obj.replace(co_filename=_DYNAMIC_CODE), obj.co_filename)
+        return super().reducer_override(obj)
+
+
 def dumps_graph(graph: Any, pickle_by_value: Sequence[types.ModuleType] = ()) -> bytes:
     """Serialise a DataPipe graph with cloudpickle.
 
     ``pickle_by_value`` names user modules not installed on the workers: their functions
-    and classes travel by value.
+    and classes travel by value (with their file names, for tracebacks).
     """
     with _pickled_by_value([*_main_modules(), *pickle_by_value]):
-        return cloudpickle.dumps(graph, protocol=pickle.HIGHEST_PROTOCOL)
+        buffer = io.BytesIO()
+        _GraphPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(graph)
+        return buffer.getvalue()
 
 
 def loads_graph(data: bytes) -> Any:

@@ -31,6 +31,7 @@ from .protocol import DEFAULT_MAX_FRAME_BYTES
 from .protocol.messages import resolve_field_types
 from .transports import available_transports, create_transport
 from .transports.base import Connection, Listener
+from .worker_lock_watch import take_stack
 
 from .quiet_imports import torchdata_banner_muted
 
@@ -215,7 +216,7 @@ class WorkerServer:
                         os.close(fd)
                     except OSError:
                         pass
-                self._run_session(conn)
+                self._run_session(conn, own_process=True)
             except BaseException:  # noqa: BLE001
                 code = 1
             finally:
@@ -236,14 +237,16 @@ class WorkerServer:
         log.error("refused a session to %s: %s", conn.peer, reason)
         conn.refuse(reason)  # without lingering: other trainers wait on this loop
 
-    def _run_session(self, conn: Connection) -> None:
+    def _run_session(self, conn: Connection, own_process: bool = False) -> None:
         try:
             import torch
 
             torch.set_num_threads(1)  # one core per session, as torch's own DataLoader workers do
         except Exception:  # noqa: BLE001
             pass
-        WorkerSession(conn, self.address, idle_timeout=self.idle_timeout, stats_interval=self.stats_interval).run()
+        WorkerSession(
+            conn, self.address, idle_timeout=self.idle_timeout, stats_interval=self.stats_interval, own_process=own_process
+        ).run()
 
     def _reap(self) -> None:
         for pid in list(self._children):
@@ -253,6 +256,12 @@ class WorkerServer:
                 done, status = pid, 0
             if done:
                 peer = self._children.pop(pid)
+                stack = take_stack(pid)
+                if stack is not None:
+                    log.warning(
+                        "session process %d for %s ended: C code held its interpreter lock for more than item_timeout "
+                        "(no thread could run, nor send heartbeats). Its threads were here:\n%s", pid, peer, stack,
+                    )  # fmt: skip
                 if os.WIFSIGNALED(status) and not (pid in self._terminated and os.WTERMSIG(status) == signal.SIGTERM):
                     log.warning("session process %d for %s was killed by signal %d", pid, peer, os.WTERMSIG(status))
                 elif os.WIFSIGNALED(status):

@@ -31,15 +31,13 @@ import dataclasses
 import logging
 import os
 import socket
-import sys
 import threading
 import time
-import traceback
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .version import __version__
 from .checkpoint import past_the_end
-from .errors import FrameTooLargeError, RemoteProtocolError
+from .errors import FrameTooLargeError, RemoteProtocolError, thread_stack
 from .graph import WorkerGraphSeeds, prepare_worker_graph, reset_worker_graph, seed_chunk
 from .protocol import (
     Buffer,
@@ -68,6 +66,7 @@ from .transports.base import Connection, PeerLostError
 from .transports.shared_memory import copy_into_segment
 from .worker_cancel import _Cancelled
 from .worker_inbox import DispatchedInput, Inbox
+from .worker_lock_watch import LockWatch
 from .worker_outbox import Outbox
 
 __all__ = ["SessionOptions", "Outbox", "Inbox", "DispatchedInput", "WorkerSession"]
@@ -114,8 +113,14 @@ class WorkerSession:
         server_address: str = "",
         idle_timeout: Optional[float] = None,
         stats_interval: float = 30.0,
+        own_process: bool = False,
     ):
+        """``own_process``: the session has its process to itself (forked): with item_timeout, a
+        :class:`~rpc_reading_service.worker_lock_watch.LockWatch` ends it when C code holds the
+        interpreter lock for good."""
         self.conn = conn
+        self._own_process = own_process
+        self._lock_watch: Optional[LockWatch] = None
         self.server_address = server_address
         self.stats_interval = stats_interval
         self.options = SessionOptions()
@@ -166,6 +171,9 @@ class WorkerSession:
         try:
             if not self._setup():
                 return
+            if self._own_process and self.options.item_timeout is not None:
+                self._lock_watch = LockWatch(self.options.item_timeout)
+                self._lock_watch.start()
             self._sender = threading.Thread(target=self._send_loop, name="rrs-sender", daemon=True)
             self._sender.start()
             self._control_loop()
@@ -431,8 +439,7 @@ class WorkerSession:
         if self._timed_out is not None or producing is None or now - producing[2] <= limit:
             return
         epoch, position, started, ident = producing
-        frame = sys._current_frames().get(ident)  # noqa: SLF001 - documented for exactly this use
-        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(the producer thread is gone)\n"
+        stack = thread_stack(ident, "(the producer thread is gone)")
         seconds = time.monotonic() - started
         log.warning(
             "epoch %d: item %d of the shard took more than %.1f s (item_timeout); ending the session of %s. "
@@ -517,6 +524,8 @@ class WorkerSession:
         self.conn.close()
         if self._sender is not None:
             self._sender.join(timeout=2.0)
+        if self._lock_watch is not None:
+            self._lock_watch.stop()
 
 
 class _ChunkCount:

@@ -27,7 +27,7 @@ from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 from rpc_reading_service import Liveness, RPCReadingService
 from rpc_reading_service.engine.dispatch import RankInput
 from rpc_reading_service.engine.distribution.dynamic import Dynamic
-from rpc_reading_service.errors import ConfigurationError, DispatchStalledError
+from rpc_reading_service.errors import ConfigurationError, DispatchStalledError, ItemTimeoutError
 from rpc_reading_service.graph import split_dispatching
 from rpc_reading_service.protocol import EndOfInput, Items
 from rpc_reading_service.serialization import dumps_item
@@ -64,6 +64,23 @@ def has_even_id(item: tuple) -> bool:
 
 def slow_big(item: tuple) -> tuple:
     return slow_identity(item, 0.005)
+
+
+def wait_in_the_dispatching_part(gate: FileGate) -> None:
+    gate.wait()
+
+
+class StuckAt(IterDataPipe):
+    """A dispatching part that stops at its item ``at`` until ``gate`` opens (every epoch)."""
+
+    def __init__(self, source: IterDataPipe, at: int, gate: FileGate):
+        self.source, self.at, self.gate = source, at, gate
+
+    def __iter__(self):
+        for index, item in enumerate(self.source):
+            if index == self.at:
+                wait_in_the_dispatching_part(self.gate)
+            yield item
 
 
 def dispatching(n: int, *after: Any) -> IterDataPipe:
@@ -192,6 +209,44 @@ def test_an_error_in_the_dispatching_part_has_mprs_words():
         assert message.startswith("Caught ValueError in dispatching process.\n"), message
         assert "\nOriginal Traceback (most recent call last):\n" in message
         assert "\nValueError: boom 7\n" in message
+
+
+def _dispatcher_threads() -> List[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name.startswith("rrs-dispatch-") and "send" not in thread.name]
+
+
+@pytest.mark.timeout(40)
+@pytest.mark.parametrize(("distribution", "on_worker_failure"), [("round_robin", "raise"), ("round_robin", "reassign"), ("dynamic", "raise")])
+def test_a_stuck_dispatching_part_times_out_with_its_stack_and_holds_no_new_epoch_nor_shutdown(
+    tmp_path, caplog, distribution, on_worker_failure
+):
+    """Epoch 0 stops early while its dispatcher is stuck at item 5: epoch 1 dispatches from a copy (not
+    held by that thread, which is left behind with its stack logged) and raises ItemTimeoutError there;
+    shutdown leaves both threads behind. (DataLoader2 shuts down after an error: an epoch after one is
+    an early exit's.)"""
+    gate = FileGate(tmp_path / "gate", timeout=30)
+    dp = StuckAt(IterableWrapper(range(20)), 5, gate).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    rs = RPCReadingService(num_workers=2, item_timeout=1.0, distribution=distribution, on_worker_failure=on_worker_failure)
+    dl = DataLoader2(dp, reading_service=rs)
+    try:
+        it = iter(dl)
+        assert sorted(next(it) for _ in range(5)) == list(range(5))
+        it = iter(dl)  # the early exit: epoch 1
+        assert sorted(next(it) for _ in range(5)) == list(range(5))
+        assert any("epoch 0 is stuck" in r.getMessage() and "wait_in_the_dispatching_part" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        started = time.monotonic()
+        with pytest.raises(ItemTimeoutError, match="dispatching part .*item_timeout.* its item 5 in epoch 1;") as caught:
+            next(it)  # then DataLoader2 shuts down, which does not wait for the stuck threads
+        assert time.monotonic() - started < 10
+        assert caught.value.position == 5 and "in wait_in_the_dispatching_part" in caught.value.stack
+        assert dl.reading_service.stats().epoch == 1
+        assert any("shutdown goes on" in r.getMessage() and "wait_in_the_dispatching_part" in r.getMessage() for r in caplog.records)
+        assert len(_dispatcher_threads()) == 2  # both stuck
+    finally:
+        gate.open()
+        dl.shutdown()
+    assert wait_until(lambda: not _dispatcher_threads(), 10)  # released, they end at once (cancelled)
 
 
 @pytest.mark.timeout(30)

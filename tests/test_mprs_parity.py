@@ -9,7 +9,8 @@ The second half ports a selection of torchdata 0.9's own reading-service tests
 (``test/dataloader2/test_mprs.py`` and ``test_dataloader2.py`` in pytorch/data): early exit,
 exit, re-iteration, invalidated iterators, pause/resume/limit, worker_init_fn/worker_reset_fn
 with WorkerInfo, determinism, checkpoint at the start of an epoch, and the cases with
-``sharding_round_robin_dispatch``. Those skip MPRS in the fixture, whose shutdown with a
+``sharding_round_robin_dispatch`` (an exception in the dispatching part: against MPRS and ours
+over both transports). Those skip MPRS in the fixture, whose shutdown with a
 dispatching process is unreliable here; their order is checked against a real MPRS run in a
 process group of its own (killed after it printed its epochs), and against MPRS's dealing rebuilt
 from torchdata's own DataPipes.
@@ -37,7 +38,7 @@ from torchdata.dataloader2.random import SeedGenerator
 from torchdata.dataloader2.utils import WorkerInfo
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
-from rpc_reading_service import RPCReadingService
+from rpc_reading_service import Liveness, RPCReadingService
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -64,6 +65,30 @@ def boom_on_7(x: int) -> int:
     if x == 7:
         raise ValueError(f"boom {x}")
     return x
+
+
+EXCEPTION_ITERATION_NUM = 7
+
+
+class _CustomException(Exception):
+    pass
+
+
+class MakeMistake(IterDataPipe):
+    """torchdata's MakeMistakeDataPipe: raises at item ``EXCEPTION_ITERATION_NUM`` of its source."""
+
+    def __init__(self, source: IterDataPipe):
+        self.source = source
+
+    def __iter__(self) -> Iterator[Any]:
+        for i, x in enumerate(self.source):
+            if i == EXCEPTION_ITERATION_NUM:
+                raise _CustomException("oops")
+            yield x
+
+
+def x_mult_2(x: int) -> int:
+    return x * 2
 
 
 def tag_worker(datapipe: IterDataPipe, info: WorkerInfo) -> IterDataPipe:
@@ -136,7 +161,10 @@ def make_rs(kind) -> Iterator[Callable[..., Any]]:
             # MPRS's main-process prefetch thread (main_prefetch_cnt=10 by default) makes its
             # shutdown after an early exit hang now and then, in torchdata 0.9: off, to test us.
             kwargs.setdefault("main_prefetch_cnt", 0)
-        return KINDS[kind](num_workers=kwargs.pop("num_workers", NUM_WORKERS), **kwargs)
+        if kind == "torch_rpc":  # ours over the other transport (a test parametrizes ``kind`` itself)
+            kwargs.update(transport="torch_rpc", liveness=Liveness(connect_timeout=30))
+        cls = KINDS.get(kind, RPCReadingService)
+        return cls(num_workers=kwargs.pop("num_workers", NUM_WORKERS), **kwargs)
 
     me = os.getpid()
     before = set(children_of(me))  # an earlier test's processes, still being reaped, are not ours
@@ -149,7 +177,7 @@ def make_rs(kind) -> Iterator[Callable[..., Any]]:
         leftovers = left()
         for pid in leftovers:
             os.kill(pid, 9)
-        if kind == "rpc":  # torchdata 0.9's MPRS now and then leaves a worker behind: not ours to test
+        if kind != "mprs":  # torchdata 0.9's MPRS now and then leaves a worker behind: not ours to test
             pytest.fail(f"worker processes left behind: {leftovers}")
 
 
@@ -318,6 +346,26 @@ def test_worker_error_has_mprs_words(make_rs, kind):
     assert "\nValueError: boom 7\n" in message
     if kind == "rpc":  # and the worker's address after its rank
         assert re.match(r"Caught ValueError in worker process 1 \([^)]+\)\.\n", message), message
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("worker_prefetch_cnt", [1, 10])
+@pytest.mark.parametrize("num_workers", [1, 3])
+@pytest.mark.parametrize("kind", ["mprs", "rpc", "torch_rpc"])
+def test_dispatching_exception_raised(make_rs, kind, num_workers, worker_prefetch_cnt):
+    """torchdata's test_dispatching_exception_raised: the items the dispatching part gave before
+    it raised arrive, in order, then its error (ours over both transports)."""
+    dp = MakeMistake(IterableWrapper(range(100))).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    rs = make_rs(num_workers=num_workers, worker_prefetch_cnt=worker_prefetch_cnt)
+    with DataLoader2(dp.map(x_mult_2), reading_service=rs) as dl:
+        it = iter(dl)
+        assert [next(it) for _ in range(EXCEPTION_ITERATION_NUM)] == [2 * x for x in range(EXCEPTION_ITERATION_NUM)]
+        with pytest.raises(_CustomException) as caught:
+            next(it)
+    message = str(caught.value)
+    assert "Caught _CustomException in dispatching process" in message
+    assert "Original Traceback" in message
+    assert "_CustomException: oops" in message
 
 
 # -- checkpoint at the start of an epoch (torchdata's test_initial_epoch_checkpointing) -----------

@@ -14,6 +14,7 @@ Real worker processes (local fork/spawn workers and ``rpc-reading-worker`` serve
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import math
@@ -34,7 +35,9 @@ from rpc_reading_service import (
     ConfigurationError,
     ItemTimeoutError,
     Liveness,
+    Reassign,
     RPCReadingService,
+    WorkerLostError,
     WorkerStartupError,
 )
 
@@ -87,6 +90,12 @@ class BlocksWhenPickled:
 
 def unpicklable_at_2(x):
     return BlocksWhenPickled() if x == 2 else x
+
+
+def hold_the_interpreter_lock_at_3(x):
+    if x == 3:
+        ctypes.PyDLL(None).sleep(60)  # C code that keeps the interpreter lock: no thread of the process runs
+    return x
 
 
 def block_at_5_in_first_session(marker, x):
@@ -250,13 +259,44 @@ def test_a_stuck_item_of_an_abandoned_epoch_is_reported_in_the_next_one(pause):
     with DataLoader2(IterableWrapper(range(N)).sharding_filter().map(block_forever_at_5), reading_service=rs) as dl:
         for index, _item in enumerate(dl):
             if index == 1:
-                break  # epoch 1 abandoned; its producer goes on to item 5 and sticks there
+                stuck_epoch = dl.reading_service.stats().epoch
+                break  # the epoch is abandoned; its producer goes on to item 5 and sticks there
         time.sleep(pause)  # the worker's watchdog fires before (or after) the next epoch starts
         started = time.monotonic()
-        with pytest.raises(ItemTimeoutError, match="item 5 of its shard in epoch 1") as caught:
+        with pytest.raises(ItemTimeoutError, match=f"item 5 of its shard in epoch {stuck_epoch} and") as caught:
             list(dl)
         assert time.monotonic() - started < 6.0
+    assert stuck_epoch == 0  # the message counts epochs as stats() does
     assert "block_forever_at_5" in caught.value.stack
+
+
+@pytest.mark.timeout(40)
+def test_a_stuck_item_that_reassign_gives_up_on_stays_an_item_timeout_naming_the_users_file():
+    """The graph's lambda travels by value (cloudpickle): the stack still names this file. Each
+    replacement sticks at the same item: after max_reassignments the error keeps its type."""
+    graph = IterableWrapper(range(N)).sharding_filter().map(lambda x: threading.Event().wait() if x == 3 else x)
+    rs = RPCReadingService(num_workers=1, item_timeout=1.0, timeout=30, on_worker_failure=Reassign(max_reassignments=1))
+    with pytest.raises(ItemTimeoutError, match="(?s)item 3 of its shard in epoch 0 .*gave up") as caught:
+        run_epochs(graph, rs, n_epochs=1)
+    assert caught.value.position == 3 and caught.value.rank == 0
+    assert f'File "{__file__}", line' in caught.value.stack and "<dynamic-code>" not in caught.value.stack
+
+
+@pytest.mark.timeout(60)
+def test_an_item_stuck_in_c_code_holding_the_interpreter_lock_ends_its_session_with_its_stack_logged(fresh_server):
+    """No thread of the session runs (no heartbeats, no item_timeout check): faulthandler's watchdog
+    ends the process past item_timeout, the server logs the stacks, and the trainer hears of the end
+    then (not after its timeout)."""
+    server = fresh_server()
+    rs = RPCReadingService(num_workers=1, workers=[server.address], auth_key=server.key, item_timeout=1.0, timeout=30)
+    started = time.monotonic()
+    with pytest.raises(WorkerLostError, match="interpreter lock .* the worker server's log shows where"):
+        run_epochs(IterableWrapper(range(N)).sharding_filter().map(hold_the_interpreter_lock_at_3), rs, n_epochs=1)
+    assert time.monotonic() - started < 15  # about item_timeout + 2 s; it was the trainer's timeout (30 s)
+    assert wait_until(lambda: "C code held its interpreter lock" in server.stderr(), 5.0), server.stderr()
+    stderr = server.stderr()
+    assert f'File "{__file__}", line' in stderr and "in hold_the_interpreter_lock_at_3" in stderr
+    assert wait_until(lambda: not server.session_pids(), 5.0), server.session_pids()
 
 
 @pytest.mark.timeout(30)

@@ -20,6 +20,11 @@ blocking would deadlock the epoch. A rank then holds more, up to about a worker'
 not keep pace with their inputs and :class:`~rpc_reading_service.errors.DispatchStalledError`
 says so instead of a hang; a silent worker (a stopped process) is left to the loss detection.
 
+An exception the dispatching part raises ends the epoch's input there: the workers deliver the
+items dealt before it, in order, then the epoch raises it (:attr:`Dispatch.failure`), as MPRS does.
+With ``item_timeout``, one stuck on an item stops the epoch with an ItemTimeoutError and its stack;
+a thread that stays stuck is left behind (the engine dispatches the next epoch from a copy).
+
 With ``distribution="dynamic"`` no rank owns fixed positions: :class:`UnitDispatch` pulls the
 items ahead by index and the epoch's merger leases each one (a unit) to whichever worker has
 room (:mod:`~rpc_reading_service.engine.distribution.dispatched`).
@@ -35,9 +40,9 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from ..errors import DispatchStalledError
+from ..errors import DispatchStalledError, ItemTimeoutError, thread_stack
 from ..protocol import EncodedItem, EndOfInput, EndOfShard, Error, ItemCredit, Items, Message
 from ..serialization import ItemEncoder
 
@@ -45,10 +50,10 @@ __all__ = ["Dispatch", "RankInput", "UnitDispatch"]
 
 log = logging.getLogger(__name__)
 
-#: Seconds between looks at whether a superseded epoch's dispatcher thread has ended, and at
-#: whether a worker whose input is over the limit is still heard from.
-_JOIN_POLL = 0.05
+#: Seconds between looks at whether a worker whose input is over the limit is still heard from.
 _HEARD_POLL = 0.05
+#: Looks at the item being pulled per ``item_timeout`` (at least one a second).
+_ITEM_CHECKS_PER_TIMEOUT = 4
 
 
 class RankInput:
@@ -281,9 +286,12 @@ class Dispatch:
         datapipe: The dispatching part, seeded for the epoch (by the caller: torch traverses a
             graph under a process-wide hook, one thread at a time).
         inputs: One :class:`RankInput` per worker rank, in rank order.
-        on_error: Called with the exception the dispatching part raised (from the thread).
-        previous: The dispatch of the epoch this one supersedes: its thread must end before
-            this one iterates the same DataPipes (a graph supports one iterator at a time).
+        on_error: Called with an exception of dispatching (from the thread): one that stops the
+            epoch at once. The dispatching part's own ends its input instead (:attr:`failure`).
+        item_timeout: Seconds the dispatching part may spend producing one item (None: no limit);
+            past that, ``on_error`` gets an :class:`~rpc_reading_service.errors.ItemTimeoutError`
+            with the thread's stack (:attr:`timed_out`) and dispatching stops.
+        number: The epoch as messages and ``stats()`` count it (from 0).
     """
 
     def __init__(
@@ -291,20 +299,30 @@ class Dispatch:
         datapipe: Any,
         inputs: Sequence[RankInput],
         on_error: Callable[[BaseException], None],
-        previous: Optional["Dispatch"] = None,
+        item_timeout: Optional[float] = None,
+        number: int = 0,
     ):
         self.datapipe = datapipe
         self.inputs = list(inputs)
         for rank_input in self.inputs:
             rank_input.peers = self.inputs
         self._on_error = on_error
-        self._previous = previous
+        self._item_timeout, self.number = item_timeout, number
         self._stopped = threading.Event()
+        #: When the thread started on the item it pulls from the dispatching part (None: not pulling).
+        self._pulling_since: Optional[float] = None
+        #: The error reported when the dispatching part spent longer than ``item_timeout`` on one item.
+        self.timed_out: Optional[ItemTimeoutError] = None
         #: Items taken from the dispatching part so far this epoch.
         self.pulled = 0
+        #: The exception the dispatching part raised (it ended the epoch's input there), if it did.
+        self.failure: Optional[BaseException] = None
         self.epoch = self.inputs[0].epoch if self.inputs else None
         self._thread = threading.Thread(target=self._run, name=f"rrs-dispatch-{self.epoch}", daemon=True)
         self._sender = threading.Thread(target=self._send_loop, name=f"rrs-dispatch-send-{self.epoch}", daemon=True)
+        self._watchdog: Optional[threading.Thread] = None
+        if item_timeout is not None:
+            self._watchdog = threading.Thread(target=self._watch, name=f"rrs-dispatch-watch-{self.epoch}", daemon=True)
         if self.inputs:
             assert all(rank_input.cond is self.inputs[0].cond for rank_input in self.inputs), "ranks share one cond"
 
@@ -313,6 +331,8 @@ class Dispatch:
         self._thread.start()
         if self.inputs:
             self._sender.start()
+        if self._watchdog is not None:
+            self._watchdog.start()
 
     def stop(self) -> None:
         """Stop dealing (a new epoch, an early exit, shutdown): nothing more is sent once this
@@ -349,6 +369,32 @@ class Dispatch:
             self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def stack(self) -> str:
+        """The dispatcher thread's Python stack now (formatted), for messages."""
+        return thread_stack(self._thread.ident, "(the dispatcher thread ended)")
+
+    def _watch(self) -> None:
+        """The item_timeout check: a dispatching part stuck on one item is reported, with its stack."""
+        limit = self._item_timeout
+        assert limit is not None
+        while not self._stopped.wait(min(1.0, limit / _ITEM_CHECKS_PER_TIMEOUT)) and self._thread.is_alive():
+            since = self._pulling_since
+            if since is None or time.monotonic() - since <= limit:
+                continue
+            stack, position = self.stack(), self.pulled
+            self.timed_out = ItemTimeoutError(
+                f"the dispatching part (the DataPipes before sharding_round_robin_dispatch, run in the trainer's "
+                f"thread {self._thread.name}) spent more than {limit} s (item_timeout) producing its item {position} "
+                f"in epoch {self.number}; dispatching stopped. It was here:\n{stack}"
+                "Fix what blocks there, or raise item_timeout if items legitimately take that long",
+                position=position,
+                stack=stack,
+            )
+            log.warning("%s", self.timed_out)
+            self.stop()
+            self._on_error(self.timed_out)
+            return
+
     def _send_loop(self) -> None:
         """The sending thread: every rank's messages, in turns (one message a rank), until stopped."""
         inputs, count, turn = self.inputs, len(self.inputs), 0
@@ -373,24 +419,40 @@ class Dispatch:
                 log.exception("sending %s of epoch %s failed", message.kind.name, self.epoch)
 
     def _run(self) -> None:
-        previous, self._previous = self._previous, None
-        while previous is not None and not previous.join(_JOIN_POLL):
-            if self._stopped.is_set():
-                return
         encode = ItemEncoder().encode
         try:
-            for index, item in enumerate(self.datapipe):
+            items, index = self._pull_from(self.datapipe), 0
+            for item in items:
                 if self._stopped.is_set():
                     return
                 self.pulled = index + 1
                 if not self._deal(index, encode(item)):
                     return
+                index += 1
         except BaseException as exc:  # noqa: BLE001 - the trainer must hear of it, never wait in silence
             if not self._stopped.is_set():
-                log.info("the dispatching part raised %s after %d items", type(exc).__name__, self.pulled)
+                log.info("dispatching failed after %d items: %s", self.pulled, type(exc).__name__)
                 self._on_error(exc)
             return
         self._finish()
+
+    def _pull_from(self, datapipe: Any) -> Iterator[Any]:
+        """The dispatching part's items; an exception it raises ends them, kept in :attr:`failure`
+        (raised once the workers delivered the items before it). Tells the item_timeout check
+        when it works on an item."""
+        clock = time.monotonic
+        try:
+            self._pulling_since = clock()
+            for item in datapipe:
+                self._pulling_since = None
+                yield item
+                self._pulling_since = clock()
+        except Exception as exc:  # noqa: BLE001 - the user's graph: any exception
+            if not self._stopped.is_set():
+                log.info("the dispatching part raised %s after %d items", type(exc).__name__, self.pulled)
+                self.failure = exc
+        finally:
+            self._pulling_since = None
 
     def _deal(self, index: int, item: EncodedItem) -> bool:
         """Hand on item ``index`` (False: stop): round-robin, item k to rank k % n."""
@@ -421,9 +483,10 @@ class UnitDispatch(Dispatch):
         limit: int,
         max_items: int,
         max_bytes: int,
-        previous: Optional["Dispatch"] = None,
+        item_timeout: Optional[float] = None,
+        number: int = 0,
     ):
-        super().__init__(datapipe, [], on_error, previous)
+        super().__init__(datapipe, [], on_error, item_timeout, number)
         self.epoch = epoch
         #: The bounds of one ITEMS frame (the session's packing bounds).
         self.max_items, self.max_bytes = max_items, max_bytes

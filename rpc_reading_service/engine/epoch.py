@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Mapping, Optional, Tuple
 from ..checkpoint import past_the_end
 from ..client import WorkerChannel
 from .distribution import EpochProgress, EpochRun, Merger
-from ..errors import WorkerLostError
+from ..errors import ItemTimeoutError, WorkerLostError
 
 if TYPE_CHECKING:
     from .run import Engine
@@ -73,7 +73,12 @@ class Epoch:
         if engine.in_process_graph is not None:
             return self._one_step_at_a_time(self._iterate_in_process())
         assert self._merger is not None
-        return self._one_step_at_a_time(iter(self._merger))
+        return self._one_step_at_a_time(self._then_dispatch_failure(iter(self._merger)))
+
+    @property
+    def user_number(self) -> int:
+        """The epoch as users count it (from 0: ``range(epochs)``), in ``stats()`` and messages."""
+        return self.number - 1
 
     @property
     def finished(self) -> bool:
@@ -126,6 +131,13 @@ class Epoch:
                 lock.release()
             yield item
 
+    def _then_dispatch_failure(self, items: Iterator[Any]) -> Iterator[Any]:
+        """``items``, then the exception that ended the dispatching part, if one did."""
+        yield from items
+        failure = self.engine.dispatch_failure(self.wire)
+        if failure is not None:
+            raise failure
+
     def _iterate_in_process(self) -> Iterator[Any]:
         progress = self.progress
         skip, index = progress.consumed[0], -1
@@ -141,19 +153,22 @@ class Epoch:
         """Replay a lost worker's shard on a new session, skipping what the consumer took."""
         engine, rank, progress = self.engine, lost.rank, self.progress
         assert engine.config.reassign is not None
+        if engine.dispatch is not None and error is engine.dispatch.timed_out:
+            raise error  # the trainer's dispatcher timed out, not a worker: no replacement helps
         # Losses at one position of one shard, this epoch: a replay that gets further is progress
         # (unrelated faults), one that dies at the same place again points at the graph.
         position, limit = progress.consumed[rank], engine.config.reassign.max_reassignments
         losses = self._losses[(rank, position)] = self._losses.get((rank, position), 0) + 1
         if losses > limit:
-            raise WorkerLostError(
+            message = (
                 f"{error} -- gave up: worker {rank}'s shard was lost {losses} times in this epoch with the "
                 f"trainer at the same position (after {position} of its items), and "
                 f"max_reassignments={limit} allows {limit} replays from one position. Does the graph crash "
-                "its process at that item every time? on_worker_failure='raise' shows the first loss",
-                rank,
-                lost.address,
-            ) from error
+                "its process at that item every time? on_worker_failure='raise' shows the first loss"
+            )
+            if isinstance(error, ItemTimeoutError):  # the same kind of failure, every time: keep its type
+                raise ItemTimeoutError(message, rank, lost.address, error.position, error.stack) from error
+            raise WorkerLostError(message, rank, lost.address) from error
         log.warning(
             "%s; replaying its shard from item %d on a new session (replay %d of %d from there this epoch)",
             error, position, losses, limit,

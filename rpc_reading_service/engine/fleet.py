@@ -188,7 +188,13 @@ class Fleet:
     def _new_channel(self, rank: int, address: str) -> WorkerChannel:
         """The channel of worker ``rank`` at ``address``, before it connects."""
         options = self.session_options()
-        return WorkerChannel(None, rank, options.heartbeat_interval, options.peer_timeout, self._loop, address=address)
+        channel = WorkerChannel(None, rank, options.heartbeat_interval, options.peer_timeout, self._loop, address=address)
+        if options.item_timeout is not None:
+            channel.closed_hint = (
+                " (with item_timeout, a session whose graph holds the interpreter lock in C code for longer ends its "
+                "process: the worker server's log shows where)"
+            )
+        return channel
 
     def _set_up(self, channel: WorkerChannel) -> None:
         """Connect ``channel`` to its worker and set up its session there."""

@@ -18,6 +18,8 @@ the seeds and splits its host library's graph; nothing here knows DataLoader2.
 from __future__ import annotations
 
 import atexit
+import copy
+import logging
 import os
 import queue
 import threading
@@ -29,8 +31,8 @@ from torchdata.dataloader2.utils import WorkerInfo
 
 from ..client import Event, WorkerChannel, drop_items
 from ..config import ReadingServiceConfig
-from ..errors import ConfigurationError, RPCReadingServiceError
-from ..graph import DistributedInfo, init_worker_graph, reset_dispatching_graph, reset_worker_graph
+from ..errors import ConfigurationError, DispatchStalledError, RPCReadingServiceError
+from ..graph import DistributedInfo, graph_traversal, init_worker_graph, reset_dispatching_graph, reset_worker_graph
 from ..selection import selection_in_place
 from ..serialization import dumps_graph, pack_exception, rebuild_exception
 from ..stats import ReadingServiceStats, WorkerStats
@@ -40,6 +42,12 @@ from .fleet import Fleet, close_channels
 from .guard import IterationGuard
 
 __all__ = ["Engine"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds a stopped dispatcher thread gets to end before a new epoch or shutdown leaves it behind
+#: (stuck in the dispatching part's own code: the new epoch dispatches from a copy of that part).
+ABANDON_AFTER = 1.0
 
 #: Engines with workers that have not been closed, and the process that owns them.
 _open_engines: "weakref.WeakKeyDictionary[Engine, int]" = weakref.WeakKeyDictionary()
@@ -55,6 +63,13 @@ def _close_at_exit() -> None:
     for engine, owner in list(_open_engines.items()):
         if owner == os.getpid():  # not in a forked child that inherited the trainer's memory
             engine.close()
+
+
+def _in_mprs_words(exc: BaseException) -> BaseException:
+    """An exception of the dispatching part as MPRS raises it (ours stay as they are)."""
+    if isinstance(exc, RPCReadingServiceError):
+        return exc
+    return rebuild_exception(pack_exception(exc), None, None, where="dispatching process")
 
 
 class Engine:
@@ -198,14 +213,14 @@ class Engine:
         skip = policy.skip(epoch.progress, channel.rank)
         channel.start_epoch(
             epoch.wire, epoch.seed, global_rank, policy.credits(self.config.prefetch), skip=skip,
-            dispatched=self.dispatching is not None, leased=policy.leased,
+            dispatched=self.dispatching is not None, leased=policy.leased, number=epoch.user_number,
         )  # fmt: skip
 
     def _new_dispatch(self, epoch: Epoch) -> Dispatch:
         """Stop the last epoch's dispatching and set up this one's (its thread starts after
         every worker was told to start the epoch). A resumed epoch deals from its first item
         again: the same items to the same ranks, and each worker skips what was consumed."""
-        previous = self._supersede_dispatch(epoch.seed)
+        self._supersede_dispatch(epoch.seed)
         options, cond = self.fleet.session_options(), threading.Condition()
         keep_history = self.config.reassign is not None
         # A worker's pipeline, in frames: one pending here, the credit window, one in its graph,
@@ -217,7 +232,9 @@ class Engine:
                       depth * options.batch_max_bytes, channel.heard_since)
             for channel in self.channels
         ]  # fmt: skip
-        self.dispatch = Dispatch(self.dispatching, inputs, self._dispatch_failed(epoch.wire), previous)
+        self.dispatch = Dispatch(
+            self.dispatching, inputs, self._dispatch_failed(epoch.wire), self.config.item_timeout, epoch.user_number
+        )
         for channel in self.channels:
             channel.input_sink = self.dispatch.input_sink(channel.rank)
         return self.dispatch
@@ -226,7 +243,7 @@ class Engine:
         """Stop the last epoch's dispatching and set up this one's for a policy that leases the
         dispatched items itself (its merger does; the thread starts with the epoch). A resumed
         epoch pulls from the first item again: the same item for each unit."""
-        previous = self._supersede_dispatch(seed)
+        self._supersede_dispatch(seed)
         options = self.fleet.session_options()
 
         def notify() -> None:
@@ -236,32 +253,60 @@ class Engine:
 
         self.dispatch = UnitDispatch(
             self.dispatching, wire, self._dispatch_failed(wire), notify, max(1, self.config.prefetch),
-            options.batch_max_items, options.batch_max_bytes, previous,
+            options.batch_max_items, options.batch_max_bytes, self.config.item_timeout,
+            self.epoch_number - 1,  # the Epoch's user_number (made after this)
         )  # fmt: skip
         for channel in self.channels:
             channel.input_sink = self.dispatch.credit_sink(channel)
         return self.dispatch
 
-    def _supersede_dispatch(self, seed: int) -> Optional[Dispatch]:
-        """Stop the last epoch's dispatching (returned: the next one's thread waits for it to end)
-        and seed the dispatching part for the next one."""
-        previous = self.dispatch
-        if previous is not None:
-            previous.stop()
+    def _supersede_dispatch(self, seed: int) -> None:
+        """Stop the last epoch's dispatching and seed the dispatching part for the next one: a copy
+        of it if the last thread is stuck in it (a graph supports one iterator at a time)."""
+        if self._stop_dispatch("a new epoch dispatches from a copy of the dispatching part"):
+            try:
+                with graph_traversal():
+                    self.dispatching = copy.deepcopy(self.dispatching)
+            except Exception as exc:  # noqa: BLE001 - any reason a user's DataPipe gives
+                raise DispatchStalledError(
+                    f"the dispatching part is stuck in the thread of an earlier epoch (stack in the log) and cannot "
+                    f"be copied to dispatch a new epoch ({exc!r}); fix what blocks it there, or pass item_timeout "
+                    "to hear of it when it happens"
+                ) from exc
         reset_dispatching_graph(self.dispatching, seed)
-        return previous
+
+    def _stop_dispatch(self, then: str) -> bool:
+        """Stop the current dispatching; True if its thread did not end within ``ABANDON_AFTER`` (or
+        timed out already): it is left behind, its stack logged, and ``then`` says what follows."""
+        dispatch = self.dispatch
+        if dispatch is None:
+            return False
+        dispatch.stop()
+        if dispatch.join(0 if dispatch.timed_out is not None else ABANDON_AFTER):
+            return False
+        log.warning(
+            "the dispatcher thread of epoch %d is stuck in the dispatching part and is left behind; %s. "
+            "It is here:\n%s", dispatch.number, then, dispatch.stack(),
+        )  # fmt: skip
+        return True
 
     def _dispatch_failed(self, wire: int) -> Callable[[BaseException], None]:
-        """Report an exception of the dispatching part to the consumer, with MPRS's words."""
+        """Report an exception of dispatching to the consumer at once, with MPRS's words."""
 
         def report(exc: BaseException) -> None:
-            error = exc
-            if not isinstance(exc, RPCReadingServiceError):  # the graph's own: MPRS's words
-                error = rebuild_exception(pack_exception(exc), None, None, where="dispatching process")
+            error = _in_mprs_words(exc)
             for channel in list(self.channels):  # whichever worker the consumer waits for
                 channel.queue.put(Event(channel, "error", wire, error=error))
 
         return report
+
+    def dispatch_failure(self, wire: int) -> Optional[BaseException]:
+        """The exception that ended the dispatching part of epoch ``wire`` (in MPRS's words), if one did:
+        the epoch raises it after the items dealt before it."""
+        dispatch = self.dispatch
+        if dispatch is None or dispatch.epoch != wire or dispatch.failure is None:
+            return None
+        return _in_mprs_words(dispatch.failure)
 
     def replace_dispatched(self, channel: WorkerChannel) -> None:
         """A replacement session took over ``channel.rank``: it gets the rank's input of this
@@ -298,7 +343,7 @@ class Engine:
         ]
         items = sum(progress.consumed)
         return ReadingServiceStats(
-            epoch=epoch.number - 1,  # counted from 1; users count from 0 (range(epochs))
+            epoch=epoch.user_number,
             elapsed_seconds=elapsed,
             items=items,
             items_per_second=items / elapsed,
@@ -319,8 +364,7 @@ class Engine:
                 return
             self._closed = True
         _open_engines.pop(self, None)
-        if self.dispatch is not None:
-            self.dispatch.stop()
+        self._stop_dispatch("shutdown goes on (a daemon thread, it ends with the process)")
         channels, self.channels = self.channels, []
         if channels:
             close_channels(channels)
