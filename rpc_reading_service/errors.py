@@ -11,6 +11,7 @@ from typing import Optional
 __all__ = [
     "RPCReadingServiceError",
     "ConfigurationError",
+    "MissingDependencyError",
     "ProtocolError",
     "LocalProtocolError",
     "RemoteProtocolError",
@@ -49,6 +50,11 @@ class RPCReadingServiceError(Exception):
 
 class ConfigurationError(RPCReadingServiceError, ValueError):
     """The reading service or worker server was configured in a way that cannot work."""
+
+
+class MissingDependencyError(ConfigurationError, ImportError):
+    """A feature was asked for whose optional package is not installed (``prometheus_client`` for
+    metrics). The message says what to install: ``pip install 'rpc-reading-service[EXTRA]'``."""
 
 
 class ProtocolError(RPCReadingServiceError):

@@ -113,10 +113,14 @@ class WorkerSession:
         server_address: str = "",
         idle_timeout: Optional[float] = None,
         stats_interval: float = 30.0,
+        counters: Any = None,
     ):
+        """``counters``: where the session publishes its counters for the server's metrics (an
+        object with ``publish(outbox)``, e.g. :class:`~rpc_reading_service.metrics.counters.SessionCounters`)."""
         self.conn = conn
         self.server_address = server_address
         self.stats_interval = stats_interval
+        self._counters = counters
         self.options = SessionOptions()
         if idle_timeout is not None:  # the server's --idle-timeout: how long to wait for SETUP
             self.options = dataclasses.replace(self.options, setup_timeout=idle_timeout)
@@ -458,6 +462,7 @@ class WorkerSession:
         try:
             while not self._stopping.is_set():
                 throughput.maybe_log()
+                self._publish()
                 now = time.monotonic()
                 if now >= next_tick:
                     with self.outbox.sending:  # a heartbeat leaves in the order recorded, too
@@ -513,6 +518,12 @@ class WorkerSession:
         self.conn.close()
         if self._sender is not None:
             self._sender.join(timeout=2.0)
+        self._publish(final=True)
+
+    def _publish(self, final: bool = False) -> None:
+        """Publish the session's counters (the sender: at least once a second; the session's end: ``final``)."""
+        if self._counters is not None:
+            self._counters.publish(self.outbox, final)
 
 
 class _ChunkCount:
