@@ -1,11 +1,5 @@
-"""A worker server's counters, and how its session processes report theirs (no Prometheus here).
-
-Each session gets a :class:`SessionCounters`: a page of shared anonymous memory the server maps
-before it forks the session, so the session process (or thread) writes its counters where
-the server reads them. One writer per page (the session's sender, under a lock); each value
-is one aligned 8-byte word, so a read never sees half a write. When a session ends, the
-server adds its last values to the totals of ended sessions and unmaps the page.
-"""
+"""A worker server's counters, and how its session processes report theirs: a page of shared
+memory per session (see docs/deployment.md "Metrics"). No Prometheus here."""
 
 from __future__ import annotations
 
@@ -14,7 +8,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List
+from typing import Any, Dict, Iterable
 
 from ..cache.handle import opened_worker_cache
 
@@ -22,14 +16,15 @@ __all__ = ["SessionCounters", "SessionLedger", "ServerCounts", "COUNTER_FIELDS"]
 
 #: The counters of a session, in their slots of its page.
 COUNTER_FIELDS = ("items_sent", "bytes_sent", "credit_wait_ns", "memory_hits", "disk_hits", "misses")
-_CACHE_FIELDS = ("memory_hits", "disk_hits", "misses")
 _SLOT = {name: index for index, name in enumerate(COUNTER_FIELDS)}
 #: Seconds between a session's publications while it sends (a publication costs ~10 us).
 PUBLISH_INTERVAL = 0.1
 
 
 class SessionCounters:
-    """One session's counters in shared memory: the session publishes, its server reads."""
+    """One session's counters in a page of shared memory the server maps before it forks the
+    session: the session publishes (one writer at a time), its server reads. Each value is one
+    aligned 8-byte word, written whole."""
 
     def __init__(self) -> None:
         self._map = mmap.mmap(-1, mmap.PAGESIZE)  # MAP_SHARED | MAP_ANONYMOUS: shared with forked children
@@ -149,14 +144,6 @@ class SessionLedger:
             cache_disk_hits=sums["disk_hits"],
             cache_misses=sums["misses"],
         )
-
-    def close(self) -> None:
-        """End every session still on the books (the server is shutting down)."""
-        with self._lock:
-            running: List[SessionCounters] = list(self._open.values())
-            self._by_pid.clear()
-        for counters in running:
-            self.end(counters)
 
 
 def _add(sums: Dict[str, int], parts: Iterable[Dict[str, int]]) -> None:

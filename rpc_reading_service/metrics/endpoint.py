@@ -1,10 +1,7 @@
-"""``GET /metrics`` from a thread: a Prometheus registry in the text format, for Prometheus,
-prometheus-adapter, Grafana Agent or ``curl``.
+"""``GET /metrics`` from a thread: a Prometheus registry in the text format.
 
-One request at a time (scrapes are seconds apart). A forked child (a worker server's session,
-a DataLoader worker) gets none of the endpoint's sockets: the listening socket and a
-connection being answered are closed in the child right after the fork, so a scrape never
-waits on a child and a restarted server can bind its port again while old sessions run.
+A forked child (a server's session, a DataLoader worker) keeps none of the endpoint's sockets:
+they are closed in the child right after the fork (see docs/deployment.md "Metrics").
 """
 
 from __future__ import annotations
@@ -153,6 +150,9 @@ def _make_server(family: int, address: Any, render: Any) -> Any:
         def shutdown_request(self, request: Any) -> None:
             super().shutdown_request(request)
             self.connections.discard(request)
+
+        def handle_error(self, request: Any, client_address: Any) -> None:
+            log.debug("metrics request from %s failed", client_address, exc_info=True)  # a scraper gone, say
 
         def server_close(self) -> None:
             _serving.discard(self)
