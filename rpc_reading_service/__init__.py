@@ -29,6 +29,7 @@ from .errors import (
     ItemPicklingError,
     ItemTimeoutError,
     LocalProtocolError,
+    MissingDependencyError,
     ProtocolError,
     RemoteProtocolError,
     RemoteWorkerError,
@@ -39,6 +40,7 @@ from .errors import (
     WorkerStartupError,
 )
 from .distributions import available_distributions, register_distribution
+from .metrics import MetricsEndpoint, ReadingServiceCollector, serve_metrics
 from .transports import available_transports, register_transport
 from .version import __version__
 
@@ -86,12 +88,16 @@ __all__ = [
     "available_transports",
     "register_distribution",
     "available_distributions",
+    "serve_metrics",
+    "ReadingServiceCollector",
+    "MetricsEndpoint",
     "Dynamic",
     "RoundRobin",
     "FirstReady",
     "DistributionPolicy",
     "RPCReadingServiceError",
     "ConfigurationError",
+    "MissingDependencyError",
     "ProtocolError",
     "LocalProtocolError",
     "RemoteProtocolError",

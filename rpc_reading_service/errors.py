@@ -14,6 +14,7 @@ __all__ = [
     "thread_stack",
     "RPCReadingServiceError",
     "ConfigurationError",
+    "MissingDependencyError",
     "ProtocolError",
     "LocalProtocolError",
     "RemoteProtocolError",
@@ -58,6 +59,11 @@ class RPCReadingServiceError(Exception):
 
 class ConfigurationError(RPCReadingServiceError, ValueError):
     """The reading service or worker server was configured in a way that cannot work."""
+
+
+class MissingDependencyError(ConfigurationError, ImportError):
+    """A feature was asked for whose optional package is not installed (``prometheus_client`` for
+    metrics). The message says what to install: ``pip install 'rpc-reading-service[EXTRA]'``."""
 
 
 class ProtocolError(RPCReadingServiceError):

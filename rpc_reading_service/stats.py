@@ -47,6 +47,8 @@ class ReadingServiceStats:
     wait_seconds: float
     data_stall: float
     workers: List[WorkerStats] = field(default_factory=list)
+    #: Lost workers' shards replayed on new sessions this epoch (``on_worker_failure="reassign"``).
+    reassignments: int = 0
 
     def as_dict(self) -> Dict[str, Any]:
         """Plain dict, e.g. for logging as JSON."""

@@ -113,9 +113,12 @@ class WorkerSession:
         server_address: str = "",
         idle_timeout: Optional[float] = None,
         stats_interval: float = 30.0,
+        counters: Any = None,
         own_process: bool = False,
     ):
-        """``own_process``: the session has its process to itself (forked): with item_timeout, a
+        """``counters``: where the session publishes its counters for the server's metrics (an
+        object with ``publish(outbox)``, e.g. :class:`~rpc_reading_service.metrics.counters.SessionCounters`);
+        ``own_process``: the session has its process to itself (forked): with item_timeout, a
         :class:`~rpc_reading_service.worker_lock_watch.LockWatch` ends it when C code holds the
         interpreter lock for good."""
         self.conn = conn
@@ -123,6 +126,7 @@ class WorkerSession:
         self._lock_watch: Optional[LockWatch] = None
         self.server_address = server_address
         self.stats_interval = stats_interval
+        self._counters = counters
         self.options = SessionOptions()
         if idle_timeout is not None:  # the server's --idle-timeout: how long to wait for SETUP
             self.options = dataclasses.replace(self.options, setup_timeout=idle_timeout)
@@ -469,6 +473,7 @@ class WorkerSession:
         try:
             while not self._stopping.is_set():
                 throughput.maybe_log()
+                self._publish()
                 now = time.monotonic()
                 if now >= next_tick:
                     with self.outbox.sending:  # a heartbeat leaves in the order recorded, too
@@ -526,6 +531,12 @@ class WorkerSession:
             self._sender.join(timeout=2.0)
         if self._lock_watch is not None:
             self._lock_watch.stop()
+        self._publish(final=True)
+
+    def _publish(self, final: bool = False) -> None:
+        """Publish the session's counters (the sender: at least once a second; the session's end: ``final``)."""
+        if self._counters is not None:
+            self._counters.publish(self.outbox, final)
 
 
 class _ChunkCount:

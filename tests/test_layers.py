@@ -91,7 +91,7 @@ LAYERS = {
     "protocol": {"protocol"},
     "transports": {"transports", "shared_items"},
     "session drivers": {"client", "receive_loop", "worker_session", "worker_inbox", "worker_outbox", "worker_cancel"},
-    "worker server": {"worker", "cache"},
+    "worker server": {"worker", "cache", "metrics"},
     "engine": {"engine", "config", "distributions", "local_fleet", "checkpoint", "stats"},
     "front ends": {"reading_service", "trainer_graph", "__init__"},
 }

@@ -62,6 +62,8 @@ class Epoch:
             self._merger = engine.config.distribution.merger(run)
         #: Worker losses this epoch by (rank, items of its shard consumed): see :meth:`_replace`.
         self._losses: Dict[Tuple[int, int], int] = {}
+        #: Lost workers replaced by a new session this epoch.
+        self.reassignments = 0
         self._started = False
 
     def __iter__(self) -> Iterator[Any]:
@@ -178,4 +180,5 @@ class Epoch:
         channel.start_receiver(engine.receiver_queue())
         engine.start_channel(channel, self)
         engine.channels[rank] = channel
+        self.reassignments += 1
         return channel

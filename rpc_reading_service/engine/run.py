@@ -350,6 +350,7 @@ class Engine:
             wait_seconds=progress.wait_seconds,
             data_stall=min(1.0, progress.wait_seconds / elapsed),
             workers=workers,
+            reassignments=epoch.reassignments,
         )
 
     @property
