@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, List, Optional, Tuple
-
-from torchdata.dataloader2.graph import DataPipe, list_dps, traverse_dps
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import ConfigurationError
+from .graph_utils import DataPipe, list_dps, traverse_dps
 from .settings import NumberRule, check_number
 
 __all__ = [
@@ -25,6 +24,8 @@ __all__ = [
     "graph_fingerprint",
     "seed_generator_state",
     "load_seed_generator_state",
+    "run_state",
+    "check_resume",
 ]
 
 CHECKPOINT_VERSION = 1
@@ -169,6 +170,63 @@ class ReadingServiceState:
                 f"servers (placement {self.placement}, this run's is {placement}): its shards belong to "
                 "those servers; resume with the same worker addresses in the same order"
             )
+
+
+def run_state(
+    engine: Any,
+    graph: List[str],
+    dist: Any,
+    seed_generator: Any,
+    epoch_start_seed_generator: Optional[Dict[str, Dict[str, Any]]],
+    delivered: Optional[int] = None,
+    ended: Optional[bool] = None,
+) -> ReadingServiceState:
+    """The state of a front end's run now: ``engine`` (an :class:`~rpc_reading_service.engine.Engine`)
+    at its current epoch's positions.
+
+    Args:
+        graph: The graph's :func:`graph_fingerprint`. dist: the trainer's ``DistributedInfo``.
+        seed_generator: The front end's generator (recorded exactly; None: none).
+        epoch_start_seed_generator: Its state as the current epoch began.
+        delivered: Items the consumer really received, if a stage after the stream holds some back.
+        ended: Whether the epoch ended for the consumer (default: every item of it was taken).
+    """
+    epoch = engine.epoch
+    positions = epoch.positions(delivered) if epoch is not None else None
+    if ended is None:
+        ended = epoch is None or epoch.finished
+    config = engine.config
+    return ReadingServiceState(
+        num_workers=engine.num_workers, graph=graph, epoch=engine.epoch_number,
+        epoch_seed=epoch.seed if epoch is not None else 0,
+        consumed=list(positions.consumed) if positions is not None else [],
+        next_rank=positions.next_rank if positions is not None else 0, in_epoch=not ended,
+        seed_generator=None if seed_generator is None else seed_generator_state(seed_generator),
+        dist_rank=dist.rank, dist_world_size=dist.world_size,
+        epoch_start_seed_generator=epoch_start_seed_generator,
+        distribution=None if positions is None or positions.policy is None else dict(positions.policy),
+        distribution_name=config.distribution.name,
+        placement=None if ended else engine.placement(),
+    )  # fmt: skip
+
+
+def check_resume(
+    state: ReadingServiceState, engine: Any, graph: List[str], dist: Any, close: Callable[[], None]
+) -> None:
+    """Refuse a state that ``engine``'s run (its workers found, not started) could not have produced:
+    another number of workers, graph (its :func:`graph_fingerprint`), trainer rank (``dist``),
+    distribution policy or placement. Finding the placement may start a local server: ``close``
+    stops it when the placement is refused."""
+    state.check_compatible(engine.num_workers, graph, dist.rank, dist.world_size)
+    if state.in_epoch and engine.num_workers > 0:  # the trainer's own graph resumes by position
+        policy = engine.config.distribution
+        policy.check_state(state.distribution)
+        state.check_distribution(policy.name)
+        try:
+            state.check_placement(engine.placement())
+        except BaseException:
+            close()
+            raise
 
 
 #: Positions past this are no position in any shard (and would overflow the worker's counters).

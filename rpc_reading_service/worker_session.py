@@ -40,6 +40,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from .version import __version__
 from .errors import FrameTooLargeError, RemoteProtocolError
 from .graph import WorkerGraphSeeds, prepare_worker_graph, reset_worker_graph, seed_chunk
+from .graph_utils import WorkerInfo
 from .protocol import (
     Buffer,
     ChunkDone,
@@ -219,8 +220,6 @@ class WorkerSession:
         self.options = setup.options
         self.outbox = Outbox(self.options, self.protocol.send, self._lock, self._send_frames)
         try:
-            from torchdata.dataloader2.utils import WorkerInfo
-
             datapipe, init_fn, self._reset_fn = loads_graph(setup.graph)
             self._worker_info = WorkerInfo(setup.num_workers, setup.worker_rank)
             # Seeds found once, not at every epoch's start; a worker_reset_fn may rebuild the graph.

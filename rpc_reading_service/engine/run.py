@@ -24,13 +24,11 @@ import threading
 import weakref
 from typing import Any, Callable, List, Optional
 
-from torchdata.dataloader2.graph import DataPipe
-from torchdata.dataloader2.utils import WorkerInfo
-
 from ..client import Event, WorkerChannel
 from ..config import ReadingServiceConfig
 from ..errors import ConfigurationError, RPCReadingServiceError
 from ..graph import DistributedInfo, init_worker_graph, reset_dispatching_graph, reset_worker_graph
+from ..graph_utils import DataPipe, WorkerInfo
 from ..selection import selection_in_place
 from ..serialization import dumps_graph, pack_exception, rebuild_exception
 from ..stats import ReadingServiceStats, WorkerStats
