@@ -44,6 +44,7 @@ from .transports import available_transports, register_transport
 from .version import __version__
 
 if TYPE_CHECKING:
+    from .frontends.nodes import RemoteMapper, RemoteNode
     from .frontends.torch_dataloader import RemoteIterable
     from .reading_service import RPCReadingService
 
@@ -63,6 +64,10 @@ def __getattr__(name: str) -> Any:
         from .frontends.torch_dataloader import RemoteIterable
 
         return RemoteIterable
+    if name in ("RemoteNode", "RemoteMapper"):  # torchdata.nodes (>= 0.10): an ImportError says so otherwise
+        from .frontends import nodes
+
+        return getattr(nodes, name)
     if name in _POLICIES:  # the distribution policies, as lazily
         from .engine import distribution
         from .engine.distribution.dynamic import Dynamic
@@ -79,6 +84,8 @@ __all__ = [
     "__version__",
     "RPCReadingService",
     "RemoteIterable",
+    "RemoteNode",
+    "RemoteMapper",
     "shared_empty",
     "shared_collate",
     "LocalWorkers",

@@ -26,7 +26,9 @@ from ..graph import (
     draw_epoch_seed,
     split_dispatching,
 )
+from ..graph_utils import DispatchPlaceholder, find_dps, replace_dp, traverse_dps
 from ..seed_generator import SeedGenerator, dist_share_seed
+from ..settings import NumberRule, check_number
 from ..stats import ReadingServiceStats
 from .sources import FactorySource, as_graph
 
@@ -34,6 +36,10 @@ __all__ = ["RemoteRun"]
 
 #: The policies under which each worker keeps a fixed shard by rank (a factory shards itself by rank).
 _FIXED_SHARD_POLICIES = ("round_robin", "first_ready")
+
+
+def _nothing() -> None:
+    pass
 
 
 class RemoteRun:
@@ -45,8 +51,13 @@ class RemoteRun:
         seed: The run's seed (None: each epoch's seed comes from torch's global generator).
     """
 
-    def __init__(self, source: Any, config: ReadingServiceConfig, seed: Optional[int] = None):
+    def __init__(
+        self, source: Any, config: ReadingServiceConfig, seed: Optional[int] = None, dispatching: Any = None
+    ):
         self.graph = as_graph(source)
+        #: A trainer-side DataPipe whose items are dealt to the workers, where ``source`` has a
+        #: :class:`~rpc_reading_service.graph_utils.DispatchPlaceholder` (None: the graph's own, if any).
+        self.dispatching = dispatching
         policy = config.distribution
         if isinstance(self.graph, FactorySource) and policy.name not in _FIXED_SHARD_POLICIES:
             raise ConfigurationError(
@@ -57,6 +68,9 @@ class RemoteRun:
         self.config = config
         self.engine = Engine(config)
         self.fingerprint: List[str] = graph_fingerprint(self.graph)
+        if dispatching is not None:
+            self.fingerprint += graph_fingerprint(dispatching)
+        check_number(NumberRule("seed", integer=True, minimum=0, optional=True, maximum=2**64 - 1), seed)
         self.generator: Optional[SeedGenerator] = None if seed is None else SeedGenerator(seed)
         self.dist = DistributedInfo()
         self._started = False
@@ -66,14 +80,19 @@ class RemoteRun:
 
     def _start(self) -> None:
         """Find and start the workers and ship them the graph (once)."""
-        engine, graph = self.engine, self.graph
+        engine, graph, dispatching = self.engine, self.graph, self.dispatching
         self.dist = dist = distributed_info()
-        apply_distributed_sharding(graph, dist)
-        if engine.discover() == 0:
+        if dispatching is None:
+            apply_distributed_sharding(graph, dist)
+        if engine.discover() == 0:  # the graph runs here, its dispatched items put back in place
+            if dispatching is not None:
+                placeholder = find_dps(traverse_dps(graph), DispatchPlaceholder)[0]
+                graph = list(replace_dp(traverse_dps(graph), placeholder, dispatching).values())[0][0]
             engine.start(graph, dist)
             self._started = True
             return
-        dispatching, graph = split_dispatching(graph)  # the part before sharding_round_robin_dispatch
+        if dispatching is None:
+            dispatching, graph = split_dispatching(graph)  # the part before sharding_round_robin_dispatch
         if dispatching is not None:
             apply_distributed_sharding(dispatching, dist)
         try:
@@ -123,11 +142,6 @@ class RemoteRun:
 
     def load_state(self, state_dict: Dict[str, Any]) -> None:
         """Resume from :meth:`state`: the next epoch continues the recorded one exactly."""
-        if self._started:
-            raise ConfigurationError(
-                "load_state_dict() after the workers started: load the state into a new loader (and a new "
-                "RemoteIterable / RemoteNode) before its first epoch"
-            )
         try:
             encoded = json.dumps(state_dict).encode("utf-8")
         except (TypeError, ValueError) as exc:
@@ -135,7 +149,9 @@ class RemoteRun:
         state = ReadingServiceState.from_bytes(encoded)
         with self.engine.guard.held("restoring a checkpoint"):
             self.engine.discover()  # num_workers may come from discovery
-            check_resume(state, self.engine, self.fingerprint, distributed_info(), self.close)
+            # Finding the placement may start a local server: a refused state stops it before the run starts.
+            close = self.close if not self._started else _nothing
+            check_resume(state, self.engine, self.fingerprint, distributed_info(), close)
             if state.seed_generator is not None:
                 if self.generator is None:
                     raise ConfigurationError(

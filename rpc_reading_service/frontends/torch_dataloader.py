@@ -18,7 +18,6 @@ import torch.utils.data
 from ..config import Liveness, ReadingServiceConfig, Reassign, TransportConfig, WorkerSource
 from ..errors import ConfigurationError
 from ..graph import InitFn, ResetFn
-from ..settings import NumberRule, check_number
 from ..stats import ReadingServiceStats
 from .remote_run import RemoteRun
 
@@ -85,7 +84,7 @@ class RemoteIterable(torch.utils.data.IterableDataset):
             pickle_by_value=pickle_by_value, liveness=liveness, on_worker_failure=on_worker_failure,
             pin_memory=pin_memory,
         )  # fmt: skip
-        self._run = RemoteRun(source, config, _checked_seed(seed))
+        self._run = RemoteRun(source, config, seed)
 
     def __iter__(self) -> Iterator[Any]:
         """Start an epoch on the workers (the next one, or the one a loaded state resumes)."""
@@ -135,8 +134,3 @@ class RemoteIterable(torch.utils.data.IterableDataset):
             "source to the worker servers itself"
         )
 
-
-def _checked_seed(seed: Optional[int]) -> Optional[int]:
-    """``seed`` if it is None or an int in [0, 2**64)."""
-    check_number(NumberRule("seed", integer=True, minimum=0, optional=True, maximum=2**64 - 1), seed)
-    return seed
