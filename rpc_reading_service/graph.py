@@ -45,6 +45,8 @@ __all__ = [
     "graph_traversal",
     "DistributedInfo",
     "distributed_info",
+    "new_seed_group",
+    "destroy_seed_group",
     "split_dispatching",
     "check_per_item_after_dispatch",
     "split_replicable",
@@ -98,6 +100,22 @@ def distributed_info() -> DistributedInfo:
     if dist.is_available() and dist.is_initialized():
         return DistributedInfo(dist.get_rank(), dist.get_world_size())
     return DistributedInfo()
+
+
+def new_seed_group(dist: DistributedInfo) -> Optional[object]:
+    """A gloo process group over which the trainers share each epoch's seed (None without torch.distributed)."""
+    if dist.world_size <= 1:
+        return None
+    return torch.distributed.new_group(backend="gloo")
+
+
+def destroy_seed_group(group: Optional[object]) -> None:
+    """Destroy a group of :func:`new_seed_group` (None: nothing to do; a group already gone is fine)."""
+    if group is not None:
+        try:
+            torch.distributed.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - the default group may already be gone
+            pass
 
 
 def split_dispatching(datapipe: DataPipe) -> Tuple[Optional[DataPipe], DataPipe]:

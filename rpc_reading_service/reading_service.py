@@ -34,8 +34,10 @@ from .graph import (
     ResetFn,
     advance_trainer_rng,
     apply_distributed_sharding,
+    destroy_seed_group,
     distributed_info,
     draw_epoch_seed,
+    new_seed_group,
     split_dispatching,
     split_replicable,
 )
@@ -188,10 +190,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         if dispatching is not None:
             apply_distributed_sharding(dispatching, dist)
         try:
-            if dist.world_size > 1:
-                import torch.distributed
-
-                self._seed_group = torch.distributed.new_group(backend="gloo")
+            self._seed_group = new_seed_group(dist)
             self._engine.start(branch, dist, dispatching)
         except BaseException:
             self.finalize()
@@ -273,14 +272,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         if end is not None and end is not self._stream and self._engine.channels:
             shutdown_trainer_side(end)  # fullsync's or main_prefetch_cnt's thread, while the workers answer
         self._engine.close()
-        if self._seed_group is not None:
-            import torch.distributed
-
-            try:
-                torch.distributed.destroy_process_group(self._seed_group)
-            except Exception:  # noqa: BLE001 - the default group may already be gone
-                pass
-            self._seed_group = None
+        destroy_seed_group(self._seed_group)
+        self._seed_group = None
 
     # -- DataLoader2 pause / resume / limit -----------------------------------------------------
     def _pause(self, pause_fn: Optional[Callable[[DataPipe], DataPipe]] = None) -> None:

@@ -13,15 +13,14 @@ Each is a ``BaseNode``: ``reset()`` starts an epoch on the workers, ``state_dict
 from __future__ import annotations
 
 import types
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Union
 
 from torch.utils.data import IterDataPipe
 
-from ..config import Liveness, ReadingServiceConfig, Reassign, TransportConfig, WorkerSource
+from ..config import Liveness, Reassign, TransportConfig, WorkerSource
 from ..errors import ConfigurationError
 from ..graph_utils import DispatchPlaceholder
-from ..stats import ReadingServiceStats
-from .remote_run import RemoteRun
+from .remote_run import RemoteRun, RunFrontEnd, run_config
 
 try:
     from torchdata.nodes import BaseNode
@@ -35,7 +34,7 @@ except ImportError as exc:  # torchdata < 0.10 (or none)
 __all__ = ["RemoteNode", "RemoteMapper"]
 
 
-class _RemoteBase(BaseNode):
+class _RemoteBase(RunFrontEnd, BaseNode):
     """A ``BaseNode`` over a :class:`~.remote_run.RemoteRun`: one epoch per ``reset()``."""
 
     def __init__(self, run: RemoteRun):
@@ -58,30 +57,6 @@ class _RemoteBase(BaseNode):
     def get_state(self) -> Dict[str, Any]:
         """The position in the current epoch (seeds and items taken per worker; no data)."""
         return self._run.state()
-
-    def stats(self) -> ReadingServiceStats:
-        """Throughput per worker and the trainer's data stall for the current (or last) epoch."""
-        return self._run.stats()
-
-    @property
-    def worker_addresses(self) -> List[str]:
-        """Addresses of the connected worker sessions, by rank."""
-        return self._run.worker_addresses
-
-    def close(self) -> None:
-        """Close every session and stop local workers; idempotent (also at interpreter exit)."""
-        self._run.close()
-
-    def __enter__(self) -> "_RemoteBase":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-
-def _config(**settings: Any) -> ReadingServiceConfig:
-    """The checked configuration of a node's run."""
-    return ReadingServiceConfig.create(**settings)
 
 
 class RemoteNode(_RemoteBase):
@@ -116,14 +91,7 @@ class RemoteNode(_RemoteBase):
         on_worker_failure: Union[str, Reassign] = "raise",
         pin_memory: bool = False,
     ) -> None:
-        config = _config(
-            distribution=distribution, num_workers=num_workers, workers=workers, auth_key=auth_key,
-            transport=transport, in_order=in_order, prefetch=prefetch, worker_init_fn=worker_init_fn,
-            worker_reset_fn=worker_reset_fn, timeout=timeout, item_timeout=item_timeout,
-            pickle_by_value=pickle_by_value, liveness=liveness, on_worker_failure=on_worker_failure,
-            pin_memory=pin_memory,
-        )  # fmt: skip
-        super().__init__(RemoteRun(source, config, seed))
+        super().__init__(RemoteRun(source, run_config(locals()), seed))
 
 
 class NodeItems(IterDataPipe):
@@ -188,11 +156,5 @@ class RemoteMapper(_RemoteBase):
             )
         if not callable(fn):
             raise ConfigurationError(f"RemoteMapper's fn must be callable, got {type(fn).__name__}")
-        config = _config(
-            distribution=distribution, num_workers=num_workers, workers=workers, auth_key=auth_key,
-            transport=transport, in_order=in_order, prefetch=prefetch, timeout=timeout,
-            item_timeout=item_timeout, pickle_by_value=pickle_by_value, liveness=liveness,
-            on_worker_failure=on_worker_failure, pin_memory=pin_memory,
-        )  # fmt: skip
-        graph = DispatchPlaceholder().map(fn)
-        super().__init__(RemoteRun(graph, config, seed, dispatching=NodeItems(source)))
+        config = run_config(locals())
+        super().__init__(RemoteRun(DispatchPlaceholder().map(fn), config, seed, dispatching=NodeItems(source)))

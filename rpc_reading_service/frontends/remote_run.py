@@ -22,8 +22,10 @@ from ..graph import (
     DistributedInfo,
     advance_trainer_rng,
     apply_distributed_sharding,
+    destroy_seed_group,
     distributed_info,
     draw_epoch_seed,
+    new_seed_group,
     split_dispatching,
 )
 from ..graph_utils import DispatchPlaceholder, find_dps, replace_dp, traverse_dps
@@ -32,7 +34,7 @@ from ..settings import NumberRule, check_number
 from ..stats import ReadingServiceStats
 from .sources import FactorySource, as_graph
 
-__all__ = ["RemoteRun"]
+__all__ = ["RemoteRun", "RunFrontEnd", "run_config"]
 
 #: The policies under which each worker keeps a fixed shard by rank (a factory shards itself by rank).
 _FIXED_SHARD_POLICIES = ("round_robin", "first_ready")
@@ -40,6 +42,15 @@ _FIXED_SHARD_POLICIES = ("round_robin", "first_ready")
 
 def _nothing() -> None:
     pass
+
+
+#: A front end's ``__init__`` arguments that are not settings of the run's configuration.
+_NOT_SETTINGS = ("self", "__class__", "source", "seed", "fn")
+
+
+def run_config(arguments: Dict[str, Any]) -> ReadingServiceConfig:
+    """The checked configuration from a front end's ``__init__`` arguments (its ``locals()``)."""
+    return ReadingServiceConfig.create(**{k: v for k, v in arguments.items() if k not in _NOT_SETTINGS})
 
 
 class RemoteRun:
@@ -96,10 +107,7 @@ class RemoteRun:
         if dispatching is not None:
             apply_distributed_sharding(dispatching, dist)
         try:
-            if dist.world_size > 1:
-                import torch.distributed
-
-                self._seed_group = torch.distributed.new_group(backend="gloo")
+            self._seed_group = new_seed_group(dist)
             engine.start(graph, dist, dispatching)
         except BaseException:
             self.close()
@@ -175,11 +183,35 @@ class RemoteRun:
     def close(self) -> None:
         """Close every session and stop local workers; idempotent."""
         self.engine.close()
-        if self._seed_group is not None:
-            import torch.distributed
+        destroy_seed_group(self._seed_group)
+        self._seed_group = None
 
-            try:
-                torch.distributed.destroy_process_group(self._seed_group)
-            except Exception:  # noqa: BLE001 - the default group may already be gone
-                pass
-            self._seed_group = None
+
+class RunFrontEnd:
+    """What a front end over a :class:`RemoteRun` (its ``_run``) offers besides its host library's calls."""
+
+    _run: RemoteRun
+
+    def stats(self) -> ReadingServiceStats:
+        """Throughput per worker and the trainer's data stall for the current (or last) epoch."""
+        return self._run.stats()
+
+    @property
+    def num_workers(self) -> int:
+        """Worker sessions of the run (with discovery: known once they are found)."""
+        return self._run.engine.num_workers
+
+    @property
+    def worker_addresses(self) -> List[str]:
+        """Addresses of the connected worker sessions, by rank."""
+        return self._run.worker_addresses
+
+    def close(self) -> None:
+        """Close every session and stop local workers; idempotent (also at interpreter exit)."""
+        self._run.close()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()

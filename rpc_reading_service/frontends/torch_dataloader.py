@@ -11,20 +11,19 @@ The loader runs in the trainer with ``num_workers=0``: the pipeline runs on the 
 from __future__ import annotations
 
 import types
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Dict, Iterator, Optional, Sequence, Union
 
 import torch.utils.data
 
-from ..config import Liveness, ReadingServiceConfig, Reassign, TransportConfig, WorkerSource
+from ..config import Liveness, Reassign, TransportConfig, WorkerSource
 from ..errors import ConfigurationError
 from ..graph import InitFn, ResetFn
-from ..stats import ReadingServiceStats
-from .remote_run import RemoteRun
+from .remote_run import RemoteRun, RunFrontEnd, run_config
 
 __all__ = ["RemoteIterable"]
 
 
-class RemoteIterable(torch.utils.data.IterableDataset):
+class RemoteIterable(RunFrontEnd, torch.utils.data.IterableDataset):
     """An ``IterableDataset`` whose items come from a pipeline run on worker servers, one epoch per ``iter()``.
 
     Args:
@@ -77,14 +76,7 @@ class RemoteIterable(torch.utils.data.IterableDataset):
         on_worker_failure: Union[str, Reassign] = "raise",
         pin_memory: bool = False,
     ) -> None:
-        config = ReadingServiceConfig.create(
-            distribution=distribution, num_workers=num_workers, workers=workers, auth_key=auth_key,
-            transport=transport, in_order=in_order, prefetch=prefetch, worker_init_fn=worker_init_fn,
-            worker_reset_fn=worker_reset_fn, timeout=timeout, item_timeout=item_timeout,
-            pickle_by_value=pickle_by_value, liveness=liveness, on_worker_failure=on_worker_failure,
-            pin_memory=pin_memory,
-        )  # fmt: skip
-        self._run = RemoteRun(source, config, seed)
+        self._run = RemoteRun(source, run_config(locals()), seed)
 
     def __iter__(self) -> Iterator[Any]:
         """Start an epoch on the workers (the next one, or the one a loaded state resumes)."""
@@ -103,30 +95,6 @@ class RemoteIterable(torch.utils.data.IterableDataset):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Resume: the next ``iter()`` continues the recorded epoch exactly where it was."""
         self._run.load_state(state_dict)
-
-    def stats(self) -> ReadingServiceStats:
-        """Throughput per worker and the trainer's data stall for the current (or last) epoch."""
-        return self._run.stats()
-
-    @property
-    def num_workers(self) -> int:
-        """Worker sessions of the run (with discovery: known once they are found)."""
-        return self._run.engine.num_workers
-
-    @property
-    def worker_addresses(self) -> List[str]:
-        """Addresses of the connected worker sessions, by rank."""
-        return self._run.worker_addresses
-
-    def close(self) -> None:
-        """Close every session and stop local workers; idempotent (also at interpreter exit)."""
-        self._run.close()
-
-    def __enter__(self) -> "RemoteIterable":
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
 
     def __reduce__(self) -> Any:
         raise TypeError(
