@@ -3,6 +3,7 @@ ones and a real ``rpc-reading-worker`` server."""
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import signal
@@ -62,14 +63,15 @@ def epochs(dataset: RemoteIterable, n: int = 2, **loader_kwargs: Any) -> List[li
 
 
 @pytest.mark.timeout(60)
-def test_datapipe_graph_exactly_once_and_seeded_runs_repeat_with_epochs_differing():
-    first = epochs(RemoteIterable(graph(), num_workers=2, seed=3))
-    again = epochs(RemoteIterable(graph(), num_workers=2, seed=3))
+@pytest.mark.parametrize("distribution", [None, "dynamic"])
+def test_datapipe_graph_exactly_once_and_seeded_runs_repeat_with_epochs_differing(distribution):
+    first = epochs(RemoteIterable(graph(), num_workers=2, seed=3, distribution=distribution))
+    again = epochs(RemoteIterable(graph(), num_workers=2, seed=3, distribution=distribution))
     assert first == again  # one seed, one run: items, order and the workers' randomness
     assert first[0] != first[1]  # the epochs differ
     for epoch in first:
         assert sorted(x for x, _ in epoch) == list(range(N))  # exactly once
-    other = epochs(RemoteIterable(graph(), num_workers=2, seed=4), n=1)
+    other = epochs(RemoteIterable(graph(), num_workers=2, seed=4, distribution=distribution), n=1)
     assert other[0] != first[0]
 
 
@@ -173,7 +175,20 @@ def test_state_of_another_run_is_refused():
     other.close()
 
 
-def test_bad_sources_and_loader_workers_are_refused():
+@pytest.mark.timeout(60)
+def test_loader_worker_processes_are_refused():
+    dataset = RemoteIterable(graph(), num_workers=2)
+    iterator = iter(DataLoader(dataset, batch_size=None, num_workers=1, multiprocessing_context="fork"))
+    try:
+        with pytest.raises(ConfigurationError, match="num_workers=0"):
+            next(iterator)
+    finally:
+        del iterator  # torch's DataLoader stops its worker and queue threads when its iterator goes
+        gc.collect()
+        dataset.close()
+
+
+def test_bad_sources_are_refused():
     with pytest.raises(ConfigurationError, match="DataPipe graph or a picklable factory"):
         RemoteIterable([1, 2, 3])
     with pytest.raises(ConfigurationError, match="factory source"):
