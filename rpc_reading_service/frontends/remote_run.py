@@ -41,7 +41,7 @@ _FIXED_SHARD_POLICIES = ("round_robin", "first_ready")
 
 
 def _nothing() -> None:
-    pass
+    """Nothing to stop (the run's workers are already in use)."""
 
 
 #: A front end's ``__init__`` arguments that are not settings of the run's configuration.
@@ -171,15 +171,6 @@ class RemoteRun:
                 self.engine.first_hint = self.config.distribution.hint_from_state(state.distribution)
             self._resume = state
 
-    def stats(self) -> ReadingServiceStats:
-        """Throughput per worker and the consumer's data stall for the current (or last) epoch."""
-        return self.engine.stats()
-
-    @property
-    def worker_addresses(self) -> List[str]:
-        """Addresses of the connected worker sessions, by rank."""
-        return self.engine.worker_addresses
-
     def close(self) -> None:
         """Close every session and stop local workers; idempotent."""
         self.engine.close()
@@ -194,7 +185,7 @@ class RunFrontEnd:
 
     def stats(self) -> ReadingServiceStats:
         """Throughput per worker and the trainer's data stall for the current (or last) epoch."""
-        return self._run.stats()
+        return self._run.engine.stats()
 
     @property
     def num_workers(self) -> int:
@@ -204,7 +195,7 @@ class RunFrontEnd:
     @property
     def worker_addresses(self) -> List[str]:
         """Addresses of the connected worker sessions, by rank."""
-        return self._run.worker_addresses
+        return self._run.engine.worker_addresses
 
     def close(self) -> None:
         """Close every session and stop local workers; idempotent (also at interpreter exit)."""
