@@ -37,9 +37,6 @@ class FactorySource(ShardingFilterIterDataPipe):
                 f"{info.num_workers}, not an iterable: return the worker's items (a list, a generator, a Dataset)"
             ) from None
 
-    def __len__(self) -> int:
-        raise TypeError("a factory source has no length")
-
 
 def as_graph(source: Any) -> IterDataPipe:
     """``source`` as the DataPipe graph the workers run: a DataPipe as it is, a callable as a

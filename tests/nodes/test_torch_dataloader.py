@@ -35,6 +35,10 @@ def shard_of(info: Any) -> List[int]:
     return list(range(info.worker_id, N + 3, info.num_workers))[: 20 + 5 * info.worker_id]
 
 
+def not_iterable(info: Any) -> int:
+    return 5
+
+
 def boom_on_7(x: int) -> int:
     if x == 7:
         raise ValueError(f"bad item {x}")
@@ -195,6 +199,8 @@ def test_bad_sources_are_refused():
         RemoteIterable(shard_of, num_workers=2, distribution="dynamic")
     with pytest.raises(ConfigurationError, match="seed must be"):
         RemoteIterable(graph(), seed=-1)
+    with RemoteIterable(not_iterable) as dataset, pytest.raises(ConfigurationError, match="returned int for worker 0"):
+        list(DataLoader(dataset, batch_size=None))
 
 
 @pytest.mark.timeout(90)
