@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -113,23 +114,30 @@ def test_remote_mapper_refuses_what_it_cannot_map():
         RemoteMapper(nodes.IterableWrapper(range(3)), 5)
 
 
-@pytest.mark.timeout(60)
-def test_dataloader2_front_end_says_what_to_install_and_the_rest_runs_without_torchdata():
+@pytest.mark.timeout(90)
+def test_dataloader2_front_end_says_what_to_install_and_the_rest_runs_without_torchdata(tmp_path):
+    # No torchdata at all, in the trainer and (through PYTHONPATH) in its local worker servers.
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['torchdata'] = None\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    hidden = subprocess.run([sys.executable, "-c", "import torchdata"], capture_output=True, text=True, env=env)
+    assert "ModuleNotFoundError" in hidden.stderr or "ImportError" in hidden.stderr
     script = """
-import sys
-sys.modules["torchdata"] = None  # no torchdata at all
 from torch.utils.data import DataLoader
 from torch.utils.data.datapipes.iter import IterableWrapper
-import rpc_reading_service, rpc_reading_service.worker
 from rpc_reading_service import RemoteIterable
 try:
     from rpc_reading_service import RPCReadingService
 except ImportError as exc:
     print("ImportError:", exc)
-with RemoteIterable(IterableWrapper(range(6)).map(abs).sharding_filter(), num_workers=0) as ds:
-    print(list(DataLoader(ds, batch_size=None)))
+if __name__ == "__main__":
+    graph = IterableWrapper(range(12)).shuffle().sharding_filter().map(abs)
+    with RemoteIterable(graph, num_workers=2, seed=1) as ds:
+        print(sorted(DataLoader(ds, batch_size=None)))
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
+    (tmp_path / "no_torchdata.py").write_text(script)
+    done = subprocess.run(
+        [sys.executable, str(tmp_path / "no_torchdata.py")], capture_output=True, text=True, timeout=80, env=env
+    )
     assert done.returncode == 0, done.stderr
     assert "pip install 'rpc-reading-service[dataloader2]'" in done.stdout
-    assert done.stdout.strip().endswith("[0, 1, 2, 3, 4, 5]")
+    assert done.stdout.strip().endswith(str(list(range(12))))
