@@ -11,7 +11,7 @@ skips the consumed items, so the rest of the epoch comes out exactly as it would
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import ConfigurationError
@@ -51,6 +51,15 @@ def seed_generator_state(generator: Any) -> Optional[Dict[str, Dict[str, Any]]]:
         return {rng: {f: _snapshot(getattr(e, f)) for f in _ENGINE_FIELDS} for rng, e in engines.items()}
     except AttributeError:
         return None
+
+
+def _copy_json(value: Any) -> Any:
+    """A copy of the dicts and lists of a JSON value (tuples become lists, as JSON gives them back)."""
+    if isinstance(value, dict):
+        return {key: _copy_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_copy_json(item) for item in value]
+    return value
 
 
 def _snapshot(value: Any) -> Any:
@@ -100,7 +109,11 @@ class ReadingServiceState:
 
     def to_bytes(self) -> bytes:
         """Serialise as JSON (readable, and nothing to unpickle)."""
-        return json.dumps(asdict(self), sort_keys=True).encode("utf-8")
+        return json.dumps(self.to_dict(), sort_keys=True).encode("utf-8")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The fields as a dict of JSON values (its own copies: a caller may change them)."""
+        return {f.name: _copy_json(getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "ReadingServiceState":
@@ -109,13 +122,18 @@ class ReadingServiceState:
             values: Any = json.loads(bytes(data).decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
             raise ConfigurationError(f"not an RPCReadingService checkpoint: {exc}") from exc
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_dict(cls, values: Any) -> "ReadingServiceState":
+        """A state from :meth:`to_dict`'s form, refusing other versions and malformed fields."""
         version = values.get("version") if isinstance(values, dict) else None
         if type(version) is not int or version != CHECKPOINT_VERSION:  # not True, which == 1
             raise ConfigurationError(
                 f"checkpoint has version {version!r}, this rpc_reading_service reads version {CHECKPOINT_VERSION}"
             )
         _check_fields(values)
-        return cls(**values)
+        return cls(**_copy_json(values))
 
     def replays_epoch(self, seed_generator: Any) -> bool:
         """Whether DataLoader2 hands back the generator the checkpointed epoch began with.

@@ -4,7 +4,6 @@ translate their host library's calls to these."""
 
 from __future__ import annotations
 
-import json
 from typing import Any, Dict, Iterator, List, Optional
 
 from ..checkpoint import (
@@ -141,20 +140,16 @@ class RemoteRun:
         """The run's position: seeds and items consumed per worker, JSON-able (no data)."""
         with self.engine.guard.held("taking a state_dict"):
             if self._resume is not None:  # loaded and not started yet: the same state again
-                return json.loads(self._resume.to_bytes())
+                return self._resume.to_dict()
             state = run_state(
                 self.engine, self.fingerprint, self.dist if self._started else distributed_info(),
                 self.generator, self._epoch_start_generator,
             )  # fmt: skip
-            return json.loads(state.to_bytes())
+            return state.to_dict()
 
     def load_state(self, state_dict: Dict[str, Any]) -> None:
         """Resume from :meth:`state`: the next epoch continues the recorded one exactly."""
-        try:
-            encoded = json.dumps(state_dict).encode("utf-8")
-        except (TypeError, ValueError) as exc:
-            raise ConfigurationError(f"not a state_dict() of this front end: {exc}") from exc
-        state = ReadingServiceState.from_bytes(encoded)
+        state = ReadingServiceState.from_dict(state_dict)
         with self.engine.guard.held("restoring a checkpoint"):
             self.engine.discover()  # num_workers may come from discovery
             # Finding the placement may start a local server: a refused state stops it before the run starts.
