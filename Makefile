@@ -70,7 +70,7 @@ $(NODES_STAMP): $(NODES_VENV)/bin/python setup.cfg pyproject.toml Makefile
 	touch $(NODES_STAMP)
 
 $(BENCH_STAMP): $(STAMP)
-	$(PIP) install -e '.[test,examples,bench]'
+	$(PIP) install -e '.[dataloader2,test,examples,bench]'
 	touch $(BENCH_STAMP)
 
 clean:
