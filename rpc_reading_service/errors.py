@@ -30,7 +30,16 @@ __all__ = [
     "DispatchStalledError",
     "StickyKeyError",
     "ItemPicklingError",
+    "DATALOADER2_MISSING",
 ]
+
+#: The ImportError of a DataLoader2 front end where torchdata has no DataLoader2 (``name``: what was imported).
+DATALOADER2_MISSING = (
+    "{name} is the torchdata DataLoader2 front end, and this torchdata has no DataLoader2 (torchdata "
+    "removed it in 0.10): pip install 'rpc-reading-service[dataloader2]' (torchdata>=0.7,<0.10) to use it, "
+    "or keep this torchdata and use RemoteIterable with torch's DataLoader or StatefulDataLoader "
+    "(from rpc_reading_service import RemoteIterable)"
+)
 
 
 def describe_worker(rank: Optional[int], address: Optional[str], noun: str = "worker") -> str:

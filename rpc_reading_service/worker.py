@@ -9,6 +9,7 @@ segfault in a user's graph ends only that session); elsewhere sessions run in th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -486,7 +487,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"rpc-reading-worker: error: {exc}", file=sys.stderr)
         return 2
     # Import the heavy libraries before the first fork (or thread), so sessions start warm.
-    import torchdata.dataloader2  # noqa: F401
+    with contextlib.suppress(ImportError), torchdata_banner_muted():
+        import torchdata.dataloader2  # noqa: F401 - where it exists (torchdata < 0.10): user graphs may use it
 
     def announce(line: str) -> None:
         if args.announce_fd is None:

@@ -39,6 +39,7 @@ from .version import __version__
 from .checkpoint import past_the_end
 from .errors import FrameTooLargeError, RemoteProtocolError, thread_stack
 from .graph import WorkerGraphSeeds, prepare_worker_graph, reset_worker_graph, seed_chunk
+from .graph_utils import WorkerInfo
 from .protocol import (
     Buffer,
     ChunkDone,
@@ -232,8 +233,6 @@ class WorkerSession:
         self.options = setup.options
         self.outbox = Outbox(self.options, self.protocol.send, self._lock, self._send_frames)
         try:
-            from torchdata.dataloader2.utils import WorkerInfo
-
             datapipe, init_fn, self._reset_fn = loads_graph(setup.graph)
             self._worker_info = WorkerInfo(setup.num_workers, setup.worker_rank)
             # Seeds found once, not at every epoch's start; a worker_reset_fn may rebuild the graph.
