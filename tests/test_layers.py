@@ -90,7 +90,7 @@ LAYERS = {
     "serialization": {"serialization"},
     "protocol": {"protocol"},
     "transports": {"transports", "shared_items"},
-    "session drivers": {"client", "receive_loop", "worker_session", "worker_inbox", "worker_outbox", "worker_cancel"},
+    "session drivers": {"client", "receive_loop", "worker_session", "worker_inbox", "worker_outbox", "worker_cancel", "worker_lock_watch"},
     "worker server": {"worker", "cache", "metrics"},
     "engine": {"engine", "config", "distributions", "local_fleet", "checkpoint", "stats"},
     "front ends": {"reading_service", "trainer_graph", "frontends", "__init__"},
