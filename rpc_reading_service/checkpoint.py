@@ -29,7 +29,6 @@ __all__ = [
     "graph_fingerprint",
     "seed_generator_state",
     "load_seed_generator_state",
-    "past_the_end",
     "run_state",
     "check_resume",
 ]
@@ -305,15 +304,6 @@ def _refuse(field_name: str, problem: str) -> ConfigurationError:
     return ConfigurationError(
         f"malformed RPCReadingService checkpoint: field {field_name!r} {problem}. The checkpoint was edited, "
         "truncated or written by another program: resume from an unmodified state_dict()"
-    )
-
-
-def past_the_end(field_name: str, what: str, position: int, length: int) -> ConfigurationError:
-    """The error of a worker whose resumed position (field ``field_name``) lies past the end of ``what``."""
-    return ConfigurationError(
-        f"malformed RPCReadingService checkpoint: field {field_name} says {position} items of {what} were "
-        f"consumed, but it has {length} in this epoch. The checkpoint was edited, or the data or the graph changed "
-        "since it was taken: resume from an unmodified state_dict() over the same data"
     )
 
 

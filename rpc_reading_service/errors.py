@@ -12,6 +12,7 @@ from typing import Optional
 
 __all__ = [
     "thread_stack",
+    "past_the_end",
     "RPCReadingServiceError",
     "ConfigurationError",
     "MissingDependencyError",
@@ -178,3 +179,12 @@ class ItemPicklingError(RPCReadingServiceError, TypeError):
     """An item holds a tensor that cannot be pickled to cross to the other side (an MKL-DNN
     tensor, for example). The message names the tensor's kind; convert it in the graph into one
     that can cross (``.to_dense()``, or a plain strided tensor) before yielding it."""
+
+
+def past_the_end(field_name: str, what: str, position: int, length: int) -> ConfigurationError:
+    """The error of a worker whose resumed position (field ``field_name``) lies past the end of ``what``."""
+    return ConfigurationError(
+        f"malformed RPCReadingService checkpoint: field {field_name} says {position} items of {what} were "
+        f"consumed, but it has {length} in this epoch. The checkpoint was edited, or the data or the graph changed "
+        "since it was taken: resume from an unmodified state_dict() over the same data"
+    )

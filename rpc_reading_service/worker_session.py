@@ -36,8 +36,7 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .version import __version__
-from .checkpoint import past_the_end
-from .errors import FrameTooLargeError, RemoteProtocolError, thread_stack
+from .errors import FrameTooLargeError, RemoteProtocolError, past_the_end, thread_stack
 from .graph import WorkerGraphSeeds, prepare_worker_graph, reset_worker_graph, seed_chunk
 from .graph_utils import WorkerInfo
 from .protocol import (

@@ -13,10 +13,9 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, Mapping, Optional, Tuple
 
-from ..checkpoint import past_the_end
 from ..client import WorkerChannel
 from .distribution import EpochProgress, EpochRun, Merger
-from ..errors import ItemTimeoutError, WorkerLostError
+from ..errors import ItemTimeoutError, WorkerLostError, past_the_end
 
 if TYPE_CHECKING:
     from .run import Engine
