@@ -34,7 +34,7 @@ Scenarios: ``tiny`` (items/s, W=2), ``tensor1m`` / ``tensor8m`` (GB/s; the readi
 services at W=1 and W=2, ``--quick``: W=2), ``sweep`` (GB/s at item sizes from 1 KiB to
 64 MiB: the raw streams, RPCRS-tcp at W=1 and 2, the others at W=2; ``--sizes`` picks
 others), ``scaling`` (a sleep-bound stage at W = 1..16), ``memory``
-(trainer peak RSS with a slow consumer), ``first_item`` (loader construction to first
+(trainer peak RSS with a slow consumer, 1 MiB and 8 MiB items), ``first_item`` (loader construction to first
 item).  Then a table of targets (PASS / MISS with the measured ratio and both rates).
 
 How it measures:
@@ -66,7 +66,12 @@ How it measures:
 * The machine's load average is printed: other jobs on a 2-core box move every number.
   Per-task wall and CPU times go to stderr.  Cost on the 2-core machine at a load of
   5-9 from other jobs: full run ~250 s, ``--quick`` ~55 s, ``--quick --only tensor8m``
-  25-30 s.
+  25-30 s; the sweep adds to them (``--quick --only sweep``: ~3-4 min at a load of 10-13).
+* The sweep runs a new loader per size, after one untimed short epoch per contender and W,
+  and counts its rate from ``warmup_s`` after its first item (a new fleet's first items are slow);
+  its table also gives the trainer's CPU time per item, which the load moves far less than
+  rates (``cpu_per_item.py`` measures both sides apart).  Where the middle sizes lose their
+  time: SWEEP.md.
 * ``--results-md`` writes RESULTS.md: the run's details, each target as a sentence made
   from the same row as the targets table, and every table verbatim.
 

@@ -362,9 +362,8 @@ class ReusedBuffers:
     rebuilt on it, a memoryview, a numpy view) holds a reference to the buffer, so a buffer
     that only this pool refers to is free. A buffer joins the pool only when none of its size
     is free, so the pool holds at most what was in use at once (the credit window, the
-    consumer's items), and at most :data:`REUSED_BUFFERS_MAX_BYTES`; it goes with its
-    connection (or :class:`ItemEncoder`, for its copies). Not thread-safe: one per allocating
-    thread (a connection's receiving thread, an encoder's producer).
+    consumer's items), and at most :data:`REUSED_BUFFERS_MAX_BYTES`. Not thread-safe: one per
+    allocating thread (a connection's receiving thread, an :class:`ItemEncoder`'s producer).
     """
 
     __slots__ = ("_buffers", "_bytes", "_next")

@@ -169,21 +169,21 @@ def test_tensor_ratios_pair_the_rounds_that_measured_both():
 
 @pytest.mark.timeout(60)
 def test_the_sweep_runs_alone_at_the_sizes_asked(tmp_path):
-    """--only sweep --sizes: one row per size with both contenders' rates and their ratio, the
-    sweep's targets judged, every point in the JSON; no leftovers."""
+    """--only sweep --sizes: a row for the size with both contenders' rates and their ratio, the
+    sweep's target judged, the point in the JSON; no leftovers."""
     results_json = tmp_path / "results.json"
-    output = run_bench(tmp_path, ["--quick", "--only", "sweep", "--sizes", "4K,256K", "--only", "raw-unix",
+    output = run_bench(tmp_path, ["--quick", "--only", "sweep", "--sizes", "256K", "--only", "raw-unix",
                                   "--only", "RPCRS-local", "--json", str(results_json)], timeout=50)
     table = table_of(output, "sweep")
     rows = {line.split("  ")[0].strip(): line.split() for line in table.splitlines()[3:] if line[:1].isdigit()}
-    assert set(rows) == {"4 KiB", "256 KiB"}, table
+    assert set(rows) == {"256 KiB"}, table
     for cells in rows.values():  # size (two words), raw-unix, local W=2, their ratio, CPU per item
         assert float(cells[2]) > 0 and float(cells[3]) > 0 and cells[4].endswith("x"), table
     targets = table_of(output, "targets")
     assert re.search(r"sweep: RPCRS-local W=2 >= 1.0x raw-unix at every size \(the worst size\)\s+\S+x\s+1.0x\s+"
-                     r"(PASS|MISS)\s+worst at (4|256) KiB", targets), targets
+                     r"(PASS|MISS)\s+worst at 256 KiB", targets), targets
     points = json.loads(results_json.read_text())["results"]["sweep"]["contenders"]["RPCRS-local"]["data"]["points"]
-    assert sorted(p["item_bytes"] for p in points) == [4096, 256 * 1024]
+    assert [p["item_bytes"] for p in points] == [256 * 1024]
 
 
 def test_sweep_targets_judge_the_worst_size_in_their_range():
@@ -202,6 +202,12 @@ def test_sweep_targets_judge_the_worst_size_in_their_range():
     small = rows["sweep: RPCRS-tcp W=1 >= 0.7x raw-socket at every size below 64 KiB (the worst size)"]
     assert small["status"] == "PASS" and small["measured"] == pytest.approx(0.75)
     assert rows["sweep: RPCRS-local W=2 >= 3x MPRS W=2 at every size (the worst size)"]["status"] == "n/a"
+    del results["sweep"]["contenders"]["raw-socket"]["data"]["points"][1]  # 64 KiB not measured
+    rows = {row["goal"]: row for row in evaluate_targets(results)}
+    assert rows[large["goal"]]["status"] == "MISS"  # the sizes measured miss already
+    results["sweep"]["contenders"]["RPCRS-tcp"]["data"]["points"][2]["bytes_per_s"] = 1.9e9
+    row = {row["goal"]: row for row in evaluate_targets(results)}[large["goal"]]
+    assert row["status"] == "n/a" and row["detail"].endswith("not measured at 64 KiB")  # no "every size" from one
     assert sum(row["goal"].startswith("sweep:") for row in rows.values()) == sum(
         t.goal.startswith("sweep:") for t in TARGETS) == 5
 

@@ -109,11 +109,12 @@ def best_ratio(scenario: str, key: str, contender: str, reference: str):
     return measured
 
 
-def at_every_size(contender: str, workers: int, reference: str, smallest: int = 0,
+def at_every_size(contender: str, workers: int, reference: str, threshold: float, smallest: int = 0,
                   below: Optional[int] = None, scenario: str = "sweep"):
     """A measure: the lowest over the item sizes of ``scenario`` (from ``smallest``, below
     ``below``) of ``contender``'s paired ratio to ``reference`` (at W=2, or its one stream);
-    the detail names the worst size and lists every size's ratio."""
+    the detail names the worst size and lists every size's ratio.  With a size not measured,
+    none unless the sizes measured already miss ``threshold``."""
     def measured(all_results: dict) -> tuple[Optional[float], str]:
         if scenario not in all_results:
             return None, f"{scenario} not run"
@@ -134,6 +135,8 @@ def at_every_size(contender: str, workers: int, reference: str, smallest: int = 
         unmeasured = [fmt_size(size) for size in sizes if size not in found]
         if unmeasured:
             detail += f"; not measured at {', '.join(unmeasured)}"
+            if found[worst]["median"] >= threshold:  # no verdict of "every size" from some of them
+                return None, detail
         return found[worst]["median"], detail
     return measured
 
@@ -146,7 +149,7 @@ def sweep_target(contender: str, workers: int, threshold: float, reference: str,
              else "at every size")
     goal = (f"sweep: {contender} W={workers} >= {threshold}x {reference}{'' if one_stream else ' W=2'} "
             f"{'at every size ' if smallest or below else ''}{where} (the worst size)").replace("  ", " ")
-    return Target(goal, threshold, at_every_size(contender, workers, reference, smallest, below))
+    return Target(goal, threshold, at_every_size(contender, workers, reference, threshold, smallest, below))
 
 
 def efficiency_at(contender: str, workers: int, scenario: str = "scaling", minus: Optional[str] = None):

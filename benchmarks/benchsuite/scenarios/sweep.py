@@ -41,7 +41,7 @@ def plan_sweep(quick: bool) -> dict:
     return {"sizes": list(SIZES), "epoch_bytes": (256 if quick else 1024) * MIB, "min_items": 8 if quick else 16,
             "max_items": 200_000, "mprs_epoch_bytes": (64 if quick else 256) * MIB,
             "workers": [2], "workers_by_contender": {"RPCRS-tcp": [1, 2], **{name: [1] for name in ONE_STREAM}},
-            "budget_s": 0.3 if quick else 1.0, "rounds": 1 if quick else PAIRED_ROUNDS,
+            "budget_s": 0.3 if quick else 1.0, "warmup_s": 0.3 if quick else 0.5, "rounds": 1 if quick else PAIRED_ROUNDS,
             "rounds_of_all": 1 if quick else ROUNDS, "paired": list(PAIRED_ORDER),
             "round_order": list(PAIRED_ORDER), "rate_key": "bytes_per_s"}
 
@@ -55,13 +55,19 @@ def sweep_workload(params: dict, name: str, item_bytes: int) -> Workload:
 
 
 def measure_sweep(contender: Contender, params: dict, emit: Callable[[dict], None]) -> dict:
-    """One epoch per (item size, worker count), smallest size first."""
+    """One epoch per (item size, worker count), smallest size first, after an untimed short one
+    per worker count (so that the first size does not carry what only a first epoch pays)."""
     counts = worker_counts(params, contender.name)
     if params.get("descending_workers"):  # a reversed round (see runner.round_order)
         counts = counts[::-1]
 
+    for workers in counts:  # untimed: what a process's first epoch alone pays (imports, first allocations)
+        drain(contender, Workload("tensor", params["min_items"], item_bytes=min(params["sizes"])), workers,
+              params["budget_s"])
+
     def point(workers: int, item_bytes: int) -> dict:
-        data = drain(contender, sweep_workload(params, contender.name, item_bytes), workers, params["budget_s"])
+        data = drain(contender, sweep_workload(params, contender.name, item_bytes), workers, params["budget_s"],
+                     warmup_s=params["warmup_s"])
         if data["cpu_steady_s"] is not None and data["steady_items"]:
             data["cpu_us_per_item"] = 1e6 * data["cpu_steady_s"] / data["steady_items"]
         return data
@@ -71,7 +77,7 @@ def measure_sweep(contender: Contender, params: dict, emit: Callable[[dict], Non
 
 def timeout_sweep(params: dict) -> float:
     """Startup allowance, then per point (a loader started per size) its budget twice and slack."""
-    return STARTUP_ALLOWANCE_S + len(params["sizes"]) * 2 * (15 + 2 * params["budget_s"])
+    return STARTUP_ALLOWANCE_S + len(params["sizes"]) * 2 * (15 + 2 * (params["budget_s"] + params["warmup_s"]))
 
 
 def cpu_text(results: dict, name: str, workers: int, item_bytes: int) -> str:
@@ -114,9 +120,10 @@ def report_sweep(scenario: Scenario, params: dict, results: dict) -> str:
         "GB = 1e9 bytes; every item a fresh tensor with every byte written (workloads.make_tensor), the raw "
         "senders' too; first and last byte of every item read; ratios vs MPRS and DataLoader at W=2",
         f"epoch per size: {params['epoch_bytes'] // MIB} MiB of items ({params['min_items']:,} to "
-        f"{params['max_items']:,} items), stopped after {params['budget_s']:g} s of items; MPRS runs its "
+        f"{params['max_items']:,} items), stopped after {params['budget_s']:g} s of timed items; MPRS runs its "
         f"epochs to the end: at most {params['mprs_epoch_bytes'] // MIB} MiB and {MPRS_MAX_ITEMS:,} items",
-        "a new loader per size (its start is not timed: rates count from the first item)",
+        f"a new loader per size (its start is not timed: rates count from {params['warmup_s']:g} s after its "
+        "first item, or from the middle of a shorter epoch), after an untimed short epoch per contender and W",
         "CPU us/item: the trainer process's CPU time (all its threads) per item over the timed part",
         rounds] + failed + errors)
 
