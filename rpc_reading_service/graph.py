@@ -38,6 +38,9 @@ from torchdata.dataloader2.utils.dispatch import (
 )
 from torchdata.dataloader2.utils.worker import HAS_NUMPY
 
+if HAS_NUMPY:  # loaded in the trainer, not first in a session forked from it (see _apply_global_seeds)
+    import numpy.random  # noqa: F401
+
 from .chunk_seeds import spawned_seeds
 from .errors import ConfigurationError
 from .selection import SelectionFilter, datapipes_before, selections_in, share_seeds_before_selections
@@ -408,7 +411,7 @@ def _apply_global_seeds(python_seed: int, torch_seed: int, numpy_seed: Optional[
         torch.manual_seed(torch_seed)
     else:
         torch.default_generator.manual_seed(torch_seed)
-    if numpy_seed is not None:
+    if numpy_seed is not None:  # numpy.random imported at the top: its first import in a forked session crashed it
         import numpy
 
         numpy.random.seed(numpy_seed >> 32)  # torchdata's uint64 to uint32

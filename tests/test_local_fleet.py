@@ -131,3 +131,15 @@ def test_a_server_on_an_abstract_unix_socket_serves_and_leaves_no_file(fresh_ser
     server.stop()
     assert list(tmp_path.iterdir()) == [server.stderr_path]  # nothing but the test's own log
     assert "@" + name[len("unix:@"):] not in Path("/proc/net/unix").read_text()  # the socket is gone
+
+
+@pytest.mark.timeout(60)
+def test_numpy_random_is_loaded_before_local_workers_are_forked():
+    # A session forked from the trainer that imported numpy.random's extensions itself, to seed
+    # numpy for its first epoch, crashed now and then (SIGSEGV in numpy.random.seed).
+    import subprocess
+
+    code = ("import sys\nfrom rpc_reading_service import RPCReadingService\n"
+            "print('numpy.random' in sys.modules)")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=50)
+    assert out.stdout.strip() == "True", out.stderr
