@@ -8,6 +8,7 @@ plain-text table per scenario (measured value, ratios), then a table of targets:
     python benchmarks/bench.py --quick          # smoke run: small sizes, fewer points
     python benchmarks/bench.py --only tiny --only MPRS --only RPCRS-tcp
     python benchmarks/bench.py --only tensor8m --json out.json --plot out.png --results-md out.md
+    python benchmarks/bench.py --quick --only sweep   # the item-size sweep alone (a few minutes)
 
 Contenders: ``in-process`` (plain iteration of the graph), ``production-limit`` (W
 processes that only make the items, nothing moved: the ceiling for local workers; each
@@ -30,8 +31,10 @@ takes to its local server).  Every contender makes the same items the same way
 senders and the production limit too.
 
 Scenarios: ``tiny`` (items/s, W=2), ``tensor1m`` / ``tensor8m`` (GB/s; the reading
-services at W=1 and W=2, ``--quick``: W=2), ``scaling`` (a sleep-bound stage at W = 1..16), ``memory``
-(trainer peak RSS with a slow consumer), ``first_item`` (loader construction to first
+services at W=1 and W=2, ``--quick``: W=2), ``sweep`` (GB/s at item sizes from 1 KiB to
+64 MiB: the raw streams, RPCRS-tcp at W=1 and 2, the others at W=2; ``--sizes`` picks
+others), ``scaling`` (a sleep-bound stage at W = 1..16), ``memory``
+(trainer peak RSS with a slow consumer, 1 MiB and 8 MiB items), ``first_item`` (loader construction to first
 item).  Then a table of targets (PASS / MISS with the measured ratio and both rates).
 
 How it measures:
@@ -63,7 +66,12 @@ How it measures:
 * The machine's load average is printed: other jobs on a 2-core box move every number.
   Per-task wall and CPU times go to stderr.  Cost on the 2-core machine at a load of
   5-9 from other jobs: full run ~250 s, ``--quick`` ~55 s, ``--quick --only tensor8m``
-  25-30 s.
+  25-30 s; the sweep adds to them (``--quick --only sweep``: ~3-4 min at a load of 10-13).
+* The sweep runs a new loader per size, after one untimed short epoch per contender and W,
+  and counts its rate from ``warmup_s`` after its first item (a new fleet's first items are slow);
+  its table also gives the trainer's CPU time per item, which the load moves far less than
+  rates (``cpu_per_item.py`` measures both sides apart).  Where the middle sizes lose their
+  time: SWEEP.md.
 * ``--results-md`` writes RESULTS.md: the run's details, each target as a sentence made
   from the same row as the targets table, and every table verbatim.
 
@@ -110,6 +118,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="run only this scenario (repeatable)")
     parser.add_argument("--contender", action="append", choices=list(CONTENDERS),
                         help="run only this contender (repeatable)")
+    parser.add_argument("--sizes", type=item_sizes, metavar="SIZES",
+                        help="the sweep's item sizes instead of its own: comma-separated, such as 64K,1M,1024")
     parser.add_argument("--json", metavar="PATH", help="write all results to PATH")
     parser.add_argument("--plot", metavar="PATH", help="write a scaling + bandwidth figure (needs matplotlib)")
     parser.add_argument("--results-md", metavar="PATH",
@@ -125,6 +135,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
             parser.error(f"--only {name}: not a scenario ({', '.join(SCENARIOS)}) "
                          f"nor a contender ({', '.join(CONTENDERS)})")
     return args
+
+
+def item_sizes(text: str) -> list[int]:
+    """``64K,1M,1024`` as bytes (K = KiB, M = MiB), for ``--sizes``."""
+    scales = {"K": 1 << 10, "M": 1 << 20}
+    try:
+        sizes = [int(part[:-1]) * scales[part[-1].upper()] if part[-1:].upper() in scales else int(part)
+                 for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a list of sizes such as 64K,1M,1024") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every size must be at least 1 byte")
+    return sizes
 
 
 def setup_environment() -> None:

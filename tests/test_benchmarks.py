@@ -54,26 +54,33 @@ def table_of(output: str, scenario: str) -> str:
     return match.group(0)
 
 
-@pytest.mark.timeout(90)
-def test_quick_run_prints_a_row_for_every_contender(tmp_path):
-    """--quick --only tensor8m: a row per contender (numbers for all but the skipped or
-    uninstalled ones), the targets, JSON, RESULTS.md quoting both tables, a figure; no leftovers."""
-    results_json, results_md, plot = (tmp_path / f for f in ("results.json", "RESULTS.md", "results.png"))
-    command = [sys.executable, str(BENCH_DIR / "bench.py"), "--quick", "--only", SCENARIO,
-               "--json", str(results_json), "--results-md", str(results_md), "--plot", str(plot)]
+def run_bench(tmp_path: Path, arguments: list[str], timeout: float) -> str:
+    """Run bench.py with ``arguments`` in ``tmp_path``; its stdout, once it exited with 0 and
+    left nothing running."""
+    command = [sys.executable, str(BENCH_DIR / "bench.py"), *arguments]
     pythonpath = os.pathsep.join([str(BENCH_DIR.parent), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=pythonpath)
     with open(tmp_path / "stdout.txt", "wb") as stdout, open(tmp_path / "stderr.txt", "wb") as stderr:
         proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL, env=env,
                                 cwd=str(tmp_path), start_new_session=True)
     try:
-        proc.wait(timeout=80)
+        proc.wait(timeout=timeout)
         assert wait_until(lambda: not session_members(proc.pid), timeout=5), \
             f"left running: {session_members(proc.pid)}"
     finally:
         reap(proc)
     output = (tmp_path / "stdout.txt").read_text()
     assert proc.returncode == 0, output + (tmp_path / "stderr.txt").read_text()
+    return output
+
+
+@pytest.mark.timeout(90)
+def test_quick_run_prints_a_row_for_every_contender(tmp_path):
+    """--quick --only tensor8m: a row per contender (numbers for all but the skipped or
+    uninstalled ones), the targets, JSON, RESULTS.md quoting both tables, a figure; no leftovers."""
+    results_json, results_md, plot = (tmp_path / f for f in ("results.json", "RESULTS.md", "results.png"))
+    output = run_bench(tmp_path, ["--quick", "--only", SCENARIO, "--json", str(results_json),
+                                  "--results-md", str(results_md), "--plot", str(plot)], timeout=80)
 
     table = table_of(output, SCENARIO)
     rows = {line.split()[0]: line for line in table.splitlines()[3:]  # after title, header, dashes
@@ -158,3 +165,72 @@ def test_tensor_ratios_pair_the_rounds_that_measured_both():
     assert value == pytest.approx(1.0) and "median of 2 paired rounds" in detail
     table = SCENARIOS["tensor8m"].report(SCENARIOS["tensor8m"], params, results["tensor8m"]["contenders"])
     assert re.search(r"RPCRS-tcp W=1 / raw-socket\s+1\.00x\s+2\s+0\.95 / 1\.05", table), table
+
+
+@pytest.mark.timeout(60)
+def test_the_sweep_runs_alone_at_the_sizes_asked(tmp_path):
+    """--only sweep --sizes: a row for the size with both contenders' rates and their ratio, the
+    sweep's target judged, the point in the JSON; no leftovers."""
+    results_json = tmp_path / "results.json"
+    output = run_bench(tmp_path, ["--quick", "--only", "sweep", "--sizes", "256K", "--only", "raw-unix",
+                                  "--only", "RPCRS-local", "--json", str(results_json)], timeout=50)
+    table = table_of(output, "sweep")
+    rows = {line.split("  ")[0].strip(): line.split() for line in table.splitlines()[3:] if line[:1].isdigit()}
+    assert set(rows) == {"256 KiB"}, table
+    for cells in rows.values():  # size (two words), raw-unix, local W=2, their ratio, CPU per item
+        assert float(cells[2]) > 0 and float(cells[3]) > 0 and cells[4].endswith("x"), table
+    targets = table_of(output, "targets")
+    assert re.search(r"sweep: RPCRS-local W=2 >= 1.0x raw-unix at every size \(the worst size\)\s+\S+x\s+1.0x\s+"
+                     r"(PASS|MISS)\s+worst at 256 KiB", targets), targets
+    points = json.loads(results_json.read_text())["results"]["sweep"]["contenders"]["RPCRS-local"]["data"]["points"]
+    assert [p["item_bytes"] for p in points] == [256 * 1024]
+
+
+def test_sweep_targets_judge_the_worst_size_in_their_range():
+    from benchsuite.report.targets import TARGETS, evaluate_targets
+
+    sizes = [1024, 64 * 1024, 1 << 20]
+    rates = {"raw-socket": [1.0, 2.0, 2.0], "RPCRS-tcp": [0.75, 1.9, 1.6]}  # GB/s by size
+    results = {"sweep": {"params": SCENARIOS["sweep"].plan(True) | {"sizes": sizes}, "contenders": {
+        name: {"ok": True, "data": {"points": [{"workers": 1, "item_bytes": size, "bytes_per_s": rate * 1e9}
+                                               for size, rate in zip(sizes, by_size)]}}
+        for name, by_size in rates.items()}}}
+    rows = {row["goal"]: row for row in evaluate_targets(results)}
+    large = rows["sweep: RPCRS-tcp W=1 >= 0.85x raw-socket at every size from 64 KiB up (the worst size)"]
+    assert large["status"] == "MISS" and large["measured"] == pytest.approx(0.8)
+    assert large["detail"].startswith("worst at 1 MiB: 1.60 GB/s vs 2.00 GB/s; each size: 64 KiB 0.95x, 1 MiB 0.80x")
+    small = rows["sweep: RPCRS-tcp W=1 >= 0.7x raw-socket at every size below 64 KiB (the worst size)"]
+    assert small["status"] == "PASS" and small["measured"] == pytest.approx(0.75)
+    assert rows["sweep: RPCRS-local W=2 >= 3x MPRS W=2 at every size (the worst size)"]["status"] == "n/a"
+    del results["sweep"]["contenders"]["raw-socket"]["data"]["points"][1]  # 64 KiB not measured
+    rows = {row["goal"]: row for row in evaluate_targets(results)}
+    assert rows[large["goal"]]["status"] == "MISS"  # the sizes measured miss already
+    results["sweep"]["contenders"]["RPCRS-tcp"]["data"]["points"][2]["bytes_per_s"] = 1.9e9
+    row = {row["goal"]: row for row in evaluate_targets(results)}[large["goal"]]
+    assert row["status"] == "n/a" and row["detail"].endswith("not measured at 64 KiB")  # no "every size" from one
+    assert sum(row["goal"].startswith("sweep:") for row in rows.values()) == sum(
+        t.goal.startswith("sweep:") for t in TARGETS) == 5
+
+
+def test_memory_targets_bound_growth_by_the_credit_window_at_each_size():
+    from benchsuite.report.targets import evaluate_targets
+
+    def point(size, growth):
+        window = 2 * 4 * size / (1 << 20)
+        return {"workers": 2, "item_bytes": size, "growth_mib": growth, "credit_window_mib": window}
+
+    results = {"memory": {"params": SCENARIOS["memory"].plan(True), "contenders": {
+        "RPCRS-local": {"ok": True, "data": {"points": [point(1 << 20, 15.0), point(8 << 20, 80.0)]}}}}}
+    rows = {row["goal"]: row for row in evaluate_targets(results)}
+    one = rows["memory: RPCRS-local trainer peak growth <= 1.25x credit window + 4 MiB, 1 MiB items (bound / measured)"]
+    eight = rows["memory: RPCRS-local trainer peak growth <= 1.25x credit window + 4 MiB, 8 MiB items (bound / measured)"]
+    assert (one["status"], eight["status"]) == ("MISS", "PASS")  # bounds: 14 MiB and 84 MiB
+    assert one["measured"] == pytest.approx(14 / 15) and eight["detail"].startswith("80.0 MiB vs bound 84 MiB")
+
+
+def test_sizes_are_read_in_kib_and_mib():
+    import bench
+
+    assert bench.parse_args(["--sizes", "1K,64k,1M,100"]).sizes == [1024, 65536, 1 << 20, 100]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--sizes", "1G"])

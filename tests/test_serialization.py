@@ -185,6 +185,27 @@ def test_reused_receive_buffers_are_bounded_and_small_ones_are_not_kept():
     assert [ref() is not None for ref in held[:4]] == [False, False, True, True]
 
 
+def test_every_out_of_band_receive_buffer_is_reused_once_let_go():
+    # malloc hands 64 KiB-1 MiB buffers back to the system too: each new one cost page faults
+    allocate = buffer_allocator(pin_memory=False)
+    first = weakref.ref(allocate(OUT_OF_BAND_MIN_BYTES))
+    again = allocate(OUT_OF_BAND_MIN_BYTES)
+    assert again is first()
+
+
+def test_an_encoders_copies_are_reused_once_their_item_is_gone():
+    encoder = ItemEncoder()
+    first = encoder.encode(torch.full((OUT_OF_BAND_MIN_BYTES,), 1, dtype=torch.uint8))
+    copy = weakref.ref(first.buffers[0].obj)
+    second = encoder.encode(torch.full((OUT_OF_BAND_MIN_BYTES,), 2, dtype=torch.uint8))
+    assert second.buffers[0].obj is not copy()  # the first item is still to be sent: left alone
+    assert set(bytes(first.buffers[0])) == {1} and set(bytes(second.buffers[0])) == {2}
+    del first
+    third = encoder.encode(torch.full((OUT_OF_BAND_MIN_BYTES,), 3, dtype=torch.uint8))
+    assert third.buffers[0].obj is copy() and set(bytes(third.buffers[0])) == {3}
+    assert set(bytes(second.buffers[0])) == {2}
+
+
 def test_large_numpy_array_goes_out_of_band():
     array = np.random.rand(200, 200)
     encoded = dumps_item(array)

@@ -34,10 +34,13 @@ def touch(item) -> int:
     import torch
 
     if isinstance(item, torch.Tensor):
-        flat = item.reshape(-1)
-        if flat.numel() and int(flat[0]) != int(flat[-1]):
+        try:
+            flat = item.numpy().reshape(-1)  # ~1.5 us a tensor; indexing it in torch costs ~5 us
+        except (TypeError, RuntimeError):  # a dtype numpy lacks, a tensor that needs grad
+            flat = item.reshape(-1)
+        if len(flat) and int(flat[0]) != int(flat[-1]):
             raise CorruptItem(f"received tensor starts with {int(flat[0])} and ends with {int(flat[-1])}")
-        return flat.numel() * flat.element_size()
+        return item.numel() * item.element_size()
     if isinstance(item, (bytes, bytearray, memoryview)):
         if len(item) and item[0] != item[-1]:
             raise CorruptItem(f"received buffer starts with {item[0]} and ends with {item[-1]}")
@@ -61,13 +64,15 @@ def read_all(item) -> int:
 
 def drain(contender, workload: Workload, num_workers: int, budget_s: float,
           consume: Callable[[Any], int] = touch, consumer_sleep_s: float = 0.0,
-          warmup_fraction: float = 0.0, warmup_epochs: int = 0) -> dict:
+          warmup_fraction: float = 0.0, warmup_epochs: int = 0, warmup_s: float = 0.0) -> dict:
     """Run one epoch of ``contender`` (see ``contenders.base.Contender``) and time it.
 
     Stops after ``budget_s`` seconds of items (unless the contender cannot stop early
     cleanly).  The rate is steady-state: counted from the item at ``warmup_fraction``
     of the epoch (the first item by default), or from ``CLOCK_START`` if the loader
-    yields it first.  With ``warmup_epochs``, that many whole epochs of the same loader
+    yields it first; with ``warmup_s``, from the first item that comes that long after the first
+    one (or the middle of the epoch, if sooner: a short epoch still gets a rate), and the
+    budget is that much longer.  With ``warmup_epochs``, that many whole epochs of the same loader
     (its workers kept) run first, untimed: the timed epoch is the next one, its times
     count from its own start, and ``loader_first_item_s`` is the wait from building the
     loader to its very first item.
@@ -99,12 +104,14 @@ def drain(contender, workload: Workload, num_workers: int, budget_s: float,
             nbytes += size
             if t_first is None:
                 t_first = now
-            if items == warmup_items and t_start is None:
+            if (t_start is None and items >= warmup_items
+                    and (now - t_first >= warmup_s or items >= workload.n_items // 2)):
                 t_start, start_items, start_bytes = now, items, nbytes
                 cpu_start = time.process_time()
             if consumer_sleep_s:
                 time.sleep(consumer_sleep_s)
-            if now - t_first > budget_s and items < workload.n_items and contender.stops_early_cleanly:
+            if (now - t_first > budget_s + warmup_s and (t_start is None or items > start_items)
+                    and items < workload.n_items and contender.stops_early_cleanly):  # a timed item or none
                 stopped_by_budget = True
                 break
         t_end = time.perf_counter()

@@ -1,13 +1,14 @@
-"""The figure: scaling efficiency against workers, and bandwidth bars per contender."""
+"""The figure: scaling efficiency against workers, bandwidth bars per contender, GB/s against item size."""
 
 from __future__ import annotations
 
 from benchsuite.contenders import CONTENDERS, ONE_STREAM
-from benchsuite.report.format import GB, point_value, points_of
+from benchsuite.report.format import GB, fmt_size, point_value, points_of
 
 
 def write_plot(path: str, all_results: dict) -> str:
-    """Scaling (items/s vs W) and bandwidth (GB/s per contender) figure; returns a message."""
+    """The figure of a run: scaling (efficiency vs W) and bandwidth (GB/s per contender) panels,
+    and GB/s against item size when the sweep ran; returns a message."""
     try:
         import matplotlib
 
@@ -15,26 +16,44 @@ def write_plot(path: str, all_results: dict) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "--plot: matplotlib is not installed, no figure written"
-    fig, (ax_scaling, ax_bw) = plt.subplots(1, 2, figsize=(15, 6), gridspec_kw={"width_ratios": [2, 3]})
+    sweep = all_results.get("sweep")
+    panels = ([] if sweep and not any(s == "scaling" or s.startswith("tensor") for s in all_results)
+              else [(2, plot_scaling), (3, plot_bandwidth)]) + ([(3, plot_sweep)] if sweep else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(7.5 * len(panels), 6), squeeze=False,
+                             gridspec_kw={"width_ratios": [width for width, _ in panels]})
+    for ax, (_, panel) in zip(axes[0], panels):
+        panel(ax, all_results)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"figure written to {path}"
+
+
+def plot_scaling(ax_scaling, all_results: dict) -> None:
+    """Scaling efficiency against W, one line per contender."""
     scaling = all_results.get("scaling")
-    if scaling:
-        sleep_s = scaling["params"]["sleep_s"]
-        workers = scaling["params"]["workers_list"]
-        ax_scaling.axhline(1.0, color="k", linestyle="--", linewidth=1, label="ideal (W / sleep)")
-        ax_scaling.axhline(0.9, color="r", linestyle=":", linewidth=1, label="target 0.9")
-        for name, outcome in scaling["contenders"].items():
-            points = [p for p in ((outcome.get("data") or {}).get("points") or outcome.get("partial") or [])
-                      if p.get("efficiency")]
-            if points:
-                ax_scaling.plot([p["workers"] for p in points], [p["efficiency"] for p in points], "o-",
-                                label=name)
-        ax_scaling.set(xscale="log", xlabel="workers (W)", ylabel="efficiency = items/s / (W / sleep)",
-                       ylim=(0, 1.1), title=f"scaling efficiency: sleep {sleep_s * 1000:.0f} ms per item")
-        ax_scaling.set_xticks(workers, [str(w) for w in workers])
-        ax_scaling.minorticks_off()
-        ax_scaling.legend(loc="lower left")
-    else:
+    if not scaling:
         ax_scaling.set_title("scaling: not run")
+        return
+    sleep_s = scaling["params"]["sleep_s"]
+    workers = scaling["params"]["workers_list"]
+    ax_scaling.axhline(1.0, color="k", linestyle="--", linewidth=1, label="ideal (W / sleep)")
+    ax_scaling.axhline(0.9, color="r", linestyle=":", linewidth=1, label="target 0.9")
+    for name, outcome in scaling["contenders"].items():
+        points = [p for p in ((outcome.get("data") or {}).get("points") or outcome.get("partial") or [])
+                  if p.get("efficiency")]
+        if points:
+            ax_scaling.plot([p["workers"] for p in points], [p["efficiency"] for p in points], "o-",
+                            label=name)
+    ax_scaling.set(xscale="log", xlabel="workers (W)", ylabel="efficiency = items/s / (W / sleep)",
+                   ylim=(0, 1.1), title=f"scaling efficiency: sleep {sleep_s * 1000:.0f} ms per item")
+    ax_scaling.set_xticks(workers, [str(w) for w in workers])
+    ax_scaling.minorticks_off()
+    ax_scaling.legend(loc="lower left")
+
+
+def plot_bandwidth(ax_bw, all_results: dict) -> None:
+    """GB/s bars per contender and W, one colour per tensor scenario."""
     bw = {s: r for s, r in all_results.items() if s.startswith("tensor")}
     order = ["raw-socket", "raw-unix"] + [n for n in CONTENDERS if not n.startswith("raw-")]
     bars: dict[tuple[int, int], str] = {}  # (contender order, W) -> label; in-process moves nothing
@@ -60,9 +79,23 @@ def write_plot(path: str, all_results: dict) -> str:
               title="bandwidth, one host (W = workers; raw-* = one stream, one reused buffer)")
     if bw:
         ax_bw.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return f"figure written to {path}"
 
 
+def plot_sweep(ax, all_results: dict) -> None:
+    """GB/s against item size (log-log), one line per (contender, W)."""
+    sweep = all_results["sweep"]
+    sizes = sweep["params"]["sizes"]
+    for name in sweep["contenders"]:
+        for workers in sorted({p["workers"] for p in points_of(sweep["contenders"], name)}):
+            measured = [(size, point_value(sweep["contenders"], name, "bytes_per_s", workers, size))
+                        for size in sizes]
+            measured = [(size, rate) for size, rate in measured if rate]
+            if measured:
+                ax.plot([size for size, _ in measured], [rate / GB for _, rate in measured],
+                        "--" if name.startswith("raw-") else "o-",
+                        label=name if name in ONE_STREAM else f"{name} W={workers}")
+    ax.set(xscale="log", yscale="log", xlabel="item size", ylabel="GB/s (1e9 bytes)",
+           title="throughput by item size (fresh tensors; raw-* = one stream)")
+    ax.set_xticks(sizes, [fmt_size(size).replace(" ", "") for size in sizes], fontsize=8)
+    ax.minorticks_off()
+    ax.legend(fontsize=8)

@@ -75,21 +75,22 @@ def progress(message: str) -> None:
 
 
 def best_of_rounds(outcomes: list[dict], rate_key: Optional[str]) -> dict:
-    """One outcome from a contender's rounds: for each W, the point of the best round, with
+    """One outcome from a contender's rounds: for each W (and item size, in a scenario whose
+    points have one: :func:`point_key`), the point of the best round, with
     every round's rate in ``round_rates`` (index: the round; None where it was not measured)
     and its place in that round's order in ``round_positions`` (which of two contenders went
     first, see :func:`benchsuite.report.format.paired_ratio`).  One round: returned as it is."""
     if len(outcomes) == 1 or not rate_key:
         return outcomes[0]
     total = max(o.get("round", i) for i, o in enumerate(outcomes)) + 1
-    by_workers: dict[int, list[tuple[int, float, dict]]] = {}
+    by_key: dict[tuple[int, int], list[tuple[int, float, dict]]] = {}
     for i, outcome in enumerate(outcomes):
         if outcome.get("ok"):
             for k, p in enumerate(outcome["data"]["points"]):
                 position = outcome.get("position", 0) + k / 100  # the task's points run one after another
-                by_workers.setdefault(p["workers"], []).append((outcome.get("round", i), position, p))
+                by_key.setdefault(point_key(p), []).append((outcome.get("round", i), position, p))
     points = []
-    for _, candidates in sorted(by_workers.items()):
+    for _, candidates in sorted(by_key.items()):
         good = [p for _, _, p in candidates if "error" not in p and p.get(rate_key)]
         best = dict(max(good, key=lambda p: p[rate_key])) if good else dict(candidates[0][2])
         rates: list[Optional[float]] = [None] * total
@@ -106,6 +107,11 @@ def best_of_rounds(outcomes: list[dict], rate_key: Optional[str]) -> dict:
     for key in ("wall_s", "cpu_s"):
         merged[key] = sum(o.get(key, 0.0) for o in outcomes)
     return merged
+
+
+def point_key(point: dict) -> tuple[int, int]:
+    """What tells a contender's points apart within a scenario: (item size or 0, W)."""
+    return point.get("item_bytes") or 0, point["workers"]
 
 
 def round_order(names: list[str], params: dict, round_index: int) -> list[str]:
@@ -174,6 +180,14 @@ class Runner:
             progress(f"  started {name} servers: {len(addresses)} running ({time.monotonic() - t0:.1f} s, untimed)")
         return {"addresses": addresses, "auth_key": self.auth_keys.get(name)}
 
+    def plan(self, scenario: Scenario) -> dict:
+        """``scenario``'s parameters for this run: its plan, with ``--sizes`` as its item sizes
+        when it measures several (``params['sizes']``)."""
+        params = scenario.plan(self.args.quick)
+        if getattr(self.args, "sizes", None) and "sizes" in params:
+            params["sizes"] = list(self.args.sizes)
+        return params
+
     def selected(self, scenario: Scenario) -> list[str]:
         """The contenders of ``scenario`` this run measures (``--only`` / ``--contender``)."""
         chosen = self.args.contender
@@ -183,7 +197,7 @@ class Runner:
         """How many servers each pooled contender of the selected scenarios needs."""
         needed: dict[str, int] = {}
         for scenario in scenarios:
-            params = scenario.plan(self.args.quick)
+            params = self.plan(scenario)
             for name in self.selected(scenario):
                 if name in self.pools and name not in self.unavailable:
                     needed[name] = max(needed.get(name, 0), servers_needed(name, params))
@@ -228,7 +242,8 @@ class Runner:
         keep = self.server_pids()
         cpu_before = children_cpu_s()
         outcome = run_task(task, execute, scenario.timeout_s(params), self.args.verbose, keep=keep,
-                           on_partial=lambda p: progress(f"    {name} W={p.get('workers')}: "
+                           on_partial=lambda p: progress(f"    {name} W={p.get('workers')}"
+                                                         + (f" {p['item_bytes']:,} B" if p.get("item_bytes") else "") + ": "
                                                          f"{fmt_num(p.get('items_per_s'), ',.0f')} items/s"))
         outcome["cpu_s"] = children_cpu_s() - cpu_before  # the task's processes (not the servers')
         if not outcome.get("ok") and name in self.pools:
@@ -245,7 +260,7 @@ class Runner:
         runs each contender's worker counts from the largest down (``descending_workers``),
         so that the point next to its reference is still the one compared with it.
         """
-        params = scenario.plan(self.args.quick)
+        params = self.plan(scenario)
         rounds: dict[str, list[dict]] = {}
         for round_index in range(params.get("rounds", 1)):
             round_params = dict(params, descending_workers=bool(round_index % 2))

@@ -23,6 +23,14 @@ def fmt_ratio(value: Optional[float]) -> str:
     return f"{value:.2g}x"
 
 
+def fmt_size(nbytes: int) -> str:
+    """``1 KiB``, ``256 KiB``, ``64 MiB``."""
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
 def fmt_num(value: Optional[float], spec: str, unit: str = "") -> str:
     """``value`` formatted with ``spec`` and ``unit``, or ``-``."""
     if value is None:
@@ -115,6 +123,13 @@ def paired_ratio(point: Optional[dict], reference: Optional[dict], key: str) -> 
     return {"median": median, "ratios": ratios, "first": first, "rates": rounds[nearest][:2]}
 
 
+def paired_ratio_at(results: dict, contender: str, workers: int, reference: str, reference_workers: int,
+                    item_bytes: Optional[int] = None, key: str = "bytes_per_s") -> Optional[dict]:
+    """:func:`paired_ratio` of two contenders' points (:func:`point_at`), or None."""
+    return paired_ratio(point_at(results, contender, workers, item_bytes),
+                        point_at(results, reference, reference_workers, item_bytes), key)
+
+
 def paired_text(paired: dict) -> str:
     """Every round's ratio of a :func:`paired_ratio`, ``*`` after those in which the first
     contender ran first: ``0.91* / 0.97 / 1.02*``."""
@@ -138,17 +153,20 @@ def points_of(results: dict, contender: str) -> list[dict]:
     return (outcome.get("data") or {}).get("points") or outcome.get("partial") or []
 
 
-def point_at(results: dict, contender: str, workers: int) -> Optional[dict]:
-    """A contender's point at ``workers`` workers (one-stream contenders: any), or None."""
+def point_at(results: dict, contender: str, workers: int, item_bytes: Optional[int] = None) -> Optional[dict]:
+    """A contender's point at ``workers`` workers (one-stream contenders: any) and, in a scenario
+    of several item sizes, at ``item_bytes``; or None."""
     for p in points_of(results, contender):
-        if "error" not in p and (p.get("workers") == workers or contender in ONE_STREAM):
+        if ("error" not in p and (p.get("workers") == workers or contender in ONE_STREAM)
+                and (item_bytes is None or p.get("item_bytes") == item_bytes)):
             return p
     return None
 
 
-def point_value(results: dict, contender: str, key: str, workers: int) -> Optional[float]:
-    """``key`` of a contender's point at ``workers`` workers (one-stream contenders: any)."""
-    point = point_at(results, contender, workers)
+def point_value(results: dict, contender: str, key: str, workers: int,
+                item_bytes: Optional[int] = None) -> Optional[float]:
+    """``key`` of a contender's :func:`point_at` ``workers`` (and ``item_bytes``), or None."""
+    point = point_at(results, contender, workers, item_bytes)
     return None if point is None else point.get(key)
 
 

@@ -124,7 +124,7 @@ def results_markdown(run: dict, info: dict, targets: list[dict], printed: str,
     if paragraph:
         lines += ["", paragraph]
     if plot_file:  # a figure, not a link: the figure is not committed
-        lines += ["", f"The figure of this run: `{plot_file}` (scaling and bandwidth)."]
+        lines += ["", f"The figure of this run: `{plot_file}` (the panels of the scenarios it ran: scaling, bandwidth, throughput by item size)."]
     lines += ["", "## Printed tables (verbatim)", "", "```", printed.rstrip("\n"), "```", "",
               "The profile of an earlier run and what bounded its numbers: [ANALYSIS.md](ANALYSIS.md).", "",
               LINKS_SECTION, ""]

@@ -13,7 +13,9 @@ from benchsuite.contenders import ONE_STREAM
 from benchsuite.report.format import (
     GB,
     fmt_ratio,
+    fmt_size,
     paired_ratio,
+    paired_ratio_at,
     paired_text,
     point_at,
     point_value,
@@ -107,6 +109,49 @@ def best_ratio(scenario: str, key: str, contender: str, reference: str):
     return measured
 
 
+def at_every_size(contender: str, workers: int, reference: str, threshold: float, smallest: int = 0,
+                  below: Optional[int] = None, scenario: str = "sweep"):
+    """A measure: the lowest over the item sizes of ``scenario`` (from ``smallest``, below
+    ``below``) of ``contender``'s paired ratio to ``reference`` (at W=2, or its one stream);
+    the detail names the worst size and lists every size's ratio.  With a size not measured,
+    none unless the sizes measured already miss ``threshold``."""
+    def measured(all_results: dict) -> tuple[Optional[float], str]:
+        if scenario not in all_results:
+            return None, f"{scenario} not run"
+        results = all_results[scenario]["contenders"]
+        sizes = [size for size in all_results[scenario]["params"]["sizes"]
+                 if size >= smallest and (below is None or size < below)]
+        found = {size: paired for size in sizes
+                 for paired in [paired_ratio_at(results, contender, workers, reference, 2, size)] if paired}
+        if not found:
+            missing = [name for name in (contender, reference) if not (results.get(name) or {}).get("ok")]
+            return None, (f"{', '.join(missing)}: {(results.get(missing[0]) or {}).get('reason', 'not run')}"
+                          if missing else "no size in range measured both")
+        worst = min(found, key=lambda size: found[size]["median"])
+        ours, theirs = found[worst]["rates"]
+        detail = (f"worst at {fmt_size(worst)}: {rate_text('bytes_per_s', ours)} vs "
+                  f"{rate_text('bytes_per_s', theirs)}; each size: "
+                  + ", ".join(f"{fmt_size(size)} {fmt_ratio(found[size]['median'])}" for size in found))
+        unmeasured = [fmt_size(size) for size in sizes if size not in found]
+        if unmeasured:
+            detail += f"; not measured at {', '.join(unmeasured)}"
+            if found[worst]["median"] >= threshold:  # no verdict of "every size" from some of them
+                return None, detail
+        return found[worst]["median"], detail
+    return measured
+
+
+def sweep_target(contender: str, workers: int, threshold: float, reference: str, smallest: int = 0,
+                 below: Optional[int] = None) -> Target:
+    """``contender`` at ``workers`` >= ``threshold`` x ``reference`` at every sweep size in range."""
+    one_stream = reference in ONE_STREAM
+    where = (f"from {fmt_size(smallest)} up" if smallest else f"below {fmt_size(below)}" if below
+             else "at every size")
+    goal = (f"sweep: {contender} W={workers} >= {threshold}x {reference}{'' if one_stream else ' W=2'} "
+            f"{'at every size ' if smallest or below else ''}{where} (the worst size)").replace("  ", " ")
+    return Target(goal, threshold, at_every_size(contender, workers, reference, threshold, smallest, below))
+
+
 def efficiency_at(contender: str, workers: int, scenario: str = "scaling", minus: Optional[str] = None):
     """A measure: ``contender``'s efficiency at ``workers`` workers in a sleep-bound
     ``scenario``; with ``minus``, less that contender's at the same W."""
@@ -157,21 +202,34 @@ def first_item_within(contender: str, workers: int, seconds: float):
     return measured
 
 
-def memory_vs_window(contender: str):
-    """A measure: ``contender``'s trainer peak growth over its credit window (slow consumer)."""
+#: The bound a reading service's trainer keeps to for a slow consumer: its peak RSS above the
+#: baseline at most ``WINDOW_FACTOR`` x its credit window (bytes) + ``SLACK_MIB``.
+WINDOW_FACTOR, SLACK_MIB = 1.25, 4.0
+
+
+def memory_bound_mib(window_mib: Optional[float]) -> Optional[float]:
+    """The most a trainer with a credit window of ``window_mib`` may grow by (see :data:`WINDOW_FACTOR`)."""
+    return None if window_mib is None else WINDOW_FACTOR * window_mib + SLACK_MIB
+
+
+def memory_within_bound(contender: str, item_bytes: int):
+    """A measure: :func:`memory_bound_mib` over ``contender``'s trainer peak growth with a slow
+    consumer of ``item_bytes`` items: >= 1 is within the bound."""
     def measured(all_results: dict) -> tuple[Optional[float], str]:
-        data, why = outcome_of(all_results, "memory", contender)
-        if data is None:
-            return None, why
-        if not data.get("credit_window_mib"):
+        if "memory" not in all_results:
+            return None, "memory not run"
+        results = all_results["memory"]["contenders"]
+        point = point_at(results, contender, all_results["memory"]["params"]["workers"], item_bytes)
+        if point is None:
+            return None, (results.get(contender) or {}).get("reason") or f"{contender}: no {fmt_size(item_bytes)} point"
+        bound = memory_bound_mib(point.get("credit_window_mib"))
+        if bound is None:
             return None, f"{contender}: credit window unknown"
-        others = []
-        for reference in ("MPRS", "torch-DataLoader"):
-            other, _ = outcome_of(all_results, "memory", reference)
-            if other is not None:
-                others.append(f"{reference} {other['growth_mib']:.1f} MiB")
-        return (data["growth_mib"] / data["credit_window_mib"],
-                f"{data['growth_mib']:.1f} MiB vs window {data['credit_window_mib']:.0f} MiB"
+        others = [f"{name} {growth:.1f} MiB" for name in ("MPRS", "torch-DataLoader")
+                  for growth in [point_value(results, name, "growth_mib", point["workers"], item_bytes)]
+                  if growth is not None]
+        return (bound / max(point["growth_mib"], 1e-3),
+                f"{point['growth_mib']:.1f} MiB vs bound {bound:.0f} MiB (window {point['credit_window_mib']:.0f} MiB)"
                 + (f" ({', '.join(others)})" if others else ""))
     return measured
 
@@ -204,9 +262,16 @@ TARGETS = [
     ratio_target("tensor8m", "RPCRS-tcp", 1, 0.85, "raw-socket", note=" (both one stream)"),
     Target("tensor8m: RPCRS-tcp >= 2x RPCDataloader (best W of each) *", 2,
            best_ratio("tensor8m", "bytes_per_s", "RPCRS-tcp", "RPCDataloader")),
+    sweep_target("RPCRS-tcp", 1, 0.85, "raw-socket", smallest=64 * 1024),
+    sweep_target("RPCRS-tcp", 1, 0.7, "raw-socket", below=64 * 1024),
+    sweep_target("RPCRS-local", 2, 1.0, "raw-unix"),
+    sweep_target("RPCRS-local", 2, 3, "MPRS"),
+    sweep_target("RPCRS-local", 2, 2, "torch-DataLoader"),
     Target("scaling: RPCRS-local efficiency at W=16 >= 0.9", 0.9, efficiency_at("RPCRS-local", 16)),
     Target("scaling: RPCRS-tcp efficiency at W=16 >= 0.9", 0.9, efficiency_at("RPCRS-tcp", 16)),
-    Target("memory: RPCRS-local trainer peak growth / credit window", None, memory_vs_window("RPCRS-local")),
+    *(Target(f"memory: {name} trainer peak growth <= {WINDOW_FACTOR}x credit window + {SLACK_MIB:.0f} MiB, "
+             f"{fmt_size(size)} items (bound / measured)", 1.0, memory_within_bound(name, size))
+      for name in ("RPCRS-local", "RPCRS-tcp") for size in (1 << 20, 8 << 20)),
     *(Target(f"sessions: {name} efficiency at W=64 >= 0.9", 0.9, efficiency_at(name, 64, "sessions"))
       for name in ("RPCRS-local", "RPCRS-2servers")),
     *(Target(f"sessions: {name} efficiency at W=64 minus torch-DataLoader's >= -0.03", -0.03,
@@ -229,8 +294,7 @@ TARGET_NOTES = [
     "outside a worker session); RPCRS-local-shm: local workers whose graph makes its items that way",
     "copy-limit (info, no target): production-limit's processes, each also copying every item once into a warm "
     "shared segment, as RPCRS-local's workers do; nothing moved",
-    "memory (info, no target): it should stay bounded by prefetch; the credit window is "
-    "W x prefetch x item size",
+    "memory: a slow consumer (5 ms per item); the credit window is W x prefetch x item size",
     "raw-socket is one TCP stream, so it is compared with RPCRS-tcp at W=1 (one stream); at W=2 three busy "
     "processes share 2 cores",
 ]

@@ -7,9 +7,9 @@ stage and one slow worker, the worker-side cache, scaling to 2-128 sessions.
 
 from __future__ import annotations
 
-from benchsuite.scenarios import first_item, memory, scaling, sessions, throughput
+from benchsuite.scenarios import first_item, memory, scaling, sessions, sweep, throughput
 from benchsuite.scenarios.base import Scenario
 
 SCENARIOS: dict[str, Scenario] = {
-    s.name: s for module in (throughput, scaling, sessions, memory, first_item) for s in module.SCENARIOS
+    s.name: s for module in (throughput, sweep, scaling, sessions, memory, first_item) for s in module.SCENARIOS
 }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Sequence
 
 from benchsuite.contenders import CONTENDERS
 from benchsuite.contenders.base import Contender
@@ -33,20 +33,23 @@ def worker_counts(params: dict, name: str) -> list[int]:
     return list(counts) if isinstance(counts, (list, tuple)) else [counts]
 
 
-def measure_points(workers_list: list[int], measure_point: Callable[[int], dict],
-                   emit: Callable[[dict], None]) -> dict:
-    """``{"points": [...]}``: ``measure_point(W)`` for each worker count, emitted as it comes.
-    A failing count becomes a point with its ``error`` (one broken worker count must not hide
-    the others); if every count fails, the first error is raised."""
+def measure_points(workers_list: list[int], measure_point: Callable[..., dict],
+                   emit: Callable[[dict], None], coordinates: Sequence[dict] = ({},)) -> dict:
+    """``{"points": [...]}``: ``measure_point(W, **c)`` for each coordinate ``c`` (such as
+    ``{"item_bytes": 65536}``; by default none) and each worker count, emitted as it comes; each
+    point holds its coordinates and ``workers``.  A failing point becomes a point with its
+    ``error`` (one broken point must not hide the others); if every point fails, the first
+    error is raised."""
     points = []
-    for workers in workers_list:
-        try:
-            point = measure_point(workers)
-        except Exception as exc:
-            point = {"error": describe_exception(exc)}
-        point["workers"] = workers
-        emit(point)
-        points.append(point)
+    for coordinate in coordinates:
+        for workers in workers_list:
+            try:
+                point = measure_point(workers, **coordinate)
+            except Exception as exc:
+                point = {"error": describe_exception(exc)}
+            point.update(coordinate, workers=workers)
+            emit(point)
+            points.append(point)
     if all("error" in p for p in points):
         raise RuntimeError(points[0]["error"])
     return {"points": points}

@@ -1,0 +1,221 @@
+#!/usr/bin/env python
+"""CPU time and wake-ups per item, trainer and workers apart, for one contender at several
+item sizes: numbers that a loaded machine moves far less than wall-clock rates.
+
+::
+
+    python benchmarks/cpu_per_item.py --contender RPCRS-local --workers 1 --sizes 16K,64K,256K,1M
+    python benchmarks/cpu_per_item.py --contender raw-unix --sizes 64K --items 4000
+    python benchmarks/cpu_per_item.py --contender RPCRS-tcp --sizes 256K --cprofile --py-spy /tmp/spy
+
+This process is the trainer; every other process it starts (local workers, the raw sender,
+the TCP worker server and its sessions) counts as "workers".  Over the timed items (after
+``--warmup`` items) it reads, from ``/proc``, the CPU time (user + system, every thread) and
+the voluntary context switches (a thread that blocked: a wake-up later) of both sides.
+``--cprofile`` prints the trainer's functions by own time with their calls per item;
+``--py-spy DIR`` records every process's Python stacks (``py-spy record``, collapsed stacks)
+during the timed items.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import os
+import pstats
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, BENCH_DIR)
+sys.path.insert(0, os.path.dirname(BENCH_DIR))
+
+from bench import item_sizes, setup_environment  # noqa: E402
+from benchsuite.contenders import CONTENDERS  # noqa: E402
+from benchsuite.measure import touch  # noqa: E402
+from benchsuite.processes import ServerPool, launch_rpcrs_server, spawn, stop_processes  # noqa: E402
+from benchsuite.report.format import fmt_size  # noqa: E402
+from workloads import Workload  # noqa: E402
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living descendant of ``pid``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    ppid = int(stat.read().rpartition(")")[2].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def usage(pid: int) -> tuple[float, int, int]:
+    """CPU seconds (user + system, all threads), voluntary context switches (all threads) and
+    minor page faults of ``pid``."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+        cpu = (int(fields[11]) + int(fields[12])) / TICKS
+        switches = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/status") as status:
+                for line in status:
+                    if line.startswith("voluntary_ctxt_switches"):
+                        switches += int(line.split()[1])
+        return cpu, switches, int(fields[7])
+    except OSError:
+        return 0.0, 0, 0
+
+
+def thread_usage() -> dict[str, tuple[float, int]]:
+    """:func:`usage` of each of this process's threads, by thread name."""
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    found: dict[str, tuple[float, int]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as stat:
+                fields = stat.read().rpartition(")")[2].split()
+            with open(f"/proc/self/task/{tid}/status") as status:
+                switches = sum(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches"))
+        except OSError:
+            continue
+        name = names.get(int(tid), f"thread-{tid}")
+        found[name] = ((int(fields[11]) + int(fields[12])) / TICKS, switches)
+    return found
+
+
+def snapshot() -> dict[int, tuple[float, int, int]]:
+    """:func:`usage` of this process and of each of its descendants, by pid."""
+    me = os.getpid()
+    return {pid: usage(pid) for pid in [me] + descendants(me)}
+
+
+def spy(directory: str, label: str) -> list[subprocess.Popen]:
+    """``py-spy record`` of this process and every descendant that runs Python, into ``directory``."""
+    os.makedirs(directory, exist_ok=True)
+    procs = []
+    for pid in [os.getpid()] + descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                if b"python" not in cmdline.read():
+                    continue
+        except OSError:
+            continue
+        role = "trainer" if pid == os.getpid() else f"worker-{pid}"
+        out = os.path.join(directory, f"{label}-{role}.txt")
+        procs.append(spawn(["py-spy", "record", "--nonblocking", "-r", "500", "-f", "raw", "-o", out,
+                            "-p", str(pid)]))
+    return procs
+
+
+def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, args) -> dict:
+    """One epoch: ``warmup`` items, then ``items`` timed ones with both sides' CPU and switches."""
+    workload = Workload("tensor", warmup + items, item_bytes=item_bytes)
+    profile = cProfile.Profile(time.thread_time) if args.cprofile else None  # CPU, not wall: load moves no time
+    spies: list[subprocess.Popen] = []
+    with contender.epoch(workload, workers) as loader:
+        iterator = iter(loader)
+        for _ in range(warmup):
+            touch(next(iterator))
+        if args.py_spy:
+            spies = spy(args.py_spy, f"{contender.name}-{fmt_size(item_bytes).replace(' ', '')}")
+            time.sleep(0.5)  # py-spy attaches
+        threads_before, before, t0 = thread_usage(), snapshot(), time.perf_counter()
+        if profile:
+            profile.enable()
+        for _ in range(items):
+            touch(next(iterator))
+        if profile:
+            profile.disable()
+        wall, after, threads_after = time.perf_counter() - t0, snapshot(), thread_usage()
+        for proc in spies:
+            proc.send_signal(signal.SIGINT)  # py-spy writes its file and exits
+        for proc in spies:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=20)
+        stop_processes(spies)
+    me = os.getpid()
+    delta = {pid: [now - then for now, then in zip(after[pid], before.get(pid, (0.0, 0, 0)))] for pid in after}
+    workers_cpu, workers_switches, workers_faults = (sum(d[k] for pid, d in delta.items() if pid != me) for k in range(3))
+    threads = {name: (1e6 * (cpu - threads_before.get(name, (0.0, 0))[0]) / items,
+                      (n - threads_before.get(name, (0.0, 0))[1]) / items)
+               for name, (cpu, n) in threads_after.items()}
+    busy = sorted(((cpu, n, name) for name, (cpu, n) in threads.items() if cpu or n), reverse=True)
+    print(f"   trainer threads ({fmt_size(item_bytes)}): " + ", ".join(
+        f"{name} {cpu:.1f} us {n:.2f} sw" for cpu, n, name in busy[:4]) + " per item")
+    if profile:
+        print(f"-- cProfile of the trainer, {fmt_size(item_bytes)}: own time, calls per item")
+        stats = pstats.Stats(profile)
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[: args.cprofile]
+        for (path, line, name), (calls, ncalls, tottime, cumtime, _) in rows:
+            print(f"   {1e6 * tottime / items:8.1f} us/item  {ncalls / items:7.2f} calls/item  "
+                  f"{os.path.basename(path)}:{line} {name}")
+    return {"size": item_bytes, "items_per_s": items / wall, "gb_per_s": items * item_bytes / wall / 1e9,
+            "trainer_us": 1e6 * delta[me][0] / items, "workers_us": 1e6 * workers_cpu / items,
+            "trainer_switches": delta[me][1] / items, "workers_switches": workers_switches / items,
+            "trainer_faults": delta[me][2] / items, "workers_faults": workers_faults / items}
+
+
+def main(argv=None) -> int:
+    """Parse the arguments, measure each size, print one row per size."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contender", choices=["RPCRS-local", "RPCRS-tcp", "raw-socket", "raw-unix"],
+                        default="RPCRS-local")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--sizes", type=item_sizes, default=item_sizes("16K,64K,256K,1M"))
+    parser.add_argument("--bytes", type=item_sizes, default=[256 << 20], metavar="SIZE",
+                        help="timed bytes per size (default 256M), between 500 and 20,000 items")
+    parser.add_argument("--items", type=int, help="timed items per size instead of --bytes")
+    parser.add_argument("--warmup", type=int, default=200)
+    parser.add_argument("--cprofile", type=int, nargs="?", const=25, default=0, metavar="ROWS")
+    parser.add_argument("--py-spy", metavar="DIR")
+    args = parser.parse_args(argv)
+    if args.py_spy and not shutil.which("py-spy"):
+        parser.error("--py-spy: py-spy is not on PATH")
+    setup_environment()
+    import torch
+
+    torch.set_num_threads(1)  # as the bench's trainer
+    servers = {}
+    pool = None
+    if args.contender == "RPCRS-tcp":
+        auth_key = secrets.token_hex(16)
+        pool = ServerPool("rpcrs", launch_rpcrs_server(auth_key))
+        servers = {"addresses": pool.ensure(1), "auth_key": auth_key}
+    contender = CONTENDERS[args.contender](servers)
+    print(f"{args.contender} W={args.workers}, load average {os.getloadavg()[0]:.2f} "
+          "(wall-clock rates move with it; CPU per item and switches per item much less)")
+    print(f"{'size':>8} {'items/s':>9} {'GB/s':>6} {'trainer us/item':>16} {'workers us/item':>16} "
+          f"{'trainer sw/item':>16} {'workers sw/item':>16} {'faults/item: trainer':>21} {'workers':>8}")
+    try:
+        for size in args.sizes:
+            items = args.items or max(500, min(20_000, args.bytes[0] // size))
+            row = measure(contender, size, args.workers, items, args.warmup, args)
+            print(f"{fmt_size(size):>8} {row['items_per_s']:9,.0f} {row['gb_per_s']:6.2f} {row['trainer_us']:16.1f} "
+                  f"{row['workers_us']:16.1f} {row['trainer_switches']:16.2f} {row['workers_switches']:16.2f} "
+                  f"{row['trainer_faults']:21.1f} {row['workers_faults']:8.1f}",
+                  flush=True)
+    finally:
+        if pool is not None:
+            pool.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
