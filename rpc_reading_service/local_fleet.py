@@ -198,6 +198,7 @@ class LocalWorkerServer:
             "--host", self._listen_host(), "--port", "0",
             "--transport", self.transport,
             "--parent-pid", str(os.getpid()),
+            "--drain-timeout", "0",  # its trainer stops it: no trainer to hand work to
             "--log-level", self.log_level,
             *self._cache_args(),
         ]  # fmt: skip

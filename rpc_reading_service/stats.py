@@ -47,6 +47,10 @@ class ReadingServiceStats:
     wait_seconds: float
     data_stall: float
     workers: List[WorkerStats] = field(default_factory=list)
+    #: Workers whose server drained (SIGTERM) this epoch, their work handed to other servers.
+    workers_drained: int = 0
+    #: Workers lost this epoch and replaced (``on_worker_failure="reassign"``): failures, not drains.
+    workers_replaced: int = 0
 
     def as_dict(self) -> Dict[str, Any]:
         """Plain dict, e.g. for logging as JSON."""
@@ -54,9 +58,14 @@ class ReadingServiceStats:
 
     def summary(self) -> str:
         """One line for a log: items/s and data stall."""
+        changes = "".join(
+            f", {count} worker{'s' if count != 1 else ''} {what}"
+            for count, what in ((self.workers_drained, "drained"), (self.workers_replaced, "lost and replaced"))
+            if count
+        )
         return (
             f"epoch {self.epoch}: {self.items} items in {self.elapsed_seconds:.1f} s "
-            f"({self.items_per_second:,.0f} items/s), data stall {self.data_stall:.0%}"
+            f"({self.items_per_second:,.0f} items/s), data stall {self.data_stall:.0%}{changes}"
         )
 
     def table(self) -> str:

@@ -17,7 +17,8 @@ when the server forks sessions), the fewest that let graph compute overlap sendi
 - one sender, the only thread that sends after setup, writes packed DATA frames while it
   holds credits, and the heartbeats the state machine finds due; it also notices a silent
   trainer and, with ``item_timeout``, ends the session with an ERROR (the item's position
-  and the producer's stack) when the producer spends longer than that on one item. At
+  and the producer's stack) when the producer spends longer than that on one item. When
+  the server drains, it stops the producer, says LEAVING and ends the session. At
   rest it wakes once per heartbeat. Graph compute overlaps sending and the trainer's
   memory stays bounded.
 
@@ -51,10 +52,12 @@ from .protocol import (
     Items,
     Join,
     Lease,
+    Leaving,
     Message,
     PeerTimedOut,
     Ready,
     SessionOptions,
+    SessionState,
     Setup,
     StartEpoch,
     StopEpoch,
@@ -114,11 +117,13 @@ class WorkerSession:
         idle_timeout: Optional[float] = None,
         stats_interval: float = 30.0,
         own_process: bool = False,
+        draining: Callable[[], bool] = lambda: False,
     ):
         """``own_process``: the session has its process to itself (forked): with item_timeout, a
         :class:`~rpc_reading_service.worker_lock_watch.LockWatch` ends it when C code holds the
-        interpreter lock for good."""
+        interpreter lock for good. ``draining``: True once the server drains (the session then leaves)."""
         self.conn = conn
+        self._draining = draining
         self._own_process = own_process
         self._lock_watch: Optional[LockWatch] = None
         self.server_address = server_address
@@ -468,6 +473,9 @@ class WorkerSession:
         next_tick, limit = 0.0, self.options.item_timeout
         try:
             while not self._stopping.is_set():
+                if self._draining():
+                    self._leave()
+                    return
                 throughput.maybe_log()
                 now = time.monotonic()
                 if now >= next_tick:
@@ -499,6 +507,26 @@ class WorkerSession:
         except Exception:  # noqa: BLE001
             log.exception("sender for %s failed", self.conn.peer)
             self._end()
+
+    def _leave(self) -> None:
+        """The server drains (the sender's call): stop producing, say LEAVING after the frames
+        sent, and end the session once the trainer closes (at most :data:`REFUSAL_LINGER` later).
+        Items not sent are the trainer's to have made elsewhere, from what it consumed."""
+        log.info("session for %s: the server drains; telling the trainer this worker leaves", self.conn.peer)
+        with self._lock:
+            self._cancel_input()
+            if self._leases is not None:
+                self._leases.cancel()
+        self.outbox.close()  # the producer stops at its next item
+        with self.outbox.sending:  # after a frame a producer is writing
+            with self._lock:
+                chunks = None
+                if self.protocol.state is not SessionState.CLOSED:
+                    chunks = self.protocol.send(Leaving("its worker server is draining (SIGTERM)"))
+            if chunks is not None:
+                self.conn.send(chunks)
+        self._stopping.wait(REFUSAL_LINGER)  # the trainer closes: the control loop ends the session
+        self._end()
 
     def _send_frames(self, frames: List[List[Buffer]]) -> None:
         """The outbox's writes (from the sender, or a producer sending a slow item itself): a

@@ -350,6 +350,8 @@ class Engine:
             wait_seconds=progress.wait_seconds,
             data_stall=min(1.0, progress.wait_seconds / elapsed),
             workers=workers,
+            workers_drained=epoch.drained,
+            workers_replaced=epoch.replaced,
         )
 
     @property
