@@ -598,6 +598,7 @@ class WorkerChannel:
 
     def _on_leaving(self, event: Leaving) -> bool:
         self._ended_by = self._drained(event)
+        self.conn.close()  # nothing more comes: the worker's session ends now, not when the consumer gets here
         return self._lost(str(self._ended_by))
 
     def _drained(self, event: Leaving) -> WorkerDrainedError:

@@ -80,6 +80,8 @@ log = logging.getLogger(__name__)
 REFUSAL_LINGER = 5.0
 #: Longest the sender sleeps between looks at the state machine's liveness.
 _MAX_SENDER_WAIT = 1.0
+#: What a session says when it leaves because its server drains.
+_LEAVING = "its worker server is draining (SIGTERM)"
 #: Looks at the item being produced per ``item_timeout`` (at least one a second).
 _ITEM_CHECKS_PER_TIMEOUT = 4
 
@@ -215,8 +217,13 @@ class WorkerSession:
         timeout = self.options.setup_timeout
         deadline = time.monotonic() + timeout
         while True:
+            if self._draining():
+                self._leave_before_setup()
+                return False
             # No heartbeats before SETUP: a bootstrapping connection cannot send before its first recv.
-            frame = self.conn.recv(timeout=max(0.0, deadline - time.monotonic()))
+            frame = self.conn.recv(timeout=max(0.0, min(deadline - time.monotonic(), _MAX_SENDER_WAIT)))
+            if frame is None and time.monotonic() < deadline:
+                continue
             if frame is None:
                 log.warning("%s sent no SETUP within %.0f s; closing", self.conn.peer, timeout)
                 self.conn.refuse(f"no SETUP within {timeout:g} s of connecting (the server's --idle-timeout)")
@@ -228,6 +235,15 @@ class WorkerSession:
                     self._refuse_join(event)
                     return False
                 return False  # CLOSE
+
+    def _leave_before_setup(self) -> None:
+        """The server drains before SETUP came: say LEAVING, and end once the trainer closes
+        (at most :data:`REFUSAL_LINGER` later; what it sends meanwhile is dropped)."""
+        log.info("session for %s: the server drains before setup; telling the trainer this worker leaves", self.conn.peer)
+        self._send(Leaving(_LEAVING))
+        end = time.monotonic() + REFUSAL_LINGER
+        while time.monotonic() < end:
+            self.conn.recv(timeout=end - time.monotonic())  # PeerLostError once it closed: run() ends the session
 
     def _set_up(self, setup: Setup) -> bool:
         self.options = setup.options
@@ -522,7 +538,7 @@ class WorkerSession:
             with self._lock:
                 chunks = None
                 if self.protocol.state is not SessionState.CLOSED:
-                    chunks = self.protocol.send(Leaving("its worker server is draining (SIGTERM)"))
+                    chunks = self.protocol.send(Leaving(_LEAVING))
             if chunks is not None:
                 self.conn.send(chunks)
         self._stopping.wait(REFUSAL_LINGER)  # the trainer closes: the control loop ends the session

@@ -721,6 +721,10 @@ def test_leaving_ends_the_session_on_both_sides_in_an_epoch_between_epochs_and_i
     setting_up = Link()
     setting_up.to_worker(Setup(b"graph", 0, 1))
     assert setting_up.to_trainer(Leaving()) == [Leaving()] and setting_up.trainer.state is SessionState.CLOSED
+    early = Link()  # the worker drains before the trainer's SETUP reached it
+    early.trainer.send(Setup(b"graph", 0, 1))
+    assert early.deliver(early.worker.send(Leaving()), early.trainer) == [Leaving()]
+    assert early.trainer.closed_by == "peer" and early.worker.closed_by == "us"
     with pytest.raises(RemoteProtocolError, match="LEAVING, which a trainer never sends"):
         Link().set_up().deliver(Leaving().encode(), Link().set_up().worker)
 

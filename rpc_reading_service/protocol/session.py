@@ -57,8 +57,8 @@ The rules:
 - Liveness: ``tick(now)`` returns a heartbeat when nothing was sent for
   ``heartbeat_interval`` and a :class:`PeerTimedOut` event (closing the session) after
   ``peer_timeout`` of silence (``setup_timeout`` before READY).
-- Ending: either side's CLOSE; a worker's LEAVING (its server drains: from SETTING_UP on,
-  the trainer takes it as the worker gone, not failed); a worker's setup ERROR; a worker's ``item_timeout`` ERROR
+- Ending: either side's CLOSE; a worker's LEAVING (its server drains: at any point, the
+  trainer takes it as the worker gone, not failed); a worker's setup ERROR; a worker's ``item_timeout`` ERROR
   (reported whichever epoch it names: the worker ends the session after it); and a
   worker server's REJECT with its reason (``Connection.refuse``), legal at any point and
   reported as :class:`Refused`. A SETUP without a graph is a transport's bootstrap
@@ -168,7 +168,7 @@ _SENDS: Dict[str, Dict[SessionState, FrozenSet[MessageKind]]] = {
         SessionState.IN_EPOCH: _TRAINER_IN_SESSION,
     },
     "worker": {
-        SessionState.NEW: _WORKER_ALWAYS,
+        SessionState.NEW: frozenset({K.LEAVING}) | _WORKER_ALWAYS,
         SessionState.SETTING_UP: frozenset({K.READY, K.ERROR, K.LEAVING}) | _WORKER_ALWAYS,
         SessionState.READY: _WORKER_IN_SESSION,
         SessionState.IN_EPOCH: _WORKER_IN_SESSION,
