@@ -1,4 +1,4 @@
-# Fresh machine with only python3: `make demo` or `make test`.
+# Fresh machine with only python3: `make demo`, `make test` or `make test-nodes`.
 #
 # torch is pinned and installed FIRST: a CPU build of torch $(TORCH_VERSION) lies on this
 # machine's disk, while an unpinned `pip install torch` (or letting torchdata pull torch in)
@@ -17,6 +17,11 @@ TORCHDATA_VERSION = 0.9.0
 PIP = $(VENV)/bin/python -m pip --disable-pip-version-check
 STAMP = $(VENV)/.installed
 BENCH_STAMP = $(VENV)/.installed-bench
+# The second environment: torchdata 0.11 (no DataLoader2) for the torch DataLoader and torchdata.nodes front ends.
+NODES_VENV = .venv-nodes
+NODES_TORCHDATA_VERSION = 0.11.0
+NODES_PIP = $(NODES_VENV)/bin/python -m pip --disable-pip-version-check
+NODES_STAMP = $(NODES_VENV)/.installed
 
 all: test
 
@@ -28,6 +33,11 @@ demo: $(STAMP)
 # handed out in collection order, which tests/conftest.py makes longest first.
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder
+
+# The front ends that need no DataLoader2 (tests/nodes/), in $(NODES_VENV) with torchdata
+# $(NODES_TORCHDATA_VERSION); the DataLoader2 tests are not collected there (tests/nodes/conftest.py).
+test-nodes: $(NODES_STAMP)
+	$(NODES_VENV)/bin/python -m pytest -p no:cacheprovider tests/nodes
 
 # Opt-in (not in `make test`): examples/slurm_hetjob.sbatch submitted to a real single-node
 # Slurm. Installs slurm-wlm and munge when missing; as not root, or where it cannot, the
@@ -47,16 +57,25 @@ $(VENV)/bin/python:
 $(STAMP): $(VENV)/bin/python setup.cfg pyproject.toml Makefile
 	$(PIP) install "torch==$(TORCH_VERSION)"
 	$(PIP) install "torchdata==$(TORCHDATA_VERSION)"
-	$(PIP) install -e '.[test,examples]'
+	$(PIP) install -e '.[dataloader2,test,examples]'
 	touch $(STAMP)
 
+$(NODES_VENV)/bin/python:
+	$(PYTHON) -m venv $(NODES_VENV)
+
+$(NODES_STAMP): $(NODES_VENV)/bin/python setup.cfg pyproject.toml Makefile
+	$(NODES_PIP) install "torch==$(TORCH_VERSION)"
+	$(NODES_PIP) install "torchdata==$(NODES_TORCHDATA_VERSION)"
+	$(NODES_PIP) install -e '.[nodes,test]'
+	touch $(NODES_STAMP)
+
 $(BENCH_STAMP): $(STAMP)
-	$(PIP) install -e '.[test,examples,bench]'
+	$(PIP) install -e '.[dataloader2,test,examples,bench]'
 	touch $(BENCH_STAMP)
 
 clean:
-	rm -rf $(VENV) build dist .pytest_cache .hypothesis .ruff_cache
+	rm -rf $(VENV) $(NODES_VENV) build dist .pytest_cache .hypothesis .ruff_cache
 	rm -rf *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
-.PHONY: all demo test test-slurm bench clean
+.PHONY: all demo test test-nodes test-slurm bench clean

@@ -1,7 +1,8 @@
-"""rpc_reading_service: run torchdata DataPipe graphs on remote CPU workers.
+"""rpc_reading_service: run data pipelines on remote CPU workers.
 
-``DataLoader2(datapipe, reading_service=RPCReadingService(num_workers=4))`` is all a
-user changes; see :class:`RPCReadingService`.
+``DataLoader2(datapipe, reading_service=RPCReadingService(num_workers=4))`` (torchdata < 0.10)
+or ``DataLoader(RemoteIterable(source, num_workers=4), batch_size=None)`` is all a user
+changes; see :class:`RPCReadingService` and :class:`RemoteIterable`.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from .errors import (
     ItemPicklingError,
     ItemTimeoutError,
     LocalProtocolError,
+    MissingDependencyError,
     ProtocolError,
     RemoteProtocolError,
     RemoteWorkerError,
@@ -40,10 +42,13 @@ from .errors import (
     WorkerStartupError,
 )
 from .distributions import available_distributions, register_distribution
+from .metrics import MetricsEndpoint, ReadingServiceCollector, serve_metrics
 from .transports import available_transports, register_transport
 from .version import __version__
 
 if TYPE_CHECKING:
+    from .frontends.nodes import RemoteMapper, RemoteNode
+    from .frontends.torch_dataloader import RemoteIterable
     from .reading_service import RPCReadingService
 
 
@@ -51,13 +56,22 @@ _POLICIES = ("Dynamic", "Sticky", "RoundRobin", "FirstReady", "DistributionPolic
 
 
 def __getattr__(name: str) -> Any:
-    # RPCReadingService (and torchdata with it) loads on first use, so that the worker server
+    # The front ends (and torchdata with them) load on first use, so that the worker server
     # (``rpc_reading_service.worker``) decides how torchdata is first imported in its process.
+    # RPCReadingService raises an ImportError saying what to install where torchdata has no DataLoader2.
     if name == "RPCReadingService":
         from .reading_service import RPCReadingService
 
         return RPCReadingService
-    if name in _POLICIES:  # the distribution policies, as lazily (they need torchdata)
+    if name == "RemoteIterable":
+        from .frontends.torch_dataloader import RemoteIterable
+
+        return RemoteIterable
+    if name in ("RemoteNode", "RemoteMapper"):  # torchdata.nodes (>= 0.10): an ImportError says so otherwise
+        from .frontends import nodes
+
+        return getattr(nodes, name)
+    if name in _POLICIES:  # the distribution policies, as lazily
         from .engine import distribution
         from .engine.distribution.dynamic import Dynamic
         from .engine.distribution.sticky import Sticky
@@ -72,6 +86,9 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "__version__",
     "RPCReadingService",
+    "RemoteIterable",
+    "RemoteNode",
+    "RemoteMapper",
     "shared_empty",
     "shared_collate",
     "LocalWorkers",
@@ -87,12 +104,16 @@ __all__ = [
     "available_transports",
     "register_distribution",
     "available_distributions",
+    "serve_metrics",
+    "ReadingServiceCollector",
+    "MetricsEndpoint",
     "Dynamic",
     "RoundRobin",
     "FirstReady",
     "DistributionPolicy",
     "RPCReadingServiceError",
     "ConfigurationError",
+    "MissingDependencyError",
     "ProtocolError",
     "LocalProtocolError",
     "RemoteProtocolError",

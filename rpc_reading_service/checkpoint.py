@@ -16,11 +16,10 @@ import hashlib
 import json
 import warnings
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, List, Optional, Tuple
-
-from torchdata.dataloader2.graph import DataPipe, list_dps, traverse_dps
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .errors import ConfigurationError
+from .graph_utils import DataPipe, list_dps, traverse_dps
 from .settings import NumberRule, check_number
 
 __all__ = [
@@ -30,7 +29,8 @@ __all__ = [
     "graph_fingerprint",
     "seed_generator_state",
     "load_seed_generator_state",
-    "past_the_end",
+    "run_state",
+    "check_resume",
 ]
 
 CHECKPOINT_VERSION = 1
@@ -56,6 +56,15 @@ def seed_generator_state(generator: Any) -> Optional[Dict[str, Dict[str, Any]]]:
         return {rng: {f: _snapshot(getattr(e, f)) for f in _ENGINE_FIELDS} for rng, e in engines.items()}
     except AttributeError:
         return None
+
+
+def _copy_json(value: Any) -> Any:
+    """A copy of the dicts and lists of a JSON value (tuples become lists, as JSON gives them back)."""
+    if isinstance(value, dict):
+        return {key: _copy_json(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_copy_json(item) for item in value]
+    return value
 
 
 def _snapshot(value: Any) -> Any:
@@ -105,8 +114,13 @@ class ReadingServiceState:
 
     def to_bytes(self) -> bytes:
         """Serialise as JSON (readable, and nothing to unpickle), with its digest."""
-        values = json.loads(json.dumps(asdict(self)))  # what a reader parses (e.g. a policy's int keys as strings)
-        return json.dumps({**values, DIGEST_FIELD: checkpoint_digest(values)}, sort_keys=True).encode("utf-8")
+        return json.dumps(self.to_dict(), sort_keys=True).encode("utf-8")
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The fields as a dict of JSON values (its own copies: a caller may change them), with their digest."""
+        values = {f.name: _copy_json(getattr(self, f.name)) for f in fields(self)}
+        values[DIGEST_FIELD] = checkpoint_digest(values)
+        return values
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "ReadingServiceState":
@@ -120,14 +134,20 @@ class ReadingServiceState:
             values: Any = json.loads(bytes(data).decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise ConfigurationError(f"not an RPCReadingService checkpoint: {exc}") from exc
+        return cls.from_dict(values)
+
+    @classmethod
+    def from_dict(cls, values: Any) -> "ReadingServiceState":
+        """A state from :meth:`to_dict`'s form, refusing other versions and malformed fields."""
         version = values.get("version") if isinstance(values, dict) else None
         if type(version) is not int or version != CHECKPOINT_VERSION:  # not True, which == 1
             raise ConfigurationError(
                 f"checkpoint has version {version!r}, this rpc_reading_service reads version {CHECKPOINT_VERSION}"
             )
+        values = dict(values)  # the caller's dict stays as it was
         digest = values.pop(DIGEST_FIELD, None)
         _check_fields(values)
-        state = cls(**values)
+        state = cls(**_copy_json(values))
         _check_digest(digest, asdict(state))
         return state
 
@@ -213,6 +233,63 @@ def _check_digest(digest: Any, values: Dict[str, Any]) -> None:
         )
 
 
+def run_state(
+    engine: Any,
+    graph: List[str],
+    dist: Any,
+    seed_generator: Any,
+    epoch_start_seed_generator: Optional[Dict[str, Dict[str, Any]]],
+    delivered: Optional[int] = None,
+    ended: Optional[bool] = None,
+) -> ReadingServiceState:
+    """The state of a front end's run now: ``engine`` (an :class:`~rpc_reading_service.engine.Engine`)
+    at its current epoch's positions.
+
+    Args:
+        graph: The graph's :func:`graph_fingerprint`. dist: the trainer's ``DistributedInfo``.
+        seed_generator: The front end's generator (recorded exactly; None: none).
+        epoch_start_seed_generator: Its state as the current epoch began.
+        delivered: Items the consumer really received, if a stage after the stream holds some back.
+        ended: Whether the epoch ended for the consumer (default: every item of it was taken).
+    """
+    epoch = engine.epoch
+    positions = epoch.positions(delivered) if epoch is not None else None
+    if ended is None:
+        ended = epoch is None or epoch.finished
+    config = engine.config
+    return ReadingServiceState(
+        num_workers=engine.num_workers, graph=graph, epoch=engine.epoch_number,
+        epoch_seed=epoch.seed if epoch is not None else 0,
+        consumed=list(positions.consumed) if positions is not None else [],
+        next_rank=positions.next_rank if positions is not None else 0, in_epoch=not ended,
+        seed_generator=None if seed_generator is None else seed_generator_state(seed_generator),
+        dist_rank=dist.rank, dist_world_size=dist.world_size,
+        epoch_start_seed_generator=epoch_start_seed_generator,
+        distribution=None if positions is None or positions.policy is None else dict(positions.policy),
+        distribution_name=config.distribution.name,
+        placement=None if ended else engine.placement(),
+    )  # fmt: skip
+
+
+def check_resume(
+    state: ReadingServiceState, engine: Any, graph: List[str], dist: Any, close: Callable[[], None]
+) -> None:
+    """Refuse a state that ``engine``'s run (its workers found, not started) could not have produced:
+    another number of workers, graph (its :func:`graph_fingerprint`), trainer rank (``dist``),
+    distribution policy or placement. Finding the placement may start a local server: ``close``
+    stops it when the placement is refused."""
+    state.check_compatible(engine.num_workers, graph, dist.rank, dist.world_size)
+    if state.in_epoch and engine.num_workers > 0:  # the trainer's own graph resumes by position
+        policy = engine.config.distribution
+        policy.check_state(state.distribution)
+        state.check_distribution(policy.name)
+        try:
+            state.check_placement(engine.placement())
+        except BaseException:
+            close()
+            raise
+
+
 #: Positions past this are no position in any shard (and would overflow the worker's counters).
 MAX_POSITION = 2**63 - 1
 _UINT32 = 2**32 - 1
@@ -227,15 +304,6 @@ def _refuse(field_name: str, problem: str) -> ConfigurationError:
     return ConfigurationError(
         f"malformed RPCReadingService checkpoint: field {field_name!r} {problem}. The checkpoint was edited, "
         "truncated or written by another program: resume from an unmodified state_dict()"
-    )
-
-
-def past_the_end(field_name: str, what: str, position: int, length: int) -> ConfigurationError:
-    """The error of a worker whose resumed position (field ``field_name``) lies past the end of ``what``."""
-    return ConfigurationError(
-        f"malformed RPCReadingService checkpoint: field {field_name} says {position} items of {what} were "
-        f"consumed, but it has {length} in this epoch. The checkpoint was edited, or the data or the graph changed "
-        "since it was taken: resume from an unmodified state_dict() over the same data"
     )
 
 

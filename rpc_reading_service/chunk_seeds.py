@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Tuple
 
-from torchdata.dataloader2.random._philox import kPhilox10A, kPhilox10B, kPhiloxSA, kPhiloxSB
+from .seed_generator import kPhilox10A, kPhilox10B, kPhiloxSA, kPhiloxSB
 
 __all__ = ["spawned_seeds"]
 

@@ -12,8 +12,10 @@ from typing import Optional
 
 __all__ = [
     "thread_stack",
+    "past_the_end",
     "RPCReadingServiceError",
     "ConfigurationError",
+    "MissingDependencyError",
     "ProtocolError",
     "LocalProtocolError",
     "RemoteProtocolError",
@@ -30,7 +32,16 @@ __all__ = [
     "DispatchStalledError",
     "StickyKeyError",
     "ItemPicklingError",
+    "DATALOADER2_MISSING",
 ]
+
+#: The ImportError of a DataLoader2 front end where torchdata has no DataLoader2 (``name``: what was imported).
+DATALOADER2_MISSING = (
+    "{name} is the torchdata DataLoader2 front end, and this torchdata has no DataLoader2 (torchdata "
+    "removed it in 0.10): pip install 'rpc-reading-service[dataloader2]' (torchdata>=0.7,<0.10) to use it, "
+    "or keep this torchdata and use RemoteIterable with torch's DataLoader or StatefulDataLoader "
+    "(from rpc_reading_service import RemoteIterable)"
+)
 
 
 def describe_worker(rank: Optional[int], address: Optional[str], noun: str = "worker") -> str:
@@ -59,6 +70,11 @@ class RPCReadingServiceError(Exception):
 
 class ConfigurationError(RPCReadingServiceError, ValueError):
     """The reading service or worker server was configured in a way that cannot work."""
+
+
+class MissingDependencyError(ConfigurationError, ImportError):
+    """A feature was asked for whose optional package is not installed (``prometheus_client`` for
+    metrics). The message says what to install: ``pip install 'rpc-reading-service[EXTRA]'``."""
 
 
 class ProtocolError(RPCReadingServiceError):
@@ -171,3 +187,12 @@ class ItemPicklingError(RPCReadingServiceError, TypeError):
     """An item holds a tensor that cannot be pickled to cross to the other side (an MKL-DNN
     tensor, for example). The message names the tensor's kind; convert it in the graph into one
     that can cross (``.to_dense()``, or a plain strided tensor) before yielding it."""
+
+
+def past_the_end(field_name: str, what: str, position: int, length: int) -> ConfigurationError:
+    """The error of a worker whose resumed position (field ``field_name``) lies past the end of ``what``."""
+    return ConfigurationError(
+        f"malformed RPCReadingService checkpoint: field {field_name} says {position} items of {what} were "
+        f"consumed, but it has {length} in this epoch. The checkpoint was edited, or the data or the graph changed "
+        "since it was taken: resume from an unmodified state_dict() over the same data"
+    )

@@ -15,37 +15,38 @@ from dataclasses import dataclass
 from typing import Callable, ContextManager, List, Optional, Tuple
 
 import torch
-import torchdata.datapipes.iter as torchdata_iter
 from torch.utils.data import IterDataPipe, MapDataPipe
-from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
-from torchdata.dataloader2.graph import (
+from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES, ShardingFilterIterDataPipe
+
+from .chunk_seeds import spawned_seeds
+from .errors import ConfigurationError
+from .graph_utils import (
+    HAS_NUMPY,
+    ROUND_ROBIN_DISPATCHER,
     DataPipe,
     DataPipeGraph,
+    DispatchPlaceholder,
+    WorkerInfo,
     find_dps,
+    find_lca_round_robin_sharding_dp,
+    find_non_dispatching_branches,
+    find_replicable_branches,
+    iter_datapipe_classes,
     list_dps,
     replace_dp,
     set_datapipes_seed,
     set_graph_random_seed,
     traverse_dps,
 )
-from torchdata.dataloader2.graph.utils import _find_replicable_branches
-from torchdata.dataloader2.random import SeedGenerator
-from torchdata.dataloader2.utils import WorkerInfo
-from torchdata.dataloader2.utils.dispatch import (
-    _DummyIterDataPipe,
-    find_lca_round_robin_sharding_dp,
-    find_non_dispatching_branches,
-)
-from torchdata.dataloader2.utils.worker import HAS_NUMPY
-
-from .chunk_seeds import spawned_seeds
-from .errors import ConfigurationError
+from .seed_generator import SeedGenerator
 from .selection import SelectionFilter, datapipes_before, selections_in, share_seeds_before_selections
 
 __all__ = [
     "graph_traversal",
     "DistributedInfo",
     "distributed_info",
+    "new_seed_group",
+    "destroy_seed_group",
     "split_dispatching",
     "check_per_item_after_dispatch",
     "split_replicable",
@@ -101,6 +102,22 @@ def distributed_info() -> DistributedInfo:
     return DistributedInfo()
 
 
+def new_seed_group(dist: DistributedInfo) -> Optional[object]:
+    """A gloo process group over which the trainers share each epoch's seed (None without torch.distributed)."""
+    if dist.world_size <= 1:
+        return None
+    return torch.distributed.new_group(backend="gloo")
+
+
+def destroy_seed_group(group: Optional[object]) -> None:
+    """Destroy a group of :func:`new_seed_group` (None: nothing to do; a group already gone is fine)."""
+    if group is not None:
+        try:
+            torch.distributed.destroy_process_group(group)
+        except Exception:  # noqa: BLE001 - the default group may already be gone
+            pass
+
+
 def split_dispatching(datapipe: DataPipe) -> Tuple[Optional[DataPipe], DataPipe]:
     """Cut off the non-replicable part before ``sharding_round_robin_dispatch``, as MPRS does.
 
@@ -115,7 +132,7 @@ def split_dispatching(datapipe: DataPipe) -> Tuple[Optional[DataPipe], DataPipe]
     dispatching = find_lca_round_robin_sharding_dp(graph)
     if dispatching is None:
         return None, datapipe
-    graph = replace_dp(graph, dispatching, _DummyIterDataPipe())
+    graph = replace_dp(graph, dispatching, DispatchPlaceholder())
     return dispatching, list(graph.values())[0][0]
 
 
@@ -126,8 +143,8 @@ def check_per_item_after_dispatch(graph: DataPipe, policy: str) -> None:
     is fine (0..k outputs per input); a DataPipe that holds items across inputs (batch, shuffle,
     bucketing, grouping, prefetch) would mix the items of units other workers may have, and a
     ``sharding_filter`` or ``header`` there would drop units by worker."""
-    holding = tuple(getattr(torchdata_iter, name) for name in _HOLDS_ACROSS_INPUTS)
-    dispatch_points = (torchdata_iter.ShardingRoundRobinDispatcher, _DummyIterDataPipe)
+    holding = iter_datapipe_classes(_HOLDS_ACROSS_INPUTS)
+    dispatch_points = tuple(cls for cls in (ROUND_ROBIN_DISPATCHER, DispatchPlaceholder) if cls is not None)
     found, levels = set(), [traverse_dps(graph)]
     while levels:  # the DataPipes down to the dispatch point (the part before it may hold anything)
         for datapipe, inputs in levels.pop().values():
@@ -144,7 +161,7 @@ def check_per_item_after_dispatch(graph: DataPipe, policy: str) -> None:
         )
 
 
-#: torchdata DataPipes (``torchdata.datapipes.iter`` names) that hold items across their inputs.
+#: DataPipes (``torchdata.datapipes.iter`` names) that hold items across their inputs.
 _HOLDS_ACROSS_INPUTS = (
     "Batcher", "BucketBatcher", "MaxTokenBucketizer", "Shuffler", "Grouper", "Prefetcher", "ShardingFilter",
     "Header",  # a per-worker limit: which items it keeps would depend on the workers' speeds
@@ -161,7 +178,7 @@ def split_replicable(datapipe: DataPipe) -> Tuple[DataPipe, Callable[[DataPipe],
     cut off first (:func:`split_dispatching`).
     """
     graph = traverse_dps(datapipe)
-    branches = _find_replicable_branches(graph)
+    branches = find_replicable_branches(graph)
     if len(branches) != 1:
         raise ConfigurationError(
             f"RPCReadingService needs exactly one replicable branch in the graph, found {len(branches)}: "
@@ -242,7 +259,7 @@ def _initialised_worker_graph(
     """:func:`init_worker_graph`'s graph, and its traversal (``traverse_dps``) as it is returned."""
     with _traversal_lock:
         graph = traverse_dps(datapipe)
-        placeholders = find_dps(graph, _DummyIterDataPipe)
+        placeholders = find_dps(graph, DispatchPlaceholder)
         if not placeholders:  # process_init_fn's own case, without traversing the graph again to find out
             torch.utils.data.graph_settings.apply_sharding(
                 datapipe, worker_info.num_workers, worker_info.worker_id, SHARDING_PRIORITIES.MULTIPROCESSING
@@ -351,7 +368,7 @@ class WorkerGraphSeeds:
         with _traversal_lock:
             self.graph = datapipe
             graph = traverse_dps(datapipe) if traversal is None else traversal
-            sharding = find_dps(graph, torchdata_iter.ShardingFilter)
+            sharding = find_dps(graph, ShardingFilterIterDataPipe)
             self._shared = datapipes_before(sharding)  # set_graph_random_seed's "dps_before_sharding"
             self._local = list_dps(graph, exclude_dps=sharding)
             self._before_selections = datapipes_before(selections_in(datapipe, graph))

@@ -11,14 +11,20 @@ import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import cloudpickle
-from torchdata.dataloader2.graph import DataPipe, set_graph_random_seed
-from torchdata.dataloader2.random import SeedGenerator, dist_share_seed
-from torchdata.dataloader2.reading_service import CheckpointableReadingServiceInterface
+
+from .errors import DATALOADER2_MISSING
+
+try:
+    from torchdata.dataloader2.reading_service import CheckpointableReadingServiceInterface
+except ImportError as exc:  # torchdata >= 0.10 (or none): DataLoader2 is gone
+    raise ImportError(DATALOADER2_MISSING.format(name="RPCReadingService")) from exc
 
 from .checkpoint import (
     ReadingServiceState,
+    check_resume,
     graph_fingerprint,
     load_seed_generator_state,
+    run_state,
     seed_generator_state,
 )
 from .config import Liveness, ReadingServiceConfig, Reassign, TransportConfig, WorkerSource
@@ -28,11 +34,15 @@ from .graph import (
     ResetFn,
     advance_trainer_rng,
     apply_distributed_sharding,
+    destroy_seed_group,
     distributed_info,
     draw_epoch_seed,
+    new_seed_group,
     split_dispatching,
     split_replicable,
 )
+from .graph_utils import DataPipe, set_graph_random_seed
+from .seed_generator import SeedGenerator, dist_share_seed
 from .stats import ReadingServiceStats
 from .trainer_graph import (
     RemoteStream,
@@ -182,10 +192,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         if dispatching is not None:
             apply_distributed_sharding(dispatching, dist)
         try:
-            if dist.world_size > 1:
-                import torch.distributed
-
-                self._seed_group = torch.distributed.new_group(backend="gloo")
+            self._seed_group = new_seed_group(dist)
             self._engine.start(branch, dist, dispatching)
         except BaseException:
             self.finalize()
@@ -233,22 +240,13 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
     # -- CheckpointableReadingServiceInterface ----------------------------------------------------
     def checkpoint(self) -> bytes:
         """Seeds and per-worker positions of the current epoch (small; no data)."""
-        epoch, dist = self._engine.epoch, distributed_info()
+        epoch = self._engine.epoch
         delivered = delivered_count(self._end_datapipe, self._stream, self._end_iterator_id)
-        positions = epoch.positions(delivered) if epoch is not None else Positions(())
         # With trainer-side DataPipes, the epoch ends when the trainer's graph ends (fullsync: early).
         ended = epoch is None or (self._ended_epoch is epoch if delivered is not None else epoch.finished)
-        generator = self._seed_generator
-        state = ReadingServiceState(
-            num_workers=self.num_workers, graph=self._fingerprint, epoch=self._engine.epoch_number,
-            epoch_seed=epoch.seed if epoch is not None else 0, consumed=list(positions.consumed),
-            next_rank=positions.next_rank, in_epoch=not ended,
-            seed_generator=None if generator is None else seed_generator_state(generator),
-            dist_rank=dist.rank, dist_world_size=dist.world_size,
-            epoch_start_seed_generator=self._epoch_start_generator,
-            distribution=None if positions.policy is None else dict(positions.policy),
-            distribution_name=self._config.distribution.name,
-            placement=None if ended else self._engine.placement(),
+        state = run_state(
+            self._engine, self._fingerprint, distributed_info(), self._seed_generator,
+            self._epoch_start_generator, delivered, ended,
         )  # fmt: skip
         return state.to_bytes()
 
@@ -257,17 +255,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         with self._engine.guard.held("restoring a checkpoint"):
             state = ReadingServiceState.from_bytes(serialized_state)
             self._engine.discover()  # num_workers may come from discovery
-            dist = distributed_info()
-            state.check_compatible(self.num_workers, graph_fingerprint(datapipe), dist.rank, dist.world_size)
-            if state.in_epoch and self.num_workers > 0:  # the trainer's own graph resumes by position
-                policy = self._config.distribution
-                policy.check_state(state.distribution)
-                state.check_distribution(policy.name)
-                try:
-                    state.check_placement(self._engine.placement())
-                except BaseException:
-                    self.finalize()  # a local server may have started
-                    raise
+            check_resume(state, self._engine, graph_fingerprint(datapipe), distributed_info(), self.finalize)
             end = self._initialize(datapipe)
             self._engine.epoch_number = state.epoch
             if not state.in_epoch:  # e.g. "dynamic"'s next chunks follow the checkpointed epoch's length
@@ -286,14 +274,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         if end is not None and end is not self._stream and self._engine.channels:
             shutdown_trainer_side(end)  # fullsync's or main_prefetch_cnt's thread, while the workers answer
         self._engine.close()
-        if self._seed_group is not None:
-            import torch.distributed
-
-            try:
-                torch.distributed.destroy_process_group(self._seed_group)
-            except Exception:  # noqa: BLE001 - the default group may already be gone
-                pass
-            self._seed_group = None
+        destroy_seed_group(self._seed_group)
+        self._seed_group = None
 
     # -- DataLoader2 pause / resume / limit -----------------------------------------------------
     def _pause(self, pause_fn: Optional[Callable[[DataPipe], DataPipe]] = None) -> None:

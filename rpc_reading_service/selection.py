@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tuple
 
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES, ShardingFilterIterDataPipe
-from torchdata.dataloader2.graph import DataPipe, DataPipeGraph, find_dps, list_dps, replace_dp, traverse_dps
+
+from .graph_utils import DataPipe, DataPipeGraph, find_dps, list_dps, replace_dp, set_datapipes_seed, traverse_dps
 
 __all__ = [
     "SelectionContext",
@@ -213,7 +214,6 @@ def share_seeds_before_selections(datapipe: DataPipe, seed_generator: Any) -> Da
     """Seed the random DataPipes before each :class:`SelectionFilter` from the shared stream of
     ``seed_generator``, as torchdata seeds the ones before a ``sharding_filter`` (it does not know
     this subclass): every worker then walks the same stream. Runs as torchdata's ``iter_reset_fn``."""
-    from torchdata.dataloader2.graph.settings import set_datapipes_seed
 
     set_datapipes_seed(datapipes_before(selections_in(datapipe)), seed_generator, distributed_shared=True)
     return datapipe

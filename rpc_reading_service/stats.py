@@ -47,10 +47,11 @@ class ReadingServiceStats:
     wait_seconds: float
     data_stall: float
     workers: List[WorkerStats] = field(default_factory=list)
-    #: Workers whose server drained (SIGTERM) this epoch, their work handed to other servers.
-    workers_drained: int = 0
-    #: Workers lost this epoch and replaced (``on_worker_failure="reassign"``): failures, not drains.
-    workers_replaced: int = 0
+    #: Lost workers' shards replayed on new sessions this epoch (``on_worker_failure="reassign"``).
+    reassignments: int = 0
+    #: Workers whose server drained (SIGTERM) this epoch, their work handed to other servers
+    #: (not failures: not among ``reassignments``).
+    drains: int = 0
 
     def as_dict(self) -> Dict[str, Any]:
         """Plain dict, e.g. for logging as JSON."""
@@ -60,7 +61,7 @@ class ReadingServiceStats:
         """One line for a log: items/s and data stall."""
         changes = "".join(
             f", {count} worker{'s' if count != 1 else ''} {what}"
-            for count, what in ((self.workers_drained, "drained"), (self.workers_replaced, "lost and replaced"))
+            for count, what in ((self.drains, "drained"), (self.reassignments, "lost and replaced"))
             if count
         )
         return (

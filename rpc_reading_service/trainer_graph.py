@@ -12,10 +12,10 @@ import logging
 from concurrent.futures import wait as wait_futures
 from typing import Any, Iterator, List, Optional
 
-from torchdata.dataloader2.graph import DataPipe, list_dps, traverse_dps
-from torchdata.datapipes.iter import IterDataPipe
+from torch.utils.data import IterDataPipe
 
 from .engine import Engine
+from .graph_utils import DataPipe, list_dps, traverse_dps
 
 __all__ = [
     "RemoteStream",

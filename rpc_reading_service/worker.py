@@ -13,6 +13,7 @@ the rest). A second SIGTERM, or SIGINT, stops it at once.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -31,6 +32,7 @@ from .cache.handle import set_worker_cache
 from .discovery import WorkerRegistration, advertised_address
 from .errors import ConfigurationError
 from .keys import AUTH_KEY_ENV, load_auth_key
+from .metrics.counters import SessionCounters, SessionLedger
 from .protocol import DEFAULT_MAX_FRAME_BYTES
 from .protocol.messages import resolve_field_types
 from .transports import available_transports, create_transport
@@ -115,6 +117,8 @@ class WorkerServer:
         self._stop = threading.Event()
         self._wake_fds: List[int] = []  # wake_on()'s pipe end: sessions close it
         self._cache = cache
+        #: Sessions and their counters, for metrics (``--metrics-port``).
+        self.ledger = SessionLedger()
         set_worker_cache(cache)  # before any session forks, so every session finds it
 
     def stop(self) -> None:
@@ -204,11 +208,15 @@ class WorkerServer:
     def _start_session(self, conn: Connection) -> None:
         """Run ``conn``'s session in a new process (or thread); if the host cannot start one
         (a process limit, out of memory), refuse only this session and say why."""
+        counters = self.ledger.begin()
         if self.session_mode == "thread":
-            thread = threading.Thread(target=self._run_session, args=(conn,), name=f"rrs-session-{conn.peer}", daemon=True)
+            thread = threading.Thread(
+                target=self._run_thread_session, args=(conn, counters), name=f"rrs-session-{conn.peer}", daemon=True
+            )
             try:
                 thread.start()
             except RuntimeError as exc:  # "can't start new thread"
+                self.ledger.end(counters)
                 self._refuse_session(conn, f"cannot start a thread: {exc}")
                 return
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
@@ -221,6 +229,7 @@ class WorkerServer:
         try:
             pid = os.fork()
         except OSError as exc:  # BlockingIOError (EAGAIN) at a pids limit, ENOMEM
+            self.ledger.end(counters)
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             self._refuse_session(conn, f"fork failed: {exc}")
             return
@@ -237,7 +246,7 @@ class WorkerServer:
                         os.close(fd)
                     except OSError:
                         pass
-                self._run_session(conn, own_process=True)
+                self._run_session(conn, counters, own_process=True)
             except BaseException:  # noqa: BLE001
                 code = 1
             finally:
@@ -247,6 +256,7 @@ class WorkerServer:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         conn.release()
         self._children[pid] = conn.peer
+        self.ledger.forked(pid, counters)
         log.info("session for %s runs in process %d", conn.peer, pid)
 
     def _refuse_session(self, conn: Connection, failure: str) -> None:
@@ -258,7 +268,15 @@ class WorkerServer:
         log.error("refused a session to %s: %s", conn.peer, reason)
         conn.refuse(reason)  # without lingering: other trainers wait on this loop
 
-    def _run_session(self, conn: Connection, own_process: bool = False) -> None:
+    def _run_thread_session(self, conn: Connection, counters: SessionCounters) -> None:
+        try:
+            self._run_session(conn, counters)
+        finally:
+            self.ledger.end(counters)
+
+    def _run_session(
+        self, conn: Connection, counters: Optional[SessionCounters] = None, own_process: bool = False
+    ) -> None:
         try:
             import torch
 
@@ -266,9 +284,14 @@ class WorkerServer:
         except Exception:  # noqa: BLE001
             pass
         WorkerSession(
-            conn, self.address, idle_timeout=self.idle_timeout, stats_interval=self.stats_interval, own_process=own_process,
+            conn,
+            self.address,
+            idle_timeout=self.idle_timeout,
+            stats_interval=self.stats_interval,
+            counters=counters,
+            own_process=own_process,
             draining=lambda: self.draining,
-        ).run()  # fmt: skip
+        ).run()
 
     def _reap(self) -> None:
         for pid in list(self._children):
@@ -278,6 +301,7 @@ class WorkerServer:
                 done, status = pid, 0
             if done:
                 peer = self._children.pop(pid)
+                self.ledger.process_ended(pid)
                 stack = take_stack(pid)
                 if stack is not None:
                     log.warning(
@@ -470,6 +494,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--store-timeout", type=float, default=300.0, help="seconds to wait for the --store to come up (default 300)"
     )
+    parser.add_argument(
+        "--metrics-port", type=int, metavar="PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free port, logged); needs "
+        "pip install 'rpc-reading-service[metrics]'",
+    )  # fmt: skip
+    parser.add_argument("--metrics-host", metavar="HOST", help="address of --metrics-port (default: the --host address)")
     parser.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--announce-fd", type=int, help=argparse.SUPPRESS)  # local servers: address on this pipe
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
@@ -510,11 +540,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
         if registration is not None:
             advertised = advertised_address(server.address, args.advertise_host, args.store)
+        metrics = None
+        if args.metrics_port is not None:
+            from .metrics.worker_server import serve_worker_metrics
+
+            metrics = serve_worker_metrics(server, args.metrics_host or args.host, args.metrics_port)
     except ConfigurationError as exc:
         print(f"rpc-reading-worker: error: {exc}", file=sys.stderr)
         return 2
     # Import the heavy libraries before the first fork (or thread), so sessions start warm.
-    import torchdata.dataloader2  # noqa: F401
+    with contextlib.suppress(ImportError), torchdata_banner_muted():
+        import torchdata.dataloader2  # noqa: F401 - where it exists (torchdata < 0.10): user graphs may use it
 
     def announce(line: str) -> None:
         if args.announce_fd is None:
@@ -525,7 +561,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if registration is not None:
             registration.start(advertised, on_failure=server.stop)
 
-    serve_until_signalled(server, announce)
+    try:
+        serve_until_signalled(server, announce)
+    finally:
+        if metrics is not None:
+            metrics.close()
     if registration is not None:
         registration.stop()
         if registration.error is not None:

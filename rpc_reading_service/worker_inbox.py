@@ -7,7 +7,7 @@ import collections
 import threading
 from typing import Any, Callable, Deque, Iterator, Optional, Sequence, Tuple
 
-from torchdata.datapipes.iter import IterDataPipe
+from torch.utils.data import IterDataPipe
 
 from .protocol import EncodedItem
 from .serialization import loads_item

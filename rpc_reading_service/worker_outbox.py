@@ -311,6 +311,12 @@ class Outbox:
             self.credit_wait_seconds += now - self._credit_wait_since
             self._credit_wait_since = None
 
+    def credit_wait_total(self) -> float:
+        """Seconds data waited for trainer credit so far, the wait going on now included."""
+        with self._cond:
+            since = self._credit_wait_since
+            return self.credit_wait_seconds + (max(0.0, time.monotonic() - since) if since is not None else 0.0)
+
     def _credit_owed(self) -> bool:
         """Whether the trainer holds enough of this epoch's frames that it owes a slow stage a
         CREDIT without more of them (:func:`~rpc_reading_service.protocol.credit_batch`)."""

@@ -37,9 +37,9 @@ import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from .version import __version__
-from .checkpoint import past_the_end
-from .errors import FrameTooLargeError, RemoteProtocolError, thread_stack
+from .errors import FrameTooLargeError, RemoteProtocolError, past_the_end, thread_stack
 from .graph import WorkerGraphSeeds, prepare_worker_graph, reset_worker_graph, seed_chunk
+from .graph_utils import WorkerInfo
 from .protocol import (
     Buffer,
     ChunkDone,
@@ -118,10 +118,13 @@ class WorkerSession:
         server_address: str = "",
         idle_timeout: Optional[float] = None,
         stats_interval: float = 30.0,
+        counters: Any = None,
         own_process: bool = False,
         draining: Callable[[], bool] = lambda: False,
     ):
-        """``own_process``: the session has its process to itself (forked): with item_timeout, a
+        """``counters``: where the session publishes its counters for the server's metrics (an
+        object with ``publish(outbox)``, e.g. :class:`~rpc_reading_service.metrics.counters.SessionCounters`);
+        ``own_process``: the session has its process to itself (forked): with item_timeout, a
         :class:`~rpc_reading_service.worker_lock_watch.LockWatch` ends it when C code holds the
         interpreter lock for good. ``draining``: True once the server drains (the session then leaves)."""
         self.conn = conn
@@ -130,6 +133,7 @@ class WorkerSession:
         self._lock_watch: Optional[LockWatch] = None
         self.server_address = server_address
         self.stats_interval = stats_interval
+        self._counters = counters
         self.options = SessionOptions()
         if idle_timeout is not None:  # the server's --idle-timeout: how long to wait for SETUP
             self.options = dataclasses.replace(self.options, setup_timeout=idle_timeout)
@@ -249,8 +253,6 @@ class WorkerSession:
         self.options = setup.options
         self.outbox = Outbox(self.options, self.protocol.send, self._lock, self._send_frames)
         try:
-            from torchdata.dataloader2.utils import WorkerInfo
-
             datapipe, init_fn, self._reset_fn = loads_graph(setup.graph)
             self._worker_info = WorkerInfo(setup.num_workers, setup.worker_rank)
             # Seeds found once, not at every epoch's start; a worker_reset_fn may rebuild the graph.
@@ -493,6 +495,7 @@ class WorkerSession:
                     self._leave()
                     return
                 throughput.maybe_log()
+                self._publish()
                 now = time.monotonic()
                 if now >= next_tick:
                     with self.outbox.sending:  # a heartbeat leaves in the order recorded, too
@@ -570,6 +573,12 @@ class WorkerSession:
             self._sender.join(timeout=2.0)
         if self._lock_watch is not None:
             self._lock_watch.stop()
+        self._publish(final=True)
+
+    def _publish(self, final: bool = False) -> None:
+        """Publish the session's counters (the sender: at least once a second; the session's end: ``final``)."""
+        if self._counters is not None:
+            self._counters.publish(self.outbox, final)
 
 
 class _ChunkCount:

@@ -123,7 +123,7 @@ def test_a_drained_server_hands_its_work_to_the_others_without_an_error(two_serv
     assert seen.epoch_seconds < DRAIN_TIMEOUT, f"the epoch took {seen.epoch_seconds:.1f} s"
     assert seen.exit_code == 0, f"the drained server exited with {seen.exit_code}:\n{two_servers[1].stderr()}"
     assert seen.exit_after < DRAIN_TIMEOUT, f"the drained server took {seen.exit_after:.1f} s to exit"
-    assert seen.stats.workers_drained == 1 and seen.stats.workers_replaced == 0
+    assert seen.stats.drains == 1 and seen.stats.reassignments == 0
     assert "1 worker drained" in seen.stats.summary()
     log = two_servers[1].stderr()
     assert "draining: no new sessions" in log and "drained: every session has ended" in log
@@ -151,4 +151,4 @@ def test_a_server_with_sessions_in_threads_drains_too(two_servers, tmp_path):
     seen = _drain_mid_epoch(two_servers, tmp_path, 5, on_worker_failure="raise", timeout=20.0)
     assert seen.outcome == expected
     assert seen.exit_code == 0 and seen.exit_after < DRAIN_TIMEOUT, (seen.exit_code, seen.exit_after)
-    assert seen.stats.workers_drained == 1
+    assert seen.stats.drains == 1

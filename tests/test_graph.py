@@ -211,14 +211,14 @@ def test_split_replicable_keeps_fullsync_in_the_trainer():
 
 def test_split_dispatching_cuts_off_the_part_before_the_dispatch_point():
     from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
-    from torchdata.dataloader2.utils.dispatch import _DummyIterDataPipe
+    from rpc_reading_service.graph_utils import DispatchPlaceholder
 
     source = IterableWrapper(range(6)).shuffle()
     dispatch = source.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
     dp = dispatch.map(lambda x: x * 10).sharding_filter()
     part, rest = split_dispatching(dp)
     assert part is dispatch and rest is dp
-    assert type(dp.source_datapipe.datapipe) is _DummyIterDataPipe  # torchdata's placeholder, as MPRS puts it
+    assert type(dp.source_datapipe.datapipe) is DispatchPlaceholder  # where MPRS puts its placeholder
     assert sorted(part) == list(range(6))  # the part runs on its own
     # A worker puts its dealt items where the placeholder is; sharding after the dispatch point
     # is not applied there (MPRS shards only the branches that do not come from the dispatcher).

@@ -86,14 +86,14 @@ LAYERS = {
         "errors", "version", "safe_text", "quiet_imports", "settings", "addresses", "keys", "registry",
         "discovery",
     },
-    "graph utilities": {"graph", "selection", "chunk_seeds", "sticky"},
+    "graph utilities": {"graph_utils", "seed_generator", "graph", "selection", "chunk_seeds", "sticky"},
     "serialization": {"serialization"},
     "protocol": {"protocol"},
     "transports": {"transports", "shared_items"},
-    "session drivers": {"client", "receive_loop", "worker_session", "worker_inbox", "worker_outbox", "worker_cancel"},
-    "worker server": {"worker", "cache"},
+    "session drivers": {"client", "receive_loop", "worker_session", "worker_inbox", "worker_outbox", "worker_cancel", "worker_lock_watch"},
+    "worker server": {"worker", "cache", "metrics"},
     "engine": {"engine", "config", "distributions", "local_fleet", "checkpoint", "stats"},
-    "front ends": {"reading_service", "trainer_graph", "__init__"},
+    "front ends": {"reading_service", "trainer_graph", "frontends", "__init__"},
 }
 RANK = {module: rank for rank, modules in enumerate(LAYERS.values()) for module in modules}
 LAYER_NAMES = list(LAYERS)

@@ -7,8 +7,7 @@ import functools
 from collections.abc import Iterator
 from typing import Any, Callable, Optional, TypeVar
 
-from torchdata.datapipes import functional_datapipe
-from torchdata.datapipes.iter import IterDataPipe
+from torch.utils.data import IterDataPipe, functional_datapipe
 
 from .handle import worker_cache
 from .keys import cache_key, function_namespace

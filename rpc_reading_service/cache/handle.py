@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 from .config import CacheConfig
 from .worker_cache import WorkerCache
 
-__all__ = ["set_worker_cache", "worker_cache"]
+__all__ = ["set_worker_cache", "worker_cache", "opened_worker_cache"]
 
 _config: Optional[CacheConfig] = None
 _opened: Optional[Tuple[int, WorkerCache]] = None  # (pid, cache): a forked child opens its own
@@ -46,3 +46,10 @@ def worker_cache() -> Optional[WorkerCache]:
         if _opened is None or _opened[0] != os.getpid():
             _opened = (os.getpid(), WorkerCache(_config))
         return _opened[1]
+
+
+def opened_worker_cache() -> Optional[WorkerCache]:
+    """This process's worker cache if a session of this process has opened it, else ``None``
+    (never opens one: a forking server's own process leaves that to its sessions)."""
+    opened = _opened
+    return opened[1] if opened is not None and opened[0] == os.getpid() else None

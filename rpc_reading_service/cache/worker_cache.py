@@ -5,7 +5,8 @@ at the same time."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+import threading
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from .config import CacheConfig
 from .memory import MemoryTier
@@ -33,6 +34,18 @@ class WorkerCache:
         self.disk = DiskStore(config.directory, config.max_bytes) if config.directory else None
         self.memory = MemoryTier(config.memory_bytes) if config.memory_bytes else None
         self._warned_unpicklable = False
+        #: Lookups answered by each tier, and values computed (misses), for the server's metrics.
+        self._counts = {"memory_hits": 0, "disk_hits": 0, "misses": 0}
+        self._counts_lock = threading.Lock()  # sessions in thread mode share this cache
+
+    def counts(self) -> Dict[str, int]:
+        """Hits per tier (``memory_hits``, ``disk_hits``) and ``misses`` (values computed) so far."""
+        with self._counts_lock:
+            return dict(self._counts)
+
+    def _count(self, name: str) -> None:
+        with self._counts_lock:
+            self._counts[name] += 1
 
     def get_or_compute(self, key: str, compute: Callable[[], Any]) -> Any:
         """The cached value of ``key``, or ``compute()`` stored under it.
@@ -44,34 +57,42 @@ class WorkerCache:
         if found is not _MISSING:
             return found
         if self.disk is None:
+            self._count("misses")
             return self._store(key, compute())
         with self.disk.computing(key):
             found = self._load(key)  # the holder we waited for may have stored it
             if found is not _MISSING:
                 return found
+            self._count("misses")
             return self._store(key, compute())
 
     def _load(self, key: str) -> Any:
-        payload = self._lookup(key)
-        if payload is None:
+        found = self._lookup(key)
+        if found is None:
             return _MISSING
+        payload, tier = found
         try:
-            return unpack_value(payload)
+            value = unpack_value(payload)
         except Exception as exc:  # noqa: BLE001 - e.g. the class of a cached value is gone
             log.warning("cached_map: a cached value cannot be unpickled (%s); computing it again", exc)
             return _MISSING
+        self._count(tier)
+        return value
 
-    def _lookup(self, key: str) -> Optional[memoryview]:
-        """``key``'s payload in memory nobody else holds (values are rebuilt on it), or ``None``."""
+    def _lookup(self, key: str) -> Optional[Tuple[memoryview, str]]:
+        """``key``'s payload in memory nobody else holds (values are rebuilt on it) and the counter
+        of the tier that held it (``"memory_hits"`` or ``"disk_hits"``), or ``None``."""
         # A memory hit leaves the disk entry's recency alone: the disk tier ranks what the
         # sessions' memory tiers do not hold, which is what it is there for.
         kept = self.memory.get(key) if self.memory is not None else None
         if kept is not None:
-            return memoryview(bytearray(kept))
+            return memoryview(bytearray(kept)), "memory_hits"
         payload = self.disk.get(key) if self.disk is not None else None
-        if payload is not None and self.memory is not None:
+        if payload is None:
+            return None
+        if self.memory is not None:
             self.memory.put(key, bytes(payload))
-        return payload
+        return payload, "disk_hits"
 
     def _store(self, key: str, value: Any) -> Any:
         try:

@@ -14,10 +14,9 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, Iterator, Mapping, Optional, Tuple
 
-from ..checkpoint import past_the_end
 from ..client import WorkerChannel
 from .distribution import EpochProgress, EpochRun, Merger
-from ..errors import ItemTimeoutError, WorkerDrainedError, WorkerLostError
+from ..errors import ItemTimeoutError, WorkerDrainedError, WorkerLostError, past_the_end
 
 if TYPE_CHECKING:
     from .run import Engine
@@ -65,10 +64,10 @@ class Epoch:
             self._merger = engine.config.distribution.merger(run)
         #: Worker losses this epoch by (rank, items of its shard consumed): see :meth:`_replace`.
         self._losses: Dict[Tuple[int, int], int] = {}
-        #: Workers whose server drained this epoch (their work went on elsewhere), and workers
-        #: lost and replaced (on_worker_failure="reassign"), for ``stats()``.
-        self.drained = 0
-        self.replaced = 0
+        #: Lost workers replaced by a new session this epoch (on_worker_failure="reassign"), and
+        #: workers whose server drained (their work went on elsewhere), for ``stats()``.
+        self.reassignments = 0
+        self.drains = 0
         self._started = False
 
     def __iter__(self) -> Iterator[Any]:
@@ -185,7 +184,7 @@ class Epoch:
             error, position, losses, limit,
         )  # fmt: skip
         channel = self._reopen(lost, error)
-        self.replaced += 1
+        self.reassignments += 1
         return channel
 
     def _take_over(self, lost: WorkerChannel, error: WorkerDrainedError) -> WorkerChannel:
@@ -201,7 +200,7 @@ class Epoch:
         log.info("%s; its work goes on in a new session on another server", error)
         engine.fleet.drained.add(lost.address)
         channel = self._reopen(lost, error)
-        self.drained += 1
+        self.drains += 1
         return channel
 
     def _reopen(self, lost: WorkerChannel, error: WorkerLostError) -> WorkerChannel:

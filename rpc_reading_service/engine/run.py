@@ -26,13 +26,11 @@ import threading
 import weakref
 from typing import Any, Callable, List, Optional
 
-from torchdata.dataloader2.graph import DataPipe
-from torchdata.dataloader2.utils import WorkerInfo
-
 from ..client import Event, WorkerChannel, drop_items
 from ..config import ReadingServiceConfig
 from ..errors import ConfigurationError, DispatchStalledError, RPCReadingServiceError
 from ..graph import DistributedInfo, graph_traversal, init_worker_graph, reset_dispatching_graph, reset_worker_graph
+from ..graph_utils import DataPipe, WorkerInfo
 from ..selection import selection_in_place
 from ..serialization import dumps_graph, pack_exception, rebuild_exception
 from ..stats import ReadingServiceStats, WorkerStats
@@ -350,8 +348,8 @@ class Engine:
             wait_seconds=progress.wait_seconds,
             data_stall=min(1.0, progress.wait_seconds / elapsed),
             workers=workers,
-            workers_drained=epoch.drained,
-            workers_replaced=epoch.replaced,
+            reassignments=epoch.reassignments,
+            drains=epoch.drains,
         )
 
     @property

@@ -42,13 +42,12 @@ import collections
 from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from torch.utils.data.datapipes.iter.sharding import ShardingFilterIterDataPipe
-from torchdata.dataloader2.graph import find_dps, traverse_dps
-from torchdata.dataloader2.utils.dispatch import _DummyIterDataPipe, find_lca_round_robin_sharding_dp
 
 from ...checkpoint import MAX_POSITION
 from ...client import WorkerChannel
 from ...errors import ConfigurationError, WorkerLostError
 from ...graph import check_per_item_after_dispatch
+from ...graph_utils import DispatchPlaceholder, find_dps, find_lca_round_robin_sharding_dp, traverse_dps
 from ...selection import LeasedChunks, WorkerSelection
 from ...settings import NumberRule, check_number
 from .base import DistributionPolicy, EpochRun, FleetView, Merger
@@ -142,7 +141,7 @@ class Dynamic(DistributionPolicy):
         The engine checks the workers' part of a dispatching graph, in which torchdata's
         placeholder stands for the dispatch point."""
         dps = traverse_dps(graph)  # pickles every DataPipe of the graph: once
-        if find_lca_round_robin_sharding_dp(dps) is not None or find_dps(dps, _DummyIterDataPipe):
+        if find_lca_round_robin_sharding_dp(dps) is not None or find_dps(dps, DispatchPlaceholder):
             check_per_item_after_dispatch(graph, self.name)
             return
         if not find_dps(dps, ShardingFilterIterDataPipe):

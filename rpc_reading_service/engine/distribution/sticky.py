@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from torch.utils.data.datapipes.iter.sharding import ShardingFilterIterDataPipe
-from torchdata.dataloader2.graph import find_dps, traverse_dps
-from torchdata.dataloader2.utils.dispatch import find_lca_round_robin_sharding_dp
 
 from ...errors import ConfigurationError
+from ...graph_utils import find_dps, find_lca_round_robin_sharding_dp, traverse_dps
 from ...sticky.hashing import StickyAssignment
 from ...sticky.selection import KeySelection
 from .base import FleetView
