@@ -87,7 +87,8 @@ cleanup() {
     trap - INT TERM EXIT
     if [ ${#pids[@]} -gt 0 ]; then
         echo "stopping ${#pids[@]} workers" >&2
-        kill -TERM "${pids[@]}" 2>/dev/null || true
+        # SIGINT stops a worker at once (SIGTERM would drain it: its sessions move to other servers first).
+        kill -INT "${pids[@]}" 2>/dev/null || true
         for _ in $(seq 50); do  # up to 5 s for a clean stop (sessions reaped, store entries deleted)
             alive=0
             for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done

@@ -33,7 +33,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from .errors import ItemTimeoutError, RemoteProtocolError, WorkerLostError, WorkerRefusedError, WorkerStartupError, describe_worker
+from .errors import (
+    ItemTimeoutError, RemoteProtocolError, WorkerDrainedError, WorkerLostError, WorkerRefusedError, WorkerStartupError,
+    describe_worker,
+)  # fmt: skip
 from .receive_loop import ReceiveLoop
 from .protocol import (
     ChunkDone,
@@ -48,6 +51,7 @@ from .protocol import (
     Items,
     MAX_LEASE_RUN,
     Lease,
+    Leaving,
     Message,
     Ready,
     Refused,
@@ -142,8 +146,8 @@ class WorkerChannel:
         self._state_lock = threading.Lock()
         #: Held from recording a frame to writing it: frames leave in the order recorded.
         self._send_lock = threading.Lock()
-        #: Why the worker ended the session, if it said (item_timeout).
-        self._ended_by: Optional[ItemTimeoutError] = None
+        #: Why the worker ended the session, if it said (item_timeout, LEAVING).
+        self._ended_by: Optional[WorkerLostError] = None
         #: Said after "its process died" when the connection closes: what else ends a session's process.
         self.closed_hint = ""
         #: The user's number of each epoch started here, by its number on the wire.
@@ -172,6 +176,7 @@ class WorkerChannel:
             Error: self._on_error,
             Refused: lambda refused: self._lost(f"{self.name} ended the session: {refused.reason}"),
             Close: lambda close: self._lost(f"{self.name} ended the session (it said CLOSE)"),
+            Leaving: self._on_leaving,
         }
 
     @property
@@ -313,6 +318,8 @@ class WorkerChannel:
             raise WorkerStartupError(
                 f"{self.name} could not set up the graph (unpickling it or running worker_init_fn): {error}"
             ) from error
+        if isinstance(event, Leaving):
+            raise self._drained(event)
         raise WorkerLostError(f"{self.name} ended the session during setup (it said CLOSE)", self.rank, self.address)
 
     def fail_setup(self, error: BaseException) -> None:
@@ -588,6 +595,17 @@ class WorkerChannel:
             error = rebuild_exception(dict(event.exception), self.rank, self.address)
         self._report(Event(self, "error", event.epoch, error=error))
         return False
+
+    def _on_leaving(self, event: Leaving) -> bool:
+        self._ended_by = self._drained(event)
+        self.conn.close()  # nothing more comes: the worker's session ends now, not when the consumer gets here
+        return self._lost(str(self._ended_by))
+
+    def _drained(self, event: Leaving) -> WorkerDrainedError:
+        """The worker's LEAVING as the error its loss carries (the engine hands its work on)."""
+        log.info("%s is leaving: %s", self.name, event.reason or "its server drains")
+        reason = event.reason or "its worker server is draining"
+        return WorkerDrainedError(f"{self.name} left the run: {reason}", self.rank, self.address)
 
     def _item_timeout_error(self, event: Error) -> ItemTimeoutError:
         position = -1 if event.position is None else event.position

@@ -24,6 +24,7 @@ __all__ = [
     "WorkerRefusedError",
     "WorkerLostError",
     "ItemTimeoutError",
+    "WorkerDrainedError",
     "WorkerStartupError",
     "RemoteWorkerError",
     "DiscoveryTimeoutError",
@@ -136,6 +137,13 @@ class ItemTimeoutError(WorkerLostError):
         super().__init__(message, rank, address)
         self.position = position
         self.stack = stack
+
+
+class WorkerDrainedError(WorkerLostError):
+    """A worker's server drained (SIGTERM) and its session left. Not a failure: the trainer
+    hands the worker's work to other servers whatever ``on_worker_failure`` says. Raised only
+    when no other server could take it (every server of the run drained or is gone): the
+    message names them; start more servers, or pass more addresses."""
 
 
 class WorkerStartupError(RPCReadingServiceError):

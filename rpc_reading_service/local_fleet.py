@@ -135,7 +135,10 @@ def _fork_server(
         try:
             os.close(read_end)
             code = serve_until_signalled(
-                dict(host=host, port=0, auth_key=auth_key, transport=transport, parent_pid=parent, cache=cache),
+                dict(
+                    host=host, port=0, auth_key=auth_key, transport=transport, parent_pid=parent, cache=cache,
+                    drain_timeout=0,  # its trainer stops it: no trainer to hand work to
+                ),
                 announce=lambda line: os.write(announce_fd, line.encode("utf-8") + b"\n"),
             )
         except BaseException as exc:  # noqa: BLE001 - report, never return into the trainer's code
@@ -198,6 +201,7 @@ class LocalWorkerServer:
             "--host", self._listen_host(), "--port", "0",
             "--transport", self.transport,
             "--parent-pid", str(os.getpid()),
+            "--drain-timeout", "0",  # its trainer stops it: no trainer to hand work to
             "--log-level", self.log_level,
             *self._cache_args(),
         ]  # fmt: skip

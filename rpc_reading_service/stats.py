@@ -49,6 +49,9 @@ class ReadingServiceStats:
     workers: List[WorkerStats] = field(default_factory=list)
     #: Lost workers' shards replayed on new sessions this epoch (``on_worker_failure="reassign"``).
     reassignments: int = 0
+    #: Workers whose server drained (SIGTERM) this epoch, their work handed to other servers
+    #: (not failures: not among ``reassignments``).
+    drains: int = 0
 
     def as_dict(self) -> Dict[str, Any]:
         """Plain dict, e.g. for logging as JSON."""
@@ -56,9 +59,14 @@ class ReadingServiceStats:
 
     def summary(self) -> str:
         """One line for a log: items/s and data stall."""
+        changes = "".join(
+            f", {count} worker{'s' if count != 1 else ''} {what}"
+            for count, what in ((self.drains, "drained"), (self.reassignments, "lost and replaced"))
+            if count
+        )
         return (
             f"epoch {self.epoch}: {self.items} items in {self.elapsed_seconds:.1f} s "
-            f"({self.items_per_second:,.0f} items/s), data stall {self.data_stall:.0%}"
+            f"({self.items_per_second:,.0f} items/s), data stall {self.data_stall:.0%}{changes}"
         )
 
     def table(self) -> str:

@@ -4,6 +4,10 @@ It accepts authenticated trainer connections and runs each session in isolation.
 POSIX each session gets its own forked process (torch and torchdata are imported
 before the fork, so a session starts in milliseconds, and a crash, ``os._exit`` or
 segfault in a user's graph ends only that session); elsewhere sessions run in threads.
+
+SIGTERM drains it: no new sessions, each session tells its trainer it leaves (LEAVING) and
+ends, and the server exits 0 once they have, or after ``--drain-timeout`` seconds (stopping
+the rest). A second SIGTERM, or SIGINT, stops it at once.
 """
 
 from __future__ import annotations
@@ -65,12 +69,14 @@ class WorkerServer:
         idle_timeout: float = 60.0,
         stats_interval: float = 30.0,
         cache: Optional[CacheConfig] = None,
+        drain_timeout: float = 30.0,
     ):
         """``tls_cert``/``tls_key``: serve TLS. ``max_frame_bytes``: refuse larger frames from
         trainers. ``max_sessions``: refuse sessions beyond this many at once. ``idle_timeout``:
         seconds an authenticated trainer may stay silent before sending SETUP. ``stats_interval``:
         seconds between each session's throughput log lines (0 turns them off). ``cache``: the
-        worker cache every session's ``cached_map`` shares (None: ``cached_map`` just calls fn)."""
+        worker cache every session's ``cached_map`` shares (None: ``cached_map`` just calls fn).
+        ``drain_timeout``: seconds a drain (:meth:`drain`) waits for the sessions to leave."""
         if not auth_key and not is_loopback_host(host):
             raise ConfigurationError(
                 f"refusing to listen on {host} without an auth key: anyone who can reach the port could run "
@@ -80,6 +86,11 @@ class WorkerServer:
             raise ConfigurationError(f"--max-sessions must be at least 1, got {max_sessions}")
         if idle_timeout <= 0 or handshake_timeout <= 0:
             raise ConfigurationError("--idle-timeout and --handshake-timeout must be positive")
+        if not drain_timeout >= 0:
+            raise ConfigurationError(f"--drain-timeout must be 0 or more seconds, got {drain_timeout}")
+        self.drain_timeout = drain_timeout
+        #: Set by :meth:`drain` (a signal handler): a plain flag, read by the accept loop and sessions.
+        self.draining = False
         options: Dict[str, Any] = {}
         if tls_cert is not None or tls_key is not None:
             options.update(tls_cert=tls_cert, tls_key=tls_key)
@@ -113,6 +124,12 @@ class WorkerServer:
     def stop(self) -> None:
         """Ask :meth:`serve_forever` to return (safe from signal handlers and other threads)."""
         self._stop.set()
+
+    def drain(self) -> None:
+        """Ask :meth:`serve_forever` to drain, then return (safe from signal handlers): no new
+        sessions, every session tells its trainer it leaves, at most ``drain_timeout`` seconds.
+        In a session's own process: that session leaves."""
+        self.draining = True
 
     def wake_on(self, fd: int) -> None:
         """Have the accept loop wake as soon as ``fd`` (a non-blocking pipe's read end) turns readable.
@@ -149,6 +166,9 @@ class WorkerServer:
         )  # fmt: skip
         try:
             while not self._stop.is_set():
+                if self.draining:
+                    self._drain()
+                    break
                 conn = self._listener.accept(timeout=0.5)
                 self._reap()
                 if self._parent_pid is not None and os.getppid() != self._parent_pid:
@@ -205,7 +225,7 @@ class WorkerServer:
         inherited = [*self._listener.inheritable_fds(), *self._wake_fds]
         # A stop signal waits until both sides are past the fork (and its at-fork hooks): the
         # server's handler only sets a flag; in the session, it acts with the default action.
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, (*STOP_SIGNALS, DRAIN_SESSION_SIGNAL))
         try:
             pid = os.fork()
         except OSError as exc:  # BlockingIOError (EAGAIN) at a pids limit, ENOMEM
@@ -218,6 +238,7 @@ class WorkerServer:
             try:
                 for signum in STOP_SIGNALS:
                     signal.signal(signum, signal.SIG_DFL)
+                signal.signal(DRAIN_SESSION_SIGNAL, lambda _signum, _frame: self.drain())  # this session leaves
                 wakeup = signal.set_wakeup_fd(-1)  # the server's self-pipe: not this process's
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 for fd in inherited + ([wakeup] if wakeup >= 0 else []):
@@ -269,6 +290,7 @@ class WorkerServer:
             stats_interval=self.stats_interval,
             counters=counters,
             own_process=own_process,
+            draining=lambda: self.draining,
         ).run()
 
     def _reap(self) -> None:
@@ -292,6 +314,31 @@ class WorkerServer:
                     log.debug("session process %d for %s ended on this server's SIGTERM", pid, peer)
                 else:
                     log.info("session process %d for %s ended", pid, peer)
+
+    def _drain(self) -> None:
+        """Stop accepting, ask every session to leave, and wait up to ``drain_timeout`` for them
+        (a second stop signal ends the wait); :meth:`_shutdown` stops the rest."""
+        self._listener.close()  # a trainer connecting now finds the port closed
+        sessions = self.active_sessions()
+        log.info(
+            "draining: no new sessions; asking %d session%s to leave (at most %g s, --drain-timeout)",
+            sessions, "" if sessions == 1 else "s", self.drain_timeout,
+        )  # fmt: skip
+        for pid in self._children:  # thread sessions read self.draining themselves
+            try:
+                os.kill(pid, DRAIN_SESSION_SIGNAL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + self.drain_timeout
+        while self.active_sessions() and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(0.02)  # not Event.wait: a signal handler sets the event in this thread
+        left = self.active_sessions()
+        if not left:
+            log.info("drained: every session has ended")
+        elif self._stop.is_set():
+            log.warning("a second stop signal while draining: stopping the %d sessions left now", left)
+        else:
+            log.warning("drain: %d session(s) still running after %g s (--drain-timeout); stopping them", left, self.drain_timeout)
 
     def _shutdown(self) -> None:
         self._listener.close()
@@ -332,11 +379,15 @@ def _flush_lines() -> None:
 
 
 #: The signals that stop a worker server (and end a session process by their default action).
+#: SIGTERM drains first (:meth:`WorkerServer.drain`); a second one, or SIGINT, stops at once.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+#: What the server sends a session process to make it leave (drain).
+DRAIN_SESSION_SIGNAL = signal.SIGUSR1
 
 
 def serve_until_signalled(server: Union["WorkerServer", Dict[str, Any]], announce: Callable[[str], Any]) -> int:
-    """Serve until SIGTERM/SIGINT; ``announce("listening on ADDRESS")`` once ready.
+    """Serve until SIGTERM (which drains: a second one stops at once) or SIGINT (stops at once);
+    ``announce("listening on ADDRESS")`` once ready.
 
     ``server`` is a :class:`WorkerServer` or the keyword arguments to build one (a
     :class:`~rpc_reading_service.errors.ConfigurationError` then propagates). Returns 0.
@@ -347,8 +398,12 @@ def serve_until_signalled(server: Union["WorkerServer", Dict[str, Any]], announc
         server.prepare_to_fork()
     running = server
 
-    def stop_now(_signum: int, _frame: object) -> None:
-        running.stop()  # only a flag, never an exception: the wake-up pipe wakes the accept loop
+    def stop_now(signum: int, _frame: object) -> None:
+        # Only flags, never an exception: the wake-up pipe wakes the accept loop.
+        if signum == signal.SIGTERM and not running.draining:
+            running.drain()
+        else:
+            running.stop()
 
     wake_read, wake_write = os.pipe()
     for fd in (wake_read, wake_write):
@@ -357,7 +412,7 @@ def serve_until_signalled(server: Union["WorkerServer", Dict[str, Any]], announc
     try:
         server.wake_on(wake_read)
         for signum in STOP_SIGNALS:
-            signal.signal(signum, stop_now)  # stays: a second signal while shutting down is ignored
+            signal.signal(signum, stop_now)  # stays: a signal while shutting down (not draining) is ignored
         announce(f"listening on {server.address}")
         server.serve_forever()
     finally:
@@ -395,6 +450,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--stats-interval", type=float, default=30.0, metavar="SECONDS",
         help="log each session's throughput (items/s, MB/s, time waiting for trainer credit) this often "
         "(default 30; 0 turns it off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--drain-timeout", type=float, default=30.0, metavar="SECONDS",
+        help="on SIGTERM, stop accepting sessions, tell each trainer this worker leaves (they go on without "
+        "it) and wait at most this long for the sessions to end before stopping them (default 30); a second "
+        "SIGTERM, or SIGINT, stops at once",
     )  # fmt: skip
     parser.add_argument(
         "--max-sessions", type=int, metavar="N",
@@ -475,6 +536,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             idle_timeout=args.idle_timeout,
             stats_interval=args.stats_interval,
             cache=_cache_config(args),
+            drain_timeout=args.drain_timeout,
         )
         if registration is not None:
             advertised = advertised_address(server.address, args.advertise_host, args.store)

@@ -17,7 +17,8 @@ when the server forks sessions), the fewest that let graph compute overlap sendi
 - one sender, the only thread that sends after setup, writes packed DATA frames while it
   holds credits, and the heartbeats the state machine finds due; it also notices a silent
   trainer and, with ``item_timeout``, ends the session with an ERROR (the item's position
-  and the producer's stack) when the producer spends longer than that on one item. At
+  and the producer's stack) when the producer spends longer than that on one item. When
+  the server drains, it stops the producer, says LEAVING and ends the session. At
   rest it wakes once per heartbeat. Graph compute overlaps sending and the trainer's
   memory stays bounded.
 
@@ -51,10 +52,12 @@ from .protocol import (
     Items,
     Join,
     Lease,
+    Leaving,
     Message,
     PeerTimedOut,
     Ready,
     SessionOptions,
+    SessionState,
     Setup,
     StartEpoch,
     StopEpoch,
@@ -77,6 +80,8 @@ log = logging.getLogger(__name__)
 REFUSAL_LINGER = 5.0
 #: Longest the sender sleeps between looks at the state machine's liveness.
 _MAX_SENDER_WAIT = 1.0
+#: What a session says when it leaves because its server drains.
+_LEAVING = "its worker server is draining (SIGTERM)"
 #: Looks at the item being produced per ``item_timeout`` (at least one a second).
 _ITEM_CHECKS_PER_TIMEOUT = 4
 
@@ -115,13 +120,15 @@ class WorkerSession:
         stats_interval: float = 30.0,
         counters: Any = None,
         own_process: bool = False,
+        draining: Callable[[], bool] = lambda: False,
     ):
         """``counters``: where the session publishes its counters for the server's metrics (an
         object with ``publish(outbox)``, e.g. :class:`~rpc_reading_service.metrics.counters.SessionCounters`);
         ``own_process``: the session has its process to itself (forked): with item_timeout, a
         :class:`~rpc_reading_service.worker_lock_watch.LockWatch` ends it when C code holds the
-        interpreter lock for good."""
+        interpreter lock for good. ``draining``: True once the server drains (the session then leaves)."""
         self.conn = conn
+        self._draining = draining
         self._own_process = own_process
         self._lock_watch: Optional[LockWatch] = None
         self.server_address = server_address
@@ -214,8 +221,13 @@ class WorkerSession:
         timeout = self.options.setup_timeout
         deadline = time.monotonic() + timeout
         while True:
+            if self._draining():
+                self._leave_before_setup()
+                return False
             # No heartbeats before SETUP: a bootstrapping connection cannot send before its first recv.
-            frame = self.conn.recv(timeout=max(0.0, deadline - time.monotonic()))
+            frame = self.conn.recv(timeout=max(0.0, min(deadline - time.monotonic(), _MAX_SENDER_WAIT)))
+            if frame is None and time.monotonic() < deadline:
+                continue
             if frame is None:
                 log.warning("%s sent no SETUP within %.0f s; closing", self.conn.peer, timeout)
                 self.conn.refuse(f"no SETUP within {timeout:g} s of connecting (the server's --idle-timeout)")
@@ -227,6 +239,15 @@ class WorkerSession:
                     self._refuse_join(event)
                     return False
                 return False  # CLOSE
+
+    def _leave_before_setup(self) -> None:
+        """The server drains before SETUP came: say LEAVING, and end once the trainer closes
+        (at most :data:`REFUSAL_LINGER` later; what it sends meanwhile is dropped)."""
+        log.info("session for %s: the server drains before setup; telling the trainer this worker leaves", self.conn.peer)
+        self._send(Leaving(_LEAVING))
+        end = time.monotonic() + REFUSAL_LINGER
+        while time.monotonic() < end:
+            self.conn.recv(timeout=end - time.monotonic())  # PeerLostError once it closed: run() ends the session
 
     def _set_up(self, setup: Setup) -> bool:
         self.options = setup.options
@@ -470,6 +491,9 @@ class WorkerSession:
         next_tick, limit = 0.0, self.options.item_timeout
         try:
             while not self._stopping.is_set():
+                if self._draining():
+                    self._leave()
+                    return
                 throughput.maybe_log()
                 self._publish()
                 now = time.monotonic()
@@ -502,6 +526,26 @@ class WorkerSession:
         except Exception:  # noqa: BLE001
             log.exception("sender for %s failed", self.conn.peer)
             self._end()
+
+    def _leave(self) -> None:
+        """The server drains (the sender's call): stop producing, say LEAVING after the frames
+        sent, and end the session once the trainer closes (at most :data:`REFUSAL_LINGER` later).
+        Items not sent are the trainer's to have made elsewhere, from what it consumed."""
+        log.info("session for %s: the server drains; telling the trainer this worker leaves", self.conn.peer)
+        with self._lock:
+            self._cancel_input()
+            if self._leases is not None:
+                self._leases.cancel()
+        self.outbox.close()  # the producer stops at its next item
+        with self.outbox.sending:  # after a frame a producer is writing
+            with self._lock:
+                chunks = None
+                if self.protocol.state is not SessionState.CLOSED:
+                    chunks = self.protocol.send(Leaving(_LEAVING))
+            if chunks is not None:
+                self.conn.send(chunks)
+        self._stopping.wait(REFUSAL_LINGER)  # the trainer closes: the control loop ends the session
+        self._end()
 
     def _send_frames(self, frames: List[List[Buffer]]) -> None:
         """The outbox's writes (from the sender, or a producer sending a slow item itself): a

@@ -161,9 +161,10 @@ class Server:
         assert wait_until(lambda: not self.session_pids(), timeout), f"sessions still running: {self.session_pids()}"
 
     def stop(self) -> None:
-        """Terminate the server, then SIGKILL whatever is left of its process group; reap."""
+        """Stop the server at once (SIGINT: SIGTERM would drain it), then SIGKILL whatever is left
+        of its process group; reap."""
         if self.proc.poll() is None:
-            self.proc.terminate()
+            self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:

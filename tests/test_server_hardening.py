@@ -348,7 +348,7 @@ def test_clean_start_serve_stop_prints_only_serving_lines(tmp_path):
             items = iter(dl)
             taken = [next(items) for _ in range(3)]
             assert wait_until(lambda: len(server.session_pids()) == 2, 5)
-            server.proc.terminate()  # stopping the server SIGTERMs the sessions it runs
+            server.proc.terminate()  # SIGTERM drains: its sessions leave, then it exits
             assert server.proc.wait(10) == 0
             assert len(taken) == 3
         finally:

@@ -34,6 +34,7 @@ from rpc_reading_service.protocol import (
     ItemCredit,
     Items,
     Lease,
+    Leaving,
     MessageKind,
     PeerTimedOut,
     Ready,
@@ -517,7 +518,7 @@ def test_golden_hello():
 
 def test_golden_credit():
     assert wire(Credit(7, 3).encode()) == bytes.fromhex(
-        "52525356 03 14 0000 0000000000000008 00000007 00000003"
+        "52525356 04 14 0000 0000000000000008 00000007 00000003"
     )
 
 
@@ -615,6 +616,7 @@ MESSAGES = st.one_of(
     st.builds(Error, st.none(), st.just("setup"), exceptions),
     st.builds(Error, u32, st.sampled_from(["epoch", "dispatch"]), exceptions),
     st.builds(Close),
+    st.builds(Leaving, text),
     st.builds(Heartbeat),
     st.builds(Credit, u32, u32),
     st.builds(ItemCredit, u32, u32),
@@ -704,6 +706,27 @@ def test_a_reject_after_setup_is_a_refusal_event_that_closes():
     assert (link.trainer.state, link.trainer.closed_by) == (SessionState.CLOSED, "peer")
     with pytest.raises(RemoteProtocolError, match="REJECT, which a trainer never sends"):
         link.deliver(encode_reject("no"), link.worker)
+
+
+def test_leaving_ends_the_session_on_both_sides_in_an_epoch_between_epochs_and_in_setup():
+    link = Link().set_up().start(1)
+    link.to_trainer(Data(1, 0, items(b"a")))
+    assert link.to_trainer(Leaving("the worker server drains")) == [Leaving("the worker server drains")]
+    assert (link.worker.state, link.worker.closed_by) == (SessionState.CLOSED, "us")
+    assert (link.trainer.state, link.trainer.closed_by) == (SessionState.CLOSED, "peer")
+    with pytest.raises(LocalProtocolError, match="after the session closed"):
+        link.worker.send(EndOfShard(1, 1))
+    between = Link().set_up()
+    assert between.to_trainer(Leaving()) == [Leaving()] and between.trainer.closed_by == "peer"
+    setting_up = Link()
+    setting_up.to_worker(Setup(b"graph", 0, 1))
+    assert setting_up.to_trainer(Leaving()) == [Leaving()] and setting_up.trainer.state is SessionState.CLOSED
+    early = Link()  # the worker drains before the trainer's SETUP reached it
+    early.trainer.send(Setup(b"graph", 0, 1))
+    assert early.deliver(early.worker.send(Leaving()), early.trainer) == [Leaving()]
+    assert early.trainer.closed_by == "peer" and early.worker.closed_by == "us"
+    with pytest.raises(RemoteProtocolError, match="LEAVING, which a trainer never sends"):
+        Link().set_up().deliver(Leaving().encode(), Link().set_up().worker)
 
 
 def _stuck(epoch: int, stuck_epoch: int) -> Error:

@@ -28,6 +28,7 @@ from _server_helpers import (
     run_epochs,
     start_server,
     wait_dead,
+    wait_until,
 )
 from rpc_reading_service import AuthenticationError, ConfigurationError, Liveness, RPCReadingService, WorkerLostError
 from rpc_reading_service.addresses import parse_address
@@ -366,8 +367,9 @@ def _fork_sessions_until(server, stop: threading.Event, forked: threading.Event)
 
 @pytest.mark.timeout(120)
 def test_sigterm_while_forking_sessions_stops_quietly_and_promptly(tmp_path):
-    """SIGTERM landing in the middle of a fork (its at-fork hooks, or a session's first
-    instructions) neither prints "Exception ignored" nor leaves the session unkillable."""
+    """SIGTERM (a drain: SIGUSR1 to every session) then SIGINT (stop at once) landing in the middle
+    of a fork (its at-fork hooks, or a session's first instructions) neither prints "Exception
+    ignored" nor leaves the session unkillable."""
     for cycle in range(20):
         server = start_server(tmp_path)
         stop, forked = threading.Event(), threading.Event()
@@ -378,6 +380,8 @@ def test_sigterm_while_forking_sessions_stops_quietly_and_promptly(tmp_path):
             assert forked.wait(20), "no session was forked"
             server.proc.send_signal(signal.SIGTERM)
             started = time.monotonic()
+            assert wait_until(lambda: "draining: no new sessions" in server.stderr(), 5), server.stderr()
+            server.proc.send_signal(signal.SIGINT)
             code = server.proc.wait(10)
             took = time.monotonic() - started
         finally:

@@ -3,7 +3,8 @@
 An :class:`Epoch` is what :meth:`Engine.start_epoch <rpc_reading_service.engine.Engine.start_epoch>`
 returns: iterate it for the items (in the order the distribution policy delivers), ask it for its
 :class:`Positions` (a checkpoint), and it replays a lost worker's shard on a new session
-when the failure policy is :class:`~rpc_reading_service.config.Reassign`.
+when the failure policy is :class:`~rpc_reading_service.config.Reassign`, and always for a
+worker whose server drained (its work goes on elsewhere: leaving is not a failure).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from ..client import WorkerChannel
 from .distribution import EpochProgress, EpochRun, Merger
-from ..errors import ItemTimeoutError, WorkerLostError, past_the_end
+from ..errors import ItemTimeoutError, WorkerDrainedError, WorkerLostError, past_the_end
 
 if TYPE_CHECKING:
     from .run import Engine
@@ -55,14 +56,18 @@ class Epoch:
         self.progress = EpochProgress(wire, list(positions.consumed), positions.next_rank)
         self._merger: Optional[Merger] = None
         if engine.in_process_graph is None:
-            replace = self._replace if engine.config.reassign is not None else None
             hint = engine.epoch.hint() if engine.epoch is not None else engine.first_hint
-            run = EpochRun(engine.channels, engine.events, self.progress, replace, positions.policy, wire, dispatched, hint)
+            run = EpochRun(
+                engine.channels, engine.events, self.progress, self._replace, positions.policy, wire, dispatched, hint,
+                reassign=engine.config.reassign is not None,
+            )  # fmt: skip
             self._merger = engine.config.distribution.merger(run)
         #: Worker losses this epoch by (rank, items of its shard consumed): see :meth:`_replace`.
         self._losses: Dict[Tuple[int, int], int] = {}
-        #: Lost workers replaced by a new session this epoch.
+        #: Lost workers replaced by a new session this epoch (on_worker_failure="reassign"), and
+        #: workers whose server drained (their work went on elsewhere), for ``stats()``.
         self.reassignments = 0
+        self.drains = 0
         self._started = False
 
     def __iter__(self) -> Iterator[Any]:
@@ -151,9 +156,13 @@ class Epoch:
         progress.finish()
 
     def _replace(self, lost: WorkerChannel, error: WorkerLostError) -> WorkerChannel:
-        """Replay a lost worker's shard on a new session, skipping what the consumer took."""
+        """Replay a lost worker's shard on a new session, skipping what the consumer took; a loss
+        other than a drain is raised unless on_worker_failure is "reassign"."""
+        if isinstance(error, WorkerDrainedError):
+            return self._take_over(lost, error)
         engine, rank, progress = self.engine, lost.rank, self.progress
-        assert engine.config.reassign is not None
+        if engine.config.reassign is None:
+            raise error
         if engine.dispatch is not None and error is engine.dispatch.timed_out:
             raise error  # the trainer's dispatcher timed out, not a worker: no replacement helps
         # Losses at one position of one shard, this epoch: a replay that gets further is progress
@@ -174,10 +183,32 @@ class Epoch:
             "%s; replaying its shard from item %d on a new session (replay %d of %d from there this epoch)",
             error, position, losses, limit,
         )  # fmt: skip
+        channel = self._reopen(lost, error)
+        self.reassignments += 1
+        return channel
+
+    def _take_over(self, lost: WorkerChannel, error: WorkerDrainedError) -> WorkerChannel:
+        """A drained worker's work goes on in a new session on another server, whatever
+        on_worker_failure says (not counted against max_reassignments)."""
+        engine = self.engine
+        if engine.config.reassign is None and engine.dispatching is not None:
+            raise WorkerDrainedError(
+                f"{error}; the items the trainer dealt it (sharding_round_robin_dispatch) are kept for a replay "
+                "elsewhere only with on_worker_failure='reassign': pass it to go on when a worker server drains",
+                lost.rank, lost.address,
+            )  # fmt: skip
+        log.info("%s; its work goes on in a new session on another server", error)
+        engine.fleet.drained.add(lost.address)
+        channel = self._reopen(lost, error)
+        self.drains += 1
+        return channel
+
+    def _reopen(self, lost: WorkerChannel, error: WorkerLostError) -> WorkerChannel:
+        """A new session for ``lost``'s rank, started where the epoch's progress says."""
+        engine, rank = self.engine, lost.rank
         channel = engine.fleet.reopen(rank, lost, engine.channels, error)
         engine.replace_dispatched(channel)
         channel.start_receiver(engine.receiver_queue())
         engine.start_channel(channel, self)
         engine.channels[rank] = channel
-        self.reassignments += 1
         return channel

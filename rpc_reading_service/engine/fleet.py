@@ -13,13 +13,13 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 import queue
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Set
 
 from ..addresses import distinct_servers
 from ..client import Event, WorkerChannel
 from ..config import Hostfile, LocalWorkers, ReadingServiceConfig, StoreDiscovery, WorkerAddresses
 from ..discovery import discover_workers
-from ..errors import WorkerLostError
+from ..errors import WorkerDrainedError, WorkerLostError
 from ..keys import new_auth_key
 from ..local_fleet import LocalWorkerServer
 from ..receive_loop import ReceiveLoop
@@ -78,6 +78,8 @@ class Fleet:
         self._launcher: Optional[threading.Thread] = None
         self._setups_lock = threading.Lock()
         self._closed = False
+        #: Addresses of the servers that drained during the run (their sessions left).
+        self.drained: Set[str] = set()
 
     def discover(self) -> int:
         """Find the workers of a :class:`StoreDiscovery` or :class:`Hostfile` (once) and return
@@ -246,6 +248,13 @@ class Fleet:
                 return self.open_channel(rank, address)
             except (WorkerLostError, OSError) as exc:
                 failures.append(f"{address}: {exc}")
+        if isinstance(error, WorkerDrainedError):
+            gone = [address for address in candidates if address not in self.drained]
+            every = "every worker server of this run has drained" if not gone else "no other server could take it"
+            raise WorkerDrainedError(
+                f"{error}; {every}, so its work cannot go on: {'; '.join(failures)}. Start more worker servers "
+                "(or pass their addresses) for a run to outlive its servers", rank, lost.address,
+            ) from error
         raise WorkerLostError(
             f"{error}; no server could take over its shard: {'; '.join(failures)}", rank, lost.address
         ) from error

@@ -349,6 +349,7 @@ class Engine:
             data_stall=min(1.0, progress.wait_seconds / elapsed),
             workers=workers,
             reassignments=epoch.reassignments,
+            drains=epoch.drains,
         )
 
     @property

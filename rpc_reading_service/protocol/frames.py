@@ -67,7 +67,8 @@ __all__ = [
 
 #: 2: a LEASE grants a run of consecutive chunks, a CHUNK_DONE reports several chunks' item counts.
 #: 3: a LEASE gives its chunks' positions (first position and size: chunks may differ in size).
-PROTOCOL_VERSION = 3
+#: 4: a worker may say LEAVING (its server drains) and end the session.
+PROTOCOL_VERSION = 4
 MAGIC = b"RRSV"
 HEADER = struct.Struct("!4sBBHQ")
 BUFFER_LENGTH = struct.Struct("!Q")
@@ -95,6 +96,7 @@ class MessageKind(enum.IntEnum):
     STOP_EPOCH = 13
     ERROR = 14
     CLOSE = 15
+    LEAVING = 16
     # Streaming: compact binary.
     CREDIT = 20
     DATA = 21

@@ -7,7 +7,7 @@ with every field checked (a wrong or missing field is a
 one is a :class:`~rpc_reading_service.errors.LocalProtocolError`).
 
 The wire is the one of :mod:`.frames`: control messages (SETUP, READY, START_EPOCH,
-STOP_EPOCH, ERROR, CLOSE) are pickled dicts whose keys are the field names, so a peer
+STOP_EPOCH, ERROR, CLOSE, LEAVING) are pickled dicts whose keys are the field names, so a peer
 may add keys an older peer ignores; CREDIT, DATA, END_OF_SHARD and HEARTBEAT are compact
 binary; ITEM_CREDIT, ITEMS and END_OF_INPUT are the binary twins that carry dispatched
 items from the trainer to a worker. Which message may come when is not decided here but
@@ -54,6 +54,7 @@ __all__ = [
     "StopEpoch",
     "Error",
     "Close",
+    "Leaving",
     "Heartbeat",
     "Credit",
     "Data",
@@ -384,6 +385,17 @@ class Close(_Control):
     transport: Optional[str] = None
 
 
+@dataclass(frozen=True)
+class Leaving(_Control):
+    """Worker to trainer: its server drains (SIGTERM); the session ends after this message.
+
+    Nothing more comes: items of the current epoch not sent are the trainer's to have produced
+    elsewhere (from what it consumed). ``reason`` says why, for the trainer's log."""
+
+    kind: ClassVar[MessageKind] = MessageKind.LEAVING
+    reason: str = ""
+
+
 # -- binary messages ------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Heartbeat(Message):
@@ -573,6 +585,7 @@ MESSAGE_TYPES: Dict[MessageKind, Type[Message]] = {
         StopEpoch,
         Error,
         Close,
+        Leaving,
         Heartbeat,
         Credit,
         Data,

@@ -23,7 +23,7 @@ and its state machine, and acts on the events it gets back::
 The worker's driver is the mirror image: ``receive_frame`` yields ``Setup``,
 ``StartEpoch``, ``StopEpoch``, ``Credit``, ``Items``, ``EndOfInput``, ``Lease`` and ``Close``; it
 sends ``Ready``, ``Data`` (only while ``proto.credits`` > 0), ``EndOfShard``, ``Error``,
-``ItemCredit`` and ``ChunkDone``.
+``ItemCredit``, ``ChunkDone`` and ``Leaving``.
 
 The rules:
 
@@ -57,7 +57,8 @@ The rules:
 - Liveness: ``tick(now)`` returns a heartbeat when nothing was sent for
   ``heartbeat_interval`` and a :class:`PeerTimedOut` event (closing the session) after
   ``peer_timeout`` of silence (``setup_timeout`` before READY).
-- Ending: either side's CLOSE; a worker's setup ERROR; a worker's ``item_timeout`` ERROR
+- Ending: either side's CLOSE; a worker's LEAVING (its server drains: at any point, the
+  trainer takes it as the worker gone, not failed); a worker's setup ERROR; a worker's ``item_timeout`` ERROR
   (reported whichever epoch it names: the worker ends the session after it); and a
   worker server's REJECT with its reason (``Connection.refuse``), legal at any point and
   reported as :class:`Refused`. A SETUP without a graph is a transport's bootstrap
@@ -112,6 +113,7 @@ from .messages import (
     ItemCredit,
     Items,
     Lease,
+    Leaving,
     Message,
     Ready,
     Setup,
@@ -153,7 +155,9 @@ _TRAINER_IN_SESSION = frozenset({K.START_EPOCH, K.STOP_EPOCH, K.CREDIT, K.ITEMS,
 #: A worker server may end a session at any point with a REJECT that says why
 #: (``Connection.refuse``: a malformed frame, a frame over its size limit, a failed session).
 _WORKER_ALWAYS = _ALWAYS | {K.REJECT}
-_WORKER_IN_SESSION = frozenset({K.DATA, K.END_OF_SHARD, K.ERROR, K.ITEM_CREDIT, K.CHUNK_DONE}) | _WORKER_ALWAYS
+_WORKER_IN_SESSION = (
+    frozenset({K.DATA, K.END_OF_SHARD, K.ERROR, K.ITEM_CREDIT, K.CHUNK_DONE, K.LEAVING}) | _WORKER_ALWAYS
+)
 
 #: The kinds each role may send in each state (the peer may receive exactly these).
 _SENDS: Dict[str, Dict[SessionState, FrozenSet[MessageKind]]] = {
@@ -164,8 +168,8 @@ _SENDS: Dict[str, Dict[SessionState, FrozenSet[MessageKind]]] = {
         SessionState.IN_EPOCH: _TRAINER_IN_SESSION,
     },
     "worker": {
-        SessionState.NEW: _WORKER_ALWAYS,
-        SessionState.SETTING_UP: frozenset({K.READY, K.ERROR}) | _WORKER_ALWAYS,
+        SessionState.NEW: frozenset({K.LEAVING}) | _WORKER_ALWAYS,
+        SessionState.SETTING_UP: frozenset({K.READY, K.ERROR, K.LEAVING}) | _WORKER_ALWAYS,
         SessionState.READY: _WORKER_IN_SESSION,
         SessionState.IN_EPOCH: _WORKER_IN_SESSION,
     },
@@ -741,6 +745,9 @@ class TrainerSession(_SessionProtocol):
     def _apply_close(self, message: Close) -> None:
         self._close("peer")
 
+    def _apply_leaving(self, message: Leaving) -> None:
+        self._close("peer")
+
     def _receive_reject(self, frame: Frame) -> List[Event]:
         self._close("peer")
         return [Refused(decode_reject(frame))]
@@ -857,4 +864,7 @@ class WorkerProtocol(_SessionProtocol):
         self._input.credits += message.credits
 
     def _send_close(self, message: Close) -> None:
+        self._close("us")
+
+    def _send_leaving(self, message: Leaving) -> None:
         self._close("us")

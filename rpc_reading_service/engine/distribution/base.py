@@ -68,7 +68,8 @@ class EpochRun:
         channels: The worker channels by rank (a replaced channel is swapped in place).
         events: The queue every channel delivers to when the policy wants one shared queue.
         progress: The epoch's progress (count every item handed on with ``progress.count``).
-        replace: Opens the replacement session of a lost worker (None: ``on_worker_failure="raise"``).
+        replace: Opens the replacement session of a lost worker; it raises the loss itself when it
+            is a failure and ``reassign`` is False (a drained worker is always replaced).
         resume: The policy's state from the checkpoint this epoch resumes (None: a fresh epoch).
         wire: The epoch's wire number (what its frames carry).
     """
@@ -85,6 +86,8 @@ class EpochRun:
     dispatched: Optional[Any] = None
     #: What the run's previous epoch's merger passed on (:meth:`Merger.hint`; None: nothing, or no such epoch).
     hint: Optional[Any] = None
+    #: ``on_worker_failure="reassign"``: a failed worker is replaced too, not only a drained one.
+    reassign: bool = True
 
 
 class Merger(abc.ABC):

@@ -58,4 +58,4 @@ class FirstReady(RoundRobin):
 
     def merger(self, run: EpochRun) -> Merger:
         """Items as their frames arrive, from the queue all channels share."""
-        return _Iterate(iterate_as_completed(run.channels, run.events, run.progress, run.replace))
+        return _Iterate(iterate_as_completed(run.channels, run.events, run.progress, run.replace, run.reassign))

@@ -89,7 +89,7 @@ class DispatchedMerger(_DynamicMerger):
         batch: List[EncodedItem] = []
         nbytes = 0
         for chunk, _skip in leases:
-            item = source.item(chunk, keep=self.run.replace is not None)
+            item = source.item(chunk, keep=self.run.replace is not None and self.run.reassign)
             if batch and (len(batch) >= source.max_items or nbytes + item.nbytes > source.max_bytes):
                 frames.append(self._frame(rank, batch))
                 batch, nbytes = [], 0

@@ -338,7 +338,7 @@ class _DynamicMerger(Merger):
                             self._hand_on(rank, chunk)
                             yield item
                     start += count
-            elif event.kind == "lost" and run.replace is None and rank in book.ended:
+            elif event.kind == "lost" and (run.replace is None or not run.reassign) and rank in book.ended:
                 event.channel.held_loss = event  # this epoch has all of its items: the next one needs it
             else:
                 try:

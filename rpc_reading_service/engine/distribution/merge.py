@@ -185,11 +185,13 @@ def iterate_as_completed(
     events: "queue.SimpleQueue[Event]",
     progress: EpochProgress,
     replace: Optional[ReplaceFn] = None,
+    reassign: bool = True,
 ) -> Iterator[Any]:
     """Yield items in arrival order from a queue shared by all channels.
 
     A worker lost after its shard ended is reported at the next epoch, which needs it (as
-    in order, where its own queue keeps the loss): this epoch has every one of its items.
+    in order, where its own queue keeps the loss): this epoch has every one of its items;
+    with ``reassign`` (a failed worker is replaced, too) it is replaced at once.
     """
     epoch = progress.epoch
     current = {channel.rank: _Cursor(channel) for channel in channels}
@@ -200,7 +202,7 @@ def iterate_as_completed(
         cursor = current[event.channel.rank]
         if event.channel is not cursor.channel:
             continue  # left over from a replaced channel
-        if event.kind == "lost" and replace is None and cursor.channel.rank in finished:
+        if event.kind == "lost" and (replace is None or not reassign) and cursor.channel.rank in finished:
             cursor.channel.held_loss = event
             continue
         if event.kind == "end":
