@@ -384,6 +384,41 @@ def test_a_guided_checkpoint_holds_its_schedule_and_length_and_is_checked_strict
             check_book_state(tampered, chunk_size=4)
 
 
+def _guided_book_past_the_end():
+    """A guided epoch of 23 positions (chunks of one position) on 3 workers, every chunk delivered;
+    ranks 0-2 hold chunks 23-25, past the end, and none was received: their ends tell the trainer."""
+    schedule = GuidedChunks(23, 3, first_size=3, largest=256, warmup=6)
+    book = LeaseBook(num_workers=3, chunk_size=3, depth=2, window=100, expected_chunks=23, schedule=schedule)
+    for chunk in range(23):
+        rank = chunk % 3
+        assert book.lease(rank) == (chunk, 0)
+        book.done(rank, chunk, 1, None)  # the last one ends at the stream's end: reported without a length
+        book.deliver(chunk)
+    assert [book.lease(rank) for rank in range(3)] == [(23, 0), (24, 0), (25, 0)]
+    return book
+
+
+def test_a_checkpoint_holds_the_stream_length_only_once_known_and_the_resumed_epoch_learns_it_as_the_uninterrupted():
+    """A rank whose walk ended before its lease past the end arrived only bounds the stream (chunk 25
+    would start at 29): the checkpoint holds no length, and not chunk 25 (complete, past the end),
+    which a resumed epoch not knowing the end would refuse. The next epoch's schedule follows the
+    length the epoch ends with, resumed or not."""
+    book = _guided_book_past_the_end()
+    book.end(2)
+    assert book.stream_chunks == 25 and not book.over
+    state = book.state(given_back=[])
+    check_book_state(state, chunk_size=3)
+    assert "stream_length" not in state and Dynamic(chunk_size=3).hint_from_state(state) is None
+    assert (state["complete_below"], state["next_chunk"], state["complete"]) == (23, 25, [])
+    book.end(0), book.end(1)
+    assert book.over and book.length_hint() == 23 and book.state(given_back=[])["stream_length"] == 23
+    resumed = LeaseBook(num_workers=3, chunk_size=3, depth=2, window=100, schedule=checkpoint_schedule(state))
+    resumed.resume(state, open_limit=100)
+    assert [resumed.lease(rank) for rank in range(2)] == [(23, 0), (24, 0)]
+    resumed.end(0), resumed.end(1)
+    assert resumed.over and resumed.length_hint() == 23
+
+
 # -- configuration -----------------------------------------------------------------------------
 def test_distribution_names_objects_and_the_in_order_shorthand():
     assert {"round_robin", "first_ready", "dynamic", "sticky"} <= set(available_distributions())

@@ -14,8 +14,10 @@ from _server_helpers import free_port
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "ddp_train.py"
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(140)
 def test_ddp_train_quick_resumes_exactly(tmp_path):
+    # About 16 s and 28 s of CPU alone on 2 cores (torchrun, 2 ranks, 2 worker servers, each
+    # importing torch; two runs): a loaded host (load 10-18) stretches that past a minute.
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
         "--master_port", str(free_port()), "--monitor-interval", "0.2",
@@ -33,12 +35,12 @@ def test_ddp_train_quick_resumes_exactly(tmp_path):
         start_new_session=True,
     )
     try:
-        out, _ = proc.communicate(timeout=55)
+        out, _ = proc.communicate(timeout=130)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(
-            "ddp_train.py --quick did not finish within 55 s:\n" + out.decode(errors="replace")[-4000:]
+            "ddp_train.py --quick did not finish within 130 s:\n" + out.decode(errors="replace")[-4000:]
         )
     finally:
         try:

@@ -311,6 +311,19 @@ def test_worker_takes_liveness_from_setup_and_times_out_before_setup():
     assert "trainer at 127.0.0.1:40000 sent nothing" in timeout.message and "3.0 s" in timeout.message
 
 
+
+def test_the_workers_peer_timeout_counts_from_ready_not_from_a_setup_longer_than_it():
+    """Frames the trainer sent while the worker loaded its graph are read only after READY."""
+    link = Link()
+    link.to_worker(Setup(b"g", 0, 1, {"heartbeat_interval": 0.5, "peer_timeout": 2.0}))
+    link.clock.now += 3.0  # loading the graph (a slow worker_init_fn, imports on a loaded host)
+    link.to_trainer(Ready(4242, "host", "0.1.0"))
+    assert link.worker.tick().events == []
+    link.clock.now += 2.1
+    (timeout,) = link.worker.tick().events
+    assert "2.0 s" in timeout.message
+
+
 # -- illegal transitions --------------------------------------------------------------------------
 def _set_up(link):
     return link.set_up()

@@ -326,6 +326,18 @@ def test_hung_worker_is_detected_by_heartbeat_timeout(worker_server):
     assert "2.0 s" in str(error)
 
 
+def _slow_init(datapipe, info):
+    time.sleep(3.0)  # longer than the trainer's timeout below
+    return datapipe
+
+
+def test_a_session_whose_setup_outlasts_the_timeout_does_not_take_the_trainer_for_silent(worker_server):
+    """The worker reads the trainer's heartbeats only after its setup (loading the graph, the
+    worker_init_fn, imports on a loaded host): its timeout counts from READY."""
+    rs = remote(worker_server, 2, timeout=2.0, liveness=Liveness(heartbeat_interval=0.5), worker_init_fn=_slow_init)
+    assert run_epochs(IterableWrapper(range(20)).sharding_filter(), rs, n_epochs=1)[0] == list(range(20))
+
+
 def _slow_identity(x):
     time.sleep(0.002)
     return x

@@ -828,6 +828,9 @@ class WorkerProtocol(_SessionProtocol):
 
     def _send_ready(self, message: Ready) -> None:
         self.state = SessionState.READY
+        # The peer timeout counts from READY: what the trainer sent while this side loaded the
+        # graph (heartbeats) waits unread until now, so the trainer was not silent meanwhile.
+        self._last_received = self._clock()
 
     def _send_error(self, message: Error) -> None:
         if message.epoch is None:

@@ -61,7 +61,7 @@ class DispatchedMerger(_DynamicMerger):
         book, source, rank = self.book, self.units_source, channel.rank
         book.available = source.produced
         if source.total is not None:
-            book.stream_ends_at(source.total)
+            book.length_known(source.total)  # a unit is a position
         leases = []
         # Each lease may need an ITEMS frame of its own: no more leases than credits (only binds
         # at the start of a session's epoch, before its first ITEM_CREDIT, which notifies).

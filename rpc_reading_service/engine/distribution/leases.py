@@ -316,8 +316,7 @@ class LeaseBook:
             self.arriving[rank].append((chunk, to_come))
         self.totals[chunk] = self.skips.pop(chunk) + items
         if stream_length is not None:
-            self.stream_length = stream_length if self.stream_length is None else min(self.stream_length, stream_length)
-            self.stream_ends_at(self.schedule.chunks_below(stream_length))
+            self.length_known(stream_length)
             if self.schedule.start(chunk) >= stream_length:
                 self.units[rank] -= 1  # it lay past the end: stats() counts the chunks a worker worked on
         self._maybe_complete(chunk)
@@ -337,8 +336,13 @@ class LeaseBook:
             self.units[rank] -= 1  # it lay past the end, as in done()
             self._maybe_complete(chunk)
 
+    def length_known(self, length: int) -> None:
+        """The stream has ``length`` positions (a worker's walk reached its end, or the trainer's dispatcher's)."""
+        self.stream_length = length if self.stream_length is None else min(self.stream_length, length)
+        self.stream_ends_at(self.schedule.chunks_below(length))
+
     def stream_ends_at(self, chunks: int) -> None:
-        """The stream has at most ``chunks`` chunks (known from a worker's walk, or to the trainer's dispatcher)."""
+        """The stream has at most ``chunks`` chunks (a rank's walk ended before a lease of one of them arrived)."""
         self.stream_chunks = chunks if self.stream_chunks is None else min(self.stream_chunks, chunks)
         if self._resumed_complete is not None and self._resumed_complete > self.stream_chunks:
             raise _refuse(
@@ -414,24 +418,28 @@ class LeaseBook:
                 complete.discard(chunk)
                 delivered[chunk] = self.totals[chunk]
             delivered[chunk] -= 1
+        # Chunks past the stream's end hold nothing: left out, as if never leased (a resumed epoch
+        # that does not know the end yet refuses chunks complete past it: resume).
+        top = self.next_chunk if self.stream_chunks is None else min(self.next_chunk, self.stream_chunks)
+        below = min(below, top)
         state = {
             "chunk_size": self.chunk_size,
-            "next_chunk": self.next_chunk,
+            "next_chunk": top,
             "complete_below": below,
-            "complete": sorted(c for c in complete if c >= below),
-            "delivered": [[c, n] for c, n in sorted(delivered.items()) if n > 0 and c >= below and c not in complete],
+            "complete": sorted(c for c in complete if below <= c < top),
+            "delivered": [[c, n] for c, n in sorted(delivered.items()) if n > 0 and below <= c < top and c not in complete],
         }
         schedule = self.schedule.state()
         if schedule is not None:  # a guided epoch's bounds (fixed chunks: chunk_size, as before it existed)
             state["schedule"] = schedule
-        length = self.length_hint()
+        length = self.length_hint() if self.over else self.stream_length
         if length is not None:  # the next epoch's expected length, also after a checkpoint between epochs
-            state["stream_length"] = length
+            state["stream_length"] = length  # never a bound: a resumed epoch takes it as known (resume)
         return state
 
     def length_hint(self) -> Optional[int]:
-        """The stream's length in positions as far as known: reported by a worker, else where the
-        first chunk past its end begins (None: its end not reached)."""
+        """The stream's length in positions as far as known: reported, else where the first chunk
+        past its end begins (exact once the epoch is over; None: its end not reached)."""
         if self.stream_length is not None:
             return self.stream_length
         return None if self.stream_chunks is None else self.schedule.start(self.stream_chunks)
