@@ -152,7 +152,7 @@ def _class_reduction(cls: type) -> Any:
     return _class_by_name, (module_name, qualname)
 
 
-class _ItemPickler(pickle.Pickler):
+class ItemPickler(pickle.Pickler):
     """Pickler that sends CPU tensor storage as a pickle protocol 5 buffer, and classes
     this process cannot name by the name the trainer knows them by."""
 
@@ -301,7 +301,7 @@ class ItemEncoder:
     ) -> None:
         self._stream = io.BytesIO()
         self._out_of_band: List[pickle.PickleBuffer] = []
-        self._pickler = _ItemPickler(self._stream, protocol=_ITEM_PROTOCOL, buffer_callback=self._collect)
+        self._pickler = ItemPickler(self._stream, protocol=_ITEM_PROTOCOL, buffer_callback=self._collect)
         self._stage = stage
         self._borrow_min_bytes = borrow_min_bytes
         self._borrowed = False

@@ -118,7 +118,7 @@ class TLSSocketConnection(SocketConnection):
             self._sock.close()
 
 
-def _load_server_tls(tls_cert: Optional[str], tls_key: Optional[str]) -> Optional[ssl.SSLContext]:
+def load_server_tls(tls_cert: Optional[str], tls_key: Optional[str]) -> Optional[ssl.SSLContext]:
     if tls_cert is None:
         if tls_key is not None:
             raise ConfigurationError("--tls-key needs --tls-cert: give the certificate (chain) that goes with the key")
@@ -135,7 +135,7 @@ def _load_server_tls(tls_cert: Optional[str], tls_key: Optional[str]) -> Optiona
     return context
 
 
-def _load_client_tls(tls_ca_file: Optional[str], tls_server_hostname: Optional[str]) -> Optional[ssl.SSLContext]:
+def load_client_tls(tls_ca_file: Optional[str], tls_server_hostname: Optional[str]) -> Optional[ssl.SSLContext]:
     if tls_ca_file is None:
         if tls_server_hostname is not None:
             raise ConfigurationError("tls_server_hostname needs tls_ca_file: give the CA bundle that signed the workers' certificates")
