@@ -161,6 +161,7 @@ class ItemPickler(pickle.Pickler):
         self._class_reductions: Dict[type, Any] = {}
 
     def reducer_override(self, obj: Any) -> Any:
+        """Classes by name or value, CPU tensors and storages by their buffers; else pickle's default."""
         if isinstance(obj, type):
             reduction = self._class_reductions.get(obj)
             if reduction is None:

@@ -1,6 +1,6 @@
-"""Canonical bytes of an item's key, the same in every process and run: the sticky placement and
-the cache's keys hash them (unlike Python's salted ``hash()`` or a pickle, whose memo makes
-equal tuples pickle differently)."""
+"""Canonical bytes of an item's key: the same in every process and run (the sticky placement
+and the cache's keys hash them), unlike Python's salted ``hash()`` or a pickle, whose memo
+makes equal tuples pickle differently."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from typing import Any
 
 from .errors import StickyKeyError
 
-__all__ = ["sized", "encode_key"]
+__all__ = ["encode_key", "sized"]
 
 
 def sized(tag: bytes, data: bytes) -> bytes:
+    """``data`` behind its ``tag`` and its length: concatenations of these cannot collide."""
     return tag + len(data).to_bytes(8, "big") + data
 
 

@@ -28,6 +28,7 @@ class _Cursor:
 
 
 def next_frame(event_source: "queue.SimpleQueue[Event]", progress: EpochProgress, stats: Optional[ChannelStats] = None) -> Event:
+    """The next event of this epoch from ``event_source`` (a frame, a loss or a close), dropping stale frames."""
     epoch = progress.epoch
     while True:
         event = progress.wait(event_source, stats)

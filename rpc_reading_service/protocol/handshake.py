@@ -29,6 +29,7 @@ _DIGEST_BYTES = hashlib.sha256().digest_size
 
 
 def handshake_proof(key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    """HMAC-SHA256 under ``key`` of ``label`` and the two nonces: what each side proves it holds the key with."""
     return hmac.new(key, label + first + second, hashlib.sha256).digest()
 
 

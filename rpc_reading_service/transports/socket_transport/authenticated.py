@@ -13,6 +13,7 @@ from .tls import TLSSocketConnection
 
 
 def authenticated_connection(sock: socket.socket, peer: str, reader: FrameReader, lend: bool = False) -> SocketConnection:
+    """The connection for an authenticated socket: TLS, shared memory (a Unix socket) or plain TCP."""
     if isinstance(sock, ssl.SSLSocket):
         return TLSSocketConnection(sock, peer, reader)
     if sock.family == socket.AF_UNIX:

@@ -16,12 +16,14 @@ _IOV_MAX = 512
 
 
 def tune_socket(sock: socket.socket) -> None:
+    """TCP_NODELAY and keep-alive on a TCP socket (a Unix socket needs neither)."""
     if sock.family != socket.AF_UNIX:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
 
 def open_client_socket(host: str, port: int, timeout: float) -> socket.socket:
+    """A connected socket to ``host:port``, or to the Unix socket a ``unix:`` host names."""
     path = unix_socket_path(host)
     if not path:
         return socket.create_connection((host, port), timeout=timeout)

@@ -142,6 +142,7 @@ class RPCInbox:
         self._error: Optional[BaseException] = None
 
     def put(self, seq: int, frame: Frame) -> None:
+        """File frame number ``seq``; frames are handed on in sequence order, duplicates dropped."""
         with self._cond:
             if seq < self._expected or seq in self._early:
                 return  # a duplicate: cannot happen with TensorPipe, but never deliver twice
@@ -160,9 +161,11 @@ class RPCInbox:
 
     @property
     def failed(self) -> bool:
+        """True once the connection failed (:meth:`get` raises its error)."""
         return self._error is not None
 
     def get(self, timeout: Optional[float]) -> Optional[Frame]:
+        """The next frame in order, waiting up to ``timeout`` (None: no frame came in time)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:

@@ -115,6 +115,7 @@ class RPCWorld:
         log.info("torch RPC world %s open, rendezvous %s", self.name, self.init_method)
 
     def next_member(self) -> Tuple[int, str]:
+        """The rank and RPC name of the next session that joins this world."""
         rank = self._next_rank
         self._next_rank += 1
         return rank, f"rrs_session_{self.id}_{rank}"
@@ -209,12 +210,14 @@ def _foreign_agent_error() -> ConfigurationError:
 
 
 def check_no_foreign_agent() -> None:
+    """Refuse to start when an RPC agent that is not this package's world runs in the process."""
     with _world_lock:
         if _world is None and agent_exists():
             raise _foreign_agent_error()
 
 
 def acquire_world(loopback: bool, advertise_host: str, rpc_timeout: float, num_worker_threads: int) -> RPCWorld:
+    """The process's torch RPC world (opened on first use), with one more reference."""
     global _world
     with _world_lock:
         world = _world
@@ -235,6 +238,7 @@ def acquire_world(loopback: bool, advertise_host: str, rpc_timeout: float, num_w
 
 
 def release_world(world: RPCWorld, conn: TorchRPCConnection) -> None:
+    """Drop ``conn`` and one reference to ``world``; the last one shuts the world down."""
     global _world
     with _world_lock:
         world.retire(conn)
