@@ -41,7 +41,6 @@ from ..selection import WorkerSelection
 
 if TYPE_CHECKING:
     from ..trainer.channel import Event, WorkerChannel
-    from ..trainer.config import ReadingServiceConfig
     from .merge import EpochProgress, ReplaceFn
 
 __all__ = ["DistributionPolicy", "EpochRun", "FleetView", "Merger"]
@@ -135,8 +134,10 @@ class DistributionPolicy(abc.ABC):
         """Whether items are delivered in an order fixed by the seed (not by the workers' speeds)."""
         return not self.shared_queue
 
-    def check(self, config: "ReadingServiceConfig") -> None:
-        """Refuse settings this policy cannot serve (raise ConfigurationError); called once."""
+    def check(self, config: Any) -> None:
+        """Refuse settings this policy cannot serve (raise ConfigurationError); called once, by the
+        run's :class:`~rpc_reading_service.trainer.config.ReadingServiceConfig` with itself (a
+        policy knows the settings it reads; the policies' layer is below the configuration)."""
 
     def check_graph(self, graph: Any) -> None:
         """Refuse a graph this policy cannot serve (raise ConfigurationError), before it is shipped."""

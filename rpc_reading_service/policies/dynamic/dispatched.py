@@ -18,21 +18,38 @@ What the graph after the dispatch point may hold: DataPipes that map each input 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Protocol, Tuple
 
 from ...trainer.channel import WorkerChannel
 from ...errors import ConfigurationError, WorkerLostError
 from ...protocol import EncodedItem, EndOfInput, Items
 from ..base import EpochRun
-from .trainer import Dynamic
-from .merger import DynamicMerger
+from .merger import DynamicMerger, DynamicSettings
 from .leases import LEAD_SECONDS, MAX_DEPTH
 from .schedule import ChunkSchedule, FixedChunks
 
-if TYPE_CHECKING:
-    from ...trainer.engine.dispatch import UnitDispatch
+__all__ = ["DispatchedMerger", "UnitSource"]
 
-__all__ = ["DispatchedMerger"]
+
+class UnitSource(Protocol):
+    """What the merger uses of the trainer's dispatcher
+    (:class:`~rpc_reading_service.trainer.engine.dispatch.UnitDispatch`): the dispatched items, by index."""
+
+    #: Items pulled so far; the stream's length once it ended (None before).
+    produced: int
+    total: Optional[int]
+    #: At most this many items and bytes per ITEMS frame.
+    max_items: int
+    max_bytes: int
+
+    def item(self, index: int, keep: bool = True) -> EncodedItem:
+        """Unit ``index``'s item; ``keep=False`` forgets it."""
+
+    def want(self, seen: int) -> None:
+        """Every unit below ``seen`` was leased: notify once there are more."""
+
+    def advance(self, limit: int, released: int) -> None:
+        """Pull up to ``limit``; forget the items below ``released``."""
 
 
 class DispatchedMerger(DynamicMerger):
@@ -42,17 +59,17 @@ class DispatchedMerger(DynamicMerger):
     lead_seconds = LEAD_SECONDS
     sized_window = False
 
-    def _schedule(self, policy: Dynamic, expected: Optional[int], workers: int) -> ChunkSchedule:
+    def _schedule(self, policy: DynamicSettings, expected: Optional[int], workers: int) -> ChunkSchedule:
         """A unit is one item: unit ``k`` is position ``k`` of the dispatched stream."""
         return FixedChunks(1)
 
-    def _window(self, policy: Dynamic, workers: int) -> int:
+    def _window(self, policy: DynamicSettings, workers: int) -> int:
         """A unit is one item: by default the trainer's buffer is bound by as many items as chunks are."""
         return policy.window or 4 * policy.depth * max(1, workers) * policy.chunk_size
 
-    def __init__(self, policy: Dynamic, run: EpochRun):
+    def __init__(self, policy: DynamicSettings, run: EpochRun):
         super().__init__(policy, run)
-        self.units_source: "UnitDispatch" = run.dispatched
+        self.units_source: UnitSource = run.dispatched
         self.book.available = 0
         #: Per rank: ITEMS frames and items sent to its current session this epoch.
         self._frames: Dict[int, int] = {rank: 0 for rank in range(len(run.channels))}

@@ -1,10 +1,14 @@
-"""The trainer's half of "dynamic" for one epoch: its merger leases chunks by the lease book,
-receives the workers' frames and delivers their items (resequenced by chunk, or as they come)."""
+"""The trainer's half of "dynamic": one epoch's merger (leasing, receiving, resequencing).
+
+The policy (:class:`~.trainer.Dynamic`) holds the settings; a :class:`DynamicMerger` per epoch
+leases chunks by its :class:`~.leases.LeaseBook` and delivers their items; with a dispatch
+point :class:`~.dispatched.DispatchedMerger` leases dispatched items instead.
+"""
 
 from __future__ import annotations
 
 import collections
-from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
 from ...trainer.channel import WorkerChannel
 from ...errors import WorkerLostError
@@ -12,9 +16,22 @@ from ..base import EpochRun, Merger
 from .leases import CHUNK_LEAD_SECONDS, MAX_CHUNK_DEPTH, WINDOW_BYTES_PER_WORKER, LeaseBook, checkpoint_schedule
 from .schedule import DIVISOR, SMALLEST, ChunkSchedule, FixedChunks, GuidedChunks
 from ..merge import next_frame, report_held_losses, take_items
-from .trainer import Dynamic
 
-__all__ = ["DynamicMerger"]
+__all__ = ["DynamicMerger", "DynamicSettings"]
+
+
+class DynamicSettings(Protocol):
+    """What a merger reads of its policy (:class:`~.trainer.Dynamic`)."""
+
+    chunk_size: int
+    max_chunk_size: int
+    guided: bool
+    depth: int
+    window: Optional[int]
+
+    @property
+    def in_order(self) -> bool:
+        """Whether delivery is resequenced by chunk."""
 
 
 class DynamicMerger(Merger):
@@ -26,7 +43,7 @@ class DynamicMerger(Merger):
     lead_seconds = CHUNK_LEAD_SECONDS
     sized_window = True
 
-    def __init__(self, policy: Dynamic, run: EpochRun):
+    def __init__(self, policy: DynamicSettings, run: EpochRun):
         self.run = run
         count = len(run.channels)
         window = self._window(policy, count)
@@ -48,11 +65,11 @@ class DynamicMerger(Merger):
         #: The chunk of each of the latest items handed on (a checkpoint gives back undelivered ones).
         self.recent: Deque[int] = collections.deque(maxlen=run.progress.recent.maxlen)
 
-    def _window(self, policy: Dynamic, workers: int) -> int:
+    def _window(self, policy: DynamicSettings, workers: int) -> int:
         """The lease window's first size, in chunks."""
         return policy.window or 4 * policy.depth * max(1, workers)
 
-    def _schedule(self, policy: Dynamic, expected: Optional[int], workers: int) -> ChunkSchedule:
+    def _schedule(self, policy: DynamicSettings, expected: Optional[int], workers: int) -> ChunkSchedule:
         """The epoch's chunk bounds: a resumed epoch's own (positions are what a checkpoint
         holds); guided once the stream's length is expected (the previous epoch's); else fixed."""
         if self.run.resume is not None:

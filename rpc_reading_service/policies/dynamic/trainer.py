@@ -46,13 +46,14 @@ from ...settings import MAX_POSITION
 from ...errors import ConfigurationError
 from ...graph import check_per_item_after_dispatch
 from ...graph_utils import DispatchPlaceholder, find_dps, find_lca_round_robin_sharding_dp, traverse_dps
-from .worker import LeasedChunks
 from ...selection import WorkerSelection
 from ...settings import NumberRule, check_number
 from ..base import DistributionPolicy, EpochRun, FleetView, Merger
-from .leases import check_book_state  # fmt: skip
-from .schedule import LARGEST
+from .dispatched import DispatchedMerger
+from .leases import check_book_state
 from .merger import DynamicMerger
+from .schedule import LARGEST
+from .worker import LeasedChunks
 
 __all__ = ["Dynamic", "DEFAULT_CHUNK_SIZE", "DEFAULT_MAX_CHUNK_SIZE"]
 
@@ -171,8 +172,6 @@ class Dynamic(DistributionPolicy):
     def merger(self, run: EpochRun) -> Merger:
         """Lease, receive and resequence one epoch (with a dispatch point: its dispatched items)."""
         if run.dispatched is not None:
-            from .dispatched import DispatchedMerger  # a subclass of DynamicMerger, below
-
             return DispatchedMerger(self, run)
         return DynamicMerger(self, run)
 

@@ -10,19 +10,22 @@ worker whose server drained (its work goes on elsewhere: leaving is not a failur
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Protocol, Tuple
 
-from ..channel import WorkerChannel
+from ..channel import Event, WorkerChannel
+from ..config import ReadingServiceConfig
 from ...policies.merge import EpochProgress
 from ...policies.base import EpochRun, Merger
 from ...errors import ItemTimeoutError, WorkerDrainedError, WorkerLostError, past_the_end
 
-if TYPE_CHECKING:
-    from .run import Engine
+from .dispatch import Dispatch
+from .fleet import Fleet
+from .guard import IterationGuard
 
-__all__ = ["Epoch", "Positions"]
+__all__ = ["Epoch", "EpochHost", "Positions"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +41,31 @@ class Positions:
     policy: Optional[Mapping[str, Any]] = None
 
 
+class EpochHost(Protocol):
+    """What an epoch uses of its :class:`~rpc_reading_service.trainer.engine.Engine`."""
+
+    config: ReadingServiceConfig
+    #: The graph, when it runs in this process (``num_workers=0``).
+    in_process_graph: Optional[Any]
+    #: The current epoch, and the first epoch's hint (:meth:`Epoch.hint`).
+    epoch: Optional["Epoch"]
+    first_hint: Optional[Any]
+    channels: List[WorkerChannel]
+    events: "queue.SimpleQueue[Event]"
+    guard: IterationGuard
+    #: The dispatching part of the graph and the current epoch's dispatching (None without a dispatch point).
+    dispatching: Optional[Any]
+    dispatch: Optional[Dispatch]
+    #: The run's workers (a drained server's address is remembered there).
+    fleet: Fleet
+
+    def dispatch_failure(self, wire: int) -> Optional[BaseException]:
+        """The exception that ended the dispatching part of epoch ``wire``, if one did."""
+
+    def reopen_channel(self, lost: WorkerChannel, error: WorkerLostError, epoch: "Epoch") -> WorkerChannel:
+        """A new session in place of ``lost``, started on ``epoch``."""
+
+
 class Epoch:
     """One epoch of an :class:`~rpc_reading_service.trainer.engine.Engine`: an iterable of its items.
 
@@ -45,7 +73,7 @@ class Epoch:
     (:attr:`EpochRun.dispatched <rpc_reading_service.policies.base.EpochRun>`)."""
 
     def __init__(
-        self, engine: "Engine", number: int, wire: int, seed: int, positions: Positions, dispatched: Any = None
+        self, engine: EpochHost, number: int, wire: int, seed: int, positions: Positions, dispatched: Any = None
     ):
         self.engine = engine
         #: The epoch's number (counted from 1; a resumed epoch keeps its own) and its shared seed.
@@ -206,10 +234,4 @@ class Epoch:
 
     def _reopen(self, lost: WorkerChannel, error: WorkerLostError) -> WorkerChannel:
         """A new session for ``lost``'s rank, started where the epoch's progress says."""
-        engine, rank = self.engine, lost.rank
-        channel = engine.fleet.reopen(rank, lost, engine.channels, error)
-        engine.replace_dispatched(channel)
-        channel.start_receiver(engine.receiver_queue())
-        engine.start_channel(channel, self)
-        engine.channels[rank] = channel
-        return channel
+        return self.engine.reopen_channel(lost, error, self)

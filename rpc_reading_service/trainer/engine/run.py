@@ -28,7 +28,7 @@ from typing import Any, Callable, List, Optional
 
 from ..channel import Event, WorkerChannel, drop_items
 from ..config import ReadingServiceConfig
-from ...errors import ConfigurationError, DispatchStalledError, RPCReadingServiceError
+from ...errors import ConfigurationError, DispatchStalledError, RPCReadingServiceError, WorkerLostError
 from ...graph import DistributedInfo, graph_traversal, init_worker_graph, reset_dispatching_graph, reset_worker_graph
 from ...graph_utils import DataPipe, WorkerInfo
 from ...selection import selection_in_place
@@ -93,7 +93,7 @@ class Engine:
         self.dispatch: Optional[Dispatch] = None
         #: The current (or last) epoch, and the number of the latest one (0 before the first).
         self.epoch: Optional[Epoch] = None
-        #: The first epoch's hint (:meth:`Merger.hint <.distribution.Merger.hint>`): a checkpoint's,
+        #: The first epoch's hint (:meth:`Merger.hint <rpc_reading_service.policies.base.Merger.hint>`): a checkpoint's,
         #: taken between epochs, so that the next epoch is the one the checkpointed run had.
         self.first_hint: Optional[Any] = None
         self.epoch_number = 0
@@ -305,6 +305,16 @@ class Engine:
         if dispatch is None or dispatch.epoch != wire or dispatch.failure is None:
             return None
         return _in_mprs_words(dispatch.failure)
+
+    def reopen_channel(self, lost: WorkerChannel, error: WorkerLostError, epoch: Epoch) -> WorkerChannel:
+        """A new session in place of ``lost``, started on ``epoch`` (its rank's input dealt again)."""
+        rank = lost.rank
+        channel = self.fleet.reopen(rank, lost, self.channels, error)
+        self.replace_dispatched(channel)
+        channel.start_receiver(self.receiver_queue())
+        self.start_channel(channel, epoch)
+        self.channels[rank] = channel
+        return channel
 
     def replace_dispatched(self, channel: WorkerChannel) -> None:
         """A replacement session took over ``channel.rank``: it gets the rank's input of this
