@@ -72,11 +72,14 @@ def __getattr__(name: str) -> Any:
 
         return getattr(nodes, name)
     if name in _POLICIES:  # the distribution policies, as lazily
-        from . import policies as distribution
+        from .policies.base import DistributionPolicy
         from .policies.dynamic.trainer import Dynamic
+        from .policies.first_ready.trainer import FirstReady
+        from .policies.round_robin.trainer import RoundRobin
         from .policies.sticky.trainer import Sticky
 
-        return {"Dynamic": Dynamic, "Sticky": Sticky}.get(name) or getattr(distribution, name)
+        policies = {"Dynamic": Dynamic, "Sticky": Sticky, "RoundRobin": RoundRobin, "FirstReady": FirstReady}
+        return policies.get(name, DistributionPolicy)
     if name in ("shared_empty", "shared_collate"):  # torch loads on first use too
         from .transports.socket_transport import shared_items
 

@@ -7,9 +7,9 @@ that are not the workers', e.g. torch.distributed's) and asks the selection abou
 position; torchdata's ``apply_sharding`` tells the selection the worker's rank, as it
 tells a ``sharding_filter``. Round-robin keeps torchdata's ``sharding_filter`` itself.
 
-Built in: :class:`LeasedChunks` ("dynamic": the chunks the trainer leased to this
-session, fed by the session's :class:`LeaseInbox`). A policy's own selection subclasses
-:class:`WorkerSelection` (e.g. "sticky": the items whose key hashes to this worker).
+A policy's selection subclasses :class:`WorkerSelection` (e.g. "dynamic": the chunks the
+trainer leased to this session, fed by the session's :class:`LeaseInbox`; "sticky": the items
+whose key hashes to this worker): see :mod:`rpc_reading_service.policies`.
 Pure graph code: no I/O; the session driver feeds the inbox and sends what it reports.
 """
 

@@ -1,11 +1,12 @@
-"""Distribution policies by name: the registry behind ``RPCReadingService(distribution=...)``.
+"""Work distribution policies, and their registry by name (``RPCReadingService(distribution=...)``).
 
-Built in: ``"round_robin"`` (the default), ``"first_ready"``, ``"dynamic"`` and ``"sticky"`` (see
-:mod:`rpc_reading_service.policies`). Third-party policies register with
-:func:`register_distribution` or through the entry-point group
-``rpc_reading_service.distributions`` (``name = "package.module:factory"``); a factory
-takes keyword options and returns a
-:class:`~rpc_reading_service.policies.base.DistributionPolicy`.
+One package per policy: :mod:`.round_robin` (the default), :mod:`.first_ready`, :mod:`.dynamic`
+(leased chunks, resequenced) and :mod:`.sticky` (by a stable hash of each item's key), each with
+its trainer half (``trainer``: the policy and its merger) and, where it has one, its worker half
+(``worker``: the selection that replaces ``sharding_filter``). :mod:`.base` is the interface,
+:mod:`.merge` the merging of the workers' streams. Third-party policies register with
+:func:`register_distribution` or the entry-point group ``rpc_reading_service.distributions``
+(``name = "package.module:factory"``). No policy is imported here (they need torchdata).
 """
 
 from __future__ import annotations

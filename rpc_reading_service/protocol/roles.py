@@ -158,7 +158,7 @@ class TrainerSession(SessionProtocol):
 
 
 class WorkerProtocol(SessionProtocol):
-    """The worker's end of one trainer session (the protocol of ``worker_session.WorkerSession``)."""
+    """The worker's end of one trainer session (the protocol of ``worker.session.WorkerSession``)."""
 
     role = "worker"
     peer_role = "trainer"

@@ -1,8 +1,8 @@
 """The two session state machines, sans I/O: every rule about which message may come when.
 
-:class:`TrainerSession` is the trainer's end of one worker session, :class:`WorkerProtocol`
+:class:`~.roles.TrainerSession` is the trainer's end of one worker session, :class:`~.roles.WorkerProtocol`
 the worker's end (the driver class that runs a worker's session is
-``worker_session.WorkerSession``; this is only its protocol). Neither does I/O, starts a
+``worker.session.WorkerSession``; this is only its protocol). Neither does I/O, starts a
 thread or reads a clock it was not given: a driver moves bytes between a ``Connection``
 and its state machine, and acts on the events it gets back::
 
@@ -108,6 +108,7 @@ __all__ = [
     "PeerTimedOut",
     "Refused",
     "Tick",
+    "SessionProtocol",
 ]
 
 K = MessageKind
@@ -239,7 +240,8 @@ class _Leases:
 
 
 class SessionProtocol:
-    """What both ends share: states, epochs, liveness, and the checks around every call."""
+    """What both ends share: states, epochs, liveness, and the checks around every call
+    (the roles are :class:`~.roles.TrainerSession` and :class:`~.roles.WorkerProtocol`)."""
 
     role: ClassVar[str]
     peer_role: ClassVar[str]

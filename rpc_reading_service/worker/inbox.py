@@ -12,7 +12,12 @@ from torch.utils.data import IterDataPipe
 from ..protocol import EncodedItem
 from ..serialization import loads_item
 
-__all__ = ["Inbox", "DispatchedInput"]
+
+__all__ = ["Inbox", "DispatchedInput", "Cancelled"]
+
+
+class Cancelled(Exception):
+    """The signal that stops a worker session's producer: its epoch was superseded or the session is closing."""
 
 
 class Inbox:
@@ -110,7 +115,3 @@ class DispatchedInput(IterDataPipe):
 
     def __setstate__(self, state: dict) -> None:
         self.inbox = None
-
-
-class Cancelled(Exception):
-    """The producer's epoch was superseded or the session is closing."""

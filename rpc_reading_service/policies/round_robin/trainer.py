@@ -1,4 +1,4 @@
-"""The fixed-shard policies: ``"round_robin"`` (the default) and ``"first_ready"``.
+"""``"round_robin"`` (the default), the fixed-shard policy that ``"first_ready"`` also is.
 
 Each worker keeps torchdata's ``sharding_filter`` by rank (every ``num_workers``-th item
 of the sharded stream); the policies differ only in the order of delivery. Positions are
@@ -13,7 +13,7 @@ from ...selection import WorkerSelection
 from ..base import DistributionPolicy, EpochRun, FleetView, Merger
 from ..merge import iterate_in_order
 
-__all__ = ["RoundRobin"]
+__all__ = ["RoundRobin", "IteratorMerger"]
 
 
 class IteratorMerger(Merger):
