@@ -54,7 +54,7 @@ from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 from rpc_reading_service import RPCReadingService
-from rpc_reading_service.local_fleet import read_listening_address
+from rpc_reading_service.trainer.local_fleet import read_listening_address
 
 SESSIONS_PER_SERVER = 2
 

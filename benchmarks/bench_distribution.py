@@ -45,7 +45,7 @@ from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 from rpc_reading_service import RPCReadingService
-from rpc_reading_service.engine.distribution.dynamic import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_CHUNK_SIZE, Dynamic
+from rpc_reading_service.policies.dynamic.trainer import DEFAULT_CHUNK_SIZE, DEFAULT_MAX_CHUNK_SIZE, Dynamic
 
 WORKERS = 4
 SLOWDOWN = 4.0

@@ -135,7 +135,7 @@ def trainer_main(config: dict) -> None:
 
 # -- the driver (root namespace) -------------------------------------------------------------
 def _start_servers(cluster, key: str, env: Dict[str, str], sessions: int, workdir: Path) -> Dict[str, List[str]]:
-    from rpc_reading_service.local_fleet import read_listening_address
+    from rpc_reading_service.trainer.local_fleet import read_listening_address
 
     worker = cluster["w0"]
     addresses: Dict[str, List[str]] = {}

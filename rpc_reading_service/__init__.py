@@ -11,7 +11,7 @@ from .quiet_imports import torchdata_banner_muted
 
 with torchdata_banner_muted():
     from . import cache as _cache  # noqa: F401 - registers dp.cached_map
-from .config import (
+from .trainer.config import (
     TLS,
     Hostfile,
     Liveness,
@@ -41,15 +41,15 @@ from .errors import (
     WorkerRefusedError,
     WorkerStartupError,
 )
-from .distributions import available_distributions, register_distribution
+from .policies import available_distributions, register_distribution
 from .metrics import MetricsEndpoint, ReadingServiceCollector, serve_metrics
 from .transports import available_transports, register_transport
 from .version import __version__
 
 if TYPE_CHECKING:
-    from .frontends.nodes import RemoteMapper, RemoteNode
-    from .frontends.torch_dataloader import RemoteIterable
-    from .reading_service import RPCReadingService
+    from .trainer.frontends.nodes import RemoteMapper, RemoteNode
+    from .trainer.frontends.torch_dataloader import RemoteIterable
+    from .trainer.reading_service import RPCReadingService
 
 
 _POLICIES = ("Dynamic", "Sticky", "RoundRobin", "FirstReady", "DistributionPolicy")
@@ -60,25 +60,28 @@ def __getattr__(name: str) -> Any:
     # (``rpc_reading_service.worker``) decides how torchdata is first imported in its process.
     # RPCReadingService raises an ImportError saying what to install where torchdata has no DataLoader2.
     if name == "RPCReadingService":
-        from .reading_service import RPCReadingService
+        from .trainer.reading_service import RPCReadingService
 
         return RPCReadingService
     if name == "RemoteIterable":
-        from .frontends.torch_dataloader import RemoteIterable
+        from .trainer.frontends.torch_dataloader import RemoteIterable
 
         return RemoteIterable
     if name in ("RemoteNode", "RemoteMapper"):  # torchdata.nodes (>= 0.10): an ImportError says so otherwise
-        from .frontends import nodes
+        from .trainer.frontends import nodes
 
         return getattr(nodes, name)
     if name in _POLICIES:  # the distribution policies, as lazily
-        from .engine import distribution
-        from .engine.distribution.dynamic import Dynamic
-        from .engine.distribution.sticky import Sticky
+        from .policies.base import DistributionPolicy
+        from .policies.dynamic.trainer import Dynamic
+        from .policies.first_ready.trainer import FirstReady
+        from .policies.round_robin.trainer import RoundRobin
+        from .policies.sticky.trainer import Sticky
 
-        return {"Dynamic": Dynamic, "Sticky": Sticky}.get(name) or getattr(distribution, name)
+        policies = {"Dynamic": Dynamic, "Sticky": Sticky, "RoundRobin": RoundRobin, "FirstReady": FirstReady}
+        return policies.get(name, DistributionPolicy)
     if name in ("shared_empty", "shared_collate"):  # torch loads on first use too
-        from . import shared_items
+        from .transports.socket_transport import shared_items
 
         return getattr(shared_items, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -152,7 +152,7 @@ def _class_reduction(cls: type) -> Any:
     return _class_by_name, (module_name, qualname)
 
 
-class _ItemPickler(pickle.Pickler):
+class ItemPickler(pickle.Pickler):
     """Pickler that sends CPU tensor storage as a pickle protocol 5 buffer, and classes
     this process cannot name by the name the trainer knows them by."""
 
@@ -161,6 +161,7 @@ class _ItemPickler(pickle.Pickler):
         self._class_reductions: Dict[type, Any] = {}
 
     def reducer_override(self, obj: Any) -> Any:
+        """Classes by name or value, CPU tensors and storages by their buffers; else pickle's default."""
         if isinstance(obj, type):
             reduction = self._class_reductions.get(obj)
             if reduction is None:
@@ -301,7 +302,7 @@ class ItemEncoder:
     ) -> None:
         self._stream = io.BytesIO()
         self._out_of_band: List[pickle.PickleBuffer] = []
-        self._pickler = _ItemPickler(self._stream, protocol=_ITEM_PROTOCOL, buffer_callback=self._collect)
+        self._pickler = ItemPickler(self._stream, protocol=_ITEM_PROTOCOL, buffer_callback=self._collect)
         self._stage = stage
         self._borrow_min_bytes = borrow_min_bytes
         self._borrowed = False

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Tuple
 from .errors import ConfigurationError
 
 __all__ = [
+    "MAX_POSITION",
     "MAX_PREFETCH",
     "MAX_WORKERS",
     "NumberRule",
@@ -95,6 +96,9 @@ RPC_READING_SERVICE_KINDS = (
     ("pickle_by_value", _is_module_list, "a list of imported modules, e.g. [my_package.transforms]"),
     ("options", _is_dict, "a dict of keyword arguments for the transport"),
 )
+
+#: Positions past this are no position in any shard (and would overflow the worker's counters).
+MAX_POSITION = 2**63 - 1
 
 
 def check_number(rule: NumberRule, value: Any) -> None:

@@ -38,7 +38,7 @@ import tempfile
 import threading
 from typing import Dict, List, Optional
 
-from rpc_reading_service.local_fleet import _ForkedProcess
+from rpc_reading_service.trainer.local_fleet import _ForkedProcess
 
 _MAX_REQUEST = 1 << 20
 # What _server_helpers.PRELOADED_WORKER runs (kept here: that module imports this one).

@@ -24,7 +24,7 @@ from typing import Callable, Collection, Dict, Iterable, Iterator, List, Optiona
 from _server_forkserver import PRELOADED_COMMAND, forked_server
 from rpc_reading_service import __version__
 from rpc_reading_service.addresses import parse_address
-from rpc_reading_service.local_fleet import read_line, read_listening_address  # noqa: F401 - re-exported for tests
+from rpc_reading_service.trainer.local_fleet import read_line, read_listening_address  # noqa: F401 - re-exported for tests
 from rpc_reading_service.protocol import (
     HANDSHAKE_KINDS,
     ClientHandshake,

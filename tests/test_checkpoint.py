@@ -26,8 +26,8 @@ from torchdata.dataloader2 import DataLoader2, SequentialReadingService
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
 from rpc_reading_service import ConfigurationError, RPCReadingService, available_transports
-from rpc_reading_service.checkpoint import CHECKPOINT_VERSION, ReadingServiceState
-from rpc_reading_service.engine.distribution import EpochProgress
+from rpc_reading_service.trainer.checkpoint import CHECKPOINT_VERSION, ReadingServiceState
+from rpc_reading_service.policies.merge import EpochProgress
 
 SEED = 1234
 N_ITEMS = 23  # shards of 3 workers: 8, 8, 7 (uneven on purpose)
@@ -406,7 +406,7 @@ def test_positions_give_back_items_not_yet_delivered():
 def _good_state_values() -> dict:
     from torchdata.dataloader2.random import SeedGenerator
 
-    from rpc_reading_service.checkpoint import seed_generator_state
+    from rpc_reading_service.trainer.checkpoint import seed_generator_state
 
     generator = SeedGenerator(SEED)
     generator.generate_shared_seed()
@@ -517,7 +517,7 @@ def test_a_state_written_before_the_epoch_start_generator_was_recorded_still_loa
 def test_only_the_generator_the_epoch_began_with_asks_for_a_replay():
     from torchdata.dataloader2.random import SeedGenerator
 
-    from rpc_reading_service.checkpoint import seed_generator_state
+    from rpc_reading_service.trainer.checkpoint import seed_generator_state
 
     generator = SeedGenerator(SEED)
     start = seed_generator_state(generator)
@@ -553,7 +553,7 @@ def test_tampered_positions_are_refused_before_any_worker_starts(rs_factory, wor
 
 # -- "dynamic": the chunk book is the checkpoint ------------------------------------------------
 def _dynamic_rs(rs_factory):
-    from rpc_reading_service.engine.distribution.dynamic import Dynamic
+    from rpc_reading_service.policies.dynamic.trainer import Dynamic
 
     return lambda: rs_factory(3, distribution=Dynamic(chunk_size=3))  # 23 items: 8 chunks, one short
 
@@ -585,7 +585,7 @@ def test_dynamic_resume_equals_uninterrupted_run(rs_factory, cut, graph):
 def test_dynamic_as_completed_resumes_exactly_once(rs_factory):
     """``Dynamic(in_order=False)`` delivers chunks as they complete, so the order is the workers';
     a mid-epoch checkpoint still resumes with every item of the epoch exactly once."""
-    from rpc_reading_service.engine.distribution.dynamic import Dynamic
+    from rpc_reading_service.policies.dynamic.trainer import Dynamic
 
     make_rs = lambda: rs_factory(3, distribution=Dynamic(chunk_size=3, in_order=False))  # noqa: E731
     got, state = interrupted_run(make_rs, *CUTS["mid-epoch"])

@@ -33,10 +33,11 @@ from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 from rpc_reading_service import ConfigurationError, RPCReadingService
-from rpc_reading_service.checkpoint import ReadingServiceState, checkpoint_digest
-from rpc_reading_service.distributions import create_distribution
-from rpc_reading_service.engine.distribution import EpochProgress, EpochRun
-from rpc_reading_service.engine.distribution.dynamic import Dynamic
+from rpc_reading_service.trainer.checkpoint import ReadingServiceState, checkpoint_digest
+from rpc_reading_service.policies import create_distribution
+from rpc_reading_service.policies.merge import EpochProgress
+from rpc_reading_service.policies.base import EpochRun
+from rpc_reading_service.policies.dynamic.trainer import Dynamic
 
 SEED = 7
 N_ITEMS = 67  # three shards of 23, 22, 22
@@ -235,7 +236,7 @@ _RESUME_SCRIPT = """
 import pickle, sys
 from torchdata.dataloader2 import DataLoader2
 from rpc_reading_service import ConfigurationError, RPCReadingService
-from rpc_reading_service.engine.distribution.dynamic import Dynamic
+from rpc_reading_service.policies.dynamic.trainer import Dynamic
 
 with open(sys.argv[1], "rb") as handle:
     state = pickle.load(handle)

@@ -101,7 +101,7 @@ def partitioned_epoch(**options):
 # on FIFOs, stderr in a log, and its exit status as a last JSON line.
 ZYGOTE = '''
 import atexit, json, os, runpy, signal, sys, traceback
-import torch, torchdata.dataloader2, torchdata.datapipes.iter, rpc_reading_service.reading_service
+import torch, torchdata.dataloader2, torchdata.datapipes.iter, rpc_reading_service.trainer.reading_service
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the forks
 print("ready", flush=True)
 for line in sys.stdin:

@@ -25,13 +25,13 @@ from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
 from rpc_reading_service import Liveness, RPCReadingService
-from rpc_reading_service.engine.dispatch import RankInput
-from rpc_reading_service.engine.distribution.dynamic import Dynamic
+from rpc_reading_service.trainer.engine.dispatch import RankInput
+from rpc_reading_service.policies.dynamic.trainer import Dynamic
 from rpc_reading_service.errors import ConfigurationError, DispatchStalledError, ItemTimeoutError
 from rpc_reading_service.graph import split_dispatching
 from rpc_reading_service.protocol import EndOfInput, Items
 from rpc_reading_service.serialization import dumps_item
-from rpc_reading_service.worker_session import Inbox
+from rpc_reading_service.worker.session import Inbox
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -182,7 +182,7 @@ def test_the_workers_inbox_grants_per_frame_and_says_when_it_waits():
     cancelled.cancel()
     with pytest.raises(Exception) as caught:
         list(cancelled)
-    assert type(caught.value).__name__ == "_Cancelled"  # the producer's signal to stop
+    assert type(caught.value).__name__ == "Cancelled"  # the producer's signal to stop
 
 
 def test_dynamic_takes_a_dispatching_graph_that_maps_each_item_alone_and_refuses_one_that_holds_items():

@@ -28,12 +28,14 @@ from rpc_reading_service import (
     available_distributions,
     register_distribution,
 )
-from rpc_reading_service.config import ReadingServiceConfig
-from rpc_reading_service.engine.distribution import FirstReady, RoundRobin
-from rpc_reading_service.engine.distribution.dynamic import Dynamic
-from rpc_reading_service.engine.distribution.leases import LeaseBook, check_book_state, checkpoint_schedule
-from rpc_reading_service.engine.distribution.schedule import FixedChunks, GuidedChunks
-from rpc_reading_service.selection import LeasedChunks, LeaseInbox, SelectionContext, SelectionFilter, WorkerSelection
+from rpc_reading_service.trainer.config import ReadingServiceConfig
+from rpc_reading_service.policies.first_ready.trainer import FirstReady
+from rpc_reading_service.policies.round_robin.trainer import RoundRobin
+from rpc_reading_service.policies.dynamic.trainer import Dynamic
+from rpc_reading_service.policies.dynamic.leases import LeaseBook, check_book_state, checkpoint_schedule
+from rpc_reading_service.policies.dynamic.schedule import FixedChunks, GuidedChunks
+from rpc_reading_service.policies.dynamic.worker import LeasedChunks
+from rpc_reading_service.selection import LeaseInbox, SelectionContext, SelectionFilter, WorkerSelection
 
 N = 60
 
@@ -440,7 +442,7 @@ def test_distribution_names_objects_and_the_in_order_shorthand():
 
 
 def test_an_installed_policy_is_found_by_its_entry_point(tmp_path, monkeypatch):
-    from rpc_reading_service import distributions
+    from rpc_reading_service import policies as distributions
 
     dist_info = tmp_path / "rrs_policy-0.1.dist-info"
     dist_info.mkdir()

@@ -9,8 +9,8 @@ from _server_helpers import wait_until
 from conftest import children_of
 from torchdata.datapipes.iter import IterableWrapper
 
-from rpc_reading_service.config import ReadingServiceConfig
-from rpc_reading_service.engine import Engine
+from rpc_reading_service.trainer.config import ReadingServiceConfig
+from rpc_reading_service.trainer.engine import Engine
 
 
 def square(x: int) -> int:

@@ -17,7 +17,7 @@ import torch
 
 from _server_helpers import wait_until
 from rpc_reading_service.serialization import SHARED_MEMORY_MIN_BYTES
-from rpc_reading_service.transports.shared_memory import SegmentPool, allocate, shared_memory_available
+from rpc_reading_service.transports.socket_transport.shared_memory import SegmentPool, allocate, shared_memory_available
 
 pytestmark = [
     pytest.mark.skipif(not shared_memory_available(), reason="needs memfd (Linux)"),

@@ -33,7 +33,7 @@ from _server_helpers import (
     send_and_read_until_closed,
 )
 from rpc_reading_service import RPCReadingService
-from rpc_reading_service.client import WorkerChannel
+from rpc_reading_service.trainer.channel import WorkerChannel
 from rpc_reading_service.protocol import (
     HANDSHAKE_KINDS,
     MAGIC,

@@ -149,7 +149,8 @@ def test_a_prepared_graph_traverses_once_and_finds_what_each_step_finds():
 
     import torch.utils.data.graph as torch_graph
 
-    from rpc_reading_service.selection import LeasedChunks, selection_in_place, selections_in
+    from rpc_reading_service.policies.dynamic.worker import LeasedChunks
+    from rpc_reading_service.selection import selection_in_place, selections_in
 
     source = IterableWrapper(range(40)).shuffle().sharding_filter().shuffle().map(draw)
     with selection_in_place(source, LeasedChunks()) as shipped:

@@ -331,9 +331,9 @@ def test_server_detects_client_with_wrong_key():
     server2 = ServerHandshake(b"right")
     challenge = roundtrip(server2.receive_hello(roundtrip(other.hello())))
     body = bytes(challenge.body)
-    from rpc_reading_service.protocol import _proof
+    from rpc_reading_service.protocol import handshake_proof
 
-    forged = encode_frame(MessageKind.PROOF, [_proof(b"other", b"client", body[:32], other._nonce)])
+    forged = encode_frame(MessageKind.PROOF, [handshake_proof(b"other", b"client", body[:32], other._nonce)])
     with pytest.raises(AuthenticationError):
         server2.receive_proof(roundtrip(forged))
 

@@ -309,7 +309,7 @@ REASSIGN_CASES = [(point, fault, True) for point in POINTS for fault in FAULTS] 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("point,fault,in_order", REASSIGN_CASES)
 def test_reassign_yields_the_fault_free_epoch(reference, point, fault, in_order, caplog, tmp_path):
-    caplog.set_level(logging.WARNING, logger="rpc_reading_service.engine.epoch")
+    caplog.set_level(logging.WARNING, logger="rpc_reading_service.trainer.engine.epoch")
     hold = _hold(point, tmp_path)
     dl = _local_loader(hold, on_worker_failure="reassign", in_order=in_order)
     victims = _Victims()
@@ -423,7 +423,7 @@ def test_reassign_gives_up_on_a_graph_that_kills_its_process_every_time():
 @pytest.mark.timeout(30)
 def test_unrelated_losses_in_successive_epochs_do_not_add_up(caplog, tmp_path):
     """One loss of worker 1 in each of four epochs: each epoch counts its own (max_reassignments=3)."""
-    caplog.set_level(logging.WARNING, logger="rpc_reading_service.engine.epoch")
+    caplog.set_level(logging.WARNING, logger="rpc_reading_service.trainer.engine.epoch")
     hold = _hold("mid-epoch", tmp_path)
     dl = _local_loader(hold, on_worker_failure="reassign")
     victims = _Victims()

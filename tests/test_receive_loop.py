@@ -9,13 +9,13 @@ from typing import List, Optional
 import pytest
 
 from _server_helpers import wait_until
-from rpc_reading_service.receive_loop import ReceiveLoop
+from rpc_reading_service.trainer.receive_loop import ReceiveLoop
 
 pytestmark = pytest.mark.timeout(10)
 
 
 class Session:
-    """A :class:`~rpc_reading_service.receive_loop.Watched` whose bytes come through a socket pair;
+    """A :class:`~rpc_reading_service.trainer.receive_loop.Watched` whose bytes come through a socket pair;
     each byte read is handed over to ``delivered``, and each read notes what was delivered by then."""
 
     def __init__(self, loop: ReceiveLoop, delivered: List[bytes]):

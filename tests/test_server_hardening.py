@@ -248,7 +248,7 @@ def test_wrong_key_is_logged_as_an_authentication_failure(server):
 def test_silent_sockets_neither_fill_the_server_nor_lock_out_a_trainer(server):
     from rpc_reading_service.transports import socket_transport
 
-    per_host = socket_transport._MAX_PENDING_PER_HOST  # noqa: SLF001 - the cap under test
+    per_host = socket_transport.MAX_PENDING_PER_HOST  # noqa: SLF001 - the cap under test
     extra = 20
     # The server's handshake timeout is 10 s: the silent sockets used to hold on that long.
     silent: List[socket.socket] = []
@@ -263,7 +263,7 @@ def test_silent_sockets_neither_fill_the_server_nor_lock_out_a_trainer(server):
         for reason in busy.values():
             assert (reason or "").startswith("server busy: "), busy
             assert "127.0.0.1" in reason and f"at most {per_host} per address" in reason, reason
-        time.sleep(socket_transport._STALE_HANDSHAKE_SECONDS)  # noqa: SLF001 - the silent ones are stale now
+        time.sleep(socket_transport.STALE_HANDSHAKE_SECONDS)  # noqa: SLF001 - the silent ones are stale now
         start = time.monotonic()
         assert _small_epoch(server) == list(range(6))  # room made by dropping the oldest silent one
         assert time.monotonic() - start < 6  # not after the silent ones' 10 s handshake timeout
@@ -379,8 +379,8 @@ def test_overall_handshake_cap_answers_server_busy(monkeypatch):
     from rpc_reading_service.transports import socket_transport
     from rpc_reading_service.transports.socket_transport import listener as socket_listener
 
-    monkeypatch.setattr(socket_listener, "_MAX_PENDING_HANDSHAKES", 4)
-    monkeypatch.setattr(socket_listener, "_STALE_HANDSHAKE_SECONDS", 0.3)
+    monkeypatch.setattr(socket_listener, "MAX_PENDING_HANDSHAKES", 4)
+    monkeypatch.setattr(socket_listener, "STALE_HANDSHAKE_SECONDS", 0.3)
     transport = socket_transport.SocketTransport()
     listener = transport.listen("127.0.0.1", 0, b"k" * 16, handshake_timeout=10.0)
     silent: List[socket.socket] = []

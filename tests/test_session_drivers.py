@@ -18,15 +18,15 @@ from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import wait_until
 from memory_connection import connection_pair
-from rpc_reading_service.client import WorkerChannel
-from rpc_reading_service.engine.distribution import EpochProgress, iterate_in_order
+from rpc_reading_service.trainer.channel import WorkerChannel
+from rpc_reading_service.policies.merge import EpochProgress, iterate_in_order
 from rpc_reading_service.errors import ItemTimeoutError, WorkerLostError, WorkerStartupError
 from rpc_reading_service.protocol import MessageKind, SessionState, StopEpoch, decode_data, encode_frame
-from rpc_reading_service.receive_loop import ReceiveLoop
+from rpc_reading_service.trainer.receive_loop import ReceiveLoop
 from rpc_reading_service.serialization import dumps_graph, loads_items
 from rpc_reading_service.protocol import FrameReader
 from rpc_reading_service.transports.socket_transport import SocketConnection
-from rpc_reading_service.worker_session import WorkerSession
+from rpc_reading_service.worker.session import WorkerSession
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -36,7 +36,7 @@ from rpc_reading_service.serialization import (
     dumps_item,
     loads_item,
 )
-from rpc_reading_service.transports.shared_memory import (
+from rpc_reading_service.transports.socket_transport.shared_memory import (
     HEADER_BYTES,
     SegmentMap,
     SegmentPool,
@@ -265,7 +265,7 @@ def test_frames_sent_together_bring_every_new_segment_over_a_real_socket():
     import socket
 
     from rpc_reading_service.protocol.frames import decode_data
-    from rpc_reading_service.transports.shared_memory import MAX_NEW_SEGMENTS_PER_FRAME
+    from rpc_reading_service.transports.socket_transport.shared_memory import MAX_NEW_SEGMENTS_PER_FRAME
     from rpc_reading_service.transports.socket_transport import SharedMemoryConnection
 
     worker_sock, trainer_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

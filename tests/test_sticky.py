@@ -12,12 +12,13 @@ from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2.utils import WorkerInfo
 from torchdata.datapipes.iter import IterableWrapper
 
-from rpc_reading_service.engine.distribution.sticky import Sticky
+from rpc_reading_service.policies.sticky.trainer import Sticky
 from rpc_reading_service.errors import ConfigurationError, StickyKeyError
 from rpc_reading_service.graph import init_worker_graph, reset_worker_graph
 from rpc_reading_service.selection import selection_in_place
 from rpc_reading_service.serialization import dumps_graph, loads_graph
-from rpc_reading_service.sticky import StickyAssignment, encode_key, trainer_rank_of
+from rpc_reading_service.policies.sticky import StickyAssignment, trainer_rank_of
+from rpc_reading_service.stable_keys import encode_key
 
 KEYS = [f"/data/shard-{i:05d}.jpg" for i in range(6000)]
 SERVERS = [f"10.0.0.{i}:29600" for i in range(1, 5)]

@@ -347,7 +347,7 @@ def test_a_clean_run_prints_no_warnings_on_the_trainer_or_the_workers(rpc_server
 
 # -- frames <-> RPC arguments (no processes) -----------------------------------------------------------
 def _roundtrip(chunks, max_frame_bytes=1 << 30, allocate=None):
-    head, body, buffers = trt._split_frame(chunks)
+    head, body, buffers = trt.split_rpc_frame(chunks)
     return trt._join_frame(head, body, buffers, max_frame_bytes, allocate)
 
 
@@ -370,13 +370,13 @@ def test_frames_survive_the_conversion_with_their_buffers():
 
 def test_send_copies_so_the_caller_may_reuse_its_memory():
     buffer = bytearray(b"a" * 100)
-    head, body, buffers = trt._split_frame(encode_frame(MessageKind.DATA, [b"body"], [buffer]))
+    head, body, buffers = trt.split_rpc_frame(encode_frame(MessageKind.DATA, [b"body"], [buffer]))
     buffer[:] = b"b" * 100
     assert bytes(buffers[0].numpy()) == b"a" * 100
 
 
 def test_malformed_frames_are_protocol_errors():
-    head, body, buffers = trt._split_frame(encode_frame(MessageKind.DATA, [b"body"], [b"12345"]))
+    head, body, buffers = trt.split_rpc_frame(encode_frame(MessageKind.DATA, [b"body"], [b"12345"]))
     with pytest.raises(ProtocolError, match="not an rpc_reading_service frame"):
         trt._join_frame(b"XXXX" + head[4:], body, buffers, 1 << 30, None)
     with pytest.raises(ProtocolError, match="protocol version"):
@@ -388,11 +388,11 @@ def test_malformed_frames_are_protocol_errors():
     with pytest.raises(FrameTooLargeError, match="over the maximum"):
         trt._join_frame(head, body, buffers, 8, None)
     with pytest.raises(ProtocolError, match="chunks"):
-        trt._split_frame([struct.pack("!4sBBHQ", b"RRSV", 1, 21, 0, 10), b"short"])
+        trt.split_rpc_frame([struct.pack("!4sBBHQ", b"RRSV", 1, 21, 0, 10), b"short"])
 
 
 def test_the_inbox_restores_send_order_and_reports_loss_after_the_frames():
-    inbox = trt._Inbox(1 << 20)
+    inbox = trt.RPCInbox(1 << 20)
     frames = [_roundtrip(encode_control(MessageKind.CREDIT, {"n": i})) for i in range(3)]
     inbox.put(2, frames[2])
     inbox.put(1, frames[1])

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from rpc_reading_service.protocol import ChunkDone, EncodedItem, FrameReader, MessageKind, decode_data, encode_end_of_shard
-from rpc_reading_service.worker_session import Outbox, SessionOptions, _Cancelled
+from rpc_reading_service.worker.session import Outbox, SessionOptions
+from rpc_reading_service.worker.inbox import Cancelled
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -69,7 +70,7 @@ def test_credits_bound_the_frames_in_flight():
             for i in range(100):
                 outbox.put(1, item(i))
                 produced.append(i)
-        except _Cancelled:
+        except Cancelled:
             pass
 
     producer = threading.Thread(target=produce, daemon=True)
@@ -93,7 +94,7 @@ def test_new_epoch_drops_old_items_and_cancels_old_producer():
     outbox.start_epoch(1, credits=0)
     outbox.put(1, item(1))
     outbox.start_epoch(2, credits=1)
-    with pytest.raises(_Cancelled):
+    with pytest.raises(Cancelled):
         outbox.put(1, item(2))
     outbox.put(2, item(3))
     assert data_items(outbox.take(1.0)) == (2, 0, [3])
@@ -115,9 +116,9 @@ def test_a_final_frame_that_ends_the_session_goes_after_the_data_and_refuses_mor
     outbox.start_epoch(1, credits=2)
     outbox.put(1, item(1))
     outbox.finish(1, encode_end_of_shard(1, 1), end_session=True)  # as the item watchdog does
-    with pytest.raises(_Cancelled):
+    with pytest.raises(Cancelled):
         outbox.put(1, item(2))  # a producer that came unstuck afterwards
-    with pytest.raises(_Cancelled):
+    with pytest.raises(Cancelled):
         outbox.finish(1, encode_end_of_shard(1, 1))
     assert data_items(outbox.take(1.0)) == (1, 0, [1])
     assert not outbox.session_over

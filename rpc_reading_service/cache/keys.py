@@ -9,7 +9,7 @@ import types
 from typing import Any, Callable
 
 from ..errors import CacheKeyError, StickyKeyError
-from ..sticky.hashing import encode_key
+from ..stable_keys import encode_key
 
 __all__ = ["function_namespace", "cache_key"]
 
@@ -67,7 +67,7 @@ def cache_key(namespace: str, key: Any) -> str:
     """The hex blake2b hash of ``namespace`` and ``key``.
 
     str, bytes, int, float, None and tuples or lists of them are encoded canonically
-    (:func:`~rpc_reading_service.sticky.hashing.encode_key`: equal keys give equal bytes,
+    (:func:`~rpc_reading_service.stable_keys.encode_key`: equal keys give equal bytes,
     which a pickle does not promise, since its memo encodes a repeated object differently
     from an equal copy); other keys are pickled with protocol 5, so they must pickle to the
     same bytes in every process and run (sets and objects whose pickles vary do not).

@@ -16,7 +16,7 @@ from typing import Any, List
 
 import torch
 
-from ..serialization import _ItemPickler, release_sparse_tensors
+from ..serialization import ItemPickler, release_sparse_tensors
 
 __all__ = ["pack_value", "unpack_value"]
 
@@ -29,7 +29,7 @@ def _aligned(offset: int) -> int:
     return -(-offset // ALIGNMENT) * ALIGNMENT
 
 
-class _ValuePickler(_ItemPickler):
+class _ValuePickler(ItemPickler):
     """The item pickler's CPU tensors as out-of-band buffers; everything else pickled as plain
     pickle does (a class the worker got by value with the graph cannot be named in a later
     run, so such values are not cached rather than stored by a name nobody resolves)."""

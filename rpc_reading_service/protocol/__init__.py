@@ -36,7 +36,7 @@ from .frames import (
     encode_end_of_shard,
     encode_frame,
 )
-from .handshake import NONCE_BYTES, ClientHandshake, ServerHandshake, _proof, decode_reject, encode_reject  # noqa: F401 - _proof: tests forge proofs
+from .handshake import NONCE_BYTES, ClientHandshake, ServerHandshake, handshake_proof, decode_reject, encode_reject  # noqa: F401 - handshake_proof: tests forge proofs
 from .messages import (
     MESSAGE_TYPES,
     ChunkDone,
@@ -62,7 +62,8 @@ from .messages import (
     decode_message,
     decode_setup,
 )
-from .session import DataReceived, Event, PeerTimedOut, Refused, SessionState, Tick, TrainerSession, WorkerProtocol
+from .session import DataReceived, Event, PeerTimedOut, Refused, SessionState, Tick
+from .roles import TrainerSession, WorkerProtocol
 
 __all__ = [
     # frames

@@ -472,7 +472,7 @@ def decode_end_of_shard(frame: Frame) -> Tuple[int, int]:
 # shared plus the inline buffers are exactly n_buffers; a shared buffer lies inside its
 # segment. The receiver rebuilds the inner frame with the shared buffers on its mapping of
 # each segment. Which segments are free again is not a message: the first byte of each
-# segment says it (see transports/shared_memory.py).
+# segment says it (see transports/socket_transport/shared_memory.py).
 _SHARED_HEAD = struct.Struct("!BHHHH")
 _SHARED_NEW = struct.Struct("!IQ")
 _SHARED_RETIRED = struct.Struct("!I")

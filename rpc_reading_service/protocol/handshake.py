@@ -28,7 +28,8 @@ _HELLO = struct.Struct(f"!{NONCE_BYTES}s")
 _DIGEST_BYTES = hashlib.sha256().digest_size
 
 
-def _proof(key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+def handshake_proof(key: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    """HMAC-SHA256 under ``key`` of ``label`` and the two nonces: what each side proves it holds the key with."""
     return hmac.new(key, label + first + second, hashlib.sha256).digest()
 
 
@@ -81,8 +82,8 @@ class ClientHandshake(_HandshakeSide):
         if len(body) != NONCE_BYTES + _DIGEST_BYTES:
             raise RemoteProtocolError("malformed CHALLENGE frame")
         server_nonce, server_proof = body[:NONCE_BYTES], body[NONCE_BYTES:]
-        if not hmac.compare_digest(server_proof, _proof(self._key, b"server", self._nonce, server_nonce)):
-            if self._key and hmac.compare_digest(server_proof, _proof(b"", b"server", self._nonce, server_nonce)):
+        if not hmac.compare_digest(server_proof, handshake_proof(self._key, b"server", self._nonce, server_nonce)):
+            if self._key and hmac.compare_digest(server_proof, handshake_proof(b"", b"server", self._nonce, server_nonce)):
                 raise AuthenticationError(
                     "the worker has no auth key, but this trainer passes one: start the worker with the same key "
                     "(rpc-reading-worker --auth-key-file FILE, or RPC_READING_SERVICE_AUTH_KEY in its environment), "
@@ -99,7 +100,7 @@ class ClientHandshake(_HandshakeSide):
                 "was started with (--auth-key-file / RPC_READING_SERVICE_AUTH_KEY) as auth_key="
             )
         self._peer_nonce = server_nonce
-        return encode_frame(MessageKind.PROOF, [_proof(self._key, b"client", server_nonce, self._nonce)])
+        return encode_frame(MessageKind.PROOF, [handshake_proof(self._key, b"client", server_nonce, self._nonce)])
 
     def receive_welcome(self, frame: Frame) -> None:
         """Finish the handshake on the server's WELCOME."""
@@ -127,7 +128,7 @@ class ServerHandshake(_HandshakeSide):
             raise RemoteProtocolError("malformed HELLO frame")
         self._peer_nonce = body[:NONCE_BYTES]
         self.peer_package_version = body[NONCE_BYTES:].decode("utf-8", "replace")
-        proof = _proof(self._key, b"server", self._peer_nonce, self._nonce)
+        proof = handshake_proof(self._key, b"server", self._peer_nonce, self._nonce)
         return encode_frame(MessageKind.CHALLENGE, [self._nonce, proof])
 
     def receive_proof(self, frame: Frame) -> List[Buffer]:
@@ -135,7 +136,7 @@ class ServerHandshake(_HandshakeSide):
         _expect(frame, MessageKind.PROOF)
         if self._peer_nonce is None:
             raise RemoteProtocolError("PROOF before HELLO")
-        expected = _proof(self._key, b"client", self._nonce, self._peer_nonce)
+        expected = handshake_proof(self._key, b"client", self._nonce, self._peer_nonce)
         if not hmac.compare_digest(bytes(frame.body), expected):
             raise AuthenticationError("client failed the auth-key challenge (wrong or missing auth key)")
         self.done = True

@@ -93,7 +93,7 @@ class ProductionLimitMadeInSharedMemory(ProductionLimit):
     production_limit = name
 
     def epoch(self, workload, num_workers):
-        import rpc_reading_service.shared_items  # noqa: F401 - imported before the producers fork, untimed
+        import rpc_reading_service.transports.socket_transport.shared_items  # noqa: F401 - imported before the producers fork, untimed
 
         return super().epoch(made_in_shared_memory(workload), num_workers)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from .connection import SocketConnection
 from .listener import SocketListener
 # The handshake caps, still read by their old name here; they act (and are patched) in .listener.
-from .listener import _MAX_PENDING_HANDSHAKES, _MAX_PENDING_PER_HOST, _STALE_HANDSHAKE_SECONDS  # noqa: F401
+from .listener import MAX_PENDING_HANDSHAKES, MAX_PENDING_PER_HOST, STALE_HANDSHAKE_SECONDS  # noqa: F401
 from .shared_memory_connection import SharedMemoryConnection
 from .tls import TLSSocketConnection
 from .transport import SocketTransport

@@ -6,13 +6,14 @@ import socket
 import ssl
 
 from ...protocol import FrameReader
-from ..shared_memory import shared_memory_available
+from .shared_memory import shared_memory_available
 from .connection import SocketConnection
 from .shared_memory_connection import SharedMemoryConnection
 from .tls import TLSSocketConnection
 
 
-def _connection(sock: socket.socket, peer: str, reader: FrameReader, lend: bool = False) -> SocketConnection:
+def authenticated_connection(sock: socket.socket, peer: str, reader: FrameReader, lend: bool = False) -> SocketConnection:
+    """The connection for an authenticated socket: TLS, shared memory (a Unix socket) or plain TCP."""
     if isinstance(sock, ssl.SSLSocket):
         return TLSSocketConnection(sock, peer, reader)
     if sock.family == socket.AF_UNIX:

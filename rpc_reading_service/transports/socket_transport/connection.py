@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 
 from ...protocol import Buffer, Frame, FrameReader, encode_reject
 from ..base import Connection, PeerLostError
-from .sockets import _discard_input, _send_chunks
+from .sockets import discard_input, send_chunks
 
 __all__ = ["SocketConnection"]
 
@@ -70,7 +70,7 @@ class SocketConnection(Connection):
             if self._closed:
                 raise PeerLostError(f"connection to {self.peer} is closed")
             try:
-                _send_chunks(self._sock, chunks)
+                send_chunks(self._sock, chunks)
             except OSError as exc:
                 raise PeerLostError(f"lost connection to {self.peer} while sending: {exc}") from exc
 
@@ -220,7 +220,7 @@ class SocketConnection(Connection):
             socket.socket.shutdown(self._sock, socket.SHUT_WR)
         except (PeerLostError, OSError):
             pass
-        _discard_input(self._sock, deadline)
+        discard_input(self._sock, deadline)
         self.close()
 
     def release(self) -> None:

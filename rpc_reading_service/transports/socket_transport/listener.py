@@ -18,21 +18,21 @@ from ...errors import AuthenticationError, ConfigurationError, ProtocolError, Re
 from ...safe_text import printable
 from ...protocol import HANDSHAKE_KINDS, HANDSHAKE_MAX_FRAME_BYTES, Buffer, FrameReader, MessageKind, ServerHandshake
 from ..base import Listener, PeerLostError
-from .authenticated import _connection
+from .authenticated import authenticated_connection
 from .connection import SocketConnection
-from .sockets import _refuse_quietly, _tune
+from .sockets import refuse_quietly, tune_socket
 
 __all__ = ["SocketListener"]
 
 log = logging.getLogger(__name__)
 
 # Handshakes in progress at once, in all and per peer address. A good handshake takes a few
-# round trips; one that waited past _STALE_HANDSHAKE_SECONDS makes room for a newcomer, so
+# round trips; one that waited past STALE_HANDSHAKE_SECONDS makes room for a newcomer, so
 # silent sockets can neither lock out a good trainer for the handshake timeout nor, from one
 # host, crowd out the others.
-_MAX_PENDING_HANDSHAKES = 512
-_MAX_PENDING_PER_HOST = 128
-_STALE_HANDSHAKE_SECONDS = 1.0
+MAX_PENDING_HANDSHAKES = 512
+MAX_PENDING_PER_HOST = 128
+STALE_HANDSHAKE_SECONDS = 1.0
 _ACCEPT_BACKOFF_SECONDS = (0.05, 1.0)  # first and longest pause of accept() when out of descriptors
 _RECURRING_LOG_SECONDS = 10.0
 _OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -175,8 +175,8 @@ def _descriptor_limit() -> str:
 class SocketListener(Listener):
     """A listening TCP socket that authenticates peers before handing them out.
 
-    Bounded under abuse: at most ``_MAX_PENDING_PER_HOST`` handshakes in progress per peer
-    address and ``_MAX_PENDING_HANDSHAKES`` in all (past either, the longest-waiting one is
+    Bounded under abuse: at most ``MAX_PENDING_PER_HOST`` handshakes in progress per peer
+    address and ``MAX_PENDING_HANDSHAKES`` in all (past either, the longest-waiting one is
     answered "server busy" and dropped); out of file descriptors, it stops accepting for a
     growing pause (or until a handshake ends) instead of spinning.
     """
@@ -285,7 +285,7 @@ class SocketListener(Listener):
             peer = format_address(addr[0], addr[1]) if isinstance(addr, tuple) else f"{self.address} peer"
             busy = self._make_room(host)
             if busy is not None:
-                _refuse_quietly(sock, busy)
+                refuse_quietly(sock, busy)
                 continue
             sock.setblocking(False)
             pending = _PendingHandshake(
@@ -314,10 +314,10 @@ class SocketListener(Listener):
         At a cap (``host``'s or everybody's), the longest-waiting handshake under it is
         answered "server busy" and dropped if it is stale; if none is, the newcomer is."""
         same_host = [p for p in self._pending.values() if p.host == host]
-        if len(same_host) >= _MAX_PENDING_PER_HOST:
-            crowd, scope = same_host, f"{len(same_host)} connections from {host} (at most {_MAX_PENDING_PER_HOST} per address)"
-        elif len(self._pending) >= _MAX_PENDING_HANDSHAKES:
-            crowd, scope = list(self._pending.values()), f"{len(self._pending)} connections (at most {_MAX_PENDING_HANDSHAKES})"
+        if len(same_host) >= MAX_PENDING_PER_HOST:
+            crowd, scope = same_host, f"{len(same_host)} connections from {host} (at most {MAX_PENDING_PER_HOST} per address)"
+        elif len(self._pending) >= MAX_PENDING_HANDSHAKES:
+            crowd, scope = list(self._pending.values()), f"{len(self._pending)} connections (at most {MAX_PENDING_HANDSHAKES})"
         else:
             return None
         self.refused_handshakes += 1
@@ -326,12 +326,12 @@ class SocketListener(Listener):
             "something else floods the worker"
         )
         oldest = min(crowd, key=lambda p: p.deadline)
-        if oldest.deadline - self._handshake_timeout + _STALE_HANDSHAKE_SECONDS > time.monotonic():
+        if oldest.deadline - self._handshake_timeout + STALE_HANDSHAKE_SECONDS > time.monotonic():
             self._warn_busy("refused a connection from %s: %s", host, reason)
             return reason
         self._warn_busy("dropped the connection from %s that waited longest to authenticate: %s", oldest.peer, reason)
         self._drop(oldest)
-        _refuse_quietly(oldest.sock, reason)
+        refuse_quietly(oldest.sock, reason)
         return None
 
     def _drop(self, pending: _PendingHandshake) -> None:
@@ -352,7 +352,7 @@ class SocketListener(Listener):
         log.log(level, message, pending.peer, printable(str(exc)))
         self._drop(pending)
         if answer:
-            _refuse_quietly(pending.sock, str(exc))
+            refuse_quietly(pending.sock, str(exc))
         else:
             pending.sock.close()
 
@@ -380,7 +380,7 @@ class SocketListener(Listener):
             self._drop(pending)
             if not isinstance(pending.sock, ssl.SSLSocket):
                 pending.sock.setblocking(True)
-            _tune(pending.sock)
+            tune_socket(pending.sock)
             reader = pending.reader
             reader.max_frame_bytes = self._max_frame_bytes
             reader.allowed_kinds = None
@@ -391,7 +391,7 @@ class SocketListener(Listener):
                     "trainer %s runs rpc_reading_service %s, this worker %s: the protocol matches, but install "
                     "the same version on both", pending.peer, version, __version__,
                 )  # fmt: skip
-            self._ready.append(_connection(pending.sock, pending.peer, reader, lend=self._shared_memory))
+            self._ready.append(authenticated_connection(pending.sock, pending.peer, reader, lend=self._shared_memory))
         elif pending.fd in self._pending:
             events = selectors.EVENT_WRITE if pending.want_write else selectors.EVENT_READ
             if self._selector.get_key(pending.fd).events != events:

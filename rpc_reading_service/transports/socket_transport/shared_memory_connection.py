@@ -16,9 +16,9 @@ from ...protocol import HEADER, Buffer, Frame, FrameReader, MessageKind
 from ...protocol.frames import TRANSPORT_KINDS, decode_shared_data, encode_shared_data, split_frame
 from ...serialization import SHARED_MEMORY_MIN_BYTES
 from ..base import PeerLostError
-from ..shared_memory import MAX_NEW_SEGMENTS_PER_FRAME, SegmentMap, SegmentPool
+from .shared_memory import MAX_NEW_SEGMENTS_PER_FRAME, SegmentMap, SegmentPool
 from .connection import SocketConnection
-from .sockets import _send_chunks
+from .sockets import send_chunks
 
 __all__ = ["SharedMemoryConnection"]
 
@@ -95,7 +95,7 @@ class SharedMemoryConnection(SocketConnection):
 
     def _send_lent(self, pool: SegmentPool, pending: List[Buffer], new_segments: List[Tuple[int, int, int]]) -> None:
         """Send ``pending`` with the descriptors of ``new_segments`` (then closed here); empty both."""
-        _send_chunks(self._sock, pending, [fd for _, _, fd in new_segments])
+        send_chunks(self._sock, pending, [fd for _, _, fd in new_segments])
         pool.sent(new_segments)
         pending.clear()
         new_segments.clear()

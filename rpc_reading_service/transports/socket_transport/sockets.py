@@ -15,13 +15,15 @@ from ...protocol import Buffer, encode_reject
 _IOV_MAX = 512
 
 
-def _tune(sock: socket.socket) -> None:
+def tune_socket(sock: socket.socket) -> None:
+    """TCP_NODELAY and keep-alive on a TCP socket (a Unix socket needs neither)."""
     if sock.family != socket.AF_UNIX:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
 
 
-def _open_client_socket(host: str, port: int, timeout: float) -> socket.socket:
+def open_client_socket(host: str, port: int, timeout: float) -> socket.socket:
+    """A connected socket to ``host:port``, or to the Unix socket a ``unix:`` host names."""
     path = unix_socket_path(host)
     if not path:
         return socket.create_connection((host, port), timeout=timeout)
@@ -35,7 +37,7 @@ def _open_client_socket(host: str, port: int, timeout: float) -> socket.socket:
     return sock
 
 
-def _send_chunks(sock: socket.socket, chunks: Sequence[Buffer], fds: Sequence[int] = ()) -> None:
+def send_chunks(sock: socket.socket, chunks: Sequence[Buffer], fds: Sequence[int] = ()) -> None:
     """Send every byte of ``chunks`` with as few system calls as possible (``fds``, on a
     Unix socket, go with the first byte)."""
     views = [memoryview(c).cast("B") for c in chunks]
@@ -57,7 +59,7 @@ def _send_chunks(sock: socket.socket, chunks: Sequence[Buffer], fds: Sequence[in
                 sent = 0
 
 
-def _discard_input(sock: socket.socket, deadline: float) -> None:
+def discard_input(sock: socket.socket, deadline: float) -> None:
     """Read and drop what the peer sends until it closes or ``deadline`` passes (reading
     at least what has arrived already; never blocking past ``deadline``).
 
@@ -80,9 +82,9 @@ def _discard_input(sock: socket.socket, deadline: float) -> None:
             return
 
 
-def _refuse_quietly(sock: socket.socket, reject: Optional[str]) -> None:
+def refuse_quietly(sock: socket.socket, reject: Optional[str]) -> None:
     """Answer a refused peer with a REJECT frame (if any) and close, without a reset."""
-    _discard_input(sock, time.monotonic())
+    discard_input(sock, time.monotonic())
     if reject is not None:
         try:
             sock.send(b"".join(bytes(c) for c in encode_reject(reject)))

@@ -28,13 +28,13 @@ from ...protocol import (
 )
 from ...serialization import accepts_shared_memory
 from ..base import PROBE_SECONDS, Allocator, PeerLostError, Transport
-from ..shared_memory import shared_memory_available
-from .authenticated import _connection
+from .shared_memory import shared_memory_available
+from .authenticated import authenticated_connection
 from .connection import SocketConnection
 from .listener import SocketListener
 from .shared_memory_connection import SharedMemoryConnection
-from .sockets import _open_client_socket, _tune
-from .tls import _load_client_tls, _load_server_tls
+from .sockets import open_client_socket, tune_socket
+from .tls import load_client_tls, load_server_tls
 
 __all__ = ["SocketTransport"]
 
@@ -95,8 +95,8 @@ class SocketTransport(Transport):
         self.shared_memory = shared_memory
         self.max_frame_bytes = max_frame_bytes
         self.tls_server_hostname = tls_server_hostname
-        self._server_tls = _load_server_tls(tls_cert, tls_key)
-        self._client_tls = _load_client_tls(tls_ca_file, tls_server_hostname)
+        self._server_tls = load_server_tls(tls_cert, tls_key)
+        self._client_tls = load_client_tls(tls_ca_file, tls_server_hostname)
 
     def _client_tls_handshake(self, sock: socket.socket, host: str, address: str) -> ssl.SSLSocket:
         assert self._client_tls is not None
@@ -126,7 +126,7 @@ class SocketTransport(Transport):
         host, port = parse_address(address)
         deadline = time.monotonic() + timeout
         try:
-            sock = _open_client_socket(host, port, timeout)
+            sock = open_client_socket(host, port, timeout)
         except socket.gaierror as exc:
             raise ConfigurationError(
                 f"cannot resolve worker host {host!r} of address {address!r}: {exc.strerror}; check the spelling"
@@ -137,7 +137,7 @@ class SocketTransport(Transport):
                 "running there, and is the port reachable from this host?"
             ) from exc
         try:
-            _tune(sock)
+            tune_socket(sock)
             if self._client_tls is not None:
                 sock = self._client_tls_handshake(sock, host, address)
             reader = FrameReader(HANDSHAKE_MAX_FRAME_BYTES, allowed_kinds=HANDSHAKE_KINDS)
@@ -185,7 +185,7 @@ class SocketTransport(Transport):
                 sock.close()
                 raise PeerLostError(f"lost the worker at {address} right after the handshake: {exc}") from exc
             return SharedMemoryConnection(sock, address, reader, offered=True)
-        return _connection(sock, address, reader)
+        return authenticated_connection(sock, address, reader)
 
     def probe(self, address: str, timeout: float = PROBE_SECONDS) -> Optional[str]:
         """None if a worker server answers the handshake's first message (HELLO: its CHALLENGE, or a
@@ -198,7 +198,7 @@ class SocketTransport(Transport):
         deadline = time.monotonic() + timeout
         try:
             host, port = parse_address(address)
-            sock = _open_client_socket(host, port, timeout)
+            sock = open_client_socket(host, port, timeout)
         except (OSError, ConfigurationError) as exc:
             return str(exc) or type(exc).__name__
         try:

@@ -45,11 +45,11 @@ Sessions join from their own process
 
 Frames as RPC calls
     ``send`` splits the encoded frame into its header, body and out-of-band buffers and
-    calls ``rpc.rpc_async(peer, _deliver, args=(conn_id, seq, header, body, buffers))``.
+    calls ``rpc.rpc_async(peer, deliver, args=(conn_id, seq, header, body, buffers))``.
     Large bodies and all buffers travel as uint8 CPU tensors (TensorPipe moves tensor
     storage outside the pickle stream); they are copied once into fresh tensors at send
     time, so, as with a socket, the caller may reuse its memory when ``send`` returns.
-    ``_deliver`` runs on the receiver's RPC thread pool, checks the header (magic,
+    ``deliver`` runs on the receiver's RPC thread pool, checks the header (magic,
     protocol version, kind, sizes) and puts the frame into the connection's inbox, which
     restores the send order by sequence number (RPC handlers may run out of order). A
     failed call (peer gone, RPC timeout) marks the connection lost.

@@ -10,7 +10,7 @@ from ...errors import ConfigurationError
 log = logging.getLogger(__name__)
 
 
-def _rpc() -> Any:
+def rpc_api() -> Any:
     """``torch.distributed.rpc``, imported on first use (a worker server never needs it)."""
     import torch.distributed.rpc as rpc
 
@@ -21,27 +21,27 @@ def _rpc() -> Any:
     return rpc
 
 
-def _agent_exists() -> bool:
+def agent_exists() -> bool:
     """Whether this process already runs a torch RPC agent (ours or the user's)."""
-    rpc = _rpc()
+    rpc = rpc_api()
     return bool(rpc._is_current_rpc_agent_set())  # noqa: SLF001 - the only way to ask without raising
 
 
-def _current_agent_name() -> str:
+def current_agent_name() -> str:
     """The name of this process's RPC agent, for error messages (``"?"`` without one)."""
     try:
-        return _rpc().get_worker_info().name
+        return rpc_api().get_worker_info().name
     except Exception:  # noqa: BLE001
         return "?"
 
 
-def _short(exc: BaseException) -> str:
+def short_error(exc: BaseException) -> str:
     """The first line of a (often many-line, C++) torch error, for one-line messages."""
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
 
-def _leave_group() -> None:
+def leave_group() -> None:
     """Leave this process's dynamic RPC world before shutting its agent down.
 
     TensorPipe logs a warning for every pipe that closes under an agent which has not left
@@ -50,8 +50,8 @@ def _leave_group() -> None:
     world's store, so call it only when both are known to be true: every call was answered
     and the trainer (which hosts the store) is still there.
     """
-    rpc = _rpc()
-    if not _agent_exists():
+    rpc = rpc_api()
+    if not agent_exists():
         return
     try:
         rpc.api._get_current_rpc_agent().join(shutdown=True)  # noqa: SLF001 - a dynamic group's leave
@@ -59,7 +59,7 @@ def _leave_group() -> None:
         log.debug("torch RPC agent could not leave its group: %s", exc)
 
 
-def _shutdown_agent() -> None:
+def shutdown_agent() -> None:
     """Shut this process's RPC agent down at once, without waiting for the other members."""
-    if _agent_exists():
-        _rpc().shutdown(graceful=False)
+    if agent_exists():
+        rpc_api().shutdown(graceful=False)

@@ -71,7 +71,7 @@ class _ChunkCursor:
         return not self._views
 
 
-def _split_frame(chunks: Sequence[Buffer]) -> Tuple[bytes, TensorOrBytes, List[torch.Tensor]]:
+def split_rpc_frame(chunks: Sequence[Buffer]) -> Tuple[bytes, TensorOrBytes, List[torch.Tensor]]:
     """Turn an encoded frame into ``(header_and_lengths, body, buffers)`` for an RPC call."""
     cursor = _ChunkCursor(chunks)
     head = cursor.take_bytes(HEADER.size)
@@ -106,7 +106,7 @@ def _join_frame(
     max_frame_bytes: int,
     allocate: Optional[Allocator],
 ) -> Frame:
-    """Check a delivered frame against its header and rebuild it (the inverse of :func:`_split_frame`)."""
+    """Check a delivered frame against its header and rebuild it (the inverse of :func:`split_rpc_frame`)."""
     if not isinstance(head, bytes) or len(head) < HEADER.size:
         raise RemoteProtocolError("torch_rpc frame without a valid header")
     magic, version, kind, n_buffers, body_length = HEADER.unpack_from(head)
@@ -129,7 +129,7 @@ def _join_frame(
     return Frame(kind, body_memory, [_memory_of(b, allocate) for b in buffers])
 
 
-class _Inbox:
+class RPCInbox:
     """Frames delivered to one connection, handed out in send order."""
 
     def __init__(self, max_frame_bytes: int, allocate: Optional[Allocator] = None):
@@ -142,6 +142,7 @@ class _Inbox:
         self._error: Optional[BaseException] = None
 
     def put(self, seq: int, frame: Frame) -> None:
+        """File frame number ``seq``; frames are handed on in sequence order, duplicates dropped."""
         with self._cond:
             if seq < self._expected or seq in self._early:
                 return  # a duplicate: cannot happen with TensorPipe, but never deliver twice
@@ -160,9 +161,11 @@ class _Inbox:
 
     @property
     def failed(self) -> bool:
+        """True once the connection failed (:meth:`get` raises its error)."""
         return self._error is not None
 
     def get(self, timeout: Optional[float]) -> Optional[Frame]:
+        """The next frame in order, waiting up to ``timeout`` (None: no frame came in time)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
@@ -177,12 +180,12 @@ class _Inbox:
 
 
 # Every connection of this process, by the id both ends agreed on in the bootstrap.
-_inboxes: Dict[str, _Inbox] = {}
+inboxes: Dict[str, RPCInbox] = {}
 
 
-def _deliver(conn_id: str, seq: int, head: bytes, body: TensorOrBytes, buffers: List[torch.Tensor]) -> bool:
+def deliver(conn_id: str, seq: int, head: bytes, body: TensorOrBytes, buffers: List[torch.Tensor]) -> bool:
     """The RPC target: runs on the receiver's RPC thread pool; never blocks, never raises."""
-    inbox = _inboxes.get(conn_id)
+    inbox = inboxes.get(conn_id)
     if inbox is None:
         return False  # the connection is closed (or never existed here)
     try:

@@ -13,8 +13,8 @@ from ...errors import ProtocolError
 from ...protocol import Buffer, Close, Frame, MessageKind
 from ..base import Connection, PeerLostError
 from ..socket_transport import SocketConnection
-from .agent import _rpc, _short
-from .codec import TRANSPORT_NAME, _deliver, _Inbox, _inboxes, _split_frame
+from .agent import rpc_api, short_error
+from .codec import TRANSPORT_NAME, deliver, RPCInbox, inboxes, split_rpc_frame
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class TorchRPCConnection(Connection):
         bootstrap: SocketConnection,
         peer: str,
         conn_id: str,
-        inbox: _Inbox,
+        inbox: RPCInbox,
         rpc_timeout: float,
         on_close: Optional[Callable[["TorchRPCConnection"], None]] = None,
     ):
@@ -63,7 +63,7 @@ class TorchRPCConnection(Connection):
     def _start(self, peer_rpc_name: Optional[str]) -> None:
         """Begin sending to ``peer_rpc_name`` and watching the bootstrap socket."""
         if peer_rpc_name is not None:
-            self._peer_info = _rpc().get_worker_info(peer_rpc_name)
+            self._peer_info = rpc_api().get_worker_info(peer_rpc_name)
         self._watcher = threading.Thread(target=self._watch, name=f"rrs-rpc-watch-{self.peer}", daemon=True)
         self._watcher.start()
 
@@ -72,8 +72,8 @@ class TorchRPCConnection(Connection):
         self._inbox.max_frame_bytes = max_frame_bytes
 
     def send(self, chunks: Sequence[Buffer]) -> None:
-        head, body, buffers = _split_frame(chunks)
-        rpc = _rpc()
+        head, body, buffers = split_rpc_frame(chunks)
+        rpc = rpc_api()
         with self._send_lock:
             if self._closed:
                 raise PeerLostError(f"connection to {self.peer} is closed")
@@ -85,7 +85,7 @@ class TorchRPCConnection(Connection):
                 self._in_flight += 1
             try:
                 future = rpc.rpc_async(
-                    self._peer_info, _deliver, args=(self._conn_id, seq, head, body, buffers), timeout=self._rpc_timeout
+                    self._peer_info, deliver, args=(self._conn_id, seq, head, body, buffers), timeout=self._rpc_timeout
                 )
             except Exception as exc:  # noqa: BLE001 - e.g. the agent is gone
                 self._sent(None)
@@ -98,7 +98,7 @@ class TorchRPCConnection(Connection):
             if future is not None:
                 future.value()
         except Exception as exc:  # noqa: BLE001 - any RPC failure means the peer is unreachable
-            self._lost(f"a torch RPC call to {self.peer} failed: {_short(exc)}")
+            self._lost(f"a torch RPC call to {self.peer} failed: {short_error(exc)}")
         finally:
             with self._in_flight_cond:
                 self._in_flight -= 1
@@ -120,7 +120,7 @@ class TorchRPCConnection(Connection):
             self._bootstrap.send(Close(transport=TRANSPORT_NAME).encode())
         except (PeerLostError, OSError):
             pass
-        _inboxes.pop(self._conn_id, None)
+        inboxes.pop(self._conn_id, None)
         self._leave()
 
     def _leave(self) -> None:

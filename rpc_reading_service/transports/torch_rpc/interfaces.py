@@ -47,7 +47,7 @@ def _interface_of(ip: str) -> Optional[str]:
     return None
 
 
-def _pin_tensorpipe_interface(local_ip: str) -> None:
+def pin_tensorpipe_interface(local_ip: str) -> None:
     """Make TensorPipe listen on the interface that reaches the peer, unless the user chose one.
 
     Without ``TP_SOCKET_IFNAME`` TensorPipe listens on the address the host name resolves to,
@@ -63,7 +63,7 @@ def _pin_tensorpipe_interface(local_ip: str) -> None:
                  name, local_ip, _TP_IFNAME_ENV)  # fmt: skip
 
 
-def _local_address(conn: SocketConnection) -> str:
+def local_interface_address(conn: SocketConnection) -> str:
     """This end's IP address on the bootstrap connection (``127.0.0.1`` for a Unix socket)."""
     sock = socket.socket(fileno=conn.fileno())
     try:

@@ -17,10 +17,10 @@ from ...errors import ProtocolError, RemoteProtocolError
 from ...protocol import Buffer, Error, Frame, Join, MessageKind, Ready, decode_setup
 from ..base import Connection, PeerLostError, WrappingListener
 from ..socket_transport import SocketConnection, SocketListener
-from .agent import _agent_exists, _current_agent_name, _leave_group, _rpc, _short, _shutdown_agent
-from .codec import BOOTSTRAP_VERSION, TRANSPORT_NAME, _Inbox, _inboxes
+from .agent import agent_exists, current_agent_name, leave_group, rpc_api, short_error, shutdown_agent
+from .codec import BOOTSTRAP_VERSION, TRANSPORT_NAME, RPCInbox, inboxes
 from .connection import TorchRPCConnection
-from .interfaces import _local_address, _pin_tensorpipe_interface
+from .interfaces import local_interface_address, pin_tensorpipe_interface
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class _SessionConnection(TorchRPCConnection):
     flush_seconds = 2.0  # a session's last frame may be the ERROR that explains its end
 
     def __init__(self, bootstrap: SocketConnection, max_frame_bytes: int):
-        super().__init__(bootstrap, bootstrap.peer, "", _Inbox(max_frame_bytes), rpc_timeout=60.0)
+        super().__init__(bootstrap, bootstrap.peer, "", RPCInbox(max_frame_bytes), rpc_timeout=60.0)
         self._bootstrapped = False
         self._owns_agent = False
         self._abandoned = False
@@ -83,7 +83,7 @@ class _SessionConnection(TorchRPCConnection):
         self._shutdown_agent(leave_group=trainer_there and self.drained)
         self._end()
 
-    def _shutdown_agent(self, leave_group: bool = False) -> None:
+    def shutdown_agent(self, leave_group: bool = False) -> None:
         global _session_agent_owner
         if not self._owns_agent:
             return
@@ -92,8 +92,8 @@ class _SessionConnection(TorchRPCConnection):
             _session_agent_owner = None
         try:
             if leave_group:
-                _leave_group()
-            _shutdown_agent()
+                leave_group()
+            shutdown_agent()
         except Exception as exc:  # noqa: BLE001
             log.debug("torch RPC shutdown failed: %s", exc)
 
@@ -135,9 +135,9 @@ class _SessionConnection(TorchRPCConnection):
         if frame is None:
             return False
         request = self._read_join(frame)
-        if _agent_exists():
+        if agent_exists():
             self._refuse(
-                f"this worker process already belongs to a torch RPC world (agent {_current_agent_name()!r}): "
+                f"this worker process already belongs to a torch RPC world (agent {current_agent_name()!r}): "
                 "a process can join only one. Start the worker server with --session-mode fork (the default "
                 "for torch_rpc), which gives every session its own process",
                 "config",
@@ -145,9 +145,9 @@ class _SessionConnection(TorchRPCConnection):
         self._conn_id = request.conn_id
         self._rpc_timeout = request.rpc_timeout
         join_timeout = request.join_timeout
-        _inboxes[self._conn_id] = self._inbox
+        inboxes[self._conn_id] = self._inbox
         if request.transports is None:  # a remote world: TCP, on the interface the trainer reached
-            _pin_tensorpipe_interface(_local_address(self._bootstrap))
+            pin_tensorpipe_interface(local_interface_address(self._bootstrap))
             self._check_tensorpipe_reachable(request, join_timeout)
         outcome: Dict[str, Any] = {}
         done = threading.Event()
@@ -162,17 +162,17 @@ class _SessionConnection(TorchRPCConnection):
                 early, outcome["gone"] = None, exc
             if early is not None or "gone" in outcome:
                 self._abandon_join()
-                _inboxes.pop(self._conn_id, None)
+                inboxes.pop(self._conn_id, None)
                 raise PeerLostError(f"trainer {self.peer} gave up while this session joined its torch RPC world")
             if time.monotonic() >= deadline:
                 break
         if "error" in outcome or not done.is_set():
             self._abandon_join()
-            _inboxes.pop(self._conn_id, None)
+            inboxes.pop(self._conn_id, None)
             error = outcome.get("error")
             self._refuse(
                 f"could not join the trainer's torch RPC world at {request.init_method} within "
-                f"{join_timeout:.1f} s: {_short(error) if error else 'timed out'}. This worker host must reach the "
+                f"{join_timeout:.1f} s: {short_error(error) if error else 'timed out'}. This worker host must reach the "
                 "trainer's rendezvous port and its TensorPipe ports (see TP_SOCKET_IFNAME)",
                 "join",
             )
@@ -198,7 +198,7 @@ class _SessionConnection(TorchRPCConnection):
         try:
             socket.create_connection((host, store_port), timeout=max(0.5, min(5.0, join_timeout / 3))).close()
         except OSError as exc:
-            _inboxes.pop(self._conn_id, None)
+            inboxes.pop(self._conn_id, None)
             self._refuse(
                 f"this worker host cannot reach the trainer's torch RPC (TensorPipe) address {tensorpipe} ({exc}). "
                 f"TensorPipe listens on one address per trainer process ({host}: on the network of its first "
@@ -211,7 +211,7 @@ class _SessionConnection(TorchRPCConnection):
     def _join(self, request: Join, outcome: Dict[str, Any], done: threading.Event) -> None:
         global _session_agent_owner
         try:
-            rpc = _rpc()
+            rpc = rpc_api()
             options = rpc.TensorPipeRpcBackendOptions(
                 init_method=request.init_method,
                 rpc_timeout=request.join_timeout,

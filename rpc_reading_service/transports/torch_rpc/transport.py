@@ -13,12 +13,12 @@ from ...errors import ConfigurationError, RemoteProtocolError, WorkerRefusedErro
 from ...protocol import Error, Join, MessageKind, Ready, decode_reject
 from ..base import PROBE_SECONDS, Allocator, PeerLostError, Transport
 from ..socket_transport import SocketConnection, SocketTransport
-from .agent import _rpc
-from .codec import BOOTSTRAP_VERSION, TRANSPORT_NAME, _Inbox, _inboxes
+from .agent import rpc_api
+from .codec import BOOTSTRAP_VERSION, TRANSPORT_NAME, RPCInbox, inboxes
 from .connection import TorchRPCConnection
-from .interfaces import _local_address
+from .interfaces import local_interface_address
 from .session import TorchRPCListener
-from .world import _World, _acquire_world, _check_no_foreign_agent, _release_world
+from .world import RPCWorld, acquire_world, check_no_foreign_agent, release_world
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class TorchRPCTransport(Transport):
         session_threads: int = 4,
         **socket_options: Any,
     ):
-        _rpc()
+        rpc_api()
         tls = sorted(k for k, v in socket_options.items() if k.startswith("tls_") and v is not None)
         if tls:
             raise ConfigurationError(
@@ -75,18 +75,18 @@ class TorchRPCTransport(Transport):
         allocate: Optional[Allocator] = None,
     ) -> TorchRPCConnection:
         deadline = time.monotonic() + timeout
-        _check_no_foreign_agent()
+        check_no_foreign_agent()
         bootstrap = self._socket.connect(address, auth_key, timeout)
         try:
-            local_host = _local_address(bootstrap)
-            world = _acquire_world(is_loopback_host(local_host), local_host, self.rpc_timeout, self.trainer_threads)
+            local_host = local_interface_address(bootstrap)
+            world = acquire_world(is_loopback_host(local_host), local_host, self.rpc_timeout, self.trainer_threads)
         except BaseException:
             bootstrap.close()
             raise
-        inbox = _Inbox(self.max_frame_bytes, allocate)
+        inbox = RPCInbox(self.max_frame_bytes, allocate)
         conn_id = secrets.token_hex(16)
         conn = TorchRPCConnection(
-            bootstrap, address, conn_id, inbox, self.rpc_timeout, on_close=lambda closed: _release_world(world, closed)
+            bootstrap, address, conn_id, inbox, self.rpc_timeout, on_close=lambda closed: release_world(world, closed)
         )
         try:
             if not world.join_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
@@ -100,19 +100,19 @@ class TorchRPCTransport(Transport):
                 world.join_lock.release()
             conn._start(session_name)
         except BaseException:
-            _inboxes.pop(conn_id, None)
+            inboxes.pop(conn_id, None)
             conn.close()
             raise
         return conn
 
     def _rendezvous(
         self,
-        world: _World,
+        world: RPCWorld,
         bootstrap: SocketConnection,
         address: str,
         local_host: str,
         conn_id: str,
-        inbox: _Inbox,
+        inbox: RPCInbox,
         deadline: float,
         timeout: float,
     ) -> str:
@@ -124,7 +124,7 @@ class TorchRPCTransport(Transport):
         """
         rank, name = world.next_member()
         world.prepare_join()
-        _inboxes[conn_id] = inbox
+        inboxes[conn_id] = inbox
         remaining = deadline - time.monotonic()
         request = Join(
             transport=TRANSPORT_NAME,

@@ -15,14 +15,14 @@ from typing import List, Optional, Set, Tuple
 
 from ...addresses import format_address, parse_address
 from ...errors import ConfigurationError
-from .agent import _agent_exists, _current_agent_name, _leave_group, _rpc, _shutdown_agent
+from .agent import agent_exists, current_agent_name, leave_group, rpc_api, shutdown_agent
 from .connection import TorchRPCConnection
-from .interfaces import _pin_tensorpipe_interface
+from .interfaces import pin_tensorpipe_interface
 
 log = logging.getLogger(__name__)
 
 # torch keeps the dynamic group's member list in the world's store under this key
-# (torch/csrc/distributed/rpc/agent_utils.cpp, "names" prefix); see _World.prepare_join.
+# (torch/csrc/distributed/rpc/agent_utils.cpp, "names" prefix); see RPCWorld.prepare_join.
 _MEMBER_LIST_PREFIX = "names"
 _MEMBER_LIST_KEY = "_ALL_WORKER_INFOS"
 _GROUP_TOKEN_KEY = "RpcGroupManagementToken"
@@ -31,13 +31,13 @@ _URL_PREFIX = "addrs"
 _UV_SCHEME = "uv://"
 
 
-class _World:
+class RPCWorld:
     """The trainer process's RPC world: rank 0, a rendezvous store, sessions joining one at a time."""
 
     def __init__(self, loopback: bool, advertise_host: str, rpc_timeout: float, num_worker_threads: int):
         import torch.distributed as dist
 
-        rpc = _rpc()
+        rpc = rpc_api()
         self.loopback = loopback
         self.advertise_host = advertise_host = "127.0.0.1" if loopback else advertise_host
         self.rpc_timeout = rpc_timeout
@@ -56,7 +56,7 @@ class _World:
             self.channels: Optional[List[str]] = ["basic"]
         else:
             self.transports = self.channels = None
-            _pin_tensorpipe_interface(advertise_host)
+            pin_tensorpipe_interface(advertise_host)
         bind_host = "127.0.0.1" if loopback else ("::" if ":" in advertise_host else "0.0.0.0")
         listener = socket.socket(socket.AF_INET6 if ":" in bind_host else socket.AF_INET, socket.SOCK_STREAM)
         try:
@@ -115,6 +115,7 @@ class _World:
         log.info("torch RPC world %s open, rendezvous %s", self.name, self.init_method)
 
     def next_member(self) -> Tuple[int, str]:
+        """The rank and RPC name of the next session that joins this world."""
         rank = self._next_rank
         self._next_rank += 1
         return rank, f"rrs_session_{self.id}_{rank}"
@@ -172,18 +173,18 @@ class _World:
         """Leave the group, let every retired session leave (bounded), then shut the agent down."""
         retired, self._retired = self._retired, []
         try:
-            if _agent_exists():
+            if agent_exists():
                 # Leaving waits for every call in flight: only once every connection closed
                 # (not at exit with connections still open) and none left a call behind.
                 if self.refs == 0 and all(conn.drained for conn in retired + self._undrained):
                     self._list_members(retired)
-                    _leave_group()
+                    leave_group()
                 for conn in retired:
                     conn._say_goodbye()
                 deadline = time.monotonic() + TorchRPCConnection.goodbye_seconds
                 for conn in retired:
                     conn._wait_peer_gone(deadline - time.monotonic())
-                _shutdown_agent()
+                shutdown_agent()
         except Exception as exc:  # noqa: BLE001 - shutting down must not fail a close
             log.warning("torch RPC shutdown of %s failed: %s", self.name, exc)
         finally:
@@ -196,32 +197,34 @@ class _World:
 
 
 _world_lock = threading.Lock()
-_world: Optional[_World] = None
+_world: Optional[RPCWorld] = None
 
 
 def _foreign_agent_error() -> ConfigurationError:
     return ConfigurationError(
-        f"torch.distributed.rpc is already initialised in this process (agent {_current_agent_name()!r}, "
+        f"torch.distributed.rpc is already initialised in this process (agent {current_agent_name()!r}, "
         "from an earlier rpc.init_rpc). torch allows one RPC agent per process, and transport='torch_rpc' "
         "needs a world of its own with the worker sessions. Call rpc.shutdown() first, run the data "
         "loading in a process without RPC, or use transport='socket'"
     )
 
 
-def _check_no_foreign_agent() -> None:
+def check_no_foreign_agent() -> None:
+    """Refuse to start when an RPC agent that is not this package's world runs in the process."""
     with _world_lock:
-        if _world is None and _agent_exists():
+        if _world is None and agent_exists():
             raise _foreign_agent_error()
 
 
-def _acquire_world(loopback: bool, advertise_host: str, rpc_timeout: float, num_worker_threads: int) -> _World:
+def acquire_world(loopback: bool, advertise_host: str, rpc_timeout: float, num_worker_threads: int) -> RPCWorld:
+    """The process's torch RPC world (opened on first use), with one more reference."""
     global _world
     with _world_lock:
         world = _world
         if world is None:
-            if _agent_exists():
+            if agent_exists():
                 raise _foreign_agent_error()
-            world = _World(loopback, advertise_host, rpc_timeout, num_worker_threads)
+            world = RPCWorld(loopback, advertise_host, rpc_timeout, num_worker_threads)
             _world = world
         elif world.loopback != loopback:
             where = "on this host (loopback)" if world.loopback else "on other hosts"
@@ -234,7 +237,8 @@ def _acquire_world(loopback: bool, advertise_host: str, rpc_timeout: float, num_
         return world
 
 
-def _release_world(world: _World, conn: TorchRPCConnection) -> None:
+def release_world(world: RPCWorld, conn: TorchRPCConnection) -> None:
+    """Drop ``conn`` and one reference to ``world``; the last one shuts the world down."""
     global _world
     with _world_lock:
         world.retire(conn)

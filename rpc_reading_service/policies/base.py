@@ -1,0 +1,182 @@
+"""The distribution policy interface: who produces which items of an epoch, and in which order they arrive.
+
+A policy decides four things (``RPCReadingService(distribution=...)``):
+
+1. **Worker-side selection**: how each worker picks its items from the sharded stream
+   (the stream at the ``sharding_filter``, before sharding). :meth:`DistributionPolicy.worker_selection`
+   returns a :class:`~rpc_reading_service.selection.WorkerSelection` that replaces every
+   ``sharding_filter`` in the graph shipped to the workers, or ``None`` to keep torchdata's
+   ``sharding_filter`` (by rank: round-robin, first-ready). It may ask the :class:`FleetView`
+   where the workers are (sticky: the server address of every rank).
+2. **Merging**: :meth:`DistributionPolicy.merger` returns the :class:`Merger` of one epoch,
+   which takes the workers' frames and yields the items in the delivered order (round-robin
+   by rank, arrival order, or resequenced by chunk), updating the epoch's
+   :class:`~rpc_reading_service.policies.merge.EpochProgress`.
+3. **Checkpoint and resume**: the per-rank positions of ``EpochProgress`` (items consumed
+   of each worker's shard, whose turn is next) are always recorded; a policy whose workers
+   do not own a fixed shard adds its own JSON state (:meth:`Merger.state`), checked by
+   :meth:`DistributionPolicy.check_state` and handed back to the next epoch's merger
+   (:attr:`EpochRun.resume`). :meth:`DistributionPolicy.skip` says how many items of its
+   stream a worker skips when an epoch starts (per rank positions: what was consumed).
+   The checkpoint records the policy's name and :meth:`DistributionPolicy.placement`;
+   resuming a checkpointed epoch with another policy or placement is refused.
+4. **Reassignment** of a lost worker (``on_worker_failure="reassign"``): the merger calls
+   :attr:`EpochRun.replace`, which opens a new session at the same rank started at
+   :meth:`DistributionPolicy.skip`; the merger decides what the new session produces
+   (round-robin: the rest of the shard; dynamic: the lost worker's undelivered chunks).
+
+Policies register by name (:func:`rpc_reading_service.register_distribution`) or by the
+entry-point group ``rpc_reading_service.distributions``.
+"""
+
+from __future__ import annotations
+
+import abc
+import queue
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Mapping, Optional, Protocol
+
+from ..errors import ConfigurationError
+from ..selection import WorkerSelection
+
+if TYPE_CHECKING:
+    from ..trainer.channel import Event, WorkerChannel
+    from .merge import EpochProgress, ReplaceFn
+
+__all__ = ["DistributionPolicy", "EpochRun", "FleetView", "Merger"]
+
+
+class FleetView(Protocol):
+    """What a policy may ask about the run's workers when the graph is shipped (the engine's
+    :class:`~rpc_reading_service.trainer.engine.fleet.Fleet` is one)."""
+
+    #: Worker sessions of the run.
+    num_workers: int
+
+    def rank_addresses(self) -> List[str]:
+        """The server address of every worker rank (sessions of one server share it); the
+        first call resolves them (a local server starts)."""
+        ...
+
+
+@dataclass
+class EpochRun:
+    """What one epoch's merger works with.
+
+    Attributes:
+        channels: The worker channels by rank (a replaced channel is swapped in place).
+        events: The queue every channel delivers to when the policy wants one shared queue.
+        progress: The epoch's progress (count every item handed on with ``progress.count``).
+        replace: Opens the replacement session of a lost worker; it raises the loss itself when it
+            is a failure and ``reassign`` is False (a drained worker is always replaced).
+        resume: The policy's state from the checkpoint this epoch resumes (None: a fresh epoch).
+        wire: The epoch's wire number (what its frames carry).
+    """
+
+    channels: List["WorkerChannel"]
+    events: "queue.SimpleQueue[Event]"
+    progress: "EpochProgress"
+    replace: Optional["ReplaceFn"]
+    resume: Optional[Mapping[str, Any]]
+    wire: int
+    #: A dispatching graph's units under a policy with :attr:`DistributionPolicy.dispatch_units`
+    #: (an :class:`~rpc_reading_service.trainer.engine.dispatch.UnitDispatch`), set by the engine before
+    #: the epoch is iterated; None otherwise.
+    dispatched: Optional[Any] = None
+    #: What the run's previous epoch's merger passed on (:meth:`Merger.hint`; None: nothing, or no such epoch).
+    hint: Optional[Any] = None
+    #: ``on_worker_failure="reassign"``: a failed worker is replaced too, not only a drained one.
+    reassign: bool = True
+
+
+class Merger(abc.ABC):
+    """One epoch of a policy: an iterator of the delivered items, and its checkpoint state."""
+
+    @abc.abstractmethod
+    def __iter__(self) -> Iterator[Any]:
+        """The epoch's items in the delivered order; ends when every worker's stream ended."""
+
+    def state(self, undelivered: int = 0) -> Optional[Dict[str, Any]]:
+        """The policy's checkpoint state (JSON-able), as if the last ``undelivered`` items handed on
+        had not been taken (a trainer-side stage holds them: they are replayed). None: the per-rank
+        positions say everything."""
+        return None
+
+    def units(self) -> Optional[Dict[int, int]]:
+        """Units of work (e.g. chunks) each rank got this epoch, for ``stats()``; None: fixed shards."""
+        return None
+
+    def hint(self) -> Optional[Any]:
+        """What the next epoch's merger of the run may start from (:attr:`EpochRun.hint`, e.g. how long
+        the stream was); only ever a hint: the next epoch must be right without it. None: nothing."""
+        return None
+
+
+class DistributionPolicy(abc.ABC):
+    """How the items of an epoch are spread over the workers and merged back.
+
+    Instances are configuration: frozen in spirit, picklable (DataLoader2 clones its reading
+    service), and shared by the epochs of a run; per-epoch state lives in the :class:`Merger`.
+    """
+
+    #: The name it is registered under (for messages and ``stats()``).
+    name: ClassVar[str] = ""
+    #: True: every channel delivers to one shared queue (arrival order); False: each to its own.
+    shared_queue: ClassVar[bool] = False
+    #: True: workers walk the stream by leases (epochs start with START_EPOCH ``leased``).
+    leased: ClassVar[bool] = False
+    #: True: with a dispatch point (``sharding_round_robin_dispatch``) the policy's merger leases
+    #: the dispatched items as units itself (:attr:`EpochRun.dispatched`) instead of the round-robin deal.
+    dispatch_units: ClassVar[bool] = False
+
+    @property
+    def in_order(self) -> bool:
+        """Whether items are delivered in an order fixed by the seed (not by the workers' speeds)."""
+        return not self.shared_queue
+
+    def check(self, config: Any) -> None:
+        """Refuse settings this policy cannot serve (raise ConfigurationError); called once, by the
+        run's :class:`~rpc_reading_service.trainer.config.ReadingServiceConfig` with itself (a
+        policy knows the settings it reads; the policies' layer is below the configuration)."""
+
+    def check_graph(self, graph: Any) -> None:
+        """Refuse a graph this policy cannot serve (raise ConfigurationError), before it is shipped."""
+
+    def worker_selection(self, fleet: FleetView) -> Optional[WorkerSelection]:
+        """The selection that replaces ``sharding_filter`` in the shipped graph; None keeps it (by rank)."""
+        return None
+
+    def placement(self, fleet: FleetView) -> Optional[str]:
+        """A digest of what, besides the number of workers, decides which worker owns which item
+        (None: nothing does). A checkpoint records it; resuming where it differs is refused."""
+        return None
+
+    def credits(self, prefetch: int) -> int:
+        """DATA frames a worker may send ahead of the consumer (its credit window): ``prefetch``,
+        the bound on what waits in the trainer per worker."""
+        return prefetch
+
+    def skip(self, progress: "EpochProgress", rank: int) -> int:
+        """Items of its stream worker ``rank`` skips when its session starts this epoch."""
+        return progress.consumed[rank]
+
+    @abc.abstractmethod
+    def merger(self, run: EpochRun) -> Merger:
+        """The merger of one epoch."""
+
+    def check_state(self, state: Any) -> None:
+        """Refuse a malformed checkpoint state of this policy (raise ConfigurationError).
+        Policies without state accept only None."""
+        if state is not None:
+            raise ConfigurationError(
+                f"the checkpoint holds state of a distribution policy, but {self.name!r} keeps none: "
+                "resume with the distribution the checkpoint was taken with"
+            )
+
+    def hint_from_state(self, state: Any) -> Optional[Any]:
+        """What the epoch after a checkpoint taken between epochs may start from: the
+        :meth:`Merger.hint` the checkpointed epoch's state (``state``) records (default: None)."""
+        return None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

@@ -1,0 +1,1 @@
+"""``"dynamic"``: chunks leased on demand, delivered resequenced."""

@@ -1,0 +1,1 @@
+"""``"first_ready"``: each worker's shard, delivered in arrival order."""

@@ -1,0 +1,218 @@
+"""Merging the workers' streams into one epoch: round-robin or as completed, and the epoch's progress.
+
+The consumer side of the :class:`~rpc_reading_service.trainer.channel.WorkerChannel` events: each
+item taken grants its worker a credit again, and :class:`EpochProgress` records how many
+items of each worker's shard were handed on (what a checkpoint stores).
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tuple
+
+from ..trainer.channel import ChannelStats, Event, WorkerChannel, slow_frame
+from ..errors import WorkerLostError
+from ..protocol import decode_data
+from ..serialization import loads_items
+
+__all__ = ["EpochProgress", "ReplaceFn", "iterate_in_order", "iterate_as_completed"]
+
+
+@dataclass
+class _Cursor:
+    channel: WorkerChannel
+    pending: Deque[Any] = field(default_factory=collections.deque)
+
+
+def next_frame(event_source: "queue.SimpleQueue[Event]", progress: EpochProgress, stats: Optional[ChannelStats] = None) -> Event:
+    """The next event of this epoch from ``event_source`` (a frame, a loss or a close), dropping stale frames."""
+    epoch = progress.epoch
+    while True:
+        event = progress.wait(event_source, stats)
+        if event.kind in ("lost", "closed") or event.epoch == epoch:
+            return event
+        # A stale frame of an abandoned epoch: drop it.
+
+
+def report_held_losses(channels: Sequence[WorkerChannel], events: "queue.SimpleQueue[Event]") -> None:
+    """Queue the losses held back from an earlier epoch (a worker lost after its stream ended there)."""
+    for channel in channels:
+        if channel.held_loss is not None:
+            events.put(channel.held_loss)
+            channel.held_loss = None
+
+
+def take_items(event: Event, epoch: int) -> List[Any]:
+    """Return the unpickled items of a current-epoch event, raising for errors and lost workers."""
+    if event.kind in ("error", "lost", "closed"):
+        assert event.error is not None
+        raise event.error
+    if event.kind == "data":
+        assert event.frame is not None
+        _epoch, _sequence, items = decode_data(event.frame)
+        event.channel.grant(epoch, after_slow_frame=slow_frame(items))
+        event.channel.stats.items += len(items)
+        return loads_items(items)
+    return []
+
+
+@dataclass
+class EpochProgress:
+    """How far the trainer has consumed one epoch: what a checkpoint records, and stall time."""
+
+    epoch: int
+    consumed: List[int]
+    next_rank: int = 0
+    finished: bool = False
+    started: float = field(default_factory=time.perf_counter)
+    ended: Optional[float] = None
+    wait_seconds: float = 0.0
+    #: Items handed on, and the worker rank of the latest ones: trainer-side DataPipes after
+    #: the stream (fullsync prefetches one item) may hold some that a checkpoint gives back.
+    yielded: int = 0
+    recent: Deque[int] = field(default_factory=lambda: collections.deque(maxlen=1024), repr=False)
+    #: Items the training loop received (counted at the end of the trainer's graph), when the
+    #: graph has trainer-side DataPipes; and whether that graph ended the epoch.
+    delivered: Optional[int] = None
+    delivered_all: bool = False
+
+    def __post_init__(self) -> None:
+        self._resumed_at = sum(self.consumed)  # a resumed epoch starts with the checkpoint's positions
+
+    def count(self, rank: int, next_rank: Optional[int] = None) -> None:
+        """Record one item of worker ``rank`` handed on (hot path: no lock, see :meth:`positions`)."""
+        self.consumed[rank] += 1
+        if next_rank is not None:
+            self.next_rank = next_rank
+        self.recent.append(rank)
+        self.yielded += 1  # last: positions() checks it against the sum of ``consumed``
+
+    def _snapshot(self) -> Tuple[List[int], int, List[int], int, Optional[int]]:
+        # The iterating thread may count while another one checkpoints: copy until the copy is
+        # consistent. count() updates consumed, then recent, then yielded; copying in the
+        # reverse order and checking yielded around it catches any interleaving.
+        while True:
+            yielded, delivered = self.yielded, self.delivered
+            recent = list(self.recent)
+            next_rank = self.next_rank
+            consumed = list(self.consumed)
+            if sum(consumed) - self._resumed_at == yielded == self.yielded:
+                return consumed, next_rank, recent, yielded, delivered
+
+    def positions(self) -> Tuple[List[int], int]:
+        """``(consumed, next_rank)`` as of the last item the training loop received."""
+        consumed, next_rank, recent, yielded, delivered = self._snapshot()
+        undelivered = 0 if delivered is None else yielded - delivered
+        if not 0 <= undelivered <= len(recent):
+            raise RuntimeError(
+                f"cannot checkpoint: the trainer-side DataPipes after the workers' part took {self.yielded} items and "
+                f"passed on {self.delivered}; a checkpoint needs them to pass items one for one (as fullsync and "
+                f"pin_memory do) and to hold at most {len(recent)}"
+            )
+        for rank in reversed(recent[len(recent) - undelivered :]):
+            consumed[rank] -= 1  # taken from worker ``rank`` but not delivered: replay it
+            next_rank = rank
+        return consumed, next_rank
+
+    def wait(self, source: "queue.SimpleQueue[Event]", stats: Optional[ChannelStats] = None) -> Event:
+        """Take the next event from ``source``, counting the time blocked as data stall."""
+        if not source.empty():  # most events wait already: no stall to time (two clock reads per item)
+            return source.get()
+        start = time.perf_counter()
+        event = source.get()
+        waited = time.perf_counter() - start
+        self.wait_seconds += waited
+        if stats is not None:
+            stats.wait_seconds += waited
+        return event
+
+    def finish(self) -> None:
+        """Mark the epoch as fully consumed."""
+        self.finished = True
+        self.ended = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the epoch started (until it ended)."""
+        return (self.ended or time.perf_counter()) - self.started
+
+
+ReplaceFn = Callable[[WorkerChannel, WorkerLostError], WorkerChannel]
+
+
+def _take_or_replace(cursor: "_Cursor", event: Event, epoch: int, replace: Optional[ReplaceFn]) -> None:
+    try:
+        cursor.pending.extend(take_items(event, epoch))
+    except WorkerLostError as exc:
+        if replace is None:
+            raise
+        # The replacement replays the shard after the consumed items: drop what it resends.
+        cursor.pending.clear()
+        cursor.channel = replace(cursor.channel, exc)
+
+
+def iterate_in_order(
+    channels: Sequence[WorkerChannel], progress: EpochProgress, replace: Optional[ReplaceFn] = None
+) -> Iterator[Any]:
+    """Yield items round-robin over workers, one item each in turn; finished workers drop out.
+
+    The rotation starts at ``progress.next_rank``; ``progress`` is updated with every item.
+    With ``replace``, a lost worker's channel is swapped for the one ``replace`` returns.
+    """
+    epoch, count = progress.epoch, len(channels)
+    ring = collections.deque(_Cursor(channels[(progress.next_rank + k) % count]) for k in range(count))
+    while ring:
+        cursor = ring[0]
+        while not cursor.pending:
+            event = next_frame(cursor.channel.queue, progress, cursor.channel.stats)
+            if event.kind == "end":
+                break
+            _take_or_replace(cursor, event, epoch, replace)
+        if not cursor.pending:
+            ring.popleft()
+            continue
+        item = cursor.pending.popleft()
+        ring.rotate(-1)
+        progress.count(cursor.channel.rank, ring[0].channel.rank)
+        yield item
+    progress.finish()
+
+
+def iterate_as_completed(
+    channels: Sequence[WorkerChannel],
+    events: "queue.SimpleQueue[Event]",
+    progress: EpochProgress,
+    replace: Optional[ReplaceFn] = None,
+    reassign: bool = True,
+) -> Iterator[Any]:
+    """Yield items in arrival order from a queue shared by all channels.
+
+    A worker lost after its shard ended is reported at the next epoch, which needs it (as
+    in order, where its own queue keeps the loss): this epoch has every one of its items;
+    with ``reassign`` (a failed worker is replaced, too) it is replaced at once.
+    """
+    epoch = progress.epoch
+    current = {channel.rank: _Cursor(channel) for channel in channels}
+    report_held_losses(channels, events)
+    finished: set[int] = set()  # ranks whose END_OF_SHARD arrived
+    while len(finished) < len(current):
+        event = next_frame(events, progress)
+        cursor = current[event.channel.rank]
+        if event.channel is not cursor.channel:
+            continue  # left over from a replaced channel
+        if event.kind == "lost" and (replace is None or not reassign) and cursor.channel.rank in finished:
+            cursor.channel.held_loss = event
+            continue
+        if event.kind == "end":
+            # A worker lost after its END is replaced too, and its replacement (which skips
+            # the whole shard) ends it again: count every rank once.
+            finished.add(cursor.channel.rank)
+            continue
+        _take_or_replace(cursor, event, epoch, replace)
+        while cursor.pending:
+            progress.count(cursor.channel.rank)
+            yield cursor.pending.popleft()
+    progress.finish()

@@ -1,0 +1,1 @@
+"""``"round_robin"``: one item of each worker in turn (the default)."""

@@ -1,0 +1,663 @@
+"""The trainer's end of worker sessions: setup, receiving and credits.
+
+One :class:`WorkerChannel` per worker session, driving a
+:class:`~rpc_reading_service.protocol.TrainerSession`. Its receiver (the trainer's one
+:class:`~rpc_reading_service.trainer.receive_loop.ReceiveLoop` for all sessions, or a thread of its
+own for a connection no event loop can watch) moves frames into the state machine, sends
+the heartbeats it finds due, and turns its events into :class:`Event` objects on a queue;
+the consumer (the DataLoader2 iterator's thread) unpickles items and grants a credit for
+every frame it takes, so at most ``prefetch`` frames per worker are ever
+buffered here. In a receive loop, the CREDIT frames themselves are sent by the loop
+(:meth:`WorkerChannel.send_due`): a send wakes the worker, which on a busy host preempts the
+thread that sent, and the consumer is what the whole trainer waits for.
+
+A channel exists before its session is set up (the engine sets sessions up in the
+background): what is sent to it meanwhile (an epoch's START_EPOCH, leases) is held, and
+goes out in order once READY arrives, so each session starts as soon as it is set up.
+
+A worker that stops reading (a stopped process, a full connection) must not stall the
+others: the receiver sends a heartbeat only when the connection has room for it
+(``Connection.has_room``) and never sends dispatched input (the dispatcher's own thread
+does), and once the worker has been silent for ``peer_timeout`` the receiver shuts its
+connection down, which ends every send still waiting for it (the dispatcher's, the
+consumer's credit) before the consumer hears of the loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from ..errors import (
+    ItemTimeoutError,
+    RemoteProtocolError,
+    WorkerDrainedError,
+    WorkerLostError,
+    WorkerRefusedError,
+    WorkerStartupError,
+    describe_worker,
+)  # fmt: skip
+from .receive_loop import ReceiveLoop
+from ..protocol import (
+    ChunkDone,
+    Close,
+    Credit,
+    DataReceived,
+    EndOfInput,
+    EndOfShard,
+    Error,
+    Frame,
+    ItemCredit,
+    Items,
+    MAX_LEASE_RUN,
+    Lease,
+    Leaving,
+    Message,
+    Ready,
+    Refused,
+    SessionState,
+    Setup,
+    StartEpoch,
+    Tick,
+    TrainerSession,
+    credit_batch,
+)
+from ..serialization import rebuild_exception
+from ..transports.base import Connection, PeerLostError
+
+__all__ = ["Event", "ChannelStats", "WorkerChannel", "drop_items", "slow_frame"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Event:
+    """Something a worker channel reports to the consumer."""
+
+    channel: "WorkerChannel"
+    kind: str  # "data", "end", "chunk_done", "error", "lost" or "closed" (the trainer shut the channel down)
+    epoch: Optional[int]
+    frame: Optional[Frame] = None  # a DATA frame, decoded by the consumer
+    error: Optional[BaseException] = None
+    chunk: Optional[ChunkDone] = None  # a leased chunk the worker finished ("dynamic")
+
+
+def drop_items(events: "queue.SimpleQueue[Event]") -> None:
+    """Drop the items no one will take from ``events`` of closed channels (their buffers in
+    shared memory go back at once, not with the next garbage collection); the other events stay,
+    in order, for a consumer still waiting in another thread."""
+    kept = []
+    while True:
+        try:
+            event = events.get_nowait()
+        except queue.Empty:
+            break
+        if event.kind != "data":
+            kept.append(event)
+    for event in kept:
+        events.put(event)
+
+
+@dataclass
+class ChannelStats:
+    """Counters of one worker channel for the current epoch, for ``RPCReadingService.stats()``."""
+
+    frames: int = 0
+    items: int = 0
+    bytes: int = 0
+    wait_seconds: float = 0.0
+
+
+class WorkerChannel:
+    """The trainer's end of one worker session: a driver of its :class:`TrainerSession`.
+
+    Every frame received goes through the state machine (which drops stale ones and
+    rejects illegal ones) and every frame sent is first recorded by it; this class only
+    moves frames and turns the state machine's events into :class:`Event` objects.
+    """
+
+    def __init__(
+        self,
+        conn: Optional[Connection],
+        rank: int,
+        heartbeat_interval: float,
+        peer_timeout: float,
+        loop: Optional[ReceiveLoop] = None,
+        address: Optional[str] = None,
+    ):
+        """``loop``: the receive loop to receive in, when the connection allows (see
+        :meth:`start_receiver`). ``conn`` None: the channel of worker ``address`` exists before
+        its connection does (:meth:`attach` it once connected, then :meth:`setup`)."""
+        self.conn = conn
+        self.rank = rank
+        if conn is None and address is None:
+            raise ValueError("a WorkerChannel made without a connection needs its worker's address")
+        self.address: str = conn.peer if conn is not None else str(address)
+        self.heartbeat_interval = heartbeat_interval
+        self.peer_timeout = peer_timeout
+        self.epoch: Optional[int] = None
+        self.queue: "queue.SimpleQueue[Event]" = queue.SimpleQueue()
+        self.stats = ChannelStats()
+        self.info: Dict[str, Any] = {}
+        #: A loss noticed after this worker's shard ended, to report when the next epoch needs it.
+        self.held_loss: Optional[Event] = None
+        self.protocol = TrainerSession(self.name, heartbeat_interval, peer_timeout)
+        #: Around every call of the state machine (the receiver and the consumer both use it).
+        self._state_lock = threading.Lock()
+        #: Held from recording a frame to writing it: frames leave in the order recorded.
+        self._send_lock = threading.Lock()
+        #: Why the worker ended the session, if it said (item_timeout, LEAVING).
+        self._ended_by: Optional[WorkerLostError] = None
+        #: Said after "its process died" when the connection closes: what else ends a session's process.
+        self.closed_hint = ""
+        #: The user's number of each epoch started here, by its number on the wire.
+        self._numbers: Dict[int, int] = {}
+        self._closing = False
+        #: Sends asked for before the session is set up (START_EPOCH, LEASE ...): sent in order
+        #: as soon as READY arrives (:meth:`setup`); None from then on.
+        self._held: Optional[List[Tuple[Tuple[Message, ...], Optional[int], bool]]] = []
+        self._loop = loop
+        self._in_loop = False
+        #: The epoch's credit window and the credits not sent back yet: see :meth:`grant`.
+        self._window, self._ungranted = 1, 0
+        #: Around the credits not sent back yet (the consumer adds, the receive loop sends), and
+        #: whether the loop was told that they are due.
+        self._credit_lock = threading.Lock()
+        self._credit_due = False
+        self._receiver: Optional[threading.Thread] = None
+        #: When dispatching, the epoch's dispatcher hears this session's ITEM_CREDIT, END_OF_SHARD
+        #: and ERROR events here (from the receiver thread).
+        self.input_sink: Optional[Callable[[Any], None]] = None
+        self._on_event: Dict[type, Callable[[Any], bool]] = {
+            DataReceived: self._on_data,
+            ItemCredit: self._on_item_credit,
+            EndOfShard: self._on_end_of_shard,
+            ChunkDone: self._on_chunk_done,
+            Error: self._on_error,
+            Refused: lambda refused: self._lost(f"{self.name} ended the session: {refused.reason}"),
+            Close: lambda close: self._lost(f"{self.name} ended the session (it said CLOSE)"),
+            Leaving: self._on_leaving,
+        }
+
+    @property
+    def name(self) -> str:
+        """``worker R (host:port)``, for messages."""
+        return describe_worker(self.rank, self.address)
+
+    def _send_or_report(
+        self, *messages: Message, wait: float = -1, epoch: Optional[int] = None, if_room: bool = False
+    ) -> None:
+        """Send ``messages`` (in one write where the transport can) unless the session is over;
+        a failed send is the receiver's to report.
+
+        ``wait``: seconds to wait for a send in progress (``-1``: as long as it takes); after
+        that, nothing is sent. With ``epoch``, nothing is sent either once another epoch
+        started (or this one stopped). ``if_room``: nothing either when the connection has no
+        room for it now (the send would wait for the worker to read).
+        """
+        if not self._send_lock.acquire(timeout=wait):
+            log.debug("not sending %s to %s: another send is stuck", _kinds(messages), self.name)
+            return
+        try:
+            if self._held is not None:  # still setting up: the worker could not take them yet
+                self._held.append((messages, epoch, if_room))
+                return
+            self._send_now(messages, epoch, if_room)
+        finally:
+            self._send_lock.release()
+
+    def _send_now(self, messages: Sequence[Message], epoch: Optional[int], if_room: bool) -> None:
+        """:meth:`_send_or_report`'s sending, holding the send lock."""
+        assert self.conn is not None, "attach() the connection first"
+        if if_room and not self.conn.has_room():
+            log.debug("not sending %s to %s: its connection is full", _kinds(messages), self.name)
+            return
+        with self._state_lock:
+            if self.protocol.state is SessionState.CLOSED:
+                return  # the receiver reports why it ended
+            if epoch is not None and (epoch != self.protocol.epoch or self.protocol.stopped):
+                return
+            frames = [self.protocol.send(message) for message in messages]
+        try:
+            self.conn.send_frames(frames)
+        except (PeerLostError, OSError) as exc:
+            # Not the end yet: the peer's last frames (an ERROR, a REJECT that explains
+            # why it closed) may still wait to be read; recv reports the loss.
+            log.debug("send to %s failed: %s", self.name, exc)
+
+    def _release_held(self) -> None:
+        """The session is set up: send what was asked for meanwhile, in order; from now on
+        every send goes out at once."""
+        with self._send_lock:
+            held, self._held = self._held or [], None
+            if self._closing:
+                return
+            for messages, epoch, if_room in held:
+                self._send_now(messages, epoch, if_room)
+
+    def _tick(self, now: Optional[float] = None, blocking: bool = True) -> Tick:
+        """The state machine's liveness: send the heartbeat due, return what else it found.
+
+        Not ``blocking``: while another thread is sending a frame, or the connection has no
+        room (a worker that stopped reading), the heartbeat is not sent (a frame on its way
+        shows the worker this side is alive), so the receiver never waits for one session."""
+        sending = self._send_lock.acquire(blocking)
+        try:
+            with self._state_lock:
+                due = self.protocol.tick(now)
+            if due.chunks and sending and (blocking or self.conn.has_room()):
+                try:
+                    self.conn.send(due.chunks)
+                except (PeerLostError, OSError) as exc:
+                    log.debug("heartbeat to %s failed: %s", self.name, exc)
+        finally:
+            if sending:
+                self._send_lock.release()
+        return due
+
+    def heard_since(self, since: float) -> bool:
+        """Whether a frame from the worker was taken in half a heartbeat interval or more after
+        ``since`` (``time.monotonic()``): by then, frames it sent before ``since`` have been
+        read, so the worker was alive after ``since``; one that is alive sends at least a
+        heartbeat per interval."""
+        return self.protocol.last_received >= since + self.heartbeat_interval / 2
+
+    def _receive(self, frame: Frame) -> List[Any]:
+        with self._state_lock:
+            return self.protocol.receive_frame(frame)
+
+    # -- setup ----------------------------------------------------------------------------------
+    def attach(self, conn: Connection) -> None:
+        """Give a channel made without a connection the one it was opened with; a channel the
+        trainer closed meanwhile closes ``conn`` and raises :class:`WorkerLostError`."""
+        with self._state_lock:
+            closing = self._closing
+            if not closing:
+                self.conn = conn
+        if closing:
+            conn.close()
+            raise WorkerLostError(f"{self.name}: the trainer closed the session while connecting", self.rank, self.address)
+
+    def setup(self, setup: Union[Setup, Mapping[str, Any]], timeout: float) -> None:
+        """Send SETUP (a :class:`Setup`, or its fields as a dict) and wait for READY, then send
+        what was asked for meanwhile (an epoch's START_EPOCH); raise the worker's error if
+        setup failed there, :class:`WorkerRefusedError` with the server's reason if it refused
+        the session, :class:`WorkerLostError` after ``timeout``."""
+        assert self.conn is not None, "attach() the connection first"
+        message = setup if isinstance(setup, Setup) else Setup(**setup)
+        with self._state_lock:
+            self.protocol.setup_timeout = timeout
+        # A server that refuses the session may close before reading all of SETUP: its
+        # REJECT is still there to read below.
+        with self._send_lock:
+            self._send_now((message,), None, False)
+        while True:
+            due = self._tick()
+            if due.events:
+                raise WorkerLostError(f"{self.name} did not finish setup within {timeout:.0f} s", self.rank, self.address)
+            try:
+                frame = self.conn.recv(timeout=due.wait)
+            except PeerLostError as exc:
+                raise WorkerLostError(f"{self.name} closed the session during setup: {exc}", self.rank, self.address) from exc
+            if frame is None:
+                continue
+            for event in self._receive(frame):
+                if isinstance(event, Ready):
+                    self.info = dataclasses.asdict(event)
+                    self._release_held()
+                    return
+                self._raise_setup_failure(event)
+
+    def _raise_setup_failure(self, event: Any) -> None:
+        if isinstance(event, Refused):
+            raise WorkerRefusedError(f"{self.name} refused the session: {event.reason}")
+        if isinstance(event, Error):
+            if event.message is not None:  # a refusal with its reason (e.g. another transport)
+                raise WorkerStartupError(f"{self.name} refused the session: {event.message}")
+            error = rebuild_exception(dict(event.exception), self.rank, self.address)
+            raise WorkerStartupError(
+                f"{self.name} could not set up the graph (unpickling it or running worker_init_fn): {error}"
+            ) from error
+        if isinstance(event, Leaving):
+            raise self._drained(event)
+        raise WorkerLostError(f"{self.name} ended the session during setup (it said CLOSE)", self.rank, self.address)
+
+    def fail_setup(self, error: BaseException) -> None:
+        """Setting up in the background failed with ``error``: close the connection and report
+        the session lost with it, for the consumer to raise (or reassign) when it comes to this
+        worker; nothing is reported once the trainer closed the channel."""
+        if self.conn is not None:
+            self.conn.close()
+        if not self._closing:
+            self.queue.put(Event(self, "lost", None, error=error))
+
+    def start_receiver(self, sink: "queue.SimpleQueue[Event]") -> None:
+        """Start receiving, delivering events to ``sink``: in the channel's receive loop if
+        its connection can be watched by one (``Connection.fileno()``), else in a thread.
+        Nothing once the trainer closed the channel (it may close while setting up)."""
+        assert self.conn is not None, "attach() the connection first"
+        self.queue = sink
+        if self._loop is not None and self.conn.fileno() is not None:
+            with self._state_lock:  # against close(): it removes the channel only if it was added
+                if self._closing:
+                    return
+                self._in_loop = True
+                self._loop.add(self)
+            return
+        self._receiver = threading.Thread(target=self._receive_loop, name=f"rrs-recv-{self.rank}", daemon=True)
+        self._receiver.start()
+
+    # -- epochs ---------------------------------------------------------------------------------
+    def start_epoch(
+        self,
+        epoch: int,
+        seed: int,
+        global_worker_id: int,
+        credits: int,
+        skip: int = 0,
+        dispatched: bool = False,
+        leased: bool = False,
+        number: Optional[int] = None,
+    ) -> None:
+        """Start ``epoch`` on the worker (superseding any epoch still running there); with
+        ``dispatched``, its input comes from the trainer (:meth:`send_input`); ``leased``: the
+        worker walks its stream by the chunks :meth:`lease` hands it. ``number``: the epoch as
+        the user counts it (``stats()``: from 0), for messages."""
+        if number is not None:
+            self._numbers[epoch] = number
+        with self._credit_lock:
+            self.epoch = epoch
+            self._window, self._ungranted = credits, 0
+        self.stats = ChannelStats()
+        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased=leased))
+
+    def send_input(self, message: Union[Items, EndOfInput]) -> None:
+        """Send an ITEMS or END_OF_INPUT frame of the dispatched input (the state machine
+        checks the worker's ITEM_CREDIT); nothing once the session is over or its epoch is
+        (a superseded dispatcher's last frame may still be on its way out)."""
+        self._send_or_report(message, epoch=message.epoch)
+
+    def grant(self, epoch: int, credits: int = 1, after_slow_frame: bool = False) -> None:
+        """Allow the worker ``credits`` more DATA frames of ``epoch`` for the ones just taken
+        (nothing for a superseded epoch; the consumer's thread only).
+
+        Credits go back in batches, by the protocol's rule
+        (:func:`~rpc_reading_service.protocol.credit_batch`): once half the window is due (the
+        worker always holds a credit), or after a :func:`slow_frame` once the whole window is:
+        a slow stage needs no credit before it has spent its last one, and packs the items it
+        makes meanwhile into the frame the CREDIT lets go (one CREDIT, and one wake-up of the
+        worker, per window of frames).
+
+        In a receive loop, the CREDIT is only marked due here and the loop sends it
+        (:meth:`send_due`), with the credits granted until then.
+        """
+        if epoch != self.epoch:
+            return
+        with self._credit_lock:
+            self._ungranted += credits
+            if self._ungranted < credit_batch(self._window, slow=after_slow_frame):
+                return
+            if self._in_loop:
+                tell, self._credit_due = not self._credit_due, True
+            else:
+                tell, credits, self._ungranted = False, self._ungranted, 0
+        if tell:
+            assert self._loop is not None
+            self._loop.due(self)
+        elif not self._in_loop:
+            self._send_or_report(Credit(epoch, credits))
+
+    def send_due(self) -> bool:
+        """Send the CREDIT marked due by :meth:`grant` (the receive loop's call), unless another
+        send holds the connection or it has no room: False then (the loop retries), never
+        waiting, so that no worker's send stalls the loop."""
+        if self._closing or self.conn is None:
+            return True
+        if not self._send_lock.acquire(blocking=False):
+            return False
+        try:
+            if not self.conn.has_room():
+                return False
+            with self._credit_lock:
+                epoch, credits, self._ungranted, self._credit_due = self.epoch, self._ungranted, 0, False
+            if credits and epoch is not None:  # none: a LEASE took them along meanwhile
+                self._send_now([Credit(epoch, credits)], epoch, False)
+            return True
+        finally:
+            self._send_lock.release()
+
+    def lease(
+        self, epoch: int, chunks: Sequence[Tuple[int, int, int, int]] = (), final: bool = False,
+        items: Sequence[Items] = (),
+    ) -> None:  # fmt: skip
+        """Lease ``chunks`` (``(chunk, skip, first position, positions)``: its first ``skip`` items are not sent) of ``epoch``'s
+        stream to the worker, then with ``final`` say that no more come ("dynamic"; nothing for a
+        superseded epoch). Credits not granted yet go along: one send (the consumer's thread only).
+        ``items``: ITEMS frames that follow the leases (a dispatched epoch's units, one item each)."""
+        if epoch != self.epoch:
+            return
+        messages: List[Message] = [
+            Lease(epoch, chunk, skip, count=count, start=start, size=size) for chunk, skip, count, start, size in lease_runs(chunks)
+        ]
+        messages.extend(items)
+        if final:
+            messages.append(Lease(epoch, final=True))
+        with self._credit_lock:
+            credits, self._ungranted = self._ungranted, 0
+        if credits:
+            messages.insert(0, Credit(epoch, credits))
+        self._send_or_report(*messages)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Say CLOSE, stop receiving and close the connection (idempotent).
+
+        A consumer still waiting for this channel's items (another thread) is woken with an
+        error: no frame will come any more.
+        """
+        with self._state_lock:
+            if self._closing:
+                return
+            self._closing = True
+        # A dispatched ITEMS frame may be stuck in a send to a worker that stopped reading:
+        # closing the connection below wakes it, so do not wait for it to say CLOSE.
+        self._send_or_report(Close(), wait=min(timeout, 1.0), if_room=True)
+        if self._in_loop:
+            assert self._loop is not None
+            self._loop.remove(self, timeout)  # before closing: the loop must not poll a closed descriptor
+        if self.conn is not None:  # else the setup's attach() closes it
+            self.conn.close()
+        if self._receiver is not None and self._receiver is not threading.current_thread():
+            self._receiver.join(timeout)
+        closed = RuntimeError(
+            f"the DataLoader2 was shut down while this iteration waited for items from {self.name} "
+            "(dl.shutdown() or an error in another thread); start a new DataLoader2 to go on"
+        )
+        self.queue.put(Event(self, "closed", None, error=closed))
+
+    # -- receiving ------------------------------------------------------------------------------
+    def fileno(self) -> Optional[int]:
+        """The connection's descriptor, for the receive loop."""
+        return self.conn.fileno()
+
+    def on_readable(self) -> bool:
+        """Take in the frames that arrived (the receive loop's call); True once receiving is over."""
+        if self._closing:
+            return True
+        try:
+            return self._deliver(self.conn.recv_ready())
+        except Exception as exc:  # noqa: BLE001 - reported, as by _receiving() (one call less per read)
+            return self._receiving_failed(exc)
+
+    def on_tick(self, now: float) -> Optional[float]:
+        """Send the heartbeat due and report a silent worker; seconds until the next check,
+        None once receiving is over."""
+        if self._closing:
+            return None
+        due = self._tick(now, blocking=False)
+        if due.events:  # PeerTimedOut
+            # Silent that long, it is gone: shutting the connection down ends the sends still
+            # waiting for it to read (they fail quietly), so the consumer gets to the loss.
+            self.conn.close()
+            self._lost(due.events[0].message)
+            return None
+        return min(due.wait, self.heartbeat_interval)
+
+    def _deliver(self, frames: Sequence[Frame]) -> bool:
+        """Frames through the state machine, its events to the queue; True: receiving is over."""
+        on_event = self._on_event
+        for frame in frames:
+            for event in self._receive(frame):
+                if on_event.get(type(event), _ignore)(event):
+                    return True
+        return False
+
+    def _receiving(self, step: Callable[[], bool]) -> bool:
+        """``step()``, reporting the session lost if receiving failed; True: receiving is over."""
+        try:
+            return step()
+        except Exception as exc:  # noqa: BLE001 - never stop silently: the consumer would wait forever
+            return self._receiving_failed(exc)
+
+    def _receiving_failed(self, exc: Exception) -> bool:
+        """Report the session lost for ``exc``, which receiving raised; True: the receiver stops."""
+        if isinstance(exc, PeerLostError):
+            return self._lost(f"lost {self.name}: {exc}. Its process died or the connection broke{self.closed_hint}")
+        if isinstance(exc, RemoteProtocolError):
+            return self._lost(str(exc))
+        log.error("receiver for %s failed", self.name, exc_info=exc)
+        return self._lost(f"receiving from {self.name} failed: {exc!r}")
+
+    def _lost(self, message: str) -> bool:
+        """Report the session lost (unless the trainer closed it); True: the receiver stops."""
+        if not self._closing:
+            # A session the worker ended for a stuck item: say so also in a later epoch.
+            error = self._ended_by or WorkerLostError(message, self.rank, self.address)
+            self._report(Event(self, "lost", None, error=error))
+        return True
+
+    def _report(self, event: Event) -> None:
+        """Queue ``event`` for the consumer: in a receive loop, with the others of the loop's turn."""
+        if self._in_loop:
+            assert self._loop is not None
+            self._loop.hand_over(self.queue.put, event)
+        else:
+            self.queue.put(event)
+
+    def _receive_loop(self) -> None:
+        """The receiver thread of a connection no receive loop can watch."""
+        next_tick = 0.0
+        while not self._closing:
+            now = time.monotonic()
+            if now >= next_tick:
+                wait = self.on_tick(now)
+                if wait is None:
+                    return
+                next_tick = now + wait
+            if self._receiving(lambda: self._deliver(self._recv_one(max(0.0, next_tick - time.monotonic())))):
+                return
+
+    def _recv_one(self, timeout: float) -> List[Frame]:
+        frame = self.conn.recv(timeout=timeout)
+        return [] if frame is None else [frame]
+
+    def _on_data(self, event: DataReceived) -> bool:
+        # Only the header was read: the consumer decodes, so this thread holds the GIL briefly.
+        stats, frame = self.stats, event.frame
+        stats.frames += 1
+        stats.bytes += frame.nbytes
+        self._report(Event(self, "data", event.epoch, frame))
+        return False
+
+    def _on_item_credit(self, event: ItemCredit) -> bool:
+        self._tell_input(event)
+        return False
+
+    def _tell_input(self, event: Any) -> None:
+        sink = self.input_sink
+        if sink is not None:
+            sink(event)
+
+    def _on_chunk_done(self, event: ChunkDone) -> bool:
+        self._report(Event(self, "chunk_done", event.epoch, chunk=event))
+        return False
+
+    def _on_end_of_shard(self, event: EndOfShard) -> bool:
+        self._tell_input(event)
+        self._report(Event(self, "end", event.epoch))
+        return False
+
+    def _on_error(self, event: Error) -> bool:
+        self._tell_input(event)
+        if event.phase == "item_timeout":
+            self._ended_by = self._item_timeout_error(event)
+            error: BaseException = self._ended_by
+        else:
+            error = rebuild_exception(dict(event.exception), self.rank, self.address)
+        self._report(Event(self, "error", event.epoch, error=error))
+        return False
+
+    def _on_leaving(self, event: Leaving) -> bool:
+        self._ended_by = self._drained(event)
+        self.conn.close()  # nothing more comes: the worker's session ends now, not when the consumer gets here
+        return self._lost(str(self._ended_by))
+
+    def _drained(self, event: Leaving) -> WorkerDrainedError:
+        """The worker's LEAVING as the error its loss carries (the engine hands its work on)."""
+        log.info("%s is leaving: %s", self.name, event.reason or "its server drains")
+        reason = event.reason or "its worker server is draining"
+        return WorkerDrainedError(f"{self.name} left the run: {reason}", self.rank, self.address)
+
+    def _item_timeout_error(self, event: Error) -> ItemTimeoutError:
+        position = -1 if event.position is None else event.position
+        stuck = event.stuck_epoch
+        epoch = self._numbers.get(stuck, f"{stuck} (on the wire)") if stuck is not None else "?"
+        message = (
+            f"{self.name} spent more than {event.item_timeout} s (item_timeout) producing item {position} "
+            f"of its shard in epoch {epoch} and ended its session. Its graph was here:\n{event.stack}"
+            "Fix what blocks there, or raise item_timeout if items legitimately take that long"
+        )
+        return ItemTimeoutError(message, self.rank, self.address, position=position, stack=event.stack)
+
+
+#: A DATA frame of one item of at most this many bytes is a slow stage's (see :func:`slow_frame`).
+SLOW_FRAME_MAX_BYTES = 64 * 1024
+
+
+def slow_frame(items: Sequence[Any]) -> bool:
+    """Whether a DATA frame of ``items`` (encoded) is a slow stage's: one small item. A worker
+    seals an item alone when it came too late to wait for another one (a large one fills a frame
+    by itself: that says nothing of its pace)."""
+    return len(items) == 1 and items[0].nbytes <= SLOW_FRAME_MAX_BYTES
+
+
+def lease_runs(chunks: Sequence[Tuple[int, int, int, int]]) -> List[Tuple[int, int, int, int, int]]:
+    """``(chunk, skip, first position, positions)`` leases as ``(first chunk, its skip, count, first
+    position, positions each)`` runs of consecutive chunks of one size that follow each other in the
+    stream (one LEASE frame each): a chunk with a skip of its own starts a run."""
+    runs: List[List[int]] = []
+    for chunk, skip, start, size in chunks:
+        if runs:
+            first, _skip, count, run_start, run_size = runs[-1]
+            if (
+                not skip and chunk == first + count and size == run_size and start == run_start + count * size
+                and count < MAX_LEASE_RUN
+            ):  # fmt: skip
+                runs[-1][2] += 1
+                continue
+        runs.append([chunk, skip, 1, start, size])
+    return [(chunk, skip, count, start, size) for chunk, skip, count, start, size in runs]
+
+
+def _kinds(messages: Sequence[Message]) -> str:
+    """``CREDIT+LEASE``: the kinds of ``messages``, for log lines."""
+    return "+".join(message.kind.name for message in messages)
+
+
+def _ignore(event: Any) -> bool:
+    """Events this driver does not act on."""
+    return False

@@ -1,0 +1,280 @@
+"""Where the workers of a run come from, and connecting to them.
+
+A :class:`Fleet` resolves the configured :class:`~rpc_reading_service.trainer.config.WorkerSource`
+(a local server it starts, known addresses, a TCPStore or a hostfile), creates the transport
+and opens one :class:`~rpc_reading_service.trainer.channel.WorkerChannel` per worker rank, each setting
+up in the background. It also opens the replacement session of a lost worker and closes
+everything, in bounded time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+import queue
+from typing import Any, Callable, List, Optional, Sequence, Set
+
+from ...addresses import distinct_servers
+from ..channel import Event, WorkerChannel
+from ..config import Hostfile, LocalWorkers, ReadingServiceConfig, StoreDiscovery, WorkerAddresses
+from ...discovery import discover_workers
+from ...errors import WorkerDrainedError, WorkerLostError
+from ...keys import new_auth_key
+from ..local_fleet import LocalWorkerServer
+from ..receive_loop import ReceiveLoop
+from ...serialization import buffer_allocator
+from ...transports import create_transport
+from ...transports.base import PeerLostError, Transport
+from ...protocol import SessionOptions, Setup
+
+__all__ = ["Fleet", "close_channels"]
+
+log = logging.getLogger(__name__)
+
+#: Sessions set up at once. Setting up is mostly waiting (a handshake's round trips, a server
+#: forking the session, the worker unpickling the graph): 64 sessions in one wave rather
+#: than two; the bound keeps hundreds of sessions from starting hundreds of threads.
+MAX_PARALLEL_SETUPS = 64
+
+#: Seconds closing waits for the setups still in progress to end (a connect in its handshake
+#: ends only when the handshake does).
+SETUP_CLOSE_WAIT = 2.0
+
+#: Makes the queue a new channel delivers its events to.
+Sink = Callable[[], "queue.SimpleQueue[Event]"]
+
+
+def close_channels(channels: Sequence[WorkerChannel]) -> None:
+    """Close every channel, in parallel; one by one at interpreter exit, when
+    ``concurrent.futures`` no longer schedules work ("cannot schedule new futures")."""
+    try:
+        with ThreadPoolExecutor(max_workers=min(32, len(channels))) as pool:
+            list(pool.map(lambda channel: channel.close(), channels))
+    except RuntimeError:
+        for channel in channels:
+            channel.close()  # idempotent: the ones closed above return at once
+
+
+class Fleet:
+    """The worker servers of one run and the transport to reach them."""
+
+    def __init__(self, config: ReadingServiceConfig):
+        self.config = config
+        #: Worker sessions of the run; known after :meth:`discover` (0 until then with discovery).
+        self.num_workers = config.sessions()
+        self.auth_key = config.auth_key
+        self.local_server: Optional[LocalWorkerServer] = None
+        self._discovered: Optional[List[str]] = None
+        self._hosted_store: Any = None
+        self._transport: Optional[Transport] = None
+        #: The one thread receiving for every session of the run (made by :meth:`connect`).
+        self._loop: Optional[ReceiveLoop] = None
+        self._rank_addresses: Optional[List[str]] = None
+        #: The setups of :meth:`connect`, running in the background or queued, the pool they run
+        #: in, the thread submitting them, and whether :meth:`close` ended them.
+        self._setting_up: List["Future[None]"] = []
+        self._setups: Optional[ThreadPoolExecutor] = None
+        self._launcher: Optional[threading.Thread] = None
+        self._setups_lock = threading.Lock()
+        self._closed = False
+        #: Addresses of the servers that drained during the run (their sessions left).
+        self.drained: Set[str] = set()
+
+    def discover(self) -> int:
+        """Find the workers of a :class:`StoreDiscovery` or :class:`Hostfile` (once) and return
+        the number of worker sessions."""
+        workers = self.config.workers
+        if self._discovered is not None or not isinstance(workers, (StoreDiscovery, Hostfile)):
+            return self.num_workers
+        if isinstance(workers, StoreDiscovery):
+            self._discovered, self._hosted_store = discover_workers(
+                store=workers.store, job=workers.job, min_workers=workers.min_workers,
+                host_store=workers.host_store, timeout=workers.timeout, probe=self.transport().probe,
+            )  # fmt: skip
+        else:
+            self._discovered, _ = discover_workers(
+                hostfile=workers.path, min_workers=workers.min_workers, timeout=workers.timeout
+            )
+        if self.num_workers == 0:
+            self.num_workers = len(self._discovered)
+        return self.num_workers
+
+    def transport(self) -> Transport:
+        """The run's transport, made on first use."""
+        if self._transport is None:
+            self._transport = create_transport(self.config.transport.name, **self.config.transport.factory_options())
+        return self._transport
+
+    def rank_addresses(self) -> List[str]:
+        """The server address of every worker rank (sessions of one server share it), resolved
+        once: a local fleet's server starts here. The sticky distribution hashes keys over them."""
+        if self._rank_addresses is None:
+            self._rank_addresses = self._addresses()
+        return self._rank_addresses
+
+    def _addresses(self) -> List[str]:
+        workers = self.config.workers
+        if isinstance(workers, LocalWorkers):
+            self.auth_key = self.auth_key or new_auth_key()
+            self.local_server = LocalWorkerServer(
+                self.auth_key, self.config.transport.name, start_method=workers.start_method,
+                cache_dir=workers.cache_dir, cache_size=int(workers.cache_size),
+            )  # fmt: skip
+            addresses = [self.local_server.start()]
+        elif isinstance(workers, WorkerAddresses):
+            addresses = list(workers.addresses)
+        else:
+            assert self._discovered is not None, "discover() must run first"
+            addresses = self._discovered
+        return [addresses[rank % len(addresses)] for rank in range(self.num_workers)]
+
+    def session_options(self) -> SessionOptions:
+        """The tunables every worker session gets in SETUP."""
+        return SessionOptions(
+            heartbeat_interval=self.config.liveness.heartbeat_interval,
+            peer_timeout=self.config.timeout,
+            item_timeout=self.config.item_timeout,
+        )
+
+    def connect(self, graph: bytes, sink: Sink) -> List[WorkerChannel]:
+        """Start local workers if configured and return one channel per worker rank at once,
+        each connecting and setting up in the background (:data:`MAX_PARALLEL_SETUPS` at a time).
+
+        ``sink``: makes the queue each channel delivers its events to. A channel starts
+        receiving (and sending heartbeats) as soon as it is set up, and what is sent to it
+        before (the epoch's START_EPOCH) goes out then: each session starts its epoch once
+        its own setup is done, instead of all of them after the slowest of all setups (the
+        first item of round-robin needs rank 0's setup only; the epoch ends no later than
+        before). A failed setup is reported in the channel's queue as the session lost with
+        its error: the consumer raises it, or reassigns the rank, when it comes to that worker."""
+        self.transport()
+        self._graph = graph
+        addresses = self.rank_addresses()
+        self._loop = self._loop or ReceiveLoop()  # after a local server forked: not its descriptors
+        channels = [self._new_channel(rank, address) for rank, address in enumerate(addresses)]
+        for channel in channels:
+            channel.queue = sink()
+        # Starting the setup threads takes a few ms each while the first ones already run (each
+        # start waits for the GIL): a thread of its own starts them, and the caller goes on to
+        # start the epoch meanwhile.
+        self._launcher = threading.Thread(target=self._set_up_all, args=(channels,), name="rrs-setup-start", daemon=True)
+        self._launcher.start()
+        return channels
+
+    def _set_up_all(self, channels: Sequence[WorkerChannel]) -> None:
+        """Set every channel up in the background, :data:`MAX_PARALLEL_SETUPS` at a time (the
+        launcher thread of :meth:`connect`)."""
+        with self._setups_lock:
+            if self._closed:
+                return
+            self._setups = ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SETUPS, len(channels)), thread_name_prefix="rrs-setup")
+        for channel in channels:
+            try:
+                self._setting_up.append(self._setups.submit(self._set_up_in_background, channel))
+            except RuntimeError:  # close() shut the pool down: no more setups
+                return
+        self._setups.shutdown(wait=False)  # its threads end once every setup ran
+
+    def open_channel(self, rank: int, address: str) -> WorkerChannel:
+        """Connect to ``address`` and set up the session of worker ``rank``, waiting for it; on a
+        failure close it and raise the error."""
+        channel = self._new_channel(rank, address)
+        try:
+            self._set_up(channel)
+        except BaseException:
+            channel.close()
+            raise
+        return channel
+
+    def _new_channel(self, rank: int, address: str) -> WorkerChannel:
+        """The channel of worker ``rank`` at ``address``, before it connects."""
+        options = self.session_options()
+        channel = WorkerChannel(None, rank, options.heartbeat_interval, options.peer_timeout, self._loop, address=address)
+        if options.item_timeout is not None:
+            channel.closed_hint = (
+                " (with item_timeout, a session whose graph holds the interpreter lock in C code for longer ends its "
+                "process: the worker server's log shows where)"
+            )
+        return channel
+
+    def _set_up(self, channel: WorkerChannel) -> None:
+        """Connect ``channel`` to its worker and set up its session there."""
+        assert self._transport is not None, "connect() must run first"
+        rank, address, timeout = channel.rank, channel.address, self.config.liveness.connect_timeout
+        try:
+            conn = self._transport.connect(
+                address, self.auth_key or b"", timeout, allocate=buffer_allocator(self.config.pin_memory)
+            )
+        except PeerLostError as exc:
+            raise WorkerLostError(f"worker {rank}: {exc}", rank, address) from exc
+        channel.attach(conn)
+        channel.setup(Setup(self._graph, rank, self.num_workers, self.session_options()), timeout)
+
+    def _set_up_in_background(self, channel: WorkerChannel) -> None:
+        """:meth:`_set_up` in a setup thread, then receive; a failure goes to the channel's queue."""
+        try:
+            self._set_up(channel)
+            channel.start_receiver(channel.queue)
+        except BaseException as exc:  # noqa: BLE001 - the consumer raises it, from the channel's queue
+            channel.fail_setup(exc)
+
+    def reopen(
+        self, rank: int, lost: WorkerChannel, others: Sequence[WorkerChannel], error: WorkerLostError
+    ) -> WorkerChannel:
+        """A new session for worker ``rank``, whose channel ``lost`` was lost with ``error``.
+
+        Tries the lost worker's server first (only its session may have died), then the
+        other servers, each only if it answers a probe within seconds (a hung or stopped
+        server costs no ``connect_timeout``); local workers get a new local server if theirs
+        is gone.
+        """
+        lost.close(timeout=0.5)
+        candidates = distinct_servers([lost.address, *(ch.address for ch in others if ch is not lost)])
+        probe: Optional[Callable[[str], Optional[str]]] = self.transport().probe
+        if self.local_server is not None:
+            if not self.local_server.alive():
+                self.local_server.stop()
+                self.local_server.start()
+            assert self.local_server.address is not None
+            candidates, probe = [self.local_server.address], None  # it was just checked, or started
+        failures = []
+        for address in candidates:
+            reason = None if probe is None else probe(address)
+            if reason is not None:
+                failures.append(f"{address}: {reason}")
+                continue
+            try:
+                return self.open_channel(rank, address)
+            except (WorkerLostError, OSError) as exc:
+                failures.append(f"{address}: {exc}")
+        if isinstance(error, WorkerDrainedError):
+            gone = [address for address in candidates if address not in self.drained]
+            every = "every worker server of this run has drained" if not gone else "no other server could take it"
+            raise WorkerDrainedError(
+                f"{error}; {every}, so its work cannot go on: {'; '.join(failures)}. Start more worker servers "
+                "(or pass their addresses) for a run to outlive its servers", rank, lost.address,
+            ) from error
+        raise WorkerLostError(
+            f"{error}; no server could take over its shard: {'; '.join(failures)}", rank, lost.address
+        ) from error
+
+    def close(self) -> None:
+        """Stop the receive loop (after the channels closed), local workers and a TCPStore this
+        process hosted, and wait (boundedly) for setups still in progress to end (idempotent)."""
+        with self._setups_lock:
+            self._closed = True
+        if self._setups is not None:
+            self._setups.shutdown(wait=False, cancel_futures=True)  # those still queued never run
+        if self._launcher is not None:
+            self._launcher.join(SETUP_CLOSE_WAIT)
+        if self._loop is not None:
+            self._loop.close()
+        if self.local_server is not None:
+            self.local_server.stop()
+            self.local_server = None
+        # A closed channel ends its setup: at once while it waits for READY (its connection is
+        # shut), after the handshake while it connects (attach() refuses it).
+        wait(self._setting_up, timeout=SETUP_CLOSE_WAIT)
+        self._setting_up = []
+        self._hosted_store = None  # stops a TCPStore this trainer hosted (StoreDiscovery(host_store=True))

@@ -1,0 +1,383 @@
+"""The engine: the workers of one run behind a plain Python API, independent of any loader.
+
+::
+
+    engine = Engine(config)
+    engine.start(graph)                     # find, start and connect the workers; ship them the graph
+                                            # (sessions set up in the background, each starts once set up)
+    for item in engine.start_epoch(seed):   # one epoch, every item exactly once
+        ...
+    engine.epoch.positions()                # a checkpoint: start_epoch(seed, positions=...) resumes
+    engine.stats()
+    engine.close()
+
+A front end (the DataLoader2 adapter in :mod:`rpc_reading_service.trainer.reading_service`) draws
+the seeds and splits its host library's graph; nothing here knows DataLoader2.
+"""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import logging
+import os
+import queue
+import threading
+import weakref
+from typing import Any, Callable, List, Optional
+
+from ..channel import Event, WorkerChannel, drop_items
+from ..config import ReadingServiceConfig
+from ...errors import ConfigurationError, DispatchStalledError, RPCReadingServiceError, WorkerLostError
+from ...graph import DistributedInfo, graph_traversal, init_worker_graph, reset_dispatching_graph, reset_worker_graph
+from ...graph_utils import DataPipe, WorkerInfo
+from ...selection import selection_in_place
+from ...serialization import dumps_graph, pack_exception, rebuild_exception
+from ..stats import ReadingServiceStats, WorkerStats
+from .dispatch import Dispatch, RankInput, UnitDispatch
+from .epoch import Epoch, Positions
+from .fleet import Fleet, close_channels
+from .guard import IterationGuard
+
+__all__ = ["Engine"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds a stopped dispatcher thread gets to end before a new epoch or shutdown leaves it behind
+#: (stuck in the dispatching part's own code: the new epoch dispatches from a copy of that part).
+ABANDON_AFTER = 1.0
+
+#: Engines with workers that have not been closed, and the process that owns them.
+_open_engines: "weakref.WeakKeyDictionary[Engine, int]" = weakref.WeakKeyDictionary()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Stop the workers of every engine still open when the interpreter exits.
+
+    A front end's own cleanup (DataLoader2's ``__del__``) runs late in interpreter shutdown
+    or never (reference cycles), so local workers would outlive the trainer.
+    """
+    for engine, owner in list(_open_engines.items()):
+        if owner == os.getpid():  # not in a forked child that inherited the trainer's memory
+            engine.close()
+
+
+def _in_mprs_words(exc: BaseException) -> BaseException:
+    """An exception of the dispatching part as MPRS raises it (ours stay as they are)."""
+    if isinstance(exc, RPCReadingServiceError):
+        return exc
+    return rebuild_exception(pack_exception(exc), None, None, where="dispatching process")
+
+
+class Engine:
+    """The workers of one run: where they come from, their sessions, epochs, reassignment and stats.
+
+    Args:
+        config: The run's checked configuration. Nothing opens before :meth:`start`.
+    """
+
+    def __init__(self, config: ReadingServiceConfig):
+        self.config = config
+        #: This trainer's place in a torch.distributed job (set by :meth:`start`).
+        self.dist = DistributedInfo()
+        self.fleet = Fleet(config)
+        self.channels: List[WorkerChannel] = []
+        #: The queue every channel delivers to when items are taken as completed.
+        self.events: "queue.SimpleQueue[Event]" = queue.SimpleQueue()
+        #: With ``num_workers=0`` the graph runs in this process.
+        self.in_process_graph: Optional[DataPipe] = None
+        #: The non-replicable part before ``sharding_round_robin_dispatch`` (None without one),
+        #: and the current epoch's dispatching of it.
+        self.dispatching: Optional[DataPipe] = None
+        self.dispatch: Optional[Dispatch] = None
+        #: The current (or last) epoch, and the number of the latest one (0 before the first).
+        self.epoch: Optional[Epoch] = None
+        #: The first epoch's hint (:meth:`Merger.hint <rpc_reading_service.policies.base.Merger.hint>`): a checkpoint's,
+        #: taken between epochs, so that the next epoch is the one the checkpointed run had.
+        self.first_hint: Optional[Any] = None
+        self.epoch_number = 0
+        self._wire_epochs = 0
+        #: Held while setting up and while taking each item: one thread at a time.
+        self.guard = IterationGuard()
+        self._closed = False
+        self._lock = threading.Lock()
+
+    @property
+    def num_workers(self) -> int:
+        """Worker sessions of the run (known after :meth:`discover` with discovery)."""
+        return self.fleet.num_workers
+
+    def discover(self) -> int:
+        """Find the workers of a store or hostfile (once) and return the number of sessions."""
+        return self.fleet.discover()
+
+    def start(
+        self, graph: DataPipe, dist: Optional[DistributedInfo] = None, dispatching: Optional[DataPipe] = None
+    ) -> None:
+        """Find and start the workers and set up every session with ``graph``, the DataPipes the
+        workers run (already sharded for ``dist``, this trainer's place in a torch.distributed
+        job: worker ``i`` runs global shard ``dist.rank * num_workers + i``); with
+        ``num_workers=0`` the graph runs in this process. ``dispatching``: the part a graph
+        with ``sharding_round_robin_dispatch`` runs here, once per epoch, dealing its items
+        to the workers (``graph`` has torchdata's placeholder where it was).
+
+        Returns while the sessions still set up (in the background): each one starts an epoch
+        as soon as it is set up; a failed setup is raised when the epoch's items come to its
+        worker (:meth:`Fleet.connect <rpc_reading_service.trainer.engine.fleet.Fleet.connect>`)."""
+        self.dist = dist or DistributedInfo()
+        self.dispatching = dispatching
+        self.discover()
+        config = self.config
+        if self.num_workers == 0:
+            self.in_process_graph = init_worker_graph(graph, WorkerInfo(1, 0), config.worker_init_fn)
+            return
+        _open_engines[self] = os.getpid()
+        try:
+            shipped = self._ship(graph)  # a policy may ask for the workers' addresses: a local server starts
+            self.channels = self.fleet.connect(shipped, self.receiver_queue)
+        except BaseException:
+            self.close()
+            raise
+
+    def _ship(self, graph: DataPipe) -> bytes:
+        """The pickled graph for the workers, with the policy's worker-side selection in place of
+        ``sharding_filter`` (the caller's graph is put back as it was)."""
+        config, policy = self.config, self.config.distribution
+
+        def dump(shipped: DataPipe) -> bytes:
+            return dumps_graph((shipped, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
+
+        policy.check_graph(graph)
+        if self.dispatching is not None and policy.dispatch_units:  # the policy leases the dispatched items
+            return dump(graph)
+        selection = policy.worker_selection(self.fleet)
+        if self.dispatching is not None and (selection is not None or policy.leased):
+            # The graph's dispatch point is already cut off here: the policy's own check cannot see it.
+            raise ConfigurationError(
+                f"distribution={policy.name!r} decides itself which worker gets which item, and "
+                "sharding_round_robin_dispatch deals the items to the workers by position: use "
+                "distribution='round_robin' (or 'first_ready') with a dispatching graph"
+            )
+        if selection is None:
+            return dump(graph)
+        with selection_in_place(graph, selection) as shipped:
+            return dump(shipped)
+
+    def placement(self) -> Optional[str]:
+        """The policy's digest of what, besides the number of workers, decides which worker owns
+        which item (None: nothing does, or the graph runs here). It may resolve the workers'
+        addresses (a local server starts): call it before :meth:`start` only to check a checkpoint."""
+        if self.num_workers == 0:
+            return None
+        return self.config.distribution.placement(self.fleet)
+
+    def receiver_queue(self) -> "queue.SimpleQueue[Event]":
+        """Where a new channel delivers: the shared queue, or a queue of its own (the policy says)."""
+        return self.events if self.config.distribution.shared_queue else queue.SimpleQueue()
+
+    def start_epoch(
+        self, seed: int, positions: Optional[Positions] = None, number: Optional[int] = None
+    ) -> Epoch:
+        """Start an epoch with the shared ``seed`` on every worker and return it.
+
+        ``positions`` (from :meth:`Epoch.positions`) and ``number`` resume a checkpointed
+        epoch: each worker replays its shard from the same seed, skipping what was consumed.
+        """
+        self.epoch_number = self.epoch_number + 1 if number is None else number
+        self._wire_epochs += 1
+        positions = positions or Positions((0,) * max(1, self.num_workers))
+        units = None
+        if self.dispatching is not None and self.in_process_graph is None and self.config.distribution.dispatch_units:
+            units = self._new_unit_dispatch(self._wire_epochs, seed)
+        epoch = Epoch(self, self.epoch_number, self._wire_epochs, seed, positions, dispatched=units)
+        self.epoch = epoch
+        if self.in_process_graph is not None:
+            self.in_process_graph = reset_worker_graph(
+                self.in_process_graph, WorkerInfo(1, 0), seed, self.dist.rank, self.config.worker_reset_fn
+            )
+            return epoch
+        dispatch = units or (self._new_dispatch(epoch) if self.dispatching is not None else None)
+        for channel in self.channels:
+            self.start_channel(channel, epoch)
+        if dispatch is not None:
+            dispatch.start()
+        return epoch
+
+    def start_channel(self, channel: WorkerChannel, epoch: Epoch) -> None:
+        """Start ``epoch`` on one worker, skipping what the policy says was consumed of its stream."""
+        global_rank = self.dist.global_worker_id(channel.rank, self.num_workers)
+        policy = self.config.distribution
+        skip = policy.skip(epoch.progress, channel.rank)
+        channel.start_epoch(
+            epoch.wire, epoch.seed, global_rank, policy.credits(self.config.prefetch), skip=skip,
+            dispatched=self.dispatching is not None, leased=policy.leased, number=epoch.user_number,
+        )  # fmt: skip
+
+    def _new_dispatch(self, epoch: Epoch) -> Dispatch:
+        """Stop the last epoch's dispatching and set up this one's (its thread starts after
+        every worker was told to start the epoch). A resumed epoch deals from its first item
+        again: the same items to the same ranks, and each worker skips what was consumed."""
+        self._supersede_dispatch(epoch.seed)
+        options, cond = self.fleet.session_options(), threading.Condition()
+        keep_history = self.config.reassign is not None
+        # A worker's pipeline, in frames: one pending here, the credit window, one in its graph,
+        # two in its outbox, the DATA window, one the consumer took. Past that, dispatching stalls.
+        depth = 2 * self.config.prefetch + 5
+        inputs = [
+            RankInput(channel.rank, epoch.wire, channel.send_input, options.batch_max_items,
+                      options.batch_max_bytes, keep_history, cond, depth * options.batch_max_items,
+                      depth * options.batch_max_bytes, channel.heard_since)
+            for channel in self.channels
+        ]  # fmt: skip
+        self.dispatch = Dispatch(
+            self.dispatching, inputs, self._dispatch_failed(epoch.wire), self.config.item_timeout, epoch.user_number
+        )
+        for channel in self.channels:
+            channel.input_sink = self.dispatch.input_sink(channel.rank)
+        return self.dispatch
+
+    def _new_unit_dispatch(self, wire: int, seed: int) -> UnitDispatch:
+        """Stop the last epoch's dispatching and set up this one's for a policy that leases the
+        dispatched items itself (its merger does; the thread starts with the epoch). A resumed
+        epoch pulls from the first item again: the same item for each unit."""
+        self._supersede_dispatch(seed)
+        options = self.fleet.session_options()
+
+        def notify() -> None:
+            channels = self.channels
+            if channels:
+                self.events.put(Event(channels[0], "dispatched", wire))
+
+        self.dispatch = UnitDispatch(
+            self.dispatching, wire, self._dispatch_failed(wire), notify, max(1, self.config.prefetch),
+            options.batch_max_items, options.batch_max_bytes, self.config.item_timeout,
+            self.epoch_number - 1,  # the Epoch's user_number (made after this)
+        )  # fmt: skip
+        for channel in self.channels:
+            channel.input_sink = self.dispatch.credit_sink(channel)
+        return self.dispatch
+
+    def _supersede_dispatch(self, seed: int) -> None:
+        """Stop the last epoch's dispatching and seed the dispatching part for the next one: a copy
+        of it if the last thread is stuck in it (a graph supports one iterator at a time)."""
+        if self._stop_dispatch("a new epoch dispatches from a copy of the dispatching part"):
+            try:
+                with graph_traversal():
+                    self.dispatching = copy.deepcopy(self.dispatching)
+            except Exception as exc:  # noqa: BLE001 - any reason a user's DataPipe gives
+                raise DispatchStalledError(
+                    f"the dispatching part is stuck in the thread of an earlier epoch (stack in the log) and cannot "
+                    f"be copied to dispatch a new epoch ({exc!r}); fix what blocks it there, or pass item_timeout "
+                    "to hear of it when it happens"
+                ) from exc
+        reset_dispatching_graph(self.dispatching, seed)
+
+    def _stop_dispatch(self, then: str) -> bool:
+        """Stop the current dispatching; True if its thread did not end within ``ABANDON_AFTER`` (or
+        timed out already): it is left behind, its stack logged, and ``then`` says what follows."""
+        dispatch = self.dispatch
+        if dispatch is None:
+            return False
+        dispatch.stop()
+        if dispatch.join(0 if dispatch.timed_out is not None else ABANDON_AFTER):
+            return False
+        log.warning(
+            "the dispatcher thread of epoch %d is stuck in the dispatching part and is left behind; %s. "
+            "It is here:\n%s", dispatch.number, then, dispatch.stack(),
+        )  # fmt: skip
+        return True
+
+    def _dispatch_failed(self, wire: int) -> Callable[[BaseException], None]:
+        """Report an exception of dispatching to the consumer at once, with MPRS's words."""
+
+        def report(exc: BaseException) -> None:
+            error = _in_mprs_words(exc)
+            for channel in list(self.channels):  # whichever worker the consumer waits for
+                channel.queue.put(Event(channel, "error", wire, error=error))
+
+        return report
+
+    def dispatch_failure(self, wire: int) -> Optional[BaseException]:
+        """The exception that ended the dispatching part of epoch ``wire`` (in MPRS's words), if one did:
+        the epoch raises it after the items dealt before it."""
+        dispatch = self.dispatch
+        if dispatch is None or dispatch.epoch != wire or dispatch.failure is None:
+            return None
+        return _in_mprs_words(dispatch.failure)
+
+    def reopen_channel(self, lost: WorkerChannel, error: WorkerLostError, epoch: Epoch) -> WorkerChannel:
+        """A new session in place of ``lost``, started on ``epoch`` (its rank's input dealt again)."""
+        rank = lost.rank
+        channel = self.fleet.reopen(rank, lost, self.channels, error)
+        self.replace_dispatched(channel)
+        channel.start_receiver(self.receiver_queue())
+        self.start_channel(channel, epoch)
+        self.channels[rank] = channel
+        return channel
+
+    def replace_dispatched(self, channel: WorkerChannel) -> None:
+        """A replacement session took over ``channel.rank``: it gets the rank's input of this
+        epoch again (before its epoch starts: its events go to the dispatcher)."""
+        dispatch = self.dispatch
+        if isinstance(dispatch, UnitDispatch):  # its merger leases the lost units again
+            channel.input_sink = dispatch.credit_sink(channel)
+        elif dispatch is not None:
+            dispatch.inputs[channel.rank].restart(channel.send_input, channel.heard_since)
+            channel.input_sink = dispatch.input_sink(channel.rank)
+
+    def stats(self) -> ReadingServiceStats:
+        """Throughput per worker and the consumer's data stall for the current (or last) epoch."""
+        if self.epoch is None:
+            return ReadingServiceStats(0, 0.0, 0, 0.0, 0.0, 0.0)
+        epoch, progress = self.epoch, self.epoch.progress
+        elapsed = max(progress.elapsed, 1e-9)
+        units = epoch.units() or {}
+        workers = [
+            WorkerStats(
+                rank=channel.rank,
+                address=channel.address,
+                items_consumed=progress.consumed[channel.rank],
+                items_received=channel.stats.items,
+                bytes_received=channel.stats.bytes,
+                frames_received=channel.stats.frames,
+                items_per_second=progress.consumed[channel.rank] / elapsed,
+                queue_depth=channel.queue.qsize() if not self.config.distribution.shared_queue else 0,
+                wait_seconds=channel.stats.wait_seconds,
+                pid=channel.info.get("pid"),
+                units=units.get(channel.rank),
+            )
+            for channel in self.channels
+        ]
+        items = sum(progress.consumed)
+        return ReadingServiceStats(
+            epoch=epoch.user_number,
+            elapsed_seconds=elapsed,
+            items=items,
+            items_per_second=items / elapsed,
+            wait_seconds=progress.wait_seconds,
+            data_stall=min(1.0, progress.wait_seconds / elapsed),
+            workers=workers,
+            reassignments=epoch.reassignments,
+            drains=epoch.drains,
+        )
+
+    @property
+    def worker_addresses(self) -> List[str]:
+        """Addresses of the connected worker sessions, by rank."""
+        return [channel.address for channel in self.channels]
+
+    def close(self) -> None:
+        """Close every session and stop local workers; idempotent, bounded in time."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        _open_engines.pop(self, None)
+        self._stop_dispatch("shutdown goes on (a daemon thread, it ends with the process)")
+        channels, self.channels = self.channels, []
+        if channels:
+            close_channels(channels)
+        self.fleet.close()
+        for events in {id(q): q for q in [self.events, *(channel.queue for channel in channels)]}.values():
+            drop_items(events)

@@ -1,0 +1,498 @@
+"""Shared-memory hand-over of large buffers between the processes of one host.
+
+Used by the socket transport on Unix sockets (local workers): the worker copies each large
+out-of-band buffer of a DATA frame into a shared segment and sends a SHARED_DATA frame
+that says where it is (``protocol/frames.py``); the trainer builds the buffer on its own
+mapping of the segment. The buffer crosses no socket: one copy in the worker instead of a
+copy into the kernel and one out of it.
+
+A segment is a ``memfd`` (``os.memfd_create``): it has no name in any file system, its
+descriptor travels once over the Unix socket (``SCM_RIGHTS``), and the kernel frees it
+when the last descriptor and mapping are gone, so nothing outlives the run, even after a
+SIGKILL of either side. Segments are reused under the credit window (fresh shared pages
+cost more than a copy into warm ones): the first byte of a segment says whether the
+worker lent it to the trainer, and the trainer sets it back to free when the last
+tensor or array built on it is gone. Mappings are inherited by forked children (a
+local worker server forked from the trainer, a torch DataLoader worker reading received
+tensors): a child reads the same memory, and its drops never mark a segment free.
+
+A worker's graph may also make its items in a segment (:func:`allocate`, behind
+``rpc_reading_service.shared_empty``): the pool then lends that segment as it is, with no
+copy at all. Such a segment is in the producer's hands while the memory given out lives
+in the worker, and is reused only once that memory is gone and the trainer let go of it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import weakref
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy
+
+from ...errors import RemoteProtocolError
+from ...protocol.frames import Buffer, Frame, SharedBuffer, SharedFrame
+from ...serialization import SHARED_MEMORY_MIN_BYTES
+
+__all__ = ["HEADER_BYTES", "SegmentPool", "SegmentMap", "allocate", "copy_into_segment", "shared_memory_available"]
+
+log = logging.getLogger(__name__)
+
+#: Bytes before a segment's data: byte 0 is its state (lent to the trainer, or free).
+HEADER_BYTES = 64
+_FREE, _LENT = 0, 1
+_PAGE = mmap.PAGESIZE
+#: New segments one frame may bring (each one a descriptor in its ancillary data).
+MAX_NEW_SEGMENTS_PER_FRAME = 16
+#: What a new empty segment's pages are written with (see :func:`_write_pages`).
+_ZEROS = memoryview(bytes(256 * 1024))
+
+
+def shared_memory_available() -> bool:
+    """Whether this host can hand buffers over in shared memory (Linux: memfd)."""
+    return hasattr(os, "memfd_create")
+
+
+def _write_pages(fd: int, size: int, view: Optional[memoryview]) -> None:
+    """Make the ``size`` bytes of a new segment by writing them: ``view``'s bytes after the
+    header, else zeros. The kernel allocates each page as it writes it, with no fault per
+    page and no zeroing of a page about to be overwritten: a fresh 8 MiB segment ready to be
+    written costs ~6.4 ms instead of ~8 ms when its pages are faulted in (MAP_POPULATE,
+    MADV_POPULATE_WRITE and posix_fallocate cost the same or more here)."""
+    if view is not None:
+        written = 0
+        while written < view.nbytes:
+            written += os.pwrite(fd, view[written:], HEADER_BYTES + written)
+        return
+    offset = 0
+    while offset < size:
+        left = size - offset
+        offset += os.pwritev(fd, [_ZEROS] * min(64, left // len(_ZEROS)) or [_ZEROS[:left]], offset)
+
+
+def _address(view: memoryview) -> int:
+    """Where ``view``'s first byte is in this process: through ctypes for a writable view (a sixth
+    of the cost of wrapping it in a numpy array), through numpy for a read-only one."""
+    if view.readonly:
+        return numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
+def _map(fd: int, size: int) -> mmap.mmap:
+    """A shared mapping of the segment, its pages mapped at once (MAP_POPULATE, where there is
+    one), inherited by forked children: no MADV_DONTFORK, which left a child with objects on
+    unmapped memory (reading a received tensor, or the munmap as one was dropped, crashed it)."""
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+class _Segment:
+    __slots__ = ("id", "size", "mapping", "state", "data", "address", "fd", "in_hand", "hand")
+
+    def __init__(self, segment_id: int, size: int, mapping: mmap.mmap):
+        self.id = segment_id
+        self.size = size
+        self.mapping = mapping
+        self.state = memoryview(mapping)[:1]
+        self.data = numpy.frombuffer(mapping, dtype=numpy.uint8, offset=HEADER_BYTES)
+        self.address = self.data.ctypes.data
+        self.fd: Optional[int] = None  # a segment made for a producer: its descriptor, until announced
+        self.in_hand = False  # memory of it given to a producer lives in this process
+        self.hand: Optional[weakref.ref] = None  # that memory, whose end puts the segment down
+
+    @property
+    def capacity(self) -> int:
+        return self.size - HEADER_BYTES
+
+    @property
+    def available(self) -> bool:
+        """Neither lent to the trainer nor in a producer's hands: free to reuse or retire."""
+        return self.state[0] == _FREE and not self.in_hand
+
+    def put_down(self, _memory: weakref.ref) -> None:
+        """The memory given to a producer is gone (a weak reference's callback)."""
+        self.in_hand = False
+        self.hand = None
+
+
+#: The pools whose connections let producers make items in their segments (see :func:`allocate`).
+_producer_pools: "weakref.WeakSet[SegmentPool]" = weakref.WeakSet()
+#: The one pool of ``_producer_pools`` (None with none or several), kept as they change: looked
+#: up for every item made and every large buffer encoded.
+_sole_producer_pool: Optional["weakref.ref[SegmentPool]"] = None
+_producer_pools_lock = threading.Lock()
+
+
+def _change_producer_pools(pool: "SegmentPool", offered: bool) -> None:
+    global _sole_producer_pool
+    with _producer_pools_lock:
+        if offered:
+            _producer_pools.add(pool)
+        else:
+            _producer_pools.discard(pool)
+        pools = list(_producer_pools)
+        # several sessions in one process (threads): which one sends an item made here?
+        _sole_producer_pool = weakref.ref(pools[0]) if len(pools) == 1 else None
+
+
+#: This process's id, kept by a fork hook: read for every received buffer and every release,
+#: where ``os.getpid()`` would be a system call each.
+_pid = os.getpid()
+
+
+def _note_fork() -> None:
+    """In a forked child: its own pid, and no producer pool (the parent's sessions are not its own)."""
+    global _pid, _producer_pools, _sole_producer_pool, _producer_pools_lock
+    _pid = os.getpid()
+    _producer_pools, _sole_producer_pool, _producer_pools_lock = weakref.WeakSet(), None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_note_fork)
+
+
+def _producer_pool() -> Optional["SegmentPool"]:
+    """The pool of this process's one session that lets producers make items in its segments."""
+    sole = _sole_producer_pool
+    return sole() if sole is not None else None
+
+
+def allocate(nbytes: int) -> Optional[Buffer]:
+    """``nbytes`` of writable memory in a segment of this process's session, which its
+    connection will hand over without a copy; None when there is no such session (no
+    local worker session here, the trainer did not offer shared memory, a session that
+    shares its server's process, or the pool is full)."""
+    pool = _producer_pool()
+    return pool.allocate(nbytes) if pool is not None else None
+
+
+def copy_into_segment(view: memoryview) -> Optional[Buffer]:
+    """Where an item's large buffer ``view`` goes as it is encoded (the ``stage`` of an
+    ``ItemEncoder`` in a local worker's session): ``view`` itself if a producer made it in
+    one of this process's segments (:func:`allocate`: it must not write it again), else a
+    copy in a segment, made now; None where :func:`allocate` gives nothing or for a buffer
+    under ``SHARED_MEMORY_MIN_BYTES`` (the encoder then copies it to ordinary memory).
+
+    Copied when the item is encoded rather than when its frame is sent, the item is kept as it
+    was yielded, and its own memory goes back to the allocator at once, warm, for the next
+    item (held until sent, each item's fresh memory costs page faults)."""
+    pool = _producer_pool() if view.nbytes >= SHARED_MEMORY_MIN_BYTES else None
+    return pool.stage(view) if pool is not None else None
+
+
+def _new_segment(size: int, view: Optional[memoryview]) -> Tuple[mmap.mmap, int]:
+    """A new memfd segment of ``size`` bytes holding ``view``'s bytes after the header (or
+    zeros), mapped: ``(mapping, descriptor)``. Raises OSError or ValueError if the system
+    refuses one."""
+    fd = os.memfd_create("rpc-reading-service", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        _write_pages(fd, size, view)
+        return _map(fd, size), fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+class SegmentPool:
+    """The worker's segments of one connection: lends one to each large buffer it sends.
+
+    A buffer gets the smallest free segment that fits it (and is at most twice its size),
+    else a new one while the pool holds less than ``max_bytes``; past that, free segments
+    that do not fit are retired to make room, and a buffer that still finds none travels
+    through the socket as before. At most ``max_free`` free segments are kept.
+    Thread-safe.
+    """
+
+    def __init__(self, max_bytes: int = 1 << 30, max_free: int = 8):
+        self.max_bytes = max_bytes
+        self.max_free = max_free
+        self._segments: Dict[int, _Segment] = {}
+        self._bytes = 0
+        self._next_id = 1
+        self._lock = threading.Lock()
+        self._warned = False
+        self._closed = False
+        self._retired: List[int] = []  # retired between frames (by allocate): told with the next one
+
+    def offer_to_producers(self) -> None:
+        """Let this process's graph make items in this pool's segments (:func:`allocate`)."""
+        with self._lock:
+            if not self._closed:
+                _change_producer_pools(self, True)
+
+    def allocate(self, nbytes: int) -> Optional[Buffer]:
+        """``nbytes`` of a free (or new) segment, in the producer's hands while the returned
+        memory lives here; None when the pool cannot hold another segment of that size.
+
+        A new segment is made outside the lock (its pages cost milliseconds): meanwhile the
+        connection goes on lending and sending what is ready."""
+        if nbytes <= 0:
+            return None
+        with self._lock:
+            if self._closed:
+                return None
+            segment = self._fitting(nbytes)
+            if segment is not None:
+                return self._hand_out(segment, nbytes)
+            size = self._reserve(nbytes, self._retired)
+        if size is None:
+            return None
+        try:
+            mapping, fd = _new_segment(size, None)
+        except (OSError, ValueError) as exc:
+            with self._lock:
+                self._bytes -= size
+                self._warn(exc)
+            return None
+        with self._lock:
+            if self._closed:
+                self._bytes -= size
+                mapping.close()
+                os.close(fd)
+                return None
+            return self._hand_out(self._register(size, mapping, fd, None), nbytes)
+
+    def stage(self, view: memoryview) -> Optional[Buffer]:
+        """:func:`copy_into_segment` for this pool: ``view`` itself if a producer made it in one
+        of its segments, else a copy in one (:meth:`allocate`), or None if none is to be had."""
+        with self._lock:
+            if self._made_in(view) is not None:
+                return view
+        memory = self.allocate(view.nbytes)
+        if memory is not None:  # the segment is in this producer's hands: copied without the lock
+            numpy.frombuffer(memory, dtype=numpy.uint8)[:] = numpy.frombuffer(view, dtype=numpy.uint8)
+        return memory
+
+    @staticmethod
+    def _hand_out(segment: _Segment, nbytes: int) -> Buffer:
+        memory = (ctypes.c_ubyte * nbytes).from_buffer(segment.mapping, HEADER_BYTES)
+        segment.in_hand = True
+        segment.hand = weakref.ref(memory, segment.put_down)
+        return memory  # type: ignore[return-value]
+
+    def _made_in(self, view: memoryview) -> Optional[Tuple[_Segment, int]]:
+        """The segment a producer made ``view`` in and its offset there, if any."""
+        held = [s for s in self._segments.values() if s.in_hand]
+        if not held or not view.nbytes:
+            return None
+        address = _address(view)
+        for segment in held:
+            if segment.address <= address and address + view.nbytes <= segment.address + segment.capacity:
+                return segment, address - segment.address
+        return None
+
+    @property
+    def segments(self) -> int:
+        """Segments this pool holds (lent or free)."""
+        return len(self._segments)
+
+    def lend(
+        self, buffers: Sequence[Buffer], min_bytes: int
+    ) -> Tuple[List[SharedBuffer], List[Buffer], List[Tuple[int, int, int]], List[int]]:
+        """Put each buffer of at least ``min_bytes`` in a segment (a copy).
+
+        Returns ``(shared, inline, new, retired)``: where the shared buffers are, the
+        others (in order), the new segments as ``(id, size, fd)`` (the caller sends the
+        descriptors with the frame, then calls :meth:`sent`), and the retired segment ids.
+        """
+        shared: List[SharedBuffer] = []
+        inline: List[Buffer] = []
+        new: List[Tuple[int, int, int]] = []
+        with self._lock:
+            retired, self._retired = self._retired, []
+            free = sorted((s for s in self._segments.values() if s.available), key=lambda s: s.capacity)
+            for segment in free[: max(0, len(free) - self.max_free)]:  # a consumer let go of many at once
+                self._retire(segment, retired)
+            for index, buffer in enumerate(buffers):
+                view = memoryview(buffer).cast("B")
+                segment = None
+                if view.nbytes >= min_bytes and not self._closed:
+                    made = self._made_in(view)
+                    if made is not None and self._lend_made(*made, view.nbytes, index, shared, new):
+                        continue
+                    segment = self._segment_for(view, new, retired)
+                if segment is None:
+                    inline.append(buffer)
+                    continue
+                if not (new and new[-1][0] == segment.id):  # a new one holds the bytes already
+                    if segment.fd is not None:  # made for a producer, which let it go unsent: announce it
+                        new.append((segment.id, segment.size, segment.fd))
+                        segment.fd = None
+                    numpy.copyto(segment.data[: view.nbytes], numpy.frombuffer(view, dtype=numpy.uint8))
+                segment.state[0] = _LENT
+                shared.append(SharedBuffer(index, segment.id, HEADER_BYTES, view.nbytes))
+        return shared, inline, new, retired
+
+    def _lend_made(self, segment: _Segment, offset: int, nbytes: int, index: int, shared: list, new: list) -> bool:
+        """Lend a buffer a producer made in ``segment`` as it is; False when it must be copied
+        (the segment is lent already: its memory was sent before and is still in use)."""
+        if segment.state[0] != _FREE:
+            return False
+        if segment.fd is not None:
+            if len(new) >= MAX_NEW_SEGMENTS_PER_FRAME:
+                return False
+            new.append((segment.id, segment.size, segment.fd))
+            segment.fd = None
+        segment.state[0] = _LENT
+        shared.append(SharedBuffer(index, segment.id, HEADER_BYTES + offset, nbytes))
+        return True
+
+    def sent(self, new: Sequence[Tuple[int, int, int]]) -> None:
+        """The descriptors of ``new`` segments were sent (or the send failed): close ours."""
+        for _id, _size, fd in new:
+            os.close(fd)
+
+    def _fitting(self, nbytes: int, announced: bool = False) -> Optional[_Segment]:
+        """The smallest available segment that holds ``nbytes`` and is at most twice that
+        (with ``announced``: only one the trainer knows already)."""
+        fitting = [s for s in self._segments.values() if s.available and nbytes <= s.capacity <= 2 * nbytes
+                   and not (announced and s.fd is not None)]
+        return min(fitting, key=lambda s: s.capacity) if fitting else None
+
+    def _segment_for(self, view: memoryview, new: list, retired: list) -> Optional[_Segment]:
+        full = len(new) >= MAX_NEW_SEGMENTS_PER_FRAME  # no room for another descriptor in this frame
+        fitting = self._fitting(view.nbytes, announced=full)
+        if fitting is not None or full:
+            return fitting
+        return self._make_room_for(view.nbytes, retired, view, new)
+
+    def _make_room_for(self, nbytes: int, retired: list, view: memoryview, new: list) -> Optional[_Segment]:
+        """A new segment holding ``view``'s bytes (``nbytes``), announced in ``new`` (see :meth:`_reserve`)."""
+        size = self._reserve(nbytes, retired)
+        if size is None:
+            return None
+        try:
+            mapping, fd = _new_segment(size, view)
+        except (OSError, ValueError) as exc:
+            self._bytes -= size
+            self._warn(exc)
+            return None
+        return self._register(size, mapping, fd, new)
+
+    def _reserve(self, nbytes: int, retired: list) -> Optional[int]:
+        """Room for a new segment for ``nbytes``, after retiring free segments past ``max_free``
+        or ``max_bytes``: its size, counted in the pool's bytes; None if there is no room."""
+        free = [s for s in self._segments.values() if s.available]
+        size = -(-(nbytes + HEADER_BYTES) // _PAGE) * _PAGE
+        surplus = len(free) - self.max_free + 1
+        for segment in sorted(free, key=lambda s: s.capacity):
+            if surplus <= 0 and self._bytes + size <= self.max_bytes:
+                break
+            self._retire(segment, retired)
+            surplus -= 1
+        if self._bytes + size > self.max_bytes:
+            return None
+        self._bytes += size
+        return size
+
+    def _register(self, size: int, mapping: mmap.mmap, fd: int, new: Optional[list]) -> _Segment:
+        """Add a new segment (its ``size`` already counted by :meth:`_reserve`); its descriptor goes
+        in ``new``, or (made for a producer) stays with it until it is first lent."""
+        segment = _Segment(self._next_id, size, mapping)
+        self._next_id += 1
+        self._segments[segment.id] = segment
+        if new is None:
+            segment.fd = fd
+        else:
+            new.append((segment.id, size, fd))
+        return segment
+
+    def _retire(self, segment: _Segment, retired: list) -> None:
+        del self._segments[segment.id]
+        self._bytes -= segment.size
+        if segment.fd is not None:  # never announced: the trainer does not know it
+            os.close(segment.fd)
+            segment.fd = None
+        else:
+            retired.append(segment.id)
+
+    def _warn(self, exc: BaseException) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("cannot create a shared memory segment (%s): large buffers go through the socket", exc)
+
+    def close(self) -> None:
+        """Drop every segment (the trainer's mappings keep what it still uses alive)."""
+        with self._lock:
+            self._closed = True
+            _change_producer_pools(self, False)
+            for segment in self._segments.values():
+                if segment.fd is not None:
+                    os.close(segment.fd)
+                    segment.fd = None
+            self._segments.clear()
+            self._bytes = 0
+
+
+def _release(state: memoryview, owner: int) -> None:
+    # A process forked from the owner shares the mapping: only the owner may free the segment.
+    if _pid == owner:
+        state[0] = _FREE
+
+
+class SegmentMap:
+    """The trainer's mappings of one connection's segments; builds received buffers on them.
+
+    Each buffer is a numpy array on the mapping; when it (and every tensor or array built
+    on it) is gone, its segment is marked free for the worker to reuse. Used by the
+    receiving thread only.
+    """
+
+    def __init__(self, peer: str):
+        self.peer = peer
+        self._segments: Dict[int, _Segment] = {}
+
+    def open(self, shared: SharedFrame, fds: List[int], max_frame_bytes: int) -> Frame:
+        """The inner frame of ``shared``, its buffers on the segments; ``fds`` are the
+        descriptors of its new segments, in order (this call owns them)."""
+        try:
+            if len(fds) != len(shared.new_segments):
+                raise self._error(f"brought {len(fds)} descriptors for {len(shared.new_segments)} new segments")
+            if len(shared.body) + shared.shared_bytes + sum(memoryview(b).nbytes for b in shared.inline) > max_frame_bytes:
+                raise self._error(f"announced a frame over the maximum of {max_frame_bytes} bytes")
+            for (segment_id, size), fd in zip(shared.new_segments, fds):
+                self._add(segment_id, size, fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        for segment_id in shared.retired:
+            self._segments.pop(segment_id, None)
+        buffers: List[Buffer] = list(shared.inline)
+        for placed in shared.shared:
+            buffers.insert(placed.index, self._buffer(placed))
+        return Frame(shared.kind, shared.body, buffers)
+
+    def _add(self, segment_id: int, size: int, fd: int) -> None:
+        if segment_id in self._segments:
+            raise self._error(f"announced segment {segment_id} twice")
+        if not HEADER_BYTES < size <= os.fstat(fd).st_size:
+            raise self._error(f"announced segment {segment_id} of {size} bytes, which its descriptor does not hold")
+        self._segments[segment_id] = _Segment(segment_id, size, _map(fd, size))
+
+    def _buffer(self, placed: SharedBuffer) -> Buffer:
+        segment = self._segments.get(placed.segment)
+        if segment is None:
+            raise self._error(f"placed a buffer in segment {placed.segment}, which it never announced")
+        if placed.offset < HEADER_BYTES or placed.offset + placed.length > segment.size:
+            raise self._error(f"placed {placed.length} bytes at offset {placed.offset} of a {segment.size}-byte segment")
+        # A ctypes array, not a numpy view: numpy collapses a view's base to the mapping, so
+        # the view could die while arrays built on it live; this object lives as long as they do.
+        memory = (ctypes.c_ubyte * placed.length).from_buffer(segment.mapping, placed.offset)
+        weakref.finalize(memory, _release, segment.state, _pid).atexit = False
+        return memory  # type: ignore[return-value]
+
+    def _error(self, what: str) -> RemoteProtocolError:
+        return RemoteProtocolError(f"the worker at {self.peer} {what} (SHARED_DATA frame)")
+
+    @property
+    def segments(self) -> int:
+        """Segments mapped (the worker lent or may lend again)."""
+        return len(self._segments)
+
+    def close(self) -> None:
+        """Forget every segment (each mapping goes with the last buffer built on it)."""
+        self._segments.clear()

@@ -1,0 +1,454 @@
+"""A worker session's outbox: the bounded, credit-bound hand-off of packed items from the
+producer thread to the sender, which packs them into DATA frames and writes them in order."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Callable, Deque, List, Optional, Tuple, Union
+
+from ..protocol import Buffer, ChunkDone, Data, EncodedItem, ItemCredit, Message, SessionOptions, credit_batch
+from .inbox import Cancelled
+
+__all__ = ["Outbox", "FinalFrame"]
+
+#: Most frames the sender takes for one send (CHUNK_DONEs ride with the DATA behind them).
+_FRAMES_PER_SEND = 16
+#: Largest slow item a producer sends itself: bigger ones go to the sender thread, so that
+#: producing the next item overlaps sending this one.
+_INLINE_MAX_BYTES = 64 * 1024
+
+#: A frame that ends an epoch: a message (encoded when it leaves) or chunks already encoded.
+FinalFrame = Union[Message, List[Buffer]]
+
+
+class Outbox:
+    """Bounded hand-off of packed items from a producer thread to the sender thread.
+
+    The producer fills an open batch; a batch is sealed when it reaches the item or
+    byte bound, or when the sender takes it after ``linger`` seconds. An item that comes
+    more than ``linger`` after the one before it (a slow, say sleep-bound, stage) is sealed
+    at once while a credit is left: waiting would only delay it, and wake the sender twice.
+    The trainer returns a slow stage's credits once the whole window is due
+    (:func:`~rpc_reading_service.protocol.credit_batch`), so with none left such an item waits
+    for that CREDIT, which takes it along (:meth:`grant`) with the items made meanwhile,
+    without waking the sender; nor is the sender woken for items while no credit is left. At
+    most one sealed batch waits for credit; past that the producer blocks (backpressure).
+
+    A frame is encoded through ``encode`` (a session passes its state machine's ``send``, which
+    checks and records it) while the outbox holds ``lock`` (a session passes the lock of its
+    state machine), and written through ``send`` (the connection's ``send_frames``) by
+    :meth:`send_next` (the sender thread), or by the producer itself: a slow item sealed alone
+    that is small (:data:`_INLINE_MAX_BYTES`) leaves from :meth:`put` when no other send is in
+    progress, so that a slow stage costs no wake-up of the sender per item; data that waited for
+    credit leaves from the thread that granted it (:meth:`write_taken`). A borrowed item
+    (:attr:`~rpc_reading_service.serialization.EncodedItem.borrowed`: large buffers in the
+    producer's own memory) is sealed alone and written before its :meth:`put` returns, by the
+    producer itself when credit allows, so the graph cannot write that memory while it is
+    still to be sent. A staged item (:attr:`~rpc_reading_service.serialization.EncodedItem.staged`:
+    large buffers in shared segments) that fills its batch is written by its producer the same way
+    when credit allows, but its put does not wait for the write. :attr:`sending` is
+    held from encoding frames to writing them: frames leave in the order recorded. The outbox
+    counts the trainer's credits only to know when to block: the state machine is what
+    enforces them.
+    """
+
+    def __init__(
+        self,
+        options: SessionOptions,
+        encode: Callable[[Message], List[Buffer]] = lambda message: message.encode(),
+        lock: Optional["threading.RLock"] = None,
+        send: Optional[Callable[[List[List[Buffer]]], None]] = None,
+    ):
+        self._options = options
+        self._encode = encode
+        self._send = send
+        self._cond = threading.Condition(lock)
+        #: Held from taking frames (encoding them) to writing them; see the class docstring.
+        self.sending = threading.Lock()
+        #: The sender waits for :attr:`sending` while the producer writes a frame of its own; the
+        #: producer waits for the sealed slot. Only then does taking a frame notify anybody.
+        self._sender_waiting = False
+        self._producer_waiting = False
+        #: Frames a credit let go, taken by :meth:`grant` for its caller to write.
+        self._taken: List[List[Buffer]] = []
+        self.epoch: Optional[int] = None
+        self._credits = 0
+        self._open: List[EncodedItem] = []
+        self._open_bytes = 0
+        self._open_since = 0.0
+        #: A slow item opened the batch and waits for credit: sealed without lingering once credit comes.
+        self._open_slow = False
+        #: The epoch's credit window (what ``start_epoch`` granted): frames sent and not yet credited back are
+        #: ``_window - _credits``.
+        self._window = 0
+        #: When the producer put the epoch's latest item (None before its first).
+        self._last_put: Optional[float] = None
+        #: Sealed batches waiting for credit, and markers (CHUNK_DONE) that follow them without credit
+        #: (ahead of the open batch, which may still hold their chunks' last items).
+        self._sealed: Deque[Union[List[EncodedItem], Message]] = collections.deque()
+        #: ITEM_CREDIT to send (a dispatched epoch), and whether the epoch's input is still open.
+        self._input_credits = 0
+        self._input_open = False
+        self._final: Optional[FinalFrame] = None
+        self._final_ends_session = False
+        #: True once a final frame queued with ``end_session`` has been taken for sending.
+        self.session_over = False
+        self._sequence = 0
+        self._closed = False
+        self.items_sent = 0
+        self.bytes_sent = 0
+        self.credit_wait_seconds = 0.0
+        self._credit_wait_since: Optional[float] = None
+
+    def start_epoch(self, epoch: int, credits: int) -> None:
+        """Drop whatever belongs to an older epoch and start ``epoch`` with ``credits``."""
+        with self._cond:
+            self.epoch = epoch
+            self._credits = self._window = credits
+            self._open, self._open_bytes, self._open_slow = [], 0, False
+            self._sealed.clear()
+            self._input_credits, self._input_open = 0, True
+            self._final = None
+            self._final_ends_session = False
+            self._sequence = 0
+            self._last_put = None
+            self._cond.notify_all()
+
+    def stop_epoch(self, epoch: Optional[int] = None) -> None:
+        """Cancel ``epoch`` (or the current one): its producer stops at the next item."""
+        with self._cond:
+            if epoch is None or epoch == self.epoch:
+                self.epoch = None
+                self._sealed.clear()
+                self._open, self._open_bytes, self._open_slow = [], 0, False
+                self._final = None
+                self._cond.notify_all()
+
+    def grant_input(self, epoch: int, credits: int) -> None:
+        """Ask the trainer for ``credits`` more ITEMS frames of ``epoch`` (sent before any DATA)."""
+        with self._cond:
+            if epoch == self.epoch and self._input_open:
+                self._input_credits += credits
+                self._cond.notify_all()
+
+    def end_input(self, epoch: int) -> None:
+        """The dispatched input of ``epoch`` ended: no more ITEM_CREDIT for it."""
+        with self._cond:
+            if epoch == self.epoch:
+                self._input_credits, self._input_open = 0, False
+
+    def grant(self, epoch: int, credits: int) -> None:
+        """Add credits for ``epoch`` (stale grants are ignored)."""
+        with self._cond:
+            if epoch == self.epoch:
+                self._credits += credits
+                if not (self._sealed or self._open):
+                    return  # nobody waits for it: the sender sleeps on
+                if self._send is not None and self._final is None and self.sending.acquire(blocking=False):
+                    # Data waited for this credit: the caller writes it (write_taken), the sender sleeps on.
+                    self._taken = self._ready_frames([], _FRAMES_PER_SEND, final=False)
+                    if self._taken:
+                        return
+                    self.sending.release()
+                self._cond.notify_all()
+
+    def write_taken(self) -> None:
+        """Write the frames a :meth:`grant` took (the caller of ``grant``, once it released ``lock``)."""
+        frames, self._taken = self._taken, []
+        if frames:
+            self._write_inline(frames)
+
+    def close(self) -> None:
+        """Wake and stop everybody."""
+        with self._cond:
+            self._closed = True
+            self.epoch = None
+            self._cond.notify_all()
+
+    # -- producer side ------------------------------------------------------------------------
+    def put(self, epoch: int, item: EncodedItem) -> None:
+        """Add one item of ``epoch``; blocks while a full batch waits for credit."""
+        options = self._options
+        frames: Optional[List[List[Buffer]]] = None
+        with self._cond:
+            self._check(epoch)
+            now = time.monotonic()
+            slow = self._last_put is not None and now - self._last_put > options.linger
+            self._last_put = now
+            opened = not self._open
+            if opened:
+                self._open_since = now
+            self._open.append(item)
+            self._open_bytes += item.nbytes
+            # A batch that this staged item fills (its large buffers in shared segments: a frame of
+            # a few hundred bytes on the socket) is written by the producer too: no wake-up of the
+            # sender per item, where writing costs less than handing the frame over.
+            itself = item.borrowed or (item.staged and self._fills_batch())
+            if itself:
+                pass  # sealed and written below (a borrowed item before the producer makes its next one)
+            elif slow and opened and not self._batch_waits() and self._credits > 0:
+                frames = self._take_inline(item)
+                if frames is None:
+                    self._seal()  # the sender wakes once, for a frame to send
+            elif slow and opened and self._credit_owed():
+                self._open_slow = True  # the CREDIT the trainer owes takes it along: no wake-up of the sender
+            elif opened and self._credits > 0:
+                self._cond.notify_all()  # the sender times the linger from now (without credit, grant() does)
+            if itself or self._fills_batch():
+                while self._batch_waits():
+                    self._producer_waiting = True
+                    self._cond.wait()
+                    self._producer_waiting = False
+                    self._check(epoch)
+                if self._open:  # the sender may have taken it while we waited
+                    self._seal(wake=not itself)
+                if itself:
+                    frames = self._take_borrowed()
+        if frames is not None:
+            self._write_inline(frames)
+        if item.borrowed:
+            self._until_written(epoch, item)
+
+    def _fills_batch(self) -> bool:
+        """Whether the open batch has reached its item or byte bound."""
+        options = self._options
+        return len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes
+
+    def _take_borrowed(self) -> Optional[List[List[Buffer]]]:
+        """The frames for the producer to write itself, its borrowed item's among them when
+        the trainer's credit allows (no wake-up of the sender); else None, the sender is woken
+        (not for want of credit: the thread that grants it takes the frames, see :meth:`grant`)."""
+        if self._send is not None and self._credits > 0 and self.sending.acquire(blocking=False):
+            frames = self._ready_frames([], _FRAMES_PER_SEND, final=False)
+            if frames:
+                return frames
+            self.sending.release()
+        if self._send is None or self._credits > 0:
+            self._cond.notify_all()
+        return None
+
+    def _until_written(self, epoch: int, item: EncodedItem) -> None:
+        """Return once ``item`` (borrowed: its buffers are the producer's memory) has been written
+        out, or dropped unsent with its epoch: only then may the producer make its next item."""
+        try:
+            with self._cond:
+                while any(type(entry) is list and entry and entry[-1] is item for entry in self._sealed):
+                    self._producer_waiting = True
+                    self._cond.wait()
+                    self._producer_waiting = False
+                    self._check(epoch)
+        finally:
+            with self.sending:  # held by whoever took it, from taking it until it is written
+                pass
+
+    def _take_inline(self, item: EncodedItem) -> Optional[List[List[Buffer]]]:
+        """The frames for the producer to write itself (its item, sealed alone, and what was ready
+        before it), holding :attr:`sending`; None when the sender is to write them."""
+        if self._send is None or item.nbytes > _INLINE_MAX_BYTES or not self.sending.acquire(blocking=False):
+            return None
+        self._sealed.append(self._open)
+        self._open, self._open_bytes, self._open_slow = [], 0, False
+        return self._ready_frames([], _FRAMES_PER_SEND, final=False)
+
+    def _write_inline(self, frames: List[List[Buffer]]) -> None:
+        assert self._send is not None
+        try:
+            self._send(frames)
+        finally:
+            self.sending.release()
+            # Under the lock: a sender that found the write in progress has set the flag and
+            # waits by then, so it is never left waiting for a notify that came too early.
+            with self._cond:
+                if self._sender_waiting:
+                    self._cond.notify_all()
+
+    def mark(self, epoch: int, marker: ChunkDone) -> None:
+        """Queue ``marker`` (a CHUNK_DONE, which needs no credit) after the sealed batches of ``epoch``.
+
+        The open batch is not sealed for it: the marker leaves ahead of the items still open
+        (it carries the chunk's item count, so the trainer knows where the chunk ends in the
+        frames that follow), and the next chunk's items join the same batch: a chunk of tiny
+        items costs no DATA frame and no wake-up of the sender of its own. A CHUNK_DONE still
+        waiting with no batch sealed behind it takes the marker's counts along: one frame for
+        the chunks a worker finished since its last send."""
+        with self._cond:
+            self._check(epoch)
+            last = self._sealed[-1] if self._sealed else None
+            if isinstance(last, ChunkDone):
+                self._sealed[-1] = ChunkDone(
+                    epoch, last.chunk, last.counts + marker.counts,
+                    last.stream_length if marker.stream_length is None else marker.stream_length,
+                )  # fmt: skip
+            else:
+                self._sealed.append(marker)
+            # The walk may now wait for its next lease: that gap says nothing of how fast items
+            # come, so the next chunk's first item is not sealed alone as a slow one.
+            self._last_put = None
+            if not self._open or self._credits <= 0:
+                self._cond.notify_all()
+            # else the sender wakes within ``linger`` for the open batch and takes the marker with it
+
+    def finish(self, epoch: int, final_frame: FinalFrame, end_session: bool = False) -> None:
+        """Queue the frame that ends ``epoch`` (END_OF_SHARD or ERROR) after its data.
+
+        With ``end_session``, nothing more of ``epoch`` is accepted and :attr:`session_over`
+        turns true once the frame is taken: the session ends after sending it.
+        """
+        with self._cond:
+            self._check(epoch)  # also refuses a producer after the watchdog ended the session
+            self._final = final_frame
+            self._final_ends_session = end_session
+            self._cond.notify_all()
+
+    def _track_credit_wait(self, now: float) -> None:
+        """Account the time data was ready but the trainer had granted no credit."""
+        blocked = self._credits == 0 and bool(self._sealed or self._open)
+        if blocked and self._credit_wait_since is None:
+            self._credit_wait_since = now
+        elif not blocked and self._credit_wait_since is not None:
+            self.credit_wait_seconds += now - self._credit_wait_since
+            self._credit_wait_since = None
+
+    def credit_wait_total(self) -> float:
+        """Seconds data waited for trainer credit so far, the wait going on now included."""
+        with self._cond:
+            since = self._credit_wait_since
+            return self.credit_wait_seconds + (max(0.0, time.monotonic() - since) if since is not None else 0.0)
+
+    def _credit_owed(self) -> bool:
+        """Whether the trainer holds enough of this epoch's frames that it owes a slow stage a
+        CREDIT without more of them (:func:`~rpc_reading_service.protocol.credit_batch`)."""
+        return self._window - self._credits >= credit_batch(self._window, slow=True)
+
+    def _check(self, epoch: int) -> None:
+        if self._closed or epoch != self.epoch or self._final_ends_session:
+            raise Cancelled()
+
+    def _batch_waits(self) -> bool:
+        """Whether a sealed batch of items waits for credit (markers ahead of the open batch do not count)."""
+        return any(not isinstance(entry, Message) for entry in self._sealed)
+
+    def _seal(self, wake: bool = True) -> None:
+        """Close the open batch; ``wake``: notify the sender (not when the caller takes it at once)."""
+        self._sealed.append(self._open)
+        self._open, self._open_bytes, self._open_slow = [], 0, False
+        if wake:
+            self._cond.notify_all()
+
+    # -- sender side --------------------------------------------------------------------------
+    def take(self, timeout: float) -> Optional[List[Buffer]]:
+        """Return the next frame to send, or None after ``timeout`` seconds with nothing to send."""
+        frames = self._take_for_sending(timeout, 1)
+        if frames is None:
+            return None
+        self.sending.release()
+        return frames[0]
+
+    def take_frames(self, timeout: float) -> Optional[List[List[Buffer]]]:
+        """The next frame (waiting up to ``timeout`` seconds, None if nothing came) and the ones
+        ready right behind it (a CHUNK_DONE after its chunk's DATA, more credited DATA), at most
+        :data:`_FRAMES_PER_SEND`, to leave in one send: one wake-up of the trainer instead of several."""
+        frames = self._take_for_sending(timeout, _FRAMES_PER_SEND)
+        if frames is not None:
+            self.sending.release()
+        return frames
+
+    def send_next(self, timeout: float) -> bool:
+        """Write what :meth:`take_frames` takes through ``send`` (the sender thread's call);
+        False when nothing came within ``timeout`` seconds."""
+        assert self._send is not None
+        frames = self._take_for_sending(timeout, _FRAMES_PER_SEND)
+        if frames is None:
+            return False
+        try:
+            self._send(frames)
+        finally:
+            self.sending.release()
+        return True
+
+    def _take_for_sending(self, timeout: float, limit: int) -> Optional[List[List[Buffer]]]:
+        """Up to ``limit`` frames once one is ready (None after ``timeout`` seconds), returned
+        with :attr:`sending` held for the caller to release once they are written."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not self._closed:
+                now = time.monotonic()
+                wait = deadline - now
+                if not self.sending.acquire(blocking=False):  # the producer writes a frame of its own
+                    self._sender_waiting = True
+                else:
+                    self._sender_waiting = False
+                    frame, ready_in = self._next_frame(now)
+                    if frame is not None:
+                        return self._ready_frames([frame], limit, final=True)
+                    self.sending.release()
+                    wait = min(wait, ready_in)
+                if wait <= 0:
+                    return None
+                self._cond.wait(wait)
+            return None
+
+    def _ready_frames(self, frames: List[List[Buffer]], limit: int, final: bool) -> List[List[Buffer]]:
+        """``frames`` and the ones ready behind them, at most ``limit``; with ``final``, also the
+        epoch's final frame (then nothing more)."""
+        while len(frames) < limit and not self._closed and not self.session_over:
+            if not final and self._final is not None:
+                break
+            frame, _wait = self._next_frame(time.monotonic())
+            if frame is None:
+                break
+            frames.append(frame)
+        return frames
+
+    def _wake_producer(self) -> None:
+        """The sealed slot got free: wake the producer if it waits for it (only then: a notify
+        would also wake the sender)."""
+        if self._producer_waiting:
+            self._cond.notify_all()
+
+    def _next_frame(self, now: float) -> Tuple[Optional[List[Buffer]], float]:
+        if self.epoch is None:
+            return None, float("inf")
+        if self._input_credits:
+            credits, self._input_credits = self._input_credits, 0
+            return self._encode(ItemCredit(self.epoch, credits)), 0.0
+        self._track_credit_wait(now)
+        if self._sealed and isinstance(self._sealed[0], Message):
+            if self._open and self._credits > 0 and self._final is None:
+                lingered_until = self._open_since + self._options.linger
+                if now < lingered_until:  # the marker leaves in one send with the open batch
+                    return None, lingered_until - now
+            marker = self._sealed.popleft()
+            self._wake_producer()
+            return self._encode(marker), 0.0
+        if self._credits > 0:
+            if not self._sealed and self._open:
+                if (
+                    self._final is not None
+                    or self._open_slow
+                    or now - self._open_since >= self._options.linger
+                ):
+                    # Taken right below: a notify would only wake the sender to find the send in
+                    # progress (twice: it then waits for the write to end), once per frame a CREDIT lets go.
+                    self._seal(wake=False)
+                else:
+                    return None, self._open_since + self._options.linger - now
+            if self._sealed:
+                items = self._sealed.popleft()
+                assert isinstance(items, list)
+                self._wake_producer()
+                self._credits -= 1
+                self.items_sent += len(items)
+                self.bytes_sent += sum(item.nbytes for item in items)
+                chunks = self._encode(Data(self.epoch, self._sequence, items))
+                self._sequence += 1
+                return chunks, 0.0
+        if self._final is not None and not self._sealed and not self._open:
+            final, self._final = self._final, None
+            chunks = self._encode(final) if isinstance(final, Message) else final
+            self.session_over = self._final_ends_session
+            self.epoch = None
+            return chunks, 0.0
+        return None, float("inf")
