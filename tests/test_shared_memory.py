@@ -489,6 +489,11 @@ def _kill_a_trainer_mid_epoch(server) -> None:
         os.close(read_fd)
 
 
+def _map_count(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as maps:
+        return len(maps.readlines())
+
+
 @pytest.mark.timeout(90)
 def test_sigkill_of_a_worker_or_of_the_trainer_mid_epoch_leaves_nothing(fresh_server, tmp_path):
     from torchdata.dataloader2 import DataLoader2
@@ -499,8 +504,7 @@ def test_sigkill_of_a_worker_or_of_the_trainer_mid_epoch_leaves_nothing(fresh_se
     server = fresh_server(args=["--host", f"unix:@rrs-shm-test-{secrets.token_hex(6)}"], env={"TMPDIR": str(private_tmp)})
     dev_shm = set(os.listdir("/dev/shm"))
     server_fds = sorted(os.listdir(f"/proc/{server.pid}/fd"))
-    with open(f"/proc/{server.pid}/maps") as maps:
-        server_maps = len(maps.readlines())
+    server_maps = _map_count(server.pid)
 
     # A worker killed mid-epoch: the trainer sees the loss, and lets go of every segment.
     graph = IterableWrapper(range(10_000)).sharding_filter().map(item_of_every_size)
@@ -530,8 +534,8 @@ def test_sigkill_of_a_worker_or_of_the_trainer_mid_epoch_leaves_nothing(fresh_se
 
     assert server.alive()
     assert sorted(os.listdir(f"/proc/{server.pid}/fd")) == server_fds
-    with open(f"/proc/{server.pid}/maps") as maps:
-        assert len(maps.readlines()) == server_maps
+    # The server unmaps a session's metrics page just after it reaps the session: wait for it.
+    assert wait_until(lambda: _map_count(server.pid) == server_maps, 5), (_map_count(server.pid), server_maps)
     assert list(private_tmp.iterdir()) == []
     assert set(os.listdir("/dev/shm")) <= dev_shm | {name for name in os.listdir("/dev/shm") if name.startswith("torch_")}
 

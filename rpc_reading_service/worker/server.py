@@ -167,7 +167,8 @@ class WorkerServer:
         try:
             while not self._stop.is_set():
                 if self.draining:
-                    self._drain()
+                    if self.drain_timeout > 0:  # 0: stop at once, as a second signal does
+                        self._drain()
                     break
                 conn = self._listener.accept(timeout=0.5)
                 self._reap()
@@ -454,8 +455,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, metavar="SECONDS",
         help="on SIGTERM, stop accepting sessions, tell each trainer this worker leaves (they go on without "
-        "it) and wait at most this long for the sessions to end before stopping them (default 30); a second "
-        "SIGTERM, or SIGINT, stops at once",
+        "it) and wait at most this long for the sessions to end before stopping them (default 30; 0: stop at "
+        "once); a second SIGTERM, or SIGINT, stops at once",
     )  # fmt: skip
     parser.add_argument(
         "--max-sessions", type=int, metavar="N",
