@@ -19,8 +19,6 @@ DOC_PAGES = [ROOT / "docs" / name for name in ("api.md", "concepts.md", "distrib
                                                  "fault-tolerance.md")]
 # every Markdown page of the project whose links are checked
 MARKDOWN = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
-# Linked from the README, written on another branch: remove once that branch is merged.
-PENDING_PAGES = {ROOT / "docs" / "architecture.md"}
 REMOTE_MARKERS = ("workers=[", "WorkerAddresses(", "StoreDiscovery(", "Hostfile(")
 README_MAX_LINES = 350
 
@@ -108,8 +106,6 @@ def broken_links(page: Path) -> Iterator[str]:
                 continue
             path, _, anchor = target.partition("#")
             linked = (page.parent / path).resolve() if path else page
-            if linked in PENDING_PAGES:
-                continue
             if not linked.exists():
                 yield f"{page.relative_to(ROOT)}:{number} {target}: no such file"
             elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
