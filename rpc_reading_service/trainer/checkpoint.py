@@ -20,8 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import ConfigurationError
 from ..graph_utils import DataPipe, list_dps, traverse_dps
-from ..settings import NumberRule, check_number
-from ..settings import MAX_POSITION
+from ..settings import MAX_POSITION, NumberRule, check_number
 
 __all__ = [
     "CHECKPOINT_VERSION",

@@ -67,8 +67,7 @@ from ..selection import LeaseInbox, SelectionContext, SelectionFilter
 from ..serialization import ItemEncoder, fallback_exception_info, loads_graph, pack_exception
 from ..transports.base import Connection, PeerLostError
 from ..transports.socket_transport.shared_memory import copy_into_segment
-from .inbox import Cancelled
-from .inbox import DispatchedInput, Inbox
+from .inbox import Cancelled, DispatchedInput, Inbox
 from .lock_watch import LockWatch
 from .outbox import Outbox
 

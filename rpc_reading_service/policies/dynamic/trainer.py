@@ -42,12 +42,11 @@ from typing import Any, Optional
 
 from torch.utils.data.datapipes.iter.sharding import ShardingFilterIterDataPipe
 
-from ...settings import MAX_POSITION
 from ...errors import ConfigurationError
 from ...graph import check_per_item_after_dispatch
 from ...graph_utils import DispatchPlaceholder, find_dps, find_lca_round_robin_sharding_dp, traverse_dps
 from ...selection import WorkerSelection
-from ...settings import NumberRule, check_number
+from ...settings import MAX_POSITION, NumberRule, check_number
 from ..base import DistributionPolicy, EpochRun, FleetView, Merger
 from .dispatched import DispatchedMerger
 from .leases import check_book_state
