@@ -80,6 +80,8 @@ class Message:
     """Base of every session message: ``kind`` is its frame type."""
 
     kind: ClassVar[MessageKind]
+    #: Whether the session ends with this message (on both ends).
+    ends_session: ClassVar[bool] = False
 
     def encode(self) -> List[Buffer]:
         """The chunks of this message's frame, ready for ``Connection.send``."""
@@ -351,7 +353,7 @@ class Error(_Control):
     PHASES: ClassVar[frozenset] = frozenset({"setup", "epoch", "dispatch", "item_timeout"})
     REASONS: ClassVar[frozenset] = frozenset({"transport", "config", "join"})
 
-    @property
+    @property  # type: ignore[override]
     def ends_session(self) -> bool:
         """Whether the worker ends the session after this error (setup and item_timeout)."""
         return self.phase in ("setup", "item_timeout")
@@ -381,6 +383,7 @@ class Close(_Control):
     """Either side: the session is over; the sender closes the connection next."""
 
     kind: ClassVar[MessageKind] = MessageKind.CLOSE
+    ends_session: ClassVar[bool] = True
     #: Set on a bootstrap connection (the transport whose session ends), None in a session.
     transport: Optional[str] = None
 
@@ -393,6 +396,7 @@ class Leaving(_Control):
     elsewhere (from what it consumed). ``reason`` says why, for the trainer's log."""
 
     kind: ClassVar[MessageKind] = MessageKind.LEAVING
+    ends_session: ClassVar[bool] = True
     reason: str = ""
 
 
