@@ -163,8 +163,8 @@ class WorkerChannel:
         self._held: Optional[List[Tuple[Tuple[Message, ...], Optional[int], bool]]] = []
         self._loop = loop
         self._in_loop = False
-        #: The epoch's credit window and the credits not sent back yet: see :meth:`grant`.
-        self._window, self._ungranted = 1, 0
+        #: The credits the consumer granted and not sent back yet (the window is the state machine's): see :meth:`grant`.
+        self._ungranted = 0
         #: Around the credits not sent back yet (the consumer adds, the receive loop sends), and
         #: whether the loop was told that they are due.
         self._credit_lock = threading.Lock()
@@ -372,7 +372,7 @@ class WorkerChannel:
             self._numbers[epoch] = number
         with self._credit_lock:
             self.epoch = epoch
-            self._window, self._ungranted = credits, 0
+            self._ungranted = 0
         self.stats = ChannelStats()
         self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased=leased))
 
@@ -400,7 +400,9 @@ class WorkerChannel:
             return
         with self._credit_lock:
             self._ungranted += credits
-            if self._ungranted < credit_batch(self._window, slow=after_slow_frame):
+            # The window of the epoch whose frames are taken (the state machine recorded its START_EPOCH:
+            # frames of it came); a plain read, as this thread does not hold the state lock.
+            if self._ungranted < credit_batch(self.protocol.window, slow=after_slow_frame):
                 return
             if self._in_loop:
                 tell, self._credit_due = not self._credit_due, True
