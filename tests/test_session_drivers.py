@@ -18,7 +18,7 @@ from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import wait_until
 from memory_connection import connection_pair
-from rpc_reading_service.trainer.channel import WorkerChannel
+from rpc_reading_service.trainer.channel import ChannelClosed, FrameReceived, SessionLost, ShardEnded, WorkerChannel
 from rpc_reading_service.policies.merge import EpochProgress, iterate_in_order
 from rpc_reading_service.errors import ItemTimeoutError, WorkerLostError, WorkerStartupError
 from rpc_reading_service.protocol import MessageKind, SessionState, StopEpoch, decode_data, encode_frame
@@ -129,9 +129,9 @@ def consume_counting_credit(channel: WorkerChannel, epoch: int, credits: int) ->
     frames, granted = [], credits
     while True:
         event = channel.queue.get(timeout=5.0)
-        assert event.kind in ("data", "end"), event.error
+        assert isinstance(event, (FrameReceived, ShardEnded)), event
         assert channel.stats.frames <= granted, f"{channel.stats.frames} DATA frames with {granted} credits"
-        if event.kind == "end":
+        if isinstance(event, ShardEnded):
             return frames
         frames.append(loads_items(decode_data(event.frame)[2]))
         granted += 1
@@ -237,7 +237,7 @@ def test_a_stuck_worker_is_lost_after_the_timeout(pair):
     link.worker_conn.drop_outgoing = True  # the worker's process stops: nothing more arrives
     started = time.monotonic()
     event = link.channel.queue.get(timeout=5.0)
-    assert event.kind == "lost" and isinstance(event.error, WorkerLostError)
+    assert isinstance(event, SessionLost) and isinstance(event.error, WorkerLostError)
     assert "sent nothing (not even a heartbeat) for 0.5 s" in str(event.error)
     assert time.monotonic() - started < 3.0
 
@@ -266,7 +266,7 @@ def test_an_illegal_frame_is_refused_with_the_rule_and_reaches_the_trainer(pair)
     link = pair().setup(IterableWrapper(range(4)).sharding_filter())
     link.trainer_conn.send(encode_frame(MessageKind.DATA, [b"\x00" * 16]))  # bypasses the state machine
     event = link.channel.queue.get(timeout=5.0)
-    assert event.kind == "lost"
+    assert isinstance(event, SessionLost)
     assert "ended the session: refused a malformed frame: trainer at" in str(event.error)
     assert "it sent DATA, which a trainer never sends" in str(event.error)
     assert wait_until(lambda: not link.worker.is_alive(), 5.0)
@@ -279,6 +279,6 @@ def test_close_ends_both_ends(pair):
     assert wait_until(lambda: not link.worker.is_alive(), 5.0)
     assert link.session.protocol.closed_by == "peer" and link.channel.protocol.closed_by == "us"
     event = link.channel.queue.get(timeout=1.0)
-    assert event.kind == "closed"
+    assert isinstance(event, ChannelClosed)
     link.channel.start_epoch(2, seed=2, global_worker_id=0, credits=1)  # after close: nothing sent, no error
     assert link.channel.protocol.epoch == 1

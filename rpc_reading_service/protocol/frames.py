@@ -1,24 +1,4 @@
-"""Frames: the byte layout of every message, sans I/O. No sockets here.
-
-A frame is::
-
-    header   magic(4) version(1) kind(1) n_buffers(2) body_length(8)     16 bytes, network order
-    lengths  n_buffers x u64                                              out-of-band buffer sizes
-    body     body_length bytes
-    buffers  each out-of-band buffer, back to back
-
-The header announces every size before anything is read, so a frame over the
-configured maximum is refused unread. Out-of-band buffers (tensor storage, numpy
-arrays, pickle protocol 5 buffers) are received straight into their own
-preallocated memory: ``FrameReader.writable()`` hands out the exact memory the next
-bytes belong to, for ``socket.recv_into``.
-
-Bodies: handshake frames carry raw bytes (see :mod:`.handshake`); session-control
-messages are pickled dicts, after authentication only; CREDIT, DATA, END_OF_SHARD and
-their trainer-to-worker twins (ITEM_CREDIT, ITEMS, END_OF_INPUT) are compact binary,
-and DATA/ITEMS frames pack many items into one frame. :mod:`.messages` gives each
-kind its typed class.
-"""
+"""Frames: the byte layout of every message and its codec, sans I/O (the layout is in docs/architecture.md)."""
 
 from __future__ import annotations
 

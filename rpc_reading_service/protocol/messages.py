@@ -1,18 +1,4 @@
-"""Typed session messages: one frozen dataclass per message kind, each with its encode/decode.
-
-After the handshake, every frame of a session is one of these. ``message.encode()``
-returns the chunks of its frame; ``decode_message(frame)`` returns the typed message,
-with every field checked (a wrong or missing field is a
-:class:`~rpc_reading_service.errors.RemoteProtocolError`; constructing a message with
-one is a :class:`~rpc_reading_service.errors.LocalProtocolError`).
-
-The wire is the one of :mod:`.frames`: control messages (SETUP, READY, START_EPOCH,
-STOP_EPOCH, ERROR, CLOSE, LEAVING) are pickled dicts whose keys are the field names, so a peer
-may add keys an older peer ignores; CREDIT, DATA, END_OF_SHARD and HEARTBEAT are compact
-binary; ITEM_CREDIT, ITEMS and END_OF_INPUT are the binary twins that carry dispatched
-items from the trainer to a worker. Which message may come when is not decided here but
-in :mod:`.session`.
-"""
+"""Typed session messages: one frozen dataclass per message kind, each with its encode/decode."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
-from ...trainer.channel import WorkerChannel
+from ...trainer.channel import ChunkFinished, FrameReceived, SessionLost, ShardEnded, UnitsDispatched, WorkerChannel
 from ...errors import WorkerLostError
 from ..base import EpochRun, Merger
 from .leases import CHUNK_LEAD_SECONDS, MAX_CHUNK_DEPTH, WINDOW_BYTES_PER_WORKER, LeaseBook, checkpoint_schedule
@@ -147,14 +147,13 @@ class DynamicMerger(Merger):
                 window_from = book.complete_below
                 self._top_up_all()
             event = next_frame(run.events, progress)
-            if event.kind == "dispatched":  # the trainer's dispatcher pulled more units
+            if isinstance(event, UnitsDispatched):  # the trainer's dispatcher pulled more units
                 self._top_up_all()
                 continue
             rank = event.channel.rank
             if event.channel is not channels[rank]:
                 continue  # left over from a replaced session
-            if event.kind == "chunk_done":
-                assert event.chunk is not None
+            if isinstance(event, ChunkFinished):
                 done = event.chunk
                 book.done_many(rank, done.chunk, done.counts, done.stream_length)
                 self._top_up(event.channel)
@@ -163,15 +162,14 @@ class DynamicMerger(Merger):
                     # that none come. A report gives them no other room: the window moves only as
                     # items are delivered, and the check above tops everyone up then.
                     self._top_up_all()
-            elif event.kind == "end":
+            elif isinstance(event, ShardEnded):
                 self._stream_ended(event.channel)
-            elif event.kind == "data":
+            elif isinstance(event, FrameReceived):
                 try:
                     items = take_items(event, run.wire)
                 except WorkerLostError as exc:
                     self._replace(event.channel, exc)
                     continue
-                assert event.frame is not None
                 book.received(len(items), event.frame.nbytes)
                 start = 0
                 for chunk, count in book.arrived(rank, len(items)):
@@ -183,7 +181,7 @@ class DynamicMerger(Merger):
                             self._hand_on(rank, chunk)
                             yield item
                     start += count
-            elif event.kind == "lost" and (run.replace is None or not run.reassign) and rank in book.ended:
+            elif isinstance(event, SessionLost) and (run.replace is None or not run.reassign) and rank in book.ended:
                 event.channel.held_loss = event  # this epoch has all of its items: the next one needs it
             else:
                 try:

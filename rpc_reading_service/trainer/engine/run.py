@@ -26,7 +26,7 @@ import threading
 import weakref
 from typing import Any, Callable, List, Optional
 
-from ..channel import Event, WorkerChannel, drop_items
+from ..channel import EpochFailed, Event, UnitsDispatched, WorkerChannel, drop_items
 from ..config import ReadingServiceConfig
 from ...errors import ConfigurationError, DispatchStalledError, RPCReadingServiceError, WorkerLostError
 from ...graph import DistributedInfo, graph_traversal, init_worker_graph, reset_dispatching_graph, reset_worker_graph
@@ -247,7 +247,7 @@ class Engine:
         def notify() -> None:
             channels = self.channels
             if channels:
-                self.events.put(Event(channels[0], "dispatched", wire))
+                self.events.put(UnitsDispatched(channels[0], wire))
 
         self.dispatch = UnitDispatch(
             self.dispatching, wire, self._dispatch_failed(wire), notify, max(1, self.config.prefetch),
@@ -294,7 +294,7 @@ class Engine:
         def report(exc: BaseException) -> None:
             error = _in_mprs_words(exc)
             for channel in list(self.channels):  # whichever worker the consumer waits for
-                channel.queue.put(Event(channel, "error", wire, error=error))
+                channel.queue.put(EpochFailed(channel, wire, error))
 
         return report
 
