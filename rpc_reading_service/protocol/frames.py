@@ -210,14 +210,10 @@ class FrameReader:
         return n
 
     def feed_frames(self, data: memoryview) -> int:
-        """Take the whole frames without out-of-band buffers at the start of ``data`` (bytes
-        received) in one go, at a frame boundary; return how many bytes they took (0 when
-        the reader is in the middle of a frame or the first frame is not such a whole one:
-        :meth:`writable` and :meth:`advance` take it, with every check and error).
+        """Take the whole frames without buffers at the start of ``data`` in one go; the bytes taken (0: none).
 
-        The path of a stream of small frames (a slow stage's one item each, credits,
-        heartbeats): a frame costs one header unpack and one copy of its body, not the
-        per-section steps of the incremental parser.
+        The fast path of small frames (one header unpack and one body copy each); anything else
+        is left to :meth:`writable` and :meth:`advance`, with every check and error.
         """
         if self._state != self._HEADER or self._filled:
             return 0

@@ -189,16 +189,11 @@ class SessionOptions:
 
 
 def credit_batch(window: int, slow: bool = False) -> int:
-    """How many credits a trainer returns in one CREDIT with a window of ``window`` frames.
+    """How many credits a trainer returns in one CREDIT with a window of ``window`` frames (docs/architecture.md).
 
-    After a frame of a fast stage: half of it (at least one), so that the worker always holds a
-    credit and producing overlaps sending. After a ``slow`` stage's frame (one small item, sealed
-    alone because the next one was not made within ``linger``): the whole window. Such a worker
-    needs no credit before it has spent its last one: it makes an item slower than a CREDIT
-    travels, and packs the items it makes meanwhile into the frame that CREDIT lets go. So it
-    costs one CREDIT, and one wake-up of each side, per window of frames instead of per half.
-    A worker that holds this many of its frames uncredited knows a CREDIT is owed to it without
-    sending more."""
+    Args:
+        slow: after a slow stage's frame (one small item): the whole window, else half of it (at least one).
+    """
     return window if slow else max(1, window // 2)
 
 
@@ -606,11 +601,7 @@ def decode_message(frame: Frame) -> Message:
 
 
 def resolve_field_types() -> None:
-    """Resolve (and cache) the field types of every control message now.
-
-    A worker server calls this before it forks sessions, which would otherwise each resolve
-    them again the first time they build or check one (``typing.get_type_hints``: about 2 ms
-    of CPU per session, paid by 64 sessions at once when a trainer opens them)."""
+    """Resolve (and cache) the field types of every control message now (a server, before it forks sessions)."""
     classes, pending = [SessionOptions], list(_Control.__subclasses__())
     while pending:
         cls = pending.pop()
