@@ -130,7 +130,7 @@ def consume_counting_credit(channel: WorkerChannel, epoch: int, credits: int) ->
     while True:
         event = channel.queue.get(timeout=5.0)
         assert isinstance(event, (FrameReceived, ShardEnded)), event
-        assert channel.stats.frames <= granted, f"{channel.stats.frames} DATA frames with {granted} credits"
+        assert channel.frames_received <= granted, f"{channel.frames_received} DATA frames with {granted} credits"
         if isinstance(event, ShardEnded):
             return frames
         frames.append(loads_items(decode_data(event.frame)[2]))
@@ -144,12 +144,12 @@ def test_setup_and_epochs_with_credits(pair):
     # One credit: the worker sends one frame and waits for the trainer to take it.
     link.channel.start_epoch(1, seed=1, global_worker_id=0, credits=1)
     assert wait_until(lambda: link.channel.queue.qsize() == 1, 5.0)
-    assert link.session.protocol.credits == 0 and link.channel.stats.frames == 1
+    assert link.session.protocol.credits == 0 and link.channel.frames_received == 1
     # With linger=0 a frame leaves with what is ready when credit comes (1 or 2 items): how
     # many frames an epoch takes depends on timing, the items, their order and the bounds do not.
     frames = consume_counting_credit(link.channel, 1, credits=1)
     assert [item for frame in frames for item in frame] == list(range(10))
-    assert all(1 <= len(frame) <= 2 for frame in frames) and link.channel.stats.frames == len(frames)
+    assert all(1 <= len(frame) <= 2 for frame in frames) and link.channel.frames_received == len(frames)
     assert link.epoch(2) == list(range(10))
     assert link.epoch(3, skip=7) == [7, 8, 9]  # a resumed epoch
 
@@ -160,12 +160,12 @@ def test_a_slow_stage_is_credited_once_its_whole_window_is_taken(pair):
     link = pair(heartbeat_interval=5.0, peer_timeout=20.0).setup(graph, linger=0.001)
     channel = link.channel
     channel.start_epoch(1, seed=1, global_worker_id=0, credits=4)
-    assert wait_until(lambda: channel.stats.frames == 3, 5.0)
+    assert wait_until(lambda: channel.frames_received == 3, 5.0)
     items = iterate_in_order([channel], EpochProgress(1, [0]))
     assert [next(items), next(items), next(items)] == [0, 1, 2]
     # All three taken, more than half the window: but the worker holds a credit for its next
     # slow item, so it needs none yet (one CREDIT per window for a slow stage, not per half).
-    assert channel.protocol.credits == 1 and channel.stats.frames == 3
+    assert channel.protocol.credits == 1 and channel.frames_received == 3
     RELEASE.set()
     assert next(items) == 3  # sent with the last credit
     assert channel._ungranted == 0  # the whole window taken: all four went back in one CREDIT
@@ -191,7 +191,7 @@ def test_a_credit_due_while_another_send_holds_the_connection_is_sent_once_it_is
     with channel._send_lock:  # as a dispatcher's send in progress does
         assert [next(items), next(items)] == [0, 1]  # the window's frames taken: a CREDIT is due
         assert wait_until(lambda: link.loop._retry >= 0.004, 5.0)  # the loop tried, and retried
-        assert link.session.protocol.credits == 0 and channel.stats.frames == 2
+        assert link.session.protocol.credits == 0 and channel.frames_received == 2
     assert list(items) == list(range(2, 12))  # the loop's retry sent it
 
 
@@ -207,7 +207,7 @@ def test_a_new_epoch_supersedes_a_running_one(pair):
 def test_a_stopped_epoch_ends_its_producer_and_the_next_one_runs(pair):
     link = pair().setup(IterableWrapper(range(50)).sharding_filter(), batch_max_items=1, linger=0.0)
     link.channel.start_epoch(1, seed=1, global_worker_id=0, credits=1)
-    assert wait_until(lambda: link.channel.stats.frames == 1, 5.0)
+    assert wait_until(lambda: link.channel.frames_received == 1, 5.0)
     link.channel._send_or_report(StopEpoch(1))
     assert wait_until(lambda: link.session.outbox.epoch is None, 5.0)
     assert link.epoch(2) == list(range(50))

@@ -136,9 +136,8 @@ def drop_items(events: "queue.SimpleQueue[Event]") -> None:
 
 @dataclass
 class ChannelStats:
-    """Counters of one worker channel for the current epoch, for ``RPCReadingService.stats()``."""
+    """Counters of one worker channel for the current epoch, for ``RPCReadingService.stats()`` (frames: :attr:`WorkerChannel.frames_received`)."""
 
-    frames: int = 0
     items: int = 0
     bytes: int = 0
     wait_seconds: float = 0.0
@@ -287,6 +286,11 @@ class WorkerChannel:
             if sending:
                 self._send_lock.release()
         return due
+
+    @property
+    def frames_received(self) -> int:
+        """DATA frames of the current epoch received (the state machine's count)."""
+        return self.protocol.next_sequence
 
     def heard_since(self, since: float) -> bool:
         """Whether a frame from the worker came half a heartbeat interval or more after ``since`` (monotonic)."""
@@ -578,9 +582,8 @@ class WorkerChannel:
 
     def _on_data(self, event: DataReceived) -> bool:
         # Only the header was read: the consumer decodes, so this thread holds the GIL briefly.
-        stats, frame = self.stats, event.frame
-        stats.frames += 1
-        stats.bytes += frame.nbytes
+        frame = event.frame
+        self.stats.bytes += frame.nbytes
         self._report(FrameReceived(self, event.epoch, frame))
         return False
 

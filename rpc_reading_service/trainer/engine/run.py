@@ -340,7 +340,7 @@ class Engine:
                 items_consumed=progress.consumed[channel.rank],
                 items_received=channel.stats.items,
                 bytes_received=channel.stats.bytes,
-                frames_received=channel.stats.frames,
+                frames_received=channel.frames_received,
                 items_per_second=progress.consumed[channel.rank] / elapsed,
                 queue_depth=channel.queue.qsize() if not self.config.distribution.shared_queue else 0,
                 wait_seconds=channel.stats.wait_seconds,
