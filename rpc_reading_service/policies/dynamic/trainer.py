@@ -118,10 +118,8 @@ class Dynamic(DistributionPolicy):
         return LeasedChunks()
 
     def credits(self, prefetch: int) -> int:
-        """More than ``prefetch``: the merger takes every frame as it comes and the lease window
-        bounds what waits in the trainer, so credits only pace the socket. With a window of
-        :data:`CREDITS` (credits go back in halves) most of them ride along with a LEASE send
-        instead of costing the worker a wake-up of their own."""
+        """At least :data:`CREDITS`: the lease window bounds what waits in the trainer, so credits
+        only pace the socket (docs/architecture.md)."""
         return max(prefetch, CREDITS)
 
     def hint_from_state(self, state: Any) -> Optional[int]:
