@@ -1,7 +1,7 @@
 """The two session state machines, sans I/O: one transition table and the checks around it.
 
-The rules (states, the table, credits, leases, liveness) are docs/architecture.md's "Session
-protocol" section; the roles are :class:`~.roles.TrainerSession` and :class:`~.roles.WorkerProtocol`.
+The rules (states, the table, credits, leases, liveness) are in docs/architecture.md, "The session
+protocol"; the roles are :class:`~.roles.TrainerSession` and :class:`~.roles.WorkerProtocol`.
 """
 
 from __future__ import annotations
