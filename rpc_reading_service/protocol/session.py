@@ -285,7 +285,10 @@ class SessionProtocol:
         chunks = message.encode()
         self._on_send[kind](self, message)
         self._last_sent = self._clock()
-        self._enter(SessionState.CLOSED if message.ends_session else after, "us")
+        if message.ends_session:
+            after = SessionState.CLOSED
+        if after is not self.state:
+            self._enter(after, "us")
         return chunks
 
     def receive_frame(self, frame: Frame) -> List[Event]:
@@ -309,7 +312,10 @@ class SessionProtocol:
             raise
         if events is None:
             return []  # stale: dropped, the state stays
-        self._enter(SessionState.CLOSED if events and events[0].ends_session else after, "peer")
+        if events and events[0].ends_session:
+            after = SessionState.CLOSED
+        if after is not self.state:
+            self._enter(after, "peer")
         return events
 
     def tick(self, now: Optional[float] = None) -> Tick:
@@ -369,11 +375,10 @@ class SessionProtocol:
         return f"it sent {kind.name} while the session is {self.state.value}"
 
     def _enter(self, state: SessionState, by: str) -> None:
-        """Take a transition of the table (``by``: who closed the session, if it closes now)."""
-        if state is not self.state:
-            self.state = state
-            if state is SessionState.CLOSED:
-                self.closed_by = by
+        """Move to ``state`` (``by``: who closed the session, if it closes now)."""
+        self.state = state
+        if state is SessionState.CLOSED:
+            self.closed_by = by
 
     def _is_current(self, epoch: int, kind: MessageKind, error: Callable[[str], Exception]) -> bool:
         """True for the current, not stopped epoch; False for an older or stopped one."""
