@@ -42,6 +42,12 @@ def boom_on_7(x: int) -> int:
     return x
 
 
+def bad_upstream(x: int) -> int:
+    if x == 5:
+        raise ValueError(f"bad upstream item {x}")
+    return x
+
+
 def upstream() -> Any:
     """Shuffled before its sharding_filter: a loader's workers must all shuffle with one seed."""
     return IterableWrapper(range(N)).shuffle().sharding_filter()
@@ -142,6 +148,20 @@ def test_fns_exception_arrives_with_its_type_and_traceback():
     message = str(caught.value)
     assert "Caught KeyError in worker process 1" in message
     assert "Original Traceback" in message and "boom_on_7" in message
+
+
+@pytest.mark.timeout(60)
+def test_an_upstream_exception_comes_after_the_items_before_it():
+    dp = IterableWrapper(range(10)).map(bad_upstream).remote_map(square, num_workers=2)
+    got: List[int] = []
+    try:
+        with pytest.raises(ValueError, match="bad upstream item 5") as caught:
+            for item in dp:
+                got.append(item)
+    finally:
+        dp.close()
+    assert got == [square(x) for x in range(5)]
+    assert "Caught ValueError in dispatching process" in str(caught.value)  # MPRS's words
 
 
 @pytest.mark.timeout(60)

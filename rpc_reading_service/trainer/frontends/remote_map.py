@@ -26,8 +26,16 @@ from ...errors import ConfigurationError
 
 __all__ = ["RemoteMapperIterDataPipe", "HiddenItems"]
 
-#: Closing a run in a multiprocessing child (a DataLoader or MPRS worker), before its queues are flushed.
+#: The priority of closing a run when a multiprocessing child (a DataLoader or MPRS worker) exits.
 _CLOSE_PRIORITY = 10
+
+
+def _module_or_none(name: str) -> Optional[types.ModuleType]:
+    """The module ``name``, or None where it is not installed (a worker server that got ``fn`` by value)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 class HiddenItems(IterDataPipe):
@@ -115,7 +123,7 @@ class RemoteMapperIterDataPipe(IterDataPipe):
             graph = DispatchPlaceholder().map(self.fn)
             self._run = RemoteRun(graph, self.config, self.seed, dispatching=HiddenItems(self.source_datapipe))
             self._owner = os.getpid()
-            if multiprocessing.parent_process() is not None:  # its exit runs no atexit hooks
+            if multiprocessing.parent_process() is not None:  # a child's exit runs no atexit hooks
                 multiprocessing.util.Finalize(None, self._run.close, exitpriority=_CLOSE_PRIORITY)
         return self._run
 
@@ -143,5 +151,5 @@ class RemoteMapperIterDataPipe(IterDataPipe):
 
     def __setstate__(self, state: dict) -> None:
         config = state["config"]
-        modules = tuple(importlib.import_module(name) for name in config.pickle_by_value)
+        modules = tuple(filter(None, map(_module_or_none, config.pickle_by_value)))
         self.__dict__.update(state, config=dataclasses.replace(config, pickle_by_value=modules), _run=None, _owner=0)
