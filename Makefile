@@ -46,10 +46,16 @@ test-slurm: $(STAMP)
 	bash .ci/install-slurm
 	$(VENV)/bin/python -m pytest -m slurm tests/test_slurm.py
 
-# The published run: tables on stdout, and benchmarks/RESULTS.md, results.json, results.png.
-bench: $(BENCH_STAMP)
+# The published run: tables on stdout, and benchmarks/RESULTS.md, results.json, results.png;
+# then the front ends without DataLoader2 (bench-nodes, torchdata $(NODES_TORCHDATA_VERSION)) add their section to RESULTS.md.
+bench: $(BENCH_STAMP) $(NODES_STAMP)
 	$(VENV)/bin/python benchmarks/bench.py --json benchmarks/results.json --plot benchmarks/results.png \
 		--results-md benchmarks/RESULTS.md
+	$(MAKE) bench-nodes
+
+# RemoteMapper vs ParallelMapper, RemoteIterable vs torch's DataLoader: their section of RESULTS.md.
+bench-nodes: $(NODES_STAMP)
+	$(NODES_VENV)/bin/python benchmarks/bench_frontends.py --results-md benchmarks/RESULTS.md
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -78,4 +84,4 @@ clean:
 	rm -rf *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
-.PHONY: all demo test test-nodes test-slurm bench clean
+.PHONY: all demo test test-nodes test-slurm bench bench-nodes clean
