@@ -32,7 +32,12 @@ demo: $(STAMP)
 # stay together, so module fixtures (the network-namespace cluster) are made once; files are
 # handed out in collection order, which tests/conftest.py makes longest first.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder
+	$(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder -m "not slurm and not system"
+
+# The whole-system runs (tests marked `system` in tests/conftest.py): examples/ddp_train.py and the
+# launch recipes under torchrun, the benchmark harness, and worker hosts in network namespaces.
+test-system: $(STAMP)
+	$(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder -m system
 
 # The front ends that need no DataLoader2 (tests/nodes/), in $(NODES_VENV) with torchdata
 # $(NODES_TORCHDATA_VERSION); the DataLoader2 tests are not collected there (tests/nodes/conftest.py).
@@ -84,4 +89,4 @@ clean:
 	rm -rf *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
-.PHONY: all demo test test-nodes test-slurm bench bench-nodes clean
+.PHONY: all demo test test-system test-nodes test-slurm bench bench-nodes clean
