@@ -264,6 +264,12 @@ class SessionProtocol:
         return self._data.sequence
 
     @property
+    def input_progress(self) -> Tuple[int, int]:
+        """ITEMS frames and items of the current epoch's dispatched input so far ((0, 0) without one)."""
+        flow = self._input
+        return (flow.sequence, flow.items) if flow is not None else (0, 0)
+
+    @property
     def item_credits(self) -> int:
         """ITEMS frames the trainer may still send in the current epoch (dispatching)."""
         flow = self._input
