@@ -32,6 +32,8 @@ from .messages import MESSAGE_TYPES, ChunkDone, Data, EndOfShard, Heartbeat, Lea
 
 __all__ = [
     "SessionState",
+    "TRANSITIONS",
+    "SENDS",
     "Event",
     "DataReceived",
     "PeerTimedOut",
@@ -59,41 +61,44 @@ class SessionState(enum.Enum):
 
 S = SessionState
 
-
-def _row(state: SessionState, moves: Dict[MessageKind, SessionState], stays: FrozenSet[MessageKind]) -> Dict[MessageKind, SessionState]:
-    """One state's row of the table: ``moves`` change the state, ``stays`` leave it as it is."""
-    return {**{kind: state for kind in stays}, **moves}
-
-
-_CLOSING = {K.CLOSE: S.CLOSED}
-_TRAINER_STAYS = frozenset({K.HEARTBEAT, K.CREDIT, K.ITEMS, K.END_OF_INPUT, K.LEASE})
-_TRAINER_IN_SESSION = {K.START_EPOCH: S.IN_EPOCH, K.STOP_EPOCH: S.READY, **_CLOSING}
-#: A worker server may end a session at any point with a REJECT that says why (``Connection.refuse``),
-#: and a worker leaves (LEAVING) when its server drains.
-_WORKER_CLOSING = {K.REJECT: S.CLOSED, K.LEAVING: S.CLOSED, **_CLOSING}
-_WORKER_STAYS = frozenset({K.HEARTBEAT, K.DATA, K.ITEM_CREDIT, K.CHUNK_DONE})
-_WORKER_IN_SESSION = {K.END_OF_SHARD: S.READY, K.ERROR: S.READY, **_WORKER_CLOSING}
-
 #: The transition table: for a message of a kind that a role sends in a state, the state after it
 #: (on both ends: the sender's ``send`` and the peer's ``receive_frame``). A kind missing from a
 #: state's row is illegal there. Closing transitions beside it: a message whose ``ends_session`` is
 #: true (a setup or item_timeout ERROR) closes the session; a frame dropped as stale (of an older or
 #: stopped epoch) leaves the state as it is; a broken rule (closed by "error") and a silent peer
-#: (``tick``: closed by "timeout") close it too.
+#: (``tick``: closed by "timeout") close it too. A worker server may end a session at any point with
+#: a REJECT that says why (``Connection.refuse``).
 TRANSITIONS: Dict[str, Dict[SessionState, Dict[MessageKind, SessionState]]] = {
     "trainer": {
-        S.NEW: _row(S.NEW, {K.SETUP: S.SETTING_UP, **_CLOSING}, frozenset({K.HEARTBEAT})),
-        S.SETTING_UP: _row(S.SETTING_UP, _CLOSING, frozenset({K.HEARTBEAT})),
-        S.READY: _row(S.READY, _TRAINER_IN_SESSION, _TRAINER_STAYS),
-        S.IN_EPOCH: _row(S.IN_EPOCH, _TRAINER_IN_SESSION, _TRAINER_STAYS),
+        S.NEW: {K.SETUP: S.SETTING_UP, K.HEARTBEAT: S.NEW, K.CLOSE: S.CLOSED},
+        S.SETTING_UP: {K.HEARTBEAT: S.SETTING_UP, K.CLOSE: S.CLOSED},
+        S.READY: {
+            K.START_EPOCH: S.IN_EPOCH, K.STOP_EPOCH: S.READY, K.CREDIT: S.READY, K.ITEMS: S.READY,
+            K.END_OF_INPUT: S.READY, K.LEASE: S.READY, K.HEARTBEAT: S.READY, K.CLOSE: S.CLOSED,
+        },
+        S.IN_EPOCH: {
+            K.START_EPOCH: S.IN_EPOCH, K.STOP_EPOCH: S.READY, K.CREDIT: S.IN_EPOCH, K.ITEMS: S.IN_EPOCH,
+            K.END_OF_INPUT: S.IN_EPOCH, K.LEASE: S.IN_EPOCH, K.HEARTBEAT: S.IN_EPOCH, K.CLOSE: S.CLOSED,
+        },
     },
     "worker": {
-        S.NEW: _row(S.NEW, _WORKER_CLOSING, frozenset({K.HEARTBEAT})),
-        S.SETTING_UP: _row(S.SETTING_UP, {K.READY: S.READY, K.ERROR: S.CLOSED, **_WORKER_CLOSING}, frozenset({K.HEARTBEAT})),
-        S.READY: _row(S.READY, _WORKER_IN_SESSION, _WORKER_STAYS),
-        S.IN_EPOCH: _row(S.IN_EPOCH, _WORKER_IN_SESSION, _WORKER_STAYS),
+        S.NEW: {K.HEARTBEAT: S.NEW, K.LEAVING: S.CLOSED, K.REJECT: S.CLOSED, K.CLOSE: S.CLOSED},
+        S.SETTING_UP: {
+            K.READY: S.READY, K.ERROR: S.CLOSED, K.HEARTBEAT: S.SETTING_UP, K.LEAVING: S.CLOSED,
+            K.REJECT: S.CLOSED, K.CLOSE: S.CLOSED,
+        },
+        S.READY: {  # DATA ... CHUNK_DONE here: only stale ones, sent before the trainer stopped the epoch
+            K.DATA: S.READY, K.END_OF_SHARD: S.READY, K.ERROR: S.READY, K.ITEM_CREDIT: S.READY,
+            K.CHUNK_DONE: S.READY, K.HEARTBEAT: S.READY, K.LEAVING: S.CLOSED, K.REJECT: S.CLOSED,
+            K.CLOSE: S.CLOSED,
+        },
+        S.IN_EPOCH: {
+            K.DATA: S.IN_EPOCH, K.END_OF_SHARD: S.READY, K.ERROR: S.READY, K.ITEM_CREDIT: S.IN_EPOCH,
+            K.CHUNK_DONE: S.IN_EPOCH, K.HEARTBEAT: S.IN_EPOCH, K.LEAVING: S.CLOSED, K.REJECT: S.CLOSED,
+            K.CLOSE: S.CLOSED,
+        },
     },
-}
+}  # fmt: skip
 #: The kinds each role may send in each state (the peer may receive exactly these).
 SENDS: Dict[str, Dict[SessionState, FrozenSet[MessageKind]]] = {
     role: {state: frozenset(row) for state, row in table.items()} for role, table in TRANSITIONS.items()
