@@ -126,7 +126,9 @@ PREPARE: Dict[Tuple[str, SessionState, MessageKind], Prepare] = {
 }
 #: Per (sender, state, kind), a message other than the sample where the sample is not legal there.
 MESSAGES = {("worker", S.SETTING_UP, K.ERROR): Error(None, "setup", EXCEPTION)}
-STALE_ONLY = {("worker", S.READY, kind) for kind in (K.DATA, K.END_OF_SHARD, K.ERROR, K.ITEM_CREDIT, K.CHUNK_DONE)}
+STALE_ONLY = {
+    ("worker", S.READY, kind) for kind in (K.DATA, K.END_OF_SHARD, K.ERROR, K.ITEM_CREDIT, K.CHUNK_DONE)
+}
 
 LEGAL = [
     (role, state, kind, after)
@@ -145,6 +147,11 @@ ILLEGAL = [
 
 def ids(entries) -> List[str]:
     return ["-".join(getattr(part, "name", str(part)) for part in entry) for entry in entries]
+
+
+def not_now_words(role: str, state: SessionState, kind: MessageKind) -> List[str]:
+    """The words of the table's refusals (not of a rule about the message's contents)."""
+    return [f"{kind.name}, which a {role} never sends", f"{kind.name} while the session is {state.value}"]
 
 
 def expected(message: Message, after: SessionState) -> SessionState:
@@ -191,7 +198,7 @@ def test_a_stale_frame_where_only_stale_ones_can_come_is_dropped_and_the_state_s
 def test_every_illegal_message_is_local_on_send_and_remote_on_receive(role, state, kind):
     link = in_state(state)
     sender, receiver = getattr(link, role), getattr(link, ROLES[role])
-    not_now = [f"{kind.name}, which a {role} never sends", f"{kind.name} while the session is {state.value}"]
+    not_now = not_now_words(role, state, kind)
     if kind in SAMPLES:
         before = (sender.state, sender.epoch, sender.credits, sender.item_credits, sender.closed_by)
         with pytest.raises(LocalProtocolError) as local:
@@ -231,8 +238,9 @@ def refused_as_not_now(attempt: Callable[[], object], words: List[str]) -> bool:
 def test_what_one_role_may_send_is_exactly_what_the_other_may_receive(role, state):
     sent, received = set(), set()
     for kind in SESSION_KINDS:
-        words = [f"{kind.name}, which a {role} never sends", f"{kind.name} while the session is {state.value}"]
-        if kind in SAMPLES and not refused_as_not_now(lambda: getattr(in_state(state), role).send(SAMPLES[kind]), words):
+        words = not_now_words(role, state, kind)
+        sender = getattr(in_state(state), role)
+        if kind in SAMPLES and not refused_as_not_now(lambda: sender.send(SAMPLES[kind]), words):
             sent.add(kind)
         link = in_state(state)
         if not refused_as_not_now(lambda: link.deliver(chunks_of(kind), getattr(link, ROLES[role])), words):

@@ -18,7 +18,13 @@ from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import wait_until
 from memory_connection import connection_pair
-from rpc_reading_service.trainer.channel import ChannelClosed, FrameReceived, SessionLost, ShardEnded, WorkerChannel
+from rpc_reading_service.trainer.channel import (
+    ChannelClosed,
+    FrameReceived,
+    SessionLost,
+    ShardEnded,
+    WorkerChannel,
+)
 from rpc_reading_service.policies.merge import EpochProgress, iterate_in_order
 from rpc_reading_service.errors import ItemTimeoutError, WorkerLostError, WorkerStartupError
 from rpc_reading_service.protocol import MessageKind, SessionState, StopEpoch, decode_data, encode_frame
@@ -130,7 +136,8 @@ def consume_counting_credit(channel: WorkerChannel, epoch: int, credits: int) ->
     while True:
         event = channel.queue.get(timeout=5.0)
         assert isinstance(event, (FrameReceived, ShardEnded)), event
-        assert channel.frames_received <= granted, f"{channel.frames_received} DATA frames with {granted} credits"
+        frames_received = channel.frames_received
+        assert frames_received <= granted, f"{frames_received} DATA frames with {granted} credits"
         if isinstance(event, ShardEnded):
             return frames
         frames.append(loads_items(decode_data(event.frame)[2]))

@@ -211,7 +211,8 @@ def iterate_as_completed(
         cursor = current[event.channel.rank]
         if event.channel is not cursor.channel:
             continue  # left over from a replaced channel
-        if isinstance(event, SessionLost) and (replace is None or not reassign) and cursor.channel.rank in finished:
+        held = cursor.channel.rank in finished and (replace is None or not reassign)
+        if isinstance(event, SessionLost) and held:
             cursor.channel.held_loss = event
             continue
         if isinstance(event, ShardEnded):

@@ -1,4 +1,4 @@
-"""Frames: the byte layout of every message and its codec, sans I/O (the layout is in docs/architecture.md)."""
+"""Frames: the byte layout of every message and its codec, sans I/O (the layout: docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -210,7 +210,7 @@ class FrameReader:
         return n
 
     def feed_frames(self, data: memoryview) -> int:
-        """Take the whole frames without buffers at the start of ``data`` in one go; the bytes taken (0: none).
+        """Take the whole frames without buffers at the start of ``data`` at once; the bytes taken (0: none).
 
         The fast path of small frames (one header unpack and one body copy each); anything else
         is left to :meth:`writable` and :meth:`advance`, with every check and error.

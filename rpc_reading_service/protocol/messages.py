@@ -189,7 +189,7 @@ class SessionOptions:
 
 
 def credit_batch(window: int, slow: bool = False) -> int:
-    """How many credits a trainer returns in one CREDIT with a window of ``window`` frames (docs/architecture.md).
+    """How many credits a trainer returns in one CREDIT with a window of ``window`` frames.
 
     Args:
         slow: after a slow stage's frame (one small item): the whole window, else half of it (at least one).
@@ -601,7 +601,7 @@ def decode_message(frame: Frame) -> Message:
 
 
 def resolve_field_types() -> None:
-    """Resolve (and cache) the field types of every control message now (a server, before it forks sessions)."""
+    """Resolve (and cache) the field types of every control message now (before forking sessions)."""
     classes, pending = [SessionOptions], list(_Control.__subclasses__())
     while pending:
         cls = pending.pop()

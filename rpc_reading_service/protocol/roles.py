@@ -1,4 +1,4 @@
-"""The two roles of a session: what each end checks and counts per message (the states are :mod:`.session`'s table)."""
+"""The two roles of a session: what each end checks and counts per message (the states: :mod:`.session`)."""
 
 from __future__ import annotations
 

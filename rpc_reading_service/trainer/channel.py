@@ -1,4 +1,4 @@
-"""The trainer's end of worker sessions (``WorkerChannel``) and the typed events it reports to the consumer."""
+"""The trainer's end of worker sessions (``WorkerChannel``) and the typed events it reports."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def drop_items(events: "queue.SimpleQueue[Event]") -> None:
 
 @dataclass
 class ChannelStats:
-    """Counters of one worker channel for the current epoch, for ``RPCReadingService.stats()`` (frames: :attr:`WorkerChannel.frames_received`)."""
+    """Counters of one worker channel for the current epoch, for ``RPCReadingService.stats()``."""
 
     items: int = 0
     bytes: int = 0
@@ -191,7 +191,7 @@ class WorkerChannel:
         self._held: Optional[List[Tuple[Tuple[Message, ...], Optional[int], bool]]] = []
         self._loop = loop
         self._in_loop = False
-        #: The credits the consumer granted and not sent back yet (the window is the state machine's): see :meth:`grant`.
+        #: The credits the consumer granted and not sent back yet (:meth:`grant`).
         self._ungranted = 0
         #: Around the credits not sent back yet (the consumer adds, the receive loop sends), and
         #: whether the loop was told that they are due.
@@ -220,7 +220,7 @@ class WorkerChannel:
     def _send_or_report(
         self, *messages: Message, wait: float = -1, epoch: Optional[int] = None, if_room: bool = False
     ) -> None:
-        """Send ``messages`` in one write unless the session is over (a failed send is the receiver's to report).
+        """Send ``messages`` in one write unless the session is over (the receiver reports a failed send).
 
         Args:
             wait: seconds to wait for a send in progress (-1: as long as it takes), else nothing is sent.
@@ -293,7 +293,7 @@ class WorkerChannel:
         return self.protocol.next_sequence
 
     def heard_since(self, since: float) -> bool:
-        """Whether a frame from the worker came half a heartbeat interval or more after ``since`` (monotonic)."""
+        """Whether a frame from the worker came half a heartbeat interval or more after ``since``."""
         return self.protocol.last_received >= since + self.heartbeat_interval / 2
 
     def _receive(self, frame: Frame) -> List[Any]:
@@ -359,14 +359,14 @@ class WorkerChannel:
         raise WorkerLostError(f"{self.name} ended the session during setup (it said CLOSE)", self.rank, self.address)
 
     def fail_setup(self, error: BaseException) -> None:
-        """Setting up in the background failed with ``error``: close the connection and report the session lost."""
+        """Setting up in the background failed with ``error``: close the connection, report the loss."""
         if self.conn is not None:
             self.conn.close()
         if not self._closing:
             self.queue.put(SessionLost(self, None, error))
 
     def start_receiver(self, sink: "queue.SimpleQueue[Event]") -> None:
-        """Start receiving into ``sink``: in the receive loop if the connection has a ``fileno()``, else in a thread."""
+        """Start receiving into ``sink``: in the receive loop if the connection allows, else in a thread."""
         assert self.conn is not None, "attach() the connection first"
         self.queue = sink
         if self._loop is not None and self.conn.fileno() is not None:
@@ -407,11 +407,11 @@ class WorkerChannel:
         self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased=leased))
 
     def send_input(self, message: Union[Items, EndOfInput]) -> None:
-        """Send an ITEMS or END_OF_INPUT frame of the dispatched input; nothing once its epoch or the session is over."""
+        """Send an ITEMS or END_OF_INPUT frame of the dispatched input (nothing once its epoch is over)."""
         self._send_or_report(message, epoch=message.epoch)
 
     def grant(self, epoch: int, credits: int = 1, after_slow_frame: bool = False) -> None:
-        """Allow the worker ``credits`` more DATA frames of ``epoch``, in batches (``credit_batch``; the consumer's thread only)."""
+        """Allow the worker ``credits`` more DATA frames of ``epoch``, in batches (the consumer's thread)."""
         if epoch != self.epoch:
             return
         with self._credit_lock:
@@ -431,7 +431,7 @@ class WorkerChannel:
             self._send_or_report(Credit(epoch, credits))
 
     def send_due(self) -> bool:
-        """Send the CREDIT :meth:`grant` marked due (the receive loop's call, never waiting); False: retry later."""
+        """Send the CREDIT :meth:`grant` marked due (the receive loop's call); False: retry later."""
         if self._closing or self.conn is None:
             return True
         if not self._send_lock.acquire(blocking=False):
@@ -451,7 +451,7 @@ class WorkerChannel:
         self, epoch: int, chunks: Sequence[Tuple[int, int, int, int]] = (), final: bool = False,
         items: Sequence[Items] = (),
     ) -> None:  # fmt: skip
-        """Lease chunks of ``epoch``'s stream to the worker, with the credits not sent yet, in one send ("dynamic").
+        """Lease chunks of ``epoch``'s stream to the worker, with the credits not sent yet ("dynamic").
 
         Args:
             chunks: ``(chunk, skip, first position, positions)``: its first ``skip`` items are not sent.
@@ -473,7 +473,7 @@ class WorkerChannel:
         self._send_or_report(*messages)
 
     def close(self, timeout: float = 2.0) -> None:
-        """Say CLOSE, stop receiving and close the connection (idempotent); a consumer still waiting is woken with an error."""
+        """Say CLOSE, stop receiving and close the connection (idempotent); wake a waiting consumer."""
         with self._state_lock:
             if self._closing:
                 return
@@ -648,7 +648,11 @@ def slow_frame(items: Sequence[Any]) -> bool:
 
 
 def lease_runs(chunks: Sequence[Tuple[int, int, int, int]]) -> List[Tuple[int, int, int, int, int]]:
-    """Leases ``(chunk, skip, first position, positions)`` as runs ``(first chunk, skip, count, first position, positions each)``, one LEASE each."""
+    """Leases ``(chunk, skip, first position, positions)`` as runs, one LEASE each.
+
+    Returns:
+        ``(first chunk, skip, count, first position, positions each)`` per run.
+    """
     runs: List[List[int]] = []
     for chunk, skip, start, size in chunks:
         if runs:

@@ -8,7 +8,17 @@ import threading
 import time
 from typing import Callable, Deque, List, Optional, Tuple, Union
 
-from ..protocol import Buffer, ChunkDone, Data, EncodedItem, ItemCredit, Message, SessionOptions, WorkerProtocol, credit_batch
+from ..protocol import (
+    Buffer,
+    ChunkDone,
+    Data,
+    EncodedItem,
+    ItemCredit,
+    Message,
+    SessionOptions,
+    WorkerProtocol,
+    credit_batch,
+)
 from .inbox import Cancelled
 
 __all__ = ["Outbox", "FinalFrame"]
@@ -37,7 +47,8 @@ class Outbox:
     most one sealed batch waits for credit; past that the producer blocks (backpressure).
 
     A frame is encoded through ``protocol.send`` (the session's state machine, which checks and
-    records it) while the outbox holds ``lock`` (the lock of that state machine), and written through ``send`` (the connection's ``send_frames``) by
+    records it) while the outbox holds ``lock`` (the lock of that state machine), and written
+    through ``send`` (the connection's ``send_frames``) by
     :meth:`send_next` (the sender thread), or by the producer itself: a slow item sealed alone
     that is small (:data:`_INLINE_MAX_BYTES`) leaves from :meth:`put` when no other send is in
     progress, so that a slow stage costs no wake-up of the sender per item; data that waited for

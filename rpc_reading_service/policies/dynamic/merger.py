@@ -10,7 +10,14 @@ from __future__ import annotations
 import collections
 from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
-from ...trainer.channel import ChunkFinished, FrameReceived, SessionLost, ShardEnded, UnitsDispatched, WorkerChannel
+from ...trainer.channel import (
+    ChunkFinished,
+    FrameReceived,
+    SessionLost,
+    ShardEnded,
+    UnitsDispatched,
+    WorkerChannel,
+)
 from ...errors import WorkerLostError
 from ..base import EpochRun, Merger
 from .leases import CHUNK_LEAD_SECONDS, MAX_CHUNK_DEPTH, WINDOW_BYTES_PER_WORKER, LeaseBook, checkpoint_schedule
@@ -181,7 +188,7 @@ class DynamicMerger(Merger):
                             self._hand_on(rank, chunk)
                             yield item
                     start += count
-            elif isinstance(event, SessionLost) and (run.replace is None or not run.reassign) and rank in book.ended:
+            elif isinstance(event, SessionLost) and rank in book.ended and not (run.replace and run.reassign):
                 event.channel.held_loss = event  # this epoch has all of its items: the next one needs it
             else:
                 try:
