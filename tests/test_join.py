@@ -130,11 +130,12 @@ def test_a_server_that_fails_its_handshake_is_skipped(servers, tmp_path, caplog)
 
 
 @pytest.mark.timeout(60)
-def test_a_server_added_mid_epoch_serves_from_the_next_epoch_under_round_robin(servers):
+@pytest.mark.parametrize("distribution", ["round_robin", "sticky"])
+def test_a_server_added_mid_epoch_serves_from_the_next_epoch_under_a_static_policy(servers, distribution):
     first, joiner = servers(), servers()
-    expected = reference(first, "round_robin")[0]
+    expected = reference(first, distribution)[0]
     epochs = []
-    with DataLoader2(graph(), reading_service=service(first, "round_robin")) as dl:
+    with DataLoader2(graph(), reading_service=service(first, distribution)) as dl:
         dl.seed(11)
         epoch = []
         for item in dl:

@@ -124,6 +124,7 @@ class Engine:
         self._joined_channels: List[WorkerChannel] = []
         self._joined_servers: List[Tuple[str, int]] = []
         self._join_lock = threading.Lock()
+        self._ship_lock = threading.Lock()
         self._join_failures: set = set()
 
     @property
@@ -218,11 +219,11 @@ class Engine:
             if reason is not None:
                 raise ConnectionError(reason)
             graph = None
-            if not elastic:  # set up as in the next epoch's fleet (sticky's table is of its servers)
-                pending = [a for a, n in self._joined_servers for _session in range(n)]
-                addresses = [*fleet.rank_addresses(), *pending, *[address] * count]
-                assert self._graph is not None
-                graph = self._ship(self._graph, GrownFleet(len(addresses), addresses))
+            pending = [a for a, n in self._joined_servers for _session in range(n)]
+            grown = GrownFleet(first + count, [*fleet.rank_addresses(), *pending, *[address] * count])
+            if not elastic and self.config.distribution.placement(grown) is not None:
+                assert self._graph is not None  # shipped as to the next epoch's fleet (sticky: a table of its servers)
+                graph = self._ship(self._graph, grown)
             for rank in range(first, first + count):
                 channels.append(fleet.open_channel(rank, address, first + count, graph))
         except Exception as exc:  # noqa: BLE001 - any reason a server cannot serve: never the run's error
@@ -297,21 +298,22 @@ class Engine:
         def dump(shipped: DataPipe) -> bytes:
             return dumps_graph((shipped, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
 
-        policy.check_graph(graph)
-        if self.dispatching is not None and policy.dispatch_units:  # the policy leases the dispatched items
-            return dump(graph)
-        selection = policy.worker_selection(self.fleet if fleet is None else fleet)
-        if self.dispatching is not None and (selection is not None or policy.leased):
-            # The graph's dispatch point is already cut off here: the policy's own check cannot see it.
-            raise ConfigurationError(
-                f"distribution={policy.name!r} decides itself which worker gets which item, and "
-                "sharding_round_robin_dispatch deals the items to the workers by position: use "
-                "distribution='round_robin' (or 'first_ready') with a dispatching graph"
-            )
-        if selection is None:
-            return dump(graph)
-        with selection_in_place(graph, selection) as shipped:
-            return dump(shipped)
+        with self._ship_lock:  # a join may ship from the discovery watch's thread
+            policy.check_graph(graph)
+            if self.dispatching is not None and policy.dispatch_units:  # the policy leases the dispatched items
+                return dump(graph)
+            selection = policy.worker_selection(self.fleet if fleet is None else fleet)
+            if self.dispatching is not None and (selection is not None or policy.leased):
+                # The graph's dispatch point is already cut off here: the policy's own check cannot see it.
+                raise ConfigurationError(
+                    f"distribution={policy.name!r} decides itself which worker gets which item, and "
+                    "sharding_round_robin_dispatch deals the items to the workers by position: use "
+                    "distribution='round_robin' (or 'first_ready') with a dispatching graph"
+                )
+            if selection is None:
+                return dump(graph)
+            with selection_in_place(graph, selection) as shipped:
+                return dump(shipped)
 
     def placement(self) -> Optional[str]:
         """The policy's digest of what, besides the number of workers, decides which worker owns
