@@ -21,8 +21,11 @@ from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import FileGate, run_epochs, start_server, wait_until
+from prometheus_client import CollectorRegistry, generate_latest
 from test_drain import Hold
+from test_metrics import parse, trainer_value
 from rpc_reading_service import Hostfile, RPCReadingService, StoreDiscovery
+from rpc_reading_service.metrics import ReadingServiceCollector
 from rpc_reading_service.discovery import connect_store
 
 ITEMS = 160
@@ -104,6 +107,9 @@ def test_a_server_added_mid_epoch_takes_leases_in_that_epoch_under_dynamic(serve
                     )
                 assert dl.reading_service.add_workers([joiner.address]) == []  # not twice
         stats = dl.reading_service.stats()
+        registry = CollectorRegistry()
+        registry.register(ReadingServiceCollector(dl))
+        assert trainer_value(parse(generate_latest(registry).decode()), "joins_total") == 1
     assert added == [joiner.address.replace("127.0.0.1", "localhost")]
     assert "worker server 127.0.0.1:1 cannot join the run" in caplog.text
     assert items == expected  # the fixed fleet's items, in its order

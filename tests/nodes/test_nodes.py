@@ -9,7 +9,6 @@ import sys
 from typing import Any, List
 
 import pytest
-from _server_helpers import VENV_BIN
 from torch.utils.data.datapipes.iter import IterableWrapper as DataPipeWrapper
 
 from rpc_reading_service import ConfigurationError
@@ -153,21 +152,26 @@ def slow_square(x: int) -> int:
 
 
 @pytest.mark.timeout(60)
-def test_a_server_added_to_a_remote_node_joins_its_run(fresh_server):
-    joiner = fresh_server(command=[str(VENV_BIN / "rpc-reading-worker")])
+def test_a_server_added_to_a_remote_node_joins_its_run():
+    from rpc_reading_service.trainer.local_fleet import LocalWorkerServer
+
+    key = b"k" * 32
+    joiner = LocalWorkerServer(key)  # a second server of this host, forked as the node's own
+    address = joiner.start()
     source = DataPipeWrapper(range(N)).shuffle().sharding_filter().map(slow_square)
-    node = RemoteNode(source, num_workers=1, auth_key=joiner.key, distribution="dynamic", seed=3)  # a local server first
+    node = RemoteNode(source, num_workers=1, auth_key=key, distribution="dynamic", seed=3)
     loader = pipeline(node)
     try:
         batches = iter(loader)
         epoch = list(next(batches))
-        assert node.add_workers([joiner.address, joiner.address.replace("127.0.0.1", "localhost")]) == [joiner.address]
+        assert node.add_workers([address, address]) == [address]
         epoch += [item for batch in batches for item in batch]
         during = node.stats()
         second = [item for batch in loader for item in batch]
         after = node.stats()
     finally:
         node.close()
+        joiner.stop()
     assert sorted(epoch) == sorted(second) == [square(x) for x in range(N)]
     assert during.joins + after.joins == 1 and node.num_workers == 2
-    assert [worker.address for worker in after.workers][1:] == [joiner.address]
+    assert [worker.address for worker in after.workers][1:] == [address]

@@ -128,9 +128,9 @@ class Fleet:
             self._per_server = -(-len(addresses) // max(1, len(distinct_servers(addresses, self._server_keys))))
         return self._per_server
 
-    def unknown_servers(self, addresses: Sequence[str], known: Sequence[str] = ()) -> List[str]:
-        """The servers of ``addresses`` (one spelling each) that are neither the run's nor in ``known``."""
-        taken = {self._key(address) for address in [*self.rank_addresses(), *known]}
+    def unknown_servers(self, addresses: Sequence[str], known: Sequence[str]) -> List[str]:
+        """The servers of ``addresses`` (one spelling each) that are not among ``known``."""
+        taken = {self._key(address) for address in known}
         return [address for address in distinct_servers(addresses, self._server_keys) if self._key(address) not in taken]
 
     def _key(self, address: str) -> Tuple[str, int]:

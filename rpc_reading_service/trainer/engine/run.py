@@ -186,8 +186,10 @@ class Engine:
                 "add_workers: num_workers=0 runs the graph in the trainer, with no worker server to add to; "
                 "pass num_workers or workers= for a run on worker servers"
             )
-        if self._graph is None:
-            raise ConfigurationError("add_workers adds servers to a started run: call it once the first epoch began")
+        if self._graph is None or self._closed:
+            when = "was closed (shut down)" if self._closed else "has not started"
+            raise ConfigurationError(f"add_workers adds servers to a running run, and this one {when}: call it "
+                                     "once the first epoch began, before the run is shut down")  # fmt: skip
         return self._join(addresses)[0]
 
     def _found(self, addresses: List[str]) -> List[str]:
@@ -198,9 +200,9 @@ class Engine:
         """Add the servers of ``addresses`` the run does not have: ``(added, failed)``."""
         added, failed = [], []
         with self._join_lock:
-            pending = [address for address, _count in self._joined_servers]
-            pending += [channel.address for channel in self._joined_channels]
-            for address in self.fleet.unknown_servers(addresses, pending):
+            known = [address for address, _count in self._joined_servers]
+            known += [channel.address for channel in [*self.channels, *self._joined_channels]]  # where the ranks are now
+            for address in self.fleet.unknown_servers(addresses, known):
                 if self._closed:
                     break
                 (added if self._join_server(address) else failed).append(address)
