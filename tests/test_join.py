@@ -192,7 +192,7 @@ def test_a_server_added_to_the_hostfile_joins_from_the_next_epoch(servers, tmp_p
                 if len(epoch) == 5:
                     with open(hostfile, "a") as lines:
                         lines.write(f"# joined mid-epoch\n{joiner.address}\n")
-            assert wait_until(lambda: f"worker server {joiner.address} joined" in caplog.text, 10)
+            assert wait_until(lambda: f"worker server {joiner.address} joined" in caplog.text, 30)
             second = list(dl)
             stats = dl.reading_service.stats()
     assert epoch == expected and sorted(second) == list(range(ITEMS))
