@@ -57,6 +57,7 @@ __all__ = [
     "SessionLost",
     "ChannelClosed",
     "UnitsDispatched",
+    "ServersJoined",
     "ChannelStats",
     "WorkerChannel",
     "drop_items",
@@ -118,6 +119,11 @@ class ChannelClosed(Failure):
 @dataclass(frozen=True, eq=False)
 class UnitsDispatched(Event):
     """Not a worker's: the trainer's dispatcher pulled more units of the epoch (``channel``: any one)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ServersJoined(Event):
+    """Not a worker's: servers joined the run; their sessions take part in the epoch (``channel``: any one)."""
 
 
 def drop_items(events: "queue.SimpleQueue[Event]") -> None:

@@ -13,6 +13,7 @@ from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Protoco
 from ...trainer.channel import (
     ChunkFinished,
     FrameReceived,
+    ServersJoined,
     SessionLost,
     ShardEnded,
     UnitsDispatched,
@@ -157,9 +158,14 @@ class DynamicMerger(Merger):
             if isinstance(event, UnitsDispatched):  # the trainer's dispatcher pulled more units
                 self._top_up_all()
                 continue
+            if isinstance(event, ServersJoined):  # a server joined: its sessions take the next leases
+                self._adopt()
+                continue
             rank = event.channel.rank
-            if event.channel is not channels[rank]:
-                continue  # left over from a replaced session
+            if rank >= len(channels):  # a joined session's event came before the wake-up
+                self._adopt()
+            if rank >= len(channels) or event.channel is not channels[rank]:
+                continue  # left over from a replaced (or closed) session
             if isinstance(event, ChunkFinished):
                 done = event.chunk
                 book.done_many(rank, done.chunk, done.counts, done.stream_length)
@@ -231,6 +237,14 @@ class DynamicMerger(Merger):
         self.recent.append(chunk)
         self.book.deliver(chunk)
         self.run.progress.count(rank)
+
+    def _adopt(self) -> None:
+        """Lease to the sessions of servers that joined since the last call."""
+        if self.run.join is None:
+            return
+        for channel in self.run.join():
+            self.book.add_rank(channel.rank)
+            self._top_up(channel)
 
     def _replace(self, lost: WorkerChannel, error: WorkerLostError) -> None:
         """Lease the lost session's chunks that were not delivered completely to its replacement."""
