@@ -66,7 +66,6 @@ from ..protocol import (
 from ..selection import LeaseInbox, SelectionContext, SelectionFilter
 from ..serialization import ItemEncoder, fallback_exception_info, loads_graph, pack_exception
 from ..transports.base import Connection, PeerLostError
-from ..transports.socket_transport.shared_memory import copy_into_segment
 from .inbox import Cancelled, DispatchedInput, Inbox
 from .lock_watch import LockWatch
 from .outbox import Outbox
@@ -374,7 +373,7 @@ class WorkerSession:
                 # Large buffers go out uncopied from the producer's memory where the send is
                 # synchronous (the outbox then writes each one before the next item is made).
                 borrow = self.options.batch_max_bytes if self.conn.sends_synchronously else None
-                encode, put = ItemEncoder(copy_into_segment, borrow).encode, self.outbox.put
+                encode, put = ItemEncoder(self.conn.stage_buffer, borrow).encode, self.outbox.put
                 chunks = _ChunkCount(epoch, request.seed, self.outbox) if leases is not None else None
                 context = SelectionContext(request.epoch, request.seed, request.global_worker_id, leases)
                 if chunks is not None:
