@@ -78,10 +78,10 @@ class TaskGroup:
         with self._lock:
             return [thread for thread in self._threads if thread.is_alive()]
 
-    def join(self, timeout: float, threads: Optional[Iterable[threading.Thread]] = None, log_stuck: bool = True) -> List[threading.Thread]:
+    def join(self, timeout: float, threads: Optional[Iterable[threading.Thread]] = None, report: bool = True) -> List[threading.Thread]:
         """Join the group's threads (or ``threads``), all within ``timeout`` s; return those still alive.
 
-        Each one left is counted in :attr:`left_behind` and, with ``log_stuck``, logged with its stack.
+        With ``report``, each one left is counted in :attr:`left_behind` and logged with its stack.
         The calling thread is never joined (nor returned)."""
         deadline = time.monotonic() + max(0.0, timeout)
         current = threading.current_thread()
@@ -90,19 +90,21 @@ class TaskGroup:
             if thread is not current and thread.ident is not None:
                 thread.join(max(0.0, deadline - time.monotonic()))
         stuck = [thread for thread in chosen if thread is not current and thread.is_alive()]
+        if not report:
+            return stuck
         with self._lock:
             self.left_behind += len(stuck)
-        for thread in stuck if log_stuck else ():
+        for thread in stuck:
             log.warning(
                 "thread %s of %s did not end within %.1f s and is left behind (daemon=%s); it is here:\n%s",
                 thread.name, self.owner or "the package", timeout, thread.daemon, thread_stack(thread.ident),
             )  # fmt: skip
         return stuck
 
-    def stop(self, timeout: float, log_stuck: bool = True) -> List[threading.Thread]:
+    def stop(self, timeout: float, report: bool = True) -> List[threading.Thread]:
         """Set :attr:`stopping`, join every thread within ``timeout`` s; return those left (see :meth:`join`)."""
         self.stopping.set()
-        return self.join(timeout, log_stuck=log_stuck)
+        return self.join(timeout, report=report)
 
     def raise_errors(self) -> None:
         """Raise the first exception a thread's function let out (once), if one did."""

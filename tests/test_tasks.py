@@ -151,7 +151,150 @@ def thread_makers():
                         yield f"{where}:{node.lineno} a Thread subclass"
 
 
-@pytest.mark.xfail(strict=True, reason="the thread start sites move into task groups in the next commits")
 def test_threads_are_made_only_in_task_groups():
     found = list(thread_makers())
     assert found == [], "threads started outside rpc_reading_service.tasks.TaskGroup:\n" + "\n".join(found)
+
+
+# -- a worker session joins its producers ----------------------------------------------------------
+#: Released by the test: item 2 of the first epoch waits for it.
+GATE = threading.Event()
+#: (thread, other producer threads alive) for every item the graph makes.
+MADE: list = []
+
+
+def recorded(x: int) -> int:
+    """``x``, recording which producer made it and which other producers were alive; item 2 of
+    epoch 1 waits for GATE (a producer stuck in user code)."""
+    me = threading.current_thread()
+    others = [t.name for t in threading.enumerate() if "producer" in t.name and t is not me and t.is_alive()]
+    MADE.append((me.name, others))
+    if x == 2 and me.name.split(" ")[0] == "rrs-producer-1":
+        GATE.wait(10)
+    return x
+
+
+@pytest.fixture
+def session_pair():
+    """A trainer's channel and a real WorkerSession serving it in a thread (in-memory connection)."""
+    import queue
+
+    from memory_connection import connection_pair
+    from rpc_reading_service.serialization import dumps_graph
+    from rpc_reading_service.trainer.channel import WorkerChannel
+    from rpc_reading_service.worker.session import WorkerSession
+    from torchdata.datapipes.iter import IterableWrapper
+
+    GATE.clear()
+    MADE.clear()
+    trainer_conn, worker_conn = connection_pair()
+    session = WorkerSession(worker_conn, server_address="memory")
+    group = TaskGroup("the test")
+    runner = group.start("test-session", session.run)
+    channel = WorkerChannel(trainer_conn, 0, 0.1, 5.0)
+    graph = dumps_graph((IterableWrapper(range(6)).sharding_filter().map(recorded), None, None))
+    options = {"heartbeat_interval": 0.1, "peer_timeout": 5.0, "batch_max_items": 1, "linger": 0.0}
+    channel.setup({"graph": graph, "worker_rank": 0, "num_workers": 1, "options": options}, timeout=5.0)
+    channel.start_receiver(queue.SimpleQueue())
+    try:
+        yield channel, session
+    finally:
+        GATE.set()
+        channel.close(timeout=2.0)
+        worker_conn.close()
+        assert group.join(5.0) == [] and not runner.is_alive(), "the worker session did not end"
+
+
+def test_a_worker_session_joins_every_earlier_producer_before_the_next_epoch_produces(session_pair):
+    """Epoch 1's producer is stuck in an item; epochs 2 and 3 start: epoch 3's producer makes
+    nothing while epoch 1's is alive (a graph serves one iterator at a time), then every item."""
+    from _server_helpers import wait_until
+    from rpc_reading_service.policies.merge import EpochProgress, iterate_in_order
+
+    channel, session = session_pair
+    channel.start_epoch(1, seed=1, global_worker_id=0, credits=8)
+    assert wait_until(lambda: len(MADE) == 3, 5.0), MADE  # epoch 1 waits in its item 2
+    channel.start_epoch(2, seed=2, global_worker_id=0, credits=8)
+    channel.start_epoch(3, seed=3, global_worker_id=0, credits=8)
+    # epoch 2's producer gives up (superseded); epoch 3's waits for epoch 1's
+    assert not wait_until(lambda: len(MADE) > 3, 1.0), MADE
+    GATE.set()
+    assert sorted(iterate_in_order([channel], EpochProgress(3, [0]))) == list(range(6))
+    overlapping = [(name, others) for name, others in MADE if others]
+    assert overlapping == [], overlapping
+    assert {name.split(" ")[0] for name, _ in MADE} == {"rrs-producer-1", "rrs-producer-3"}
+
+
+def test_a_worker_session_joins_its_threads_when_it_ends(session_pair, caplog):
+    """The session's end joins its sender and its producers; one stuck in an item is reported
+    with its stack (and counted), not left in silence."""
+    channel, session = session_pair
+    channel.start_epoch(1, seed=1, global_worker_id=0, credits=8)
+    from _server_helpers import wait_until
+
+    assert wait_until(lambda: len(MADE) >= 3, 5.0), MADE
+    with caplog.at_level(logging.WARNING, logger="rpc_reading_service.tasks"):
+        channel.close(timeout=2.0)
+        assert wait_until(lambda: session.producers.left_behind == 1, 10.0)
+    assert "rrs-producer-1 for" in caplog.text and "in recorded" in caplog.text, caplog.text
+    GATE.set()
+    assert wait_until(lambda: not [t for t in package_threads() if "trainer" in t.name or " for " in t.name], 5.0)
+
+
+# -- the trainer joins what it started -------------------------------------------------------------
+def _dispatching_loader(n: int):
+    from torchdata.dataloader2 import DataLoader2
+    from torchdata.datapipes.iter import IterableWrapper
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+    from rpc_reading_service import RPCReadingService
+
+    dp = IterableWrapper(range(n)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING)
+    return DataLoader2(dp, reading_service=RPCReadingService(num_workers=2, item_timeout=30.0))
+
+
+def _names() -> list:
+    return sorted(thread.name for thread in package_threads())
+
+
+@pytest.mark.timeout(60)
+def test_an_abandoned_epochs_threads_are_joined_when_the_next_starts_and_none_outlive_the_loader():
+    """Real worker processes: the dispatching threads of epoch 1 (abandoned half-read) are gone as
+    soon as epoch 2 started, and no thread of the package is left once the loader shut down."""
+    assert _names() == []
+    dl = _dispatching_loader(40)
+    try:
+        it = iter(dl)
+        assert len([next(it) for _ in range(5)]) == 5
+        assert "rrs-dispatch-send-1" in _names()  # (the dispatcher may have dealt every item already)
+        it = iter(dl)  # epoch 1 is abandoned
+        next(it)
+        assert [n for n in _names() if n.startswith("rrs-dispatch") and n.endswith("-1")] == []
+        assert len(list(it)) == 39
+    finally:
+        dl.shutdown()
+    assert _names() == []
+
+
+@pytest.mark.timeout(30)
+def test_a_stopped_worker_server_ends_and_joins_its_thread_sessions():
+    """A server in thread mode stops its sessions (their connections close) and joins them
+    before ``serve_forever`` returns, as it ends its forked sessions."""
+    from _server_helpers import wait_until
+    from rpc_reading_service.transports import create_transport
+    from rpc_reading_service.worker.server import WorkerServer
+
+    server = WorkerServer(host="127.0.0.1", port=0, auth_key=b"", session_mode="thread", drain_timeout=0)
+    group = TaskGroup("the test")
+    serving = group.start("test-serve", server.serve_forever)
+    conn = create_transport("socket").connect(server.address, b"", 10.0)  # no SETUP: it waits for one
+    try:
+        assert wait_until(lambda: [n for n in _names() if n.startswith("rrs-session-")], 10.0), _names()
+        server.stop()
+        serving.join(15.0)
+        assert not serving.is_alive()
+        assert [n for n in _names() if n.startswith("rrs-session-")] == []
+    finally:
+        conn.close()
+        server.stop()
+        assert group.join(10.0) == []

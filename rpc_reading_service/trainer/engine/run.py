@@ -280,7 +280,7 @@ class Engine:
         if dispatch is None:
             return False
         dispatch.stop()
-        if dispatch.join(0 if dispatch.timed_out is not None else ABANDON_AFTER):
+        if dispatch.join(0 if dispatch.timed_out is not None else ABANDON_AFTER) or not dispatch.dispatcher_alive:
             return False
         log.warning(
             "the dispatcher thread of epoch %d is stuck in the dispatching part and is left behind; %s. "
@@ -374,10 +374,12 @@ class Engine:
                 return
             self._closed = True
         _open_engines.pop(self, None)
-        self._stop_dispatch("shutdown goes on (a daemon thread, it ends with the process)")
+        if self.dispatch is not None:
+            self.dispatch.stop()  # nothing more is sent; joined once the channels closed (a stuck send ends)
         channels, self.channels = self.channels, []
         if channels:
             close_channels(channels)
+        self._stop_dispatch("shutdown goes on (a daemon thread, it ends with the process)")
         self.fleet.close()
         for events in {id(q): q for q in [self.events, *(channel.queue for channel in channels)]}.values():
             drop_items(events)
