@@ -1,30 +1,4 @@
-"""One trainer session on a worker: graph setup, epochs, packing and credit-bound streaming.
-
-A driver of :class:`~rpc_reading_service.protocol.WorkerProtocol`: every frame received goes
-through the state machine, which decides what it means (or that the trainer broke a rule),
-and every frame sent is first recorded by it. Threads (all in the session's own process
-when the server forks sessions), the fewest that let graph compute overlap sending:
-
-- the control loop (the caller of :meth:`WorkerSession.run`) moves the trainer's frames into
-  the state machine and hands the events to the :class:`Outbox` and the producers; it
-  sleeps in ``recv`` until a frame comes (or the connection closes);
-- a producer per epoch, only while the epoch runs, iterates the graph and pickles items
-  into the :class:`Outbox` (it waits for the previous epoch's producer: a graph supports
-  one iterator at a time); in a dispatched epoch the graph's source is the :class:`Inbox`
-  of the items the trainer deals to this worker in ITEMS frames, which the control loop
-  fills and the worker asks for with ITEM_CREDIT (one per frame it takes: at most the
-  epoch's credit window waits here);
-- one sender, the only thread that sends after setup, writes packed DATA frames while it
-  holds credits, and the heartbeats the state machine finds due; it also notices a silent
-  trainer and, with ``item_timeout``, ends the session with an ERROR (the item's position
-  and the producer's stack) when the producer spends longer than that on one item. When
-  the server drains, it stops the producer, says LEAVING and ends the session. At
-  rest it wakes once per heartbeat. Graph compute overlaps sending and the trainer's
-  memory stays bounded.
-
-One lock guards the state machine and the outbox together, so that what the state machine
-allows and what the outbox hands out never disagree.
-"""
+"""One trainer session on a worker: graph setup, epochs, packing and credit-bound streaming (docs/architecture.md)."""
 
 from __future__ import annotations
 

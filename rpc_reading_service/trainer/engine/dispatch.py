@@ -1,38 +1,4 @@
-"""Dispatching: the non-replicable part of a graph, run once per epoch on the trainer, dealt to the workers.
-
-For a graph with ``sharding_round_robin_dispatch``, :class:`Dispatch` iterates the part
-before it (cut off by :func:`~rpc_reading_service.graph.split_dispatching`) in one thread
-per epoch and deals item ``k`` to worker rank ``k % n``, as MPRS's dispatching process does
-(``round_robin_demux``). Each rank's items travel in ITEMS frames, only against that
-worker's ITEM_CREDIT; the dispatcher blocks while a rank already holds a frame's worth of
-items it cannot send, so a slow worker never makes it buffer without bound. A rank's
-input ends with END_OF_INPUT.
-
-Every frame leaves from the epoch's sending thread, never from the thread that deals or
-grants: grants arrive on the trainer's receive loop, which must not wait for a worker that
-stopped reading (its receiving, heartbeats and loss detection serve every session). Such a
-worker holds the sending thread until it is lost (``timeout``) and its connection closes.
-
-It does not block while another rank waits for input (it has credit and nothing to send):
-with in-order delivery, that rank's next output may be what the trainer waits for, and
-blocking would deadlock the epoch. A rank then holds more, up to about a worker's pipeline
-(``max_pending_*``): past that, if its worker is still heard from, the workers' outputs do
-not keep pace with their inputs and :class:`~rpc_reading_service.errors.DispatchStalledError`
-says so instead of a hang; a silent worker (a stopped process) is left to the loss detection.
-
-An exception the dispatching part raises ends the epoch's input there: the workers deliver the
-items dealt before it, in order, then the epoch raises it (:attr:`Dispatch.failure`), as MPRS does.
-With ``item_timeout``, one stuck on an item stops the epoch with an ItemTimeoutError and its stack;
-a thread that stays stuck is left behind (the engine dispatches the next epoch from a copy).
-
-With ``distribution="dynamic"`` no rank owns fixed positions: :class:`UnitDispatch` pulls the
-items ahead by index and the epoch's merger leases each one (a unit) to whichever worker has
-room (:mod:`~rpc_reading_service.policies.dynamic.dispatched`).
-
-With ``keep_history`` (``on_worker_failure="reassign"``), every item dealt to a rank this
-epoch is kept, so that a replacement session can be fed the rank's whole input again
-(it replays its shard from the start and skips what the trainer consumed): exactly once.
-"""
+"""Dispatching: the non-replicable part of a graph, run once per epoch on the trainer, dealt to the workers (docs/architecture.md)."""
 
 from __future__ import annotations
 

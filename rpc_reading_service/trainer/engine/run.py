@@ -1,19 +1,4 @@
-"""The engine: the workers of one run behind a plain Python API, independent of any loader.
-
-::
-
-    engine = Engine(config)
-    engine.start(graph)                     # find, start and connect the workers; ship them the graph
-                                            # (sessions set up in the background, each starts once set up)
-    for item in engine.start_epoch(seed):   # one epoch, every item exactly once
-        ...
-    engine.epoch.positions()                # a checkpoint: start_epoch(seed, positions=...) resumes
-    engine.stats()
-    engine.close()
-
-A front end (the DataLoader2 adapter in :mod:`rpc_reading_service.trainer.reading_service`) draws
-the seeds and splits its host library's graph; nothing here knows DataLoader2.
-"""
+"""The engine: the workers of one run behind a plain Python API, independent of any loader (docs/architecture.md)."""
 
 from __future__ import annotations
 
