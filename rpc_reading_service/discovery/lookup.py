@@ -1,5 +1,5 @@
 """The trainer side of discovery: check the options, then wait for enough live workers in the
-store (or a hostfile) and return their addresses (see :mod:`rpc_reading_service.discovery`)."""
+store (or a hostfile) and return their addresses (see docs/deployment.md)."""
 
 from __future__ import annotations
 

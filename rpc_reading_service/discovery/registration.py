@@ -1,5 +1,5 @@
 """The worker side of discovery: the address a worker advertises, and its entry in the store,
-kept while it serves (see :mod:`rpc_reading_service.discovery`)."""
+kept while it serves (see docs/deployment.md)."""
 
 from __future__ import annotations
 

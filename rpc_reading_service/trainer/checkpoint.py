@@ -18,7 +18,7 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, malformed_checkpoint
 from ..graph_utils import DataPipe, list_dps, traverse_dps
 from ..settings import MAX_POSITION, NumberRule, check_number
 
@@ -299,10 +299,7 @@ _ADDED_IN_VERSION_1 = ("epoch_start_seed_generator", "distribution", "distributi
 
 
 def _refuse(field_name: str, problem: str) -> ConfigurationError:
-    return ConfigurationError(
-        f"malformed RPCReadingService checkpoint: field {field_name!r} {problem}. The checkpoint was edited, "
-        "truncated or written by another program: resume from an unmodified state_dict()"
-    )
+    return malformed_checkpoint(f"field {field_name!r} {problem}")
 
 
 def _check_int(field_name: str, value: Any, minimum: int = 0, maximum: Optional[int] = None) -> int:

@@ -131,6 +131,9 @@ except ImportError as exc:
     print("ImportError:", exc)
 if __name__ == "__main__":
     graph = IterableWrapper(range(12)).shuffle().sharding_filter().map(abs)
+    mapped = IterableWrapper(range(6)).remote_map(abs, num_workers=2)
+    print(list(mapped))
+    mapped.close()
     with RemoteIterable(graph, num_workers=2, seed=1) as ds:
         print(sorted(DataLoader(ds, batch_size=None)))
 """
@@ -140,4 +143,5 @@ if __name__ == "__main__":
     )
     assert done.returncode == 0, done.stderr
     assert "pip install 'rpc-reading-service[dataloader2]'" in done.stdout
+    assert str(list(range(6))) in done.stdout  # dp.remote_map, registered without torchdata
     assert done.stdout.strip().endswith(str(list(range(12))))
