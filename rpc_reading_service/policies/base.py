@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import queue
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Protocol
 
 from ..errors import ConfigurationError
 from ..selection import WorkerSelection
@@ -62,6 +62,10 @@ class EpochRun:
     hint: Optional[Any] = None
     #: ``on_worker_failure="reassign"``: a failed worker is replaced too, not only a drained one.
     reassign: bool = True
+    #: Under an :attr:`DistributionPolicy.elastic` policy: the sessions of servers that joined
+    #: since the last call, appended to ``channels`` and started on this epoch (an event of kind
+    #: ``"joined"`` says when to call it); None: the epoch takes no new sessions.
+    join: Optional[Callable[[], List["WorkerChannel"]]] = None
 
 
 class Merger(abc.ABC):
@@ -103,6 +107,11 @@ class DistributionPolicy(abc.ABC):
     #: True: with a dispatch point (``sharding_round_robin_dispatch``) the policy's merger leases
     #: the dispatched items as units itself (:attr:`EpochRun.dispatched`) instead of the round-robin deal.
     dispatch_units: ClassVar[bool] = False
+    #: True: a session of a server that joins takes work within the running epoch (its merger
+    #: adopts it through :attr:`EpochRun.join`), and a checkpoint resumes on any number of
+    #: sessions; False: a joined server gets sessions from the next epoch on, and a checkpoint
+    #: taken in an epoch resumes on as many sessions as it was taken with.
+    elastic: ClassVar[bool] = False
 
     @property
     def in_order(self) -> bool:

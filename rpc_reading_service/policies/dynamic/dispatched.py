@@ -59,6 +59,9 @@ class DispatchedMerger(DynamicMerger):
         self._frames: Dict[int, int] = {rank: 0 for rank in range(len(run.channels))}
         self._items: Dict[int, int] = dict(self._frames)
 
+    def _added(self, rank: int) -> None:
+        self._frames[rank] = self._items[rank] = 0
+
     def _top_up(self, channel: WorkerChannel) -> None:
         book, source, rank = self.book, self.units_source, channel.rank
         book.available = source.produced

@@ -99,6 +99,15 @@ class LeaseBook:
         #: A resumed epoch's first chunk above its complete ones, while the stream's end is not known.
         self._resumed_complete: Optional[int] = None
 
+    def add_rank(self, rank: int) -> None:
+        """A session joined the epoch as ``rank`` (the next one): it is leased like the others from now on."""
+        for book in (self.outstanding, self.arriving):
+            book[rank] = collections.deque()
+        self._held[rank] = self._arrived_of_head[rank] = self.units[rank] = 0
+        self.latest[rank] = -1
+        floor, ceiling = self._window_bounds
+        self._window_bounds = (floor, max(ceiling, 2 * self.max_depth * len(self.outstanding)))
+
     # -- leasing --------------------------------------------------------------------------------
     def lease(self, rank: int) -> Optional[Tuple[int, int]]:
         """The next ``(chunk, skip)`` for ``rank`` if it has room and one is due, else None (recorded as leased)."""

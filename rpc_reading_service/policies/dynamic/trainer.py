@@ -72,6 +72,7 @@ class Dynamic(DistributionPolicy):
     shared_queue = True
     leased = True
     dispatch_units = True
+    elastic = True
 
     def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, depth: int = 2, window: Optional[int] = None,
                  in_order: bool = True, max_chunk_size: int = DEFAULT_MAX_CHUNK_SIZE, guided: bool = True):  # fmt: skip
