@@ -18,7 +18,13 @@ from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import wait_until
 from memory_connection import connection_pair
-from rpc_reading_service.trainer.channel import WorkerChannel
+from rpc_reading_service.trainer.channel import (
+    ChannelClosed,
+    FrameReceived,
+    SessionLost,
+    ShardEnded,
+    WorkerChannel,
+)
 from rpc_reading_service.policies.merge import EpochProgress, iterate_in_order
 from rpc_reading_service.errors import ItemTimeoutError, WorkerLostError, WorkerStartupError
 from rpc_reading_service.protocol import MessageKind, SessionState, StopEpoch, decode_data, encode_frame
@@ -129,9 +135,10 @@ def consume_counting_credit(channel: WorkerChannel, epoch: int, credits: int) ->
     frames, granted = [], credits
     while True:
         event = channel.queue.get(timeout=5.0)
-        assert event.kind in ("data", "end"), event.error
-        assert channel.stats.frames <= granted, f"{channel.stats.frames} DATA frames with {granted} credits"
-        if event.kind == "end":
+        assert isinstance(event, (FrameReceived, ShardEnded)), event
+        frames_received = channel.frames_received
+        assert frames_received <= granted, f"{frames_received} DATA frames with {granted} credits"
+        if isinstance(event, ShardEnded):
             return frames
         frames.append(loads_items(decode_data(event.frame)[2]))
         granted += 1
@@ -144,12 +151,12 @@ def test_setup_and_epochs_with_credits(pair):
     # One credit: the worker sends one frame and waits for the trainer to take it.
     link.channel.start_epoch(1, seed=1, global_worker_id=0, credits=1)
     assert wait_until(lambda: link.channel.queue.qsize() == 1, 5.0)
-    assert link.session.protocol.credits == 0 and link.channel.stats.frames == 1
+    assert link.session.protocol.credits == 0 and link.channel.frames_received == 1
     # With linger=0 a frame leaves with what is ready when credit comes (1 or 2 items): how
     # many frames an epoch takes depends on timing, the items, their order and the bounds do not.
     frames = consume_counting_credit(link.channel, 1, credits=1)
     assert [item for frame in frames for item in frame] == list(range(10))
-    assert all(1 <= len(frame) <= 2 for frame in frames) and link.channel.stats.frames == len(frames)
+    assert all(1 <= len(frame) <= 2 for frame in frames) and link.channel.frames_received == len(frames)
     assert link.epoch(2) == list(range(10))
     assert link.epoch(3, skip=7) == [7, 8, 9]  # a resumed epoch
 
@@ -160,12 +167,12 @@ def test_a_slow_stage_is_credited_once_its_whole_window_is_taken(pair):
     link = pair(heartbeat_interval=5.0, peer_timeout=20.0).setup(graph, linger=0.001)
     channel = link.channel
     channel.start_epoch(1, seed=1, global_worker_id=0, credits=4)
-    assert wait_until(lambda: channel.stats.frames == 3, 5.0)
+    assert wait_until(lambda: channel.frames_received == 3, 5.0)
     items = iterate_in_order([channel], EpochProgress(1, [0]))
     assert [next(items), next(items), next(items)] == [0, 1, 2]
     # All three taken, more than half the window: but the worker holds a credit for its next
     # slow item, so it needs none yet (one CREDIT per window for a slow stage, not per half).
-    assert channel.protocol.credits == 1 and channel.stats.frames == 3
+    assert channel.protocol.credits == 1 and channel.frames_received == 3
     RELEASE.set()
     assert next(items) == 3  # sent with the last credit
     assert channel._ungranted == 0  # the whole window taken: all four went back in one CREDIT
@@ -191,7 +198,7 @@ def test_a_credit_due_while_another_send_holds_the_connection_is_sent_once_it_is
     with channel._send_lock:  # as a dispatcher's send in progress does
         assert [next(items), next(items)] == [0, 1]  # the window's frames taken: a CREDIT is due
         assert wait_until(lambda: link.loop._retry >= 0.004, 5.0)  # the loop tried, and retried
-        assert link.session.protocol.credits == 0 and channel.stats.frames == 2
+        assert link.session.protocol.credits == 0 and channel.frames_received == 2
     assert list(items) == list(range(2, 12))  # the loop's retry sent it
 
 
@@ -207,7 +214,7 @@ def test_a_new_epoch_supersedes_a_running_one(pair):
 def test_a_stopped_epoch_ends_its_producer_and_the_next_one_runs(pair):
     link = pair().setup(IterableWrapper(range(50)).sharding_filter(), batch_max_items=1, linger=0.0)
     link.channel.start_epoch(1, seed=1, global_worker_id=0, credits=1)
-    assert wait_until(lambda: link.channel.stats.frames == 1, 5.0)
+    assert wait_until(lambda: link.channel.frames_received == 1, 5.0)
     link.channel._send_or_report(StopEpoch(1))
     assert wait_until(lambda: link.session.outbox.epoch is None, 5.0)
     assert link.epoch(2) == list(range(50))
@@ -237,7 +244,7 @@ def test_a_stuck_worker_is_lost_after_the_timeout(pair):
     link.worker_conn.drop_outgoing = True  # the worker's process stops: nothing more arrives
     started = time.monotonic()
     event = link.channel.queue.get(timeout=5.0)
-    assert event.kind == "lost" and isinstance(event.error, WorkerLostError)
+    assert isinstance(event, SessionLost) and isinstance(event.error, WorkerLostError)
     assert "sent nothing (not even a heartbeat) for 0.5 s" in str(event.error)
     assert time.monotonic() - started < 3.0
 
@@ -266,7 +273,7 @@ def test_an_illegal_frame_is_refused_with_the_rule_and_reaches_the_trainer(pair)
     link = pair().setup(IterableWrapper(range(4)).sharding_filter())
     link.trainer_conn.send(encode_frame(MessageKind.DATA, [b"\x00" * 16]))  # bypasses the state machine
     event = link.channel.queue.get(timeout=5.0)
-    assert event.kind == "lost"
+    assert isinstance(event, SessionLost)
     assert "ended the session: refused a malformed frame: trainer at" in str(event.error)
     assert "it sent DATA, which a trainer never sends" in str(event.error)
     assert wait_until(lambda: not link.worker.is_alive(), 5.0)
@@ -279,6 +286,6 @@ def test_close_ends_both_ends(pair):
     assert wait_until(lambda: not link.worker.is_alive(), 5.0)
     assert link.session.protocol.closed_by == "peer" and link.channel.protocol.closed_by == "us"
     event = link.channel.queue.get(timeout=1.0)
-    assert event.kind == "closed"
+    assert isinstance(event, ChannelClosed)
     link.channel.start_epoch(2, seed=2, global_worker_id=0, credits=1)  # after close: nothing sent, no error
     assert link.channel.protocol.epoch == 1

@@ -10,7 +10,20 @@ import time
 
 import pytest
 
-from rpc_reading_service.protocol import ChunkDone, EncodedItem, FrameReader, MessageKind, decode_data, encode_end_of_shard
+from rpc_reading_service.protocol import (
+    ChunkDone,
+    Credit,
+    EncodedItem,
+    FrameReader,
+    Lease,
+    MessageKind,
+    Ready,
+    Setup,
+    StartEpoch,
+    WorkerProtocol,
+    decode_data,
+    encode_end_of_shard,
+)
 from rpc_reading_service.worker.session import Outbox, SessionOptions
 from rpc_reading_service.worker.inbox import Cancelled
 
@@ -21,6 +34,35 @@ def frame_of(chunks):
     reader = FrameReader()
     reader.feed(b"".join(bytes(c) for c in chunks))
     return reader.next_frame()
+
+
+class DrivenOutbox(Outbox):
+    """An Outbox over a real WorkerProtocol, which hears the trainer's START_EPOCH and CREDIT
+    first, under the same lock, as in a session's control loop (the counts are the protocol's)."""
+
+    def __init__(self, options, send=None):
+        self.lock = threading.RLock()
+        self.protocol = WorkerProtocol("trainer at 127.0.0.1:1", lenient=True)
+        super().__init__(options, self.protocol, self.lock, send)
+        self._hear(Setup(b"graph", 0, 1))
+        self.protocol.send(Ready(1, "host", "0.1.0"))
+
+    def _hear(self, message):
+        return self.protocol.receive_frame(frame_of(message.encode()))
+
+    def start_epoch(self, epoch, credits, leased=False):
+        with self.lock:
+            self._hear(StartEpoch(epoch, 0, 0, credits, leased=leased))
+            super().start_epoch(epoch)
+
+    def lease(self, epoch, chunk, count):
+        with self.lock:
+            self._hear(Lease(epoch, chunk, count=count))
+
+    def grant(self, epoch, credits):
+        with self.lock:
+            if self._hear(Credit(epoch, credits)):
+                super().grant(epoch)
 
 
 def item(i):
@@ -35,7 +77,7 @@ def data_items(chunks):
 
 
 def test_items_are_packed_into_frames_and_numbered():
-    outbox = Outbox(SessionOptions(batch_max_items=3, linger=0.001))
+    outbox = DrivenOutbox(SessionOptions(batch_max_items=3, linger=0.001))
     outbox.start_epoch(1, credits=10)
     frames = []
     sender = threading.Thread(target=lambda: frames.extend(outbox.take(1.0) for _ in range(4)), daemon=True)
@@ -50,7 +92,7 @@ def test_items_are_packed_into_frames_and_numbered():
 
 
 def test_partial_batch_leaves_after_linger():
-    outbox = Outbox(SessionOptions(batch_max_items=100, linger=0.05))
+    outbox = DrivenOutbox(SessionOptions(batch_max_items=100, linger=0.05))
     outbox.start_epoch(1, credits=1)
     start = time.monotonic()  # before the put: the linger runs from it, however late this thread runs after it
     outbox.put(1, item(5))
@@ -61,7 +103,7 @@ def test_partial_batch_leaves_after_linger():
 
 
 def test_credits_bound_the_frames_in_flight():
-    outbox = Outbox(SessionOptions(batch_max_items=2, linger=0.0))
+    outbox = DrivenOutbox(SessionOptions(batch_max_items=2, linger=0.0))
     outbox.start_epoch(1, credits=1)
     produced = []
 
@@ -90,7 +132,7 @@ def test_credits_bound_the_frames_in_flight():
 
 
 def test_new_epoch_drops_old_items_and_cancels_old_producer():
-    outbox = Outbox(SessionOptions(batch_max_items=1, linger=0.0))
+    outbox = DrivenOutbox(SessionOptions(batch_max_items=1, linger=0.0))
     outbox.start_epoch(1, credits=0)
     outbox.put(1, item(1))
     outbox.start_epoch(2, credits=1)
@@ -101,7 +143,7 @@ def test_new_epoch_drops_old_items_and_cancels_old_producer():
 
 
 def test_close_wakes_the_sender():
-    outbox = Outbox(SessionOptions())
+    outbox = DrivenOutbox(SessionOptions())
     result = []
     sender = threading.Thread(target=lambda: result.append(outbox.take(30.0)), daemon=True)
     sender.start()
@@ -112,7 +154,7 @@ def test_close_wakes_the_sender():
 
 
 def test_a_final_frame_that_ends_the_session_goes_after_the_data_and_refuses_more():
-    outbox = Outbox(SessionOptions(batch_max_items=10, linger=0.0))
+    outbox = DrivenOutbox(SessionOptions(batch_max_items=10, linger=0.0))
     outbox.start_epoch(1, credits=2)
     outbox.put(1, item(1))
     outbox.finish(1, encode_end_of_shard(1, 1), end_session=True)  # as the item watchdog does
@@ -127,8 +169,9 @@ def test_a_final_frame_that_ends_the_session_goes_after_the_data_and_refuses_mor
 
 
 def test_chunk_ends_share_a_data_frame_and_the_wait_for_a_lease_is_not_a_slow_item():
-    outbox = Outbox(SessionOptions(batch_max_items=100, linger=0.05))
-    outbox.start_epoch(1, credits=4)
+    outbox = DrivenOutbox(SessionOptions(batch_max_items=100, linger=0.05))
+    outbox.start_epoch(1, credits=4, leased=True)
+    outbox.lease(1, 0, count=3)
     outbox.put(1, item(0))
     outbox.put(1, item(1))
     outbox.mark(1, ChunkDone(1, 0, (2,)))  # chunk 0's items stay open for the next chunk's to join
@@ -148,7 +191,7 @@ def test_chunk_ends_share_a_data_frame_and_the_wait_for_a_lease_is_not_a_slow_it
 
 def test_an_item_slower_than_linger_leaves_at_once():
     # A sleep-bound stage: batching could not pack a second item within linger anyway.
-    outbox = Outbox(SessionOptions(batch_max_items=100, linger=0.1))
+    outbox = DrivenOutbox(SessionOptions(batch_max_items=100, linger=0.1))
     outbox.start_epoch(1, credits=4)
     outbox.put(1, item(0))
     assert outbox.take(0.02) is None  # the epoch's first item lingers for company
@@ -173,7 +216,7 @@ def test_a_small_slow_item_is_written_by_its_producer_and_a_big_one_by_the_sende
     # One slow item per frame without a hand-off: the producer's put writes it (no wake-up of
     # the sender); a big one still goes to the sender, so that producing overlaps sending it.
     written = []
-    outbox = Outbox(
+    outbox = DrivenOutbox(
         SessionOptions(batch_max_items=100, linger=0.01),
         send=lambda frames: written.append((threading.current_thread(), [frame_of(f).kind for f in frames])),
     )
@@ -197,7 +240,7 @@ def test_a_slow_item_short_of_credit_waits_for_the_credit_owed_without_waking_th
     # with none left, the slow item waits for that CREDIT and leaves from the thread that
     # grants it, at once; the sender, asleep, is not woken for it.
     written = []
-    outbox = Outbox(
+    outbox = DrivenOutbox(
         SessionOptions(batch_max_items=100, linger=0.01),
         send=lambda frames: written.append((threading.current_thread(), [data_items(f)[2] for f in frames])),
     )
@@ -234,7 +277,7 @@ def test_a_borrowed_item_is_written_before_its_put_returns():
     # uncopied): its producer writes it itself when credit allows, else its put waits until
     # the thread that takes it (here the granting one) has written it, never returning before.
     written = []
-    outbox = Outbox(
+    outbox = DrivenOutbox(
         SessionOptions(batch_max_items=100, linger=10.0),
         send=lambda frames: written.append((threading.current_thread(), [data_items(f)[2] for f in frames])),
     )
@@ -263,7 +306,7 @@ def test_a_staged_item_that_fills_its_batch_is_written_by_its_producer_without_w
     # thread that grants the credit writes it.
     current = threading.current_thread()
     written = []
-    outbox = Outbox(
+    outbox = DrivenOutbox(
         SessionOptions(batch_max_items=2, linger=10.0),
         send=lambda frames: written.append((threading.current_thread(), [data_items(f)[2] for f in frames])),
     )

@@ -63,8 +63,8 @@ class EpochRun:
     #: ``on_worker_failure="reassign"``: a failed worker is replaced too, not only a drained one.
     reassign: bool = True
     #: Under an :attr:`DistributionPolicy.elastic` policy: the sessions of servers that joined
-    #: since the last call, appended to ``channels`` and started on this epoch (an event of kind
-    #: ``"joined"`` says when to call it); None: the epoch takes no new sessions.
+    #: since the last call, appended to ``channels`` and started on this epoch (a ``ServersJoined``
+    #: event says when to call it); None: the epoch takes no new sessions.
     join: Optional[Callable[[], List["WorkerChannel"]]] = None
 
 

@@ -13,7 +13,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tuple
 
-from ..trainer.channel import ChannelStats, Event, WorkerChannel, slow_frame
+from ..trainer.channel import (
+    ChannelClosed,
+    ChannelStats,
+    Event,
+    Failure,
+    FrameReceived,
+    SessionLost,
+    ShardEnded,
+    WorkerChannel,
+    slow_frame,
+)
 from ..errors import WorkerLostError
 from ..protocol import decode_data
 from ..serialization import loads_items
@@ -32,7 +42,7 @@ def next_frame(event_source: "queue.SimpleQueue[Event]", progress: EpochProgress
     epoch = progress.epoch
     while True:
         event = progress.wait(event_source, stats)
-        if event.kind in ("lost", "closed") or event.epoch == epoch:
+        if isinstance(event, (SessionLost, ChannelClosed)) or event.epoch == epoch:
             return event
         # A stale frame of an abandoned epoch: drop it.
 
@@ -47,11 +57,9 @@ def report_held_losses(channels: Sequence[WorkerChannel], events: "queue.SimpleQ
 
 def take_items(event: Event, epoch: int) -> List[Any]:
     """Return the unpickled items of a current-epoch event, raising for errors and lost workers."""
-    if event.kind in ("error", "lost", "closed"):
-        assert event.error is not None
+    if isinstance(event, Failure):
         raise event.error
-    if event.kind == "data":
-        assert event.frame is not None
+    if isinstance(event, FrameReceived):
         _epoch, _sequence, items = decode_data(event.frame)
         event.channel.grant(epoch, after_slow_frame=slow_frame(items))
         event.channel.stats.items += len(items)
@@ -168,7 +176,7 @@ def iterate_in_order(
         cursor = ring[0]
         while not cursor.pending:
             event = next_frame(cursor.channel.queue, progress, cursor.channel.stats)
-            if event.kind == "end":
+            if isinstance(event, ShardEnded):
                 break
             _take_or_replace(cursor, event, epoch, replace)
         if not cursor.pending:
@@ -203,10 +211,11 @@ def iterate_as_completed(
         cursor = current[event.channel.rank]
         if event.channel is not cursor.channel:
             continue  # left over from a replaced channel
-        if event.kind == "lost" and (replace is None or not reassign) and cursor.channel.rank in finished:
+        held = cursor.channel.rank in finished and (replace is None or not reassign)
+        if isinstance(event, SessionLost) and held:
             cursor.channel.held_loss = event
             continue
-        if event.kind == "end":
+        if isinstance(event, ShardEnded):
             # A worker lost after its END is replaced too, and its replacement (which skips
             # the whole shard) ends it again: count every rank once.
             finished.add(cursor.channel.rank)

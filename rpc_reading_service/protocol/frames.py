@@ -1,24 +1,4 @@
-"""Frames: the byte layout of every message, sans I/O. No sockets here.
-
-A frame is::
-
-    header   magic(4) version(1) kind(1) n_buffers(2) body_length(8)     16 bytes, network order
-    lengths  n_buffers x u64                                              out-of-band buffer sizes
-    body     body_length bytes
-    buffers  each out-of-band buffer, back to back
-
-The header announces every size before anything is read, so a frame over the
-configured maximum is refused unread. Out-of-band buffers (tensor storage, numpy
-arrays, pickle protocol 5 buffers) are received straight into their own
-preallocated memory: ``FrameReader.writable()`` hands out the exact memory the next
-bytes belong to, for ``socket.recv_into``.
-
-Bodies: handshake frames carry raw bytes (see :mod:`.handshake`); session-control
-messages are pickled dicts, after authentication only; CREDIT, DATA, END_OF_SHARD and
-their trainer-to-worker twins (ITEM_CREDIT, ITEMS, END_OF_INPUT) are compact binary,
-and DATA/ITEMS frames pack many items into one frame. :mod:`.messages` gives each
-kind its typed class.
-"""
+"""Frames: the byte layout of every message and its codec, sans I/O (the layout: docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -230,14 +210,10 @@ class FrameReader:
         return n
 
     def feed_frames(self, data: memoryview) -> int:
-        """Take the whole frames without out-of-band buffers at the start of ``data`` (bytes
-        received) in one go, at a frame boundary; return how many bytes they took (0 when
-        the reader is in the middle of a frame or the first frame is not such a whole one:
-        :meth:`writable` and :meth:`advance` take it, with every check and error).
+        """Take the whole frames without buffers at the start of ``data`` at once; the bytes taken (0: none).
 
-        The path of a stream of small frames (a slow stage's one item each, credits,
-        heartbeats): a frame costs one header unpack and one copy of its body, not the
-        per-section steps of the incremental parser.
+        The fast path of small frames (one header unpack and one body copy each); anything else
+        is left to :meth:`writable` and :meth:`advance`, with every check and error.
         """
         if self._state != self._HEADER or self._filled:
             return 0

@@ -1,18 +1,4 @@
-"""Typed session messages: one frozen dataclass per message kind, each with its encode/decode.
-
-After the handshake, every frame of a session is one of these. ``message.encode()``
-returns the chunks of its frame; ``decode_message(frame)`` returns the typed message,
-with every field checked (a wrong or missing field is a
-:class:`~rpc_reading_service.errors.RemoteProtocolError`; constructing a message with
-one is a :class:`~rpc_reading_service.errors.LocalProtocolError`).
-
-The wire is the one of :mod:`.frames`: control messages (SETUP, READY, START_EPOCH,
-STOP_EPOCH, ERROR, CLOSE, LEAVING) are pickled dicts whose keys are the field names, so a peer
-may add keys an older peer ignores; CREDIT, DATA, END_OF_SHARD and HEARTBEAT are compact
-binary; ITEM_CREDIT, ITEMS and END_OF_INPUT are the binary twins that carry dispatched
-items from the trainer to a worker. Which message may come when is not decided here but
-in :mod:`.session`.
-"""
+"""Typed session messages: one frozen dataclass per message kind, each with its encode/decode."""
 
 from __future__ import annotations
 
@@ -80,6 +66,8 @@ class Message:
     """Base of every session message: ``kind`` is its frame type."""
 
     kind: ClassVar[MessageKind]
+    #: Whether the session ends with this message (on both ends).
+    ends_session: ClassVar[bool] = False
 
     def encode(self) -> List[Buffer]:
         """The chunks of this message's frame, ready for ``Connection.send``."""
@@ -203,14 +191,9 @@ class SessionOptions:
 def credit_batch(window: int, slow: bool = False) -> int:
     """How many credits a trainer returns in one CREDIT with a window of ``window`` frames.
 
-    After a frame of a fast stage: half of it (at least one), so that the worker always holds a
-    credit and producing overlaps sending. After a ``slow`` stage's frame (one small item, sealed
-    alone because the next one was not made within ``linger``): the whole window. Such a worker
-    needs no credit before it has spent its last one: it makes an item slower than a CREDIT
-    travels, and packs the items it makes meanwhile into the frame that CREDIT lets go. So it
-    costs one CREDIT, and one wake-up of each side, per window of frames instead of per half.
-    A worker that holds this many of its frames uncredited knows a CREDIT is owed to it without
-    sending more."""
+    Args:
+        slow: after a slow stage's frame (one small item): the whole window, else half of it (at least one).
+    """
     return window if slow else max(1, window // 2)
 
 
@@ -351,7 +334,7 @@ class Error(_Control):
     PHASES: ClassVar[frozenset] = frozenset({"setup", "epoch", "dispatch", "item_timeout"})
     REASONS: ClassVar[frozenset] = frozenset({"transport", "config", "join"})
 
-    @property
+    @property  # type: ignore[override]
     def ends_session(self) -> bool:
         """Whether the worker ends the session after this error (setup and item_timeout)."""
         return self.phase in ("setup", "item_timeout")
@@ -381,6 +364,7 @@ class Close(_Control):
     """Either side: the session is over; the sender closes the connection next."""
 
     kind: ClassVar[MessageKind] = MessageKind.CLOSE
+    ends_session: ClassVar[bool] = True
     #: Set on a bootstrap connection (the transport whose session ends), None in a session.
     transport: Optional[str] = None
 
@@ -393,6 +377,7 @@ class Leaving(_Control):
     elsewhere (from what it consumed). ``reason`` says why, for the trainer's log."""
 
     kind: ClassVar[MessageKind] = MessageKind.LEAVING
+    ends_session: ClassVar[bool] = True
     reason: str = ""
 
 
@@ -616,11 +601,7 @@ def decode_message(frame: Frame) -> Message:
 
 
 def resolve_field_types() -> None:
-    """Resolve (and cache) the field types of every control message now.
-
-    A worker server calls this before it forks sessions, which would otherwise each resolve
-    them again the first time they build or check one (``typing.get_type_hints``: about 2 ms
-    of CPU per session, paid by 64 sessions at once when a trainer opens them)."""
+    """Resolve (and cache) the field types of every control message now (before forking sessions)."""
     classes, pending = [SessionOptions], list(_Control.__subclasses__())
     while pending:
         cls = pending.pop()

@@ -1,17 +1,14 @@
-"""The two roles of a session: what the trainer's end (:class:`TrainerSession`) and the worker's
-end (:class:`WorkerProtocol`) check and record for every message they send and receive; the
-rules and the transition table they share are :mod:`.session`'s."""
+"""The two roles of a session: what each end checks and counts per message (the states: :mod:`.session`)."""
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 from ..errors import RemoteProtocolError
 from .frames import Frame
 from .handshake import decode_reject
 from .messages import (
     ChunkDone,
-    Close,
     Credit,
     Data,
     EndOfInput,
@@ -20,7 +17,6 @@ from .messages import (
     ItemCredit,
     Items,
     Lease,
-    Leaving,
     Ready,
     Setup,
     StartEpoch,
@@ -40,7 +36,6 @@ class TrainerSession(SessionProtocol):
 
     # -- what the trainer sends -----------------------------------------------------------------
     def _send_setup(self, message: Setup) -> None:
-        self.state = SessionState.SETTING_UP
         self._last_received = self._clock()  # the setup timeout counts from SETUP
 
     def _send_start_epoch(self, message: StartEpoch) -> None:
@@ -71,40 +66,32 @@ class TrainerSession(SessionProtocol):
         if self._data.open:  # else the worker drops it: its END_OF_SHARD crossed it
             self._lease(message, self._local)
 
-    def _send_close(self, message: Close) -> None:
-        self._close("us")
-
     # -- what the worker sends ------------------------------------------------------------------
-    def _receive_chunk_done(self, frame: Frame) -> List[Event]:
+    def _receive_chunk_done(self, frame: Frame) -> Optional[List[Event]]:
         message = self._decode(ChunkDone, frame)
         if not self._received_current(message.epoch, message.kind):
-            return []
+            return None
         self._chunk_done(message, self._remote)
         return [message]
 
-    def _apply_ready(self, message: Ready) -> None:
-        self.state = SessionState.READY
-
-    def _receive_error(self, frame: Frame) -> List[Event]:
+    def _receive_error(self, frame: Frame) -> Optional[List[Event]]:
         message = self._decode(Error, frame)
         if message.epoch is None:
             if self.state is not SessionState.SETTING_UP:
                 raise self._remote("it sent a setup ERROR (epoch None) after READY")
-            self._close("peer")  # a worker ends the session after a failed setup
-            return [message]
+            return [message]  # a worker ends the session after a failed setup
         if message.phase == "item_timeout":
             # The worker ends the session after it, whichever epoch it names: report it.
             self._is_current(message.epoch, message.kind, self._remote)
-            self._close("peer")
             return [message]
         if not self._received_current(message.epoch, message.kind):
-            return []
+            return None
         if not self._data.open:
             raise self._remote(f"it sent ERROR for epoch {message.epoch} after ending that epoch")
         self._end_data()
         return [message]
 
-    def _receive_data(self, frame: Frame) -> List[Event]:
+    def _receive_data(self, frame: Frame) -> Optional[List[Event]]:
         epoch, sequence, count = self._header(frame)
         flow = self._data
         if (
@@ -117,26 +104,25 @@ class TrainerSession(SessionProtocol):
             flow.items += count
             return [DataReceived(epoch, sequence, count, frame)]
         if not self._received_current(epoch, frame.kind):
-            return []
+            return None
         self._check_data_leased(epoch, sequence, count, self._remote)
         flow = self._frame_in_flow(self._data, frame.kind, epoch, sequence, self._remote)
         flow.items += count
         return [DataReceived(epoch, sequence, count, frame)]
 
-    def _receive_end_of_shard(self, frame: Frame) -> List[Event]:
+    def _receive_end_of_shard(self, frame: Frame) -> Optional[List[Event]]:
         message = self._decode(EndOfShard, frame)
         if not self._received_current(message.epoch, message.kind):
-            return []
+            return None
         self._check_reported_carried(message, self._remote)
         self._end_flow(self._data, message, self._remote)
         self._end_leases()
-        self.state = SessionState.READY
         return [message]
 
-    def _receive_item_credit(self, frame: Frame) -> List[Event]:
+    def _receive_item_credit(self, frame: Frame) -> Optional[List[Event]]:
         message = self._decode(ItemCredit, frame)
         if not self._received_current(message.epoch, message.kind):
-            return []
+            return None
         if self._input is None:
             raise self._remote(
                 f"it sent ITEM_CREDIT for epoch {message.epoch}, which was not started with dispatched=True"
@@ -146,14 +132,7 @@ class TrainerSession(SessionProtocol):
         self._input.credits += message.credits
         return [message]
 
-    def _apply_close(self, message: Close) -> None:
-        self._close("peer")
-
-    def _apply_leaving(self, message: Leaving) -> None:
-        self._close("peer")
-
     def _receive_reject(self, frame: Frame) -> List[Event]:
-        self._close("peer")
         return [Refused(decode_reject(frame))]
 
 
@@ -178,52 +157,50 @@ class WorkerProtocol(SessionProtocol):
                     raise self._remote(f"it sent SETUP with {name}={value}, which must be positive")
             self.heartbeat_interval = float(message.options.heartbeat_interval)
             self.peer_timeout = float(message.options.peer_timeout)
-        self.state = SessionState.SETTING_UP
         return [message]
 
-    def _apply_start_epoch(self, message: StartEpoch) -> None:
+    def _receive_start_epoch(self, frame: Frame) -> List[Event]:
+        message = self._decode(StartEpoch, frame)
         self._start_epoch(message, self._remote)
+        return [message]
 
-    def _receive_stop_epoch(self, frame: Frame) -> List[Event]:
+    def _receive_stop_epoch(self, frame: Frame) -> Optional[List[Event]]:
         message = self._decode(StopEpoch, frame)
         if not self._received_current(message.epoch, message.kind):
-            return []
+            return None
         self._stop_epoch(message)
         return [message]  # also when the shard just ended: the producer is gone either way
 
-    def _receive_credit(self, frame: Frame) -> List[Event]:
+    def _receive_credit(self, frame: Frame) -> Optional[List[Event]]:
         message = self._decode(Credit, frame)
         if not self._received_current(message.epoch, message.kind):
-            return []
+            return None
         self._data.credits += message.credits  # after END_OF_SHARD too: the trainer grants as it consumes
         return [message] if self._data.open else []
 
-    def _receive_items(self, frame: Frame) -> List[Event]:
+    def _receive_items(self, frame: Frame) -> Optional[List[Event]]:
         epoch, sequence, count = self._header(frame)
         if not self._received_current(epoch, frame.kind) or not self._data.open:
-            return []
+            return None
         self._items_leased(epoch, sequence, count, self._remote)
         flow = self._frame_in_flow(self._input, frame.kind, epoch, sequence, self._remote)
         message = self._decode(Items, frame)
         flow.items += len(message.items)
         return [message]
 
-    def _receive_end_of_input(self, frame: Frame) -> List[Event]:
+    def _receive_end_of_input(self, frame: Frame) -> Optional[List[Event]]:
         message = self._decode(EndOfInput, frame)
         if not self._received_current(message.epoch, message.kind) or not self._data.open:
-            return []
+            return None
         self._end_flow(self._input, message, self._remote)
         return [message]
 
-    def _receive_lease(self, frame: Frame) -> List[Event]:
+    def _receive_lease(self, frame: Frame) -> Optional[List[Event]]:
         message = self._decode(Lease, frame)
         if not self._received_current(message.epoch, message.kind) or not self._data.open:
-            return []  # in flight when the shard ended: past the stream's end
+            return None  # in flight when the shard ended: past the stream's end
         self._lease(message, self._remote)
         return [message]
-
-    def _apply_close(self, message: Close) -> None:
-        self._close("peer")
 
     # -- what the worker sends ------------------------------------------------------------------
     def _send_chunk_done(self, message: ChunkDone) -> None:
@@ -231,7 +208,6 @@ class WorkerProtocol(SessionProtocol):
         self._chunk_done(message, self._local)
 
     def _send_ready(self, message: Ready) -> None:
-        self.state = SessionState.READY
         # The peer timeout counts from READY: what the trainer sent while this side loaded the
         # graph (heartbeats) waits unread until now, so the trainer was not silent meanwhile.
         self._last_received = self._clock()
@@ -240,14 +216,11 @@ class WorkerProtocol(SessionProtocol):
         if message.epoch is None:
             if self.state is not SessionState.SETTING_UP:
                 raise self._local("it sent a setup ERROR (epoch None) after READY")
-            self._close("us")  # the session ends after a failed setup
-            return
+            return  # the session ends after a failed setup
         self._sent_current(message.epoch, message.kind)
         if not self._data.open:
             raise self._local(f"it sent ERROR for epoch {message.epoch} after ending that epoch")
         self._end_data()
-        if message.ends_session:
-            self._close("us")
 
     def _send_data(self, message: Data) -> None:
         self._sent_current(message.epoch, message.kind)
@@ -260,7 +233,6 @@ class WorkerProtocol(SessionProtocol):
         self._check_reported_carried(message, self._local)
         self._end_flow(self._data, message, self._local)
         self._end_leases()
-        self.state = SessionState.READY
 
     def _send_item_credit(self, message: ItemCredit) -> None:
         self._sent_current(message.epoch, message.kind)
@@ -269,9 +241,3 @@ class WorkerProtocol(SessionProtocol):
                 f"it sent ITEM_CREDIT for epoch {message.epoch}, whose dispatched input is not open"
             )
         self._input.credits += message.credits
-
-    def _send_close(self, message: Close) -> None:
-        self._close("us")
-
-    def _send_leaving(self, message: Leaving) -> None:
-        self._close("us")

@@ -1,27 +1,4 @@
-"""The trainer's end of worker sessions: setup, receiving and credits.
-
-One :class:`WorkerChannel` per worker session, driving a
-:class:`~rpc_reading_service.protocol.TrainerSession`. Its receiver (the trainer's one
-:class:`~rpc_reading_service.trainer.receive_loop.ReceiveLoop` for all sessions, or a thread of its
-own for a connection no event loop can watch) moves frames into the state machine, sends
-the heartbeats it finds due, and turns its events into :class:`Event` objects on a queue;
-the consumer (the DataLoader2 iterator's thread) unpickles items and grants a credit for
-every frame it takes, so at most ``prefetch`` frames per worker are ever
-buffered here. In a receive loop, the CREDIT frames themselves are sent by the loop
-(:meth:`WorkerChannel.send_due`): a send wakes the worker, which on a busy host preempts the
-thread that sent, and the consumer is what the whole trainer waits for.
-
-A channel exists before its session is set up (the engine sets sessions up in the
-background): what is sent to it meanwhile (an epoch's START_EPOCH, leases) is held, and
-goes out in order once READY arrives, so each session starts as soon as it is set up.
-
-A worker that stops reading (a stopped process, a full connection) must not stall the
-others: the receiver sends a heartbeat only when the connection has room for it
-(``Connection.has_room``) and never sends dispatched input (the dispatcher's own thread
-does), and once the worker has been silent for ``peer_timeout`` the receiver shuts its
-connection down, which ends every send still waiting for it (the dispatcher's, the
-consumer's credit) before the consumer hears of the loss.
-"""
+"""The trainer's end of worker sessions (``WorkerChannel``) and the typed events it reports."""
 
 from __future__ import annotations
 
@@ -71,34 +48,94 @@ from ..serialization import rebuild_exception
 from ..tasks import TaskGroup
 from ..transports.base import Connection, PeerLostError
 
-__all__ = ["Event", "ChannelStats", "WorkerChannel", "drop_items", "slow_frame"]
+__all__ = [
+    "Event",
+    "FrameReceived",
+    "ShardEnded",
+    "ChunkFinished",
+    "Failure",
+    "EpochFailed",
+    "SessionLost",
+    "ChannelClosed",
+    "UnitsDispatched",
+    "ServersJoined",
+    "ChannelStats",
+    "WorkerChannel",
+    "drop_items",
+    "slow_frame",
+]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class Event:
-    """Something a worker channel reports to the consumer."""
+    """Something a worker channel reports to the consumer (one subclass per kind), of ``epoch``."""
 
     channel: "WorkerChannel"
-    kind: str  # "data", "end", "chunk_done", "error", "lost" or "closed" (the trainer shut the channel down)
     epoch: Optional[int]
-    frame: Optional[Frame] = None  # a DATA frame, decoded by the consumer
-    error: Optional[BaseException] = None
-    chunk: Optional[ChunkDone] = None  # a leased chunk the worker finished ("dynamic")
+
+
+@dataclass(frozen=True, eq=False)
+class FrameReceived(Event):
+    """A DATA frame of the epoch, decoded by the consumer."""
+
+    frame: Frame
+
+
+@dataclass(frozen=True, eq=False)
+class ShardEnded(Event):
+    """The worker's shard of the epoch ended (END_OF_SHARD)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkFinished(Event):
+    """The worker finished leased chunks of the epoch ("dynamic": its CHUNK_DONE)."""
+
+    chunk: ChunkDone
+
+
+@dataclass(frozen=True, eq=False)
+class Failure(Event):
+    """An event whose ``error`` the consumer raises."""
+
+    error: BaseException
+
+
+@dataclass(frozen=True, eq=False)
+class EpochFailed(Failure):
+    """The worker's epoch raised (its ERROR), or the dispatching part did."""
+
+
+@dataclass(frozen=True, eq=False)
+class SessionLost(Failure):
+    """The session is lost (epoch None): its process died, the connection broke, it left or timed out."""
+
+
+@dataclass(frozen=True, eq=False)
+class ChannelClosed(Failure):
+    """The trainer shut the channel down (epoch None)."""
+
+
+@dataclass(frozen=True, eq=False)
+class UnitsDispatched(Event):
+    """Not a worker's: the trainer's dispatcher pulled more units of the epoch (``channel``: any one)."""
+
+
+@dataclass(frozen=True, eq=False)
+class ServersJoined(Event):
+    """Not a worker's: servers joined the run; their sessions take part in the epoch (``channel``: any one)."""
 
 
 def drop_items(events: "queue.SimpleQueue[Event]") -> None:
-    """Drop the items no one will take from ``events`` of closed channels (their buffers in
-    shared memory go back at once, not with the next garbage collection); the other events stay,
-    in order, for a consumer still waiting in another thread."""
+    """Drop the items no one will take from ``events`` of closed channels; the other events stay, in order."""
     kept = []
     while True:
         try:
             event = events.get_nowait()
         except queue.Empty:
             break
-        if event.kind != "data":
+        if not isinstance(event, FrameReceived):
             kept.append(event)
     for event in kept:
         events.put(event)
@@ -108,19 +145,13 @@ def drop_items(events: "queue.SimpleQueue[Event]") -> None:
 class ChannelStats:
     """Counters of one worker channel for the current epoch, for ``RPCReadingService.stats()``."""
 
-    frames: int = 0
     items: int = 0
     bytes: int = 0
     wait_seconds: float = 0.0
 
 
 class WorkerChannel:
-    """The trainer's end of one worker session: a driver of its :class:`TrainerSession`.
-
-    Every frame received goes through the state machine (which drops stale ones and
-    rejects illegal ones) and every frame sent is first recorded by it; this class only
-    moves frames and turns the state machine's events into :class:`Event` objects.
-    """
+    """The trainer's end of one worker session: a driver of its :class:`TrainerSession`."""
 
     def __init__(
         self,
@@ -131,9 +162,12 @@ class WorkerChannel:
         loop: Optional[ReceiveLoop] = None,
         address: Optional[str] = None,
     ):
-        """``loop``: the receive loop to receive in, when the connection allows (see
-        :meth:`start_receiver`). ``conn`` None: the channel of worker ``address`` exists before
-        its connection does (:meth:`attach` it once connected, then :meth:`setup`)."""
+        """
+        Args:
+            conn: the session's connection; None: :meth:`attach` it once connected, then :meth:`setup`.
+            loop: the receive loop to receive in, when the connection allows (:meth:`start_receiver`).
+            address: the worker's address (needed without ``conn``).
+        """
         self.conn = conn
         self.rank = rank
         if conn is None and address is None:
@@ -146,7 +180,7 @@ class WorkerChannel:
         self.stats = ChannelStats()
         self.info: Dict[str, Any] = {}
         #: A loss noticed after this worker's shard ended, to report when the next epoch needs it.
-        self.held_loss: Optional[Event] = None
+        self.held_loss: Optional[SessionLost] = None
         self.protocol = TrainerSession(self.name, heartbeat_interval, peer_timeout)
         #: Around every call of the state machine (the receiver and the consumer both use it).
         self._state_lock = threading.Lock()
@@ -164,8 +198,8 @@ class WorkerChannel:
         self._held: Optional[List[Tuple[Tuple[Message, ...], Optional[int], bool]]] = []
         self._loop = loop
         self._in_loop = False
-        #: The epoch's credit window and the credits not sent back yet: see :meth:`grant`.
-        self._window, self._ungranted = 1, 0
+        #: The credits the consumer granted and not sent back yet (:meth:`grant`).
+        self._ungranted = 0
         #: Around the credits not sent back yet (the consumer adds, the receive loop sends), and
         #: whether the loop was told that they are due.
         self._credit_lock = threading.Lock()
@@ -194,13 +228,12 @@ class WorkerChannel:
     def _send_or_report(
         self, *messages: Message, wait: float = -1, epoch: Optional[int] = None, if_room: bool = False
     ) -> None:
-        """Send ``messages`` (in one write where the transport can) unless the session is over;
-        a failed send is the receiver's to report.
+        """Send ``messages`` in one write unless the session is over (the receiver reports a failed send).
 
-        ``wait``: seconds to wait for a send in progress (``-1``: as long as it takes); after
-        that, nothing is sent. With ``epoch``, nothing is sent either once another epoch
-        started (or this one stopped). ``if_room``: nothing either when the connection has no
-        room for it now (the send would wait for the worker to read).
+        Args:
+            wait: seconds to wait for a send in progress (-1: as long as it takes), else nothing is sent.
+            epoch: nothing is sent once another epoch started (or this one stopped).
+            if_room: nothing is sent when the connection has no room for it now.
         """
         if not self._send_lock.acquire(timeout=wait):
             log.debug("not sending %s to %s: another send is stuck", _kinds(messages), self.name)
@@ -245,9 +278,9 @@ class WorkerChannel:
     def _tick(self, now: Optional[float] = None, blocking: bool = True) -> Tick:
         """The state machine's liveness: send the heartbeat due, return what else it found.
 
-        Not ``blocking``: while another thread is sending a frame, or the connection has no
-        room (a worker that stopped reading), the heartbeat is not sent (a frame on its way
-        shows the worker this side is alive), so the receiver never waits for one session."""
+        Args:
+            blocking: False: no heartbeat while another send is in progress or the connection is full.
+        """
         sending = self._send_lock.acquire(blocking)
         try:
             with self._state_lock:
@@ -262,11 +295,13 @@ class WorkerChannel:
                 self._send_lock.release()
         return due
 
+    @property
+    def frames_received(self) -> int:
+        """DATA frames of the current epoch received (the state machine's count)."""
+        return self.protocol.next_sequence
+
     def heard_since(self, since: float) -> bool:
-        """Whether a frame from the worker was taken in half a heartbeat interval or more after
-        ``since`` (``time.monotonic()``): by then, frames it sent before ``since`` have been
-        read, so the worker was alive after ``since``; one that is alive sends at least a
-        heartbeat per interval."""
+        """Whether a frame from the worker came half a heartbeat interval or more after ``since``."""
         return self.protocol.last_received >= since + self.heartbeat_interval / 2
 
     def _receive(self, frame: Frame) -> List[Any]:
@@ -286,10 +321,12 @@ class WorkerChannel:
             raise WorkerLostError(f"{self.name}: the trainer closed the session while connecting", self.rank, self.address)
 
     def setup(self, setup: Union[Setup, Mapping[str, Any]], timeout: float) -> None:
-        """Send SETUP (a :class:`Setup`, or its fields as a dict) and wait for READY, then send
-        what was asked for meanwhile (an epoch's START_EPOCH); raise the worker's error if
-        setup failed there, :class:`WorkerRefusedError` with the server's reason if it refused
-        the session, :class:`WorkerLostError` after ``timeout``."""
+        """Send SETUP (a :class:`Setup` or its fields), wait for READY, then send what was held meanwhile.
+
+        Raises:
+            WorkerStartupError: setup failed on the worker. WorkerRefusedError: its server refused
+            the session. WorkerLostError: no READY within ``timeout``.
+        """
         assert self.conn is not None, "attach() the connection first"
         message = setup if isinstance(setup, Setup) else Setup(**setup)
         with self._state_lock:
@@ -330,18 +367,14 @@ class WorkerChannel:
         raise WorkerLostError(f"{self.name} ended the session during setup (it said CLOSE)", self.rank, self.address)
 
     def fail_setup(self, error: BaseException) -> None:
-        """Setting up in the background failed with ``error``: close the connection and report
-        the session lost with it, for the consumer to raise (or reassign) when it comes to this
-        worker; nothing is reported once the trainer closed the channel."""
+        """Setting up in the background failed with ``error``: close the connection, report the loss."""
         if self.conn is not None:
             self.conn.close()
         if not self._closing:
-            self.queue.put(Event(self, "lost", None, error=error))
+            self.queue.put(SessionLost(self, None, error))
 
     def start_receiver(self, sink: "queue.SimpleQueue[Event]") -> None:
-        """Start receiving, delivering events to ``sink``: in the channel's receive loop if
-        its connection can be watched by one (``Connection.fileno()``), else in a thread.
-        Nothing once the trainer closed the channel (it may close while setting up)."""
+        """Start receiving into ``sink``: in the receive loop if the connection allows, else in a thread."""
         assert self.conn is not None, "attach() the connection first"
         self.queue = sink
         if self._loop is not None and self.conn.fileno() is not None:
@@ -365,43 +398,34 @@ class WorkerChannel:
         leased: bool = False,
         number: Optional[int] = None,
     ) -> None:
-        """Start ``epoch`` on the worker (superseding any epoch still running there); with
-        ``dispatched``, its input comes from the trainer (:meth:`send_input`); ``leased``: the
-        worker walks its stream by the chunks :meth:`lease` hands it. ``number``: the epoch as
-        the user counts it (``stats()``: from 0), for messages."""
+        """Start ``epoch`` on the worker, superseding any epoch still running there.
+
+        Args:
+            dispatched: its input comes from the trainer (:meth:`send_input`).
+            leased: the worker walks its stream by the chunks :meth:`lease` hands it.
+            number: the epoch as the user counts it (from 0), for messages.
+        """
         if number is not None:
             self._numbers[epoch] = number
         with self._credit_lock:
             self.epoch = epoch
-            self._window, self._ungranted = credits, 0
+            self._ungranted = 0
         self.stats = ChannelStats()
         self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased=leased))
 
     def send_input(self, message: Union[Items, EndOfInput]) -> None:
-        """Send an ITEMS or END_OF_INPUT frame of the dispatched input (the state machine
-        checks the worker's ITEM_CREDIT); nothing once the session is over or its epoch is
-        (a superseded dispatcher's last frame may still be on its way out)."""
+        """Send an ITEMS or END_OF_INPUT frame of the dispatched input (nothing once its epoch is over)."""
         self._send_or_report(message, epoch=message.epoch)
 
     def grant(self, epoch: int, credits: int = 1, after_slow_frame: bool = False) -> None:
-        """Allow the worker ``credits`` more DATA frames of ``epoch`` for the ones just taken
-        (nothing for a superseded epoch; the consumer's thread only).
-
-        Credits go back in batches, by the protocol's rule
-        (:func:`~rpc_reading_service.protocol.credit_batch`): once half the window is due (the
-        worker always holds a credit), or after a :func:`slow_frame` once the whole window is:
-        a slow stage needs no credit before it has spent its last one, and packs the items it
-        makes meanwhile into the frame the CREDIT lets go (one CREDIT, and one wake-up of the
-        worker, per window of frames).
-
-        In a receive loop, the CREDIT is only marked due here and the loop sends it
-        (:meth:`send_due`), with the credits granted until then.
-        """
+        """Allow the worker ``credits`` more DATA frames of ``epoch``, in batches (the consumer's thread)."""
         if epoch != self.epoch:
             return
         with self._credit_lock:
             self._ungranted += credits
-            if self._ungranted < credit_batch(self._window, slow=after_slow_frame):
+            # The window of the epoch whose frames are taken (the state machine recorded its START_EPOCH:
+            # frames of it came); a plain read, as this thread does not hold the state lock.
+            if self._ungranted < credit_batch(self.protocol.window, slow=after_slow_frame):
                 return
             if self._in_loop:
                 tell, self._credit_due = not self._credit_due, True
@@ -414,9 +438,7 @@ class WorkerChannel:
             self._send_or_report(Credit(epoch, credits))
 
     def send_due(self) -> bool:
-        """Send the CREDIT marked due by :meth:`grant` (the receive loop's call), unless another
-        send holds the connection or it has no room: False then (the loop retries), never
-        waiting, so that no worker's send stalls the loop."""
+        """Send the CREDIT :meth:`grant` marked due (the receive loop's call); False: retry later."""
         if self._closing or self.conn is None:
             return True
         if not self._send_lock.acquire(blocking=False):
@@ -436,10 +458,13 @@ class WorkerChannel:
         self, epoch: int, chunks: Sequence[Tuple[int, int, int, int]] = (), final: bool = False,
         items: Sequence[Items] = (),
     ) -> None:  # fmt: skip
-        """Lease ``chunks`` (``(chunk, skip, first position, positions)``: its first ``skip`` items are not sent) of ``epoch``'s
-        stream to the worker, then with ``final`` say that no more come ("dynamic"; nothing for a
-        superseded epoch). Credits not granted yet go along: one send (the consumer's thread only).
-        ``items``: ITEMS frames that follow the leases (a dispatched epoch's units, one item each)."""
+        """Lease chunks of ``epoch``'s stream to the worker, with the credits not sent yet ("dynamic").
+
+        Args:
+            chunks: ``(chunk, skip, first position, positions)``: its first ``skip`` items are not sent.
+            final: no more chunks come.
+            items: ITEMS frames that follow the leases (a dispatched epoch's units, one item each).
+        """
         if epoch != self.epoch:
             return
         messages: List[Message] = [
@@ -455,11 +480,7 @@ class WorkerChannel:
         self._send_or_report(*messages)
 
     def close(self, timeout: float = 2.0) -> None:
-        """Say CLOSE, stop receiving and close the connection (idempotent).
-
-        A consumer still waiting for this channel's items (another thread) is woken with an
-        error: no frame will come any more.
-        """
+        """Say CLOSE, stop receiving and close the connection (idempotent); wake a waiting consumer."""
         with self._state_lock:
             if self._closing:
                 return
@@ -477,7 +498,7 @@ class WorkerChannel:
             f"the DataLoader2 was shut down while this iteration waited for items from {self.name} "
             "(dl.shutdown() or an error in another thread); start a new DataLoader2 to go on"
         )
-        self.queue.put(Event(self, "closed", None, error=closed))
+        self.queue.put(ChannelClosed(self, None, closed))
 
     # -- receiving ------------------------------------------------------------------------------
     def fileno(self) -> Optional[int]:
@@ -537,7 +558,7 @@ class WorkerChannel:
         if not self._closing:
             # A session the worker ended for a stuck item: say so also in a later epoch.
             error = self._ended_by or WorkerLostError(message, self.rank, self.address)
-            self._report(Event(self, "lost", None, error=error))
+            self._report(SessionLost(self, None, error))
         return True
 
     def _report(self, event: Event) -> None:
@@ -567,10 +588,9 @@ class WorkerChannel:
 
     def _on_data(self, event: DataReceived) -> bool:
         # Only the header was read: the consumer decodes, so this thread holds the GIL briefly.
-        stats, frame = self.stats, event.frame
-        stats.frames += 1
-        stats.bytes += frame.nbytes
-        self._report(Event(self, "data", event.epoch, frame))
+        frame = event.frame
+        self.stats.bytes += frame.nbytes
+        self._report(FrameReceived(self, event.epoch, frame))
         return False
 
     def _on_item_credit(self, event: ItemCredit) -> bool:
@@ -583,12 +603,12 @@ class WorkerChannel:
             sink(event)
 
     def _on_chunk_done(self, event: ChunkDone) -> bool:
-        self._report(Event(self, "chunk_done", event.epoch, chunk=event))
+        self._report(ChunkFinished(self, event.epoch, event))
         return False
 
     def _on_end_of_shard(self, event: EndOfShard) -> bool:
         self._tell_input(event)
-        self._report(Event(self, "end", event.epoch))
+        self._report(ShardEnded(self, event.epoch))
         return False
 
     def _on_error(self, event: Error) -> bool:
@@ -598,7 +618,7 @@ class WorkerChannel:
             error: BaseException = self._ended_by
         else:
             error = rebuild_exception(dict(event.exception), self.rank, self.address)
-        self._report(Event(self, "error", event.epoch, error=error))
+        self._report(EpochFailed(self, event.epoch, error))
         return False
 
     def _on_leaving(self, event: Leaving) -> bool:
@@ -629,16 +649,16 @@ SLOW_FRAME_MAX_BYTES = 64 * 1024
 
 
 def slow_frame(items: Sequence[Any]) -> bool:
-    """Whether a DATA frame of ``items`` (encoded) is a slow stage's: one small item. A worker
-    seals an item alone when it came too late to wait for another one (a large one fills a frame
-    by itself: that says nothing of its pace)."""
+    """Whether a DATA frame of ``items`` (encoded) is a slow stage's: one small item."""
     return len(items) == 1 and items[0].nbytes <= SLOW_FRAME_MAX_BYTES
 
 
 def lease_runs(chunks: Sequence[Tuple[int, int, int, int]]) -> List[Tuple[int, int, int, int, int]]:
-    """``(chunk, skip, first position, positions)`` leases as ``(first chunk, its skip, count, first
-    position, positions each)`` runs of consecutive chunks of one size that follow each other in the
-    stream (one LEASE frame each): a chunk with a skip of its own starts a run."""
+    """Leases ``(chunk, skip, first position, positions)`` as runs, one LEASE each.
+
+    Returns:
+        ``(first chunk, skip, count, first position, positions each)`` per run.
+    """
     runs: List[List[int]] = []
     for chunk, skip, start, size in chunks:
         if runs:

@@ -1,29 +1,4 @@
-"""One thread that receives for every worker session of a trainer: a ``selectors`` event loop.
-
-A trainer with hundreds of worker sessions cannot afford a receiver thread for each: the
-threads' wake-ups and their contention for the GIL grow with the number of sessions until
-the trainer itself is the bottleneck. :class:`ReceiveLoop` watches the connections of all
-its sessions at once; each readable one is read without blocking
-(``Connection.recv_ready``) and its frames go to its driver. Liveness (heartbeats due,
-silent peers) is checked for all sessions together, once per sweep, instead of one timer
-per session.
-
-What a session hands on to its consumer in the loop's thread (:meth:`ReceiveLoop.hand_over`)
-is held until the loop has read every connection that was ready and made its sends, and
-is then handed on all at once, right before the loop waits again: the consumer, woken by
-the first of them, would otherwise take the GIL at the loop's next ``recv`` and the two
-threads would hand it back and forth once per frame (several futex wake-ups each).
-
-Small sends that another thread finds due (the consumer's credits) are made here too, in
-the loop's turn (:meth:`ReceiveLoop.due`): a send wakes its peer, and on a busy host the
-woken process preempts the thread that sends; the loop's thread can afford that, the
-trainer's consumer cannot.
-
-The loop knows nothing of the protocol: a session is a :class:`Watched`, whatever answers
-``fileno()``, ``on_readable()``, ``on_tick(now)`` and ``send_due()`` (the trainer's ``WorkerChannel``).
-Sessions are added and removed from any thread; the selector itself is only touched by the
-loop's thread, so a connection is never closed while the loop may still poll it.
-"""
+"""One thread that receives for every worker session of a trainer: a ``selectors`` event loop."""
 
 from __future__ import annotations
 

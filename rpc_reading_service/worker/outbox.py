@@ -8,7 +8,17 @@ import threading
 import time
 from typing import Callable, Deque, List, Optional, Tuple, Union
 
-from ..protocol import Buffer, ChunkDone, Data, EncodedItem, ItemCredit, Message, SessionOptions, credit_batch
+from ..protocol import (
+    Buffer,
+    ChunkDone,
+    Data,
+    EncodedItem,
+    ItemCredit,
+    Message,
+    SessionOptions,
+    WorkerProtocol,
+    credit_batch,
+)
 from .inbox import Cancelled
 
 __all__ = ["Outbox", "FinalFrame"]
@@ -28,7 +38,8 @@ class Outbox:
 
     Args:
         options: The session's packing bounds, linger and credits.
-        encode: Encodes (and records) a message into a frame's chunks: the session's state machine's ``send``.
+        protocol: The session's state machine: it encodes and records each frame, and owns the
+            credits and the numbers of DATA frames the outbox reads.
         lock: Held while encoding: the session's state machine's lock.
         send: Writes frames (the connection's ``send_frames``); None: frames are only taken (:meth:`take`).
     """
@@ -36,12 +47,13 @@ class Outbox:
     def __init__(
         self,
         options: SessionOptions,
-        encode: Callable[[Message], List[Buffer]] = lambda message: message.encode(),
+        protocol: WorkerProtocol,
         lock: Optional["threading.RLock"] = None,
         send: Optional[Callable[[List[List[Buffer]]], None]] = None,
     ):
         self._options = options
-        self._encode = encode
+        self._protocol = protocol
+        self._encode = protocol.send
         self._send = send
         self._cond = threading.Condition(lock)
         #: Held from taking frames (encoding them) to writing them (docs/architecture.md, "The outbox").
@@ -53,15 +65,11 @@ class Outbox:
         #: Frames a credit let go, taken by :meth:`grant` for its caller to write.
         self._taken: List[List[Buffer]] = []
         self.epoch: Optional[int] = None
-        self._credits = 0
         self._open: List[EncodedItem] = []
         self._open_bytes = 0
         self._open_since = 0.0
         #: A slow item opened the batch and waits for credit: sealed without lingering once credit comes.
         self._open_slow = False
-        #: The epoch's credit window (what ``start_epoch`` granted): frames sent and not yet credited back are
-        #: ``_window - _credits``.
-        self._window = 0
         #: When the producer put the epoch's latest item (None before its first).
         self._last_put: Optional[float] = None
         #: Sealed batches waiting for credit, and markers (CHUNK_DONE) that follow them without credit
@@ -74,24 +82,21 @@ class Outbox:
         self._final_ends_session = False
         #: True once a final frame queued with ``end_session`` has been taken for sending.
         self.session_over = False
-        self._sequence = 0
         self._closed = False
         self.items_sent = 0
         self.bytes_sent = 0
         self.credit_wait_seconds = 0.0
         self._credit_wait_since: Optional[float] = None
 
-    def start_epoch(self, epoch: int, credits: int) -> None:
-        """Drop whatever belongs to an older epoch and start ``epoch`` with ``credits``."""
+    def start_epoch(self, epoch: int) -> None:
+        """Drop whatever belongs to an older epoch and start ``epoch`` (its START_EPOCH just recorded)."""
         with self._cond:
             self.epoch = epoch
-            self._credits = self._window = credits
             self._open, self._open_bytes, self._open_slow = [], 0, False
             self._sealed.clear()
             self._input_credits, self._input_open = 0, True
             self._final = None
             self._final_ends_session = False
-            self._sequence = 0
             self._last_put = None
             self._cond.notify_all()
 
@@ -118,11 +123,10 @@ class Outbox:
             if epoch == self.epoch:
                 self._input_credits, self._input_open = 0, False
 
-    def grant(self, epoch: int, credits: int) -> None:
-        """Add credits for ``epoch`` (stale grants are ignored)."""
+    def grant(self, epoch: int) -> None:
+        """The state machine just recorded a CREDIT for ``epoch``: let the data waiting for it go."""
         with self._cond:
             if epoch == self.epoch:
-                self._credits += credits
                 if not (self._sealed or self._open):
                     return  # nobody waits for it: the sender sleeps on
                 if self._send is not None and self._final is None and self.sending.acquire(blocking=False):
@@ -167,13 +171,13 @@ class Outbox:
             itself = item.borrowed or (item.staged and self._fills_batch())
             if itself:
                 pass  # sealed and written below (a borrowed item before the producer makes its next one)
-            elif slow and opened and not self._batch_waits() and self._credits > 0:
+            elif slow and opened and not self._batch_waits() and self._protocol.credits > 0:
                 frames = self._take_inline(item)
                 if frames is None:
                     self._seal()  # the sender wakes once, for a frame to send
             elif slow and opened and self._credit_owed():
                 self._open_slow = True  # the CREDIT the trainer owes takes it along: no wake-up of the sender
-            elif opened and self._credits > 0:
+            elif opened and self._protocol.credits > 0:
                 self._cond.notify_all()  # the sender times the linger from now (without credit, grant() does)
             if itself or self._fills_batch():
                 while self._batch_waits():
@@ -199,12 +203,12 @@ class Outbox:
         """The frames for the producer to write itself, its borrowed item's among them when
         the trainer's credit allows (no wake-up of the sender); else None, the sender is woken
         (not for want of credit: the thread that grants it takes the frames, see :meth:`grant`)."""
-        if self._send is not None and self._credits > 0 and self.sending.acquire(blocking=False):
+        if self._send is not None and self._protocol.credits > 0 and self.sending.acquire(blocking=False):
             frames = self._ready_frames([], _FRAMES_PER_SEND, final=False)
             if frames:
                 return frames
             self.sending.release()
-        if self._send is None or self._credits > 0:
+        if self._send is None or self._protocol.credits > 0:
             self._cond.notify_all()
         return None
 
@@ -265,7 +269,7 @@ class Outbox:
             # The walk may now wait for its next lease: that gap says nothing of how fast items
             # come, so the next chunk's first item is not sealed alone as a slow one.
             self._last_put = None
-            if not self._open or self._credits <= 0:
+            if not self._open or self._protocol.credits <= 0:
                 self._cond.notify_all()
             # else the sender wakes within ``linger`` for the open batch and takes the marker with it
 
@@ -283,7 +287,7 @@ class Outbox:
 
     def _track_credit_wait(self, now: float) -> None:
         """Account the time data was ready but the trainer had granted no credit."""
-        blocked = self._credits == 0 and bool(self._sealed or self._open)
+        blocked = self._protocol.credits == 0 and bool(self._sealed or self._open)
         if blocked and self._credit_wait_since is None:
             self._credit_wait_since = now
         elif not blocked and self._credit_wait_since is not None:
@@ -299,7 +303,8 @@ class Outbox:
     def _credit_owed(self) -> bool:
         """Whether the trainer holds enough of this epoch's frames that it owes a slow stage a
         CREDIT without more of them (:func:`~rpc_reading_service.protocol.credit_batch`)."""
-        return self._window - self._credits >= credit_batch(self._window, slow=True)
+        window = self._protocol.window
+        return window - self._protocol.credits >= credit_batch(window, slow=True)
 
     def _check(self, epoch: int) -> None:
         if self._closed or epoch != self.epoch or self._final_ends_session:
@@ -395,14 +400,14 @@ class Outbox:
             return self._encode(ItemCredit(self.epoch, credits)), 0.0
         self._track_credit_wait(now)
         if self._sealed and isinstance(self._sealed[0], Message):
-            if self._open and self._credits > 0 and self._final is None:
+            if self._open and self._protocol.credits > 0 and self._final is None:
                 lingered_until = self._open_since + self._options.linger
                 if now < lingered_until:  # the marker leaves in one send with the open batch
                     return None, lingered_until - now
             marker = self._sealed.popleft()
             self._wake_producer()
             return self._encode(marker), 0.0
-        if self._credits > 0:
+        if self._protocol.credits > 0:
             if not self._sealed and self._open:
                 if (
                     self._final is not None
@@ -418,12 +423,9 @@ class Outbox:
                 items = self._sealed.popleft()
                 assert isinstance(items, list)
                 self._wake_producer()
-                self._credits -= 1
                 self.items_sent += len(items)
                 self.bytes_sent += sum(item.nbytes for item in items)
-                chunks = self._encode(Data(self.epoch, self._sequence, items))
-                self._sequence += 1
-                return chunks, 0.0
+                return self._encode(Data(self.epoch, self._protocol.next_sequence, items)), 0.0
         if self._final is not None and not self._sealed and not self._open:
             final, self._final = self._final, None
             chunks = self._encode(final) if isinstance(final, Message) else final

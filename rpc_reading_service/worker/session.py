@@ -121,7 +121,7 @@ class WorkerSession:
             setup_timeout=self.options.setup_timeout,
             lenient=True,
         )
-        self.outbox = Outbox(self.options, self.protocol.send, self._lock, self._send_frames)
+        self.outbox = Outbox(self.options, self.protocol, self._lock, self._send_frames)
         self._graph: Any = None
         self._worker_info: Any = None
         self._reset_fn: Any = None
@@ -146,7 +146,7 @@ class WorkerSession:
         self._on_event: Dict[type, Callable[[Any], None]] = {
             StartEpoch: self._start_epoch,
             StopEpoch: self._stop_epoch,
-            Credit: lambda message: self.outbox.grant(message.epoch, message.credits),
+            Credit: lambda message: self.outbox.grant(message.epoch),
             Items: self._on_items,
             EndOfInput: self._on_end_of_input,
             Lease: self._lease,
@@ -227,7 +227,7 @@ class WorkerSession:
 
     def _set_up(self, setup: Setup) -> bool:
         self.options = setup.options
-        self.outbox = Outbox(self.options, self.protocol.send, self._lock, self._send_frames)
+        self.outbox = Outbox(self.options, self.protocol, self._lock, self._send_frames)
         try:
             datapipe, init_fn, self._reset_fn = loads_graph(setup.graph)
             self._worker_info = WorkerInfo(setup.num_workers, setup.worker_rank)
@@ -273,7 +273,7 @@ class WorkerSession:
     def _start_epoch(self, request: StartEpoch) -> None:
         """Start ``request.epoch`` (called with the lock held): its producer, or the report
         of an item of an earlier epoch that got stuck."""
-        self.outbox.start_epoch(request.epoch, request.credits)
+        self.outbox.start_epoch(request.epoch)
         self._cancel_input()
         if request.dispatched:
             self._inbox = Inbox(request.epoch, lambda epoch: self.outbox.grant_input(epoch, 1), self._waiting_for_trainer)

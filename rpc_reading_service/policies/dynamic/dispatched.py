@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Protocol, Tuple
+from typing import Iterable, List, Optional, Protocol, Tuple
 
 from ...trainer.channel import WorkerChannel
-from ...errors import ConfigurationError, WorkerLostError
+from ...errors import ConfigurationError
 from ...protocol import EncodedItem, EndOfInput, Items
 from ..base import EpochRun
 from .merger import DynamicMerger, DynamicSettings
@@ -55,12 +55,6 @@ class DispatchedMerger(DynamicMerger):
         super().__init__(policy, run)
         self.units_source: UnitSource = run.dispatched
         self.book.available = 0
-        #: Per rank: ITEMS frames and items sent to its current session this epoch.
-        self._frames: Dict[int, int] = {rank: 0 for rank in range(len(run.channels))}
-        self._items: Dict[int, int] = dict(self._frames)
-
-    def _added(self, rank: int) -> None:
-        self._frames[rank] = self._items[rank] = 0
 
     def _top_up(self, channel: WorkerChannel) -> None:
         book, source, rank = self.book, self.units_source, channel.rank
@@ -90,27 +84,25 @@ class DispatchedMerger(DynamicMerger):
 
     def _send_units(self, channel: WorkerChannel, leases: List[Tuple[int, int]]) -> None:
         """LEASE each unit, then its item in ITEMS frames (packed up to a frame's bounds), in one write."""
-        rank, frames, source = channel.rank, [], self.units_source
+        frames: List[Items] = []
+        source = self.units_source
+        # Numbered from the frames the session's state machine counted (this thread is the only one
+        # that sends them): one ITEMS frame per batch, sent together below.
+        sequence = channel.protocol.input_progress[0]
         batch: List[EncodedItem] = []
         nbytes = 0
         for chunk, _skip in leases:
             item = source.item(chunk, keep=self.run.replace is not None and self.run.reassign)
             if batch and (len(batch) >= source.max_items or nbytes + item.nbytes > source.max_bytes):
-                frames.append(self._frame(rank, batch))
+                frames.append(Items(self.run.wire, sequence + len(frames), batch))
                 batch, nbytes = [], 0
             batch.append(item)
             nbytes += item.nbytes
-        frames.append(self._frame(rank, batch))
+        frames.append(Items(self.run.wire, sequence + len(frames), batch))
         channel.lease(self.run.wire, self._with_bounds(leases), items=frames)
 
-    def _frame(self, rank: int, items: List[EncodedItem]) -> Items:
-        frame = Items(self.run.wire, self._frames[rank], items)
-        self._frames[rank] += 1
-        self._items[rank] += len(items)
-        return frame
-
     def _end_input(self, channel: WorkerChannel) -> None:
-        channel.send_input(EndOfInput(self.run.wire, self._items[channel.rank]))
+        channel.send_input(EndOfInput(self.run.wire, channel.protocol.input_progress[1]))
 
     def _stream_ended(self, channel: WorkerChannel) -> None:
         """A worker's graph ends after its last unit; one that ends before (a DataPipe after the
@@ -125,6 +117,3 @@ class DispatchedMerger(DynamicMerger):
             )
         super()._stream_ended(channel)
 
-    def _replace(self, lost: WorkerChannel, error: WorkerLostError) -> None:
-        self._frames[lost.rank] = self._items[lost.rank] = 0  # the replacement's input starts at frame 0
-        super()._replace(lost, error)

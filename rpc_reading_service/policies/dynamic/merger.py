@@ -10,7 +10,15 @@ from __future__ import annotations
 import collections
 from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
-from ...trainer.channel import WorkerChannel
+from ...trainer.channel import (
+    ChunkFinished,
+    FrameReceived,
+    ServersJoined,
+    SessionLost,
+    ShardEnded,
+    UnitsDispatched,
+    WorkerChannel,
+)
 from ...errors import WorkerLostError
 from ..base import EpochRun, Merger
 from .leases import CHUNK_LEAD_SECONDS, MAX_CHUNK_DEPTH, WINDOW_BYTES_PER_WORKER, LeaseBook, checkpoint_schedule
@@ -147,10 +155,10 @@ class DynamicMerger(Merger):
                 window_from = book.complete_below
                 self._top_up_all()
             event = next_frame(run.events, progress)
-            if event.kind == "dispatched":  # the trainer's dispatcher pulled more units
+            if isinstance(event, UnitsDispatched):  # the trainer's dispatcher pulled more units
                 self._top_up_all()
                 continue
-            if event.kind == "joined":  # a server joined: its sessions take the next leases
+            if isinstance(event, ServersJoined):  # a server joined: its sessions take the next leases
                 self._adopt()
                 continue
             rank = event.channel.rank
@@ -158,8 +166,7 @@ class DynamicMerger(Merger):
                 self._adopt()
             if rank >= len(channels) or event.channel is not channels[rank]:
                 continue  # left over from a replaced (or closed) session
-            if event.kind == "chunk_done":
-                assert event.chunk is not None
+            if isinstance(event, ChunkFinished):
                 done = event.chunk
                 book.done_many(rank, done.chunk, done.counts, done.stream_length)
                 self._top_up(event.channel)
@@ -168,15 +175,14 @@ class DynamicMerger(Merger):
                     # that none come. A report gives them no other room: the window moves only as
                     # items are delivered, and the check above tops everyone up then.
                     self._top_up_all()
-            elif event.kind == "end":
+            elif isinstance(event, ShardEnded):
                 self._stream_ended(event.channel)
-            elif event.kind == "data":
+            elif isinstance(event, FrameReceived):
                 try:
                     items = take_items(event, run.wire)
                 except WorkerLostError as exc:
                     self._replace(event.channel, exc)
                     continue
-                assert event.frame is not None
                 book.received(len(items), event.frame.nbytes)
                 start = 0
                 for chunk, count in book.arrived(rank, len(items)):
@@ -188,7 +194,7 @@ class DynamicMerger(Merger):
                             self._hand_on(rank, chunk)
                             yield item
                     start += count
-            elif event.kind == "lost" and (run.replace is None or not run.reassign) and rank in book.ended:
+            elif isinstance(event, SessionLost) and rank in book.ended and not (run.replace and run.reassign):
                 event.channel.held_loss = event  # this epoch has all of its items: the next one needs it
             else:
                 try:
@@ -238,11 +244,7 @@ class DynamicMerger(Merger):
             return
         for channel in self.run.join():
             self.book.add_rank(channel.rank)
-            self._added(channel.rank)
             self._top_up(channel)
-
-    def _added(self, rank: int) -> None:
-        """A session joined the epoch as ``rank`` (for a subclass's own per-rank state)."""
 
     def _replace(self, lost: WorkerChannel, error: WorkerLostError) -> None:
         """Lease the lost session's chunks that were not delivered completely to its replacement."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from ...addresses import distinct_servers, parse_address
-from ..channel import Event, WorkerChannel, drop_items
+from ..channel import EpochFailed, Event, ServersJoined, UnitsDispatched, WorkerChannel, drop_items
 from ..config import ReadingServiceConfig
 from ...errors import ConfigurationError, DispatchStalledError, RPCReadingServiceError, WorkerLostError
 from ...graph import DistributedInfo, graph_traversal, init_worker_graph, reset_dispatching_graph, reset_worker_graph
@@ -240,7 +240,7 @@ class Engine:
         )  # fmt: skip
         if now:
             assert epoch is not None
-            self.events.put(Event(channels[0], "joined", epoch.wire))  # wakes the merger: Epoch.join
+            self.events.put(ServersJoined(channels[0], epoch.wire))  # wakes the merger: Epoch.join
         return True
 
     def adopt_joined(self, epoch: Optional[Epoch]) -> List[WorkerChannel]:
@@ -389,7 +389,7 @@ class Engine:
         def notify() -> None:
             channels = self.channels
             if channels:
-                self.events.put(Event(channels[0], "dispatched", wire))
+                self.events.put(UnitsDispatched(channels[0], wire))
 
         self.dispatch = UnitDispatch(
             self.dispatching, wire, self._dispatch_failed(wire), notify, max(1, self.config.prefetch),
@@ -436,7 +436,7 @@ class Engine:
         def report(exc: BaseException) -> None:
             error = _in_mprs_words(exc)
             for channel in list(self.channels):  # whichever worker the consumer waits for
-                channel.queue.put(Event(channel, "error", wire, error=error))
+                channel.queue.put(EpochFailed(channel, wire, error))
 
         return report
 
@@ -482,7 +482,7 @@ class Engine:
                 items_consumed=progress.consumed[channel.rank],
                 items_received=channel.stats.items,
                 bytes_received=channel.stats.bytes,
-                frames_received=channel.stats.frames,
+                frames_received=channel.frames_received,
                 items_per_second=progress.consumed[channel.rank] / elapsed,
                 queue_depth=channel.queue.qsize() if not self.config.distribution.shared_queue else 0,
                 wait_seconds=channel.stats.wait_seconds,
