@@ -145,6 +145,19 @@ class Fleet:
         self.num_workers += 1
         return self.num_workers
 
+    def servers(self) -> List[str]:
+        """Every server the run knows and that did not drain: those it was given or found, and
+        those serving a rank now (one spelling each)."""
+        workers = self.config.workers
+        given = list(workers.addresses) if isinstance(workers, WorkerAddresses) else list(self._discovered or ())
+        known = distinct_servers([*given, *self.rank_addresses()], self._server_keys)
+        return [address for address in known if address not in self.drained]
+
+    def resize(self, ranks: Sequence[str]) -> None:
+        """The run's worker ranks from now on: ``ranks``, the server of each (autoscaling)."""
+        self._rank_addresses = list(ranks)
+        self.num_workers = len(ranks)
+
     def regroup(self, current: Sequence[str], joined: Sequence[Tuple[str, int]]) -> None:
         """The ranks before an epoch over a grown fleet: ``current`` (the server of each rank now:
         reassignment moves ranks), then ``(address, sessions)`` of each server that joined. A rank
@@ -234,6 +247,14 @@ class Fleet:
             except RuntimeError:  # close() shut the pool down: no more setups
                 return
         self._setups.shutdown(wait=False)  # its threads end once every setup ran
+
+    def wait_set_up(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the setups :meth:`connect` started to end (each
+        succeeded, or reported its failure in its channel's queue)."""
+        launcher = self._launcher
+        if launcher is not None:
+            launcher.join(timeout)
+        wait(list(self._setting_up), timeout=timeout)
 
     def open_channel(
         self, rank: int, address: str, num_workers: Optional[int] = None, graph: Optional[bytes] = None
