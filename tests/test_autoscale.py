@@ -18,7 +18,10 @@ import pytest
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
+from prometheus_client import CollectorRegistry, generate_latest
+from test_metrics import parse, trainer_value
 from rpc_reading_service import Autoscale, ConfigurationError, RemoteIterable, RPCReadingService
+from rpc_reading_service.metrics import ReadingServiceCollector
 from rpc_reading_service.trainer.engine.autoscale import EpochSample, decide
 from rpc_reading_service.trainer.stats import ReadingServiceStats
 
@@ -121,7 +124,11 @@ def _run(server, epochs, distribution, autoscale, fn=None, consume=None, num_wor
                 if consume is not None:
                     consume()
             got.append((items, dl.reading_service.stats()))
-    return got
+        registry = CollectorRegistry()
+        registry.register(ReadingServiceCollector(dl))
+        samples = parse(generate_latest(registry).decode())
+        metrics = {name: trainer_value(samples, name) for name in ("scale_ups_total", "scale_downs_total", "wanted_servers")}
+    return got, metrics
 
 
 def _reference(server, epochs, distribution):
@@ -136,12 +143,13 @@ def _reference(server, epochs, distribution):
 @pytest.mark.parametrize("distribution", ["round_robin", "dynamic"])
 def test_a_starved_trainer_grows_the_sessions_until_one_more_adds_nothing(worker_server, tmp_path, distribution):
     autoscale = Autoscale(min_sessions=1, max_sessions=4, target_stall=0.05, min_gain=0.25, sessions_per_server=4)
-    got = _run(worker_server, 5, distribution, autoscale, fn=Slotted(tmp_path))
+    got, metrics = _run(worker_server, 5, distribution, autoscale, fn=Slotted(tmp_path))
     sessions = [len(stats.workers) for _items, stats in got]
     # 1 (its first epoch is not judged), 1 -> 2 -> 3 (twice the items/s), 3: the third session added nothing
     assert sessions == [1, 1, 2, 3, 3], [stats.scale_decisions for _i, stats in got]
     last = got[-1][1]
     assert last.scale_ups == 2 and last.scale_downs == 0
+    assert metrics == {"scale_ups_total": 2, "scale_downs_total": 0, "wanted_servers": 1}
     assert [d.action for d in last.scale_decisions] == ["hold", "grow", "grow", "hold"]
     assert "more sessions do not help" in last.scale_decisions[-1].reason
     for items, _stats in got:
@@ -154,10 +162,10 @@ def test_a_starved_trainer_grows_the_sessions_until_one_more_adds_nothing(worker
 @pytest.mark.parametrize("distribution", ["round_robin", "dynamic"])
 def test_a_slow_trainer_shrinks_the_sessions_to_the_minimum(worker_server, distribution):
     autoscale = Autoscale(min_sessions=1, max_sessions=3, target_stall=0.1, sessions_per_server=3)
-    got = _run(worker_server, 4, distribution, autoscale, consume=lambda: time.sleep(0.005), num_workers=3)
+    got, metrics = _run(worker_server, 4, distribution, autoscale, consume=lambda: time.sleep(0.005), num_workers=3)
     sessions = [len(stats.workers) for _items, stats in got]
     assert sessions == [3, 3, 2, 1], [stats.scale_decisions for _i, stats in got]
-    assert got[-1][1].scale_downs == 2
+    assert got[-1][1].scale_downs == 2 and metrics["scale_downs_total"] == 2
     assert "the workers wait on the trainer" in got[-1][1].scale_decisions[-1].reason
     for items, _stats in got:
         assert sorted(items) == list(range(ITEMS))
@@ -180,10 +188,35 @@ class Record:
 def test_on_scale_is_asked_for_more_servers_when_the_known_ones_are_full(worker_server, tmp_path):
     record = tmp_path / "asked"
     autoscale = Autoscale(min_sessions=1, max_sessions=3, sessions_per_server=1, on_scale=Record(record))
-    got = _run(worker_server, 3, "round_robin", autoscale, fn=Slotted(tmp_path))
+    got, _metrics = _run(worker_server, 3, "round_robin", autoscale, fn=Slotted(tmp_path))
     assert [len(stats.workers) for _items, stats in got] == [1, 1, 1]  # one server, one session each
     asked = [line.split() for line in record.read_text().splitlines()]
     assert [int(wanted) for wanted, _stall in asked] == [2]  # asked once for the number it wants
     assert float(asked[0][1]) > 0.05  # with the stats that made it ask
     assert got[-1][1].wanted_servers == 2
     assert "the 1 servers known host 1 sessions" in got[-1][1].scale_decisions[-1].reason
+
+
+@pytest.mark.timeout(60)
+def test_remote_iterable_and_remote_map_take_autoscale(worker_server):
+    from torch.utils.data import DataLoader
+
+    autoscale = Autoscale(min_sessions=1, max_sessions=3, target_stall=0.1, sessions_per_server=3)
+    dataset = RemoteIterable(
+        graph(), num_workers=3, workers=[worker_server.address], auth_key=worker_server.key, distribution="dynamic",
+        autoscale=autoscale, seed=7,
+    )  # fmt: skip
+    loader = DataLoader(dataset, batch_size=None)
+    sessions = []
+    try:
+        for _epoch in range(3):
+            items = []
+            for item in loader:
+                items.append(item)
+                time.sleep(0.005)
+            assert sorted(items) == list(range(ITEMS))
+            sessions.append(len(dataset.stats().workers))
+    finally:
+        dataset.close()
+    assert sessions == [3, 3, 2]
+    assert IterableWrapper(range(4)).remote_map(abs, num_workers=1, autoscale=autoscale).config.autoscale is autoscale
