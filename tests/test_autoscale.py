@@ -220,3 +220,13 @@ def test_remote_iterable_and_remote_map_take_autoscale(worker_server):
         dataset.close()
     assert sessions == [3, 3, 2]
     assert IterableWrapper(range(4)).remote_map(abs, num_workers=1, autoscale=autoscale).config.autoscale is autoscale
+
+
+def test_autoscale_under_torch_distributed_needs_dynamic():
+    from rpc_reading_service.graph import DistributedInfo
+    from rpc_reading_service.trainer.config import ReadingServiceConfig
+    from rpc_reading_service.trainer.engine import Engine
+
+    config = ReadingServiceConfig.create(num_workers=1, autoscale=SCALE)
+    with pytest.raises(ConfigurationError, match=r"autoscale under torch.distributed \(2 trainer ranks\).*'dynamic'"):
+        Engine(config).start(graph(), dist=DistributedInfo(0, 2))

@@ -154,6 +154,12 @@ class Engine:
         worker (:meth:`Fleet.connect <rpc_reading_service.trainer.engine.fleet.Fleet.connect>`)."""
         self.dist = dist or DistributedInfo()
         self.dispatching = dispatching
+        if self.config.autoscale is not None and self.dist.world_size > 1 and not self.config.distribution.elastic:
+            raise ConfigurationError(
+                f"autoscale under torch.distributed ({self.dist.world_size} trainer ranks) would give each rank its own "
+                f"number of sessions, and distribution={self.config.distribution.name!r} shards by that number over "
+                "every rank: use distribution='dynamic' (its shards do not depend on it), or a fixed num_workers"
+            )
         self.discover()
         config = self.config
         if self.num_workers == 0:
