@@ -230,3 +230,24 @@ def test_autoscale_under_torch_distributed_needs_dynamic():
     config = ReadingServiceConfig.create(num_workers=1, autoscale=SCALE)
     with pytest.raises(ConfigurationError, match=r"autoscale under torch.distributed \(2 trainer ranks\).*'dynamic'"):
         Engine(config).start(graph(), dist=DistributedInfo(0, 2))
+
+
+def test_the_autoscaler_places_on_the_emptiest_server_and_holds_after_a_join(caplog):
+    from rpc_reading_service.trainer.engine.autoscale import Autoscaler
+
+    def failing(wanted_servers, stats):
+        raise RuntimeError("the cluster says no")
+
+    scaler = Autoscaler(Autoscale(min_sessions=1, max_sessions=6, on_scale=failing), per_server=2)
+    stats = ReadingServiceStats(0, 1.0, 100, 100.0, 0.9, 0.9)
+    starved = EpochSample(3, 100.0, 0.9)
+    decision, ranks = scaler.plan(stats, starved, ["a:1", "a:1", "b:1"], ["a:1", "b:1", "c:1"])
+    assert (decision.action, ranks) == ("hold", ["a:1", "a:1", "b:1"])  # the first epoch: a warm-up
+    decision, ranks = scaler.plan(stats, starved, ["a:1", "a:1", "b:1"], ["a:1", "b:1", "c:1"])
+    assert (decision.action, ranks) == ("grow", ["a:1", "a:1", "b:1", "c:1"])  # c has none
+    decision, ranks = scaler.plan(stats, EpochSample(4, 200.0, 0.9), ranks, ["a:1", "b:1", "c:1"], joined=1)
+    assert (decision.action, decision.reason) == ("hold", "1 servers joined the run")
+    with caplog.at_level("ERROR"):
+        decision, ranks = scaler.plan(stats, EpochSample(4, 200.0, 0.9), ["a:1", "a:1", "b:1", "b:1"], ["a:1", "b:1"])
+    assert ranks == ["a:1", "a:1", "b:1", "b:1"] and "servers known host 4 sessions" in decision.reason
+    assert "Autoscale.on_scale(3, stats) failed" in caplog.text  # logged, the run goes on

@@ -309,7 +309,8 @@ class Autoscale:
         sessions_per_server: The most sessions one server hosts (default: as many as each server
             got when the run began; a local fleet's one server hosts ``max_sessions``).
         on_scale: ``fn(wanted_servers, stats)``, called when the sessions wanted need another
-            number of servers than the run knows (scale a Deployment, submit a job).
+            number of servers than the run knows (scale a Deployment, submit a job); it runs
+            before the epoch, in the trainer's thread.
     """
 
     min_sessions: int

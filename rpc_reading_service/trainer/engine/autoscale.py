@@ -100,19 +100,22 @@ class Autoscaler:
         self._warming = True
 
     def plan(
-        self, stats: ReadingServiceStats, sample: EpochSample, ranks: Sequence[str], servers: Sequence[str]
+        self, stats: ReadingServiceStats, sample: EpochSample, ranks: Sequence[str], servers: Sequence[str], joined: int = 0
     ) -> Tuple[ScaleDecision, List[str]]:
-        """The decision after the epoch of ``stats`` (``sample``: its items/s and data stall past
-        its first item), run on ``ranks`` (the server of each), and the ranks to run the next epoch
-        on, placed on ``servers`` (the servers known); logged. The run's first epoch is not judged:
-        its workers' graphs were new (started, warmed up, caches cold)."""
+        """The decision after the epoch of ``stats`` (``sample``: its sessions, items/s and data stall
+        past its first item), and the ranks to run the next epoch on: ``ranks`` (the server of each
+        now) grown on ``servers`` (the servers known) or cut; logged. Not judged: the run's first
+        epoch (its graphs were new: started, warmed up, caches cold) and a fleet that ``joined``
+        servers since (it is judged after the next epoch)."""
         sessions = len(ranks)
-        if self._warming:
-            self._warming = False
-            action, wanted, reason = "hold", sessions, "the run's first epoch is a warm-up"
-        else:
+        if not self._warming:
             self.samples.append(sample)
+        if self._warming or joined:
+            why = "the run's first epoch is a warm-up" if self._warming else f"{joined} servers joined the run"
+            action, wanted, reason = "hold", sessions, why
+        else:
             action, wanted, reason = decide(self.samples, self.settings)
+        self._warming = False
         decision = ScaleDecision(stats.epoch + 1, action, sessions, wanted, reason)
         self.ask(wanted, len(servers), stats)
         placed = list(ranks[:wanted])

@@ -309,17 +309,19 @@ class Engine:
         assert self._graph is not None
         self.channels = self.fleet.connect(self._ship(self._graph), self.receiver_queue)
 
-    def _autoscale(self) -> None:
-        """Before an epoch: act on the autoscaler's decision over the last epoch's stats."""
-        assert self.autoscaler is not None
-        stats = self.stats()
+    def _measure(self, last: Epoch) -> Optional[Tuple[ReadingServiceStats, EpochSample]]:
+        """The ``last`` epoch's stats and what the autoscaler reads of it (None if it had no items)."""
+        stats, progress = self._stats_of(last), last.progress
         if stats.items == 0:
-            return
-        assert self.epoch is not None
-        progress = self.epoch.progress
+            return None
         steady = max(progress.elapsed - progress.startup_wait, 1e-9)  # past the first item: what sessions change
-        sample = EpochSample(len(self.channels), stats.items / steady, (progress.wait_seconds - progress.startup_wait) / steady)
-        decision, ranks = self.autoscaler.plan(stats, sample, self.worker_addresses, self.fleet.servers())
+        return stats, EpochSample(len(stats.workers), stats.items / steady, (progress.wait_seconds - progress.startup_wait) / steady)
+
+    def _autoscale(self, stats: ReadingServiceStats, sample: EpochSample, joined: int) -> None:
+        """Before an epoch: act on the autoscaler's decision over the last epoch (``joined``:
+        servers that joined since, now ranks of the run)."""
+        assert self.autoscaler is not None
+        decision, ranks = self.autoscaler.plan(stats, sample, self.worker_addresses, self.fleet.servers(), joined)
         if len(ranks) != len(self.channels):
             self.resize(ranks)
         self.autoscaler.done(decision, len(self.channels))
@@ -395,9 +397,11 @@ class Engine:
         """
         self.epoch_number = self.epoch_number + 1 if number is None else number
         self._wire_epochs += 1
-        if self.autoscaler is not None and self.epoch is not None and positions is None:
-            self._autoscale()
+        last = self.epoch if self.autoscaler is not None and positions is None else None
+        measured = self._measure(last) if last is not None else None
         joins = self._grow() if self._graph is not None else 0
+        if measured is not None:
+            self._autoscale(*measured, joins)
         positions = positions or Positions((0,) * max(1, self.num_workers))
         if len(positions.consumed) != max(1, self.num_workers):  # an elastic policy's checkpoint of another fleet
             positions = positions.resized(max(1, self.num_workers))
@@ -545,7 +549,11 @@ class Engine:
         """Throughput per worker and the consumer's data stall for the current (or last) epoch."""
         if self.epoch is None:
             return ReadingServiceStats(0, 0.0, 0, 0.0, 0.0, 0.0)
-        epoch, progress = self.epoch, self.epoch.progress
+        return self._stats_of(self.epoch)
+
+    def _stats_of(self, epoch: Epoch) -> ReadingServiceStats:
+        """:meth:`stats` of ``epoch``, run by the run's sessions (taken before any changes them)."""
+        progress = epoch.progress
         elapsed = max(progress.elapsed, 1e-9)
         units = epoch.units() or {}
         workers = [
