@@ -10,9 +10,8 @@ everything, in bounded time.
 from __future__ import annotations
 
 import logging
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 import queue
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ...addresses import distinct_servers, server_key
@@ -25,6 +24,7 @@ from ..local_fleet import LocalWorkerServer
 from ..receive_loop import ReceiveLoop
 from .watch import DiscoveryWatch
 from ...serialization import buffer_allocator
+from ...tasks import TaskGroup
 from ...transports import create_transport
 from ...transports.base import PeerLostError, Transport
 from ...protocol import SessionOptions, Setup
@@ -47,11 +47,10 @@ Sink = Callable[[], "queue.SimpleQueue[Event]"]
 
 
 def close_channels(channels: Sequence[WorkerChannel]) -> None:
-    """Close every channel, in parallel; one by one at interpreter exit, when
-    ``concurrent.futures`` no longer schedules work ("cannot schedule new futures")."""
+    """Close every channel, in parallel (threads joined before this returns); one by one where no
+    thread can start (at interpreter exit)."""
     try:
-        with ThreadPoolExecutor(max_workers=min(32, len(channels))) as pool:
-            list(pool.map(lambda channel: channel.close(), channels))
+        TaskGroup("closing the run's sessions").map("close", lambda channel: channel.close(), channels, width=32)
     except RuntimeError:
         for channel in channels:
             channel.close()  # idempotent: the ones closed above return at once
@@ -78,13 +77,8 @@ class Fleet:
         self._server_keys: Dict[str, Tuple[str, int]] = {}
         #: The thread watching a store or hostfile for servers that join (:meth:`watch`).
         self._watch: Optional[DiscoveryWatch] = None
-        #: The setups of :meth:`connect`, running in the background or queued, the pool they run
-        #: in, the thread submitting them, and whether :meth:`close` ended them.
-        self._setting_up: List["Future[None]"] = []
-        self._setups: Optional[ThreadPoolExecutor] = None
-        self._launcher: Optional[threading.Thread] = None
-        self._setups_lock = threading.Lock()
-        self._closed = False
+        #: The threads of the setups of :meth:`connect` (and the one starting them); :meth:`close` stops them.
+        self._setups = TaskGroup("the setups of the run's sessions")
         #: Addresses of the servers that drained during the run (their sessions left).
         self.drained: Set[str] = set()
 
@@ -230,31 +224,15 @@ class Fleet:
         # Starting the setup threads takes a few ms each while the first ones already run (each
         # start waits for the GIL): a thread of its own starts them, and the caller goes on to
         # start the epoch meanwhile.
-        self._launcher = threading.Thread(target=self._set_up_all, args=(channels,), name="rrs-setup-start", daemon=True)
-        self._launcher.start()
+        self._setups.start("setup-start", self._setups.start_each, "setup", self._set_up_in_background, channels, MAX_PARALLEL_SETUPS)
         return channels
-
-    def _set_up_all(self, channels: Sequence[WorkerChannel]) -> None:
-        """Set every channel up in the background, :data:`MAX_PARALLEL_SETUPS` at a time (the
-        launcher thread of :meth:`connect`)."""
-        with self._setups_lock:
-            if self._closed:
-                return
-            self._setups = ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SETUPS, len(channels)), thread_name_prefix="rrs-setup")
-        for channel in channels:
-            try:
-                self._setting_up.append(self._setups.submit(self._set_up_in_background, channel))
-            except RuntimeError:  # close() shut the pool down: no more setups
-                return
-        self._setups.shutdown(wait=False)  # its threads end once every setup ran
 
     def wait_set_up(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for the setups :meth:`connect` started to end (each
         succeeded, or reported its failure in its channel's queue)."""
-        launcher = self._launcher
-        if launcher is not None:
-            launcher.join(timeout)
-        wait(list(self._setting_up), timeout=timeout)
+        deadline = time.monotonic() + timeout
+        self._setups.join(timeout, report=False)  # the thread starting them: then every setup thread is there
+        self._setups.join(max(0.0, deadline - time.monotonic()), report=False)
 
     def open_channel(
         self, rank: int, address: str, num_workers: Optional[int] = None, graph: Optional[bytes] = None
@@ -352,13 +330,8 @@ class Fleet:
     def close(self) -> None:
         """Stop the receive loop (after the channels closed), local workers and a TCPStore this
         process hosted, and wait (boundedly) for setups still in progress to end (idempotent)."""
-        with self._setups_lock:
-            self._closed = True
+        self._setups.stopping.set()  # the setups not started never run
         self.stop_watching()
-        if self._setups is not None:
-            self._setups.shutdown(wait=False, cancel_futures=True)  # those still queued never run
-        if self._launcher is not None:
-            self._launcher.join(SETUP_CLOSE_WAIT)
         if self._loop is not None:
             self._loop.close()
         if self.local_server is not None:
@@ -366,6 +339,5 @@ class Fleet:
             self.local_server = None
         # A closed channel ends its setup: at once while it waits for READY (its connection is
         # shut), after the handshake while it connects (attach() refuses it).
-        wait(self._setting_up, timeout=SETUP_CLOSE_WAIT)
-        self._setting_up = []
+        self._setups.join(SETUP_CLOSE_WAIT)
         self._hosted_store = None  # stops a TCPStore this trainer hosted (StoreDiscovery(host_store=True))

@@ -1,19 +1,4 @@
-"""The engine: the workers of one run behind a plain Python API, independent of any loader.
-
-::
-
-    engine = Engine(config)
-    engine.start(graph)                     # find, start and connect the workers; ship them the graph
-                                            # (sessions set up in the background, each starts once set up)
-    for item in engine.start_epoch(seed):   # one epoch, every item exactly once
-        ...
-    engine.epoch.positions()                # a checkpoint: start_epoch(seed, positions=...) resumes
-    engine.stats()
-    engine.close()
-
-A front end (the DataLoader2 adapter in :mod:`rpc_reading_service.trainer.reading_service`) draws
-the seeds and splits its host library's graph; nothing here knows DataLoader2.
-"""
+"""The engine: the workers of one run behind a plain Python API, independent of any loader (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -499,7 +484,7 @@ class Engine:
         if dispatch is None:
             return False
         dispatch.stop()
-        if dispatch.join(0 if dispatch.timed_out is not None else ABANDON_AFTER):
+        if dispatch.join(0 if dispatch.timed_out is not None else ABANDON_AFTER) or not dispatch.dispatcher_alive:
             return False
         log.warning(
             "the dispatcher thread of epoch %d is stuck in the dispatching part and is left behind; %s. "
@@ -608,14 +593,16 @@ class Engine:
             self._closed = True
         _open_engines.pop(self, None)
         self.fleet.stop_watching()
+        if self.dispatch is not None:
+            self.dispatch.stop()  # nothing more is sent; joined once the channels closed (a stuck send ends)
         with self._lock:  # a join still setting up closes its sessions itself (it sees the run closed)
             joined, self._joined_channels = self._joined_channels, []
         if joined:
             close_channels(joined)
-        self._stop_dispatch("shutdown goes on (a daemon thread, it ends with the process)")
         channels, self.channels = self.channels, []
         if channels:
             close_channels(channels)
+        self._stop_dispatch("shutdown goes on (a daemon thread, it ends with the process)")
         self.fleet.close()
         for events in {id(q): q for q in [self.events, *(channel.queue for channel in channels)]}.values():
             drop_items(events)

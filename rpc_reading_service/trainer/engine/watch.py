@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 from typing import Any, Callable, Iterable, List, Optional, Set, Tuple, Union
 
 from ..config import Hostfile, StoreDiscovery
 from ...discovery import connect_store, read_hostfile, registered_workers
 from ...discovery.store import PROBE_TIMEOUT, probe_address
+from ...tasks import TaskGroup
 
 __all__ = ["DiscoveryWatch"]
 
@@ -47,18 +47,16 @@ class DiscoveryWatch:
         self._stamp: Optional[Tuple[int, int, int]] = None
         self._listed: List[str] = []
         self._failing = False
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rrs-discovery-watch", daemon=True)
+        self._tasks = TaskGroup(f"the run's watch of {self._where()}")
+        self._stopped = self._tasks.stopping
 
     def start(self) -> None:
         """Start watching."""
-        self._thread.start()
+        self._tasks.start("discovery-watch", self._run)
 
     def stop(self, timeout: float) -> None:
         """Stop watching; wait up to ``timeout`` seconds for the thread (it may be adding a server)."""
-        self._stopped.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        self._tasks.stop(timeout)  # not the watch itself, if it stops itself
         self._store = None
 
     def _run(self) -> None:
