@@ -251,3 +251,39 @@ def test_the_autoscaler_places_on_the_emptiest_server_and_holds_after_a_join(cap
         decision, ranks = scaler.plan(stats, EpochSample(4, 200.0, 0.9), ["a:1", "a:1", "b:1", "b:1"], ["a:1", "b:1"])
     assert ranks == ["a:1", "a:1", "b:1", "b:1"] and "servers known host 4 sessions" in decision.reason
     assert "Autoscale.on_scale(3, stats) failed" in caplog.text  # logged, the run goes on
+
+
+def slow(item: int) -> int:
+    """An item, after :data:`DELAY`."""
+    time.sleep(DELAY)
+    return item
+
+
+@pytest.mark.timeout(90)
+def test_a_server_that_joins_is_judged_after_its_first_epoch(worker_server, tmp_path):
+    from _server_helpers import start_server
+
+    joiner = start_server(tmp_path, key=worker_server.key)
+    try:
+        autoscale = Autoscale(min_sessions=1, max_sessions=4, sessions_per_server=2)
+        service = RPCReadingService(
+            num_workers=1, workers=[worker_server.address], auth_key=worker_server.key, autoscale=autoscale, timeout=20.0
+        )
+        got = []
+        with DataLoader2(graph(slow), reading_service=service) as dl:
+            for epoch in range(4):
+                items = list(dl)
+                if epoch == 1:
+                    assert dl.reading_service.add_workers([joiner.address]) == [joiner.address]
+                got.append((items, dl.reading_service.stats()))
+    finally:
+        joiner.stop()
+    # 1 (warm-up), 1 -> 2 (the joiner's session; no decision), 2 -> 3 (a tie: on the first server)
+    assert [len(stats.workers) for _items, stats in got] == [1, 1, 2, 3]
+    decisions = got[-1][1].scale_decisions
+    assert [(d.action, d.sessions) for d in decisions] == [("hold", 1), ("hold", 2), ("grow", 3)]
+    assert decisions[1].reason == "1 servers joined the run"
+    addresses = [worker.address for worker in got[-1][1].workers]
+    assert addresses == [worker_server.address, joiner.address, worker_server.address]
+    for items, _stats in got:
+        assert sorted(items) == list(range(ITEMS))

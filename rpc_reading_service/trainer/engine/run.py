@@ -384,9 +384,12 @@ class Engine:
         self._wire_epochs += 1
         last = self.epoch if self.autoscaler is not None and positions is None else None
         measured = self._measure(last) if last is not None else None
-        joins = self._grow() if self._graph is not None else 0
-        if measured is not None:
-            self._autoscale(*measured, joins)
+        if measured is None:
+            joins = self._grow() if self._graph is not None else 0
+        else:
+            with self._join_lock:  # no server joins while the ranks change (a join numbers its ranks)
+                joins = self._grow()
+                self._autoscale(*measured, joins)
         positions = positions or Positions((0,) * max(1, self.num_workers))
         if len(positions.consumed) != max(1, self.num_workers):  # an elastic policy's checkpoint of another fleet
             positions = positions.resized(max(1, self.num_workers))
