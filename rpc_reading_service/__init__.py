@@ -14,6 +14,7 @@ with torchdata_banner_muted():
 from .trainer.frontends import remote_map as _remote_map  # noqa: F401 - registers dp.remote_map
 from .trainer.config import (
     TLS,
+    Autoscale,
     Hostfile,
     Liveness,
     LocalWorkers,
@@ -103,6 +104,7 @@ __all__ = [
     "TLS",
     "Liveness",
     "Reassign",
+    "Autoscale",
     "Sticky",
     "register_transport",
     "available_transports",

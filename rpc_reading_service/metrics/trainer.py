@@ -59,6 +59,10 @@ class ReadingServiceCollector:
         yield counter("reassignments", "Lost workers' shards replayed on new sessions this epoch", stats.reassignments)
         yield counter("drains", "Workers whose server drained this epoch, their work handed to other servers", stats.drains)
         yield counter("joins", "Worker servers that joined the run for this epoch", stats.joins)
+        yield counter("scale_ups", "Worker sessions the autoscaler opened in the run", stats.scale_ups)
+        yield counter("scale_downs", "Worker sessions the autoscaler closed in the run", stats.scale_downs)
+        if stats.wanted_servers is not None:
+            yield gauge("wanted_servers", "Worker servers the sessions the autoscaler wants need (an HPA's target)", stats.wanted_servers)
         labels = ["worker", "address"]
         families = {
             "items": core.CounterMetricFamily(f"{PREFIX}_worker_items", "Items the trainer took from the worker", labels=labels),

@@ -78,6 +78,8 @@ class EpochProgress:
     started: float = field(default_factory=time.perf_counter)
     ended: Optional[float] = None
     wait_seconds: float = 0.0
+    #: Of ``wait_seconds``, the wait for the epoch's first item (sessions setting up, graphs starting).
+    startup_wait: float = 0.0
     #: Items handed on, and the worker rank of the latest ones: trainer-side DataPipes after
     #: the stream (fullsync prefetches one item) may hold some that a checkpoint gives back.
     yielded: int = 0
@@ -133,6 +135,8 @@ class EpochProgress:
         event = source.get()
         waited = time.perf_counter() - start
         self.wait_seconds += waited
+        if not self.yielded:
+            self.startup_wait += waited
         if stats is not None:
             stats.wait_seconds += waited
         return event

@@ -39,6 +39,7 @@ __all__ = [
     "TransportConfig",
     "Liveness",
     "Reassign",
+    "Autoscale",
     "ReadingServiceConfig",
 ]
 
@@ -294,6 +295,51 @@ class Reassign:
         _check("Reassign", {"max_reassignments": self.max_reassignments})
 
 
+@dataclass(frozen=True)
+class Autoscale:
+    """Size the fleet by the data stall: at each epoch boundary open a session while the trainer
+    waits for data and more sessions still raise throughput, close one while it never waits.
+
+    Args:
+        min_sessions: The fewest worker sessions (at least 1).
+        max_sessions: The most worker sessions (at least ``min_sessions``).
+        target_stall: The data stall (share of the epoch's time the trainer waited for items) above
+            which a session is added; below half of it, one is closed.
+        min_gain: Stop adding sessions once the last one raised items/s by less than this share.
+        sessions_per_server: The most sessions one server hosts (default: as many as each server
+            got when the run began; a local fleet's one server hosts ``max_sessions``).
+        on_scale: ``fn(wanted_servers, stats)``, called when the sessions wanted need another
+            number of servers than the run knows (scale a Deployment, submit a job); it runs
+            before the epoch, in the trainer's thread.
+    """
+
+    min_sessions: int
+    max_sessions: int
+    target_stall: float = 0.05
+    min_gain: float = 0.05
+    sessions_per_server: Optional[int] = None
+    on_scale: Optional[Callable[[int, Any], Any]] = None
+
+    def __post_init__(self) -> None:
+        for name in ("min_sessions", "max_sessions", "sessions_per_server"):
+            value = getattr(self, name)
+            if (value is not None or name != "sessions_per_server") and (
+                not isinstance(value, int) or isinstance(value, bool) or value < 1
+            ):
+                raise ConfigurationError(f"Autoscale.{name} must be an integer of at least 1, got {value!r}")
+        if self.max_sessions < self.min_sessions:
+            raise ConfigurationError(
+                f"Autoscale.max_sessions ({self.max_sessions}) is below min_sessions ({self.min_sessions}): "
+                "give max_sessions >= min_sessions"
+            )
+        for name, low, high in (("target_stall", 0.0, 1.0), ("min_gain", 0.0, 1.0)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not low < value < high:
+                raise ConfigurationError(f"Autoscale.{name} must be a number between {low} and {high} (both excluded), got {value!r}")
+        if self.on_scale is not None and not callable(self.on_scale):
+            raise ConfigurationError(f"Autoscale.on_scale must be a function fn(wanted_servers, stats) or None, got {self.on_scale!r}")
+
+
 InitFn = Callable[..., Any]
 
 
@@ -394,6 +440,7 @@ class ReadingServiceConfig:
     reassign: Optional[Reassign] = None
     pin_memory: bool = False
     distribution: Any = None
+    autoscale: Optional[Autoscale] = None
 
     @classmethod
     def create(
@@ -408,6 +455,7 @@ class ReadingServiceConfig:
         worker_prefetch_cnt: Optional[int] = None,
         multiprocessing_context: Optional[str] = None,
         distribution: Any = None,
+        autoscale: Optional[Autoscale] = None,
         **settings: Any,
     ) -> "ReadingServiceConfig":
         """Check every setting and build the configuration; shorthands are turned into option objects
@@ -427,6 +475,8 @@ class ReadingServiceConfig:
         liveness = Liveness() if liveness is None else liveness
         if not isinstance(liveness, Liveness):
             raise ConfigurationError(f"liveness must be a Liveness(...), got {liveness!r}")
+        if autoscale is not None and not isinstance(autoscale, Autoscale):
+            raise ConfigurationError(f"autoscale must be an Autoscale(min_sessions=..., max_sessions=...) or None, got {autoscale!r:.80}")
         policy = _distribution(distribution, settings.get("in_order", True))
         settings["in_order"] = policy.in_order
         key = auth_key.encode("utf-8") if isinstance(auth_key, str) else auth_key
@@ -438,6 +488,7 @@ class ReadingServiceConfig:
             transport=_transport(transport),
             reassign=_failure_policy(on_worker_failure),
             liveness=liveness,
+            autoscale=autoscale,
             auth_key=key,
             pickle_by_value=tuple(pickle_by_value),
             **settings,
@@ -456,7 +507,22 @@ class ReadingServiceConfig:
                 "TLS is for remote workers (workers=WorkerAddresses([...]) or discovery); "
                 "local workers use no TLS"
             )
+        if self.autoscale is not None:
+            self._check_autoscale(self.autoscale)
         self.distribution.check(self)
+
+    def _check_autoscale(self, autoscale: Autoscale) -> None:
+        if self.local and not self.num_workers:
+            raise ConfigurationError(
+                "autoscale sizes the worker sessions, and num_workers=0 runs the graph in the trainer: "
+                "give num_workers (between min_sessions and max_sessions) or workers="
+            )
+        sessions = self.sessions()
+        if sessions and not autoscale.min_sessions <= sessions <= autoscale.max_sessions:
+            raise ConfigurationError(
+                f"the run starts with {sessions} worker sessions, outside Autoscale's bounds "
+                f"[{autoscale.min_sessions}, {autoscale.max_sessions}]: give num_workers within them"
+            )
 
     @property
     def local(self) -> bool:

@@ -99,6 +99,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             :class:`~rpc_reading_service.Reassign` to replay a lost worker's shard on a new session
             (exactly the items of a fault-free run).
         pin_memory: Receive tensors into pinned memory when CUDA is available.
+        autoscale: :class:`~rpc_reading_service.Autoscale`: open and close worker sessions at epoch
+            boundaries by the data stall (docs/deployment.md, autoscaling).
         worker_prefetch_cnt: MultiProcessingReadingService's name for ``prefetch``.
         main_prefetch_cnt: Items a trainer-side thread takes ahead of the training loop (default 0).
         multiprocessing_context: MPRS's name for ``LocalWorkers(start_method=...)``.
@@ -124,6 +126,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         main_prefetch_cnt: int = 0,
         multiprocessing_context: Optional[str] = None,
         distribution: Any = None,
+        autoscale: Any = None,
     ) -> None:
         self._configure(ReadingServiceConfig.create(
             distribution=distribution,
@@ -133,7 +136,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             worker_init_fn=worker_init_fn,
             worker_reset_fn=worker_reset_fn, timeout=timeout, item_timeout=item_timeout,
             pickle_by_value=pickle_by_value, liveness=liveness, on_worker_failure=on_worker_failure,
-            pin_memory=pin_memory,
+            pin_memory=pin_memory, autoscale=autoscale,
         ))  # fmt: skip
 
     def _configure(self, config: ReadingServiceConfig) -> None:

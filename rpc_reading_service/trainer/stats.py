@@ -13,7 +13,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["WorkerStats", "ReadingServiceStats"]
+__all__ = ["WorkerStats", "ReadingServiceStats", "ScaleDecision"]
+
+#: Autoscale decisions ``stats()`` keeps.
+KEPT_DECISIONS = 20
 
 
 @dataclass
@@ -33,6 +36,19 @@ class WorkerStats:
     #: Units of work the distribution policy gave this worker this epoch ("dynamic": chunks
     #: leased); None for policies where each worker owns a fixed shard.
     units: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class ScaleDecision:
+    """One decision of :class:`~rpc_reading_service.Autoscale`, at the start of an epoch."""
+
+    #: The epoch it was taken before (counted from 0), the action (``"grow"``, ``"shrink"`` or
+    #: ``"hold"``), the sessions before and wanted, and why.
+    epoch: int
+    action: str
+    sessions_before: int
+    sessions: int
+    reason: str
 
 
 @dataclass
@@ -55,6 +71,12 @@ class ReadingServiceStats:
     #: Worker servers that joined the run for this epoch (``add_workers``, or found by watching
     #: a store or hostfile): at its start, or during it under ``distribution="dynamic"``.
     joins: int = 0
+    #: With ``autoscale``: sessions added and closed by it in the run so far, its latest
+    #: decisions (the last :data:`KEPT_DECISIONS`), and the servers the sessions wanted need.
+    scale_ups: int = 0
+    scale_downs: int = 0
+    scale_decisions: List[ScaleDecision] = field(default_factory=list)
+    wanted_servers: Optional[int] = None
 
     def as_dict(self) -> Dict[str, Any]:
         """Plain dict, e.g. for logging as JSON."""

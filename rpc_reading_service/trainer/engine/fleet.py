@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from ...addresses import distinct_servers, server_key
@@ -138,6 +139,19 @@ class Fleet:
         self.num_workers += 1
         return self.num_workers
 
+    def servers(self) -> List[str]:
+        """Every server the run knows and that did not drain: those it was given or found, and
+        those serving a rank now (one spelling each)."""
+        workers = self.config.workers
+        given = list(workers.addresses) if isinstance(workers, WorkerAddresses) else list(self._discovered or ())
+        known = distinct_servers([*given, *self.rank_addresses()], self._server_keys)
+        return [address for address in known if address not in self.drained]
+
+    def resize(self, ranks: Sequence[str]) -> None:
+        """The run's worker ranks from now on: ``ranks``, the server of each (autoscaling)."""
+        self._rank_addresses = list(ranks)
+        self.num_workers = len(ranks)
+
     def regroup(self, current: Sequence[str], joined: Sequence[Tuple[str, int]]) -> None:
         """The ranks before an epoch over a grown fleet: ``current`` (the server of each rank now:
         reassignment moves ranks), then ``(address, sessions)`` of each server that joined. A rank
@@ -212,6 +226,13 @@ class Fleet:
         # start the epoch meanwhile.
         self._setups.start("setup-start", self._setups.start_each, "setup", self._set_up_in_background, channels, MAX_PARALLEL_SETUPS)
         return channels
+
+    def wait_set_up(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the setups :meth:`connect` started to end (each
+        succeeded, or reported its failure in its channel's queue)."""
+        deadline = time.monotonic() + timeout
+        self._setups.join(timeout, report=False)  # the thread starting them: then every setup thread is there
+        self._setups.join(max(0.0, deadline - time.monotonic()), report=False)
 
     def open_channel(
         self, rank: int, address: str, num_workers: Optional[int] = None, graph: Optional[bytes] = None

@@ -10,7 +10,7 @@ import queue
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ...addresses import distinct_servers, parse_address
 from ..channel import EpochFailed, Event, ServersJoined, UnitsDispatched, WorkerChannel, drop_items
@@ -22,6 +22,7 @@ from ...policies.base import FleetView
 from ...selection import selection_in_place
 from ...serialization import dumps_graph, pack_exception, rebuild_exception
 from ..stats import ReadingServiceStats, WorkerStats
+from .autoscale import Autoscaler, EpochSample
 from .dispatch import Dispatch, RankInput, UnitDispatch
 from .epoch import Epoch, Positions
 from .fleet import Fleet, close_channels
@@ -111,6 +112,8 @@ class Engine:
         self._join_lock = threading.Lock()
         self._ship_lock = threading.Lock()
         self._join_failures: set = set()
+        #: Sizes the fleet by the data stall between epochs (``autoscale=``; made by :meth:`start`).
+        self.autoscaler: Optional[Autoscaler] = None
 
     @property
     def num_workers(self) -> int:
@@ -136,6 +139,12 @@ class Engine:
         worker (:meth:`Fleet.connect <rpc_reading_service.trainer.engine.fleet.Fleet.connect>`)."""
         self.dist = dist or DistributedInfo()
         self.dispatching = dispatching
+        if self.config.autoscale is not None and self.dist.world_size > 1 and not self.config.distribution.elastic:
+            raise ConfigurationError(
+                f"autoscale under torch.distributed ({self.dist.world_size} trainer ranks) would give each rank its own "
+                f"number of sessions, and distribution={self.config.distribution.name!r} shards by that number over "
+                "every rank: use distribution='dynamic' (its shards do not depend on it), or a fixed num_workers"
+            )
         self.discover()
         config = self.config
         if self.num_workers == 0:
@@ -147,6 +156,11 @@ class Engine:
             self.channels = self.fleet.connect(shipped, self.receiver_queue)
             self._graph = graph
             self.fleet.watch(self._found)
+            if config.autoscale is not None:
+                per_server = config.autoscale.sessions_per_server or (
+                    config.autoscale.max_sessions if config.local else self.fleet.sessions_per_server()
+                )
+                self.autoscaler = Autoscaler(config.autoscale, per_server)
         except BaseException:
             self.close()
             raise
@@ -269,12 +283,56 @@ class Engine:
         if not servers:
             return len(distinct_servers(channel.address for channel in self.adopt_joined(None)))
         self.fleet.regroup([channel.address for channel in self.channels], servers)
+        self._set_up_again()
+        return len(servers)
+
+    def _set_up_again(self) -> None:
+        """Close every session and set up the fleet's ranks anew (a static policy's new fleet)."""
         old, self.channels = self.channels, []
         close_channels(old)
         drop_items(self.events)
         assert self._graph is not None
         self.channels = self.fleet.connect(self._ship(self._graph), self.receiver_queue)
-        return len(servers)
+
+    def _measure(self, last: Epoch) -> Optional[Tuple[ReadingServiceStats, EpochSample]]:
+        """The ``last`` epoch's stats and what the autoscaler reads of it (None if it had no items)."""
+        stats, progress = self._stats_of(last), last.progress
+        if stats.items == 0:
+            return None
+        steady = max(progress.elapsed - progress.startup_wait, 1e-9)  # past the first item: what sessions change
+        return stats, EpochSample(len(stats.workers), stats.items / steady, (progress.wait_seconds - progress.startup_wait) / steady)
+
+    def _autoscale(self, stats: ReadingServiceStats, sample: EpochSample, joined: int) -> None:
+        """Before an epoch: act on the autoscaler's decision over the last epoch (``joined``:
+        servers that joined since, now ranks of the run)."""
+        assert self.autoscaler is not None
+        decision, ranks = self.autoscaler.plan(stats, sample, self.worker_addresses, self.fleet.servers(), joined)
+        if len(ranks) != len(self.channels):
+            self.resize(ranks)
+        self.autoscaler.done(decision, len(self.channels))
+
+    def resize(self, ranks: Sequence[str]) -> None:
+        """Make the run's worker ranks ``ranks`` (the server of each), between epochs: under an
+        elastic policy the sessions past the end are closed or new ones opened at the end (one
+        that fails is logged, and the run goes on without it); under a static policy every
+        session is set up again over the new fleet (waited for)."""
+        if not self.config.distribution.elastic:
+            self.fleet.resize(ranks)
+            self._set_up_again()
+            self.fleet.wait_set_up(self.config.liveness.connect_timeout)  # the epoch's stats time the workers, not setups
+            return
+        dropped, self.channels = self.channels[len(ranks) :], self.channels[: len(ranks)]
+        if dropped:
+            close_channels(dropped)
+        for rank in range(len(self.channels), len(ranks)):
+            try:
+                channel = self.fleet.open_channel(rank, ranks[rank], len(ranks))
+            except (WorkerLostError, OSError) as exc:
+                log.warning("autoscale: a new session on %s failed (%s); the run goes on with %d", ranks[rank], exc, rank)
+                break
+            channel.start_receiver(self.receiver_queue())
+            self.channels.append(channel)
+        self.fleet.resize(self.worker_addresses)
 
     def _ship(self, graph: DataPipe, fleet: Optional[FleetView] = None) -> bytes:
         """The pickled graph for the workers, with the policy's worker-side selection in place of
@@ -324,7 +382,14 @@ class Engine:
         """
         self.epoch_number = self.epoch_number + 1 if number is None else number
         self._wire_epochs += 1
-        joins = self._grow() if self._graph is not None else 0
+        last = self.epoch if self.autoscaler is not None and positions is None else None
+        measured = self._measure(last) if last is not None else None
+        if measured is None:
+            joins = self._grow() if self._graph is not None else 0
+        else:
+            with self._join_lock:  # no server joins while the ranks change (a join numbers its ranks)
+                joins = self._grow()
+                self._autoscale(*measured, joins)
         positions = positions or Positions((0,) * max(1, self.num_workers))
         if len(positions.consumed) != max(1, self.num_workers):  # an elastic policy's checkpoint of another fleet
             positions = positions.resized(max(1, self.num_workers))
@@ -472,7 +537,11 @@ class Engine:
         """Throughput per worker and the consumer's data stall for the current (or last) epoch."""
         if self.epoch is None:
             return ReadingServiceStats(0, 0.0, 0, 0.0, 0.0, 0.0)
-        epoch, progress = self.epoch, self.epoch.progress
+        return self._stats_of(self.epoch)
+
+    def _stats_of(self, epoch: Epoch) -> ReadingServiceStats:
+        """:meth:`stats` of ``epoch``, run by the run's sessions (taken before any changes them)."""
+        progress = epoch.progress
         elapsed = max(progress.elapsed, 1e-9)
         units = epoch.units() or {}
         workers = [
@@ -503,7 +572,16 @@ class Engine:
             reassignments=epoch.reassignments,
             drains=epoch.drains,
             joins=epoch.joins,
+            **self._scale_stats(),
         )
+
+    def _scale_stats(self) -> Dict[str, Any]:
+        """The autoscaler's part of :meth:`stats` (nothing without one)."""
+        scaler = self.autoscaler
+        if scaler is None:
+            return {}
+        return dict(scale_ups=scaler.ups, scale_downs=scaler.downs, scale_decisions=list(scaler.decisions),
+                    wanted_servers=scaler.wanted_servers)  # fmt: skip
 
     @property
     def worker_addresses(self) -> List[str]:

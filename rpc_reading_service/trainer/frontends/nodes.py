@@ -67,7 +67,7 @@ class RemoteNode(_RemoteBase):
             ``worker_info.num_workers``'s items.
         num_workers, workers, auth_key, transport, distribution, in_order, prefetch, seed,
         worker_init_fn, worker_reset_fn, timeout, item_timeout, pickle_by_value, liveness,
-        on_worker_failure, pin_memory: as for :class:`~rpc_reading_service.RemoteIterable`.
+        on_worker_failure, pin_memory, autoscale: as for :class:`~rpc_reading_service.RemoteIterable`.
     """
 
     def __init__(
@@ -89,6 +89,7 @@ class RemoteNode(_RemoteBase):
         liveness: Optional[Liveness] = None,
         on_worker_failure: Union[str, Reassign] = "raise",
         pin_memory: bool = False,
+        autoscale: Any = None,
     ) -> None:
         super().__init__(RemoteRun(source, run_config(locals()), seed))
 
@@ -114,7 +115,7 @@ class RemoteMapper(_RemoteBase):
             resumed epoch deals from its start again (the workers skip what was consumed).
         fn: A picklable ``fn(item) -> result`` (by reference, or by value with ``pickle_by_value``).
         num_workers, workers, auth_key, transport, distribution, in_order, prefetch, seed, timeout,
-        item_timeout, pickle_by_value, liveness, on_worker_failure, pin_memory: as for
+        item_timeout, pickle_by_value, liveness, on_worker_failure, pin_memory, autoscale: as for
         :class:`~rpc_reading_service.RemoteIterable`.
     """
 
@@ -136,6 +137,7 @@ class RemoteMapper(_RemoteBase):
         liveness: Optional[Liveness] = None,
         on_worker_failure: Union[str, Reassign] = "raise",
         pin_memory: bool = False,
+        autoscale: Any = None,
     ) -> None:
         if not isinstance(source, BaseNode):
             raise ConfigurationError(

@@ -75,7 +75,7 @@ class RemoteMapperIterDataPipe(IterDataPipe):
         source: The upstream DataPipe.
         fn: A picklable ``fn(item) -> result`` (by reference, or by value with ``pickle_by_value``).
         num_workers, workers, auth_key, transport, distribution, in_order, prefetch, seed, timeout,
-        item_timeout, pickle_by_value, liveness, on_worker_failure, pin_memory: as for
+        item_timeout, pickle_by_value, liveness, on_worker_failure, pin_memory, autoscale: as for
         :class:`~rpc_reading_service.RemoteIterable` (``num_workers=0`` with local workers: ``fn``
         runs here).
     """
@@ -98,6 +98,7 @@ class RemoteMapperIterDataPipe(IterDataPipe):
         liveness: Any = None,
         on_worker_failure: Any = "raise",
         pin_memory: bool = False,
+        autoscale: Any = None,
     ) -> None:
         arguments = dict(locals())
         from .remote_run import run_config  # the engine (and torchdata) load with the first remote_map

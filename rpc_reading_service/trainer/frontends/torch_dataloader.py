@@ -54,6 +54,8 @@ class RemoteIterable(RunFrontEnd, torch.utils.data.IterableDataset):
         on_worker_failure: ``"raise"`` (default), or ``"reassign"`` /
             :class:`~rpc_reading_service.Reassign` to replay a lost worker's shard on a new session.
         pin_memory: Receive tensors into pinned memory when CUDA is available.
+        autoscale: :class:`~rpc_reading_service.Autoscale`: open and close worker sessions at epoch
+            boundaries by the data stall (docs/deployment.md, autoscaling).
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class RemoteIterable(RunFrontEnd, torch.utils.data.IterableDataset):
         liveness: Optional[Liveness] = None,
         on_worker_failure: Union[str, Reassign] = "raise",
         pin_memory: bool = False,
+        autoscale: Any = None,
     ) -> None:
         self._run = RemoteRun(source, run_config(locals()), seed)
 
