@@ -144,7 +144,7 @@ class WorkerSession:
             setup_timeout=self.options.setup_timeout,
             lenient=True,
         )
-        self.outbox = Outbox(self.options, self.protocol.send, self._lock, self._send_frames)
+        self.outbox = Outbox(self.options, self.protocol.send, self._lock, self._send_frames, conn.has_room)
         self._graph: Any = None
         self._worker_info: Any = None
         self._reset_fn: Any = None
@@ -250,7 +250,7 @@ class WorkerSession:
 
     def _set_up(self, setup: Setup) -> bool:
         self.options = setup.options
-        self.outbox = Outbox(self.options, self.protocol.send, self._lock, self._send_frames)
+        self.outbox = Outbox(self.options, self.protocol.send, self._lock, self._send_frames, self.conn.has_room)
         try:
             datapipe, init_fn, self._reset_fn = loads_graph(setup.graph)
             self._worker_info = WorkerInfo(setup.num_workers, setup.worker_rank)
