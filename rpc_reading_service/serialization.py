@@ -406,12 +406,12 @@ class ReusedBuffers:
     in the trainer than those with none). Whatever refers to a buffer's memory (a tensor
     rebuilt on it, a memoryview, a numpy view) holds a reference to the buffer, so a buffer
     that only this pool refers to is free. A buffer joins the pool only when none of its size
-    is free, so the pool holds at most what was in use at once (the credit window, the
-    consumer's items), and at most :data:`REUSED_BUFFERS_MAX_BYTES`. Not thread-safe: one per
-    allocating thread (a connection's receiving thread, an :class:`ItemEncoder`'s producer).
+    is free and the pool holds less than :meth:`bound` (or :data:`REUSED_BUFFERS_MAX_BYTES`).
+    Not thread-safe but :meth:`bound`: one per allocating thread (a connection's receiving
+    thread, an :class:`ItemEncoder`'s producer).
     """
 
-    __slots__ = ("_buffers", "_bytes", "_next")
+    __slots__ = ("_buffers", "_bytes", "_next", "_frames", "_frame_bytes", "_largest")
 
     def __init__(self) -> None:
         self._buffers: List[numpy.ndarray] = []
@@ -419,6 +419,25 @@ class ReusedBuffers:
         #: Where the search for a free buffer starts: after the one handed out last (buffers are
         #: let go in about the order they were handed out, so the next one is usually free).
         self._next = 0
+        #: What :meth:`bound` set (0: no bound but :data:`REUSED_BUFFERS_MAX_BYTES`), and the
+        #: largest buffer asked for (a frame holds at least one).
+        self._frames, self._frame_bytes, self._largest = 0, 0, 0
+
+    def bound(self, frames: int, frame_bytes: int) -> None:
+        """Keep at most ``frames`` frames' worth of buffers (a connection's share of the credit
+        window, plus one), a frame being ``frame_bytes`` (the batch bound) or the largest buffer
+        asked for, if larger. Any thread may call it: the allocating one applies it.
+
+        Args:
+            frames: Frames in flight at once, plus one.
+            frame_bytes: Bytes a frame holds (``batch_max_bytes``).
+        """
+        self._frames, self._frame_bytes = frames, frame_bytes
+
+    def _max_bytes(self) -> int:
+        if not self._frames:
+            return REUSED_BUFFERS_MAX_BYTES
+        return min(REUSED_BUFFERS_MAX_BYTES, self._frames * max(self._frame_bytes, self._largest))
 
     def __call__(self, nbytes: int) -> Any:
         if nbytes < REUSED_BUFFER_MIN_BYTES:
@@ -430,20 +449,22 @@ class ReusedBuffers:
             if buffers[index].nbytes == nbytes and _only_in(buffers, index):
                 self._next = index + 1
                 return buffers[index]
+        self._largest = max(self._largest, nbytes)
+        max_bytes = self._max_bytes()
+        self._make_room(nbytes, max_bytes)
         buffer = _uninitialised_bytes(nbytes)
-        self._make_room(nbytes)
-        if self._bytes + nbytes <= REUSED_BUFFERS_MAX_BYTES:
+        if self._bytes + nbytes <= max_bytes:
             buffers.append(buffer)
             self._bytes += nbytes
             self._next = len(buffers)
         return buffer
 
-    def _make_room(self, nbytes: int) -> None:
-        """Drop free buffers, oldest first, until ``nbytes`` more fit under the bound (items of
-        another size replace those of the old one)."""
+    def _make_room(self, nbytes: int, max_bytes: int) -> None:
+        """Drop free buffers, oldest first, until ``nbytes`` more fit under ``max_bytes`` (items
+        of another size replace those of the old one)."""
         buffers = self._buffers
         index = 0
-        while self._bytes + nbytes > REUSED_BUFFERS_MAX_BYTES and index < len(buffers):
+        while self._bytes + nbytes > max_bytes and index < len(buffers):
             if _only_in(buffers, index):
                 self._bytes -= buffers.pop(index).nbytes
             else:

@@ -178,6 +178,26 @@ def test_segments_are_reused_once_the_trainer_lets_go_and_stay_bounded():
     assert pool.segments == 0 and isinstance(_hand_over(pool, segments, encoded.buffers)[0], (bytes, bytearray, memoryview))
 
 
+def test_a_bound_pool_retires_free_segments_past_the_window_and_lends_past_it_while_held():
+    # The trainer maps every segment of the pool: free ones past the connection's share of the
+    # credit window (plus one) are retired; a consumer holding more gets new ones, not a stall.
+    pool, segments = SegmentPool(), SegmentMap("test")
+    pool.bound(2, BIG)
+    item = torch.full((BIG,), 7, dtype=torch.uint8)
+    encoded = dumps_item(item)
+    held = []
+    for _ in range(5):  # a consumer that keeps five items: five segments lent
+        (buffer,) = _hand_over(pool, segments, encoded.buffers)
+        held.append(loads_item(EncodedItem(encoded.payload, [buffer])))
+        del buffer
+    assert pool.segments == 5 and all(torch.equal(t, item) for t in held)
+    held.clear()
+    gc.collect()
+    (buffer,) = _hand_over(pool, segments, encoded.buffers)  # the next frame retires the surplus
+    assert pool.segments == 2 == segments.segments
+    assert torch.equal(loads_item(EncodedItem(encoded.payload, [buffer])), item)
+
+
 def test_numpy_arrays_keep_their_segment_lent_while_they_live():
     pool, segments = SegmentPool(), SegmentMap("test")
     array = numpy.arange(BIG, dtype=numpy.int32)

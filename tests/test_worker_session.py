@@ -257,12 +257,12 @@ def test_a_borrowed_item_is_written_before_its_put_returns():
         producer.join(5.0)
 
 
-def test_a_staged_item_that_fills_its_batch_is_written_by_its_producer_without_waiting():
+def test_a_staged_item_that_fills_its_batch_is_written_by_its_producer_or_waits_to_be_taken():
     # A local worker's large buffers are staged in shared segments, so the frame is small on the
     # wire: the producer writes a batch that such an item fills itself, waking nobody (the sender
-    # would wake once per frame). Without credit its put returns at once (nothing in the frame is
-    # the producer's memory), the sender is not woken for a frame it cannot send either, and the
-    # thread that grants the credit writes it.
+    # would wake once per frame). Without credit its put returns once the thread that grants the
+    # credit took the frame (the trainer maps every segment: the next item, made meanwhile, would
+    # hold one more), the sender is not woken for a frame it cannot send either.
     current = threading.current_thread()
     written = []
     outbox = Outbox(
@@ -278,11 +278,17 @@ def test_a_staged_item_that_fills_its_batch_is_written_by_its_producer_without_w
     outbox.put(1, EncodedItem(b"1", staged=True))  # fills it: written by this thread
     assert written == [(current, [[0, 1]])] and notified == []
     outbox.put(1, EncodedItem(b"2", staged=True))
-    outbox.put(1, EncodedItem(b"3", staged=True))  # fills it, no credit left: sealed, put returns
-    assert len(written) == 1 and notified == []
-    outbox.grant(1, 1)
-    outbox.write_taken()
-    assert written[-1] == (current, [[2, 3]]) and notified == []
+    returned = threading.Event()
+    producer = threading.Thread(target=lambda: (outbox.put(1, EncodedItem(b"3", staged=True)), returned.set()))
+    producer.start()  # fills it, no credit left: sealed, put waits
+    try:
+        assert not returned.wait(0.1) and len(written) == 1
+        outbox.grant(1, 1)
+        outbox.write_taken()
+        assert written[-1] == (current, [[2, 3]]) and returned.wait(5.0)
+    finally:
+        outbox.close()
+        producer.join(5.0)
 
 
 def test_a_full_batch_is_written_by_its_producer_while_the_connection_has_room():

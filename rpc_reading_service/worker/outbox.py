@@ -52,7 +52,8 @@ class Outbox:
     producer itself when credit allows, so the graph cannot write that memory while it is
     still to be sent. A staged item (:attr:`~rpc_reading_service.serialization.EncodedItem.staged`:
     large buffers in shared segments) that fills its batch is written by its producer the same way
-    when credit allows, but its put does not wait for the write. :attr:`sending` is
+    when credit allows; without credit its put returns once the frame is taken (not written):
+    the trainer maps every segment, and an item made meanwhile would hold one more. :attr:`sending` is
     held from encoding frames to writing them: frames leave in the order recorded. The outbox
     counts the trainer's credits only to know when to block: the state machine is what
     enforces them.
@@ -214,8 +215,8 @@ class Outbox:
                     frames = self._take_for_producer()
         if frames is not None:
             self._write_inline(frames)
-        if item.borrowed:
-            self._until_written(epoch, item)
+        if item.borrowed or item.staged:
+            self._until_written(epoch, item, written=item.borrowed)
 
     def _writes_full_batch(self, item: EncodedItem) -> bool:
         """Whether the producer writes the batch ``item`` fills itself: a staged item's (a frame
@@ -245,9 +246,10 @@ class Outbox:
             self._cond.notify_all()
         return None
 
-    def _until_written(self, epoch: int, item: EncodedItem) -> None:
-        """Return once ``item`` (borrowed: its buffers are the producer's memory) has been written
-        out, or dropped unsent with its epoch: only then may the producer make its next item."""
+    def _until_written(self, epoch: int, item: EncodedItem, written: bool = True) -> None:
+        """Return once ``item``'s sealed batch has been taken for sending and, with ``written``
+        (borrowed: its buffers are the producer's memory), written out, or dropped unsent with its
+        epoch: only then may the producer make its next item."""
         try:
             with self._cond:
                 while any(type(entry) is list and entry and entry[-1] is item for entry in self._sealed):
@@ -256,8 +258,9 @@ class Outbox:
                     self._producer_waiting = False
                     self._check(epoch)
         finally:
-            with self.sending:  # held by whoever took it, from taking it until it is written
-                pass
+            if written:
+                with self.sending:  # held by whoever took it, from taking it until it is written
+                    pass
 
     def _take_inline(self, item: EncodedItem) -> Optional[List[List[Buffer]]]:
         """The frames for the producer to write itself (its item, sealed alone, and what was ready

@@ -297,6 +297,7 @@ class WorkerSession:
         """Start ``request.epoch`` (called with the lock held): its producer, or the report
         of an item of an earlier epoch that got stuck."""
         self.outbox.start_epoch(request.epoch, request.credits)
+        self.conn.bound_buffers(request.credits + 1, self.options.batch_max_bytes)  # the segments lent
         self._cancel_input()
         if request.dispatched:
             self._inbox = Inbox(request.epoch, lambda epoch: self.outbox.grant_input(epoch, 1), self._waiting_for_trainer)

@@ -24,6 +24,7 @@ in the worker, and is reused only once that memory is gone and the trainer let g
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -91,7 +92,7 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 
 class _Segment:
-    __slots__ = ("id", "size", "mapping", "state", "data", "address", "fd", "in_hand", "hand")
+    __slots__ = ("id", "size", "mapping", "state", "data", "address", "fd", "in_hand", "hand", "resident")
 
     def __init__(self, segment_id: int, size: int, mapping: mmap.mmap):
         self.id = segment_id
@@ -103,6 +104,7 @@ class _Segment:
         self.fd: Optional[int] = None  # a segment made for a producer: its descriptor, until announced
         self.in_hand = False  # memory of it given to a producer lives in this process
         self.hand: Optional[weakref.ref] = None  # that memory, whose end puts the segment down
+        self.resident = True  # its pages are mapped in this process (see SegmentMap.bound)
 
     @property
     def capacity(self) -> int:
@@ -203,13 +205,16 @@ class SegmentPool:
     A buffer gets the smallest free segment that fits it (and is at most twice its size),
     else a new one while the pool holds less than ``max_bytes``; past that, free segments
     that do not fit are retired to make room, and a buffer that still finds none travels
-    through the socket as before. At most ``max_free`` free segments are kept.
+    through the socket as before. At most ``max_free`` free segments are kept, and no free one
+    past what :meth:`bound` keeps (the trainer maps every segment of the pool).
     Thread-safe.
     """
 
     def __init__(self, max_bytes: int = 1 << 30, max_free: int = 8):
         self.max_bytes = max_bytes
         self.max_free = max_free
+        #: What :meth:`bound` set: frames' worth of segments kept (0: no bound), a frame's bytes.
+        self._frames, self._frame_bytes = 0, 0
         self._segments: Dict[int, _Segment] = {}
         self._bytes = 0
         self._next_id = 1
@@ -217,6 +222,19 @@ class SegmentPool:
         self._warned = False
         self._closed = False
         self._retired: List[int] = []  # retired between frames (by allocate): told with the next one
+
+    def bound(self, frames: int, frame_bytes: int) -> None:
+        """Keep no free segment past ``frames`` frames' worth of segments (the connection's share
+        of the credit window, plus one), a frame being ``frame_bytes`` or the largest segment, if
+        larger; more are made while that many are lent (a consumer holding items), and retired
+        once free again.
+
+        Args:
+            frames: Frames in flight at once, plus one.
+            frame_bytes: Bytes a frame holds (``batch_max_bytes``).
+        """
+        with self._lock:
+            self._frames, self._frame_bytes = frames, frame_bytes
 
     def offer_to_producers(self) -> None:
         """Let this process's graph make items in this pool's segments (:func:`allocate`)."""
@@ -304,9 +322,7 @@ class SegmentPool:
         new: List[Tuple[int, int, int]] = []
         with self._lock:
             retired, self._retired = self._retired, []
-            free = sorted((s for s in self._segments.values() if s.available), key=lambda s: s.capacity)
-            for segment in free[: max(0, len(free) - self.max_free)]:  # a consumer let go of many at once
-                self._retire(segment, retired)
+            self._retire_surplus(retired, 0)  # a consumer let go of many at once
             for index, buffer in enumerate(buffers):
                 view = memoryview(buffer).cast("B")
                 segment = None
@@ -376,18 +392,28 @@ class SegmentPool:
     def _reserve(self, nbytes: int, retired: list) -> Optional[int]:
         """Room for a new segment for ``nbytes``, after retiring free segments past ``max_free``
         or ``max_bytes``: its size, counted in the pool's bytes; None if there is no room."""
-        free = [s for s in self._segments.values() if s.available]
         size = -(-(nbytes + HEADER_BYTES) // _PAGE) * _PAGE
-        surplus = len(free) - self.max_free + 1
-        for segment in sorted(free, key=lambda s: s.capacity):
-            if surplus <= 0 and self._bytes + size <= self.max_bytes:
-                break
-            self._retire(segment, retired)
-            surplus -= 1
+        self._retire_surplus(retired, size)
         if self._bytes + size > self.max_bytes:
             return None
         self._bytes += size
         return size
+
+    def _retire_surplus(self, retired: list, size: int) -> None:
+        """Retire free segments, smallest first, until at most ``max_free`` are left (one less
+        with a new one of ``size`` bytes to make) and the pool with it holds at most ``max_bytes``
+        and what :meth:`bound` keeps."""
+        free = sorted((s for s in self._segments.values() if s.available), key=lambda s: s.capacity)
+        surplus = len(free) - self.max_free + (1 if size else 0)
+        keep = self.max_bytes
+        if self._frames:
+            largest = max((s.size for s in self._segments.values()), default=size)
+            keep = min(keep, self._frames * max(self._frame_bytes, largest, size))
+        for segment in free:
+            if surplus <= 0 and self._bytes + size <= keep:
+                break
+            self._retire(segment, retired)
+            surplus -= 1
 
     def _register(self, size: int, mapping: mmap.mmap, fd: int, new: Optional[list]) -> _Segment:
         """Add a new segment (its ``size`` already counted by :meth:`_reserve`); its descriptor goes
@@ -428,6 +454,11 @@ class SegmentPool:
             self._bytes = 0
 
 
+#: ``madvise`` advice that maps a range's pages at once (Linux 5.14: MADV_POPULATE_READ; the
+#: mmap module of Python 3.11 does not name it); an older kernel refuses it: pages then fault in.
+_MADV_POPULATE_READ = 22
+
+
 def _release(state: memoryview, owner: int) -> None:
     # A process forked from the owner shares the mapping: only the owner may free the segment.
     if _pid == owner:
@@ -445,6 +476,41 @@ class SegmentMap:
     def __init__(self, peer: str):
         self.peer = peer
         self._segments: Dict[int, _Segment] = {}
+        #: What :meth:`bound` set: frames' worth of segments resident here (0: no bound), a frame's bytes.
+        self._frames, self._frame_bytes = 0, 0
+
+    def bound(self, frames: int, frame_bytes: int) -> None:
+        """Keep at most ``frames`` frames' worth of segments resident here (the connection's share
+        of the credit window, plus one), a frame being ``frame_bytes`` or the largest segment:
+        before more arrive, the pages of free segments past that leave this process's resident
+        memory (``MADV_DONTNEED``: the memory stays the worker's), and come back when one is
+        lent again.
+
+        Args:
+            frames: Frames in flight at once, plus one.
+            frame_bytes: Bytes a frame holds (``batch_max_bytes``).
+        """
+        self._frames, self._frame_bytes = frames, frame_bytes
+
+    def _make_room(self, shared: SharedFrame) -> None:
+        """Drop the pages of free segments (let go here) until what ``shared``
+        brings in fits under :meth:`bound` with the segments resident already."""
+        if not self._frames:
+            return
+        placed = {p.segment for p in shared.shared}
+        coming = [size for _id, size in shared.new_segments]
+        coming += [s.size for i in placed if (s := self._segments.get(i)) is not None and not s.resident]
+        sizes = [s.size for s in self._segments.values()] + coming
+        keep = self._frames * max(self._frame_bytes, max(sizes, default=0))
+        resident = sum(s.size for s in self._segments.values() if s.resident) + sum(coming)
+        for segment in self._segments.values():
+            if resident <= keep:
+                return
+            if segment.resident and segment.id not in placed and segment.state[0] == _FREE:
+                with contextlib.suppress(OSError, ValueError):
+                    segment.mapping.madvise(mmap.MADV_DONTNEED)
+                segment.resident = False
+                resident -= segment.size
 
     def open(self, shared: SharedFrame, fds: List[int], max_frame_bytes: int) -> Frame:
         """The inner frame of ``shared``, its buffers on the segments; ``fds`` are the
@@ -454,13 +520,14 @@ class SegmentMap:
                 raise self._error(f"brought {len(fds)} descriptors for {len(shared.new_segments)} new segments")
             if len(shared.body) + shared.shared_bytes + sum(memoryview(b).nbytes for b in shared.inline) > max_frame_bytes:
                 raise self._error(f"announced a frame over the maximum of {max_frame_bytes} bytes")
+            for segment_id in shared.retired:
+                self._segments.pop(segment_id, None)
+            self._make_room(shared)
             for (segment_id, size), fd in zip(shared.new_segments, fds):
                 self._add(segment_id, size, fd)
         finally:
             for fd in fds:
                 os.close(fd)
-        for segment_id in shared.retired:
-            self._segments.pop(segment_id, None)
         buffers: List[Buffer] = list(shared.inline)
         for placed in shared.shared:
             buffers.insert(placed.index, self._buffer(placed))
@@ -481,6 +548,10 @@ class SegmentMap:
             raise self._error(f"placed {placed.length} bytes at offset {placed.offset} of a {segment.size}-byte segment")
         # A ctypes array, not a numpy view: numpy collapses a view's base to the mapping, so
         # the view could die while arrays built on it live; this object lives as long as they do.
+        if not segment.resident:  # its pages were dropped (see bound): map them in one call
+            with contextlib.suppress(OSError, ValueError):
+                segment.mapping.madvise(_MADV_POPULATE_READ)
+            segment.resident = True
         memory = (ctypes.c_ubyte * placed.length).from_buffer(segment.mapping, placed.offset)
         weakref.finalize(memory, _release, segment.state, _pid).atexit = False
         return memory  # type: ignore[return-value]

@@ -50,6 +50,7 @@ class SharedMemoryConnection(SocketConnection):
         self._pool: Optional[SegmentPool] = None
         self._segments: Optional[SegmentMap] = SegmentMap(peer) if offered else None
         self._fds: "collections.deque[int]" = collections.deque()
+        self._bound: Optional[Tuple[int, int]] = None  # bound_buffers' arguments, for a pool made later
 
     @property
     def shared_segments(self) -> int:
@@ -57,6 +58,14 @@ class SharedMemoryConnection(SocketConnection):
         if self._pool is not None:
             return self._pool.segments
         return self._segments.segments if self._segments is not None else 0
+
+    def bound_buffers(self, frames: int, frame_bytes: int) -> None:
+        super().bound_buffers(frames, frame_bytes)
+        self._bound = (frames, frame_bytes)
+        if self._pool is not None:
+            self._pool.bound(frames, frame_bytes)
+        if self._segments is not None:
+            self._segments.bound(frames, frame_bytes)
 
     def _lends(self, chunks: Sequence[Buffer]) -> bool:
         """Whether this frame's buffers may go into shared segments (a DATA frame with buffers, once offered)."""
@@ -130,6 +139,8 @@ class SharedMemoryConnection(SocketConnection):
         if frame.kind == MessageKind.SHARED_MEMORY_OFFER and self._segments is None:
             if self._lend and self._pool is None:
                 self._pool = SegmentPool()
+                if self._bound is not None:
+                    self._pool.bound(*self._bound)
                 # Only a session in a process of its own (forked after the accept): one that
                 # shares the server's process (threads) could leave its items' segments mapped
                 # there after it ends, through anything still referencing them (a traceback).

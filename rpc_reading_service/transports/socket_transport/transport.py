@@ -177,7 +177,7 @@ class SocketTransport(Transport):
         reader.max_frame_bytes = self.max_frame_bytes
         reader.allowed_kinds = None
         if allocate is not None:
-            reader._allocate = allocate  # noqa: SLF001 - the reader's allocator is set once, here
+            reader.allocate = allocate
         if self._offers_shared_memory(sock, allocate, handshake.peer_package_version):
             try:
                 sock.sendall(b"".join(bytes(c) for c in encode_frame(MessageKind.SHARED_MEMORY_OFFER)))
