@@ -39,11 +39,13 @@ __all__ = [
     "Buffer",
     "EncodedItem",
     "ItemEncoder",
+    "PinnedBuffers",
     "ReusedBuffers",
     "buffer_allocator",
     "dumps_item",
     "loads_item",
     "loads_items",
+    "pins_shared_memory",
     "release_sparse_tensors",
     "dumps_graph",
     "loads_graph",
@@ -378,8 +380,23 @@ def buffer_allocator(pin_memory: bool) -> Callable[[int], Any]:
     reused once nothing refers to them any more (see :class:`ReusedBuffers`).
     """
     if pin_memory and torch.cuda.is_available():
-        return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+        return PinnedBuffers()
     return ReusedBuffers()
+
+
+class PinnedBuffers:
+    """Page-locked receive buffers (``pin_memory`` with CUDA). A local worker's shared segments
+    are not copied into them: the trainer page-locks each segment where it maps it
+    (:func:`pins_shared_memory`)."""
+
+    def __call__(self, nbytes: int) -> Any:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+def pins_shared_memory(allocate: Optional[Callable[[int], Any]]) -> bool:
+    """Whether shared segments received with ``allocate`` are to be page-locked (``pin_memory``
+    with CUDA: :class:`PinnedBuffers`)."""
+    return isinstance(allocate, PinnedBuffers)
 
 
 def _uninitialised_bytes(nbytes: int) -> Any:
@@ -487,10 +504,10 @@ def _only_in(buffers: List[Any], index: int) -> bool:
 
 def accepts_shared_memory(allocate: Optional[Callable[[int], Any]]) -> bool:
     """Whether received buffers may live in shared memory instead of memory from
-    ``allocate``: yes for plain memory, no for pinned memory (``pin_memory`` with CUDA),
-    which a shared mapping is not."""
+    ``allocate``: yes for plain memory and for pinned memory (``pin_memory`` with CUDA: the
+    segments are page-locked where they are mapped), no for any other allocator."""
     return (allocate is None or allocate is bytearray or allocate is _uninitialised_bytes
-            or isinstance(allocate, ReusedBuffers))
+            or isinstance(allocate, (ReusedBuffers, PinnedBuffers)))
 
 
 # -- graphs ------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from rpc_reading_service.serialization import (
     buffer_allocator,
     dumps_item,
     loads_item,
+    pins_shared_memory,
 )
 from rpc_reading_service.transports.socket_transport.shared_memory import (
     HEADER_BYTES,
@@ -350,10 +351,23 @@ def test_a_process_forked_from_the_trainer_can_drop_received_buffers():
     assert shared_ranges(os.getpid())  # the trainer still maps it
 
 
-def test_pinned_memory_is_never_shared():
+def test_pin_memory_keeps_the_shared_segments_and_page_locks_them_where_cuda_is():
     assert accepts_shared_memory(buffer_allocator(False)) and accepts_shared_memory(None)
-    assert not accepts_shared_memory(lambda n: torch.empty(n, dtype=torch.uint8).numpy())  # as pinned ones are
-    assert accepts_shared_memory(buffer_allocator(True)) == (not torch.cuda.is_available())
+    assert not accepts_shared_memory(lambda n: torch.empty(n, dtype=torch.uint8).numpy())  # an unknown allocator
+    assert accepts_shared_memory(buffer_allocator(True))  # pinned or not: the segments are kept
+    assert pins_shared_memory(buffer_allocator(True)) == torch.cuda.is_available()
+    assert not pins_shared_memory(buffer_allocator(False))
+    pool, segments = SegmentPool(), SegmentMap("test", pin=True)  # without CUDA: mapped as they are
+    item = torch.full((BIG,), 5, dtype=torch.uint8)
+    encoded = dumps_item(item)
+    (buffer,) = _hand_over(pool, segments, encoded.buffers)
+    received = loads_item(EncodedItem(encoded.payload, [buffer]))
+    assert torch.equal(received, item) and in_shared_memory(received.data_ptr(), shared_ranges(os.getpid()))
+    del buffer, received
+    gc.collect()
+    (buffer,) = _hand_over(pool, segments, encoded.buffers)
+    assert pool.segments == 1 == segments.segments  # let go, reused
+    segments.close()
 
 
 # -- real processes -----------------------------------------------------------------------------------

@@ -92,7 +92,7 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 
 class _Segment:
-    __slots__ = ("id", "size", "mapping", "state", "data", "address", "fd", "in_hand", "hand", "resident")
+    __slots__ = ("id", "size", "mapping", "state", "data", "address", "fd", "in_hand", "hand", "pinned", "resident")
 
     def __init__(self, segment_id: int, size: int, mapping: mmap.mmap):
         self.id = segment_id
@@ -104,6 +104,7 @@ class _Segment:
         self.fd: Optional[int] = None  # a segment made for a producer: its descriptor, until announced
         self.in_hand = False  # memory of it given to a producer lives in this process
         self.hand: Optional[weakref.ref] = None  # that memory, whose end puts the segment down
+        self.pinned = False  # page-locked for CUDA (a trainer's pin_memory): see SegmentMap
         self.resident = True  # its pages are mapped in this process (see SegmentMap.bound)
 
     @property
@@ -465,16 +466,43 @@ def _release(state: memoryview, owner: int) -> None:
         state[0] = _FREE
 
 
+def _cuda_host_register(segment: _Segment) -> bool:
+    """Page-lock ``segment``'s mapping for CUDA (``cudaHostRegister``), so that tensors on it go to
+    a GPU with ``non_blocking=True`` without a staging copy; False without CUDA, or if refused."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return int(torch.cuda.cudart().cudaHostRegister(segment.address - HEADER_BYTES, segment.size, 0)) == 0
+    except (RuntimeError, AttributeError, TypeError) as exc:
+        log.debug("cudaHostRegister of a shared segment failed: %s", exc)
+        return False
+
+
+def _cuda_host_unregister(segment: _Segment) -> None:
+    """Undo :func:`_cuda_host_register` while the mapping is still there (tensors left on it stay
+    valid, in pageable memory)."""
+    if segment.pinned:
+        import torch
+
+        with contextlib.suppress(RuntimeError, AttributeError, TypeError):
+            torch.cuda.cudart().cudaHostUnregister(segment.address - HEADER_BYTES)
+        segment.pinned = False
+
+
 class SegmentMap:
     """The trainer's mappings of one connection's segments; builds received buffers on them.
 
     Each buffer is a numpy array on the mapping; when it (and every tensor or array built
     on it) is gone, its segment is marked free for the worker to reuse. Used by the
-    receiving thread only.
+    receiving thread only. With ``pin`` (a trainer's ``pin_memory`` where CUDA is available)
+    each segment is page-locked where it is mapped (``cudaHostRegister``), not copied.
     """
 
-    def __init__(self, peer: str):
+    def __init__(self, peer: str, pin: bool = False):
         self.peer = peer
+        self.pin = pin
         self._segments: Dict[int, _Segment] = {}
         #: What :meth:`bound` set: frames' worth of segments resident here (0: no bound), a frame's bytes.
         self._frames, self._frame_bytes = 0, 0
@@ -493,7 +521,7 @@ class SegmentMap:
         self._frames, self._frame_bytes = frames, frame_bytes
 
     def _make_room(self, shared: SharedFrame) -> None:
-        """Drop the pages of free segments (let go here) until what ``shared``
+        """Drop the pages of free segments (let go here, not page-locked) until what ``shared``
         brings in fits under :meth:`bound` with the segments resident already."""
         if not self._frames:
             return
@@ -506,7 +534,7 @@ class SegmentMap:
         for segment in self._segments.values():
             if resident <= keep:
                 return
-            if segment.resident and segment.id not in placed and segment.state[0] == _FREE:
+            if segment.resident and not segment.pinned and segment.id not in placed and segment.state[0] == _FREE:
                 with contextlib.suppress(OSError, ValueError):
                     segment.mapping.madvise(mmap.MADV_DONTNEED)
                 segment.resident = False
@@ -521,7 +549,9 @@ class SegmentMap:
             if len(shared.body) + shared.shared_bytes + sum(memoryview(b).nbytes for b in shared.inline) > max_frame_bytes:
                 raise self._error(f"announced a frame over the maximum of {max_frame_bytes} bytes")
             for segment_id in shared.retired:
-                self._segments.pop(segment_id, None)
+                retired = self._segments.pop(segment_id, None)
+                if retired is not None:
+                    _cuda_host_unregister(retired)
             self._make_room(shared)
             for (segment_id, size), fd in zip(shared.new_segments, fds):
                 self._add(segment_id, size, fd)
@@ -538,7 +568,9 @@ class SegmentMap:
             raise self._error(f"announced segment {segment_id} twice")
         if not HEADER_BYTES < size <= os.fstat(fd).st_size:
             raise self._error(f"announced segment {segment_id} of {size} bytes, which its descriptor does not hold")
-        self._segments[segment_id] = _Segment(segment_id, size, _map(fd, size))
+        segment = self._segments[segment_id] = _Segment(segment_id, size, _map(fd, size))
+        if self.pin:
+            segment.pinned = _cuda_host_register(segment)
 
     def _buffer(self, placed: SharedBuffer) -> Buffer:
         segment = self._segments.get(placed.segment)
@@ -566,4 +598,6 @@ class SegmentMap:
 
     def close(self) -> None:
         """Forget every segment (each mapping goes with the last buffer built on it)."""
+        for segment in self._segments.values():
+            _cuda_host_unregister(segment)
         self._segments.clear()

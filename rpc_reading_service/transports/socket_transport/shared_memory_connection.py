@@ -36,19 +36,23 @@ class SharedMemoryConnection(SocketConnection):
     SHARED_DATA frame back into the DATA frame it wraps. The worker's end (``lend``) puts
     the large buffers of its DATA frames in segments once the trainer offered, and lets
     the graph make its items in them (``rpc_reading_service.shared_empty``). Transport
-    frames never reach the session above.
+    frames never reach the session above. ``pin``: the trainer page-locks each segment it maps
+    (``pin_memory`` with CUDA; see :class:`.shared_memory.SegmentMap`).
     """
 
     # A local worker's large buffers go into shared segments as they are encoded (the segment
     # pool decides where each one goes): they are not sent from the producer's own memory.
     sends_synchronously = False
 
-    def __init__(self, sock: socket.socket, peer: str, reader: FrameReader, offered: bool = False, lend: bool = False):
+    def __init__(
+        self, sock: socket.socket, peer: str, reader: FrameReader, offered: bool = False, lend: bool = False,
+        pin: bool = False,
+    ):  # fmt: skip
         super().__init__(sock, peer, reader)
         self._lend = lend
         self._accepted_in = os.getpid()
         self._pool: Optional[SegmentPool] = None
-        self._segments: Optional[SegmentMap] = SegmentMap(peer) if offered else None
+        self._segments: Optional[SegmentMap] = SegmentMap(peer, pin) if offered else None
         self._fds: "collections.deque[int]" = collections.deque()
         self._bound: Optional[Tuple[int, int]] = None  # bound_buffers' arguments, for a pool made later
 
