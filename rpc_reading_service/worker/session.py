@@ -297,7 +297,8 @@ class WorkerSession:
         """Start ``request.epoch`` (called with the lock held): its producer, or the report
         of an item of an earlier epoch that got stuck."""
         self.outbox.start_epoch(request.epoch, request.credits)
-        self.conn.bound_buffers(request.credits + 1, self.options.batch_max_bytes)  # the segments lent
+        # The segments lent (the window), the batch open, the one sealed and the item being made.
+        self.conn.bound_buffers(request.credits + 3, self.options.batch_max_bytes)
         self._cancel_input()
         if request.dispatched:
             self._inbox = Inbox(request.epoch, lambda epoch: self.outbox.grant_input(epoch, 1), self._waiting_for_trainer)

@@ -531,7 +531,8 @@ class SegmentMap:
         sizes = [s.size for s in self._segments.values()] + coming
         keep = self._frames * max(self._frame_bytes, max(sizes, default=0))
         resident = sum(s.size for s in self._segments.values() if s.resident) + sum(coming)
-        for segment in self._segments.values():
+        # The newest first: a worker lends the oldest free segment that fits, so those stay warm.
+        for segment in sorted(self._segments.values(), key=lambda s: -s.id):
             if resident <= keep:
                 return
             if segment.resident and not segment.pinned and segment.id not in placed and segment.state[0] == _FREE:
