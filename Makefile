@@ -32,7 +32,12 @@ demo: $(STAMP)
 # stay together, so module fixtures (the network-namespace cluster) are made once; files are
 # handed out in collection order, which tests/conftest.py makes longest first.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder
+	$(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder -m "not slurm and not system"
+
+# The whole-system runs (tests marked `system` in tests/conftest.py): examples/ddp_train.py and the
+# launch recipes under torchrun, the benchmark harness, and worker hosts in network namespaces.
+test-system: $(STAMP)
+	$(VENV)/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder -m system
 
 # The front ends that need no DataLoader2 (tests/nodes/), in $(NODES_VENV) with torchdata
 # $(NODES_TORCHDATA_VERSION); the DataLoader2 tests are not collected there (tests/nodes/conftest.py).
@@ -46,10 +51,16 @@ test-slurm: $(STAMP)
 	bash .ci/install-slurm
 	$(VENV)/bin/python -m pytest -m slurm tests/test_slurm.py
 
-# The published run: tables on stdout, and benchmarks/RESULTS.md, results.json, results.png.
-bench: $(BENCH_STAMP)
+# The published run: tables on stdout, and benchmarks/RESULTS.md, results.json, results.png;
+# then the front ends without DataLoader2 (bench-nodes, torchdata $(NODES_TORCHDATA_VERSION)) add their section to RESULTS.md.
+bench: $(BENCH_STAMP) $(NODES_STAMP)
 	$(VENV)/bin/python benchmarks/bench.py --json benchmarks/results.json --plot benchmarks/results.png \
 		--results-md benchmarks/RESULTS.md
+	$(MAKE) bench-nodes
+
+# RemoteMapper vs ParallelMapper, RemoteIterable vs torch's DataLoader: their section of RESULTS.md.
+bench-nodes: $(NODES_STAMP)
+	$(NODES_VENV)/bin/python benchmarks/bench_frontends.py --results-md benchmarks/RESULTS.md
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -78,4 +89,4 @@ clean:
 	rm -rf *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
-.PHONY: all demo test test-nodes test-slurm bench clean
+.PHONY: all demo test test-system test-nodes test-slurm bench bench-nodes clean

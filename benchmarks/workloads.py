@@ -129,7 +129,7 @@ def build_datapipe(workload: Workload):
     not their items, so the work of an epoch does not grow with the number of workers
     (with W workers, a plain ``sharding_filter`` makes each of them read all N indices).
     """
-    from torchdata.datapipes.iter import IterableWrapper
+    from torch.utils.data.datapipes.iter import IterableWrapper  # torchdata's (0.9) is this one; 0.11 has none
 
     if workload.block:
         blocks = -(-workload.n_items // workload.block)

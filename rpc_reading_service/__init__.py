@@ -11,6 +11,7 @@ from .quiet_imports import torchdata_banner_muted
 
 with torchdata_banner_muted():
     from . import cache as _cache  # noqa: F401 - registers dp.cached_map
+from .trainer.frontends import remote_map as _remote_map  # noqa: F401 - registers dp.remote_map
 from .trainer.config import (
     TLS,
     Hostfile,

@@ -13,6 +13,7 @@ from typing import Optional
 __all__ = [
     "thread_stack",
     "past_the_end",
+    "malformed_checkpoint",
     "RPCReadingServiceError",
     "ConfigurationError",
     "MissingDependencyError",
@@ -189,10 +190,23 @@ class ItemPicklingError(RPCReadingServiceError, TypeError):
     that can cross (``.to_dense()``, or a plain strided tensor) before yielding it."""
 
 
+def malformed_checkpoint(
+    problem: str, cause: str = "edited, truncated or written by another program", same: str = ""
+) -> ConfigurationError:
+    """The error of a checkpoint that cannot be resumed, with the advice to resume an unmodified one.
+
+    Args:
+        problem: What is wrong with it (``field 'consumed' is missing``).
+        cause: How it can have come to be so, after "The checkpoint was".
+        same: What must also be as when it was taken (``over the same data``), if anything.
+    """
+    advice = f"resume from an unmodified state_dict() {same}".rstrip()
+    return ConfigurationError(f"malformed RPCReadingService checkpoint: {problem}. The checkpoint was {cause}: {advice}")
+
+
 def past_the_end(field_name: str, what: str, position: int, length: int) -> ConfigurationError:
     """The error of a worker whose resumed position (field ``field_name``) lies past the end of ``what``."""
-    return ConfigurationError(
-        f"malformed RPCReadingService checkpoint: field {field_name} says {position} items of {what} were "
-        f"consumed, but it has {length} in this epoch. The checkpoint was edited, or the data or the graph changed "
-        "since it was taken: resume from an unmodified state_dict() over the same data"
+    return malformed_checkpoint(
+        f"field {field_name} says {position} items of {what} were consumed, but it has {length} in this epoch",
+        "edited, or the data or the graph changed since it was taken", "over the same data",
     )

@@ -1,17 +1,8 @@
 """Worker-side selection: which items of the sharded stream one worker keeps.
 
-A distribution policy other than round-robin replaces every ``sharding_filter`` of the
-graph it ships by a :class:`SelectionFilter` holding its :class:`WorkerSelection`. On each
-worker the filter walks the stream at the sharding point (after the levels of sharding
-that are not the workers', e.g. torch.distributed's) and asks the selection about every
-position; torchdata's ``apply_sharding`` tells the selection the worker's rank, as it
-tells a ``sharding_filter``. Round-robin keeps torchdata's ``sharding_filter`` itself.
-
-A policy's selection subclasses :class:`WorkerSelection` (e.g. "dynamic": the chunks the
-trainer leased to this session, fed by the session's :class:`LeaseInbox`; "sticky": the items
-whose key hashes to this worker): see :mod:`rpc_reading_service.policies`.
-Pure graph code: no I/O; the session driver feeds the inbox and sends what it reports.
-"""
+A policy other than round-robin replaces every ``sharding_filter`` of the graph it ships by a
+:class:`SelectionFilter` holding its :class:`WorkerSelection`. Pure graph code: no I/O; the
+session driver feeds the :class:`LeaseInbox` and sends what it reports."""
 
 from __future__ import annotations
 
@@ -239,12 +230,7 @@ def selections_in(graph: DataPipe, traversal: Optional[DataPipeGraph] = None) ->
 # -- dynamic: leased chunks -----------------------------------------------------------------------
 class LeaseInbox:
     """The chunks the trainer leased to one session in one epoch, fed by the control loop and
-    waited on by the producer (thread-safe).
-
-    Leases come in increasing order of chunks and of positions, in runs of consecutive chunks
-    of one size; a position below the end of this session's latest lease that no lease of it
-    holds belongs to another worker. ``finish()`` says no more leases will come. The walk asks
-    about positions in increasing order, so the runs it has passed are forgotten.
+    waited on by the producer (thread-safe); ``finish()`` says no more leases will come.
     """
 
     def __init__(self) -> None:

@@ -1,18 +1,7 @@
 """Turning items, graphs and exceptions into bytes and back. Pure functions, no I/O.
 
-- Items use pickle protocol 5. CPU tensors and numpy arrays larger than
-  ``OUT_OF_BAND_MIN_BYTES`` travel as out-of-band buffers: the sender hands their memory
-  to a scatter/gather send, the receiver rebuilds them on the memory they were received
-  into. Nothing is copied through the pickle stream. A class the worker got by value with
-  the graph (defined in the trainer's ``__main__`` or in a ``pickle_by_value`` module)
-  travels back by name and is resolved in the trainer, which has it: the trainer gets
-  instances of its own class.
-- Graphs use cloudpickle, so lambdas and functions defined in ``__main__`` (or in a
-  ``torch.multiprocessing.spawn`` child's ``__mp_main__``) travel by value.
-- Exceptions travel as their type, message, traceback text and, where possible, the
-  pickled exception itself. Packing never fails: what cannot be printed or pickled is
-  replaced by a placeholder.
-"""
+Items: pickle protocol 5, large buffers out of band; graphs: cloudpickle; exceptions: type,
+message and traceback text. The design: docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -68,11 +57,10 @@ Buffer = Union[bytes, bytearray, memoryview]
 class EncodedItem:
     """One pickled item: its pickle stream and the out-of-band buffers it refers to.
 
-    ``borrowed``: some buffers are the producer's own memory, not copies (see
-    :class:`ItemEncoder`'s ``borrow_min_bytes``): the item must be written out before the
-    producer may make its next item. ``staged``: some buffers went where the encoder's ``stage``
-    put them (a local worker's shared segments): the frame that carries the item is small on
-    the wire whatever the buffers' size.
+    Attributes:
+        borrowed: Some buffers are the producer's own memory (``borrow_min_bytes``): write the
+            item out before the producer makes its next one.
+        staged: Some buffers went where the encoder's ``stage`` put them (shared segments).
     """
 
     __slots__ = ("payload", "buffers", "borrowed", "staged")  # one per item on the hot path: keep it light
@@ -136,13 +124,8 @@ def _class_by_name(module_name: str, qualname: str) -> type:
 
 
 def _class_reduction(cls: type) -> Any:
-    """How an item's class travels: by plain pickle when this process can name it, else by name.
-
-    A worker unpickled the graph's ``__main__`` and ``pickle_by_value`` classes by value
-    (cloudpickle), so plain pickle cannot find them under their names here; the trainer
-    defines them, so they travel by name and the trainer resolves its own class (``isinstance``
-    holds there). Classes local to a function have no name to resolve: they travel by value.
-    """
+    """How an item's class travels: by plain pickle when this process can name it, else by name
+    (a class the worker got by value with the graph; see docs/architecture.md)."""
     module_name = getattr(cls, "__module__", None)
     qualname = getattr(cls, "__qualname__", None)
     if not isinstance(module_name, str) or not isinstance(qualname, str):
@@ -278,25 +261,15 @@ def _keep_small_buffers_in_band(buffer: pickle.PickleBuffer) -> bool:
 
 
 class ItemEncoder:
-    """Pickles items one by one, reusing one pickler (a third of the cost of a new one per item).
+    """Pickles items one by one, reusing one pickler; a large buffer is copied out of band as it is now.
 
-    A large buffer (a tensor's or array's memory) leaves the pickle out of band, and the item
-    keeps a copy of it as it is now (in a buffer of an earlier item that is gone, see
-    :class:`ReusedBuffers`): a graph may write the same memory again for its next item
-    (a reused buffer) before this one is sent, and every item must arrive as it was yielded, as
-    with torch's DataLoader and MPRS, which copy too. ``stage``, if given, decides where that
-    copy goes (say, in a segment of shared memory that the transport lends with no further
-    copy) or returns the buffer itself for memory the producer must not write again (made in
-    such a segment); None leaves it to an ordinary copy.
+    Not thread-safe: one encoder per producing thread. Why it copies: docs/architecture.md.
 
-    ``borrow_min_bytes``, if given: a buffer of at least that size that ``stage`` left alone
-    is not copied at all; the item refers to the producer's memory and says so
-    (:attr:`EncodedItem.borrowed`). Its sender must then write it out (over a connection whose
-    send returns only once the memory is no longer needed) before the producer makes the next
-    item, which is the only moment a graph could write that memory again: one copy of every
-    large buffer less, a third of a TCP worker's memory traffic per 8 MiB tensor.
-
-    Not thread-safe: one encoder per producing thread.
+    Args:
+        stage: Where a large buffer's copy goes (say, a shared-memory segment), or the buffer
+            itself for memory the producer must not write again; None: an ordinary copy.
+        borrow_min_bytes: A buffer at least this large that ``stage`` left alone is not copied:
+            the item refers to the producer's memory (:attr:`EncodedItem.borrowed`).
     """
 
     def __init__(
@@ -374,10 +347,8 @@ def loads_items(items: Sequence[EncodedItem]) -> List[Any]:
 def buffer_allocator(pin_memory: bool) -> Callable[[int], Any]:
     """Memory that received out-of-band buffers (tensor storage) land in, for one connection.
 
-    With ``pin_memory`` and CUDA available, page-locked memory, so received tensors can go
-    to the GPU with ``non_blocking=True`` without another copy; otherwise uninitialised
-    memory (every byte is written by the receive before anyone reads it), large buffers
-    reused once nothing refers to them any more (see :class:`ReusedBuffers`).
+    Args:
+        pin_memory: Page-locked memory when CUDA is available; otherwise :class:`ReusedBuffers`.
     """
     if pin_memory and torch.cuda.is_available():
         return PinnedBuffers()
@@ -417,15 +388,8 @@ class ReusedBuffers:
     """Uninitialised receive buffers; a large one is handed out again, for a buffer of the same
     size, once nothing refers to it any more (its tensor and every view of it are gone).
 
-    The allocator often gives a freed large buffer back to the system, and the next one then
-    costs page faults, each page zero-filled by the kernel before the receive overwrites it
-    (over TCP, epochs with 24-87 faults per 8 MiB tensor took ~1 ms more system time per item
-    in the trainer than those with none). Whatever refers to a buffer's memory (a tensor
-    rebuilt on it, a memoryview, a numpy view) holds a reference to the buffer, so a buffer
-    that only this pool refers to is free. A buffer joins the pool only when none of its size
-    is free and the pool holds less than :meth:`bound` (or :data:`REUSED_BUFFERS_MAX_BYTES`).
-    Not thread-safe but :meth:`bound`: one per allocating thread (a connection's receiving
-    thread, an :class:`ItemEncoder`'s producer).
+    At most :meth:`bound` (or :data:`REUSED_BUFFERS_MAX_BYTES`). Not thread-safe but :meth:`bound`:
+    one per allocating thread. Why: docs/architecture.md (page faults of fresh buffers).
     """
 
     __slots__ = ("_buffers", "_bytes", "_next", "_frames", "_frame_bytes", "_largest")
@@ -654,14 +618,15 @@ class _ReprIsStr(str):
 def rebuild_exception(
     info: Dict[str, Any], rank: Optional[int], address: Optional[str], where: Optional[str] = None
 ) -> BaseException:
-    """Build the exception to raise in the trainer for a remote error.
+    """Build the exception to raise in the trainer for a remote error: the original type where it
+    can be rebuilt, else :class:`RemoteWorkerError`, in MPRS's words (``Caught ValueError in worker
+    process 0 (host:port).``, then ``Original Traceback ...``).
 
-    The result has the original type where it can be rebuilt (so ``except ValueError``
-    works), else :class:`RemoteWorkerError`. Its message has MPRS's words (torch's
-    ``ExceptionWrapper``), with the worker's address after its rank:
-    ``Caught ValueError in worker process 0 (host:port).`` then ``Original Traceback ...``
-    ending in the original ``ValueError: message``. ``where`` names another origin
-    (``"dispatching process"``: the trainer's dispatcher, as MPRS says it).
+    Args:
+        info: The packed exception.
+        rank: The worker's rank, for the message.
+        address: The worker's address, for the message.
+        where: Another origin instead (``"dispatching process"``: the trainer's dispatcher).
     """
     where = where or describe_worker(rank, address, noun="worker process")
     type_name = info.get("type_name", "Exception").rsplit(".", 1)[-1]  # __name__, as MPRS says it

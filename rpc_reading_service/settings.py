@@ -68,6 +68,7 @@ RPC_READING_SERVICE_NUMBERS = (
     NumberRule("connect_timeout", integer=False, minimum=0, exclusive=True, unit="seconds"),
     NumberRule("heartbeat_interval", integer=False, minimum=0, exclusive=True, unit="seconds"),
     NumberRule("item_timeout", integer=False, minimum=0, exclusive=True, optional=True, unit="seconds"),
+    NumberRule("poll_interval", integer=False, minimum=0, exclusive=True, optional=True, unit="seconds"),
 )
 RPC_READING_SERVICE_FLAGS = ("in_order", "pin_memory", "host_store")
 

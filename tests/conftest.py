@@ -49,9 +49,21 @@ LONGEST_FILES_FIRST = (
 )  # fmt: skip
 
 
+# Whole-system runs, marked ``system``: the examples under torchrun, the launch recipes, the
+# benchmark harness and hosts in network namespaces. Each starts many fresh interpreters (about
+# 3 s of CPU each, importing torch), so `make test` leaves them to `make test-system`; CI runs both.
+SYSTEM_FILES = (
+    "test_example_ddp_train.py", "test_example_image_augmentation.py", "test_launch_recipes.py",
+    "test_benchmarks.py", "test_cluster.py",
+)  # fmt: skip
+
+
 def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
-    """Run the files of :data:`LONGEST_FILES_FIRST` first, in its order (a stable sort: each
-    file's tests keep their order)."""
+    """Mark the tests of :data:`SYSTEM_FILES` ``system``; run the files of
+    :data:`LONGEST_FILES_FIRST` first, in its order (a stable sort: each file's tests keep their order)."""
+    for item in items:
+        if item.path.name in SYSTEM_FILES:
+            item.add_marker(pytest.mark.system)
     rank = {name: index for index, name in enumerate(LONGEST_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 

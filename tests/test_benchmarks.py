@@ -234,3 +234,23 @@ def test_sizes_are_read_in_kib_and_mib():
     assert bench.parse_args(["--sizes", "1K,64k,1M,100"]).sizes == [1024, 65536, 1 << 20, 100]
     with pytest.raises(SystemExit):
         bench.parse_args(["--sizes", "1G"])
+
+
+def test_front_ends_tables_write_their_own_section_of_results_md():
+    import bench_frontends
+    from benchsuite.contenders.frontends import FRONT_ENDS
+    from benchsuite.scenarios.frontends import PAIRS, SCENARIOS as FRONT_END_SCENARIOS
+
+    known = set(CONTENDERS) | {contender.name for contender in FRONT_ENDS}
+    for scenario in FRONT_END_SCENARIOS:
+        assert set(scenario.contenders) <= known and scenario.name not in SCENARIOS
+        assert {name for pair in PAIRS for name in pair} == set(scenario.contenders)
+    results = "# Benchmark results\n\n## Targets\n\nt\n\n## Over capped network links\n\nl\n"
+    first = bench_frontends.with_section(results, f"{bench_frontends.SECTION}\n\nrun 1\n")
+    assert first.startswith(results.rstrip("\n")) and first.endswith("run 1\n")
+    again = bench_frontends.with_section(first, f"{bench_frontends.SECTION}\n\nrun 2\n")
+    assert again == first.replace("run 1", "run 2")
+    moved = first.replace("## Over capped", "") + "\n## Over capped network links\n\nl\n"  # a section after it stays
+    assert bench_frontends.with_section(moved, f"{bench_frontends.SECTION}\n\nrun 2\n\n").endswith(
+        "run 2\n\n## Over capped network links\n\nl\n"
+    )

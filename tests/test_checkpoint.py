@@ -26,6 +26,7 @@ from torchdata.dataloader2 import DataLoader2, SequentialReadingService
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
 from rpc_reading_service import ConfigurationError, RPCReadingService, available_transports
+from rpc_reading_service.errors import malformed_checkpoint, past_the_end
 from rpc_reading_service.trainer.checkpoint import CHECKPOINT_VERSION, ReadingServiceState
 from rpc_reading_service.policies.merge import EpochProgress
 
@@ -349,7 +350,7 @@ def _resume(state, rs) -> None:
 @pytest.mark.timeout(60)
 def test_state_of_other_num_workers_is_refused(rs_factory):
     state = _state_of(lambda: rs_factory(3), make_graph())
-    with pytest.raises(ConfigurationError, match=r"num_workers=3.*num_workers=2.*same number of workers"):
+    with pytest.raises(ConfigurationError, match=r"in an epoch with num_workers=3.*num_workers=2.*resume with 3 worker"):
         _resume(state, rs_factory(2))
     with pytest.raises(ConfigurationError, match="num_workers"):
         _resume(state, rs_factory(0))
@@ -504,6 +505,21 @@ def test_tampered_fields_are_refused_naming_the_field(case):
     message = str(info.value)
     assert message.startswith("malformed RPCReadingService checkpoint: field ") and expected in message, message
     assert "resume from an unmodified state_dict()" in message
+
+
+def test_a_malformed_field_and_a_position_past_the_end_give_the_same_advice():
+    data = json.dumps(_set(_good_state_values(), "consumed", DELETE)).encode()
+    with pytest.raises(ConfigurationError) as info:
+        ReadingServiceState.from_bytes(data)
+    assert str(info.value) == str(malformed_checkpoint("field 'consumed' is missing"))
+    past = str(past_the_end("'consumed'", "this worker's shard", 9, 4))
+    assert past == (
+        "malformed RPCReadingService checkpoint: field 'consumed' says 9 items of this worker's shard were consumed, "
+        "but it has 4 in this epoch. The checkpoint was edited, or the data or the graph changed since it was taken: "
+        "resume from an unmodified state_dict() over the same data"
+    )
+    assert str(info.value).endswith("The checkpoint was edited, truncated or written by another program: "
+                                     "resume from an unmodified state_dict()")
 
 
 def test_a_state_written_before_the_epoch_start_generator_was_recorded_still_loads():

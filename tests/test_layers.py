@@ -286,3 +286,12 @@ def test_only_the_front_ends_know_dataloader2():
 def test_no_module_is_over_700_lines():
     long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > 700}
     assert long == {}, f"modules over 700 lines (split them along a seam): {long}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("worker.") or n.startswith("trainer.")))
+def test_drivers_know_transports_only_through_their_interface(name):
+    """Workers and the trainer use a transport's ``Connection`` interface (``transports.base``) or
+    its registry (``transports``), never one transport's own pieces."""
+    inner = [imp.module for imp in imports_of(MODULES[name], MODULES)
+             if imp.module.startswith("transports.") and imp.module != "transports.base"]
+    assert inner == [], f"{name} imports {inner}: a transport's pieces stay inside it"

@@ -567,7 +567,7 @@ def test_stopped_server_is_not_retried_while_another_is_live(fresh_server):
         epoch = []
         for item in dl:
             epoch.append(item)
-            if len(epoch) == 60:
+            if len(epoch) == 4:  # early: under load a worker runs ahead of a slow consumer, and one whose whole shard is already sent is never missed
                 os.killpg(a.pid, signal.SIGSTOP)  # the server and every session it forked
                 stopped_at = time.monotonic()
         took = time.monotonic() - stopped_at

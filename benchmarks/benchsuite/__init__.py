@@ -12,6 +12,9 @@
     isolation.py        a task in a forked child with its own process group and a timeout
     processes.py        helper processes and worker servers that die with their parent
 
+``scenarios/frontends.py`` and ``contenders/frontends.py`` are ``bench_frontends.py``'s (the front
+ends without DataLoader2, in the torchdata >= 0.10 environment): not in the registries of this run.
+
 A new table (such as distribution policies and one slow worker, the worker-side cache, or
 scaling to many sessions) is a new module in ``scenarios/`` listed in
 ``scenarios/__init__.py``, plus its contenders in ``contenders/`` if it needs new ones and its

@@ -1,21 +1,8 @@
 """The disk tier: an LRU store of byte payloads under one directory, bounded in size, safe to
 share between processes (the sessions of a worker server) and kept across runs.
 
-Layout under the directory::
-
-    entries/ab/abcdef....entry   one entry per key (see entry.py), written to a temp file and
-                                 renamed into place, so a reader never sees half an entry
-    locks/abc.lock               flock stripes: who computes a key (4096 stripes, so the number
-                                 of lock files stays bounded however many keys there are)
-    usage                        the running total of entry bytes, updated under its flock
-
-Directories are created mode 0700 and files 0600: entries are pickles. An entry that is not
-the worker's user's, or that other users may write, is deleted unread.
-
-Recency is the entry's mtime, set on every write and every hit. When the total passes the
-bound, the least recently used entries are deleted until it is at most 90% of the bound (so a
-full cache does not rescan the directory at every write). Keys are hex strings (hashes).
-"""
+Its layout: docs/caching.md. Directories are created mode 0700 and files 0600 (entries are
+pickles); an entry not the worker's user's, or that other users may write, is deleted unread."""
 
 from __future__ import annotations
 

@@ -1,17 +1,17 @@
 """The trainer side of discovery: check the options, then wait for enough live workers in the
-store (or a hostfile) and return their addresses (see :mod:`rpc_reading_service.discovery`)."""
+store (or a hostfile) and return their addresses (see docs/deployment.md)."""
 
 from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from ..addresses import distinct_servers, parse_address, unix_socket_path
 from ..errors import ConfigurationError, DiscoveryTimeoutError
 from .hostfile import wait_for_hostfile
 from .store import check_job, connect_store, probe_address, registered_workers
+from ..tasks import TaskGroup
 
 __all__ = ["wait_for_workers", "check_discovery_options", "discover_workers"]
 
@@ -40,29 +40,29 @@ def wait_for_workers(
     answered: Set[str] = set()  # probed once each: a worker sees one probe per trainer
     failed: Dict[str, Tuple[str, float]] = {}  # address -> (reason, when): re-probed every second
     keys: Dict[str, Tuple[str, int]] = {}  # each registered name resolved once
-    with ThreadPoolExecutor(max_workers=16, thread_name_prefix="rrs-probe") as pool:
-        while True:
-            now = time.monotonic()
-            addresses = distinct_servers((address for _, address in registered_workers(store, job)), keys)
-            due = [
-                a for a in addresses if a not in answered and (a not in failed or now - failed[a][1] >= 1.0)
-            ]
-            for address, reason in zip(due, pool.map(probe, due)):
-                if reason is None:
-                    answered.add(address)
-                    failed.pop(address, None)
-                else:
-                    failed[address] = (reason, now)
-            live = [address for address in addresses if address in answered]
-            dead = {address: failed[address][0] for address in addresses if address in failed}
-            if len(live) >= min_workers:
-                if dead:
-                    log.warning("skipping registered workers that do not answer: %s", _describe(dead))
-                log.info("found %d live workers of job %r: %s", len(live), job, ", ".join(live))
-                return live
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(_POLL_SECONDS)
+    probes = TaskGroup(f"the lookup of job {job!r}")
+    while True:
+        now = time.monotonic()
+        addresses = distinct_servers((address for _, address in registered_workers(store, job)), keys)
+        due = [
+            a for a in addresses if a not in answered and (a not in failed or now - failed[a][1] >= 1.0)
+        ]
+        for address, reason in zip(due, probes.map("probe", probe, due, width=16)):
+            if reason is None:
+                answered.add(address)
+                failed.pop(address, None)
+            else:
+                failed[address] = (reason, now)
+        live = [address for address in addresses if address in answered]
+        dead = {address: failed[address][0] for address in addresses if address in failed}
+        if len(live) >= min_workers:
+            if dead:
+                log.warning("skipping registered workers that do not answer: %s", _describe(dead))
+            log.info("found %d live workers of job %r: %s", len(live), job, ", ".join(live))
+            return live
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(_POLL_SECONDS)
     message = (
         f"waited {timeout:.0f} s for {min_workers} workers of job {job!r} "
         f"in the TCPStore at {store_address}: "

@@ -1,5 +1,5 @@
 """The worker side of discovery: the address a worker advertises, and its entry in the store,
-kept while it serves (see :mod:`rpc_reading_service.discovery`)."""
+kept while it serves (see docs/deployment.md)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 
 from ..addresses import format_address, parse_address, unix_socket_path
 from ..errors import ConfigurationError
+from ..tasks import TaskGroup
 from .store import (
     PROBE_TIMEOUT,
     check_job,
@@ -28,6 +29,8 @@ __all__ = ["advertised_address", "WorkerRegistration"]
 log = logging.getLogger(__package__)
 
 _WILDCARD_HOSTS = {"", "0.0.0.0", "::", "[::]"}
+#: Seconds :meth:`WorkerRegistration.stop` waits for its thread to end.
+STOP_JOIN_SECONDS = 2.0
 
 
 def advertised_address(listen_address: str, advertise_host: Optional[str], store_address: str) -> str:
@@ -83,18 +86,15 @@ class WorkerRegistration:
         self.address: Optional[str] = None
         self.slot: Optional[int] = None
         self.error: Optional[BaseException] = None
-        self._thread: Optional[threading.Thread] = None
+        self._tasks = TaskGroup(f"the registration in the TCPStore at {store_address}")
         self._lock = threading.Lock()
-        self._stopped = threading.Event()
+        self._stopped = self._tasks.stopping
 
     def start(self, address: str, on_failure: Callable[[], None] = lambda: None) -> None:
         """Register ``address`` in the background and keep it registered; call
         ``on_failure`` if the first registration fails."""
         self.address = address
-        self._thread = threading.Thread(
-            target=self._keep_registered, args=(on_failure,), name="rrs-registration", daemon=True
-        )
-        self._thread.start()
+        self._tasks.start(f"registration {address}", self._keep_registered, on_failure)
 
     def register(self, timeout: Optional[float] = None) -> int:
         """Register now (blocking) unless this address is registered already; returns the slot."""
@@ -168,6 +168,7 @@ class WorkerRegistration:
         with self._lock:
             self._stopped.set()
             slot, self.slot = self.slot, None
+        self._tasks.join(STOP_JOIN_SECONDS)  # it wakes within its retry interval; one stuck in the store is reported
         if slot is None:
             return
         reason = probe_address(self.store_address)

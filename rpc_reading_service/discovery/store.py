@@ -1,5 +1,5 @@
 """The TCPStore side of discovery: open or host the store, the keys of a job's registrations,
-and quiet TCP probes of the addresses in it (see :mod:`rpc_reading_service.discovery`)."""
+and quiet TCP probes of the addresses in it (see docs/deployment.md)."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from typing import Any, List, Set
 
 from ..addresses import format_address
 from ..errors import ConfigurationError, MissingDependencyError
+from ..tasks import TaskGroup
 
 __all__ = ["MetricsEndpoint", "require_prometheus_client", "INSTALL_HINT"]
 
@@ -24,6 +25,8 @@ log = logging.getLogger("rpc_reading_service.metrics")
 INSTALL_HINT = "pip install 'rpc-reading-service[metrics]'"
 #: Seconds a scraper has to send its request.
 _REQUEST_TIMEOUT = 10.0
+#: Seconds :meth:`MetricsEndpoint.close` waits for its thread (the request it serves) to end.
+CLOSE_JOIN_SECONDS = 5.0
 
 
 def require_prometheus_client(what: str) -> ModuleType:
@@ -65,10 +68,8 @@ class MetricsEndpoint:
         self.host: str = host
         #: The port it listens on (the one the OS picked for port 0).
         self.port: int = self._server.server_address[1]
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.5}, name="rrs-metrics", daemon=True
-        )
-        self._thread.start()
+        self._tasks = TaskGroup(f"the metrics endpoint at {format_address(host, self.port)}")
+        self._tasks.start("metrics", self._server.serve_forever, 0.5)
         self._closed = False
 
     @property
@@ -83,7 +84,7 @@ class MetricsEndpoint:
         self._closed = True
         self._server.shutdown()
         self._server.server_close()
-        self._thread.join()
+        self._tasks.stop(CLOSE_JOIN_SECONDS)
 
     def __enter__(self) -> "MetricsEndpoint":
         return self

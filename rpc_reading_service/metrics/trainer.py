@@ -58,6 +58,7 @@ class ReadingServiceCollector:
         yield gauge("sessions", "Worker sessions", len(stats.workers))
         yield counter("reassignments", "Lost workers' shards replayed on new sessions this epoch", stats.reassignments)
         yield counter("drains", "Workers whose server drained this epoch, their work handed to other servers", stats.drains)
+        yield counter("joins", "Worker servers that joined the run for this epoch", stats.joins)
         labels = ["worker", "address"]
         families = {
             "items": core.CounterMetricFamily(f"{PREFIX}_worker_items", "Items the trainer took from the worker", labels=labels),

@@ -1,40 +1,15 @@
 """The distribution policy interface: who produces which items of an epoch, and in which order they arrive.
 
-A policy decides four things (``RPCReadingService(distribution=...)``):
-
-1. **Worker-side selection**: how each worker picks its items from the sharded stream
-   (the stream at the ``sharding_filter``, before sharding). :meth:`DistributionPolicy.worker_selection`
-   returns a :class:`~rpc_reading_service.selection.WorkerSelection` that replaces every
-   ``sharding_filter`` in the graph shipped to the workers, or ``None`` to keep torchdata's
-   ``sharding_filter`` (by rank: round-robin, first-ready). It may ask the :class:`FleetView`
-   where the workers are (sticky: the server address of every rank).
-2. **Merging**: :meth:`DistributionPolicy.merger` returns the :class:`Merger` of one epoch,
-   which takes the workers' frames and yields the items in the delivered order (round-robin
-   by rank, arrival order, or resequenced by chunk), updating the epoch's
-   :class:`~rpc_reading_service.policies.merge.EpochProgress`.
-3. **Checkpoint and resume**: the per-rank positions of ``EpochProgress`` (items consumed
-   of each worker's shard, whose turn is next) are always recorded; a policy whose workers
-   do not own a fixed shard adds its own JSON state (:meth:`Merger.state`), checked by
-   :meth:`DistributionPolicy.check_state` and handed back to the next epoch's merger
-   (:attr:`EpochRun.resume`). :meth:`DistributionPolicy.skip` says how many items of its
-   stream a worker skips when an epoch starts (per rank positions: what was consumed).
-   The checkpoint records the policy's name and :meth:`DistributionPolicy.placement`;
-   resuming a checkpointed epoch with another policy or placement is refused.
-4. **Reassignment** of a lost worker (``on_worker_failure="reassign"``): the merger calls
-   :attr:`EpochRun.replace`, which opens a new session at the same rank started at
-   :meth:`DistributionPolicy.skip`; the merger decides what the new session produces
-   (round-robin: the rest of the shard; dynamic: the lost worker's undelivered chunks).
-
+What a policy decides (selection, merging, checkpoints, reassignment): docs/architecture.md.
 Policies register by name (:func:`rpc_reading_service.register_distribution`) or by the
-entry-point group ``rpc_reading_service.distributions``.
-"""
+entry-point group ``rpc_reading_service.distributions``."""
 
 from __future__ import annotations
 
 import abc
 import queue
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, Iterator, List, Mapping, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Protocol
 
 from ..errors import ConfigurationError
 from ..selection import WorkerSelection
@@ -87,6 +62,10 @@ class EpochRun:
     hint: Optional[Any] = None
     #: ``on_worker_failure="reassign"``: a failed worker is replaced too, not only a drained one.
     reassign: bool = True
+    #: Under an :attr:`DistributionPolicy.elastic` policy: the sessions of servers that joined
+    #: since the last call, appended to ``channels`` and started on this epoch (an event of kind
+    #: ``"joined"`` says when to call it); None: the epoch takes no new sessions.
+    join: Optional[Callable[[], List["WorkerChannel"]]] = None
 
 
 class Merger(abc.ABC):
@@ -128,6 +107,11 @@ class DistributionPolicy(abc.ABC):
     #: True: with a dispatch point (``sharding_round_robin_dispatch``) the policy's merger leases
     #: the dispatched items as units itself (:attr:`EpochRun.dispatched`) instead of the round-robin deal.
     dispatch_units: ClassVar[bool] = False
+    #: True: a session of a server that joins takes work within the running epoch (its merger
+    #: adopts it through :attr:`EpochRun.join`), and a checkpoint resumes on any number of
+    #: sessions; False: a joined server gets sessions from the next epoch on, and a checkpoint
+    #: taken in an epoch resumes on as many sessions as it was taken with.
+    elastic: ClassVar[bool] = False
 
     @property
     def in_order(self) -> bool:

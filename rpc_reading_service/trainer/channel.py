@@ -69,6 +69,7 @@ from ..protocol import (
     credit_batch,
 )
 from ..serialization import rebuild_exception
+from ..tasks import TaskGroup
 from ..transports.base import Connection, PeerLostError
 
 __all__ = ["Event", "ChannelStats", "WorkerChannel", "drop_items", "slow_frame"]
@@ -172,7 +173,8 @@ class WorkerChannel:
         #: whether the loop was told that they are due.
         self._credit_lock = threading.Lock()
         self._credit_due = False
-        self._receiver: Optional[threading.Thread] = None
+        #: The receiver thread of a connection no receive loop watches.
+        self._tasks = TaskGroup(self.name)
         #: When dispatching, the epoch's dispatcher hears this session's ITEM_CREDIT, END_OF_SHARD
         #: and ERROR events here (from the receiver thread).
         self.input_sink: Optional[Callable[[Any], None]] = None
@@ -354,8 +356,7 @@ class WorkerChannel:
                 self._in_loop = True
                 self._loop.add(self)
             return
-        self._receiver = threading.Thread(target=self._receive_loop, name=f"rrs-recv-{self.rank}", daemon=True)
-        self._receiver.start()
+        self._tasks.start(f"recv-{self.rank} {self.address}", self._receive_loop)
 
     # -- epochs ---------------------------------------------------------------------------------
     def start_epoch(
@@ -482,8 +483,7 @@ class WorkerChannel:
             self._loop.remove(self, timeout)  # before closing: the loop must not poll a closed descriptor
         if self.conn is not None:  # else the setup's attach() closes it
             self.conn.close()
-        if self._receiver is not None and self._receiver is not threading.current_thread():
-            self._receiver.join(timeout)
+        self._tasks.stop(timeout)  # not the receiver itself, if it closes the channel
         closed = RuntimeError(
             f"the DataLoader2 was shut down while this iteration waited for items from {self.name} "
             "(dl.shutdown() or an error in another thread); start a new DataLoader2 to go on"

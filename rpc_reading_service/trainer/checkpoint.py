@@ -18,7 +18,7 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, malformed_checkpoint
 from ..graph_utils import DataPipe, list_dps, traverse_dps
 from ..settings import MAX_POSITION, NumberRule, check_number
 
@@ -163,19 +163,30 @@ class ReadingServiceState:
         return self.in_epoch and start is not None and seed_generator_state(seed_generator) == start
 
     def check_compatible(
-        self, num_workers: int, graph: List[str], dist_rank: int = 0, dist_world_size: int = 1
+        self, num_workers: int, graph: List[str], dist_rank: int = 0, dist_world_size: int = 1, elastic: bool = False
     ) -> None:
-        """Refuse to resume with another number of workers, another graph, or another trainer rank."""
+        """Refuse to resume with another graph or trainer rank, or in an epoch with another number
+        of workers unless the policy is ``elastic`` (its positions are the stream's, not per rank)."""
         if (dist_rank, dist_world_size) != (self.dist_rank, self.dist_world_size):
             raise ConfigurationError(
                 f"checkpoint was taken by trainer rank {self.dist_rank} of {self.dist_world_size}, this is "
                 f"rank {dist_rank} of {dist_world_size}: each rank must resume from its own state, with the "
                 "same world size"
             )
-        if num_workers != self.num_workers:
+        resized = self.in_epoch and num_workers != self.num_workers
+        if resized and not elastic:
             raise ConfigurationError(
-                f"checkpoint was taken with num_workers={self.num_workers}, this reading service has "
-                f"num_workers={num_workers}: resume with the same number of workers"
+                f"checkpoint was taken in an epoch with num_workers={self.num_workers}, this reading service has "
+                f"num_workers={num_workers}: each worker's shard depends on their number, so resume with "
+                f"{self.num_workers} worker sessions, or from a checkpoint taken between epochs (any number of "
+                "sessions may start the next epoch), or use distribution='dynamic' (any number resumes an epoch)"
+            )
+        if resized and 0 in (num_workers, self.num_workers):
+            raise ConfigurationError(
+                f"checkpoint was taken in an epoch with num_workers={self.num_workers}, this reading service has "
+                f"num_workers={num_workers}: an epoch of the trainer's own graph (num_workers=0) and one on worker "
+                "servers do not resume each other; resume with the same kind of run, or from a checkpoint taken "
+                "between epochs"
             )
         # An empty graph: checkpointed before DataLoader2 ever iterated (no position to check).
         if self.graph and graph != self.graph:
@@ -278,7 +289,8 @@ def check_resume(
     another number of workers, graph (its :func:`graph_fingerprint`), trainer rank (``dist``),
     distribution policy or placement. Finding the placement may start a local server: ``close``
     stops it when the placement is refused."""
-    state.check_compatible(engine.num_workers, graph, dist.rank, dist.world_size)
+    elastic = engine.config.distribution.elastic
+    state.check_compatible(engine.num_workers, graph, dist.rank, dist.world_size, elastic)
     if state.in_epoch and engine.num_workers > 0:  # the trainer's own graph resumes by position
         policy = engine.config.distribution
         policy.check_state(state.distribution)
@@ -299,10 +311,7 @@ _ADDED_IN_VERSION_1 = ("epoch_start_seed_generator", "distribution", "distributi
 
 
 def _refuse(field_name: str, problem: str) -> ConfigurationError:
-    return ConfigurationError(
-        f"malformed RPCReadingService checkpoint: field {field_name!r} {problem}. The checkpoint was edited, "
-        "truncated or written by another program: resume from an unmodified state_dict()"
-    )
+    return malformed_checkpoint(f"field {field_name!r} {problem}")
 
 
 def _check_int(field_name: str, value: Any, minimum: int = 0, maximum: Optional[int] = None) -> int:

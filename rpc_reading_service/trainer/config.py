@@ -47,6 +47,9 @@ DEFAULT_LOCAL_CACHE_BYTES = 1 << 30
 
 _START_METHODS = (None, "fork", "spawn")
 
+#: Seconds between looks at a store or hostfile for servers that join a running run.
+DEFAULT_POLL_INTERVAL = 5.0
+
 
 def _check(owner: str, values: Dict[str, Any]) -> None:
     """Apply the settings table to ``values``, naming each one ``Owner.field`` in errors."""
@@ -135,7 +138,8 @@ class WorkerAddresses:
 @dataclass(frozen=True)
 class StoreDiscovery:
     """Workers that registered in a ``torch.distributed.TCPStore``
-    (``rpc-reading-worker --store HOST:PORT --job NAME``). Resolved when the run starts.
+    (``rpc-reading-worker --store HOST:PORT --job NAME``). Resolved when the run starts, then
+    watched: a worker that registers later joins the run (docs/deployment.md).
 
     Args:
         store: The store's ``"HOST:PORT"``.
@@ -146,6 +150,8 @@ class StoreDiscovery:
             run ends; with several trainer ranks, on one rank only.
         timeout: Seconds to wait for the store and for ``min_workers``; then a
             :class:`~rpc_reading_service.errors.DiscoveryTimeoutError` says how many came.
+        poll_interval: Seconds between looks at the store for workers that registered after the
+            run began (they join it); None: the workers found at the start are the run's.
     """
 
     store: str
@@ -153,32 +159,36 @@ class StoreDiscovery:
     min_workers: Optional[int] = None
     host_store: bool = False
     timeout: float = 300.0
+    poll_interval: Optional[float] = DEFAULT_POLL_INTERVAL
 
     def __post_init__(self) -> None:
         _check("StoreDiscovery", {"min_workers": self.min_workers, "host_store": self.host_store})
-        _check("StoreDiscovery", {"timeout": self.timeout})
+        _check("StoreDiscovery", {"timeout": self.timeout, "poll_interval": self.poll_interval})
         check_discovery_options(store=self.store, job=self.job)
 
 
 @dataclass(frozen=True)
 class Hostfile:
-    """Workers listed in a file, one ``host:port`` per line (``#`` comments). Read when the run starts.
+    """Workers listed in a file, one ``host:port`` per line (``#`` comments). Read when the run
+    starts, then again whenever it changes: a server added to it joins the run.
 
     Args:
         path: The file.
         min_workers: Wait until the file lists this many addresses.
         timeout: Seconds to wait for that.
+        poll_interval: Seconds between checks of the file for changes; None: read once.
     """
 
     path: str
     min_workers: Optional[int] = None
     timeout: float = 300.0
+    poll_interval: Optional[float] = DEFAULT_POLL_INTERVAL
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)):
             raise ConfigurationError(f"Hostfile.path must be a path, got {self.path!r}")
         _check("Hostfile", {"min_workers": self.min_workers})
-        _check("Hostfile", {"timeout": self.timeout})
+        _check("Hostfile", {"timeout": self.timeout, "poll_interval": self.poll_interval})
 
 
 #: Where the workers of a run come from.

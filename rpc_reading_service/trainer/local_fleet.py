@@ -1,28 +1,4 @@
-"""Starting and stopping a worker server on this host for ``RPCReadingService(num_workers=N)``.
-
-One local server is enough for any number of local workers: it forks one session
-process per worker. With the socket transport it listens on a Unix socket (the same-host
-fast path: about twice the bandwidth of loopback TCP): on Linux an abstract one, which
-leaves no file behind whatever ends the trainer; elsewhere one in a private directory that
-only this user can enter. The server gets a fresh random key and the trainer's pid, so it
-exits if the trainer dies.
-
-Two ways to start it:
-
-- ``"fork"`` (default on POSIX with the socket transport): the trainer forks the server,
-  which starts in milliseconds because torch is already imported (as torch's own
-  DataLoader workers do). The graph must then not use CUDA in the workers.
-- ``"spawn"``: a fresh ``python -m rpc_reading_service.worker`` with the key in its
-  environment (not its command line, which other users can read) and the trainer's
-  ``sys.path``; it pays for importing torch (a second or two).
-
-Either way the server and its sessions write to the trainer's own stdout and stderr (as
-torch's DataLoader workers do), and announce their address on a pipe of its own that the
-trainer reads once: no pipe is left for a graph that prints to fill.
-
-The server caches ``cached_map`` results for its sessions in a temporary directory removed
-when it stops, or in the caller's ``cache_dir``, which is kept (and reused by the next run).
-"""
+"""Starting and stopping a worker server on this host for ``RPCReadingService(num_workers=N)`` (docs/architecture.md)."""
 
 from __future__ import annotations
 

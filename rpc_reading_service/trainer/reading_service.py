@@ -298,6 +298,19 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         if limit_fn is not None:
             limit_fn(self._end_datapipe, num_batches)  # type: ignore[arg-type]
 
+    # -- the fleet ------------------------------------------------------------------------------
+    def add_workers(self, addresses: Sequence[str]) -> List[str]:
+        """Add worker servers to the running run (docs/deployment.md); returns the ones added.
+
+        Call it on the reading service DataLoader2 uses (``dl.reading_service``) once the first
+        epoch began. Under ``distribution="dynamic"`` their sessions take work in the current
+        epoch, else from the next one on; a server that does not answer is logged and skipped.
+
+        Args:
+            addresses: ``"host:port"`` of each server (one the run has already is skipped).
+        """
+        return self._engine.add_workers(addresses)
+
     # -- introspection --------------------------------------------------------------------------
     def stats(self) -> ReadingServiceStats:
         """Throughput per worker and the trainer's data stall for the current (or last) epoch.

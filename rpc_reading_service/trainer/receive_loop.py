@@ -35,6 +35,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Protocol, Tuple
 
+from ..tasks import TaskGroup
+
 __all__ = ["ReceiveLoop", "Watched"]
 
 log = logging.getLogger(__name__)
@@ -71,11 +73,12 @@ class ReceiveLoop:
     """Receives for many sessions in one thread (started with the first session added).
 
     Args:
-        name: The thread's name.
+        name: The thread's name, after ``rrs-``.
     """
 
-    def __init__(self, name: str = "rrs-receive-loop"):
+    def __init__(self, name: str = "receive-loop"):
         self._name = name
+        self._tasks = TaskGroup("the trainer's receive loop")
         self._selector = selectors.DefaultSelector()
         self._wake_in, self._wake_out = socket.socketpair()
         self._wake_in.setblocking(False)
@@ -104,8 +107,7 @@ class ReceiveLoop:
                 raise RuntimeError("this receive loop is closed")
             self._changes.append((session, True, threading.Event()))
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-                self._thread.start()
+                self._thread = self._tasks.start(self._name, self._run)
         self._wake()
 
     def remove(self, session: Watched, timeout: float = 2.0) -> None:
@@ -131,8 +133,7 @@ class ReceiveLoop:
             self._closed = True
             thread = self._thread
         self._wake()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+        self._tasks.stop(timeout)  # not the loop's thread itself, if it closes the loop
         if thread is None or not thread.is_alive():
             self._selector.close()
             self._wake_in.close()

@@ -52,6 +52,9 @@ class ReadingServiceStats:
     #: Workers whose server drained (SIGTERM) this epoch, their work handed to other servers
     #: (not failures: not among ``reassignments``).
     drains: int = 0
+    #: Worker servers that joined the run for this epoch (``add_workers``, or found by watching
+    #: a store or hostfile): at its start, or during it under ``distribution="dynamic"``.
+    joins: int = 0
 
     def as_dict(self) -> Dict[str, Any]:
         """Plain dict, e.g. for logging as JSON."""
@@ -60,10 +63,13 @@ class ReadingServiceStats:
     def summary(self) -> str:
         """One line for a log: items/s and data stall."""
         changes = "".join(
-            f", {count} worker{'s' if count != 1 else ''} {what}"
-            for count, what in ((self.drains, "drained"), (self.reassignments, "lost and replaced"))
+            f", {count} {noun}{'s' if count != 1 else ''} {what}"
+            for count, noun, what in (
+                (self.joins, "server", "joined"), (self.drains, "worker", "drained"),
+                (self.reassignments, "worker", "lost and replaced"),
+            )
             if count
-        )
+        )  # fmt: skip
         return (
             f"epoch {self.epoch}: {self.items} items in {self.elapsed_seconds:.1f} s "
             f"({self.items_per_second:,.0f} items/s), data stall {self.data_stall:.0%}{changes}"

@@ -36,6 +36,12 @@ class Connection(abc.ABC):
     #: that may still read them after returning (an asynchronous send).
     sends_synchronously: bool = False
 
+    def stage_buffer(self, view: memoryview) -> Optional[Buffer]:
+        """Where an item's large buffer ``view`` goes as the worker encodes it (an ``ItemEncoder``'s
+        ``stage``): memory this transport hands over without a further copy; None (the default):
+        an ordinary copy."""
+        return None
+
     @abc.abstractmethod
     def send(self, chunks: Sequence[Buffer]) -> None:
         """Send one encoded frame (the chunks from ``protocol.encode_frame``).

@@ -15,8 +15,9 @@ import contextlib
 import faulthandler
 import os
 import tempfile
-import threading
 from typing import Optional
+
+from ..tasks import TaskGroup
 
 __all__ = ["LockWatch", "MARGIN", "stack_file", "take_stack"]
 
@@ -55,22 +56,21 @@ class LockWatch:
         self._period = min(1.0, item_timeout / 4)
         self._path = stack_file(os.getpid())
         self._file = open(self._path, "w", encoding="utf-8")  # noqa: SIM115 - open until stop()
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._rearm, name="rrs-lock-watch", daemon=True)
+        # Not a daemon: it runs no user code, and the session's end always stops it.
+        self._tasks = TaskGroup(f"the session process {os.getpid()}", daemon=False)
 
     def start(self) -> None:
         """Arm the watchdog and start re-arming it."""
         faulthandler.dump_traceback_later(self._timeout, exit=True, file=self._file)
-        self._thread.start()
+        self._tasks.start("lock-watch", self._rearm)
 
     def _rearm(self) -> None:
-        while not self._stopped.wait(self._period):
+        while not self._tasks.stopping.wait(self._period):
             faulthandler.dump_traceback_later(self._timeout, exit=True, file=self._file)
 
     def stop(self) -> None:
         """Disarm the watchdog and remove the (empty) stack file."""
-        self._stopped.set()
-        self._thread.join(timeout=2 * self._period + 1.0)
+        self._tasks.stop(2 * self._period + 1.0)
         faulthandler.cancel_dump_traceback_later()
         self._file.close()
         with contextlib.suppress(OSError):

@@ -24,39 +24,14 @@ FinalFrame = Union[Message, List[Buffer]]
 
 
 class Outbox:
-    """Bounded hand-off of packed items from a producer thread to the sender thread.
+    """Bounded hand-off of packed items from a producer thread to the sender thread (docs/architecture.md).
 
-    The producer fills an open batch; a batch is sealed when it reaches the item or
-    byte bound, or when the sender takes it after ``linger`` seconds. An item that comes
-    more than ``linger`` after the one before it (a slow, say sleep-bound, stage) is sealed
-    at once while a credit is left: waiting would only delay it, and wake the sender twice.
-    The trainer returns a slow stage's credits once the whole window is due
-    (:func:`~rpc_reading_service.protocol.credit_batch`), so with none left such an item waits
-    for that CREDIT, which takes it along (:meth:`grant`) with the items made meanwhile,
-    without waking the sender; nor is the sender woken for items while no credit is left. At
-    most one sealed batch waits for credit; past that the producer blocks (backpressure).
-
-    A frame is encoded through ``encode`` (a session passes its state machine's ``send``, which
-    checks and records it) while the outbox holds ``lock`` (a session passes the lock of its
-    state machine), and written through ``send`` (the connection's ``send_frames``) by
-    :meth:`send_next` (the sender thread), or by the producer itself: a slow item sealed alone
-    that is small (:data:`_INLINE_MAX_BYTES`) or finds the connection with room (``room``: the
-    connection's ``has_room``) leaves from :meth:`put` when no other send is in progress, so that
-    a slow stage costs no wake-up of the sender per item; so does a full batch while credit is
-    left and the connection has room,
-    so that the sender is woken only for a send that would block, and while items come within
-    ``linger`` of each other the sender times open batches on its own, un-notified; data that waited for
-    credit leaves from the thread that granted it (:meth:`write_taken`). A borrowed item
-    (:attr:`~rpc_reading_service.serialization.EncodedItem.borrowed`: large buffers in the
-    producer's own memory) is sealed alone and written before its :meth:`put` returns, by the
-    producer itself when credit allows, so the graph cannot write that memory while it is
-    still to be sent. A staged item (:attr:`~rpc_reading_service.serialization.EncodedItem.staged`:
-    large buffers in shared segments) that fills its batch is written by its producer the same way
-    when credit allows; without credit its put returns once the frame is taken (not written):
-    the trainer maps every segment, and an item made meanwhile would hold one more. :attr:`sending` is
-    held from encoding frames to writing them: frames leave in the order recorded. The outbox
-    counts the trainer's credits only to know when to block: the state machine is what
-    enforces them.
+    Args:
+        options: The session's packing bounds, linger and credits.
+        encode: Encodes (and records) a message into a frame's chunks: the session's state machine's ``send``.
+        lock: Held while encoding: the session's state machine's lock.
+        send: Writes frames (the connection's ``send_frames``); None: frames are only taken (:meth:`take`).
+        room: Whether the connection takes a frame now without blocking (its ``has_room``).
     """
 
     def __init__(
@@ -72,7 +47,7 @@ class Outbox:
         self._send = send
         self._room = room
         self._cond = threading.Condition(lock)
-        #: Held from taking frames (encoding them) to writing them; see the class docstring.
+        #: Held from taking frames (encoding them) to writing them (docs/architecture.md, "The outbox").
         self.sending = threading.Lock()
         #: The sender waits for :attr:`sending` while the producer writes a frame of its own; the
         #: producer waits for the sealed slot. Only then does taking a frame notify anybody.

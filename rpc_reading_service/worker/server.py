@@ -40,6 +40,7 @@ from ..transports.base import Connection, Listener
 from .lock_watch import take_stack
 
 from ..quiet_imports import torchdata_banner_muted
+from ..tasks import TaskGroup
 
 with torchdata_banner_muted():  # the session code imports torchdata's datapipes
     from ..graph import warm_up_worker_graph_utilities  # noqa: E402
@@ -113,7 +114,9 @@ class WorkerServer:
         self._parent_pid = parent_pid
         self._children: Dict[int, str] = {}
         self._terminated: Set[int] = set()  # sessions this server SIGTERMed itself, when shutting down
-        self._threads: List[threading.Thread] = []
+        #: Sessions in thread mode, and their connections (closed at shutdown, which ends them).
+        self._sessions = TaskGroup(f"the worker server at {self.address}")
+        self._session_conns: Dict[threading.Thread, Connection] = {}
         self._stop = threading.Event()
         self._wake_fds: List[int] = []  # wake_on()'s pipe end: sessions close it
         self._cache = cache
@@ -188,8 +191,7 @@ class WorkerServer:
     def active_sessions(self) -> int:
         """Sessions running now (reaps finished ones first)."""
         self._reap()
-        self._threads = [t for t in self._threads if t.is_alive()]
-        return len(self._children) + len(self._threads)
+        return len(self._children) + len(self._sessions.threads)
 
     def _refusal(self) -> Optional[str]:
         if self.max_sessions is None:
@@ -211,16 +213,15 @@ class WorkerServer:
         (a process limit, out of memory), refuse only this session and say why."""
         counters = self.ledger.begin()
         if self.session_mode == "thread":
-            thread = threading.Thread(
-                target=self._run_thread_session, args=(conn, counters), name=f"rrs-session-{conn.peer}", daemon=True
-            )
             try:
-                thread.start()
+                thread = self._sessions.start(f"session-{conn.peer}", self._run_thread_session, conn, counters)
             except RuntimeError as exc:  # "can't start new thread"
                 self.ledger.end(counters)
                 self._refuse_session(conn, f"cannot start a thread: {exc}")
                 return
-            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            alive = self._sessions.threads
+            self._session_conns = {t: c for t, c in self._session_conns.items() if t in alive}
+            self._session_conns[thread] = conn
             return
         _flush_lines()
         inherited = [*self._listener.inheritable_fds(), *self._wake_fds]
@@ -363,6 +364,9 @@ class WorkerServer:
             except (ProcessLookupError, ChildProcessError):
                 pass
             self._children.pop(pid, None)
+        for conn in self._session_conns.values():  # thread sessions: a closed connection ends each one
+            conn.close()
+        self._sessions.stop(max(0.0, deadline - time.monotonic()) + 1.0)
         if self._cache is not None and self._cache.temporary and self._cache.directory:
             shutil.rmtree(self._cache.directory, ignore_errors=True)
 

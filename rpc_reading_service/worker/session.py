@@ -1,30 +1,4 @@
-"""One trainer session on a worker: graph setup, epochs, packing and credit-bound streaming.
-
-A driver of :class:`~rpc_reading_service.protocol.WorkerProtocol`: every frame received goes
-through the state machine, which decides what it means (or that the trainer broke a rule),
-and every frame sent is first recorded by it. Threads (all in the session's own process
-when the server forks sessions), the fewest that let graph compute overlap sending:
-
-- the control loop (the caller of :meth:`WorkerSession.run`) moves the trainer's frames into
-  the state machine and hands the events to the :class:`Outbox` and the producers; it
-  sleeps in ``recv`` until a frame comes (or the connection closes);
-- a producer per epoch, only while the epoch runs, iterates the graph and pickles items
-  into the :class:`Outbox` (it waits for the previous epoch's producer: a graph supports
-  one iterator at a time); in a dispatched epoch the graph's source is the :class:`Inbox`
-  of the items the trainer deals to this worker in ITEMS frames, which the control loop
-  fills and the worker asks for with ITEM_CREDIT (one per frame it takes: at most the
-  epoch's credit window waits here);
-- one sender, the only thread that sends after setup, writes packed DATA frames while it
-  holds credits, and the heartbeats the state machine finds due; it also notices a silent
-  trainer and, with ``item_timeout``, ends the session with an ERROR (the item's position
-  and the producer's stack) when the producer spends longer than that on one item. When
-  the server drains, it stops the producer, says LEAVING and ends the session. At
-  rest it wakes once per heartbeat. Graph compute overlaps sending and the trainer's
-  memory stays bounded.
-
-One lock guards the state machine and the outbox together, so that what the state machine
-allows and what the outbox hands out never disagree.
-"""
+"""One trainer session on a worker: graph setup, epochs, packing and credit-bound streaming (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -65,8 +39,8 @@ from ..protocol import (
 )
 from ..selection import LeaseInbox, SelectionContext, SelectionFilter
 from ..serialization import ItemEncoder, fallback_exception_info, loads_graph, pack_exception
+from ..tasks import TaskGroup
 from ..transports.base import Connection, PeerLostError
-from ..transports.socket_transport.shared_memory import copy_into_segment
 from .inbox import Cancelled, DispatchedInput, Inbox
 from .lock_watch import LockWatch
 from .outbox import Outbox
@@ -83,6 +57,9 @@ _MAX_SENDER_WAIT = 1.0
 _LEAVING = "its worker server is draining (SIGTERM)"
 #: Looks at the item being produced per ``item_timeout`` (at least one a second).
 _ITEM_CHECKS_PER_TIMEOUT = 4
+#: Seconds the session's end waits for its sender, and for its producers (one stuck in an item is left behind).
+SENDER_JOIN_SECONDS = 2.0
+PRODUCER_JOIN_SECONDS = 1.0
 
 
 class _ThroughputLog:
@@ -153,14 +130,15 @@ class WorkerSession:
         #: The source of dealt items in a dispatched graph, and the current epoch's input.
         self._dispatched_input = DispatchedInput()
         self._inbox: Optional[Inbox] = None
-        self._producer: Optional[threading.Thread] = None
-        self._sender: Optional[threading.Thread] = None
+        #: The session's own threads (the sender), and the producers of its epochs.
+        self._tasks = TaskGroup(f"the session of trainer {conn.peer}")
+        self.producers = TaskGroup(f"the epochs of trainer {conn.peer}")
         #: ``(epoch, position in the shard, monotonic start, thread id)`` while the producer
         #: waits for the graph's next item; None otherwise. Read by the sender (item_timeout).
         self._producing: Optional[Tuple[int, int, float, int]] = None
         #: The item_timeout ERROR once it fired (the session then ends with it).
         self._timed_out: Optional[Error] = None
-        self._stopping = threading.Event()
+        self._stopping = self._tasks.stopping
         #: The worker-side selections of the graph (a policy's replacement of sharding_filter).
         self._selections: List[SelectionFilter] = []
         #: The leases of the current epoch, when it is a "dynamic" one.
@@ -184,8 +162,7 @@ class WorkerSession:
             if self._own_process and self.options.item_timeout is not None:
                 self._lock_watch = LockWatch(self.options.item_timeout)
                 self._lock_watch.start()
-            self._sender = threading.Thread(target=self._send_loop, name="rrs-sender", daemon=True)
-            self._sender.start()
+            self._tasks.start(f"sender for {self.conn.peer}", self._send_loop)
             self._control_loop()
         except PeerLostError as exc:
             log.info("session with %s ended: %s", self.conn.peer, exc)
@@ -309,12 +286,8 @@ class WorkerSession:
         if self._timed_out is not None:
             self._report_item_timeout(request.epoch)
             return
-        previous = self._producer
-        self._producer = threading.Thread(
-            target=self._produce, args=(request, previous, self._inbox), name=f"rrs-producer-{request.epoch}",
-            daemon=True,
-        )  # fmt: skip
-        self._producer.start()
+        previous = self.producers.threads  # every earlier producer: one stuck in an item too
+        self.producers.start(f"producer-{request.epoch} for {self.conn.peer}", self._produce, request, previous, self._inbox)
 
     def _stop_epoch(self, message: StopEpoch) -> None:
         self.outbox.stop_epoch(message.epoch)
@@ -353,13 +326,11 @@ class WorkerSession:
             self._leases.add(message.chunk, message.skip, message.count, message.start or 0, message.size)
 
     # -- producer -----------------------------------------------------------------------------
-    def _produce(self, request: StartEpoch, previous: Optional[threading.Thread], inbox: Optional[Inbox]) -> None:
+    def _produce(self, request: StartEpoch, previous: List[threading.Thread], inbox: Optional[Inbox]) -> None:
         epoch, sent = request.epoch, 0
         leases = self._leases if request.leased else None
-        # The graph supports one iterator at a time: wait for the old epoch's producer to
-        # reach an item boundary and notice it was cancelled (one stuck in an item never does).
-        while previous is not None and previous.is_alive():
-            previous.join(timeout=0.1)
+        # The graph supports one iterator at a time: join the earlier epochs' producers first.
+        while self.producers.join(0.1, previous, report=False):
             if self._stopping.is_set() or self.outbox.epoch != epoch:
                 return
         self._dispatched_input.inbox = inbox
@@ -376,7 +347,7 @@ class WorkerSession:
                 # Large buffers go out uncopied from the producer's memory where the send is
                 # synchronous (the outbox then writes each one before the next item is made).
                 borrow = self.options.batch_max_bytes if self.conn.sends_synchronously else None
-                encode, put = ItemEncoder(copy_into_segment, borrow).encode, self.outbox.put
+                encode, put = ItemEncoder(self.conn.stage_buffer, borrow).encode, self.outbox.put
                 chunks = _ChunkCount(epoch, request.seed, self.outbox) if leases is not None else None
                 context = SelectionContext(request.epoch, request.seed, request.global_worker_id, leases)
                 if chunks is not None:
@@ -570,8 +541,8 @@ class WorkerSession:
             self._leases.cancel()
         self.outbox.close()
         self.conn.close()
-        if self._sender is not None:
-            self._sender.join(timeout=2.0)
+        self._tasks.stop(SENDER_JOIN_SECONDS)
+        self.producers.stop(PRODUCER_JOIN_SECONDS)
         if self._lock_watch is not None:
             self._lock_watch.stop()
         self._publish(final=True)

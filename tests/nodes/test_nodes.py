@@ -161,6 +161,9 @@ except ImportError as exc:
     print("ImportError:", exc)
 if __name__ == "__main__":
     graph = IterableWrapper(range(12)).shuffle().sharding_filter().map(abs)
+    mapped = IterableWrapper(range(6)).remote_map(abs, num_workers=2)
+    print(list(mapped))
+    mapped.close()
     with RemoteIterable(graph, num_workers=2, seed=1) as ds:
         print(sorted(DataLoader(ds, batch_size=None)))
 """
@@ -170,4 +173,39 @@ if __name__ == "__main__":
     )
     assert done.returncode == 0, done.stderr
     assert "pip install 'rpc-reading-service[dataloader2]'" in done.stdout
+    assert str(list(range(6))) in done.stdout  # dp.remote_map, registered without torchdata
     assert done.stdout.strip().endswith(str(list(range(12))))
+
+
+def slow_square(x: int) -> int:
+    """A square, after 10 ms (an epoch lasts while a server joins)."""
+    import time
+
+    time.sleep(0.01)
+    return x * x
+
+
+@pytest.mark.timeout(60)
+def test_a_server_added_to_a_remote_node_joins_its_run():
+    from rpc_reading_service.trainer.local_fleet import LocalWorkerServer
+
+    key = b"k" * 32
+    joiner = LocalWorkerServer(key)  # a second server of this host, forked as the node's own
+    address = joiner.start()
+    source = DataPipeWrapper(range(N)).shuffle().sharding_filter().map(slow_square)
+    node = RemoteNode(source, num_workers=1, auth_key=key, distribution="dynamic", seed=3)
+    loader = pipeline(node)
+    try:
+        batches = iter(loader)
+        epoch = list(next(batches))
+        assert node.add_workers([address, address]) == [address]
+        epoch += [item for batch in batches for item in batch]
+        during = node.stats()
+        second = [item for batch in loader for item in batch]
+        after = node.stats()
+    finally:
+        node.close()
+        joiner.stop()
+    assert sorted(epoch) == sorted(second) == [square(x) for x in range(N)]
+    assert during.joins + after.joins == 1 and node.num_workers == 2
+    assert [worker.address for worker in after.workers][1:] == [address]

@@ -1,20 +1,4 @@
-"""``"dynamic"`` with a dispatch point: a unit is one dispatched item.
-
-The trainer's dispatcher (:class:`~rpc_reading_service.trainer.engine.dispatch.UnitDispatch`) pulls
-the dispatching part's items ahead, by index. The merger leases unit ``k`` (item ``k``) to
-whichever worker has room, exactly as it leases chunks of a sharded stream (the same
-:class:`~.leases.LeaseBook`), and sends the item right behind its LEASE, in an ITEMS frame
-of the same write: the worker's inbox pairs each item with its lease, seeds the global RNGs
-for the unit (``seed_chunk(epoch seed, k)``) and reports the unit done (CHUNK_DONE with its
-number of outputs) when its graph asks for the next input. Delivery is resequenced by unit
-as for chunks, so the order and the items depend on the seed alone; a lost worker's units
-that were not delivered completely are leased (and sent) again to its replacement, skipping
-what was delivered; a checkpoint holds the same book as a chunked epoch.
-
-What the graph after the dispatch point may hold: DataPipes that map each input to its
-0..k outputs on their own (map, filter, flatmap, ...), checked by
-:func:`~rpc_reading_service.graph.check_per_item_after_dispatch`.
-"""
+"""``"dynamic"`` with a dispatch point: a unit is one dispatched item, leased and sent with its lease."""
 
 from __future__ import annotations
 
@@ -74,6 +58,9 @@ class DispatchedMerger(DynamicMerger):
         #: Per rank: ITEMS frames and items sent to its current session this epoch.
         self._frames: Dict[int, int] = {rank: 0 for rank in range(len(run.channels))}
         self._items: Dict[int, int] = dict(self._frames)
+
+    def _added(self, rank: int) -> None:
+        self._frames[rank] = self._items[rank] = 0
 
     def _top_up(self, channel: WorkerChannel) -> None:
         book, source, rank = self.book, self.units_source, channel.rank

@@ -1,36 +1,7 @@
 """The trainer's book of a "dynamic" epoch's chunks: who holds which lease, what is done and delivered.
 
-Pure bookkeeping (no I/O, no threads), driven by the dynamic merger and tested on its own.
-A chunk is a run of consecutive positions of the sharded stream, its bounds given by the
-epoch's :class:`~.schedule.ChunkSchedule` (``chunk_size`` positions each unless a schedule is
-given; a guided one shrinks toward the end of the stream). Its life:
-leased to one worker session -> reported done with its item count (its last items may
-arrive after the report, in a DATA frame shared with the next chunk's first ones:
-:meth:`LeaseBook.arrived` says which items of a frame are whose) -> delivered item by item
--> complete. A lost session's chunks that are not complete go back to ``pending`` with the
-count already delivered as their skip, and are leased again (exactly once).
-
-Bounds: a session holds at most ``depth`` chunks not yet reported done (it is kept that far
-ahead; one, once its chunks take longer than ``slow_chunk_seconds`` (its measured time per
-position times the next chunk's size), while the stream's
-length is unknown: a worker that slow loses little waiting one round trip for its next lease,
-and holding a second chunk could make the end of the epoch wait longer for it; two once the
-length is known or expected, when the tail rule below keeps that chunk from the worker that
-would end the epoch with it; up to ``max_depth``, enough for
-``lead_seconds`` of its work, once they take less), and no chunk at or past ``complete_below + window`` is leased, so the trainer buffers
-at most ``window`` chunks of items however unequal the workers are. With ``window_bytes``
-(the default window) the window grows past its first value while the items are small, to
-as many chunks as hold ``window_bytes`` (:meth:`LeaseBook.received`), up to
-``2 * max_depth * num_workers``: fast workers of small items then get their leases many at a
-time, in a few sends, instead of waiting for the window to move.
-
-The end of an epoch: a worker is not leased a chunk that it would likely finish only after the
-rest of the fleet had finished every chunk left, that one included (:meth:`LeaseBook.ends_last`):
-a 4x slower worker's last chunk would otherwise keep the epoch going while the others idle. How
-many chunks are left needs the stream's length: known once a walk reached the end, else the
-previous epoch's (``expected_chunks``; epochs of a run usually have one length). Without it, or
-once the stream runs past it, every worker with room is leased.
-"""
+Pure bookkeeping (no I/O, no threads), driven by the dynamic merger; the rules it keeps (depth,
+window, the tail rule) are in docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -128,6 +99,15 @@ class LeaseBook:
         #: A resumed epoch's first chunk above its complete ones, while the stream's end is not known.
         self._resumed_complete: Optional[int] = None
 
+    def add_rank(self, rank: int) -> None:
+        """A session joined the epoch as ``rank`` (the next one): it is leased like the others from now on."""
+        for book in (self.outstanding, self.arriving):
+            book[rank] = collections.deque()
+        self._held[rank] = self._arrived_of_head[rank] = self.units[rank] = 0
+        self.latest[rank] = -1
+        floor, ceiling = self._window_bounds
+        self._window_bounds = (floor, max(ceiling, 2 * self.max_depth * len(self.outstanding)))
+
     # -- leasing --------------------------------------------------------------------------------
     def lease(self, rank: int) -> Optional[Tuple[int, int]]:
         """The next ``(chunk, skip)`` for ``rank`` if it has room and one is due, else None (recorded as leased)."""
@@ -178,11 +158,7 @@ class LeaseBook:
 
     def ends_last(self, rank: int) -> bool:
         """Whether ``rank`` taking the next chunk would likely end the epoch later than leaving it to
-        the others: it would finish that chunk after they finished every chunk left, plus half of
-        the time the fastest one takes for it (the estimate's slack). Each worker's current chunk
-        counts as done as far as its time since it started it says (at the latest report); the
-        others cannot all finish sooner than the earliest of them finishes that chunk too. Times
-        are each worker's measured seconds per position."""
+        the others (the tail rule of docs/architecture.md; times are measured seconds per position)."""
         expected = self.stream_chunks if self.stream_chunks is not None else self.expected_chunks
         mine = self.position_seconds.get(rank)
         if expected is None or mine is None or self.next_chunk >= expected:

@@ -150,9 +150,14 @@ class DynamicMerger(Merger):
             if event.kind == "dispatched":  # the trainer's dispatcher pulled more units
                 self._top_up_all()
                 continue
+            if event.kind == "joined":  # a server joined: its sessions take the next leases
+                self._adopt()
+                continue
             rank = event.channel.rank
-            if event.channel is not channels[rank]:
-                continue  # left over from a replaced session
+            if rank >= len(channels):  # a joined session's event came before the wake-up
+                self._adopt()
+            if rank >= len(channels) or event.channel is not channels[rank]:
+                continue  # left over from a replaced (or closed) session
             if event.kind == "chunk_done":
                 assert event.chunk is not None
                 done = event.chunk
@@ -226,6 +231,18 @@ class DynamicMerger(Merger):
         self.recent.append(chunk)
         self.book.deliver(chunk)
         self.run.progress.count(rank)
+
+    def _adopt(self) -> None:
+        """Lease to the sessions of servers that joined since the last call."""
+        if self.run.join is None:
+            return
+        for channel in self.run.join():
+            self.book.add_rank(channel.rank)
+            self._added(channel.rank)
+            self._top_up(channel)
+
+    def _added(self, rank: int) -> None:
+        """A session joined the epoch as ``rank`` (for a subclass's own per-rank state)."""
 
     def _replace(self, lost: WorkerChannel, error: WorkerLostError) -> None:
         """Lease the lost session's chunks that were not delivered completely to its replacement."""

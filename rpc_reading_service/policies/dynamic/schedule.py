@@ -1,31 +1,7 @@
 """Where the chunks of a "dynamic" epoch begin and end: a pure function of the position.
 
-A chunk is a run of consecutive positions of the sharded stream, numbered from 0. Its bounds
-never depend on timing or on which worker takes it, so the same seed gives the same items,
-per-chunk seeds and order whatever the workers' speeds, across runs and transports.
-
-- :class:`FixedChunks`: every chunk has ``size`` positions (the stream's length unknown: a
-  run's first epoch; and a dispatched epoch's units, one item each).
-- :class:`GuidedChunks`: guided self-scheduling with factoring (Polychronopoulos & Kuck 1987,
-  Hummel et al. 1992) once the stream's length is expected (the previous epoch's): a chunk is
-  ``ceil(left / (divisor * workers))`` positions, ``left`` being what remains of the expected
-  stream from its first position, within ``[smallest, largest]``: large while much is left
-  (few chunks, so little per-chunk work on tiny items), shrinking toward ``smallest`` at the
-  end (so the workers finish together: the end of the epoch waits for a small chunk, not for
-  a slow worker's large one). The first ``warmup`` chunks (each worker's first leases, given
-  before its speed is measured) are at most ``first_size``: a slow worker does not start
-  with a large chunk. Past the expected length (a longer stream) chunks are ``first_size``
-  positions, as when the length is unknown.
-
-Why these defaults (measured with benchmarks/bench_distribution.py, see DISTRIBUTION.md, and
-with the book alone in simulated time): ``divisor`` 8 (with 4 workers, each chunk a 32nd of
-what is left). 2, the textbook value for equal workers, gives a 4x slower worker chunks it
-cannot finish before the others finish everything left (``4 / 8 > 1 / 3.25``), so the tail
-rule keeps it idle or it ends the epoch late (simulated: up to 1.23x of the ideal); 4 gave up
-to 1.06x, 8 up to 1.02x over slow workers 3.3-4.3x slower. ``largest`` 256: chunks of tiny
-items cost their per-chunk work (a lease, a report, the chunk's seeds) about 500 times per
-100000 items instead of 6250 times with 16. ``smallest`` 1: the last chunks are single items.
-"""
+:class:`FixedChunks` while the stream's length is unknown, :class:`GuidedChunks` (guided
+self-scheduling with factoring) once it is expected; see docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -34,7 +10,7 @@ from typing import Any, Dict, List, Optional
 
 __all__ = ["ChunkSchedule", "FixedChunks", "GuidedChunks", "schedule_from_state", "DIVISOR", "LARGEST", "SMALLEST"]
 
-#: The guided schedule's defaults (see the module docstring for how they were chosen).
+#: The guided schedule's defaults (how they were chosen: benchmarks/NOTES.md).
 DIVISOR = 8
 LARGEST = 256
 SMALLEST = 1
@@ -83,7 +59,7 @@ class FixedChunks(ChunkSchedule):
 
 
 class GuidedChunks(ChunkSchedule):
-    """Chunks shrinking with what is left of an expected ``length`` (see the module docstring).
+    """Chunks shrinking with what is left of an expected ``length`` (docs/architecture.md).
 
     Kept as three runs of chunks, so that a long stream costs no list of millions of starts:
     the warm-up chunks, the chunks of ``largest`` positions (while much is left) and the

@@ -1,40 +1,6 @@
 """``"dynamic"``: chunks of the stream leased on demand, results resequenced by chunk.
 
-Every worker walks the sharded stream (the stream at the ``sharding_filter``) and keeps
-the chunks leased to it (:class:`~rpc_reading_service.policies.dynamic.worker.LeasedChunks`), each a run of
-consecutive positions whose bounds its LEASE gives. Chunk bounds are a pure function of the
-position (:mod:`.schedule`): ``chunk_size`` positions while the stream's length is unknown
-(a run's first epoch); once the previous epoch's length is known, a guided schedule: chunks of
-up to ``max_chunk_size`` positions while much is left, shrinking to single items at the end.
-The trainer leases chunks in increasing order to whichever worker has room, keeping each
-``depth`` chunks ahead so it never waits; a fast worker reports its chunks done sooner and
-so gets more of them. Delivery is resequenced by chunk (chunk 0's items, then chunk 1's ...):
-the same seed gives the same items in the same order whatever the workers' speeds, or with
-``in_order=False`` items go on as they arrive. A lost worker's chunks that were not
-delivered completely are leased again to its replacement, skipping what was delivered
-(exactly once); a checkpoint records which chunks were delivered, and how much of the
-partly delivered ones.
-
-On the wire a chunk costs (nearly) nothing of its own: its item count leaves in a CHUNK_DONE
-as soon as its last item is packed, ahead of the DATA frame that holds that item, so the
-items of many chunks share one packed frame and the trainer splits a frame by the counts
-(:meth:`~.leases.LeaseBook.arrived`); one CHUNK_DONE carries the counts of every chunk the
-worker finished since its last send, and one LEASE grants a run of consecutive chunks.
-Leases go out several at a time, further ahead for a worker whose chunks finish fast. Chunk boundaries are positions of the stream, never
-a matter of timing: the per-chunk seeds keep the same seed giving the same items.
-
-Buffering is bounded by ``window``: no chunk at or past (the oldest chunk not delivered
-completely + ``window``) is leased, so at most ``window`` chunks of items wait in the trainer.
-The default window grows while the items are small (to what 4 MiB per worker holds), so that
-a fast worker of tiny items is leased dozens of chunks per send instead of a few.
-
-The DataPipes after ``sharding_filter`` should pass items one by one (map, filter,
-flatmap, ...): a ``batch`` there groups items of consecutive leased chunks of one worker,
-which depend on the workers' speeds.
-
-With a dispatch point (``sharding_round_robin_dispatch``) a unit is one dispatched item
-instead: see :mod:`.dispatched`.
-"""
+The guarantees: docs/distribution.md; the design: docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -106,6 +72,7 @@ class Dynamic(DistributionPolicy):
     shared_queue = True
     leased = True
     dispatch_units = True
+    elastic = True
 
     def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, depth: int = 2, window: Optional[int] = None,
                  in_order: bool = True, max_chunk_size: int = DEFAULT_MAX_CHUNK_SIZE, guided: bool = True):  # fmt: skip
@@ -152,10 +119,8 @@ class Dynamic(DistributionPolicy):
         return LeasedChunks()
 
     def credits(self, prefetch: int) -> int:
-        """More than ``prefetch``: the merger takes every frame as it comes and the lease window
-        bounds what waits in the trainer, so credits only pace the socket. With a window of
-        :data:`CREDITS` (credits go back in halves) most of them ride along with a LEASE send
-        instead of costing the worker a wake-up of their own."""
+        """At least :data:`CREDITS`: the lease window bounds what waits in the trainer, so credits
+        only pace the socket (docs/architecture.md)."""
         return max(prefetch, CREDITS)
 
     def hint_from_state(self, state: Any) -> Optional[int]:

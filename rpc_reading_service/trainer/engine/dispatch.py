@@ -1,38 +1,4 @@
-"""Dispatching: the non-replicable part of a graph, run once per epoch on the trainer, dealt to the workers.
-
-For a graph with ``sharding_round_robin_dispatch``, :class:`Dispatch` iterates the part
-before it (cut off by :func:`~rpc_reading_service.graph.split_dispatching`) in one thread
-per epoch and deals item ``k`` to worker rank ``k % n``, as MPRS's dispatching process does
-(``round_robin_demux``). Each rank's items travel in ITEMS frames, only against that
-worker's ITEM_CREDIT; the dispatcher blocks while a rank already holds a frame's worth of
-items it cannot send, so a slow worker never makes it buffer without bound. A rank's
-input ends with END_OF_INPUT.
-
-Every frame leaves from the epoch's sending thread, never from the thread that deals or
-grants: grants arrive on the trainer's receive loop, which must not wait for a worker that
-stopped reading (its receiving, heartbeats and loss detection serve every session). Such a
-worker holds the sending thread until it is lost (``timeout``) and its connection closes.
-
-It does not block while another rank waits for input (it has credit and nothing to send):
-with in-order delivery, that rank's next output may be what the trainer waits for, and
-blocking would deadlock the epoch. A rank then holds more, up to about a worker's pipeline
-(``max_pending_*``): past that, if its worker is still heard from, the workers' outputs do
-not keep pace with their inputs and :class:`~rpc_reading_service.errors.DispatchStalledError`
-says so instead of a hang; a silent worker (a stopped process) is left to the loss detection.
-
-An exception the dispatching part raises ends the epoch's input there: the workers deliver the
-items dealt before it, in order, then the epoch raises it (:attr:`Dispatch.failure`), as MPRS does.
-With ``item_timeout``, one stuck on an item stops the epoch with an ItemTimeoutError and its stack;
-a thread that stays stuck is left behind (the engine dispatches the next epoch from a copy).
-
-With ``distribution="dynamic"`` no rank owns fixed positions: :class:`UnitDispatch` pulls the
-items ahead by index and the epoch's merger leases each one (a unit) to whichever worker has
-room (:mod:`~rpc_reading_service.policies.dynamic.dispatched`).
-
-With ``keep_history`` (``on_worker_failure="reassign"``), every item dealt to a rank this
-epoch is kept, so that a replacement session can be fed the rank's whole input again
-(it replays its shard from the start and skips what the trainer consumed): exactly once.
-"""
+"""Dispatching: the non-replicable part of a graph, run once per epoch on the trainer, dealt to the workers (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -45,6 +11,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequenc
 from ...errors import DispatchStalledError, ItemTimeoutError, thread_stack
 from ...protocol import EncodedItem, EndOfInput, EndOfShard, Error, ItemCredit, Items, Message
 from ...serialization import ItemEncoder
+from ...tasks import TaskGroup
 
 __all__ = ["Dispatch", "RankInput", "UnitDispatch"]
 
@@ -54,6 +21,8 @@ log = logging.getLogger(__name__)
 _HEARD_POLL = 0.05
 #: Looks at the item being pulled per ``item_timeout`` (at least one a second).
 _ITEM_CHECKS_PER_TIMEOUT = 4
+#: Seconds the sending thread and the item_timeout watch get to end once stopped.
+_HELPERS_JOIN_SECONDS = 1.0
 
 
 class RankInput:
@@ -308,7 +277,9 @@ class Dispatch:
             rank_input.peers = self.inputs
         self._on_error = on_error
         self._item_timeout, self.number = item_timeout, number
-        self._stopped = threading.Event()
+        #: The epoch's dispatching threads: the dispatcher, the sender, the item_timeout watch.
+        self.tasks = TaskGroup(f"the dispatching of epoch {number}")
+        self._stopped = self.tasks.stopping
         #: When the thread started on the item it pulls from the dispatching part (None: not pulling).
         self._pulling_since: Optional[float] = None
         #: The error reported when the dispatching part spent longer than ``item_timeout`` on one item.
@@ -318,21 +289,17 @@ class Dispatch:
         #: The exception the dispatching part raised (it ended the epoch's input there), if it did.
         self.failure: Optional[BaseException] = None
         self.epoch = self.inputs[0].epoch if self.inputs else None
-        self._thread = threading.Thread(target=self._run, name=f"rrs-dispatch-{self.epoch}", daemon=True)
-        self._sender = threading.Thread(target=self._send_loop, name=f"rrs-dispatch-send-{self.epoch}", daemon=True)
-        self._watchdog: Optional[threading.Thread] = None
-        if item_timeout is not None:
-            self._watchdog = threading.Thread(target=self._watch, name=f"rrs-dispatch-watch-{self.epoch}", daemon=True)
+        self._thread: Optional[threading.Thread] = None
         if self.inputs:
             assert all(rank_input.cond is self.inputs[0].cond for rank_input in self.inputs), "ranks share one cond"
 
     def start(self) -> None:
-        """Start the dispatcher thread and the sending thread."""
-        self._thread.start()
+        """Start the dispatcher thread, the sending thread and the item_timeout watch."""
+        self._thread = self.tasks.start(f"dispatch-{self.epoch}", self._run)
         if self.inputs:
-            self._sender.start()
-        if self._watchdog is not None:
-            self._watchdog.start()
+            self.tasks.start(f"dispatch-send-{self.epoch}", self._send_loop)
+        if self._item_timeout is not None:
+            self.tasks.start(f"dispatch-watch-{self.epoch}", self._watch)
 
     def stop(self) -> None:
         """Stop dealing (a new epoch, an early exit, shutdown): nothing more is sent once this
@@ -364,27 +331,39 @@ class Dispatch:
         return handle
 
     def join(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for the thread to end; True if it did (or never started)."""
-        if self._thread.ident is not None:
-            self._thread.join(timeout)
-        return not self._thread.is_alive()
+        """Join the epoch's dispatching threads, all within ``timeout``; True if they ended (or never started).
+
+        A thread left other than the dispatcher (a send stuck on a worker that stopped reading)
+        is logged with its stack; the dispatcher is the caller's to report (:attr:`dispatcher_alive`)."""
+        stuck = self.tasks.join(timeout, report=False)
+        others = [thread for thread in stuck if thread is not self._thread]
+        if others:  # they run no user code: a moment more, then reported
+            self.tasks.join(max(timeout, _HELPERS_JOIN_SECONDS), others)
+        return not stuck
+
+    @property
+    def dispatcher_alive(self) -> bool:
+        """Whether the dispatcher thread runs (after :meth:`stop`: stuck in the dispatching part's own code)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def stack(self) -> str:
         """The dispatcher thread's Python stack now (formatted), for messages."""
-        return thread_stack(self._thread.ident, "(the dispatcher thread ended)")
+        return thread_stack(self._thread.ident if self._thread is not None else None, "(the dispatcher thread ended)")
 
     def _watch(self) -> None:
         """The item_timeout check: a dispatching part stuck on one item is reported, with its stack."""
         limit = self._item_timeout
         assert limit is not None
-        while not self._stopped.wait(min(1.0, limit / _ITEM_CHECKS_PER_TIMEOUT)) and self._thread.is_alive():
+        thread = self._thread
+        assert thread is not None
+        while not self._stopped.wait(min(1.0, limit / _ITEM_CHECKS_PER_TIMEOUT)) and thread.is_alive():
             since = self._pulling_since
             if since is None or time.monotonic() - since <= limit:
                 continue
             stack, position = self.stack(), self.pulled
             self.timed_out = ItemTimeoutError(
                 f"the dispatching part (the DataPipes before sharding_round_robin_dispatch, run in the trainer's "
-                f"thread {self._thread.name}) spent more than {limit} s (item_timeout) producing its item {position} "
+                f"thread {thread.name}) spent more than {limit} s (item_timeout) producing its item {position} "
                 f"in epoch {self.number}; dispatching stopped. It was here:\n{stack}"
                 "Fix what blocks there, or raise item_timeout if items legitimately take that long",
                 position=position,

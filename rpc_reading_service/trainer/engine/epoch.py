@@ -40,6 +40,13 @@ class Positions:
     next_rank: int = 0
     policy: Optional[Mapping[str, Any]] = None
 
+    def resized(self, workers: int) -> "Positions":
+        """These positions over ``workers`` ranks, for a policy whose positions are not per rank
+        ("dynamic": its own state says what was delivered): the dropped ranks' counts go to rank 0."""
+        consumed = list(self.consumed[:workers]) + [0] * (workers - len(self.consumed))
+        consumed[0] += sum(self.consumed[workers:])
+        return Positions(tuple(consumed), self.next_rank % workers, self.policy)
+
 
 class EpochHost(Protocol):
     """What an epoch uses of its :class:`~rpc_reading_service.trainer.engine.Engine`."""
@@ -65,6 +72,9 @@ class EpochHost(Protocol):
     def reopen_channel(self, lost: WorkerChannel, error: WorkerLostError, epoch: "Epoch") -> WorkerChannel:
         """A new session in place of ``lost``, started on ``epoch``."""
 
+    def adopt_joined(self, epoch: Optional["Epoch"]) -> List[WorkerChannel]:
+        """The sessions of servers that joined, made ranks of the run and started on ``epoch``."""
+
 
 class Epoch:
     """One epoch of an :class:`~rpc_reading_service.trainer.engine.Engine`: an iterable of its items.
@@ -89,6 +99,7 @@ class Epoch:
             run = EpochRun(
                 engine.channels, engine.events, self.progress, self._replace, positions.policy, wire, dispatched, hint,
                 reassign=engine.config.reassign is not None,
+                join=self._join if engine.config.distribution.elastic else None,
             )  # fmt: skip
             self._merger = engine.config.distribution.merger(run)
         #: Worker losses this epoch by (rank, items of its shard consumed): see :meth:`_replace`.
@@ -97,6 +108,8 @@ class Epoch:
         #: workers whose server drained (their work went on elsewhere), for ``stats()``.
         self.reassignments = 0
         self.drains = 0
+        #: Servers that joined the run for this epoch (at its start, or during it under "dynamic").
+        self.joins = 0
         self._started = False
 
     def __iter__(self) -> Iterator[Any]:
@@ -231,6 +244,10 @@ class Epoch:
         channel = self._reopen(lost, error)
         self.drains += 1
         return channel
+
+    def _join(self) -> List[WorkerChannel]:
+        """The sessions of servers that joined since the last call, started on this epoch."""
+        return self.engine.adopt_joined(self)
 
     def _reopen(self, lost: WorkerChannel, error: WorkerLostError) -> WorkerChannel:
         """A new session for ``lost``'s rank, started where the epoch's progress says."""

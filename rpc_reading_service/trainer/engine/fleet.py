@@ -10,12 +10,10 @@ everything, in bounded time.
 from __future__ import annotations
 
 import logging
-import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 import queue
-from typing import Any, Callable, List, Optional, Sequence, Set
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from ...addresses import distinct_servers
+from ...addresses import distinct_servers, server_key
 from ..channel import Event, WorkerChannel
 from ..config import Hostfile, LocalWorkers, ReadingServiceConfig, StoreDiscovery, WorkerAddresses
 from ...discovery import discover_workers
@@ -23,7 +21,9 @@ from ...errors import WorkerDrainedError, WorkerLostError
 from ...keys import new_auth_key
 from ..local_fleet import LocalWorkerServer
 from ..receive_loop import ReceiveLoop
+from .watch import DiscoveryWatch
 from ...serialization import buffer_allocator
+from ...tasks import TaskGroup
 from ...transports import create_transport
 from ...transports.base import PeerLostError, Transport
 from ...protocol import SessionOptions, Setup
@@ -46,11 +46,10 @@ Sink = Callable[[], "queue.SimpleQueue[Event]"]
 
 
 def close_channels(channels: Sequence[WorkerChannel]) -> None:
-    """Close every channel, in parallel; one by one at interpreter exit, when
-    ``concurrent.futures`` no longer schedules work ("cannot schedule new futures")."""
+    """Close every channel, in parallel (threads joined before this returns); one by one where no
+    thread can start (at interpreter exit)."""
     try:
-        with ThreadPoolExecutor(max_workers=min(32, len(channels))) as pool:
-            list(pool.map(lambda channel: channel.close(), channels))
+        TaskGroup("closing the run's sessions").map("close", lambda channel: channel.close(), channels, width=32)
     except RuntimeError:
         for channel in channels:
             channel.close()  # idempotent: the ones closed above return at once
@@ -71,13 +70,14 @@ class Fleet:
         #: The one thread receiving for every session of the run (made by :meth:`connect`).
         self._loop: Optional[ReceiveLoop] = None
         self._rank_addresses: Optional[List[str]] = None
-        #: The setups of :meth:`connect`, running in the background or queued, the pool they run
-        #: in, the thread submitting them, and whether :meth:`close` ended them.
-        self._setting_up: List["Future[None]"] = []
-        self._setups: Optional[ThreadPoolExecutor] = None
-        self._launcher: Optional[threading.Thread] = None
-        self._setups_lock = threading.Lock()
-        self._closed = False
+        #: Sessions a server that joins the run gets (:meth:`sessions_per_server`), and server
+        #: addresses resolved to what identifies them (``localhost:P`` is ``127.0.0.1:P``).
+        self._per_server: Optional[int] = None
+        self._server_keys: Dict[str, Tuple[str, int]] = {}
+        #: The thread watching a store or hostfile for servers that join (:meth:`watch`).
+        self._watch: Optional[DiscoveryWatch] = None
+        #: The threads of the setups of :meth:`connect` (and the one starting them); :meth:`close` stops them.
+        self._setups = TaskGroup("the setups of the run's sessions")
         #: Addresses of the servers that drained during the run (their sessions left).
         self.drained: Set[str] = set()
 
@@ -112,6 +112,58 @@ class Fleet:
         if self._rank_addresses is None:
             self._rank_addresses = self._addresses()
         return self._rank_addresses
+
+    def sessions_per_server(self) -> int:
+        """Sessions a server that joins gets: as many as the first server got when the run began
+        (``num_workers`` spread over the servers found, rank by rank: the larger share)."""
+        if self._per_server is None:
+            addresses = self.rank_addresses()
+            self._per_server = -(-len(addresses) // max(1, len(distinct_servers(addresses, self._server_keys))))
+        return self._per_server
+
+    def unknown_servers(self, addresses: Sequence[str], known: Sequence[str]) -> List[str]:
+        """The servers of ``addresses`` (one spelling each) that are not among ``known``."""
+        taken = {self._key(address) for address in known}
+        return [address for address in distinct_servers(addresses, self._server_keys) if self._key(address) not in taken]
+
+    def _key(self, address: str) -> Tuple[str, int]:
+        if address not in self._server_keys:
+            self._server_keys[address] = server_key(address)
+        return self._server_keys[address]
+
+    def add_rank(self, address: str) -> int:
+        """One more worker rank, on the server at ``address``; returns the number of sessions."""
+        self.rank_addresses().append(address)
+        self.drained.discard(address)  # a server that drained and came back serves again
+        self.num_workers += 1
+        return self.num_workers
+
+    def regroup(self, current: Sequence[str], joined: Sequence[Tuple[str, int]]) -> None:
+        """The ranks before an epoch over a grown fleet: ``current`` (the server of each rank now:
+        reassignment moves ranks), then ``(address, sessions)`` of each server that joined. A rank
+        whose server no longer answers (it drained, or died, after its shard ended) moves to one
+        that does."""
+        answers = {address: self.transport().probe(address) for address in set(current)}
+        addresses = [address for address, sessions in joined for _session in range(sessions)]
+        spare = [address for address in current if answers[address] is None] + addresses
+        ranks = list(current)
+        for rank, address in enumerate(current):
+            if answers[address] is not None and spare:
+                ranks[rank] = spare[rank % len(spare)]
+                log.warning("worker %d (%s) does not answer (%s): it moves to %s", rank, address, answers[address], ranks[rank])
+        self._rank_addresses = ranks
+        self.num_workers = len(ranks)
+        for address in addresses:
+            self.add_rank(address)
+
+    def watch(self, found: Callable[[List[str]], List[str]]) -> None:
+        """Watch the run's store or hostfile for servers that register later, calling ``found``
+        with new addresses (it returns those it could not add: they are tried again); a run of
+        known addresses or local workers has nothing to watch."""
+        workers = self.config.workers
+        if self._watch is None and isinstance(workers, (StoreDiscovery, Hostfile)) and workers.poll_interval is not None:
+            self._watch = DiscoveryWatch(workers, found, self._hosted_store, seen=self._discovered or ())
+            self._watch.start()
 
     def _addresses(self) -> List[str]:
         workers = self.config.workers
@@ -158,30 +210,17 @@ class Fleet:
         # Starting the setup threads takes a few ms each while the first ones already run (each
         # start waits for the GIL): a thread of its own starts them, and the caller goes on to
         # start the epoch meanwhile.
-        self._launcher = threading.Thread(target=self._set_up_all, args=(channels,), name="rrs-setup-start", daemon=True)
-        self._launcher.start()
+        self._setups.start("setup-start", self._setups.start_each, "setup", self._set_up_in_background, channels, MAX_PARALLEL_SETUPS)
         return channels
 
-    def _set_up_all(self, channels: Sequence[WorkerChannel]) -> None:
-        """Set every channel up in the background, :data:`MAX_PARALLEL_SETUPS` at a time (the
-        launcher thread of :meth:`connect`)."""
-        with self._setups_lock:
-            if self._closed:
-                return
-            self._setups = ThreadPoolExecutor(max_workers=min(MAX_PARALLEL_SETUPS, len(channels)), thread_name_prefix="rrs-setup")
-        for channel in channels:
-            try:
-                self._setting_up.append(self._setups.submit(self._set_up_in_background, channel))
-            except RuntimeError:  # close() shut the pool down: no more setups
-                return
-        self._setups.shutdown(wait=False)  # its threads end once every setup ran
-
-    def open_channel(self, rank: int, address: str) -> WorkerChannel:
-        """Connect to ``address`` and set up the session of worker ``rank``, waiting for it; on a
-        failure close it and raise the error."""
+    def open_channel(
+        self, rank: int, address: str, num_workers: Optional[int] = None, graph: Optional[bytes] = None
+    ) -> WorkerChannel:
+        """Connect to ``address`` and set up the session of worker ``rank`` of ``num_workers``
+        with ``graph`` (default: the run's), waiting for it; on a failure close it and raise the error."""
         channel = self._new_channel(rank, address)
         try:
-            self._set_up(channel)
+            self._set_up(channel, num_workers, graph)
         except BaseException:
             channel.close()
             raise
@@ -198,8 +237,9 @@ class Fleet:
             )
         return channel
 
-    def _set_up(self, channel: WorkerChannel) -> None:
-        """Connect ``channel`` to its worker and set up its session there."""
+    def _set_up(self, channel: WorkerChannel, num_workers: Optional[int] = None, graph: Optional[bytes] = None) -> None:
+        """Connect ``channel`` to its worker and set up its session there (as one of ``num_workers``,
+        with the pickled ``graph``; default: the run's)."""
         assert self._transport is not None, "connect() must run first"
         rank, address, timeout = channel.rank, channel.address, self.config.liveness.connect_timeout
         try:
@@ -209,7 +249,9 @@ class Fleet:
         except PeerLostError as exc:
             raise WorkerLostError(f"worker {rank}: {exc}", rank, address) from exc
         channel.attach(conn)
-        channel.setup(Setup(self._graph, rank, self.num_workers, self.session_options()), timeout)
+        workers = self.num_workers if num_workers is None else num_workers
+        shipped = self._graph if graph is None else graph
+        channel.setup(Setup(shipped, rank, workers, self.session_options()), timeout)
 
     def _set_up_in_background(self, channel: WorkerChannel) -> None:
         """:meth:`_set_up` in a setup thread, then receive; a failure goes to the channel's queue."""
@@ -259,15 +301,16 @@ class Fleet:
             f"{error}; no server could take over its shard: {'; '.join(failures)}", rank, lost.address
         ) from error
 
+    def stop_watching(self) -> None:
+        """Stop watching the store or hostfile (idempotent; waits boundedly for the thread)."""
+        if self._watch is not None:
+            self._watch.stop(SETUP_CLOSE_WAIT)
+
     def close(self) -> None:
         """Stop the receive loop (after the channels closed), local workers and a TCPStore this
         process hosted, and wait (boundedly) for setups still in progress to end (idempotent)."""
-        with self._setups_lock:
-            self._closed = True
-        if self._setups is not None:
-            self._setups.shutdown(wait=False, cancel_futures=True)  # those still queued never run
-        if self._launcher is not None:
-            self._launcher.join(SETUP_CLOSE_WAIT)
+        self._setups.stopping.set()  # the setups not started never run
+        self.stop_watching()
         if self._loop is not None:
             self._loop.close()
         if self.local_server is not None:
@@ -275,6 +318,5 @@ class Fleet:
             self.local_server = None
         # A closed channel ends its setup: at once while it waits for READY (its connection is
         # shut), after the handshake while it connects (attach() refuses it).
-        wait(self._setting_up, timeout=SETUP_CLOSE_WAIT)
-        self._setting_up = []
+        self._setups.join(SETUP_CLOSE_WAIT)
         self._hosted_store = None  # stops a TCPStore this trainer hosted (StoreDiscovery(host_store=True))

@@ -1,19 +1,4 @@
-"""The engine: the workers of one run behind a plain Python API, independent of any loader.
-
-::
-
-    engine = Engine(config)
-    engine.start(graph)                     # find, start and connect the workers; ship them the graph
-                                            # (sessions set up in the background, each starts once set up)
-    for item in engine.start_epoch(seed):   # one epoch, every item exactly once
-        ...
-    engine.epoch.positions()                # a checkpoint: start_epoch(seed, positions=...) resumes
-    engine.stats()
-    engine.close()
-
-A front end (the DataLoader2 adapter in :mod:`rpc_reading_service.trainer.reading_service`) draws
-the seeds and splits its host library's graph; nothing here knows DataLoader2.
-"""
+"""The engine: the workers of one run behind a plain Python API, independent of any loader (docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -24,13 +9,16 @@ import os
 import queue
 import threading
 import weakref
-from typing import Any, Callable, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from ...addresses import distinct_servers, parse_address
 from ..channel import Event, WorkerChannel, drop_items
 from ..config import ReadingServiceConfig
 from ...errors import ConfigurationError, DispatchStalledError, RPCReadingServiceError, WorkerLostError
 from ...graph import DistributedInfo, graph_traversal, init_worker_graph, reset_dispatching_graph, reset_worker_graph
 from ...graph_utils import DataPipe, WorkerInfo
+from ...policies.base import FleetView
 from ...selection import selection_in_place
 from ...serialization import dumps_graph, pack_exception, rebuild_exception
 from ..stats import ReadingServiceStats, WorkerStats
@@ -70,6 +58,18 @@ def _in_mprs_words(exc: BaseException) -> BaseException:
     return rebuild_exception(pack_exception(exc), None, None, where="dispatching process")
 
 
+@dataclass
+class GrownFleet:
+    """The fleet a run will have once the servers that joined take part (a :class:`FleetView`)."""
+
+    num_workers: int
+    addresses: List[str]
+
+    def rank_addresses(self) -> List[str]:
+        """The server address of every worker rank."""
+        return self.addresses
+
+
 class Engine:
     """The workers of one run: where they come from, their sessions, epochs, reassignment and stats.
 
@@ -102,6 +102,15 @@ class Engine:
         self.guard = IterationGuard()
         self._closed = False
         self._lock = threading.Lock()
+        #: The graph :meth:`start` got (shipped again when servers join under a static policy).
+        self._graph: Optional[DataPipe] = None
+        #: Servers that joined and are in no epoch yet: an elastic policy's sessions, set up and
+        #: receiving; a static policy's ``(address, sessions)``, for the next epoch. One join at a time.
+        self._joined_channels: List[WorkerChannel] = []
+        self._joined_servers: List[Tuple[str, int]] = []
+        self._join_lock = threading.Lock()
+        self._ship_lock = threading.Lock()
+        self._join_failures: set = set()
 
     @property
     def num_workers(self) -> int:
@@ -136,33 +145,162 @@ class Engine:
         try:
             shipped = self._ship(graph)  # a policy may ask for the workers' addresses: a local server starts
             self.channels = self.fleet.connect(shipped, self.receiver_queue)
+            self._graph = graph
+            self.fleet.watch(self._found)
         except BaseException:
             self.close()
             raise
 
-    def _ship(self, graph: DataPipe) -> bytes:
+    def add_workers(self, addresses: Sequence[str]) -> List[str]:
+        """Add the worker servers at ``addresses`` to the running run; returns those added.
+
+        Each new server gets :meth:`Fleet.sessions_per_server <rpc_reading_service.trainer.engine.fleet.Fleet.sessions_per_server>`
+        sessions, set up here: under an elastic policy ("dynamic") they take work in the current
+        epoch, else from the next epoch on. A server of the run (under any spelling) is not added
+        again; one that does not answer or fails its setup is logged and skipped.
+
+        Args:
+            addresses: ``"host:port"`` of each server.
+        """
+        if isinstance(addresses, (str, bytes)) or not isinstance(addresses, Sequence):
+            raise ConfigurationError(f"add_workers takes a list of 'host:port' strings, got {addresses!r:.80}")
+        for address in addresses:
+            parse_address(address)
+        if self.in_process_graph is not None:
+            raise ConfigurationError(
+                "add_workers: num_workers=0 runs the graph in the trainer, with no worker server to add to; "
+                "pass num_workers or workers= for a run on worker servers"
+            )
+        if self._graph is None or self._closed:
+            when = "was closed (shut down)" if self._closed else "has not started"
+            raise ConfigurationError(f"add_workers adds servers to a running run, and this one {when}: call it "
+                                     "once the first epoch began, before the run is shut down")  # fmt: skip
+        return self._join(addresses)[0]
+
+    def _found(self, addresses: List[str]) -> List[str]:
+        """The discovery watch found ``addresses``: add them; returns those to try again."""
+        return self._join(addresses)[1]
+
+    def _join(self, addresses: Sequence[str]) -> Tuple[List[str], List[str]]:
+        """Add the servers of ``addresses`` the run does not have: ``(added, failed)``."""
+        added, failed = [], []
+        with self._join_lock:
+            known = [address for address, _count in self._joined_servers]
+            known += [channel.address for channel in [*self.channels, *self._joined_channels]]  # where the ranks are now
+            for address in self.fleet.unknown_servers(addresses, known):
+                if self._closed:
+                    break
+                (added if self._join_server(address) else failed).append(address)
+        return added, failed
+
+    def _join_server(self, address: str) -> bool:
+        """Set up the sessions of the server at ``address`` (holding the join lock); False if it
+        does not answer or fails its setup (logged), or the run closed meanwhile."""
+        fleet, elastic = self.fleet, self.config.distribution.elastic
+        count = fleet.sessions_per_server()
+        with self._lock:
+            first = self.num_workers + len(self._joined_channels) + sum(n for _a, n in self._joined_servers)
+        channels: List[WorkerChannel] = []
+        try:
+            reason = fleet.transport().probe(address)
+            if reason is not None:
+                raise ConnectionError(reason)
+            graph = None
+            pending = [a for a, n in self._joined_servers for _session in range(n)]
+            grown = GrownFleet(first + count, [*fleet.rank_addresses(), *pending, *[address] * count])
+            if not elastic and self.config.distribution.placement(grown) is not None:
+                assert self._graph is not None  # shipped as to the next epoch's fleet (sticky: a table of its servers)
+                graph = self._ship(self._graph, grown)
+            for rank in range(first, first + count):
+                channels.append(fleet.open_channel(rank, address, first + count, graph))
+        except Exception as exc:  # noqa: BLE001 - any reason a server cannot serve: never the run's error
+            for channel in channels:
+                channel.close()
+            again = address in self._join_failures
+            self._join_failures.add(address)
+            log.log(logging.DEBUG if again else logging.WARNING, "worker server %s cannot join the run: %s", address, exc)
+            return False
+        self._join_failures.discard(address)
+        with self._lock:
+            closed, epoch = self._closed, self.epoch
+            if not closed and elastic:
+                for channel in channels:
+                    channel.start_receiver(self.receiver_queue())
+                self._joined_channels.extend(channels)
+            elif not closed:
+                self._joined_servers.append((address, count))
+        if closed or not elastic:
+            close_channels(channels)  # a static policy's were a check that the server serves this run
+        if closed:
+            return False
+        now = elastic and epoch is not None and not epoch.finished
+        log.info(
+            "worker server %s joined the run with %d session%s (ranks %d-%d), taking work %s", address, count,
+            "s" if count != 1 else "", first, first + count - 1, "in this epoch" if now else "from the next epoch",
+        )  # fmt: skip
+        if now:
+            assert epoch is not None
+            self.events.put(Event(channels[0], "joined", epoch.wire))  # wakes the merger: Epoch.join
+        return True
+
+    def adopt_joined(self, epoch: Optional[Epoch]) -> List[WorkerChannel]:
+        """Make the sessions of servers that joined (an elastic policy's) ranks of the run, started
+        on ``epoch`` if given (it counts the joins); returns them."""
+        with self._lock:
+            channels, self._joined_channels = self._joined_channels, []
+            for channel in channels:
+                assert channel.rank == len(self.channels), (channel.rank, len(self.channels))
+                self.channels.append(channel)
+                self.fleet.add_rank(channel.address)
+                if epoch is not None:
+                    epoch.progress.consumed.append(0)
+                    self.replace_dispatched(channel)
+                    self.start_channel(channel, epoch)
+        if epoch is not None:
+            epoch.joins += len(distinct_servers(channel.address for channel in channels))
+        return channels
+
+    def _grow(self) -> int:
+        """Give the servers that joined under a static policy their ranks, before an epoch: every
+        session is set up again over the new fleet (shards follow the ranks and their number;
+        sticky's keys, the servers). Returns the number of servers that joined."""
+        with self._lock:
+            servers, self._joined_servers = self._joined_servers, []
+        if not servers:
+            return len(distinct_servers(channel.address for channel in self.adopt_joined(None)))
+        self.fleet.regroup([channel.address for channel in self.channels], servers)
+        old, self.channels = self.channels, []
+        close_channels(old)
+        drop_items(self.events)
+        assert self._graph is not None
+        self.channels = self.fleet.connect(self._ship(self._graph), self.receiver_queue)
+        return len(servers)
+
+    def _ship(self, graph: DataPipe, fleet: Optional[FleetView] = None) -> bytes:
         """The pickled graph for the workers, with the policy's worker-side selection in place of
-        ``sharding_filter`` (the caller's graph is put back as it was)."""
+        ``sharding_filter`` (the caller's graph is put back as it was); ``fleet``: the workers it
+        is for (default: the run's)."""
         config, policy = self.config, self.config.distribution
 
         def dump(shipped: DataPipe) -> bytes:
             return dumps_graph((shipped, config.worker_init_fn, config.worker_reset_fn), config.pickle_by_value)
 
-        policy.check_graph(graph)
-        if self.dispatching is not None and policy.dispatch_units:  # the policy leases the dispatched items
-            return dump(graph)
-        selection = policy.worker_selection(self.fleet)
-        if self.dispatching is not None and (selection is not None or policy.leased):
-            # The graph's dispatch point is already cut off here: the policy's own check cannot see it.
-            raise ConfigurationError(
-                f"distribution={policy.name!r} decides itself which worker gets which item, and "
-                "sharding_round_robin_dispatch deals the items to the workers by position: use "
-                "distribution='round_robin' (or 'first_ready') with a dispatching graph"
-            )
-        if selection is None:
-            return dump(graph)
-        with selection_in_place(graph, selection) as shipped:
-            return dump(shipped)
+        with self._ship_lock:  # a join may ship from the discovery watch's thread
+            policy.check_graph(graph)
+            if self.dispatching is not None and policy.dispatch_units:  # the policy leases the dispatched items
+                return dump(graph)
+            selection = policy.worker_selection(self.fleet if fleet is None else fleet)
+            if self.dispatching is not None and (selection is not None or policy.leased):
+                # The graph's dispatch point is already cut off here: the policy's own check cannot see it.
+                raise ConfigurationError(
+                    f"distribution={policy.name!r} decides itself which worker gets which item, and "
+                    "sharding_round_robin_dispatch deals the items to the workers by position: use "
+                    "distribution='round_robin' (or 'first_ready') with a dispatching graph"
+                )
+            if selection is None:
+                return dump(graph)
+            with selection_in_place(graph, selection) as shipped:
+                return dump(shipped)
 
     def placement(self) -> Optional[str]:
         """The policy's digest of what, besides the number of workers, decides which worker owns
@@ -186,11 +324,15 @@ class Engine:
         """
         self.epoch_number = self.epoch_number + 1 if number is None else number
         self._wire_epochs += 1
+        joins = self._grow() if self._graph is not None else 0
         positions = positions or Positions((0,) * max(1, self.num_workers))
+        if len(positions.consumed) != max(1, self.num_workers):  # an elastic policy's checkpoint of another fleet
+            positions = positions.resized(max(1, self.num_workers))
         units = None
         if self.dispatching is not None and self.in_process_graph is None and self.config.distribution.dispatch_units:
             units = self._new_unit_dispatch(self._wire_epochs, seed)
         epoch = Epoch(self, self.epoch_number, self._wire_epochs, seed, positions, dispatched=units)
+        epoch.joins = joins
         self.epoch = epoch
         if self.in_process_graph is not None:
             self.in_process_graph = reset_worker_graph(
@@ -280,7 +422,7 @@ class Engine:
         if dispatch is None:
             return False
         dispatch.stop()
-        if dispatch.join(0 if dispatch.timed_out is not None else ABANDON_AFTER):
+        if dispatch.join(0 if dispatch.timed_out is not None else ABANDON_AFTER) or not dispatch.dispatcher_alive:
             return False
         log.warning(
             "the dispatcher thread of epoch %d is stuck in the dispatching part and is left behind; %s. "
@@ -360,6 +502,7 @@ class Engine:
             workers=workers,
             reassignments=epoch.reassignments,
             drains=epoch.drains,
+            joins=epoch.joins,
         )
 
     @property
@@ -374,10 +517,17 @@ class Engine:
                 return
             self._closed = True
         _open_engines.pop(self, None)
-        self._stop_dispatch("shutdown goes on (a daemon thread, it ends with the process)")
+        self.fleet.stop_watching()
+        if self.dispatch is not None:
+            self.dispatch.stop()  # nothing more is sent; joined once the channels closed (a stuck send ends)
+        with self._lock:  # a join still setting up closes its sessions itself (it sees the run closed)
+            joined, self._joined_channels = self._joined_channels, []
+        if joined:
+            close_channels(joined)
         channels, self.channels = self.channels, []
         if channels:
             close_channels(channels)
+        self._stop_dispatch("shutdown goes on (a daemon thread, it ends with the process)")
         self.fleet.close()
         for events in {id(q): q for q in [self.events, *(channel.queue for channel in channels)]}.values():
             drop_items(events)

@@ -15,11 +15,10 @@ from __future__ import annotations
 import types
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Union
 
-from torch.utils.data import IterDataPipe
-
 from ..config import Liveness, Reassign, TransportConfig, WorkerSource
 from ...errors import ConfigurationError
 from ...graph_utils import DispatchPlaceholder
+from .remote_map import HiddenItems
 from .remote_run import RemoteRun, RunFrontEnd, run_config
 
 try:
@@ -94,26 +93,15 @@ class RemoteNode(_RemoteBase):
         super().__init__(RemoteRun(source, run_config(locals()), seed))
 
 
-class NodeItems(IterDataPipe):
+class NodeItems(HiddenItems):
     """The items of a ``BaseNode``, from its start at every iteration: a RemoteMapper's source,
-    run in the trainer and dealt to the workers."""
-
-    _is_child_datapipe = False  # see graph.settle_iterator_checks
-
-    def __init__(self, node: BaseNode):
-        self.node: Optional[BaseNode] = node
+    run in the trainer and dealt to the workers (the node, with its threads and queues, never pickled)."""
 
     def __iter__(self) -> Iterator[Any]:
-        node = self.node
-        assert node is not None, "a copy of NodeItems has no node"
+        node = self.items
+        assert isinstance(node, BaseNode), "a copy of NodeItems has no node"
         node.reset(None)
         yield from node
-
-    def __getstate__(self) -> dict:
-        return {}  # torch traverses graphs by pickling them; the node (threads, queues) stays out
-
-    def __setstate__(self, state: dict) -> None:
-        self.node = None
 
 
 class RemoteMapper(_RemoteBase):

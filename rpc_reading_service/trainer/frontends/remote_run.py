@@ -4,7 +4,7 @@ translate their host library's calls to these."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 from ..checkpoint import (
     ReadingServiceState,
@@ -181,6 +181,14 @@ class RunFrontEnd:
     def stats(self) -> ReadingServiceStats:
         """Throughput per worker and the trainer's data stall for the current (or last) epoch."""
         return self._run.engine.stats()
+
+    def add_workers(self, addresses: Sequence[str]) -> List[str]:
+        """Add worker servers to the started run (docs/deployment.md); returns the ones added.
+
+        Args:
+            addresses: ``"host:port"`` of each server (one the run has already is skipped).
+        """
+        return self._run.engine.add_workers(addresses)
 
     @property
     def num_workers(self) -> int:

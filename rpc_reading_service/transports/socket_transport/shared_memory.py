@@ -1,26 +1,6 @@
-"""Shared-memory hand-over of large buffers between the processes of one host.
+"""Shared-memory hand-over of large buffers between the processes of one host (``memfd`` segments).
 
-Used by the socket transport on Unix sockets (local workers): the worker copies each large
-out-of-band buffer of a DATA frame into a shared segment and sends a SHARED_DATA frame
-that says where it is (``protocol/frames.py``); the trainer builds the buffer on its own
-mapping of the segment. The buffer crosses no socket: one copy in the worker instead of a
-copy into the kernel and one out of it.
-
-A segment is a ``memfd`` (``os.memfd_create``): it has no name in any file system, its
-descriptor travels once over the Unix socket (``SCM_RIGHTS``), and the kernel frees it
-when the last descriptor and mapping are gone, so nothing outlives the run, even after a
-SIGKILL of either side. Segments are reused under the credit window (fresh shared pages
-cost more than a copy into warm ones): the first byte of a segment says whether the
-worker lent it to the trainer, and the trainer sets it back to free when the last
-tensor or array built on it is gone. Mappings are inherited by forked children (a
-local worker server forked from the trainer, a torch DataLoader worker reading received
-tensors): a child reads the same memory, and its drops never mark a segment free.
-
-A worker's graph may also make its items in a segment (:func:`allocate`, behind
-``rpc_reading_service.shared_empty``): the pool then lends that segment as it is, with no
-copy at all. Such a segment is in the producer's hands while the memory given out lives
-in the worker, and is reused only once that memory is gone and the trainer let go of it.
-"""
+Used by the socket transport on Unix sockets (local workers); the design: docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -177,11 +157,7 @@ def copy_into_segment(view: memoryview) -> Optional[Buffer]:
     ``ItemEncoder`` in a local worker's session): ``view`` itself if a producer made it in
     one of this process's segments (:func:`allocate`: it must not write it again), else a
     copy in a segment, made now; None where :func:`allocate` gives nothing or for a buffer
-    under ``SHARED_MEMORY_MIN_BYTES`` (the encoder then copies it to ordinary memory).
-
-    Copied when the item is encoded rather than when its frame is sent, the item is kept as it
-    was yielded, and its own memory goes back to the allocator at once, warm, for the next
-    item (held until sent, each item's fresh memory costs page faults)."""
+    under ``SHARED_MEMORY_MIN_BYTES`` (the encoder then copies it to ordinary memory)."""
     pool = _producer_pool() if view.nbytes >= SHARED_MEMORY_MIN_BYTES else None
     return pool.stage(view) if pool is not None else None
 
@@ -201,14 +177,12 @@ def _new_segment(size: int, view: Optional[memoryview]) -> Tuple[mmap.mmap, int]
 
 
 class SegmentPool:
-    """The worker's segments of one connection: lends one to each large buffer it sends.
+    """The worker's segments of one connection: lends one to each large buffer it sends (thread-safe).
 
-    A buffer gets the smallest free segment that fits it (and is at most twice its size),
-    else a new one while the pool holds less than ``max_bytes``; past that, free segments
-    that do not fit are retired to make room, and a buffer that still finds none travels
-    through the socket as before. At most ``max_free`` free segments are kept, and no free one
-    past what :meth:`bound` keeps (the trainer maps every segment of the pool).
-    Thread-safe.
+    Args:
+        max_bytes: The most bytes of segments the pool holds; past that a buffer that finds no
+            free segment goes through the socket.
+        max_free: The most free segments kept.
     """
 
     def __init__(self, max_bytes: int = 1 << 30, max_free: int = 8):

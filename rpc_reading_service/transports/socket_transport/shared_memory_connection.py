@@ -16,7 +16,7 @@ from ...protocol import HEADER, Buffer, Frame, FrameReader, MessageKind
 from ...protocol.frames import TRANSPORT_KINDS, decode_shared_data, encode_shared_data, split_frame
 from ...serialization import SHARED_MEMORY_MIN_BYTES
 from ..base import PeerLostError
-from .shared_memory import MAX_NEW_SEGMENTS_PER_FRAME, SegmentMap, SegmentPool
+from .shared_memory import MAX_NEW_SEGMENTS_PER_FRAME, SegmentMap, SegmentPool, copy_into_segment
 from .connection import SocketConnection
 from .sockets import send_chunks
 
@@ -55,6 +55,10 @@ class SharedMemoryConnection(SocketConnection):
         self._segments: Optional[SegmentMap] = SegmentMap(peer, pin) if offered else None
         self._fds: "collections.deque[int]" = collections.deque()
         self._bound: Optional[Tuple[int, int]] = None  # bound_buffers' arguments, for a pool made later
+
+    def stage_buffer(self, view: memoryview) -> Optional[Buffer]:
+        """A large buffer goes into a segment of this process's session as it is encoded (:func:`.shared_memory.copy_into_segment`)."""
+        return copy_into_segment(view)
 
     @property
     def shared_segments(self) -> int:

@@ -10,6 +10,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from ...errors import ProtocolError
+from ...tasks import TaskGroup
 from ...protocol import Buffer, Close, Frame, MessageKind
 from ..base import Connection, PeerLostError
 from ..socket_transport import SocketConnection
@@ -55,6 +56,8 @@ class TorchRPCConnection(Connection):
         self._closed = False
         self._in_flight = 0
         self._in_flight_cond = threading.Condition()
+        #: The watcher of the bootstrap socket (and, on a worker, the thread joining the world).
+        self._tasks = TaskGroup(f"the torch_rpc connection to {peer}")
         self._watcher: Optional[threading.Thread] = None
         self._peer_closing = threading.Event()  # the peer said CLOSE on the bootstrap socket
         self._peer_gone = threading.Event()  # the bootstrap socket ended
@@ -64,8 +67,7 @@ class TorchRPCConnection(Connection):
         """Begin sending to ``peer_rpc_name`` and watching the bootstrap socket."""
         if peer_rpc_name is not None:
             self._peer_info = rpc_api().get_worker_info(peer_rpc_name)
-        self._watcher = threading.Thread(target=self._watch, name=f"rrs-rpc-watch-{self.peer}", daemon=True)
-        self._watcher.start()
+        self._watcher = self._tasks.start(f"rpc-watch-{self.peer}", self._watch)
 
     # -- Connection -------------------------------------------------------------------------------
     def set_max_frame_bytes(self, max_frame_bytes: int) -> None:
@@ -176,8 +178,7 @@ class TorchRPCConnection(Connection):
     def _end(self) -> None:
         """Close the bootstrap socket and stop watching it."""
         self._bootstrap.close()  # wakes the watcher
-        if self._watcher is not None and self._watcher is not threading.current_thread():
-            self._watcher.join(_WATCHER_JOIN_SECONDS)
+        self._tasks.join(_WATCHER_JOIN_SECONDS)  # not the watcher itself, if it ends the connection
 
     # -- internals ----------------------------------------------------------------------------------
     def _flush(self, timeout: float) -> None:

@@ -151,8 +151,8 @@ class _SessionConnection(TorchRPCConnection):
             self._check_tensorpipe_reachable(request, join_timeout)
         outcome: Dict[str, Any] = {}
         done = threading.Event()
-        joiner = threading.Thread(target=self._join, args=(request, outcome, done), daemon=True)
-        joiner.start()
+        # A daemon: the join may stay stuck in torch's C++ rendezvous (then abandoned).
+        self._tasks.start(f"rpc-join {self.peer}", self._join, request, outcome, done)
         deadline = time.monotonic() + join_timeout
         while not done.wait(0.002):
             # The trainer says nothing while we join; its EOF or CLOSE means it gave up.
