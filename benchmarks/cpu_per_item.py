@@ -100,6 +100,24 @@ def thread_usage() -> dict[str, tuple[float, int]]:
     return found
 
 
+def worker_threads() -> dict[str, int]:
+    """Voluntary context switches of the descendants' threads, by their kernel name (``comm``:
+    Python threads carry their names there only where something sets them, e.g. a
+    ``sitecustomize`` calling ``prctl(PR_SET_NAME)``; else every thread counts as ``python``)."""
+    found: dict[str, int] = {}
+    for pid in descendants(os.getpid()):
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/comm") as comm:
+                    name = comm.read().strip()
+                with open(f"/proc/{pid}/task/{tid}/status") as status:
+                    switches = sum(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches"))
+                found[name] = found.get(name, 0) + switches
+        except OSError:
+            continue
+    return found
+
+
 def snapshot() -> dict[int, tuple[float, int, int]]:
     """:func:`usage` of this process and of each of its descendants, by pid."""
     me = os.getpid()
@@ -136,6 +154,7 @@ def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, a
         if args.py_spy:
             spies = spy(args.py_spy, f"{contender.name}-{fmt_size(item_bytes).replace(' ', '')}")
             time.sleep(0.5)  # py-spy attaches
+        workers_before = worker_threads()
         threads_before, before, t0 = thread_usage(), snapshot(), time.perf_counter()
         if profile:
             profile.enable()
@@ -144,6 +163,7 @@ def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, a
         if profile:
             profile.disable()
         wall, after, threads_after = time.perf_counter() - t0, snapshot(), thread_usage()
+        workers_after = worker_threads()
         for proc in spies:
             proc.send_signal(signal.SIGINT)  # py-spy writes its file and exits
         for proc in spies:
@@ -159,6 +179,9 @@ def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, a
     busy = sorted(((cpu, n, name) for name, (cpu, n) in threads.items() if cpu or n), reverse=True)
     print(f"   trainer threads ({fmt_size(item_bytes)}): " + ", ".join(
         f"{name} {cpu:.1f} us {n:.2f} sw" for cpu, n, name in busy[:4]) + " per item")
+    switched = sorted(((n - workers_before.get(name, 0)) / items, name) for name, n in workers_after.items())
+    print(f"   workers' switches per item by thread ({fmt_size(item_bytes)}): " + ", ".join(
+        f"{name} {n:.2f}" for n, name in reversed(switched) if n > 0.005))
     if profile:
         print(f"-- cProfile of the trainer, {fmt_size(item_bytes)}: own time, calls per item")
         stats = pstats.Stats(profile)

@@ -28,11 +28,13 @@ __all__ = [
     "Buffer",
     "EncodedItem",
     "ItemEncoder",
+    "PinnedBuffers",
     "ReusedBuffers",
     "buffer_allocator",
     "dumps_item",
     "loads_item",
     "loads_items",
+    "pins_shared_memory",
     "release_sparse_tensors",
     "dumps_graph",
     "loads_graph",
@@ -349,8 +351,23 @@ def buffer_allocator(pin_memory: bool) -> Callable[[int], Any]:
         pin_memory: Page-locked memory when CUDA is available; otherwise :class:`ReusedBuffers`.
     """
     if pin_memory and torch.cuda.is_available():
-        return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+        return PinnedBuffers()
     return ReusedBuffers()
+
+
+class PinnedBuffers:
+    """Page-locked receive buffers (``pin_memory`` with CUDA). A local worker's shared segments
+    are not copied into them: the trainer page-locks each segment where it maps it
+    (:func:`pins_shared_memory`)."""
+
+    def __call__(self, nbytes: int) -> Any:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+def pins_shared_memory(allocate: Optional[Callable[[int], Any]]) -> bool:
+    """Whether shared segments received with ``allocate`` are to be page-locked (``pin_memory``
+    with CUDA: :class:`PinnedBuffers`)."""
+    return isinstance(allocate, PinnedBuffers)
 
 
 def _uninitialised_bytes(nbytes: int) -> Any:
@@ -371,11 +388,11 @@ class ReusedBuffers:
     """Uninitialised receive buffers; a large one is handed out again, for a buffer of the same
     size, once nothing refers to it any more (its tensor and every view of it are gone).
 
-    At most :data:`REUSED_BUFFERS_MAX_BYTES`. Not thread-safe: one per allocating thread. Why:
-    docs/architecture.md (page faults of fresh buffers).
+    At most :meth:`bound` (or :data:`REUSED_BUFFERS_MAX_BYTES`). Not thread-safe but :meth:`bound`:
+    one per allocating thread. Why: docs/architecture.md (page faults of fresh buffers).
     """
 
-    __slots__ = ("_buffers", "_bytes", "_next")
+    __slots__ = ("_buffers", "_bytes", "_next", "_frames", "_frame_bytes", "_largest")
 
     def __init__(self) -> None:
         self._buffers: List[numpy.ndarray] = []
@@ -383,6 +400,25 @@ class ReusedBuffers:
         #: Where the search for a free buffer starts: after the one handed out last (buffers are
         #: let go in about the order they were handed out, so the next one is usually free).
         self._next = 0
+        #: What :meth:`bound` set (0: no bound but :data:`REUSED_BUFFERS_MAX_BYTES`), and the
+        #: largest buffer asked for (a frame holds at least one).
+        self._frames, self._frame_bytes, self._largest = 0, 0, 0
+
+    def bound(self, frames: int, frame_bytes: int) -> None:
+        """Keep at most ``frames`` frames' worth of buffers (a connection's share of the credit
+        window, plus one), a frame being ``frame_bytes`` (the batch bound) or the largest buffer
+        asked for, if larger. Any thread may call it: the allocating one applies it.
+
+        Args:
+            frames: Frames in flight at once, plus one.
+            frame_bytes: Bytes a frame holds (``batch_max_bytes``).
+        """
+        self._frames, self._frame_bytes = frames, frame_bytes
+
+    def _max_bytes(self) -> int:
+        if not self._frames:
+            return REUSED_BUFFERS_MAX_BYTES
+        return min(REUSED_BUFFERS_MAX_BYTES, self._frames * max(self._frame_bytes, self._largest))
 
     def __call__(self, nbytes: int) -> Any:
         if nbytes < REUSED_BUFFER_MIN_BYTES:
@@ -394,20 +430,22 @@ class ReusedBuffers:
             if buffers[index].nbytes == nbytes and _only_in(buffers, index):
                 self._next = index + 1
                 return buffers[index]
+        self._largest = max(self._largest, nbytes)
+        max_bytes = self._max_bytes()
+        self._make_room(nbytes, max_bytes)
         buffer = _uninitialised_bytes(nbytes)
-        self._make_room(nbytes)
-        if self._bytes + nbytes <= REUSED_BUFFERS_MAX_BYTES:
+        if self._bytes + nbytes <= max_bytes:
             buffers.append(buffer)
             self._bytes += nbytes
             self._next = len(buffers)
         return buffer
 
-    def _make_room(self, nbytes: int) -> None:
-        """Drop free buffers, oldest first, until ``nbytes`` more fit under the bound (items of
-        another size replace those of the old one)."""
+    def _make_room(self, nbytes: int, max_bytes: int) -> None:
+        """Drop free buffers, oldest first, until ``nbytes`` more fit under ``max_bytes`` (items
+        of another size replace those of the old one)."""
         buffers = self._buffers
         index = 0
-        while self._bytes + nbytes > REUSED_BUFFERS_MAX_BYTES and index < len(buffers):
+        while self._bytes + nbytes > max_bytes and index < len(buffers):
             if _only_in(buffers, index):
                 self._bytes -= buffers.pop(index).nbytes
             else:
@@ -430,10 +468,10 @@ def _only_in(buffers: List[Any], index: int) -> bool:
 
 def accepts_shared_memory(allocate: Optional[Callable[[int], Any]]) -> bool:
     """Whether received buffers may live in shared memory instead of memory from
-    ``allocate``: yes for plain memory, no for pinned memory (``pin_memory`` with CUDA),
-    which a shared mapping is not."""
+    ``allocate``: yes for plain memory and for pinned memory (``pin_memory`` with CUDA: the
+    segments are page-locked where they are mapped), no for any other allocator."""
     return (allocate is None or allocate is bytearray or allocate is _uninitialised_bytes
-            or isinstance(allocate, ReusedBuffers))
+            or isinstance(allocate, (ReusedBuffers, PinnedBuffers)))
 
 
 # -- graphs ------------------------------------------------------------------------------------

@@ -185,6 +185,22 @@ def test_reused_receive_buffers_are_bounded_and_small_ones_are_not_kept():
     assert [ref() is not None for ref in held[:4]] == [False, False, True, True]
 
 
+def test_reused_receive_buffers_are_bounded_by_the_window_given():
+    # A connection's share of the credit window, plus one frame: what was in use at once past
+    # that goes back to the allocator once let go; frames of one larger item count at its size.
+    allocate = ReusedBuffers()
+    allocate.bound(3, 4 * REUSED_BUFFER_MIN_BYTES)
+    in_use = [allocate(REUSED_BUFFER_MIN_BYTES) for _ in range(16)]  # four frames of four
+    held = [weakref.ref(buffer) for buffer in in_use]
+    del in_use
+    assert sum(ref() is not None for ref in held) == 12
+    big = 8 * REUSED_BUFFER_MIN_BYTES
+    in_use = [allocate(big) for _ in range(5)]
+    held = [weakref.ref(buffer) for buffer in in_use]
+    del in_use
+    assert sum(ref() is not None for ref in held) == 3
+
+
 def test_every_out_of_band_receive_buffer_is_reused_once_let_go():
     # malloc hands 64 KiB-1 MiB buffers back to the system too: each new one cost page faults
     allocate = buffer_allocator(pin_memory=False)

@@ -175,8 +175,9 @@ def test_a_slow_stage_is_credited_once_its_whole_window_is_taken(pair):
     assert channel.protocol.credits == 1 and channel.frames_received == 3
     RELEASE.set()
     assert next(items) == 3  # sent with the last credit
-    assert channel._ungranted == 0  # the whole window taken: all four went back in one CREDIT
-    assert list(items) == list(range(4, 12))
+    assert channel._ungranted == 3  # a frame's credit goes back at the request after its last item
+    assert next(items) == 4  # the whole window handed on: all four went back in one CREDIT
+    assert list(items) == list(range(5, 12))
 
 
 def test_in_a_receive_loop_the_loop_sends_the_credits_the_consumer_grants(pair):
@@ -195,11 +196,15 @@ def test_a_credit_due_while_another_send_holds_the_connection_is_sent_once_it_is
     channel = link.channel
     channel.start_epoch(1, seed=1, global_worker_id=0, credits=2)
     items = iterate_in_order([channel], EpochProgress(1, [0]))
+    third = []
     with channel._send_lock:  # as a dispatcher's send in progress does
-        assert [next(items), next(items)] == [0, 1]  # the window's frames taken: a CREDIT is due
+        assert [next(items), next(items)] == [0, 1]  # the window's frames taken
+        taker = threading.Thread(target=lambda: third.append(next(items)))
+        taker.start()  # the request after the window's last item: its CREDIT is due
         assert wait_until(lambda: link.loop._retry >= 0.004, 5.0)  # the loop tried, and retried
         assert link.session.protocol.credits == 0 and channel.frames_received == 2
-    assert list(items) == list(range(2, 12))  # the loop's retry sent it
+    taker.join(5.0)
+    assert third == [2] and list(items) == list(range(3, 12))  # the loop's retry sent it
 
 
 def test_a_new_epoch_supersedes_a_running_one(pair):

@@ -35,6 +35,7 @@ from rpc_reading_service.serialization import (
     buffer_allocator,
     dumps_item,
     loads_item,
+    pins_shared_memory,
 )
 from rpc_reading_service.transports.socket_transport.shared_memory import (
     HEADER_BYTES,
@@ -176,6 +177,26 @@ def test_segments_are_reused_once_the_trainer_lets_go_and_stay_bounded():
     assert pool.segments == segments.segments <= 3 and bytes(buffer) == small.tobytes()
     pool.close()  # a closed connection's pool lends nothing more
     assert pool.segments == 0 and isinstance(_hand_over(pool, segments, encoded.buffers)[0], (bytes, bytearray, memoryview))
+
+
+def test_a_bound_pool_retires_free_segments_past_the_window_and_lends_past_it_while_held():
+    # The trainer maps every segment of the pool: free ones past the connection's share of the
+    # credit window (plus one) are retired; a consumer holding more gets new ones, not a stall.
+    pool, segments = SegmentPool(), SegmentMap("test")
+    pool.bound(2, BIG)
+    item = torch.full((BIG,), 7, dtype=torch.uint8)
+    encoded = dumps_item(item)
+    held = []
+    for _ in range(5):  # a consumer that keeps five items: five segments lent
+        (buffer,) = _hand_over(pool, segments, encoded.buffers)
+        held.append(loads_item(EncodedItem(encoded.payload, [buffer])))
+        del buffer
+    assert pool.segments == 5 and all(torch.equal(t, item) for t in held)
+    held.clear()
+    gc.collect()
+    (buffer,) = _hand_over(pool, segments, encoded.buffers)  # the next frame retires the surplus
+    assert pool.segments == 2 == segments.segments
+    assert torch.equal(loads_item(EncodedItem(encoded.payload, [buffer])), item)
 
 
 def test_numpy_arrays_keep_their_segment_lent_while_they_live():
@@ -330,10 +351,23 @@ def test_a_process_forked_from_the_trainer_can_drop_received_buffers():
     assert shared_ranges(os.getpid())  # the trainer still maps it
 
 
-def test_pinned_memory_is_never_shared():
+def test_pin_memory_keeps_the_shared_segments_and_page_locks_them_where_cuda_is():
     assert accepts_shared_memory(buffer_allocator(False)) and accepts_shared_memory(None)
-    assert not accepts_shared_memory(lambda n: torch.empty(n, dtype=torch.uint8).numpy())  # as pinned ones are
-    assert accepts_shared_memory(buffer_allocator(True)) == (not torch.cuda.is_available())
+    assert not accepts_shared_memory(lambda n: torch.empty(n, dtype=torch.uint8).numpy())  # an unknown allocator
+    assert accepts_shared_memory(buffer_allocator(True))  # pinned or not: the segments are kept
+    assert pins_shared_memory(buffer_allocator(True)) == torch.cuda.is_available()
+    assert not pins_shared_memory(buffer_allocator(False))
+    pool, segments = SegmentPool(), SegmentMap("test", pin=True)  # without CUDA: mapped as they are
+    item = torch.full((BIG,), 5, dtype=torch.uint8)
+    encoded = dumps_item(item)
+    (buffer,) = _hand_over(pool, segments, encoded.buffers)
+    received = loads_item(EncodedItem(encoded.payload, [buffer]))
+    assert torch.equal(received, item) and in_shared_memory(received.data_ptr(), shared_ranges(os.getpid()))
+    del buffer, received
+    gc.collect()
+    (buffer,) = _hand_over(pool, segments, encoded.buffers)
+    assert pool.segments == 1 == segments.segments  # let go, reused
+    segments.close()
 
 
 # -- real processes -----------------------------------------------------------------------------------

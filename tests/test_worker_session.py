@@ -40,10 +40,10 @@ class DrivenOutbox(Outbox):
     """An Outbox over a real WorkerProtocol, which hears the trainer's START_EPOCH and CREDIT
     first, under the same lock, as in a session's control loop (the counts are the protocol's)."""
 
-    def __init__(self, options, send=None):
+    def __init__(self, options, send=None, room=lambda: True):
         self.lock = threading.RLock()
         self.protocol = WorkerProtocol("trainer at 127.0.0.1:1", lenient=True)
-        super().__init__(options, self.protocol, self.lock, send)
+        super().__init__(options, self.protocol, self.lock, send, room)
         self._hear(Setup(b"graph", 0, 1))
         self.protocol.send(Ready(1, "host", "0.1.0"))
 
@@ -212,13 +212,15 @@ def test_an_item_slower_than_linger_leaves_at_once():
     assert data_items(outbox.take(0.02))[2] == [4]  # ... and leaves with it, without lingering
 
 
-def test_a_small_slow_item_is_written_by_its_producer_and_a_big_one_by_the_sender():
+def test_a_small_slow_item_is_written_by_its_producer_and_a_big_one_by_the_sender_when_the_socket_is_full():
     # One slow item per frame without a hand-off: the producer's put writes it (no wake-up of
-    # the sender); a big one still goes to the sender, so that producing overlaps sending it.
+    # the sender); a big one goes to the sender when the connection has no room (a write that
+    # would block), so that producing overlaps sending it.
     written = []
     outbox = DrivenOutbox(
         SessionOptions(batch_max_items=100, linger=0.01),
         send=lambda frames: written.append((threading.current_thread(), [frame_of(f).kind for f in frames])),
+        room=lambda: False,
     )
     outbox.start_epoch(1, credits=4)
     outbox.put(1, item(0))  # the epoch's first item lingers for company: the sender's
@@ -298,12 +300,12 @@ def test_a_borrowed_item_is_written_before_its_put_returns():
         producer.join(5.0)
 
 
-def test_a_staged_item_that_fills_its_batch_is_written_by_its_producer_without_waiting():
+def test_a_staged_item_that_fills_its_batch_is_written_by_its_producer_or_waits_to_be_taken():
     # A local worker's large buffers are staged in shared segments, so the frame is small on the
     # wire: the producer writes a batch that such an item fills itself, waking nobody (the sender
-    # would wake once per frame). Without credit its put returns at once (nothing in the frame is
-    # the producer's memory), the sender is not woken for a frame it cannot send either, and the
-    # thread that grants the credit writes it.
+    # would wake once per frame). Without credit its put returns once the thread that grants the
+    # credit took the frame (the trainer maps every segment: the next item, made meanwhile, would
+    # hold one more), the sender is not woken for a frame it cannot send either.
     current = threading.current_thread()
     written = []
     outbox = DrivenOutbox(
@@ -319,8 +321,59 @@ def test_a_staged_item_that_fills_its_batch_is_written_by_its_producer_without_w
     outbox.put(1, EncodedItem(b"1", staged=True))  # fills it: written by this thread
     assert written == [(current, [[0, 1]])] and notified == []
     outbox.put(1, EncodedItem(b"2", staged=True))
-    outbox.put(1, EncodedItem(b"3", staged=True))  # fills it, no credit left: sealed, put returns
-    assert len(written) == 1 and notified == []
-    outbox.grant(1, 1)
-    outbox.write_taken()
-    assert written[-1] == (current, [[2, 3]]) and notified == []
+    returned = threading.Event()
+    producer = threading.Thread(target=lambda: (outbox.put(1, EncodedItem(b"3", staged=True)), returned.set()))
+    producer.start()  # fills it, no credit left: sealed, put waits
+    try:
+        assert not returned.wait(0.1) and len(written) == 1
+        outbox.grant(1, 1)
+        outbox.write_taken()
+        assert written[-1] == (current, [[2, 3]]) and returned.wait(5.0)
+    finally:
+        outbox.close()
+        producer.join(5.0)
+
+
+def test_a_full_batch_is_written_by_its_producer_while_the_connection_has_room():
+    # A fast stream: the producer writes each batch it fills itself while credit is left and the
+    # connection has room, and the sender, timing open batches on its own while items come
+    # within linger of each other, is not notified per frame; a batch the producer leaves open
+    # still leaves after linger, from the sender. With no room (a write that would block) the
+    # sender writes the full batch, while the producer goes on.
+    current, room, written = threading.current_thread(), [True], []
+    outbox = DrivenOutbox(
+        SessionOptions(batch_max_items=2, linger=0.5),
+        send=lambda frames: written.append((threading.current_thread(), [data_items(f)[2] for f in frames])),
+        room=lambda: room[0],
+    )
+    outbox.start_epoch(1, credits=8)
+    stop = threading.Event()
+    sender = threading.Thread(target=lambda: [outbox.send_next(0.2) for _ in iter(stop.is_set, True)])
+    sender.start()
+    try:
+        outbox.put(1, item(0))  # opens a batch: the sender is woken to time its linger
+        deadline = time.monotonic() + 5.0
+        while outbox._sender_wakes_at > time.monotonic() + 0.5 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        notified = []
+        notify_all = outbox._cond.notify_all
+        outbox._cond.notify_all = lambda: (notified.append(True), notify_all())
+        for i in (1, 2, 3):
+            outbox.put(1, item(i))
+        assert written == [(current, [[0, 1]]), (current, [[2, 3]])] and notified == []
+        outbox.put(1, item(4))  # left open: the sender, awake on its own, takes it after linger
+        while len(written) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert written[2] == (sender, [[4]]) and notified == []
+        room[0] = False
+        outbox.put(1, item(5))  # a slow item (linger after the one before): sealed alone, not full
+        outbox.put(1, item(6))
+        outbox.put(1, item(7))  # fills its batch, no room: the sender writes it
+        while written[-1][1] != [[6, 7]] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert written[-1] == (sender, [[6, 7]])
+    finally:
+        stop.set()
+        outbox.close()
+        sender.join(5.0)
+    assert not sender.is_alive()

@@ -1,8 +1,10 @@
 """Merging the workers' streams into one epoch: round-robin or as completed, and the epoch's progress.
 
-The consumer side of the :class:`~rpc_reading_service.trainer.channel.WorkerChannel` events: each
-item taken grants its worker a credit again, and :class:`EpochProgress` records how many
-items of each worker's shard were handed on (what a checkpoint stores).
+The consumer side of the :class:`~rpc_reading_service.trainer.channel.WorkerChannel` events: a
+frame grants its worker a credit again once its last item is handed on (so the trainer holds at
+most the credit window, and a consumer that keeps items never holds up a credit), and
+:class:`EpochProgress` records how many items of each worker's shard were handed on (what a
+checkpoint stores).
 """
 
 from __future__ import annotations
@@ -35,6 +37,17 @@ __all__ = ["EpochProgress", "ReplaceFn", "iterate_in_order", "iterate_as_complet
 class _Cursor:
     channel: WorkerChannel
     pending: Deque[Any] = field(default_factory=collections.deque)
+    #: The credit of the frame ``pending`` holds, owed once its last item is handed on: whether
+    #: that frame was a slow one (None: nothing owed).
+    owed: Optional[bool] = None
+
+    def settle(self, epoch: int) -> None:
+        """Give the frame's credit back if all its items were handed on (called at the consumer's
+        next request: the layers above let go of the item before by then, a consumer that keeps
+        items asks for the next one anyway)."""
+        if not self.pending and self.owed is not None:
+            self.channel.grant(epoch, after_slow_frame=self.owed)
+            self.owed = None
 
 
 def next_frame(event_source: "queue.SimpleQueue[Event]", progress: EpochProgress, stats: Optional[ChannelStats] = None) -> Event:
@@ -55,13 +68,18 @@ def report_held_losses(channels: Sequence[WorkerChannel], events: "queue.SimpleQ
             channel.held_loss = None
 
 
-def take_items(event: Event, epoch: int) -> List[Any]:
-    """Return the unpickled items of a current-epoch event, raising for errors and lost workers."""
+def take_items(event: Event, epoch: int, cursor: Optional[_Cursor] = None) -> List[Any]:
+    """Return the unpickled items of a current-epoch event, raising for errors and lost workers;
+    the frame's credit goes back now, or with ``cursor``, once its last item is handed on
+    (:meth:`_Cursor.settle`: the items go to its ``pending``)."""
     if isinstance(event, Failure):
         raise event.error
     if isinstance(event, FrameReceived):
         _epoch, _sequence, items = decode_data(event.frame)
-        event.channel.grant(epoch, after_slow_frame=slow_frame(items))
+        if cursor is None or not items:
+            event.channel.grant(epoch, after_slow_frame=slow_frame(items))
+        else:
+            cursor.owed = slow_frame(items)
         event.channel.stats.items += len(items)
         return loads_items(items)
     return []
@@ -157,12 +175,13 @@ ReplaceFn = Callable[[WorkerChannel, WorkerLostError], WorkerChannel]
 
 def _take_or_replace(cursor: "_Cursor", event: Event, epoch: int, replace: Optional[ReplaceFn]) -> None:
     try:
-        cursor.pending.extend(take_items(event, epoch))
+        cursor.pending.extend(take_items(event, epoch, cursor))
     except WorkerLostError as exc:
         if replace is None:
             raise
         # The replacement replays the shard after the consumed items: drop what it resends.
         cursor.pending.clear()
+        cursor.owed = None
         cursor.channel = replace(cursor.channel, exc)
 
 
@@ -176,7 +195,10 @@ def iterate_in_order(
     """
     epoch, count = progress.epoch, len(channels)
     ring = collections.deque(_Cursor(channels[(progress.next_rank + k) % count]) for k in range(count))
+    last: Optional[_Cursor] = None  # where the item handed on last came from
     while ring:
+        if last is not None:
+            last.settle(epoch)
         cursor = ring[0]
         while not cursor.pending:
             event = next_frame(cursor.channel.queue, progress, cursor.channel.stats)
@@ -187,6 +209,7 @@ def iterate_in_order(
             ring.popleft()
             continue
         item = cursor.pending.popleft()
+        last = cursor
         ring.rotate(-1)
         progress.count(cursor.channel.rank, ring[0].channel.rank)
         yield item
@@ -228,4 +251,5 @@ def iterate_as_completed(
         while cursor.pending:
             progress.count(cursor.channel.rank)
             yield cursor.pending.popleft()
+            cursor.settle(epoch)  # at the next request
     progress.finish()

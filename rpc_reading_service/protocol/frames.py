@@ -175,7 +175,8 @@ class FrameReader:
     ):
         self.max_frame_bytes = max_frame_bytes
         self.allowed_kinds = allowed_kinds
-        self._allocate = allocate
+        #: Where each out-of-band buffer is received (set once, before the first frame).
+        self.allocate = allocate
         self._frames: List[Frame] = []
         self._start_header()
 
@@ -300,7 +301,7 @@ class FrameReader:
     def _next_buffer(self) -> None:
         index = len(self._buffers)
         if index < self._n_buffers:
-            self._set_target(self._BUFFERS, self._allocate(self._lengths[index]))
+            self._set_target(self._BUFFERS, self.allocate(self._lengths[index]))
             if self._lengths[index]:
                 return
             # Zero-length buffer: complete at once.

@@ -37,6 +37,7 @@ from ..protocol import (
     Message,
     Ready,
     Refused,
+    SessionOptions,
     SessionState,
     Setup,
     StartEpoch,
@@ -200,6 +201,8 @@ class WorkerChannel:
         self._in_loop = False
         #: The credits the consumer granted and not sent back yet (:meth:`grant`).
         self._ungranted = 0
+        #: The bytes of a full DATA frame (the session's ``batch_max_bytes``), for :meth:`_bound_buffers`.
+        self._frame_bytes = SessionOptions().batch_max_bytes
         #: Around the credits not sent back yet (the consumer adds, the receive loop sends), and
         #: whether the loop was told that they are due.
         self._credit_lock = threading.Lock()
@@ -329,6 +332,8 @@ class WorkerChannel:
         """
         assert self.conn is not None, "attach() the connection first"
         message = setup if isinstance(setup, Setup) else Setup(**setup)
+        self._frame_bytes = message.options.batch_max_bytes
+        self._bound_buffers(1)
         with self._state_lock:
             self.protocol.setup_timeout = timeout
         # A server that refuses the session may close before reading all of SETUP: its
@@ -410,8 +415,14 @@ class WorkerChannel:
         with self._credit_lock:
             self.epoch = epoch
             self._ungranted = 0
+        self._bound_buffers(credits)
         self.stats = ChannelStats()
         self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased=leased))
+
+    def _bound_buffers(self, window: int) -> None:
+        """Bound the connection's reuse pools by ``window`` (the session's credit window) plus one frame."""
+        if self.conn is not None:
+            self.conn.bound_buffers(window + 1, self._frame_bytes)
 
     def send_input(self, message: Union[Items, EndOfInput]) -> None:
         """Send an ITEMS or END_OF_INPUT frame of the dispatched input (nothing once its epoch is over)."""

@@ -98,7 +98,8 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         on_worker_failure: ``"raise"`` (default), or ``"reassign"`` /
             :class:`~rpc_reading_service.Reassign` to replay a lost worker's shard on a new session
             (exactly the items of a fault-free run).
-        pin_memory: Receive tensors into pinned memory when CUDA is available.
+        pin_memory: Receive tensors into pinned memory when CUDA is available (from local workers:
+            their shared segments, page-locked where they are mapped; no copy). Without CUDA: no effect.
         autoscale: :class:`~rpc_reading_service.Autoscale`: open and close worker sessions at epoch
             boundaries by the data stall (docs/deployment.md, autoscaling).
         worker_prefetch_cnt: MultiProcessingReadingService's name for ``prefetch``.

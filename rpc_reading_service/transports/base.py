@@ -77,6 +77,16 @@ class Connection(abc.ABC):
         when the transport cannot tell."""
         return True
 
+    def bound_buffers(self, frames: int, frame_bytes: int) -> None:
+        """Keep at most ``frames`` frames (the connection's share of the credit window, plus
+        one) of ``frame_bytes`` each (or of the largest buffer seen, if larger) in this end's
+        reuse pools: received buffers, shared segments lent. The default does nothing.
+
+        Args:
+            frames: Frames in flight at once, plus one.
+            frame_bytes: Bytes a frame holds (``batch_max_bytes``).
+        """
+
     def recv_ready(self) -> List[Frame]:
         """The frames that can be received without blocking (often none), for an event loop
         that found :meth:`fileno` readable. Raises as :meth:`recv` does.

@@ -25,8 +25,8 @@ __all__ = ["Outbox", "FinalFrame"]
 
 #: Most frames the sender takes for one send (CHUNK_DONEs ride with the DATA behind them).
 _FRAMES_PER_SEND = 16
-#: Largest slow item a producer sends itself: bigger ones go to the sender thread, so that
-#: producing the next item overlaps sending this one.
+#: Largest slow item a producer sends itself when the connection has no room: bigger ones go to
+#: the sender thread, so that producing the next item overlaps a send that waits.
 _INLINE_MAX_BYTES = 64 * 1024
 
 #: A frame that ends an epoch: a message (encoded when it leaves) or chunks already encoded.
@@ -42,6 +42,7 @@ class Outbox:
             credits and the numbers of DATA frames the outbox reads.
         lock: Held while encoding: the session's state machine's lock.
         send: Writes frames (the connection's ``send_frames``); None: frames are only taken (:meth:`take`).
+        room: Whether the connection takes a frame now without blocking (its ``has_room``).
     """
 
     def __init__(
@@ -50,11 +51,13 @@ class Outbox:
         protocol: WorkerProtocol,
         lock: Optional["threading.RLock"] = None,
         send: Optional[Callable[[List[List[Buffer]]], None]] = None,
+        room: Callable[[], bool] = lambda: True,
     ):
         self._options = options
         self._protocol = protocol
         self._encode = protocol.send
         self._send = send
+        self._room = room
         self._cond = threading.Condition(lock)
         #: Held from taking frames (encoding them) to writing them (docs/architecture.md, "The outbox").
         self.sending = threading.Lock()
@@ -62,6 +65,9 @@ class Outbox:
         #: producer waits for the sealed slot. Only then does taking a frame notify anybody.
         self._sender_waiting = False
         self._producer_waiting = False
+        #: When the sender, waiting on the condition, wakes on its own (inf: it does not wait): a
+        #: batch opened before that, less ``linger``, needs no notify.
+        self._sender_wakes_at = float("inf")
         #: Frames a credit let go, taken by :meth:`grant` for its caller to write.
         self._taken: List[List[Buffer]] = []
         self.epoch: Optional[int] = None
@@ -165,10 +171,7 @@ class Outbox:
                 self._open_since = now
             self._open.append(item)
             self._open_bytes += item.nbytes
-            # A batch that this staged item fills (its large buffers in shared segments: a frame of
-            # a few hundred bytes on the socket) is written by the producer too: no wake-up of the
-            # sender per item, where writing costs less than handing the frame over.
-            itself = item.borrowed or (item.staged and self._fills_batch())
+            itself = item.borrowed or self._writes_full_batch(item)
             if itself:
                 pass  # sealed and written below (a borrowed item before the producer makes its next one)
             elif slow and opened and not self._batch_waits() and self._protocol.credits > 0:
@@ -177,7 +180,7 @@ class Outbox:
                     self._seal()  # the sender wakes once, for a frame to send
             elif slow and opened and self._credit_owed():
                 self._open_slow = True  # the CREDIT the trainer owes takes it along: no wake-up of the sender
-            elif opened and self._protocol.credits > 0:
+            elif opened and self._protocol.credits > 0 and self._sender_wakes_at > now + options.linger:
                 self._cond.notify_all()  # the sender times the linger from now (without credit, grant() does)
             if itself or self._fills_batch():
                 while self._batch_waits():
@@ -188,21 +191,31 @@ class Outbox:
                 if self._open:  # the sender may have taken it while we waited
                     self._seal(wake=not itself)
                 if itself:
-                    frames = self._take_borrowed()
+                    frames = self._take_for_producer()
         if frames is not None:
             self._write_inline(frames)
-        if item.borrowed:
-            self._until_written(epoch, item)
+        if item.borrowed or item.staged:
+            self._until_written(epoch, item, written=item.borrowed)
+
+    def _writes_full_batch(self, item: EncodedItem) -> bool:
+        """Whether the producer writes the batch ``item`` fills itself: a staged item's (a frame
+        of a few hundred bytes), or any while credit is left and the connection has room (else
+        the sender, woken, blocks in the send while the producer makes the next item); no
+        wake-up of the sender per frame."""
+        if not self._fills_batch():
+            return False
+        return item.staged or (self._send is not None and self._protocol.credits > 0 and self._room())
 
     def _fills_batch(self) -> bool:
         """Whether the open batch has reached its item or byte bound."""
         options = self._options
         return len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes
 
-    def _take_borrowed(self) -> Optional[List[List[Buffer]]]:
-        """The frames for the producer to write itself, its borrowed item's among them when
-        the trainer's credit allows (no wake-up of the sender); else None, the sender is woken
-        (not for want of credit: the thread that grants it takes the frames, see :meth:`grant`)."""
+    def _take_for_producer(self) -> Optional[List[List[Buffer]]]:
+        """The frames for the producer to write itself, its sealed batch's among them when the
+        trainer's credit allows and no send is in progress (no wake-up of the sender); else None,
+        the sender is woken (not for want of credit: the thread that grants it takes the frames,
+        see :meth:`grant`)."""
         if self._send is not None and self._protocol.credits > 0 and self.sending.acquire(blocking=False):
             frames = self._ready_frames([], _FRAMES_PER_SEND, final=False)
             if frames:
@@ -212,9 +225,10 @@ class Outbox:
             self._cond.notify_all()
         return None
 
-    def _until_written(self, epoch: int, item: EncodedItem) -> None:
-        """Return once ``item`` (borrowed: its buffers are the producer's memory) has been written
-        out, or dropped unsent with its epoch: only then may the producer make its next item."""
+    def _until_written(self, epoch: int, item: EncodedItem, written: bool = True) -> None:
+        """Return once ``item``'s sealed batch has been taken for sending and, with ``written``
+        (borrowed: its buffers are the producer's memory), written out, or dropped unsent with its
+        epoch: only then may the producer make its next item."""
         try:
             with self._cond:
                 while any(type(entry) is list and entry and entry[-1] is item for entry in self._sealed):
@@ -223,13 +237,16 @@ class Outbox:
                     self._producer_waiting = False
                     self._check(epoch)
         finally:
-            with self.sending:  # held by whoever took it, from taking it until it is written
-                pass
+            if written:
+                with self.sending:  # held by whoever took it, from taking it until it is written
+                    pass
 
     def _take_inline(self, item: EncodedItem) -> Optional[List[List[Buffer]]]:
         """The frames for the producer to write itself (its item, sealed alone, and what was ready
         before it), holding :attr:`sending`; None when the sender is to write them."""
-        if self._send is None or item.nbytes > _INLINE_MAX_BYTES or not self.sending.acquire(blocking=False):
+        if self._send is None or (item.nbytes > _INLINE_MAX_BYTES and not self._room()):
+            return None
+        if not self.sending.acquire(blocking=False):
             return None
         self._sealed.append(self._open)
         self._open, self._open_bytes, self._open_slow = [], 0, False
@@ -361,18 +378,43 @@ class Outbox:
                 now = time.monotonic()
                 wait = deadline - now
                 if not self.sending.acquire(blocking=False):  # the producer writes a frame of its own
-                    self._sender_waiting = True
+                    # Woken at the end of that write only for what is ready behind it; else timed as below.
+                    self._sender_waiting = self._ready_behind_write()
+                    if not self._sender_waiting:
+                        wait = min(wait, self._linger_left(now), self._armed_wait(now))
                 else:
                     self._sender_waiting = False
                     frame, ready_in = self._next_frame(now)
                     if frame is not None:
                         return self._ready_frames([frame], limit, final=True)
                     self.sending.release()
-                    wait = min(wait, ready_in)
+                    wait = min(wait, ready_in, self._armed_wait(now))
                 if wait <= 0:
                     return None
+                self._sender_wakes_at = now + wait
                 self._cond.wait(wait)
+                self._sender_wakes_at = float("inf")
             return None
+
+    def _ready_behind_write(self) -> bool:
+        """Whether the sender has something to send once a write in progress ends (not an open
+        batch still lingering)."""
+        return bool(self._sealed or self._input_credits or self._final is not None or self._open_slow)
+
+    def _linger_left(self, now: float) -> float:
+        """Seconds until the open batch is to be sent (inf: none open, or no credit for it)."""
+        if not self._open or self._protocol.credits <= 0:
+            return float("inf")
+        return self._open_since + self._options.linger - now
+
+    def _armed_wait(self, now: float) -> float:
+        """While items come within ``linger`` of each other and credit is left, the sender wakes
+        every ``linger`` on its own: a producer opening a batch then need not wake it (it writes
+        full batches itself), and a batch left open is still sent within ``linger``."""
+        linger = self._options.linger
+        if self._protocol.credits > 0 and self._last_put is not None and now - self._last_put < linger:
+            return linger
+        return float("inf")
 
     def _ready_frames(self, frames: List[List[Buffer]], limit: int, final: bool) -> List[List[Buffer]]:
         """``frames`` and the ones ready behind them, at most ``limit``; with ``final``, also the

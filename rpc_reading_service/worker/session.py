@@ -121,7 +121,7 @@ class WorkerSession:
             setup_timeout=self.options.setup_timeout,
             lenient=True,
         )
-        self.outbox = Outbox(self.options, self.protocol, self._lock, self._send_frames)
+        self.outbox = Outbox(self.options, self.protocol, self._lock, self._send_frames, conn.has_room)
         self._graph: Any = None
         self._worker_info: Any = None
         self._reset_fn: Any = None
@@ -227,7 +227,7 @@ class WorkerSession:
 
     def _set_up(self, setup: Setup) -> bool:
         self.options = setup.options
-        self.outbox = Outbox(self.options, self.protocol, self._lock, self._send_frames)
+        self.outbox = Outbox(self.options, self.protocol, self._lock, self._send_frames, self.conn.has_room)
         try:
             datapipe, init_fn, self._reset_fn = loads_graph(setup.graph)
             self._worker_info = WorkerInfo(setup.num_workers, setup.worker_rank)
@@ -274,6 +274,8 @@ class WorkerSession:
         """Start ``request.epoch`` (called with the lock held): its producer, or the report
         of an item of an earlier epoch that got stuck."""
         self.outbox.start_epoch(request.epoch)
+        # The segments lent (the window), the batch open, the one sealed and the item being made.
+        self.conn.bound_buffers(request.credits + 3, self.options.batch_max_bytes)
         self._cancel_input()
         if request.dispatched:
             self._inbox = Inbox(request.epoch, lambda epoch: self.outbox.grant_input(epoch, 1), self._waiting_for_trainer)

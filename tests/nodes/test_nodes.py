@@ -57,6 +57,36 @@ def test_remote_mapper_keeps_the_sources_order_exactly_once(distribution):
     assert epochs == [expected, expected]
 
 
+def big(x: int):
+    """A 1 MiB tensor: over the shared-memory threshold of local workers."""
+    import torch
+
+    return torch.full((1 << 20,), x, dtype=torch.uint8)
+
+
+@pytest.mark.timeout(90)
+def test_pin_memory_is_accepted_and_without_cuda_changes_no_item():
+    from rpc_reading_service import RemoteIterable
+
+    source = DataPipeWrapper(range(8)).sharding_filter().map(big)
+    for pin in (False, True):
+        mapped = run(RemoteMapper(nodes.IterableWrapper(range(8)), big, num_workers=2, pin_memory=pin), epochs=1)
+        assert [int(t[0]) for batch in mapped[0] for t in batch] == list(range(8))
+        streamed = run(RemoteNode(source, num_workers=2, seed=1, pin_memory=pin), epochs=1)
+        assert sorted(int(t[-1]) for batch in streamed[0] for t in batch) == list(range(8))
+        dataset = RemoteIterable(source, num_workers=2, seed=1, pin_memory=pin)
+        try:
+            assert sorted(int(t[-1]) for t in torch_loader(dataset)) == list(range(8))
+        finally:
+            dataset.close()
+
+
+def torch_loader(dataset):
+    from torch.utils.data import DataLoader
+
+    return list(DataLoader(dataset, batch_size=None))
+
+
 @pytest.mark.timeout(60)
 def test_remote_node_seeded_runs_repeat_and_epochs_differ():
     first = run(RemoteNode(graph(), num_workers=2, seed=9))

@@ -53,7 +53,8 @@ class RemoteIterable(RunFrontEnd, torch.utils.data.IterableDataset):
         liveness: :class:`~rpc_reading_service.Liveness` (heartbeats, connect timeout).
         on_worker_failure: ``"raise"`` (default), or ``"reassign"`` /
             :class:`~rpc_reading_service.Reassign` to replay a lost worker's shard on a new session.
-        pin_memory: Receive tensors into pinned memory when CUDA is available.
+        pin_memory: Receive tensors into pinned memory when CUDA is available (from local workers:
+            their shared segments, page-locked where they are mapped; no copy). Without CUDA: no effect.
         autoscale: :class:`~rpc_reading_service.Autoscale`: open and close worker sessions at epoch
             boundaries by the data stall (docs/deployment.md, autoscaling).
     """

@@ -65,6 +65,11 @@ class SocketConnection(Connection):
         except RuntimeError:  # another thread polls it right now
             return bool(_writable_poller(fd).poll(0))
 
+    def bound_buffers(self, frames: int, frame_bytes: int) -> None:
+        bound = getattr(self._reader.allocate, "bound", None)  # ReusedBuffers; pinned memory is not reused
+        if bound is not None:
+            bound(frames, frame_bytes)
+
     def send(self, chunks: Sequence[Buffer]) -> None:
         with self._send_lock:
             if self._closed:

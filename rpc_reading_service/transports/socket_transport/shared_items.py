@@ -29,8 +29,7 @@ def shared_empty(shape: Union[int, Sequence[int]], dtype: torch.dtype = torch.ui
     Inside the session of a local worker (Unix socket, shared memory offered by the trainer,
     the session in a process of its own: the default), the tensor lives in a segment of that
     session's pool; write every element, then yield it in an item. Everywhere else (remote
-    workers over TCP, a trainer with ``pin_memory`` on CUDA, a server running sessions in
-    threads, in-process iteration, tensors under 256 KiB, a full pool) it is ordinary memory,
+    workers over TCP, a server running sessions in threads, in-process iteration, tensors under 256 KiB, a full pool) it is ordinary memory,
     so a graph that calls it runs unchanged anywhere. The trainer receives an ordinary,
     writable tensor either way. Do not write to the tensor after yielding it: the trainer
     reads the same memory. A quantized ``dtype`` raises TypeError (the memory alone has no

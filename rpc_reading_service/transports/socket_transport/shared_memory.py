@@ -4,6 +4,7 @@ Used by the socket transport on Unix sockets (local workers); the design: docs/a
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -71,7 +72,7 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 
 class _Segment:
-    __slots__ = ("id", "size", "mapping", "state", "data", "address", "fd", "in_hand", "hand")
+    __slots__ = ("id", "size", "mapping", "state", "data", "address", "fd", "in_hand", "hand", "pinned", "resident")
 
     def __init__(self, segment_id: int, size: int, mapping: mmap.mmap):
         self.id = segment_id
@@ -83,6 +84,8 @@ class _Segment:
         self.fd: Optional[int] = None  # a segment made for a producer: its descriptor, until announced
         self.in_hand = False  # memory of it given to a producer lives in this process
         self.hand: Optional[weakref.ref] = None  # that memory, whose end puts the segment down
+        self.pinned = False  # page-locked for CUDA (a trainer's pin_memory): see SegmentMap
+        self.resident = True  # its pages are mapped in this process (see SegmentMap.bound)
 
     @property
     def capacity(self) -> int:
@@ -185,6 +188,8 @@ class SegmentPool:
     def __init__(self, max_bytes: int = 1 << 30, max_free: int = 8):
         self.max_bytes = max_bytes
         self.max_free = max_free
+        #: What :meth:`bound` set: frames' worth of segments kept (0: no bound), a frame's bytes.
+        self._frames, self._frame_bytes = 0, 0
         self._segments: Dict[int, _Segment] = {}
         self._bytes = 0
         self._next_id = 1
@@ -192,6 +197,19 @@ class SegmentPool:
         self._warned = False
         self._closed = False
         self._retired: List[int] = []  # retired between frames (by allocate): told with the next one
+
+    def bound(self, frames: int, frame_bytes: int) -> None:
+        """Keep no free segment past ``frames`` frames' worth of segments (the connection's share
+        of the credit window, plus one), a frame being ``frame_bytes`` or the largest segment, if
+        larger; more are made while that many are lent (a consumer holding items), and retired
+        once free again.
+
+        Args:
+            frames: Frames in flight at once, plus one.
+            frame_bytes: Bytes a frame holds (``batch_max_bytes``).
+        """
+        with self._lock:
+            self._frames, self._frame_bytes = frames, frame_bytes
 
     def offer_to_producers(self) -> None:
         """Let this process's graph make items in this pool's segments (:func:`allocate`)."""
@@ -279,9 +297,7 @@ class SegmentPool:
         new: List[Tuple[int, int, int]] = []
         with self._lock:
             retired, self._retired = self._retired, []
-            free = sorted((s for s in self._segments.values() if s.available), key=lambda s: s.capacity)
-            for segment in free[: max(0, len(free) - self.max_free)]:  # a consumer let go of many at once
-                self._retire(segment, retired)
+            self._retire_surplus(retired, 0)  # a consumer let go of many at once
             for index, buffer in enumerate(buffers):
                 view = memoryview(buffer).cast("B")
                 segment = None
@@ -351,18 +367,28 @@ class SegmentPool:
     def _reserve(self, nbytes: int, retired: list) -> Optional[int]:
         """Room for a new segment for ``nbytes``, after retiring free segments past ``max_free``
         or ``max_bytes``: its size, counted in the pool's bytes; None if there is no room."""
-        free = [s for s in self._segments.values() if s.available]
         size = -(-(nbytes + HEADER_BYTES) // _PAGE) * _PAGE
-        surplus = len(free) - self.max_free + 1
-        for segment in sorted(free, key=lambda s: s.capacity):
-            if surplus <= 0 and self._bytes + size <= self.max_bytes:
-                break
-            self._retire(segment, retired)
-            surplus -= 1
+        self._retire_surplus(retired, size)
         if self._bytes + size > self.max_bytes:
             return None
         self._bytes += size
         return size
+
+    def _retire_surplus(self, retired: list, size: int) -> None:
+        """Retire free segments, smallest first, until at most ``max_free`` are left (one less
+        with a new one of ``size`` bytes to make) and the pool with it holds at most ``max_bytes``
+        and what :meth:`bound` keeps."""
+        free = sorted((s for s in self._segments.values() if s.available), key=lambda s: s.capacity)
+        surplus = len(free) - self.max_free + (1 if size else 0)
+        keep = self.max_bytes
+        if self._frames:
+            largest = max((s.size for s in self._segments.values()), default=size)
+            keep = min(keep, self._frames * max(self._frame_bytes, largest, size))
+        for segment in free:
+            if surplus <= 0 and self._bytes + size <= keep:
+                break
+            self._retire(segment, retired)
+            surplus -= 1
 
     def _register(self, size: int, mapping: mmap.mmap, fd: int, new: Optional[list]) -> _Segment:
         """Add a new segment (its ``size`` already counted by :meth:`_reserve`); its descriptor goes
@@ -403,10 +429,40 @@ class SegmentPool:
             self._bytes = 0
 
 
+#: ``madvise`` advice that maps a range's pages at once (Linux 5.14: MADV_POPULATE_READ; the
+#: mmap module of Python 3.11 does not name it); an older kernel refuses it: pages then fault in.
+_MADV_POPULATE_READ = 22
+
+
 def _release(state: memoryview, owner: int) -> None:
     # A process forked from the owner shares the mapping: only the owner may free the segment.
     if _pid == owner:
         state[0] = _FREE
+
+
+def _cuda_host_register(segment: _Segment) -> bool:
+    """Page-lock ``segment``'s mapping for CUDA (``cudaHostRegister``), so that tensors on it go to
+    a GPU with ``non_blocking=True`` without a staging copy; False without CUDA, or if refused."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    try:
+        return int(torch.cuda.cudart().cudaHostRegister(segment.address - HEADER_BYTES, segment.size, 0)) == 0
+    except (RuntimeError, AttributeError, TypeError) as exc:
+        log.debug("cudaHostRegister of a shared segment failed: %s", exc)
+        return False
+
+
+def _cuda_host_unregister(segment: _Segment) -> None:
+    """Undo :func:`_cuda_host_register` while the mapping is still there (tensors left on it stay
+    valid, in pageable memory)."""
+    if segment.pinned:
+        import torch
+
+        with contextlib.suppress(RuntimeError, AttributeError, TypeError):
+            torch.cuda.cudart().cudaHostUnregister(segment.address - HEADER_BYTES)
+        segment.pinned = False
 
 
 class SegmentMap:
@@ -414,12 +470,50 @@ class SegmentMap:
 
     Each buffer is a numpy array on the mapping; when it (and every tensor or array built
     on it) is gone, its segment is marked free for the worker to reuse. Used by the
-    receiving thread only.
+    receiving thread only. With ``pin`` (a trainer's ``pin_memory`` where CUDA is available)
+    each segment is page-locked where it is mapped (``cudaHostRegister``), not copied.
     """
 
-    def __init__(self, peer: str):
+    def __init__(self, peer: str, pin: bool = False):
         self.peer = peer
+        self.pin = pin
         self._segments: Dict[int, _Segment] = {}
+        #: What :meth:`bound` set: frames' worth of segments resident here (0: no bound), a frame's bytes.
+        self._frames, self._frame_bytes = 0, 0
+
+    def bound(self, frames: int, frame_bytes: int) -> None:
+        """Keep at most ``frames`` frames' worth of segments resident here (the connection's share
+        of the credit window, plus one), a frame being ``frame_bytes`` or the largest segment:
+        before more arrive, the pages of free segments past that leave this process's resident
+        memory (``MADV_DONTNEED``: the memory stays the worker's), and come back when one is
+        lent again.
+
+        Args:
+            frames: Frames in flight at once, plus one.
+            frame_bytes: Bytes a frame holds (``batch_max_bytes``).
+        """
+        self._frames, self._frame_bytes = frames, frame_bytes
+
+    def _make_room(self, shared: SharedFrame) -> None:
+        """Drop the pages of free segments (let go here, not page-locked) until what ``shared``
+        brings in fits under :meth:`bound` with the segments resident already."""
+        if not self._frames:
+            return
+        placed = {p.segment for p in shared.shared}
+        coming = [size for _id, size in shared.new_segments]
+        coming += [s.size for i in placed if (s := self._segments.get(i)) is not None and not s.resident]
+        sizes = [s.size for s in self._segments.values()] + coming
+        keep = self._frames * max(self._frame_bytes, max(sizes, default=0))
+        resident = sum(s.size for s in self._segments.values() if s.resident) + sum(coming)
+        # The newest first: a worker lends the oldest free segment that fits, so those stay warm.
+        for segment in sorted(self._segments.values(), key=lambda s: -s.id):
+            if resident <= keep:
+                return
+            if segment.resident and not segment.pinned and segment.id not in placed and segment.state[0] == _FREE:
+                with contextlib.suppress(OSError, ValueError):
+                    segment.mapping.madvise(mmap.MADV_DONTNEED)
+                segment.resident = False
+                resident -= segment.size
 
     def open(self, shared: SharedFrame, fds: List[int], max_frame_bytes: int) -> Frame:
         """The inner frame of ``shared``, its buffers on the segments; ``fds`` are the
@@ -429,13 +523,16 @@ class SegmentMap:
                 raise self._error(f"brought {len(fds)} descriptors for {len(shared.new_segments)} new segments")
             if len(shared.body) + shared.shared_bytes + sum(memoryview(b).nbytes for b in shared.inline) > max_frame_bytes:
                 raise self._error(f"announced a frame over the maximum of {max_frame_bytes} bytes")
+            for segment_id in shared.retired:
+                retired = self._segments.pop(segment_id, None)
+                if retired is not None:
+                    _cuda_host_unregister(retired)
+            self._make_room(shared)
             for (segment_id, size), fd in zip(shared.new_segments, fds):
                 self._add(segment_id, size, fd)
         finally:
             for fd in fds:
                 os.close(fd)
-        for segment_id in shared.retired:
-            self._segments.pop(segment_id, None)
         buffers: List[Buffer] = list(shared.inline)
         for placed in shared.shared:
             buffers.insert(placed.index, self._buffer(placed))
@@ -446,7 +543,9 @@ class SegmentMap:
             raise self._error(f"announced segment {segment_id} twice")
         if not HEADER_BYTES < size <= os.fstat(fd).st_size:
             raise self._error(f"announced segment {segment_id} of {size} bytes, which its descriptor does not hold")
-        self._segments[segment_id] = _Segment(segment_id, size, _map(fd, size))
+        segment = self._segments[segment_id] = _Segment(segment_id, size, _map(fd, size))
+        if self.pin:
+            segment.pinned = _cuda_host_register(segment)
 
     def _buffer(self, placed: SharedBuffer) -> Buffer:
         segment = self._segments.get(placed.segment)
@@ -456,6 +555,10 @@ class SegmentMap:
             raise self._error(f"placed {placed.length} bytes at offset {placed.offset} of a {segment.size}-byte segment")
         # A ctypes array, not a numpy view: numpy collapses a view's base to the mapping, so
         # the view could die while arrays built on it live; this object lives as long as they do.
+        if not segment.resident:  # its pages were dropped (see bound): map them in one call
+            with contextlib.suppress(OSError, ValueError):
+                segment.mapping.madvise(_MADV_POPULATE_READ)
+            segment.resident = True
         memory = (ctypes.c_ubyte * placed.length).from_buffer(segment.mapping, placed.offset)
         weakref.finalize(memory, _release, segment.state, _pid).atexit = False
         return memory  # type: ignore[return-value]
@@ -470,4 +573,6 @@ class SegmentMap:
 
     def close(self) -> None:
         """Forget every segment (each mapping goes with the last buffer built on it)."""
+        for segment in self._segments.values():
+            _cuda_host_unregister(segment)
         self._segments.clear()

@@ -36,20 +36,25 @@ class SharedMemoryConnection(SocketConnection):
     SHARED_DATA frame back into the DATA frame it wraps. The worker's end (``lend``) puts
     the large buffers of its DATA frames in segments once the trainer offered, and lets
     the graph make its items in them (``rpc_reading_service.shared_empty``). Transport
-    frames never reach the session above.
+    frames never reach the session above. ``pin``: the trainer page-locks each segment it maps
+    (``pin_memory`` with CUDA; see :class:`.shared_memory.SegmentMap`).
     """
 
     # A local worker's large buffers go into shared segments as they are encoded (the segment
     # pool decides where each one goes): they are not sent from the producer's own memory.
     sends_synchronously = False
 
-    def __init__(self, sock: socket.socket, peer: str, reader: FrameReader, offered: bool = False, lend: bool = False):
+    def __init__(
+        self, sock: socket.socket, peer: str, reader: FrameReader, offered: bool = False, lend: bool = False,
+        pin: bool = False,
+    ):  # fmt: skip
         super().__init__(sock, peer, reader)
         self._lend = lend
         self._accepted_in = os.getpid()
         self._pool: Optional[SegmentPool] = None
-        self._segments: Optional[SegmentMap] = SegmentMap(peer) if offered else None
+        self._segments: Optional[SegmentMap] = SegmentMap(peer, pin) if offered else None
         self._fds: "collections.deque[int]" = collections.deque()
+        self._bound: Optional[Tuple[int, int]] = None  # bound_buffers' arguments, for a pool made later
 
     def stage_buffer(self, view: memoryview) -> Optional[Buffer]:
         """A large buffer goes into a segment of this process's session as it is encoded (:func:`.shared_memory.copy_into_segment`)."""
@@ -61,6 +66,14 @@ class SharedMemoryConnection(SocketConnection):
         if self._pool is not None:
             return self._pool.segments
         return self._segments.segments if self._segments is not None else 0
+
+    def bound_buffers(self, frames: int, frame_bytes: int) -> None:
+        super().bound_buffers(frames, frame_bytes)
+        self._bound = (frames, frame_bytes)
+        if self._pool is not None:
+            self._pool.bound(frames, frame_bytes)
+        if self._segments is not None:
+            self._segments.bound(frames, frame_bytes)
 
     def _lends(self, chunks: Sequence[Buffer]) -> bool:
         """Whether this frame's buffers may go into shared segments (a DATA frame with buffers, once offered)."""
@@ -134,6 +147,8 @@ class SharedMemoryConnection(SocketConnection):
         if frame.kind == MessageKind.SHARED_MEMORY_OFFER and self._segments is None:
             if self._lend and self._pool is None:
                 self._pool = SegmentPool()
+                if self._bound is not None:
+                    self._pool.bound(*self._bound)
                 # Only a session in a process of its own (forked after the accept): one that
                 # shares the server's process (threads) could leave its items' segments mapped
                 # there after it ends, through anything still referencing them (a traceback).

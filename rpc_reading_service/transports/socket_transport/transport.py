@@ -26,7 +26,7 @@ from ...protocol import (
     encode_frame,
     encode_reject,
 )
-from ...serialization import accepts_shared_memory
+from ...serialization import accepts_shared_memory, pins_shared_memory
 from ..base import PROBE_SECONDS, Allocator, PeerLostError, Transport
 from .shared_memory import shared_memory_available
 from .authenticated import authenticated_connection
@@ -177,14 +177,14 @@ class SocketTransport(Transport):
         reader.max_frame_bytes = self.max_frame_bytes
         reader.allowed_kinds = None
         if allocate is not None:
-            reader._allocate = allocate  # noqa: SLF001 - the reader's allocator is set once, here
+            reader.allocate = allocate
         if self._offers_shared_memory(sock, allocate, handshake.peer_package_version):
             try:
                 sock.sendall(b"".join(bytes(c) for c in encode_frame(MessageKind.SHARED_MEMORY_OFFER)))
             except OSError as exc:
                 sock.close()
                 raise PeerLostError(f"lost the worker at {address} right after the handshake: {exc}") from exc
-            return SharedMemoryConnection(sock, address, reader, offered=True)
+            return SharedMemoryConnection(sock, address, reader, offered=True, pin=pins_shared_memory(allocate))
         return authenticated_connection(sock, address, reader)
 
     def probe(self, address: str, timeout: float = PROBE_SECONDS) -> Optional[str]:
