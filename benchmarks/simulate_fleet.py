@@ -20,7 +20,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from rpc_reading_service.policies.dynamic.leases import LeaseBook
+from rpc_reading_service.policies.dynamic.leases import (
+    CHUNK_LEAD_SECONDS,
+    MAX_CHUNK_DEPTH,
+    WINDOW_BYTES_PER_WORKER,
+    LeaseBook,
+)
 from rpc_reading_service.policies.dynamic.schedule import DIVISOR, SMALLEST, GuidedChunks
 from rpc_reading_service.policies.dynamic.trainer import Dynamic
 
@@ -34,8 +39,6 @@ RECONNECT = 1.0
 STALLED = 100
 #: Bytes per item (what the book's byte-sized window reads).
 ITEM_BYTES = 64 * 1024
-#: What the trainer's default window may hold per worker, as the merger sizes it.
-WINDOW_BYTES_PER_WORKER = 4 * 1024 * 1024
 
 
 @dataclass
@@ -97,8 +100,8 @@ class Fleet:
             warmup=policy.depth * workers,
         )  # fmt: skip
         self.book = LeaseBook(
-            workers, policy.chunk_size, policy.depth, 4 * policy.depth * workers, max_depth=64,
-            window_bytes=WINDOW_BYTES_PER_WORKER * workers, lead_seconds=0.1,
+            workers, policy.chunk_size, policy.depth, 4 * policy.depth * workers, max_depth=MAX_CHUNK_DEPTH,
+            window_bytes=WINDOW_BYTES_PER_WORKER * workers, lead_seconds=CHUNK_LEAD_SECONDS,
             expected_chunks=schedule.chunks_below(self.positions), schedule=schedule,
         )  # fmt: skip
         for rank in self.rates:
@@ -321,7 +324,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small fleets and a short epoch (seconds)")
     args = parser.parse_args(argv)
-    print(table([Fleet(s).run() for s in scenarios(args.quick)]))
+    header = True
+    for scenario in scenarios(args.quick):  # row by row: a 1,024-worker run takes minutes
+        lines = table([Fleet(scenario).run()]).splitlines()
+        print("\n".join(lines if header else lines[2:]), flush=True)
+        header = False
     return 0
 
 
