@@ -54,7 +54,7 @@ LONGEST_FILES_FIRST = (
 # 3 s of CPU each, importing torch), so `make test` leaves them to `make test-system`; CI runs both.
 SYSTEM_FILES = (
     "test_example_ddp_train.py", "test_example_image_augmentation.py", "test_launch_recipes.py",
-    "test_benchmarks.py", "test_cluster.py",
+    "test_benchmarks.py", "test_cluster.py", "test_fleet_soak.py",
 )  # fmt: skip
 
 

@@ -23,6 +23,7 @@ import pytest
 
 import cluster as cluster_module
 from conftest import PRELOADED_WORKER, ServerProcess, _pythonpath, start_server
+from _server_helpers import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -443,3 +444,152 @@ def test_a_new_cluster_sweeps_what_an_interrupted_run_left(tmp_path):
         subprocess.run(["ip", "netns", "del", leftover], capture_output=True)
         subprocess.run(["ip", "route", "del", "blackhole", cluster_module.TEST_RANGE, "metric", str(dead.pid)],
                        capture_output=True)  # fmt: skip
+
+
+# -- servers that join and drain between hosts (test_join.py's graphs and helpers) -------------
+FLEET = '''
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+from _server_helpers import FileGate, run_epochs, wait_until
+from test_drain import Hold
+from test_join import ITEMS, WaitForJoiner, consumed_by, graph, reference, service
+
+FIRST = SimpleNamespace(address=ARGS["first"], key=KEY)
+'''
+
+
+@pytest.fixture
+def fleet(cluster, servers, tmp_path):
+    """``start(host)``: a fresh server on that host with the module's key and ``--drain-timeout 10``,
+    returned as ``(server, "ip:port")``; every one stopped after the test."""
+    started = []
+
+    def start(name: str):
+        server = start_server(
+            tmp_path, key=servers["key"], command=cluster[name].command(PRELOADED_WORKER),
+            args=["--host", "0.0.0.0", "--log-level", "INFO", "--drain-timeout", "10"], env={"RRS_CLUSTER_HOST": name},
+        )  # fmt: skip
+        started.append(server)
+        return server, f"{cluster[name].address}:{server.address.rsplit(':', 1)[1]}"
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.mark.timeout(90)
+def test_a_server_on_another_network_joins_mid_epoch_under_dynamic(cluster, servers, fleet, tmp_path):
+    (first, first_at), (_joiner, joiner_at) = fleet("w0"), fleet("w3")
+    trainer = run_trainer(servers, tmp_path, FLEET + textwrap.dedent('''
+        expected = reference(FIRST, "dynamic")[0]
+        marker = FileGate(Path(ARGS["marker"]), timeout=30)  # w0's sessions wait at item 10 for the joiner's first
+        items = []
+        with DataLoader2(graph(WaitForJoiner(ARGS["first_pid"], marker)), reading_service=service(FIRST, "dynamic")) as dl:
+            dl.seed(11)
+            for item in dl:
+                items.append(item)
+                if len(items) == 1:
+                    added = dl.reading_service.add_workers([ARGS["joiner"]])
+            stats = dl.reading_service.stats()
+        report(items=items, expected=expected, added=added, joins=stats.joins, by_joiner=consumed_by(stats, ARGS["joiner"]))
+    '''), {"first": first_at, "first_pid": first.pid, "joiner": joiner_at, "marker": str(tmp_path / "joined")})  # fmt: skip
+    result = result_of(trainer)
+    assert result["added"] == [joiner_at] and result["joins"] == 1
+    assert result["items"] == result["expected"]  # the fixed fleet's items, in its order
+    assert result["by_joiner"] > 0
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("join", [False, True], ids=["drain", "drain_and_join"])
+def test_a_server_drains_mid_epoch_between_hosts_alone_or_while_another_joins(cluster, servers, fleet, tmp_path, join):
+    (_first, first_at), (leaving, leaving_at) = fleet("w0"), fleet("w1")
+    joiner_at = fleet("w3")[1] if join else None
+    trainer = run_trainer(servers, tmp_path, FLEET + textwrap.dedent('''
+        fixed = lambda: RPCReadingService(workers=[ARGS["first"], ARGS["leaving"]], num_workers=2, auth_key=KEY,
+                                          distribution="dynamic", timeout=20.0)
+        expected = run_epochs(graph(), fixed(), 1, seed=5)[0]
+        gate = FileGate(Path(ARGS["gate"]), timeout=30)  # the leaving server's session waits mid-shard
+        items, signalled, added = [], None, []
+        try:
+            with DataLoader2(graph(Hold(ARGS["leaving_pid"], gate)), reading_service=fixed()) as dl:
+                dl.seed(5)
+                for item in dl:
+                    items.append(item)
+                    if signalled is None:
+                        assert wait_until(Path(gate.path + ".held").exists, 20), "the leaving server never held"
+                        if ARGS["joiner"]:
+                            added = dl.reading_service.add_workers([ARGS["joiner"]])
+                        os.kill(ARGS["leaving_pid"], signal.SIGTERM)
+                        signalled = time.monotonic()
+                seconds = time.monotonic() - signalled
+                stats = dl.reading_service.stats()
+        finally:
+            gate.open()
+        report(items=items, expected=expected, seconds=seconds, added=added, drains=stats.drains, joins=stats.joins,
+               by_joiner=consumed_by(stats, ARGS["joiner"]) if ARGS["joiner"] else 0)
+    '''), {"first": first_at, "leaving": leaving_at, "leaving_pid": leaving.pid, "joiner": joiner_at,
+          "gate": str(tmp_path / "gate")})  # fmt: skip
+    result = result_of(trainer)
+    assert result["items"] == result["expected"]  # no error, every item once, the fixed fleet's order
+    assert result["drains"] == 1 and result["seconds"] < 10, result["seconds"]  # within the drain timeout
+    assert wait_until(lambda: leaving.proc.poll() is not None, 15) and leaving.proc.poll() == 0, leaving.stderr()
+    if join:
+        assert result["added"] == [joiner_at] and result["joins"] == 1
+
+
+@pytest.mark.timeout(90)
+def test_a_server_joining_under_sticky_at_an_epoch_boundary_takes_only_its_share(cluster, servers, tmp_path):
+    addresses = [servers["socket"][h] for h in ("w0", "w1")]
+    trainer = run_trainer(servers, tmp_path, '''
+        dp = IterableWrapper(range(120)).shuffle().sharding_filter().map(tagged)
+        rs = RPCReadingService(workers=ARGS["addresses"], num_workers=2, auth_key=KEY, distribution="sticky")
+        with DataLoader2(dp, reading_service=rs) as dl:
+            dl.seed(3)
+            before = list(dl)
+            added = dl.reading_service.add_workers([ARGS["joiner"]])
+            after = list(dl)
+        report(before=before, after=after, added=added)
+    ''', {"addresses": addresses, "joiner": servers["socket"]["w3"]})  # fmt: skip
+    result = result_of(trainer)
+    assert result["added"] == [servers["socket"]["w3"]]
+    assert_exactly_once(result["before"], 120, ["w0", "w1"])
+    assert_exactly_once(result["after"], 120, ["w0", "w1", "w3"])
+    host_before = dict(result["before"])
+    moved = {item: host for item, host in result["after"] if host != host_before[item]}
+    assert set(moved.values()) == {"w3"}  # only the joiner's share moved, all of it to the joiner
+    assert 120 / 3 / 2 < len(moved) < 120 / 3 * 2, len(moved)
+
+
+@pytest.mark.timeout(90)
+def test_a_dynamic_checkpoint_on_two_hosts_resumes_exactly_on_three(cluster, servers, tmp_path):
+    addresses = [servers["socket"][h] for h in ("w0", "w1", "w3")]
+    trainer = run_trainer(servers, tmp_path, '''
+        from rpc_reading_service import RemoteIterable
+        from torch.utils.data import DataLoader
+
+        def dataset(workers):
+            dp = IterableWrapper(range(90)).shuffle().sharding_filter().map(tagged)
+            return RemoteIterable(dp, num_workers=len(workers), workers=workers, auth_key=KEY, seed=7, distribution="dynamic")
+
+        def run(workers, state=None, stop=None):
+            data = dataset(workers)
+            try:
+                if state is not None:
+                    data.load_state_dict(state)
+                items = iter(DataLoader(data, batch_size=None))
+                got = [next(items) for _ in range(stop)] if stop else list(items)
+                return got, data.state_dict() if stop else None
+            finally:
+                data.close()
+
+        whole, _ = run(ARGS["addresses"][:2])
+        head, state = run(ARGS["addresses"][:2], stop=25)
+        rest, _ = run(ARGS["addresses"], state)
+        report(whole=whole, head=head, rest=rest)
+    ''', {"addresses": addresses})  # fmt: skip
+    result = result_of(trainer)
+    order = lambda items: [item for item, _host in items]  # noqa: E731
+    assert order(result["head"] + result["rest"]) == order(result["whole"])  # exact: the 2-server epoch's order
+    assert_exactly_once(result["whole"], 90, ["w0", "w1"])
+    assert "w3" in {host for _item, host in result["rest"]}  # the resumed epoch ran on 3 hosts

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rpc_reading_service import Autoscale, ConfigurationError, RemoteMapper, RemoteNode
+pytest.importorskip("torchdata.nodes", reason="torchdata.nodes needs torchdata >= 0.10")
+
+from rpc_reading_service import Autoscale, ConfigurationError, RemoteMapper, RemoteNode  # noqa: E402
 
 
 def test_remote_node_and_mapper_take_autoscale_and_check_its_bounds():
