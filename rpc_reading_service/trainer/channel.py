@@ -228,6 +228,11 @@ class WorkerChannel:
         """``worker R (host:port)``, for messages."""
         return describe_worker(self.rank, self.address)
 
+    @property
+    def drained(self) -> bool:
+        """True once the worker said LEAVING: its server drains and the session is over."""
+        return isinstance(self._ended_by, WorkerDrainedError)
+
     def _send_or_report(
         self, *messages: Message, wait: float = -1, epoch: Optional[int] = None, if_room: bool = False
     ) -> None:
