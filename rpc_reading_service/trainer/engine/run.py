@@ -415,7 +415,9 @@ class Engine:
         self._wire_epochs += 1
         last = self.epoch if self.autoscaler is not None and positions is None else None
         measured = self._measure(last) if last is not None else None
-        retired = self._graph is not None and (positions is None or self.config.distribution.elastic) and self.retire()
+        now = positions is None or self.config.distribution.elastic  # a static resume keeps the checkpoint's ranks
+        retired = self._graph is not None and now and self.retire()
+        later = self.epoch.retiring if self.epoch is not None and not now else set()
         if measured is None:
             joins = self._grow(retired) if self._graph is not None else 0
         else:
@@ -430,6 +432,7 @@ class Engine:
             units = self._new_unit_dispatch(self._wire_epochs, seed)
         epoch = Epoch(self, self.epoch_number, self._wire_epochs, seed, positions, dispatched=units)
         epoch.joins = joins
+        epoch.retiring.update(later)
         self.epoch = epoch
         if self.in_process_graph is not None:
             self.in_process_graph = reset_worker_graph(
