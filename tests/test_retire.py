@@ -15,10 +15,10 @@ import signal
 from pathlib import Path
 
 import pytest
-from torchdata.dataloader2 import DataLoader2
 
 from _server_helpers import FileGate, wait_until
 from test_drain import ITEMS, Hold, graph
+from test_join import two_epochs
 from rpc_reading_service import RPCReadingService
 from rpc_reading_service.policies.dynamic.trainer import Dynamic
 
@@ -39,18 +39,13 @@ def _two_epochs_struck(fresh_server, tmp_path, distribution, strike, **options):
     policy = Dynamic(chunk_size=4, window=16) if distribution == "dynamic" else distribution  # work left to lose
     rs = RPCReadingService(workers=[survivor.address, struck.address], num_workers=4, auth_key=survivor.key,
                            distribution=policy, timeout=20.0, **options)  # fmt: skip
-    epochs = []
+
+    def strike_held(_dl):
+        assert wait_until(Path(gate.path + ".held").exists, 20), "the struck server's sessions never held"
+        strike(struck)
+
     try:
-        with DataLoader2(graph(Hold(struck.pid, gate, at=5)), reading_service=rs) as dl:
-            dl.seed(3)
-            items = []
-            for item in dl:
-                items.append(item)
-                if len(items) == 1:
-                    assert wait_until(Path(gate.path + ".held").exists, 20), "the struck server's sessions never held"
-                    strike(struck)
-            epochs.append((items, dl.reading_service.stats()))
-            epochs.append((list(dl), dl.reading_service.stats()))
+        epochs = two_epochs(rs, strike_held, at=1, pipe=graph(Hold(struck.pid, gate, at=5)))
     finally:
         gate.open()
     return survivor, struck, epochs
