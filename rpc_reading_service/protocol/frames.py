@@ -48,7 +48,8 @@ __all__ = [
 #: 2: a LEASE grants a run of consecutive chunks, a CHUNK_DONE reports several chunks' item counts.
 #: 3: a LEASE gives its chunks' positions (first position and size: chunks may differ in size).
 #: 4: a worker may say LEAVING (its server drains) and end the session.
-PROTOCOL_VERSION = 4
+#: 5: a message per failure (SETUP_FAILED, SETUP_REFUSED, SHARD_FAILED, ITEM_TIMED_OUT) replaces ERROR.
+PROTOCOL_VERSION = 5
 MAGIC = b"RRSV"
 HEADER = struct.Struct("!4sBBHQ")
 BUFFER_LENGTH = struct.Struct("!Q")
@@ -74,9 +75,12 @@ class MessageKind(enum.IntEnum):
     READY = 11
     START_EPOCH = 12
     STOP_EPOCH = 13
-    ERROR = 14
+    SETUP_FAILED = 14  # ERROR, of every failure, until protocol version 4
     CLOSE = 15
     LEAVING = 16
+    SETUP_REFUSED = 17
+    SHARD_FAILED = 18
+    ITEM_TIMED_OUT = 19
     # Streaming: compact binary.
     CREDIT = 20
     DATA = 21

@@ -290,7 +290,7 @@ class Outbox:
             # else the sender wakes within ``linger`` for the open batch and takes the marker with it
 
     def finish(self, epoch: int, final_frame: FinalFrame, end_session: bool = False) -> None:
-        """Queue the frame that ends ``epoch`` (END_OF_SHARD or ERROR) after its data.
+        """Queue the frame that ends ``epoch`` (END_OF_SHARD, SHARD_FAILED or ITEM_TIMED_OUT) after its data.
 
         With ``end_session``, nothing more of ``epoch`` is accepted and :attr:`session_over`
         turns true once the frame is taken: the session ends after sending it.
