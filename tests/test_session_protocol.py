@@ -427,6 +427,9 @@ REMOTE_CASES = [
     (_in_epoch, "trainer", EndOfShard(1, 9).encode(), "after 9 items, but its frames carried 0"),
     (_after_end, "trainer", Data(1, 0, []).encode(), "after ending that stream"),
     (_after_end, "trainer", EndOfShard(1, 0).encode(), "END_OF_SHARD for epoch 1 twice"),
+    (_after_end, "trainer", ShardFailed(1, EXCEPTION).encode(), "SHARD_FAILED for epoch 1 after ending that epoch"),
+    (_set_up, "trainer", ItemTimedOut(3, 3, 0, 1.0, 1.5, "").encode(), "ITEM_TIMED_OUT for epoch 3, which was never started"),
+    (_set_up, "trainer", SetupFailed(EXCEPTION).encode(), "SETUP_FAILED while the session is ready"),
     (_in_epoch, "trainer", StopEpoch(1).encode(), "STOP_EPOCH, which a worker never sends"),
     (_in_epoch, "trainer", ItemCredit(1, 1).encode(), "not started with dispatched=True"),
     (

@@ -37,7 +37,6 @@ __all__ = [
     "EncodedItem",
     "encode_data",
     "decode_data",
-    "data_epoch",
     "data_header",
     "encode_end_of_shard",
     "decode_end_of_shard",
@@ -391,17 +390,10 @@ def data_header(frame: Frame) -> Tuple[int, int, int]:
     return _DATA_HEAD.unpack_from(frame.body)
 
 
-def data_epoch(frame: Frame) -> int:
-    """The epoch of a DATA frame, read from its header alone (to drop stale frames cheaply)."""
-    return data_header(frame)[0]
-
-
 def decode_data(frame: Frame) -> Tuple[int, int, List[EncodedItem]]:
     """Unpack a DATA (or ITEMS) frame into ``(epoch, sequence, items)``, without copying payloads."""
+    epoch, sequence, count = data_header(frame)
     body = memoryview(frame.body)
-    if len(body) < _DATA_HEAD.size:
-        raise RemoteProtocolError(f"{frame.kind.name} frame too short for its header")
-    epoch, sequence, count = _DATA_HEAD.unpack_from(body)
     table_end = _DATA_HEAD.size + count * _DATA_ITEM.size
     if table_end > len(body):
         raise RemoteProtocolError(f"{frame.kind.name} frame announces {count} items but is too short for their table")
