@@ -15,7 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ...addresses import distinct_servers, parse_address
 from ..channel import EpochFailed, Event, ServersJoined, UnitsDispatched, WorkerChannel, drop_items
 from ..config import ReadingServiceConfig
-from ...errors import ConfigurationError, DispatchStalledError, RPCReadingServiceError, WorkerLostError
+from ...errors import (
+    ConfigurationError, DispatchStalledError, RPCReadingServiceError, WorkerDrainedError, WorkerLostError,
+)
 from ...graph import DistributedInfo, graph_traversal, init_worker_graph, reset_dispatching_graph, reset_worker_graph
 from ...graph_utils import DataPipe, WorkerInfo
 from ...policies.base import FleetView
@@ -298,7 +300,7 @@ class Engine:
         left are numbered anew; a static policy's are set up again by :meth:`_grow`. True if any was."""
         leaving = set(self.epoch.retiring) if self.epoch is not None else set()
         for channel in self.channels:
-            if channel.drained:  # it left after its last epoch's work was done (or between epochs)
+            if isinstance(channel.ended_by, WorkerDrainedError):  # it left once its epoch's work was done
                 self.fleet.drained.add(channel.address)
                 leaving.add(channel.rank)
         ranks = self.fleet.retirees(self.worker_addresses, leaving)
