@@ -3,8 +3,9 @@
 Two real CLI servers on loopback, two sessions each. A server that drains (SIGTERM) mid-epoch
 has its work finished elsewhere in that epoch, and from the next epoch on its ranks are gone
 under every distribution (a static policy's shards are recomputed over the servers left). A
-server that dies (SIGKILL) keeps ``on_worker_failure``'s behaviour; under ``"dynamic"`` its rank
-is retired at the next epoch, under a static policy it stays on the server that took it over.
+server that dies (SIGKILL) keeps ``on_worker_failure``'s behaviour ("raise" raises); with
+"reassign", under ``"dynamic"`` its rank is retired at the next epoch, under a static policy it
+stays on the server that took it over.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 from _server_helpers import FileGate, wait_until
 from test_drain import ITEMS, Hold, graph
 from test_join import two_epochs
-from rpc_reading_service import RPCReadingService
+from rpc_reading_service import RPCReadingService, WorkerDrainedError, WorkerLostError
 from rpc_reading_service.policies.dynamic.trainer import Dynamic
 
 DISTRIBUTIONS = ["round_robin", "first_ready", "sticky", "dynamic"]
@@ -77,3 +78,10 @@ def test_a_dead_servers_rank_is_retired_at_the_next_epoch_under_dynamic_only(fre
         assert sessions_by_server(after) == {survivor.address: 2}
     else:  # the shards stay as they were, on the server that took them over (on_worker_failure)
         assert sessions_by_server(after) == {survivor.address: 4}
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_server_under_dynamic_with_raise_raises(fresh_server, tmp_path):
+    with pytest.raises(WorkerLostError) as info:
+        _two_epochs_struck(fresh_server, tmp_path, "dynamic", lambda server: os.killpg(server.pid, signal.SIGKILL))
+    assert not isinstance(info.value, WorkerDrainedError) and f"worker {info.value.rank} (" in str(info.value)
