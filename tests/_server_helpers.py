@@ -309,13 +309,26 @@ def process_group_members(pgid: int) -> List[int]:
     return [pid for pid, fields in _live_processes() if int(fields[2]) == pgid]
 
 
-def process_state(pid: int) -> Optional[str]:
-    """The one-letter state of ``pid`` (R, S, T, Z, ...), or None if it is gone."""
+def process_state(pid: int, thread: Optional[int] = None) -> Optional[str]:
+    """The one-letter state of ``pid`` (R, S, T, Z, ...), or of its ``thread``; None if it is gone."""
+    path = f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat"
     try:
-        with open(f"/proc/{pid}/stat") as handle:
+        with open(path) as handle:
             return handle.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return None
+
+
+def process_halted(pid: int) -> bool:
+    """True once no thread of ``pid`` runs any more: each one stopped (SIGSTOP) or ended.
+
+    kill() returns before the signal acts: a stop or kill takes a thread when that thread next
+    runs, and on a loaded machine the process's other threads go on meanwhile."""
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return True
+    return all(process_state(pid, int(thread)) in (None, "T", "t", "Z", "X") for thread in threads)
 
 
 def process_alive(pid: int) -> bool:

@@ -40,7 +40,7 @@ from _server_helpers import (  # noqa: E402, F401 - re-exported: test modules im
 # listed follow in collection order. The list decides the order only: a stale one costs balance,
 # never a check.
 LONGEST_FILES_FIRST = (
-    "test_checkpoint_bounds.py", "test_fork_safety.py", "test_reassign.py", "test_cache.py", "test_session_hardening.py", "test_readme.py",
+    "test_checkpoint_bounds.py", "test_fork_safety.py", "test_reassign.py", "test_fleet_soak.py", "test_cache.py", "test_session_hardening.py", "test_readme.py",
     "test_discovery.py", "test_checkpoint.py", "test_cluster.py", "test_launch_recipes.py",
     "test_benchmarks.py", "test_server_hardening.py", "test_transport_conformance.py",
     "test_torch_rpc_transport.py", "test_end_to_end.py", "test_example_ddp_train.py", "test_worker.py",
@@ -54,7 +54,7 @@ LONGEST_FILES_FIRST = (
 # 3 s of CPU each, importing torch), so `make test` leaves them to `make test-system`; CI runs both.
 SYSTEM_FILES = (
     "test_example_ddp_train.py", "test_example_image_augmentation.py", "test_launch_recipes.py",
-    "test_benchmarks.py", "test_cluster.py", "test_fleet_soak.py",
+    "test_benchmarks.py", "test_cluster.py",
 )  # fmt: skip
 
 

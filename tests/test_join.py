@@ -10,9 +10,11 @@ serves from the next epoch on, each epoch exactly once. A join and a drain in on
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from test_metrics import parse, trainer_value
 from rpc_reading_service import Hostfile, RPCReadingService, StoreDiscovery
 from rpc_reading_service.metrics import ReadingServiceCollector
 from rpc_reading_service.discovery import connect_store
+from rpc_reading_service.discovery.store import registered_workers, slot_key
 
 ITEMS = 160
 DELAY = 0.004  # seconds per item: a chunk of 16 takes longer than a lease's round trip
@@ -136,7 +139,7 @@ def test_a_server_that_fails_its_handshake_is_skipped(servers, tmp_path, caplog)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("distribution", ["round_robin", "sticky"])
+@pytest.mark.parametrize("distribution", ["round_robin", "first_ready", "sticky"])
 def test_a_server_added_mid_epoch_serves_from_the_next_epoch_under_a_static_policy(servers, distribution):
     first, joiner = servers(), servers()
     expected = reference(first, distribution)[0]
@@ -199,6 +202,79 @@ def test_a_server_added_to_the_hostfile_joins_from_the_next_epoch(servers, tmp_p
     assert consumed_by(stats, joiner.address) > 0 and stats.joins == 1
 
 
+def two_epochs(rs, change, at=5, pipe=None) -> list:
+    """Two epochs of ``pipe`` (default: :func:`graph`) on ``rs`` (seed 11), calling ``change(dl)``
+    at the ``at``-th item of the first; each epoch's ``(items, stats)``."""
+    epochs = []
+    with DataLoader2(graph() if pipe is None else pipe, reading_service=rs) as dl:
+        dl.seed(11)
+        epoch = []
+        for item in dl:
+            epoch.append(item)
+            if len(epoch) == at:
+                change(dl)
+        epochs.append((epoch, dl.reading_service.stats()))
+        epochs.append((list(dl), dl.reading_service.stats()))
+    return epochs
+
+
+def free_port() -> int:
+    """A port no one listens on (the OS's pick, released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("distribution", ["dynamic", "round_robin", "first_ready"])
+def test_a_hostfile_entry_that_is_not_up_yet_joins_later_and_one_removed_is_retired(servers, tmp_path, caplog,
+                                                                                     distribution):  # fmt: skip
+    first, removed = servers(), servers()
+    port = free_port()
+    late = f"127.0.0.1:{port}"
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"{first.address}\n{removed.address}\n")
+    rs = RPCReadingService(workers=Hostfile(str(hostfile), poll_interval=0.1), num_workers=2, auth_key=first.key,
+                           distribution=distribution, timeout=20.0)  # fmt: skip
+
+    def change(_dl):  # the file rewritten in one step; the late entry does not answer yet
+        (tmp_path / "hosts.new").write_text(f"{first.address}\n{late}\n")
+        os.replace(tmp_path / "hosts.new", hostfile)
+        assert wait_until(lambda: f"worker server {late} cannot join the run" in caplog.text, 20)
+        assert wait_until(lambda: f"worker server {removed.address} left hostfile" in caplog.text, 20)
+        servers("--port", str(port))
+        assert wait_until(lambda: f"worker server {late} joined" in caplog.text, 20)
+
+    with caplog.at_level(logging.INFO, logger="rpc_reading_service"):
+        (first_epoch, during), (second_epoch, after) = two_epochs(rs, change)
+    assert sorted(first_epoch) == sorted(second_epoch) == list(range(ITEMS))
+    assert {w.address for w in during.workers} >= {first.address, removed.address}  # the removed one served on
+    assert dict(collections.Counter(w.address for w in after.workers)) == {first.address: 1, late: 1}
+    assert consumed_by(after, late) > 0 and consumed_by(after, removed.address) == 0
+    assert wait_until(lambda: not removed.session_pids(), 10) and removed.alive()  # closed, not stopped
+
+
+@pytest.mark.timeout(60)
+def test_a_server_removed_from_the_store_is_retired_at_the_next_epoch(servers, caplog):
+    store = connect_store("127.0.0.1:0", host=True)
+    where = f"127.0.0.1:{store.port}"
+    first, removed = servers("--store", where, "--job", "leave"), servers("--store", where, "--job", "leave")
+    discovery = StoreDiscovery(where, job="leave", min_workers=2, timeout=20, poll_interval=0.1)
+    rs = RPCReadingService(workers=discovery, num_workers=2, auth_key=first.key, distribution="sticky", timeout=20.0)
+
+    def change(_dl):  # its entry goes, the server stays up
+        [slot] = [slot for slot, address in registered_workers(store, "leave") if address == removed.address]
+        store.delete_key(slot_key("leave", slot))
+        assert wait_until(lambda: f"worker server {removed.address} left the TCPStore" in caplog.text, 20)
+
+    with caplog.at_level(logging.INFO, logger="rpc_reading_service"):
+        (first_epoch, during), (second_epoch, after) = two_epochs(rs, change)
+    assert sorted(first_epoch) == sorted(second_epoch) == list(range(ITEMS))
+    assert consumed_by(during, removed.address) > 0  # it served the epoch it left the store in
+    assert [w.address for w in after.workers] == [first.address]
+    assert wait_until(lambda: not removed.session_pids(), 10) and removed.alive()
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("distribution", ["dynamic", "round_robin"])
 def test_one_server_drains_while_another_joins_and_every_item_comes_once(servers, tmp_path, distribution):
@@ -227,4 +303,5 @@ def test_one_server_drains_while_another_joins_and_every_item_comes_once(servers
     assert during.drains == 1 and (during.joins, after.joins) == ((1, 0) if distribution == "dynamic" else (0, 1))
     assert sorted(second_epoch) == list(range(ITEMS))
     assert consumed_by(after, joiner.address) > 0 and consumed_by(after, leaving.address) == 0
+    assert sorted(w.address for w in after.workers) == sorted([first.address, joiner.address])  # the leaving one's rank retired
     assert wait_until(lambda: not leaving.alive(), 15)

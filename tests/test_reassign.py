@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
-from _server_helpers import FileGate, wait_dead, wait_until
+from _server_helpers import FileGate, process_halted, wait_dead, wait_until
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper, IterDataPipe
 
@@ -154,10 +154,14 @@ class _Victims:
         self.pids: List[int] = []
 
     def hit(self, pid: Optional[int], fault: str) -> float:
+        """Signal ``pid`` and return the time, once none of its threads runs any more (until then
+        a thread the signal has not taken yet could pass the hold and send more items)."""
         assert pid is not None and pid != os.getpid()
         self.pids.append(pid)
         os.kill(pid, getattr(signal, fault))
-        return time.monotonic()
+        at = time.monotonic()
+        assert wait_until(lambda: process_halted(pid), 5), f"{fault} did not halt process {pid}"
+        return at
 
     def cleanup(self) -> None:
         for pid in self.pids:

@@ -235,9 +235,9 @@ def iterate_as_completed(
     finished: set[int] = set()  # ranks whose END_OF_SHARD arrived
     while len(finished) < len(current):
         event = next_frame(events, progress)
-        cursor = current[event.channel.rank]
-        if event.channel is not cursor.channel:
-            continue  # left over from a replaced channel
+        cursor = current.get(event.channel.rank)
+        if cursor is None or event.channel is not cursor.channel:
+            continue  # left over from a replaced (or retired) channel
         held = cursor.channel.rank in finished and (replace is None or not reassign)
         if isinstance(event, SessionLost) and held:
             cursor.channel.held_loss = event

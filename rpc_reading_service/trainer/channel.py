@@ -191,7 +191,7 @@ class WorkerChannel:
         #: Held from recording a frame to writing it: frames leave in the order recorded.
         self._send_lock = threading.Lock()
         #: Why the worker ended the session, if it said (item_timeout, LEAVING).
-        self._ended_by: Optional[WorkerLostError] = None
+        self.ended_by: Optional[WorkerLostError] = None
         #: Said after "its process died" when the connection closes: what else ends a session's process.
         self.closed_hint = ""
         #: The user's number of each epoch started here, by its number on the wire.
@@ -572,7 +572,7 @@ class WorkerChannel:
         """Report the session lost (unless the trainer closed it); True: the receiver stops."""
         if not self._closing:
             # A session the worker ended for a stuck item: say so also in a later epoch.
-            error = self._ended_by or WorkerLostError(message, self.rank, self.address)
+            error = self.ended_by or WorkerLostError(message, self.rank, self.address)
             self._report(SessionLost(self, None, error))
         return True
 
@@ -633,14 +633,14 @@ class WorkerChannel:
 
     def _on_item_timed_out(self, event: ItemTimedOut) -> bool:
         self._tell_input(event)
-        self._ended_by = self._item_timeout_error(event)
-        self._report(EpochFailed(self, event.epoch, self._ended_by))
+        self.ended_by = self._item_timeout_error(event)
+        self._report(EpochFailed(self, event.epoch, self.ended_by))
         return False
 
     def _on_leaving(self, event: Leaving) -> bool:
-        self._ended_by = self._drained(event)
+        self.ended_by = self._drained(event)
         self.conn.close()  # nothing more comes: the worker's session ends now, not when the consumer gets here
-        return self._lost(str(self._ended_by))
+        return self._lost(str(self.ended_by))
 
     def _drained(self, event: Leaving) -> WorkerDrainedError:
         """The worker's LEAVING as the error its loss carries (the engine hands its work on)."""

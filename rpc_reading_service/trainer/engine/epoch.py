@@ -13,8 +13,9 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Protocol, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Protocol, Set, Tuple
 
+from ...addresses import server_key
 from ..channel import Event, WorkerChannel
 from ..config import ReadingServiceConfig
 from ...policies.merge import EpochProgress
@@ -110,6 +111,9 @@ class Epoch:
         self.drains = 0
         #: Servers that joined the run for this epoch (at its start, or during it under "dynamic").
         self.joins = 0
+        #: Ranks the next epoch retires (:meth:`Engine.retire <rpc_reading_service.trainer.engine.Engine.retire>`):
+        #: their server drained, or (under an elastic policy) their replacement had to move to another server.
+        self.retiring: Set[int] = set()
         self._started = False
 
     def __iter__(self) -> Iterator[Any]:
@@ -227,6 +231,8 @@ class Epoch:
         )  # fmt: skip
         channel = self._reopen(lost, error)
         self.reassignments += 1
+        if engine.config.distribution.elastic and server_key(channel.address) != server_key(lost.address):
+            self.retiring.add(rank)  # its server did not take the new session: taken as gone from the next epoch on
         return channel
 
     def _take_over(self, lost: WorkerChannel, error: WorkerDrainedError) -> WorkerChannel:
@@ -243,6 +249,7 @@ class Epoch:
         engine.fleet.drained.add(lost.address)
         channel = self._reopen(lost, error)
         self.drains += 1
+        self.retiring.add(lost.rank)
         return channel
 
     def _join(self) -> List[WorkerChannel]:

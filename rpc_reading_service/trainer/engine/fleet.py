@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from ...addresses import distinct_servers, server_key
 from ..channel import Event, WorkerChannel
@@ -170,14 +170,40 @@ class Fleet:
         for address in addresses:
             self.add_rank(address)
 
+    def retirees(self, current: Sequence[str], leaving: Iterable[int]) -> List[int]:
+        """Of the ranks ``leaving`` (their server drained or went away) and those whose session is on
+        a drained server, the ones to retire before an epoch; ``current``: the server of each rank's
+        session now. A session that took over such a rank stays as a rank of its server if that
+        server keeps no other rank (a server of the run that had none); none is retired if that
+        would leave no rank (the epoch then replaces or raises)."""
+        gone = {self._key(address) for address in set(self.drained)}  # a copy: the watch's thread adds to it
+        leaving = {*leaving, *(rank for rank, address in enumerate(current) if self._key(address) in gone)}
+        keeping = {self._key(address) for rank, address in enumerate(current) if rank not in leaving}
+        retired = []
+        for rank in sorted(leaving):
+            address = current[rank]
+            if self._key(address) in gone or self._key(address) in keeping:
+                retired.append(rank)
+            else:
+                keeping.add(self._key(address))
+        return retired if len(retired) < len(current) else []
+
     def watch(self, found: Callable[[List[str]], List[str]]) -> None:
         """Watch the run's store or hostfile for servers that register later, calling ``found``
-        with new addresses (it returns those it could not add: they are tried again); a run of
-        known addresses or local workers has nothing to watch."""
+        with new addresses (it returns those it could not add: they are tried again), and for
+        servers that leave it (:meth:`unlisted`); a run of known addresses or local workers has nothing to watch."""
         workers = self.config.workers
         if self._watch is None and isinstance(workers, (StoreDiscovery, Hostfile)) and workers.poll_interval is not None:
-            self._watch = DiscoveryWatch(workers, found, self._hosted_store, seen=self._discovered or ())
+            self._watch = DiscoveryWatch(workers, found, self._hosted_store, self._discovered or (), self.unlisted)
             self._watch.start()
+
+    def unlisted(self, addresses: Sequence[str]) -> None:
+        """The servers at ``addresses`` left the store or hostfile: taken as drained (no new session
+        goes to them; their ranks are retired before the next epoch, :meth:`retirees`)."""
+        where = self._watch.where() if self._watch is not None else "the discovery"
+        log.info("worker server %s left %s: taken as drained, its sessions end before the next epoch",
+                 ", ".join(addresses), where)  # fmt: skip
+        self.drained.update(addresses)
 
     def _addresses(self) -> List[str]:
         workers = self.config.workers
@@ -303,6 +329,9 @@ class Fleet:
             candidates, probe = [self.local_server.address], None  # it was just checked, or started
         failures = []
         for address in candidates:
+            if address in self.drained and probe is not None:
+                failures.append(f"{address}: it drained (or left the run's store or hostfile)")
+                continue
             reason = None if probe is None else probe(address)
             if reason is not None:
                 failures.append(f"{address}: {reason}")

@@ -15,7 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from ...addresses import distinct_servers, parse_address
 from ..channel import EpochFailed, Event, ServersJoined, UnitsDispatched, WorkerChannel, drop_items
 from ..config import ReadingServiceConfig
-from ...errors import ConfigurationError, DispatchStalledError, RPCReadingServiceError, WorkerLostError
+from ...errors import (
+    ConfigurationError, DispatchStalledError, RPCReadingServiceError, WorkerDrainedError, WorkerLostError,
+)
 from ...graph import DistributedInfo, graph_traversal, init_worker_graph, reset_dispatching_graph, reset_worker_graph
 from ...graph_utils import DataPipe, WorkerInfo
 from ...policies.base import FleetView
@@ -193,6 +195,7 @@ class Engine:
 
     def _found(self, addresses: List[str]) -> List[str]:
         """The discovery watch found ``addresses``: add them; returns those to try again."""
+        self.fleet.drained.difference_update(addresses)  # listed again after they left the list: they serve again
         return self._join(addresses)[1]
 
     def _join(self, addresses: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -263,7 +266,7 @@ class Engine:
         with self._lock:
             channels, self._joined_channels = self._joined_channels, []
             for channel in channels:
-                assert channel.rank == len(self.channels), (channel.rank, len(self.channels))
+                channel.rank = len(self.channels)  # ranks retired since its setup numbered it
                 self.channels.append(channel)
                 self.fleet.add_rank(channel.address)
                 if epoch is not None:
@@ -274,17 +277,47 @@ class Engine:
             epoch.joins += len(distinct_servers(channel.address for channel in channels))
         return channels
 
-    def _grow(self) -> int:
+    def _grow(self, retired: bool = False) -> int:
         """Give the servers that joined under a static policy their ranks, before an epoch: every
         session is set up again over the new fleet (shards follow the ranks and their number;
-        sticky's keys, the servers). Returns the number of servers that joined."""
+        sticky's keys, the servers), also when ranks were ``retired``. Returns the number of servers that joined."""
         with self._lock:
             servers, self._joined_servers = self._joined_servers, []
+        servers = [(address, count) for address, count in servers if address not in self.fleet.drained]  # left since
         if not servers:
-            return len(distinct_servers(channel.address for channel in self.adopt_joined(None)))
+            joined = len(distinct_servers(channel.address for channel in self.adopt_joined(None)))
+            if retired and not self.config.distribution.elastic:
+                self._set_up_again()
+            return joined
         self.fleet.regroup([channel.address for channel in self.channels], servers)
         self._set_up_again()
         return len(servers)
+
+    def retire(self) -> bool:
+        """Before an epoch: retire the ranks whose server drained (or, under an elastic policy, went
+        away) so that the run's sessions are those of the servers it has (:meth:`Fleet.retirees
+        <rpc_reading_service.trainer.engine.fleet.Fleet.retirees>`). An elastic policy's sessions
+        left are numbered anew; a static policy's are set up again by :meth:`_grow`. True if any was."""
+        leaving = set(self.epoch.retiring) if self.epoch is not None else set()
+        for channel in self.channels:
+            if isinstance(channel.ended_by, WorkerDrainedError):  # it left once its epoch's work was done
+                self.fleet.drained.add(channel.address)
+                leaving.add(channel.rank)
+        ranks = self.fleet.retirees(self.worker_addresses, leaving)
+        if not ranks:
+            return False
+        with self._lock:
+            gone = [self.channels[rank] for rank in ranks]
+            kept = [channel for channel in self.channels if channel.rank not in ranks]
+            log.info("retiring worker%s %s (%s): %d session%s left", "s" if len(ranks) > 1 else "",
+                     ", ".join(map(str, ranks)), ", ".join(distinct_servers(c.address for c in gone)),
+                     len(kept), "s" if len(kept) != 1 else "")  # fmt: skip
+            for rank, channel in enumerate(kept):
+                channel.rank = rank
+            self.channels = kept
+            self.fleet.resize(self.worker_addresses)
+        close_channels(gone)
+        return True
 
     def _set_up_again(self) -> None:
         """Close every session and set up the fleet's ranks anew (a static policy's new fleet)."""
@@ -384,11 +417,14 @@ class Engine:
         self._wire_epochs += 1
         last = self.epoch if self.autoscaler is not None and positions is None else None
         measured = self._measure(last) if last is not None else None
+        now = positions is None or self.config.distribution.elastic  # a static resume keeps the checkpoint's ranks
+        retired = self._graph is not None and now and self.retire()
+        later = self.epoch.retiring if self.epoch is not None and not now else set()
         if measured is None:
-            joins = self._grow() if self._graph is not None else 0
+            joins = self._grow(retired) if self._graph is not None else 0
         else:
             with self._join_lock:  # no server joins while the ranks change (a join numbers its ranks)
-                joins = self._grow()
+                joins = self._grow(retired)
                 self._autoscale(*measured, joins)
         positions = positions or Positions((0,) * max(1, self.num_workers))
         if len(positions.consumed) != max(1, self.num_workers):  # an elastic policy's checkpoint of another fleet
@@ -398,6 +434,7 @@ class Engine:
             units = self._new_unit_dispatch(self._wire_epochs, seed)
         epoch = Epoch(self, self.epoch_number, self._wire_epochs, seed, positions, dispatched=units)
         epoch.joins = joins
+        epoch.retiring.update(later)
         self.epoch = epoch
         if self.in_process_graph is not None:
             self.in_process_graph = reset_worker_graph(

@@ -3,8 +3,9 @@
 A :class:`DiscoveryWatch` is a thread of the run's :class:`~rpc_reading_service.trainer.engine.fleet.Fleet`:
 every ``poll_interval`` seconds it lists the registered workers (or re-reads the hostfile once its
 size or modification time changed) and hands the addresses it has not seen to the engine, which
-adds them (docs/deployment.md: a server joins). Addresses the engine could not add are tried
-again at the next look; an address that leaves the list is not removed (a server leaves by draining).
+adds them (docs/deployment.md: a server joins). Addresses the engine could not add (a server not
+up yet) are tried again at the next look; addresses that leave the list are handed to the engine,
+which takes them as drained from the next epoch on.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class DiscoveryWatch:
         source: The run's :class:`StoreDiscovery` or :class:`Hostfile` (its ``poll_interval`` is set).
         found: Called with addresses not seen before; returns those it could not add (tried again).
         store: The TCPStore this trainer hosts (None: connect to ``source.store`` as a client).
-        seen: Addresses the run has already.
+        seen: Addresses the run has already (listed at the start).
+        removed: Called with the addresses listed before and no longer (none: nothing is called).
     """
 
     def __init__(
@@ -39,15 +41,18 @@ class DiscoveryWatch:
         found: Callable[[List[str]], List[str]],
         store: Any = None,
         seen: Iterable[str] = (),
+        removed: Optional[Callable[[List[str]], None]] = None,
     ):
-        self.source, self.found = source, found
+        self.source, self.found, self.removed = source, found, removed
         self._store, self._hosted = store, store is not None
         self._seen: Set[str] = set(seen)
+        #: What the last look listed (what a removal is found against).
+        self._previous: List[str] = list(dict.fromkeys(seen))
         #: The hostfile's (size, mtime, inode) when it was last read, and the addresses it listed.
         self._stamp: Optional[Tuple[int, int, int]] = None
         self._listed: List[str] = []
         self._failing = False
-        self._tasks = TaskGroup(f"the run's watch of {self._where()}")
+        self._tasks = TaskGroup(f"the run's watch of {self.where()}")
         self._stopped = self._tasks.stopping
 
     def start(self) -> None:
@@ -68,18 +73,27 @@ class DiscoveryWatch:
             except Exception as exc:  # noqa: BLE001 - the store or file may come back: look again later
                 if not self._failing:
                     log.warning("cannot look for worker servers that join (%s): %s; looking again every %g s",
-                                self._where(), exc, interval)  # fmt: skip
+                                self.where(), exc, interval)  # fmt: skip
                 self._failing = True
                 continue
             if self._failing:
-                log.info("%s answers again: looking for worker servers that join", self._where())
+                log.info("%s answers again: looking for worker servers that join", self.where())
                 self._failing = False
-            new = [address for address in dict.fromkeys(addresses) if address not in self._seen]
+            listed = list(dict.fromkeys(addresses))
+            now = set(listed)
+            gone = [address for address in self._previous if address not in now]
+            self._previous = listed
+            if gone and not self._stopped.is_set():
+                self._seen.difference_update(gone)  # listed again later: it joins again
+                if self.removed is not None:
+                    self.removed(gone)
+            new = [address for address in listed if address not in self._seen]
             if new and not self._stopped.is_set():
                 again = set(self.found(new))
                 self._seen.update(address for address in new if address not in again)
 
-    def _where(self) -> str:
+    def where(self) -> str:
+        """What is watched, for messages."""
         if isinstance(self.source, Hostfile):
             return f"hostfile {self.source.path}"
         return f"the TCPStore at {self.source.store}"
