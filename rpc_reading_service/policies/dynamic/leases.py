@@ -39,7 +39,8 @@ STRAGGLER_FACTOR = 2.0
 #: had walked what they hold and this share of the window's positions.
 WINDOW_SHARE = 0.5
 #: A straggler kept idle by the window rule for this many of its chunks' time is leased one again
-#: (its speed measured anew), so that one slow for a while only is not kept idle to the epoch's end.
+#: (its speed measured anew), so that one slow for a while only is not kept idle to the epoch's
+#: end; not while the others would be done with the stream within that time.
 PROBE_CHUNKS = 8
 #: The default ``max_depth`` of a chunked epoch (a dispatched one keeps :data:`MAX_DEPTH` units).
 MAX_CHUNK_DEPTH = 64
@@ -187,14 +188,17 @@ class LeaseBook:
         self._held_total += positions
 
     def _fleet(self) -> Tuple[float, float]:
-        """The median seconds per position of the measured sessions, and their positions per
-        second in all (sessions whose stream ended left out); measured again once as many
-        reports came as an eighth of the sessions measured."""
+        """The median seconds per position of the measured sessions, and the positions per second
+        of the fleet (sessions whose stream ended left out; those not measured yet taken as fast
+        as the measured ones on average); measured again once as many reports came as an eighth
+        of the sessions measured."""
         seconds = self.position_seconds
         if self._since_fleet < 0 or self._since_fleet >= len(seconds) // 8:
-            working = [value for rank, value in seconds.items() if rank not in self.ended and rank not in self.finished]
+            idle = self.ended | self.finished
+            working = [value for rank, value in seconds.items() if rank not in idle]
             self._median_seconds = statistics.median_low(working) if working else 0.0
-            self._fleet_rate = sum(1 / max(value, 1e-9) for value in working)
+            sessions = len(self.outstanding) - len(idle)
+            self._fleet_rate = sum(1 / max(value, 1e-9) for value in working) * sessions / max(1, len(working))
             self._since_fleet = 0
         return self._median_seconds, self._fleet_rate
 
@@ -211,12 +215,24 @@ class LeaseBook:
         others = rate - 1 / max(mine, 1e-9)
         if others <= 0:
             return False
-        if not self.outstanding[rank]:
-            idle = (self._clock if now is None else now) - self._reported_at.get(rank, math.inf)
-            if idle > PROBE_CHUNKS * size * mine:
-                return False  # idle that long: measured again (it may have been slow only for a while)
+        if self._probe(rank, size * mine, others, now):
+            return False
         mine_end = (self._ahead(rank, mine) + size) * mine
         return mine_end * others > self._held_total - self._held[rank] + WINDOW_SHARE * self.window * size
+
+    def _probe(self, rank: int, chunk_seconds: float, others: float, now: Optional[float]) -> bool:
+        """Whether straggler ``rank``, idle, is due a chunk (of ``chunk_seconds`` at its speed) to be
+        measured anew: idle for :data:`PROBE_CHUNKS` such chunks, and the others (``others``
+        positions per second) would not be done with the expected stream sooner."""
+        if self.outstanding[rank]:
+            return False
+        due = PROBE_CHUNKS * chunk_seconds
+        if (self._clock if now is None else now) - self._reported_at.get(rank, math.inf) <= due:
+            return False
+        expected = self.stream_chunks if self.stream_chunks is not None else self.expected_chunks
+        if expected is None or self.next_chunk >= expected:
+            return True  # how much is left is not known
+        return self.schedule.start(expected) - self.schedule.start(self.next_chunk) > due * others
 
     def ends_last(self, rank: int) -> bool:
         """Whether ``rank`` taking the next chunk would likely end the epoch later than leaving it to
