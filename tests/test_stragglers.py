@@ -18,9 +18,10 @@ from rpc_reading_service.policies.dynamic.trainer import Dynamic
 N = 240
 
 
-def _measured(window: int, chunk_seconds: List[float]) -> LeaseBook:
-    """A book of chunks of 16 positions whose ranks each did two chunks, one every ``chunk_seconds[rank]``."""
-    book = LeaseBook(num_workers=len(chunk_seconds), chunk_size=16, depth=2, window=window)
+def _measured(window: int, chunk_seconds: List[float], expected: Optional[int] = None) -> LeaseBook:
+    """A book of chunks of 16 positions (``expected`` chunks expected) whose ranks each did two
+    chunks, one every ``chunk_seconds[rank]``."""
+    book = LeaseBook(num_workers=len(chunk_seconds), chunk_size=16, depth=2, window=window, expected_chunks=expected)
     for rank in range(len(chunk_seconds)):
         assert book.lease(rank, now=0.0) is not None and book.lease(rank, now=0.0) is not None
     for rank, seconds in enumerate(chunk_seconds):
@@ -41,6 +42,9 @@ def test_a_straggler_is_not_leased_a_chunk_the_fleet_would_wait_for_at_the_windo
     assert all(book.lease(rank, now=0.2) is not None for rank in range(3))
     assert book.lease(3, now=0.9) is None
     assert book.lease(3, now=1.1) is not None  # idle for more than 8 of its chunks: measured anew
+    # Near the end no such chunk is leased to measure it anew: the others are done sooner.
+    near_end = _measured(16, [0.01, 0.01, 0.01, 0.1], expected=40)
+    assert near_end.lease(3, now=1.1) is None
     # A window the others need longer for than the straggler for its chunk: it is leased as before.
     wide = _measured(1000, [0.01, 0.01, 0.01, 0.1])
     assert wide.lease(3, now=0.2) is not None
