@@ -76,8 +76,11 @@ class LeaseBook:
         self._held: Dict[int, int] = {rank: 0 for rank in range(num_workers)}
         self._held_total = 0
         self._head_started: Dict[int, float] = {}
-        #: When each rank holding nothing was leased a chunk (its time per position counts from there).
+        #: When each rank holding nothing was leased a chunk (its time per position counts from there),
+        #: and the ranks timed from a lease at their first report only (which counts their session's
+        #: start: replaced by the next report's time, and not kept idle long by the window rule).
         self._idle_until: Dict[int, float] = {}
+        self._first_timed: Set[int] = set()
         #: The fleet's median seconds per position and items per second (:meth:`_fleet`), and
         #: the reports since they were measured.
         self._median_seconds, self._fleet_rate, self._since_fleet = 0.0, 0.0, -1
@@ -222,11 +225,12 @@ class LeaseBook:
 
     def _probe(self, rank: int, chunk_seconds: float, others: float, now: Optional[float]) -> bool:
         """Whether straggler ``rank``, idle, is due a chunk (of ``chunk_seconds`` at its speed) to be
-        measured anew: idle for :data:`PROBE_CHUNKS` such chunks, and the others (``others``
-        positions per second) would not be done with the expected stream sooner."""
+        measured anew: idle for :data:`PROBE_CHUNKS` such chunks (one, if timed by its first
+        report only), and the others (``others`` positions per second) would not be done with the
+        expected stream sooner."""
         if self.outstanding[rank]:
             return False
-        due = PROBE_CHUNKS * chunk_seconds
+        due = (1 if rank in self._first_timed else PROBE_CHUNKS) * chunk_seconds
         if (self._clock if now is None else now) - self._reported_at.get(rank, math.inf) <= due:
             return False
         expected = self.stream_chunks if self.stream_chunks is not None else self.expected_chunks
@@ -350,6 +354,7 @@ class LeaseBook:
         of the time since ``rank``'s previous report."""
         now = time.monotonic() if now is None else now
         previous, idle_until = self._reported_at.get(rank), self._idle_until.pop(rank, None)
+        first = previous is None
         if idle_until is not None and (previous is None or idle_until > previous):
             previous = idle_until  # it held nothing until then: waiting is not work
         self._reported_at[rank] = self._head_started[rank] = now
@@ -359,7 +364,11 @@ class LeaseBook:
             outstanding, size = self.outstanding[rank], self.schedule.size
             positions = sum(size(outstanding[index]) for index in range(len(counts)))
             seconds, last = (now - previous) / positions, self.position_seconds.get(rank)
-            self.position_seconds[rank] = seconds if last is None else 0.5 * last + 0.5 * seconds
+            if last is None or rank in self._first_timed:  # a first report's time counts the session's start
+                self.position_seconds[rank] = seconds
+            else:
+                self.position_seconds[rank] = 0.5 * last + 0.5 * seconds
+            (self._first_timed.add if first else self._first_timed.discard)(rank)
             self._since_fleet += 1
         for items in counts:
             self._done(rank, items, stream_length)
@@ -426,6 +435,7 @@ class LeaseBook:
         self._arrived_of_head[rank] = 0
         self._reported_at.pop(rank, None)
         self._idle_until.pop(rank, None)
+        self._first_timed.discard(rank)
         self.position_seconds.pop(rank, None)
         self.latest[rank] = -1
         self.ended.discard(rank)
