@@ -194,9 +194,9 @@ class LeaseBook:
         """The median seconds per position of the measured sessions, and the positions per second
         of the fleet (sessions whose stream ended left out; those not measured yet taken as fast
         as the measured ones on average); measured again once as many reports came as an eighth
-        of the sessions measured."""
+        of the sessions measured (and at least one)."""
         seconds = self.position_seconds
-        if self._since_fleet < 0 or self._since_fleet >= len(seconds) // 8:
+        if self._since_fleet < 0 or self._since_fleet > len(seconds) // 8:
             idle = self.ended | self.finished
             working = [value for rank, value in seconds.items() if rank not in idle]
             self._median_seconds = statistics.median_low(working) if working else 0.0
