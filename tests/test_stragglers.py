@@ -64,6 +64,20 @@ def test_the_time_a_worker_waits_for_a_lease_is_not_timed_as_its_work():
     assert book.position_seconds[0] == pytest.approx(0.1 / 16)
 
 
+def test_a_session_that_started_late_is_measured_again_after_one_chunk_of_waiting():
+    book = LeaseBook(num_workers=3, chunk_size=16, depth=2, window=16)
+    for rank in [0, 0, 1, 1, 2, 2]:
+        book.lease(rank, now=0.0)
+    for rank in (0, 1):
+        for done in (1, 2):
+            book.done(rank, book.outstanding[rank][0], 16, None, now=done * 0.01)
+    book.done_many(2, book.outstanding[2][0], (16, 16), None, now=0.5)  # its session was set up late
+    assert book.lease(2, now=0.52) is None  # a straggler by its first report ...
+    assert book.lease(2, now=0.8) is not None  # ... which counts its start: after one chunk's time, one more
+    book.done(2, book.outstanding[2][0], 16, None, now=0.81)
+    assert book.position_seconds[2] == pytest.approx(0.01 / 16) and book.lease(2, now=0.81) is not None
+
+
 def test_a_session_that_joins_the_epoch_holds_one_chunk_until_its_speed_is_measured():
     book = _measured(100, [0.01, 0.01])
     book.add_rank(2)
