@@ -130,7 +130,7 @@ class Fleet:
         """The merger's ``_top_up``: leases for ``rank`` in one LEASE send, then the final ones."""
         book, leases = self.book, []
         if rank not in self.gone and book.wants_leases(rank):
-            while (lease := book.lease(rank)) is not None:
+            while (lease := book.lease(rank, self.now)) is not None:
                 leases.append(lease)
         finish = book.to_finish()
         if leases or rank in finish:
@@ -273,6 +273,9 @@ class Fleet:
                 self._at(self.random.expovariate(churn), "drain")
             else:
                 handlers[kind](*args)
+        for rank, held in self.book.outstanding.items():
+            if held:  # leased past the end before the end was known: END_OF_SHARD ends them
+                self.book.end(rank)
         check_delivery(self.delivered, self.positions)
         return Result(
             self.scenario, self.positions, self.now, self.ideal(), sum(self.book.units.values()),
@@ -291,14 +294,15 @@ def check_delivery(delivered: List[Tuple[int, int]], positions: int) -> None:
         raise AssertionError(f"delivered {expected} positions of {positions}")
 
 
-def scenarios(quick: bool) -> List[Scenario]:
-    """The table's runs: 256 and 1,024 workers (``quick``: 16 and 32), with and without churn, 0/1/5 % stragglers."""
-    sizes, seconds = ((16, 32), 30.0) if quick else ((256, 1024), 60.0)
+def scenarios(quick: bool, sizes: Optional[List[int]] = None, stragglers_only: bool = False) -> List[Scenario]:
+    """The table's runs: 256 and 1,024 workers (``quick``: 16 and 32; or ``sizes``), with and without
+    churn, 0/1/5 % stragglers (``stragglers_only``: 1/5 %)."""
+    default, seconds = ((16, 32), 30.0) if quick else ((256, 1024), 60.0)
     return [
         Scenario(workers, churn, stragglers, seconds)
-        for workers in sizes
+        for workers in sizes or default
         for churn in (0.0, 0.1)
-        for stragglers in (0.0, 0.01, 0.05)
+        for stragglers in ((0.01, 0.05) if stragglers_only else (0.0, 0.01, 0.05))
     ]
 
 
@@ -323,9 +327,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Run the scenarios and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small fleets and a short epoch (seconds)")
+    parser.add_argument("--workers", type=int, action="append", help="only fleets of this size (repeatable)")
+    parser.add_argument("--stragglers-only", action="store_true", help="only the runs with stragglers")
     args = parser.parse_args(argv)
     header = True
-    for scenario in scenarios(args.quick):  # row by row: a 1,024-worker run takes minutes
+    for scenario in scenarios(args.quick, args.workers, args.stragglers_only):  # row by row: a 1,024-worker run takes minutes
         lines = table([Fleet(scenario).run()]).splitlines()
         print("\n".join(lines if header else lines[2:]), flush=True)
         header = False

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Collection, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Collection, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 from _server_forkserver import PRELOADED_COMMAND, forked_server
 from rpc_reading_service import __version__
@@ -527,6 +527,26 @@ def slow_identity(item: int, delay: float = 0.002) -> int:
     """``item``, after ``delay`` seconds of work."""
     time.sleep(delay)
     return item
+
+
+def slow_rank(rank: int, seconds: float) -> Callable[[Any, Any], Any]:
+    """A ``worker_init_fn`` that makes worker ``rank`` spend ``seconds`` on each of its items."""
+
+    def init(datapipe: Any, info: Any) -> Any:
+        if info.worker_id != rank:
+            return datapipe
+        return datapipe.map(_Sleep(seconds))
+
+    return init
+
+
+class _Sleep:
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def __call__(self, item: Any) -> Any:
+        time.sleep(self.seconds)
+        return item
 
 
 def spawn_python(code: str, workdir: Path) -> subprocess.Popen:

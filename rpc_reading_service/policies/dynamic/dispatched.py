@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Iterable, List, Optional, Protocol, Tuple
 
 from ...trainer.channel import WorkerChannel
@@ -66,7 +67,8 @@ class DispatchedMerger(DynamicMerger):
         # at the start of a session's epoch, before its first ITEM_CREDIT, which notifies).
         credits = channel.protocol.item_credits
         if book.wants_leases(rank):
-            while len(leases) < credits and (lease := book.lease(rank)) is not None:
+            now = time.monotonic()
+            while len(leases) < credits and (lease := book.lease(rank, now)) is not None:
                 leases.append(lease)
         if leases:
             self._send_units(channel, leases)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 import time
 from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -16,7 +17,8 @@ from .schedule import ChunkSchedule, FixedChunks, schedule_from_state
 
 __all__ = [
     "LeaseBook", "check_book_state", "checkpoint_schedule", "SLOW_CHUNK_SECONDS", "MAX_CHUNK_DEPTH", "CHUNK_LEAD_SECONDS",
-    "WINDOW_BYTES_PER_WORKER",
+    "WINDOW_BYTES_PER_WORKER", "STRAGGLER_FACTOR", "WINDOW_SHARE",
+    "PROBE_CHUNKS",
 ]  # fmt: skip
 
 #: A worker whose chunks take longer than this (between its reports) is kept one chunk ahead only.
@@ -30,6 +32,16 @@ LEAD_SECONDS = 0.02
 #: in many sends; 100 ms keeps it dozens ahead, topped up in few (each send hands the GIL around).
 CHUNK_LEAD_SECONDS = 0.1
 MAX_DEPTH = 16
+#: A worker whose positions take longer than this many times the fleet's median is a straggler,
+#: which the window rule (:meth:`LeaseBook.holds_window`) may keep from a chunk.
+STRAGGLER_FACTOR = 2.0
+#: The window rule: a straggler is not leased a chunk it would likely finish only after the others
+#: had walked what they hold and this share of the window's positions.
+WINDOW_SHARE = 0.5
+#: A straggler kept idle by the window rule for this many of its chunks' time is leased one again
+#: (its speed measured anew), so that one slow for a while only is not kept idle to the epoch's
+#: end; not while the others would be done with the stream within that time.
+PROBE_CHUNKS = 8
 #: The default ``max_depth`` of a chunked epoch (a dispatched one keeps :data:`MAX_DEPTH` units).
 MAX_CHUNK_DEPTH = 64
 #: What the default window of a chunked epoch may hold per worker, in bytes received: what
@@ -62,7 +74,16 @@ class LeaseBook:
         #: Positions of the chunks each rank holds (not reported done), and when it started the
         #: oldest of them (its previous report, or its lease if it held nothing then).
         self._held: Dict[int, int] = {rank: 0 for rank in range(num_workers)}
+        self._held_total = 0
         self._head_started: Dict[int, float] = {}
+        #: When each rank holding nothing was leased a chunk (its time per position counts from there),
+        #: and the ranks timed from a lease at their first report only (which counts their session's
+        #: start: replaced by the next report's time, and not kept idle long by the window rule).
+        self._idle_until: Dict[int, float] = {}
+        self._first_timed: Set[int] = set()
+        #: The fleet's median seconds per position and items per second (:meth:`_fleet`), and
+        #: the reports since they were measured.
+        self._median_seconds, self._fleet_rate, self._since_fleet = 0.0, 0.0, -1
         #: The latest report's time: what :meth:`ends_last` counts the work done of current chunks to.
         self._clock = 0.0
         #: Every chunk below was leased at least once.
@@ -92,6 +113,8 @@ class LeaseBook:
         #: Ranks whose stream ended this epoch, and ranks told that no more leases come.
         self.ended: Set[int] = set()
         self.finished: Set[int] = set()
+        #: Ranks whose session joined the epoch after it started (a new server's, or a lost one's replacement).
+        self.joined: Set[int] = set()
         #: Chunks leased per rank this epoch, less those that lay past the stream's end (``stats()``'s units).
         self.units: Dict[int, int] = {rank: 0 for rank in range(num_workers)}
         #: Chunks below this exist yet (None: all of them; a dispatched epoch's units exist once pulled).
@@ -105,12 +128,14 @@ class LeaseBook:
             book[rank] = collections.deque()
         self._held[rank] = self._arrived_of_head[rank] = self.units[rank] = 0
         self.latest[rank] = -1
+        self.joined.add(rank)
         floor, ceiling = self._window_bounds
         self._window_bounds = (floor, max(ceiling, 2 * self.max_depth * len(self.outstanding)))
 
     # -- leasing --------------------------------------------------------------------------------
-    def lease(self, rank: int) -> Optional[Tuple[int, int]]:
-        """The next ``(chunk, skip)`` for ``rank`` if it has room and one is due, else None (recorded as leased)."""
+    def lease(self, rank: int, now: Optional[float] = None) -> Optional[Tuple[int, int]]:
+        """The next ``(chunk, skip)`` for ``rank`` if it has room and one is due, else None (recorded
+        as leased), at ``now`` (monotonic; given, a worker's time waiting for it is not timed as work)."""
         if rank in self.ended or rank in self.finished or len(self.outstanding[rank]) >= self.depth_of(rank):
             return None
         latest = self.latest[rank]
@@ -119,6 +144,8 @@ class LeaseBook:
             if self.available is not None and chunk >= self.available:
                 break  # pending is sorted: none after it exists yet either
             if chunk > latest:  # a session walks its stream once: only chunks ahead of its latest lease
+                if self.holds_window(rank, self.schedule.size(chunk), now):
+                    return None
                 choice = self.pending.pop(index)
                 break
         if choice is None:
@@ -129,15 +156,17 @@ class LeaseBook:
                 return None
             if self.available is not None and chunk >= self.available:
                 return None
-            if self.ends_last(rank):
+            if self.ends_last(rank) or self.holds_window(rank, self.schedule.size(chunk), now):
                 return None
             self.next_chunk += 1
             choice = (chunk, 0)
         chunk, skip = choice
         if not self.outstanding[rank]:
             self._head_started[rank] = self._clock
+            if now is not None:
+                self._idle_until[rank] = now
         self.outstanding[rank].append(chunk)
-        self._held[rank] += self.schedule.size(chunk)
+        self._hold(rank, self.schedule.size(chunk))
         self.skips[chunk] = skip
         self.latest[rank] = chunk
         self.units[rank] += 1
@@ -155,6 +184,59 @@ class LeaseBook:
             return 0.0
         walked = (self._clock - self._head_started.get(rank, self._clock)) / max(per_position, 1e-9)
         return max(0.0, self._held[rank] - min(walked, self.schedule.size(self.outstanding[rank][0])))
+
+    def _hold(self, rank: int, positions: int) -> None:
+        """``rank`` holds ``positions`` more (fewer, if negative) of leased chunks not reported done."""
+        self._held[rank] += positions
+        self._held_total += positions
+
+    def _fleet(self) -> Tuple[float, float]:
+        """The median seconds per position of the measured sessions, and the positions per second
+        of the fleet (sessions whose stream ended left out; those not measured yet taken as fast
+        as the measured ones on average); measured again once as many reports came as an eighth
+        of the sessions measured (and at least one)."""
+        seconds = self.position_seconds
+        if self._since_fleet < 0 or self._since_fleet > len(seconds) // 8:
+            idle = self.ended | self.finished
+            working = [value for rank, value in seconds.items() if rank not in idle]
+            self._median_seconds = statistics.median_low(working) if working else 0.0
+            sessions = len(self.outstanding) - len(idle)
+            self._fleet_rate = sum(1 / max(value, 1e-9) for value in working) * sessions / max(1, len(working))
+            self._since_fleet = 0
+        return self._median_seconds, self._fleet_rate
+
+    def holds_window(self, rank: int, size: int, now: Optional[float] = None) -> bool:
+        """Whether a straggler ``rank`` taking a chunk of ``size`` positions at ``now`` would likely
+        hold the window's head: finish it only after the others walked what they hold and
+        :data:`WINDOW_SHARE` of the window (the window rule of docs/architecture.md)."""
+        mine = self.position_seconds.get(rank)
+        if mine is None:
+            return False  # not measured yet
+        median, rate = self._fleet()
+        if mine <= STRAGGLER_FACTOR * median:
+            return False  # not a straggler: half the fleet or more is never held back
+        others = rate - 1 / max(mine, 1e-9)
+        if others <= 0:
+            return False
+        if self._probe(rank, size * mine, others, now):
+            return False
+        mine_end = (self._ahead(rank, mine) + size) * mine
+        return mine_end * others > self._held_total - self._held[rank] + WINDOW_SHARE * self.window * size
+
+    def _probe(self, rank: int, chunk_seconds: float, others: float, now: Optional[float]) -> bool:
+        """Whether straggler ``rank``, idle, is due a chunk (of ``chunk_seconds`` at its speed) to be
+        measured anew: idle for :data:`PROBE_CHUNKS` such chunks (one, if timed by its first
+        report only), and the others (``others`` positions per second) would not be done with the
+        expected stream sooner."""
+        if self.outstanding[rank]:
+            return False
+        due = (1 if rank in self._first_timed else PROBE_CHUNKS) * chunk_seconds
+        if (self._clock if now is None else now) - self._reported_at.get(rank, math.inf) <= due:
+            return False
+        expected = self.stream_chunks if self.stream_chunks is not None else self.expected_chunks
+        if expected is None or self.next_chunk >= expected:
+            return True  # how much is left is not known
+        return self.schedule.start(expected) - self.schedule.start(self.next_chunk) > due * others
 
     def ends_last(self, rank: int) -> bool:
         """Whether ``rank`` taking the next chunk would likely end the epoch later than leaving it to
@@ -203,14 +285,15 @@ class LeaseBook:
         return room >= min(depth - held, max(1, depth // 2)) or (self.stream_chunks is not None and room > 0)
 
     def depth_of(self, rank: int) -> int:
-        """Chunks ``rank`` may hold ahead: ``depth``; for a worker whose chunks take long, 1, or at
+        """Chunks ``rank`` may hold ahead: ``depth`` (1 for a session that joined the epoch, until
+        its speed is measured); for a worker whose chunks take long, 1, or at
         most 2 while the stream's length is known or expected (then :meth:`ends_last` keeps a
         second chunk from the worker that would end the epoch with it, and the others do not
         wait a lease's round trip at each chunk boundary); more for one whose chunks take less
         than a round trip (enough for ``lead_seconds`` of its work)."""
         per_position = self.position_seconds.get(rank)
-        if per_position is None:
-            return self.depth
+        if per_position is None:  # a session that joined mid-epoch may be a straggler: one chunk until measured
+            return 1 if rank in self.joined else self.depth
         seconds = per_position * self.schedule.size(self.next_chunk)
         if seconds >= self.slow_chunk_seconds:
             known = self.stream_chunks is not None or self.expected_chunks is not None
@@ -270,7 +353,10 @@ class LeaseBook:
         their skips), at ``now`` (monotonic): one CHUNK_DONE. Each of their positions took its share
         of the time since ``rank``'s previous report."""
         now = time.monotonic() if now is None else now
-        previous = self._reported_at.get(rank)
+        previous, idle_until = self._reported_at.get(rank), self._idle_until.pop(rank, None)
+        first = previous is None
+        if idle_until is not None and (previous is None or idle_until > previous):
+            previous = idle_until  # it held nothing until then: waiting is not work
         self._reported_at[rank] = self._head_started[rank] = now
         self._clock = max(self._clock, now)
         assert self.outstanding[rank][0] == chunk, (self.outstanding[rank][0], chunk)  # the state machine checked it
@@ -278,14 +364,19 @@ class LeaseBook:
             outstanding, size = self.outstanding[rank], self.schedule.size
             positions = sum(size(outstanding[index]) for index in range(len(counts)))
             seconds, last = (now - previous) / positions, self.position_seconds.get(rank)
-            self.position_seconds[rank] = seconds if last is None else 0.5 * last + 0.5 * seconds
+            if last is None or rank in self._first_timed:  # a first report's time counts the session's start
+                self.position_seconds[rank] = seconds
+            else:
+                self.position_seconds[rank] = 0.5 * last + 0.5 * seconds
+            (self._first_timed.add if first else self._first_timed.discard)(rank)
+            self._since_fleet += 1
         for items in counts:
             self._done(rank, items, stream_length)
 
     def _done(self, rank: int, items: int, stream_length: Optional[int]) -> None:
         """``rank``'s oldest lease is done with ``items`` items."""
         chunk = self.outstanding[rank].popleft()
-        self._held[rank] -= self.schedule.size(chunk)
+        self._hold(rank, -self.schedule.size(chunk))
         to_come = items - self._arrived_of_head[rank]
         self._arrived_of_head[rank] = 0
         if to_come > 0:
@@ -305,7 +396,7 @@ class LeaseBook:
             self.stream_ends_at(leftover[0])
         while leftover:
             chunk = leftover.popleft()
-            self._held[rank] -= self.schedule.size(chunk)
+            self._hold(rank, -self.schedule.size(chunk))
             if self.skips[chunk]:
                 raise _refuse(f"has items of chunk {chunk} delivered, which lies past the end of this epoch's stream")
             self.totals[chunk] = self.skips.pop(chunk)
@@ -339,14 +430,17 @@ class LeaseBook:
         self.pending.extend((chunk, self.delivered.get(chunk, 0)) for chunk in chunks)
         self.pending.sort()
         self.outstanding[rank].clear()
-        self._held[rank] = 0
+        self._hold(rank, -self._held[rank])
         self.arriving[rank].clear()
         self._arrived_of_head[rank] = 0
         self._reported_at.pop(rank, None)
+        self._idle_until.pop(rank, None)
+        self._first_timed.discard(rank)
         self.position_seconds.pop(rank, None)
         self.latest[rank] = -1
         self.ended.discard(rank)
         self.finished.discard(rank)
+        self.joined.add(rank)
         return chunks
 
     # -- delivery -------------------------------------------------------------------------------

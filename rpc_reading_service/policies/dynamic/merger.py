@@ -8,6 +8,7 @@ point :class:`~.dispatched.DispatchedMerger` leases dispatched items instead.
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any, Deque, Dict, Iterable, Iterator, List, Optional, Protocol, Tuple
 
 from ...trainer.channel import (
@@ -110,7 +111,8 @@ class DynamicMerger(Merger):
     def _top_up(self, channel: WorkerChannel) -> None:
         book, leases = self.book, []
         if book.wants_leases(channel.rank):  # then up to its full depth, in one send
-            while (lease := book.lease(channel.rank)) is not None:
+            now = time.monotonic()
+            while (lease := book.lease(channel.rank, now)) is not None:
                 leases.append(lease)
         finish = book.to_finish()
         if leases or channel.rank in finish:
