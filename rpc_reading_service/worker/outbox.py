@@ -21,7 +21,7 @@ from ..protocol import (
 )
 from .inbox import Cancelled
 
-__all__ = ["Outbox", "FinalFrame"]
+__all__ = ["Outbox", "FinalFrame", "borrow_min_bytes"]
 
 #: Most frames the sender takes for one send (CHUNK_DONEs ride with the DATA behind them).
 _FRAMES_PER_SEND = 16
@@ -31,6 +31,16 @@ _INLINE_MAX_BYTES = 64 * 1024
 
 #: A frame that ends an epoch: a message (encoded when it leaves) or chunks already encoded.
 FinalFrame = Union[Message, List[Buffer]]
+
+
+def borrow_min_bytes(batch_max_bytes: int) -> int:
+    """The smallest buffer a producer lends its send uncopied, where the send is synchronous:
+    half a frame (such an item is sealed alone, and would share its frame with one other at most).
+
+    Args:
+        batch_max_bytes: The session's byte bound of a DATA frame.
+    """
+    return batch_max_bytes // 2
 
 
 class Outbox:
