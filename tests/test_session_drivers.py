@@ -252,6 +252,42 @@ def test_a_buffer_of_half_a_frame_or_more_is_sent_from_the_graphs_memory_and_arr
     assert lent == [index for index, nbytes in enumerate(sizes) if nbytes >= 512 << 10]
 
 
+class BoundRecordingConnection(SocketConnection):
+    """A socket connection that records every bound of its reuse pools."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.bounds: list = []
+
+    def bound_buffers(self, frames: int, frame_bytes: int) -> None:
+        self.bounds.append((frames, frame_bytes))
+        super().bound_buffers(frames, frame_bytes)
+
+
+def test_an_epoch_started_while_connecting_bounds_the_buffers_by_its_window():
+    # The engine starts an epoch on every channel while their sessions still connect and set up
+    # (each sends START_EPOCH once READY): setting up must not shrink the bound to one frame.
+    ours, theirs = socket.socketpair()
+    trainer_conn = BoundRecordingConnection(ours, "worker", FrameReader())
+    session = WorkerSession(SocketConnection(theirs, "trainer", FrameReader()), server_address="memory")
+    worker = threading.Thread(target=session.run, name="test-worker-session", daemon=True)
+    worker.start()
+    channel = WorkerChannel(None, 0, 0.1, 5.0, address="memory")
+    try:
+        channel.start_epoch(1, seed=1, global_worker_id=0, credits=4)  # held until READY
+        channel.attach(trainer_conn)
+        graph = dumps_graph((IterableWrapper(range(10)).sharding_filter(), None, None))
+        channel.setup({"graph": graph, "worker_rank": 0, "num_workers": 1, "options": {}}, timeout=5.0)
+        assert trainer_conn.bounds == [(5, 1 << 20)]  # the window (4 frames) plus one
+        channel.start_receiver(queue.SimpleQueue())
+        assert list(iterate_in_order([channel], EpochProgress(1, [0]))) == list(range(10))
+    finally:
+        channel.close(timeout=2.0)
+        session.conn.close()
+        worker.join(5.0)
+    assert not worker.is_alive()
+
+
 def test_a_new_epoch_supersedes_a_running_one(pair):
     link = pair().setup(IterableWrapper(range(50)).sharding_filter(), batch_max_items=1, linger=0.0)
     link.channel.start_epoch(1, seed=1, global_worker_id=0, credits=4)

@@ -201,8 +201,10 @@ class WorkerChannel:
         self._in_loop = False
         #: The credits the consumer granted and not sent back yet (:meth:`grant`).
         self._ungranted = 0
-        #: The bytes of a full DATA frame (the session's ``batch_max_bytes``), for :meth:`_bound_buffers`.
+        #: The bytes of a full DATA frame (the session's ``batch_max_bytes``) and the credit window of
+        #: the latest epoch started (1 before any), for :meth:`_bound_buffers`.
         self._frame_bytes = SessionOptions().batch_max_bytes
+        self._window = 1
         #: Around the credits not sent back yet (the consumer adds, the receive loop sends), and
         #: whether the loop was told that they are due.
         self._credit_lock = threading.Lock()
@@ -333,7 +335,7 @@ class WorkerChannel:
         assert self.conn is not None, "attach() the connection first"
         message = setup if isinstance(setup, Setup) else Setup(**setup)
         self._frame_bytes = message.options.batch_max_bytes
-        self._bound_buffers(1)
+        self._bound_buffers(self._window)  # an epoch started while connecting keeps its window
         with self._state_lock:
             self.protocol.setup_timeout = timeout
         # A server that refuses the session may close before reading all of SETUP: its
@@ -415,6 +417,7 @@ class WorkerChannel:
         with self._credit_lock:
             self.epoch = epoch
             self._ungranted = 0
+        self._window = credits
         self._bound_buffers(credits)
         self.stats = ChannelStats()
         self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased=leased))
