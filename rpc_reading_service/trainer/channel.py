@@ -204,10 +204,8 @@ class WorkerChannel:
         self._in_loop = False
         #: The credits the consumer granted and not sent back yet (:meth:`grant`).
         self._ungranted = 0
-        #: The bytes of a full DATA frame (the session's ``batch_max_bytes``) and the credit window of
-        #: the latest epoch started (1 before any), for :meth:`_bound_buffers`.
-        self._frame_bytes = SessionOptions().batch_max_bytes
-        self._window = 1
+        #: A full DATA frame's bytes (``batch_max_bytes``), the latest epoch's credits: :meth:`_bound_buffers`.
+        self._frame_bytes, self._window = SessionOptions().batch_max_bytes, 1
         #: Around the credits not sent back yet (the consumer adds, the receive loop sends), and
         #: whether the loop was told that they are due.
         self._credit_lock = threading.Lock()
