@@ -144,7 +144,9 @@ def spy(directory: str, label: str) -> list[subprocess.Popen]:
 
 def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, args) -> dict:
     """One epoch: ``warmup`` items, then ``items`` timed ones with both sides' CPU and switches."""
-    workload = Workload("tensor", warmup + items, item_bytes=item_bytes)
+    # As many untimed items after the timed ones: a worker's producer thread is still alive at
+    # the last reading (the switches of a thread that ended are no longer in /proc).
+    workload = Workload("tensor", warmup + 2 * items, item_bytes=item_bytes)
     profile = cProfile.Profile(time.thread_time) if args.cprofile else None  # CPU, not wall: load moves no time
     spies: list[subprocess.Popen] = []
     with contender.epoch(workload, workers) as loader:

@@ -13,7 +13,9 @@ import socket
 import threading
 import time
 
+import numpy
 import pytest
+import torch
 from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import wait_until
@@ -75,16 +77,44 @@ class SenderRecordingConnection(SocketConnection):
         super().send_frames(frames)
 
 
+class LendingConnection(SocketConnection):
+    """A socket connection that records the address of every out-of-band buffer it sends."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.sent_from: set = set()
+
+    def send(self, chunks) -> None:
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            if view.nbytes >= 64 << 10:
+                self.sent_from.add(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
+        super().send(chunks)
+
+
+#: (index, tensor) of each tensor :func:`fresh_tensor` made (the worker session runs in this
+#: process), kept: no later tensor or copy gets the address of one of them.
+MADE: list = []
+
+
+def fresh_tensor(spec):
+    index, nbytes = spec
+    tensor = torch.full((nbytes,), index, dtype=torch.uint8)
+    MADE.append((index, tensor))
+    return index, tensor
+
+
 class Pair:
     """A trainer's channel and a worker session serving it in a thread; ``over_sockets``: joined
     by a socket pair, the channel received for by a :class:`ReceiveLoop` (as in a trainer)."""
 
-    def __init__(self, heartbeat_interval: float = 0.1, peer_timeout: float = 5.0, over_sockets: bool = False):
+    def __init__(self, heartbeat_interval: float = 0.1, peer_timeout: float = 5.0, over_sockets: bool = False,
+                 worker_conn=SocketConnection):
         self.loop = ReceiveLoop() if over_sockets else None
         if over_sockets:
             ours, theirs = socket.socketpair()
             self.trainer_conn = SenderRecordingConnection(ours, "worker", FrameReader())
-            self.worker_conn = SocketConnection(theirs, "trainer", FrameReader())
+            self.worker_conn = worker_conn(theirs, "trainer", FrameReader())
         else:
             self.trainer_conn, self.worker_conn = connection_pair()
         self.session = WorkerSession(self.worker_conn, server_address="memory")
@@ -205,6 +235,57 @@ def test_a_credit_due_while_another_send_holds_the_connection_is_sent_once_it_is
         assert link.session.protocol.credits == 0 and channel.frames_received == 2
     taker.join(5.0)
     assert third == [2] and list(items) == list(range(3, 12))  # the loop's retry sent it
+
+
+def test_a_buffer_of_half_a_frame_or_more_is_sent_from_the_graphs_memory_and_arrives_intact(pair):
+    # From half the frame bound (512 KiB) a socket session lends its send the graph's own tensor
+    # (no copy; written before the graph makes its next item); smaller ones are copied and batched.
+    sizes = [256 << 10, 512 << 10, (768 << 10) + 3, 1 << 20, 256 << 10, 512 << 10]
+    MADE.clear()
+    graph = IterableWrapper(list(enumerate(sizes))).sharding_filter().map(fresh_tensor)
+    link = pair(over_sockets=True, worker_conn=LendingConnection).setup(graph)
+    items = link.epoch(1, credits=1)
+    assert [(index, tensor.numel()) for index, tensor in items] == list(enumerate(sizes))
+    assert all(torch.equal(tensor, torch.full_like(tensor, index)) for index, tensor in items)
+    lent = [index for index, tensor in MADE if tensor.data_ptr() in link.worker_conn.sent_from]
+    MADE.clear()
+    assert lent == [index for index, nbytes in enumerate(sizes) if nbytes >= 512 << 10]
+
+
+class BoundRecordingConnection(SocketConnection):
+    """A socket connection that records every bound of its reuse pools."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.bounds: list = []
+
+    def bound_buffers(self, frames: int, frame_bytes: int) -> None:
+        self.bounds.append((frames, frame_bytes))
+        super().bound_buffers(frames, frame_bytes)
+
+
+def test_an_epoch_started_while_connecting_bounds_the_buffers_by_its_window():
+    # The engine starts an epoch on every channel while their sessions still connect and set up
+    # (each sends START_EPOCH once READY): setting up must not shrink the bound to one frame.
+    ours, theirs = socket.socketpair()
+    trainer_conn = BoundRecordingConnection(ours, "worker", FrameReader())
+    session = WorkerSession(SocketConnection(theirs, "trainer", FrameReader()), server_address="memory")
+    worker = threading.Thread(target=session.run, name="test-worker-session", daemon=True)
+    worker.start()
+    channel = WorkerChannel(None, 0, 0.1, 5.0, address="memory")
+    try:
+        channel.start_epoch(1, seed=1, global_worker_id=0, credits=4)  # held until READY
+        channel.attach(trainer_conn)
+        graph = dumps_graph((IterableWrapper(range(10)).sharding_filter(), None, None))
+        channel.setup({"graph": graph, "worker_rank": 0, "num_workers": 1, "options": {}}, timeout=5.0)
+        assert trainer_conn.bounds == [(5, 1 << 20)]  # the window (4 frames) plus one
+        channel.start_receiver(queue.SimpleQueue())
+        assert list(iterate_in_order([channel], EpochProgress(1, [0]))) == list(range(10))
+    finally:
+        channel.close(timeout=2.0)
+        session.conn.close()
+        worker.join(5.0)
+    assert not worker.is_alive()
 
 
 def test_a_new_epoch_supersedes_a_running_one(pair):

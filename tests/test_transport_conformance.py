@@ -73,6 +73,28 @@ class ReusedBuffer(IterDataPipe):
             yield index, buffer
 
 
+#: Item sizes from in-band to far over a frame, odd ones among them: each kind of buffer a
+#: transport moves (in band, copied out of band, in shared memory, lent uncopied over TCP).
+SIZES = [1024, 16 << 10, (64 << 10) - 1, 64 << 10, (200 << 10) + 7, 256 << 10, (512 << 10) - 1, 512 << 10,
+         (768 << 10) + 3, 1 << 20, 2 << 20]
+
+
+def random_bytes(index: int) -> torch.Tensor:
+    """Item ``index``'s tensor: ``SIZES[index]`` bytes drawn from a generator seeded with ``index``."""
+    generator = torch.Generator().manual_seed(index)
+    return torch.randint(0, 256, (SIZES[index],), dtype=torch.uint8, generator=generator)
+
+
+def sized_item(index):
+    return index, random_bytes(index)
+
+
+def assert_bit_exact(items):
+    assert [index for index, _ in items] == list(range(len(SIZES)))
+    for index, tensor in items:
+        assert torch.equal(tensor, random_bytes(index)), f"item of {SIZES[index]} bytes changed"
+
+
 def assert_each_item_as_yielded(items):
     assert [index for index, _ in items] == list(range(N_ITEMS))
     assert [(int(t.min()), int(t.max())) for _, t in items] == [(index, index) for index in range(N_ITEMS)]
@@ -170,11 +192,15 @@ def test_tensors_arrive_intact(servers, transport):
     assert [item["index"] for item in epoch] == list(range(6))
     for item in epoch:
         assert torch.equal(item["tensor"], torch.full((40_000,), float(item["index"])))
+    # every size bit-exact (one worker: each item its own frame or a frame of its own size)
+    sizes = IterableWrapper(range(len(SIZES))).sharding_filter().map(sized_item)
+    (epoch,) = run_epochs(sizes, remote(servers(transport), transport, num_workers=1), n_epochs=1)
+    assert_bit_exact(epoch)
     # a graph that refills one buffer for every item: each arrives as it was yielded, not as
     # the buffer was when it was sent (prefetch=1: items wait for credit while it is refilled)
-    # 2 MiB (over batch_max_bytes): sent uncopied from the graph's own buffer where the
+    # from half a frame (512 KiB) on: sent uncopied from the graph's own buffer where the
     # connection's send is synchronous (the socket transport's)
-    for nbytes in (300 * 1024, 2 << 20) if transport == "socket" else (300 * 1024,):
+    for nbytes in (300 * 1024, 512 << 10, 2 << 20) if transport == "socket" else (300 * 1024,):
         rs = remote(servers(transport), transport, num_workers=1, prefetch=1)
         with DataLoader2(ReusedBuffer(nbytes).sharding_filter(), reading_service=rs) as dl:
             assert_each_item_as_yielded(list(dl))
@@ -234,6 +260,9 @@ def test_local_workers(transport, monkeypatch, tmp_path):
         rs = RPCReadingService(num_workers=1, prefetch=1)
         with DataLoader2(ReusedBuffer().sharding_filter(), reading_service=rs) as dl:
             assert_each_item_as_yielded(list(dl))
+        rs = RPCReadingService(num_workers=2)
+        with DataLoader2(IterableWrapper(range(len(SIZES))).sharding_filter().map(sized_item), reading_service=rs) as dl:
+            assert_bit_exact(list(dl))
 
 
 def test_the_plugin_carried_the_traffic_on_both_sides(servers):

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from _server_helpers import wait_until
 
 from rpc_reading_service.protocol import (
     ChunkDone,
@@ -295,6 +296,39 @@ def test_a_borrowed_item_is_written_before_its_put_returns():
         outbox.write_taken()
         assert written[-1] == (threading.current_thread(), [[1]])
         assert returned.wait(5.0)
+    finally:
+        outbox.close()
+        producer.join(5.0)
+
+
+def test_items_that_each_make_a_frame_leave_the_sender_asleep():
+    # Borrowed items (or items as large as a frame) leave no batch open: the sender does not time
+    # a linger for them, and when a CREDIT lets one go, waking its producer does not wake the sender.
+    current, written, notified = threading.current_thread(), [], []
+    outbox = DrivenOutbox(
+        SessionOptions(batch_max_items=100, linger=0.5),
+        send=lambda frames: written.append((threading.current_thread(), [data_items(f)[2] for f in frames])),
+    )
+    outbox.start_epoch(1, credits=3)
+    notify_all = outbox._cond.notify_all
+    outbox._cond.notify_all = lambda: (notified.append(True), notify_all())
+    outbox.put(1, EncodedItem(b"0", borrowed=True))
+    outbox.put(1, EncodedItem(b"1", borrowed=True))
+    assert written == [(current, [[0]]), (current, [[1]])] and notified == []
+    # items within linger of each other, credit left: still no reason to wake every linger
+    assert outbox._armed_wait(time.monotonic()) == float("inf")
+    outbox.put(1, item(2))  # an item that shares its batch: the sender times it
+    assert outbox._armed_wait(time.monotonic()) == 0.5
+    assert outbox.send_next(1.0) and written[-1] == (current, [[2]])  # this thread as the sender
+    notified.clear()
+    producer = threading.Thread(target=outbox.put, args=(1, EncodedItem(b"3", borrowed=True)))
+    producer.start()  # no credit: waits until the granting thread wrote its item
+    try:
+        assert wait_until(lambda: outbox._producer_waiting, 5.0)
+        outbox.grant(1, 1)
+        outbox.write_taken()
+        producer.join(5.0)
+        assert not producer.is_alive() and written[-1] == (current, [[3]]) and notified == []
     finally:
         outbox.close()
         producer.join(5.0)

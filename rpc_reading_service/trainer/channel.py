@@ -204,8 +204,8 @@ class WorkerChannel:
         self._in_loop = False
         #: The credits the consumer granted and not sent back yet (:meth:`grant`).
         self._ungranted = 0
-        #: The bytes of a full DATA frame (the session's ``batch_max_bytes``), for :meth:`_bound_buffers`.
-        self._frame_bytes = SessionOptions().batch_max_bytes
+        #: A full DATA frame's bytes (``batch_max_bytes``), the latest epoch's credits: :meth:`_bound_buffers`.
+        self._frame_bytes, self._window = SessionOptions().batch_max_bytes, 1
         #: Around the credits not sent back yet (the consumer adds, the receive loop sends), and
         #: whether the loop was told that they are due.
         self._credit_lock = threading.Lock()
@@ -337,7 +337,7 @@ class WorkerChannel:
         assert self.conn is not None, "attach() the connection first"
         message = setup if isinstance(setup, Setup) else Setup(**setup)
         self._frame_bytes = message.options.batch_max_bytes
-        self._bound_buffers(1)
+        self._bound_buffers(self._window)  # an epoch started while connecting keeps its window
         with self._state_lock:
             self.protocol.setup_timeout = timeout
         # A server that refuses the session may close before reading all of SETUP: its
@@ -419,6 +419,7 @@ class WorkerChannel:
         with self._credit_lock:
             self.epoch = epoch
             self._ungranted = 0
+        self._window = credits
         self._bound_buffers(credits)
         self.stats = ChannelStats()
         self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased=leased))

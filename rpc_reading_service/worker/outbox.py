@@ -21,7 +21,7 @@ from ..protocol import (
 )
 from .inbox import Cancelled
 
-__all__ = ["Outbox", "FinalFrame"]
+__all__ = ["Outbox", "FinalFrame", "borrow_min_bytes"]
 
 #: Most frames the sender takes for one send (CHUNK_DONEs ride with the DATA behind them).
 _FRAMES_PER_SEND = 16
@@ -31,6 +31,16 @@ _INLINE_MAX_BYTES = 64 * 1024
 
 #: A frame that ends an epoch: a message (encoded when it leaves) or chunks already encoded.
 FinalFrame = Union[Message, List[Buffer]]
+
+
+def borrow_min_bytes(batch_max_bytes: int) -> int:
+    """The smallest buffer a producer lends its send uncopied, where the send is synchronous:
+    half a frame (such an item is sealed alone, and would share its frame with one other at most).
+
+    Args:
+        batch_max_bytes: The session's byte bound of a DATA frame.
+    """
+    return batch_max_bytes // 2
 
 
 class Outbox:
@@ -57,7 +67,11 @@ class Outbox:
         self._protocol = protocol
         self._send = send
         self._room = room
+        lock = lock if lock is not None else threading.RLock()
+        #: The sender waits on ``_cond``, the producer on ``_producer_cond`` (one lock): waking one
+        #: does not wake the other.
         self._cond = threading.Condition(lock)
+        self._producer_cond = threading.Condition(lock)
         #: Held from taking frames (encoding them) to writing them (docs/architecture.md, "The outbox").
         self.sending = threading.Lock()
         #: The sender waits for :attr:`sending` while the producer writes a frame of its own; the
@@ -75,8 +89,10 @@ class Outbox:
         self._open_since = 0.0
         #: A slow item opened the batch and waits for credit: sealed without lingering once credit comes.
         self._open_slow = False
-        #: When the producer put the epoch's latest item (None before its first).
+        #: When the producer put the epoch's latest item (None before its first), and whether that
+        #: item shares its batch (False: it made a batch alone, a borrowed or a full one).
         self._last_put: Optional[float] = None
+        self._batching = False
         #: Sealed batches waiting for credit, and markers (CHUNK_DONE) that follow them without credit
         #: (ahead of the open batch, which may still hold their chunks' last items).
         self._sealed: Deque[Union[List[EncodedItem], Message]] = collections.deque()
@@ -103,7 +119,7 @@ class Outbox:
             self._final = None
             self._final_ends_session = False
             self._last_put = None
-            self._cond.notify_all()
+            self._wake_all()
 
     def stop_epoch(self, epoch: Optional[int] = None) -> None:
         """Cancel ``epoch`` (or the current one): its producer stops at the next item."""
@@ -113,7 +129,7 @@ class Outbox:
                 self._sealed.clear()
                 self._open, self._open_bytes, self._open_slow = [], 0, False
                 self._final = None
-                self._cond.notify_all()
+                self._wake_all()
 
     def grant_input(self, epoch: int, credits: int) -> None:
         """Ask the trainer for ``credits`` more ITEMS frames of ``epoch`` (sent before any DATA)."""
@@ -153,7 +169,7 @@ class Outbox:
         with self._cond:
             self._closed = True
             self.epoch = None
-            self._cond.notify_all()
+            self._wake_all()
 
     # -- producer side ------------------------------------------------------------------------
     def put(self, epoch: int, item: EncodedItem) -> None:
@@ -171,6 +187,7 @@ class Outbox:
             self._open.append(item)
             self._open_bytes += item.nbytes
             itself = item.borrowed or self._writes_full_batch(item)
+            self._batching = not (itself and opened)
             if itself:
                 pass  # sealed and written below (a borrowed item before the producer makes its next one)
             elif slow and opened and not self._batch_waits() and self._protocol.credits > 0:
@@ -184,7 +201,7 @@ class Outbox:
             if itself or self._fills_batch():
                 while self._batch_waits():
                     self._producer_waiting = True
-                    self._cond.wait()
+                    self._producer_cond.wait()
                     self._producer_waiting = False
                     self._check(epoch)
                 if self._open:  # the sender may have taken it while we waited
@@ -232,7 +249,7 @@ class Outbox:
             with self._cond:
                 while any(type(entry) is list and entry and entry[-1] is item for entry in self._sealed):
                     self._producer_waiting = True
-                    self._cond.wait()
+                    self._producer_cond.wait()
                     self._producer_waiting = False
                     self._check(epoch)
         finally:
@@ -299,7 +316,7 @@ class Outbox:
             self._check(epoch)  # also refuses a producer after the watchdog ended the session
             self._final = final_frame
             self._final_ends_session = end_session
-            self._cond.notify_all()
+            self._wake_all()
 
     def _track_credit_wait(self, now: float) -> None:
         """Account the time data was ready but the trainer had granted no credit."""
@@ -331,10 +348,11 @@ class Outbox:
         return any(not isinstance(entry, Message) for entry in self._sealed)
 
     def _seal(self, wake: bool = True) -> None:
-        """Close the open batch; ``wake``: notify the sender (not when the caller takes it at once)."""
+        """Close the open batch; ``wake``: notify the sender (not when the caller takes it at once),
+        if credit is left (else the thread that grants it takes the batch, see :meth:`grant`)."""
         self._sealed.append(self._open)
         self._open, self._open_bytes, self._open_slow = [], 0, False
-        if wake:
+        if wake and self._protocol.credits > 0:
             self._cond.notify_all()
 
     # -- sender side --------------------------------------------------------------------------
@@ -407,11 +425,17 @@ class Outbox:
         return self._open_since + self._options.linger - now
 
     def _armed_wait(self, now: float) -> float:
-        """While items come within ``linger`` of each other and credit is left, the sender wakes
-        every ``linger`` on its own: a producer opening a batch then need not wake it (it writes
-        full batches itself), and a batch left open is still sent within ``linger``."""
+        """While items that share batches come within ``linger`` of each other and credit is left,
+        the sender wakes every ``linger`` on its own: a producer opening a batch then need not wake
+        it (it writes full batches itself), and a batch left open is still sent within ``linger``.
+        Items that each make a batch alone (borrowed, or as large as a frame) leave none open."""
         linger = self._options.linger
-        if self._protocol.credits > 0 and self._last_put is not None and now - self._last_put < linger:
+        if (
+            self._batching
+            and self._protocol.credits > 0
+            and self._last_put is not None
+            and now - self._last_put < linger
+        ):
             return linger
         return float("inf")
 
@@ -427,11 +451,14 @@ class Outbox:
             frames.append(frame)
         return frames
 
+    def _wake_all(self) -> None:
+        self._cond.notify_all()
+        self._producer_cond.notify_all()
+
     def _wake_producer(self) -> None:
-        """The sealed slot got free: wake the producer if it waits for it (only then: a notify
-        would also wake the sender)."""
+        """The sealed slot got free: wake the producer if it waits for it."""
         if self._producer_waiting:
-            self._cond.notify_all()
+            self._producer_cond.notify_all()
 
     def _next_frame(self, now: float) -> Tuple[Optional[List[Buffer]], float]:
         if self.epoch is None:

@@ -46,7 +46,7 @@ from ..tasks import TaskGroup
 from ..transports.base import Connection, PeerLostError
 from .inbox import Cancelled, DispatchedInput, Inbox
 from .lock_watch import LockWatch
-from .outbox import Outbox
+from .outbox import Outbox, borrow_min_bytes
 
 __all__ = ["SessionOptions", "Outbox", "Inbox", "DispatchedInput", "WorkerSession"]
 
@@ -349,7 +349,7 @@ class WorkerSession:
                 skip = request.skip
                 # Large buffers go out uncopied from the producer's memory where the send is
                 # synchronous (the outbox then writes each one before the next item is made).
-                borrow = self.options.batch_max_bytes if self.conn.sends_synchronously else None
+                borrow = borrow_min_bytes(self.options.batch_max_bytes) if self.conn.sends_synchronously else None
                 encode, put = ItemEncoder(self.conn.stage_buffer, borrow).encode, self.outbox.put
                 chunks = _ChunkCount(epoch, request.seed, self.outbox) if leases is not None else None
                 context = SelectionContext(request.epoch, request.seed, request.global_worker_id, leases)
