@@ -54,10 +54,11 @@ def table_of(output: str, scenario: str) -> str:
     return match.group(0)
 
 
-def run_bench(tmp_path: Path, arguments: list[str], timeout: float) -> str:
-    """Run bench.py with ``arguments`` in ``tmp_path``; its stdout, once it exited with 0 and
-    left nothing running."""
-    command = [sys.executable, str(BENCH_DIR / "bench.py"), *arguments]
+def run_bench(tmp_path: Path, arguments: list[str], timeout: float, script: str = "bench.py",
+              exit_codes: tuple = (0,)) -> str:
+    """Run ``script`` (bench.py) with ``arguments`` in ``tmp_path``; its stdout, once it exited with
+    one of ``exit_codes`` and left nothing running."""
+    command = [sys.executable, str(BENCH_DIR / script), *arguments]
     pythonpath = os.pathsep.join([str(BENCH_DIR.parent), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=pythonpath)
     with open(tmp_path / "stdout.txt", "wb") as stdout, open(tmp_path / "stderr.txt", "wb") as stderr:
@@ -70,7 +71,7 @@ def run_bench(tmp_path: Path, arguments: list[str], timeout: float) -> str:
     finally:
         reap(proc)
     output = (tmp_path / "stdout.txt").read_text()
-    assert proc.returncode == 0, output + (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode in exit_codes, output + (tmp_path / "stderr.txt").read_text()
     return output
 
 
@@ -254,3 +255,47 @@ def test_front_ends_tables_write_their_own_section_of_results_md():
     assert bench_frontends.with_section(moved, f"{bench_frontends.SECTION}\n\nrun 2\n\n").endswith(
         "run 2\n\n## Over capped network links\n\nl\n"
     )
+
+
+@pytest.mark.timeout(120)
+def test_elastic_quick_run_checks_every_item_and_writes_its_figure(tmp_path):
+    """bench_elastic.py --quick: the timeline (a server joins, then drains) and the autoscaler's
+    rounds, their verdicts (exit 1 on a MISS), every item once, the SVG and
+    ELASTIC.md; no leftovers."""
+    import xml.etree.ElementTree as ElementTree
+
+    svg, markdown = tmp_path / "elastic.svg", tmp_path / "ELASTIC.md"
+    output = run_bench(tmp_path, ["--quick", "--plot", str(svg), "--results-md", str(markdown)], timeout=110,
+                       script="bench_elastic.py", exit_codes=(0, 1))
+    verdicts = output.split("### Verdicts")[1].split("results written to")[0].strip()
+    assert "**PASS**: every item exactly once" in verdicts and "**PASS**: in the order of a fixed fleet" in verdicts
+    assert re.search(r"\*\*(PASS|MISS)\*\*: join at [0-9.]+ s", verdicts), verdicts
+    assert re.search(r"\*\*(PASS|MISS)\*\*: the autoscaler (is|never)", verdicts), verdicts
+    assert "### Autoscale(min_sessions=1, max_sessions=2) against fixed fleets" in output
+    figure = ElementTree.parse(svg).getroot()
+    marks = [text.text for text in figure.iter("{http://www.w3.org/2000/svg}text") if text.text]
+    assert "join (2)" in marks and "drain (1)" in marks
+    assert len(list(figure.iter("{http://www.w3.org/2000/svg}polyline"))) == 1
+    written = markdown.read_text()
+    assert "load average (1 min)" in written and verdicts in written
+
+
+def synthetic_timeline(after_rate: float, kind: str):
+    """A timeline of 100 items/s for 4 s, then ``after_rate`` for 4 s, a ``kind`` event at 4 s."""
+    from bench_elastic import Event, Timeline
+
+    times = [i / 100 for i in range(400)] + [4 + i / after_rate for i in range(int(4 * after_rate))]
+    return Timeline(times, [Event(kind, 4.0, 2, "127.0.0.1:1")], 0.5, True, True, [1, 2], ["1 on 1", "2 on 2"])
+
+
+@pytest.mark.parametrize("kind, after_rate, passed", [("join", 200.0, True), ("join", 100.0, False),
+                                                      ("drain", 50.0, True), ("drain", 100.0, False)])
+def test_elastic_step_checks_judge_the_plateaus(kind, after_rate, passed):
+    from bench_elastic import step_check
+
+    timeline = synthetic_timeline(after_rate, kind)
+    before, after = (timeline.plateau(start, end) for start, end, _n in timeline.bounds())
+    assert before == pytest.approx(100, rel=0.05) and after == pytest.approx(after_rate, rel=0.05)
+    step, (text, verdict) = step_check(timeline, timeline.events[0], before, after, before)
+    assert verdict is passed, text
+    assert (step == "none") is (not passed) and (passed is False or float(step) <= 1.0), step
