@@ -12,7 +12,9 @@ CPUs of a small shared machine are not what limits, and N sessions should give N
   counts, not times: the epoch ends with the last phase, and its items are checked (every item
   exactly once, in the order of a fixed fleet). Items/s in windows of ``--window-s`` against time,
   each phase's plateau (the median window past its first second), how long each step took (from
-  the event to the first window past the middle of the two plateaus), with verdicts.
+  the event to the first of two windows past the middle of the two plateaus), with verdicts: after
+  each event the plateau is the new fleet's (its servers times the first phase's rate, within half
+  a session's) and the step took at most 3 s.
 * **Autoscaler**: ``Autoscale(min_sessions=1, max_sessions=N)`` from one session, against fixed
   fleets of 1..N sessions, all loaders open at once on one server, one epoch of each per round
   (the order reversed every other round), so a burst of load hits all alike. The trainer spends
@@ -96,7 +98,7 @@ class Timeline:
     exactly_once: bool
     in_order: bool
     phases: List[int] = field(default_factory=list)
-    sessions: List[str] = field(default_factory=list)  # at the end of each phase: "4 on 3 servers"
+    sessions: List[Tuple[int, int]] = field(default_factory=list)  # (sessions, their servers) at each phase's end
 
     def rates(self) -> List[Tuple[float, float]]:
         """``(window end, items/s)`` of each whole window from the first item on."""
@@ -155,17 +157,17 @@ def run_timeline(pool: ServerPool, key: str, servers: int, ms: float, phase_s: f
             items.append(item)
             times.append(now - start)
             if len(events) < len(triggers) and len(items) == triggers[len(events)]:
-                sessions.append(sessions_text(loader))
+                sessions.append(sessions_now(loader))
                 events.append(change_fleet(loader, pool, addresses, plan, len(events), now - start))
-        sessions.append(sessions_text(loader))
+        sessions.append(sessions_now(loader))
     exactly_once, in_order = sorted(items) == list(range(total)), items == list(range(total))
     return Timeline(times, events, window_s, exactly_once, in_order, plan, sessions)
 
 
-def sessions_text(loader: Any) -> str:
-    """The run's sessions now and the servers they are on: ``4 on 3``."""
+def sessions_now(loader: Any) -> Tuple[int, int]:
+    """The run's sessions now and the number of servers they are on."""
     workers = loader.reading_service.stats().workers
-    return f"{len(workers)} on {len({worker.address for worker in workers})}"
+    return len(workers), len({worker.address for worker in workers})
 
 
 def change_fleet(loader: Any, pool: ServerPool, addresses: List[str], plan: List[int], index: int, at: float,
@@ -188,7 +190,7 @@ def timeline_report(timeline: Timeline, ms: float) -> Tuple[str, List[Tuple[str,
     ideal = 1000 / ms
     rows, checks = [], []
     plateaus = [timeline.plateau(start, end) for start, end, _n in timeline.bounds()]
-    one = plateaus[0]
+    one = plateaus[0] / timeline.phases[0] if plateaus[0] else None  # one server's rate
     for index, ((start, end, count), rate) in enumerate(zip(timeline.bounds(), plateaus)):
         event = timeline.events[index - 1] if index else None
         step = "-"
@@ -197,7 +199,7 @@ def timeline_report(timeline: Timeline, ms: float) -> Tuple[str, List[Tuple[str,
             checks.append(check)
         rows.append((
             f"{start:.1f}-{end:.1f}", event.kind + f" {event.address}" if event else "start", str(count),
-            timeline.sessions[index] if index < len(timeline.sessions) else "?",
+            "{} on {}".format(*timeline.sessions[index]) if index < len(timeline.sessions) else "?",
             "-" if rate is None else f"{rate:.0f}", f"{count * ideal:.0f}",
             "-" if rate is None or not one else f"{rate / one:.2f}x", step,
         ))  # fmt: skip
@@ -213,27 +215,41 @@ def timeline_report(timeline: Timeline, ms: float) -> Tuple[str, List[Tuple[str,
         ("phase s", "event", "servers", "sessions on servers at its end", "plateau items/s", "ideal items/s",
          "vs 1 server", "step s"), rows,
     )  # fmt: skip
+    kept = [(event, timeline.sessions[index + 1]) for index, event in enumerate(timeline.events)
+             if event.kind == "drain" and index + 1 < len(timeline.sessions)
+             and timeline.sessions[index + 1][0] > event.servers]  # fmt: skip
+    if kept:
+        event, (count, hosts) = kept[0]
+        text += (f"\nAfter a drain the run kept its sessions: {count} on {servers_text(hosts)} after the drain at "
+                 f"{event.at:.1f} s. The drained server's sessions were opened again on the servers left, so "
+                 "the rate of a sleep-bound graph does not fall (a CPU-bound one would crowd the servers left).\n")
     return text, checks
 
 
 def step_check(timeline: Timeline, event: Event, before: float, after: float, session: float,
                ) -> Tuple[str, Tuple[str, bool]]:  # fmt: skip
-    """How long ``event`` took to show (``"none"`` if the plateau did not move by half a ``session``'s
-    rate the way it should), and its check."""
-    moved = (after - before) * (1 if event.kind == "join" else -1) >= 0.5 * session
-    took = timeline.step_seconds(event, before, after) if moved else None
+    """How long ``event`` took to show (``"none"`` if the plateau did not reach the new fleet's rate:
+    its servers times ``session``, one session's rate, within half of it), and its check."""
+    target = event.servers * session
+    reached = abs(after - target) <= 0.5 * session and abs(after - before) >= 0.5 * session
+    took = timeline.step_seconds(event, before, after) if reached else None
     step = "none" if took is None else f"{took:.1f}"
     text = (f"{event.kind} at {event.at:.1f} s ({before:.0f} -> {after:.0f} items/s, step {step} s): the rate "
-            f"{'rises' if event.kind == 'join' else 'falls'} by at least half a session's within {STEP_WITHIN_S:g} s")
+            f"{'rises' if event.kind == 'join' else 'falls'} to that of {servers_text(event.servers)} ({target:.0f} +- "
+            f"{0.5 * session:.0f}) within {STEP_WITHIN_S:g} s")
     return step, (text, took is not None and took <= STEP_WITHIN_S)
+
+
+def servers_text(count: int) -> str:
+    """``1 server``, ``3 servers``."""
+    return f"{count} server{'s' * (count != 1)}"
 
 
 def windows_table(timeline: Timeline) -> str:
     """Every window's rate, the events marked."""
     marks: Dict[int, List[str]] = {}
     for event in timeline.events:
-        servers = f"{event.servers} server{'s' * (event.servers != 1)}"
-        marks.setdefault(int(event.at // timeline.window_s), []).append(f"{event.kind} ({servers})")
+        marks.setdefault(int(event.at // timeline.window_s), []).append(f"{event.kind} ({servers_text(event.servers)})")
     rows = [(f"{stop:.1f}", f"{rate:.0f}", ", ".join(marks.get(i, [])))
             for i, (stop, rate) in enumerate(timeline.rates())]  # fmt: skip
     return table("Items/s per window", ("window end s", "items/s", "event in it"), rows)

@@ -280,22 +280,39 @@ def test_elastic_quick_run_checks_every_item_and_writes_its_figure(tmp_path):
     assert "load average (1 min)" in written and verdicts in written
 
 
-def synthetic_timeline(after_rate: float, kind: str):
-    """A timeline of 100 items/s for 4 s, then ``after_rate`` for 4 s, a ``kind`` event at 4 s."""
+def synthetic_timeline(before_rate: float, after_rate: float, kind: str, servers: int):
+    """``before_rate`` items/s for 4 s, then ``after_rate`` for 4 s, a ``kind`` event at 4 s leaving ``servers``."""
     from bench_elastic import Event, Timeline
 
-    times = [i / 100 for i in range(400)] + [4 + i / after_rate for i in range(int(4 * after_rate))]
-    return Timeline(times, [Event(kind, 4.0, 2, "127.0.0.1:1")], 0.5, True, True, [1, 2], ["1 on 1", "2 on 2"])
+    times = [i / before_rate for i in range(int(4 * before_rate))]
+    times += [4 + i / after_rate for i in range(int(4 * after_rate))]
+    return Timeline(times, [Event(kind, 4.0, servers, "127.0.0.1:1")], 0.5, True, True, [3 - servers, servers],
+                    [(3 - servers, 3 - servers), (servers, servers)])
 
 
-@pytest.mark.parametrize("kind, after_rate, passed", [("join", 200.0, True), ("join", 100.0, False),
-                                                      ("drain", 50.0, True), ("drain", 100.0, False)])
-def test_elastic_step_checks_judge_the_plateaus(kind, after_rate, passed):
+@pytest.mark.parametrize("kind, before_rate, after_rate, servers, passed", [
+    ("join", 100.0, 200.0, 2, True), ("join", 100.0, 100.0, 2, False), ("join", 100.0, 400.0, 2, False),
+    ("drain", 200.0, 100.0, 1, True), ("drain", 200.0, 200.0, 1, False), ("drain", 200.0, 160.0, 1, False),
+])  # fmt: skip
+def test_elastic_step_checks_want_the_new_fleets_rate(kind, before_rate, after_rate, servers, passed):
+    """A join or drain passes when the plateau after it is the new fleet's rate (servers times one
+    session's, within half of it), reached within a few seconds."""
     from bench_elastic import step_check
 
-    timeline = synthetic_timeline(after_rate, kind)
+    timeline = synthetic_timeline(before_rate, after_rate, kind, servers)
     before, after = (timeline.plateau(start, end) for start, end, _n in timeline.bounds())
-    assert before == pytest.approx(100, rel=0.05) and after == pytest.approx(after_rate, rel=0.05)
-    step, (text, verdict) = step_check(timeline, timeline.events[0], before, after, before)
+    assert before == pytest.approx(before_rate, rel=0.05) and after == pytest.approx(after_rate, rel=0.05)
+    step, (text, verdict) = step_check(timeline, timeline.events[0], before, after, 100.0)
     assert verdict is passed, text
-    assert (step == "none") is (not passed) and (passed is False or float(step) <= 1.0), step
+    assert (step == "none") is (not passed) and (not passed or float(step) <= 1.0), step
+
+
+@pytest.mark.parametrize("after, said", [((1, 1), False), ((2, 1), True)])
+def test_elastic_report_says_when_a_drain_kept_its_sessions(after, said):
+    from bench_elastic import timeline_report
+
+    timeline = synthetic_timeline(200.0, 100.0 * after[0], "drain", 1)
+    timeline.sessions = [(2, 2), after]
+    text, checks = timeline_report(timeline, 10.0)
+    assert ("After a drain the run kept its sessions: 2 on 1 server " in text) is said, text
+    assert [passed for line, passed in checks if line.startswith("drain")] == [not said]
