@@ -234,7 +234,8 @@ def step_check(timeline: Timeline, event: Event, before: float, after: float, se
     reached = abs(after - target) <= 0.5 * session and abs(after - before) >= 0.5 * session
     took = timeline.step_seconds(event, before, after) if reached else None
     step = "none" if took is None else f"{took:.1f}"
-    text = (f"{event.kind} at {event.at:.1f} s ({before:.0f} -> {after:.0f} items/s, step {step} s): the rate "
+    took_text = "no step" if took is None else f"step {took:.1f} s"
+    text = (f"{event.kind} at {event.at:.1f} s ({before:.0f} -> {after:.0f} items/s, {took_text}): the rate "
             f"{'rises' if event.kind == 'join' else 'falls'} to that of {servers_text(event.servers)} ({target:.0f} +- "
             f"{0.5 * session:.0f}) within {STEP_WITHIN_S:g} s")
     return step, (text, took is not None and took <= STEP_WITHIN_S)
@@ -311,9 +312,16 @@ def autoscale_rounds(address: str, key: str, ms: float, train_ms: float, most: i
     return results, decisions
 
 
-def autoscale_report(results: Dict[str, List[EpochResult]], ms: float, train_ms: float,
+def default_target_stall() -> float:
+    """``Autoscale``'s default ``target_stall``, which the run uses."""
+    from rpc_reading_service import Autoscale
+
+    return Autoscale(min_sessions=1, max_sessions=1).target_stall
+
+
+def autoscale_report(results: Dict[str, List[EpochResult]], decisions: List[str], ms: float, train_ms: float,
                      ) -> Tuple[str, List[Tuple[str, bool]]]:  # fmt: skip
-    """The rounds' table and the autoscaler's verdict."""
+    """The rounds' table, the autoscaler's ``decisions`` and its verdict."""
     fixed = [name for name in results if name != "autoscale"]
     auto = results["autoscale"]
     rows, within = [], []
@@ -338,6 +346,15 @@ def autoscale_report(results: Dict[str, List[EpochResult]], ms: float, train_ms:
         ("round", *(f"{name} items/s" for name in fixed), "best fixed", "autoscale sessions", "its stall",
          "autoscale items/s", "vs best", "its run s"), rows,
     )  # fmt: skip
+    last, target = auto[-1], default_target_stall()
+    means = {int(name.split()[1]): statistics.mean(epoch.rate for epoch in results[name]) for name in fixed}
+    knee = min(count for count, rate in means.items() if rate >= 0.95 * max(means.values()))
+    if last.stall > target and decisions and "min_gain" in decisions[-1]:
+        text += (f"\nAt its last size ({last.sessions} sessions; the fewest fixed sessions within 5 % of the best "
+                 f"mean rate: {knee}) the autoscaled run's data stall is still {last.stall:.0%}, above the target "
+                 f"{target:.0%}: the stall counts all the trainer's time in `next()` (receiving and unpickling "
+                 "too), so the rule stops growing by `min_gain` (see its decisions below).\n")
+    text += "\nThe autoscaler's decisions:\n\n" + "\n".join(f"- {line}" for line in decisions) + "\n"
     return text, [verdict]
 
 
@@ -455,9 +472,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.only in (None, "autoscale"):
             results, decisions = autoscale_rounds(pool.ensure(1)[0], key, args.ms, args.train_ms, args.max_sessions,
                                                   args.epoch_items, args.rounds)  # fmt: skip
-            text, found = autoscale_report(results, args.ms, args.train_ms)
+            text, found = autoscale_report(results, decisions, args.ms, args.train_ms)
             show(text)
-            show("The autoscaler's decisions:\n\n" + "\n".join(f"- {line}" for line in decisions) + "\n")
             checks += found
     except KeyboardInterrupt:
         return 130
