@@ -350,10 +350,10 @@ def autoscale_report(results: Dict[str, List[EpochResult]], decisions: List[str]
     means = {int(name.split()[1]): statistics.mean(epoch.rate for epoch in results[name]) for name in fixed}
     knee = min(count for count, rate in means.items() if rate >= 0.95 * max(means.values()))
     if last.stall > target and decisions and "min_gain" in decisions[-1]:
-        text += (f"\nAt its last size ({last.sessions} sessions; the fewest fixed sessions within 5 % of the best "
-                 f"mean rate: {knee}) the autoscaled run's data stall is still {last.stall:.0%}, above the target "
-                 f"{target:.0%}: the stall counts all the trainer's time in `next()` (receiving and unpickling "
-                 "too), so the rule stops growing by `min_gain` (see its decisions below).\n")
+        text += (f"\nAt its last size ({last.sessions} sessions) the autoscaled run's data stall is still "
+                 f"{last.stall:.0%}, above the target {target:.0%}, though more sessions add nothing (the fewest "
+                 f"fixed sessions within 5 % of the best mean rate: {knee}): the rule stops growing by `min_gain` "
+                 "(its decisions below).\n")
     text += "\nThe autoscaler's decisions:\n\n" + "\n".join(f"- {line}" for line in decisions) + "\n"
     return text, [verdict]
 

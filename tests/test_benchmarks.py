@@ -316,3 +316,18 @@ def test_elastic_report_says_when_a_drain_kept_its_sessions(after, said):
     text, checks = timeline_report(timeline, 10.0)
     assert ("After a drain the run kept its sessions: 2 on 1 server " in text) is said, text
     assert [passed for line, passed in checks if line.startswith("drain")] == [not said]
+
+
+@pytest.mark.parametrize("auto_rates, verdict", [
+    ([90, 100, 185, 200], "within 10% of the best fixed fleet from epoch 2 on (3 epochs, 3.0 s of its run, 2 sessions)"),
+    ([90, 185, 100, 200], "within 10% of the best fixed fleet from epoch 3 on"),  # it must stay there
+    ([90, 100, 150, 170], "never stays within 10% of the best fixed fleet"),
+])  # fmt: skip
+def test_elastic_autoscale_verdict_is_the_round_from_which_it_stays_within_10_percent(auto_rates, verdict):
+    from bench_elastic import EpochResult, autoscale_report
+
+    fixed = {"fixed 1": [EpochResult(100.0, 1.0, 1, 0.6)] * 4, "fixed 2": [EpochResult(200.0, 1.0, 2, 0.1)] * 4}
+    auto = [EpochResult(rate, 1.0, 1 if rate < 150 else 2, 0.5) for rate in auto_rates]
+    text, [(line, passed)] = autoscale_report({**fixed, "autoscale": auto}, ["before epoch 1: hold"], 10.0, 4.0)
+    assert verdict in line and passed is ("never" not in verdict), line
+    assert "| 3 | 100 | 200 | 2 |" in text
