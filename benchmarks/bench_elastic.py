@@ -425,6 +425,8 @@ def results_markdown(run: Dict[str, Any], printed: str) -> str:
         f"- **Machine**: {os.cpu_count()} CPUs; load average (1 min) {run['load_start']} at the start, "
         f"{run['load_end']} at the end (other jobs on the machine included)",
         f"- **Command**: `{run['command']}`",
+        f"- **Figure**: {run['plot'] or 'none asked for (`--plot`)'} (items/s per window, joins and drains marked; "
+        "written by each run, not committed, as `results.png` of `make bench`)",
         "",
         printed,
     ])
@@ -483,7 +485,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.results_md:
         command = " ".join(["python benchmarks/bench_elastic.py", *(sys.argv[1:] if argv is None else argv)])
         run = {"started": started, "ended": utc_now(), "load_start": load_start, "load_end": load_average(),
-               "command": command}  # fmt: skip
+               "command": command, "plot": args.plot}  # fmt: skip
         text = results_markdown(run, "\n".join(printed))
         with open(args.results_md, "w") as out:
             out.write(text)
