@@ -10,7 +10,8 @@ CPUs of a small shared machine are not what limits, and N sessions should give N
   (``add_workers``, one session each) and then drain one at a time (SIGTERM), the last joined
   first. A phase is planned to last ``--phase-s`` at the ideal rate, so the events come after item
   counts, not times: the epoch ends with the last phase, and its items are checked (every item
-  exactly once, in the order of a fixed fleet). Items/s in windows of ``--window-s`` against time,
+  exactly once, in the order of a fixed fleet; ``--timeline-epochs K`` splits the items into K epochs
+  back to back, which shows what changes at epoch boundaries). Items/s in windows of ``--window-s`` against time,
   each phase's plateau (the median window past its first second), how long each step took (from
   the event to the first of two windows past the middle of the two plateaus), with verdicts: after
   each event the plateau is the new fleet's (its servers times the first phase's rate, within half
@@ -137,29 +138,33 @@ def phase_plan(servers: int) -> List[int]:
     return list(range(1, servers + 1)) + list(range(servers - 1, 0, -1))
 
 
-def run_timeline(pool: ServerPool, key: str, servers: int, ms: float, phase_s: float, window_s: float) -> Timeline:
-    """One epoch on the first server while the others join and drain; each phase ``phase_s`` at the ideal rate."""
+def run_timeline(pool: ServerPool, key: str, servers: int, ms: float, phase_s: float, window_s: float,
+                 epochs: int = 1) -> Timeline:  # fmt: skip
+    """``epochs`` epochs, back to back, on the first server while the others join and drain; each phase
+    ``phase_s`` at the ideal rate."""
     from torchdata.dataloader2 import DataLoader2
 
     addresses = pool.ensure(servers)
     plan = phase_plan(servers)
     per_phase = [round(count * phase_s * 1000 / ms) for count in plan]
     triggers = [sum(per_phase[: i + 1]) for i in range(len(plan) - 1)]
-    total = sum(per_phase)
+    epoch_items = -(-sum(per_phase) // epochs)
     events: List[Event] = []
     items, times, sessions = [], [], []
-    with DataLoader2(graph(total, ms), reading_service=service(addresses[0], key, 1)) as loader:
+    with DataLoader2(graph(epoch_items, ms), reading_service=service(addresses[0], key, 1)) as loader:
         loader.seed(0)
-        start = None
-        for item in loader:
-            now = time.perf_counter()
-            start = now if start is None else start
-            items.append(item)
-            times.append(now - start)
-            if len(events) < len(triggers) and len(items) == triggers[len(events)]:
-                sessions.append(sessions_now(loader))
-                events.append(change_fleet(loader, pool, addresses, plan, len(events), now - start))
+        start = time.perf_counter()
+        for epoch in range(epochs):
+            for item in loader:
+                now = time.perf_counter()
+                start = now if not items else start  # from the first item on
+                items.append(epoch * epoch_items + item)
+                times.append(now - start)
+                if len(events) < len(triggers) and len(items) == triggers[len(events)]:
+                    sessions.append(sessions_now(loader))
+                    events.append(change_fleet(loader, pool, addresses, plan, len(events), now - start))
         sessions.append(sessions_now(loader))
+    total = epochs * epoch_items
     exactly_once, in_order = sorted(items) == list(range(total)), items == list(range(total))
     return Timeline(times, events, window_s, exactly_once, in_order, plan, sessions)
 
@@ -185,7 +190,7 @@ def change_fleet(loader: Any, pool: ServerPool, addresses: List[str], plan: List
     return Event("drain", at, after, address)
 
 
-def timeline_report(timeline: Timeline, ms: float) -> Tuple[str, List[Tuple[str, bool]]]:
+def timeline_report(timeline: Timeline, ms: float, epochs: int = 1) -> Tuple[str, List[Tuple[str, bool]]]:
     """The phases' table and the timeline's checks as ``(text, passed)``."""
     ideal = 1000 / ms
     rows, checks = [], []
@@ -203,15 +208,16 @@ def timeline_report(timeline: Timeline, ms: float) -> Tuple[str, List[Tuple[str,
             "-" if rate is None else f"{rate:.0f}", f"{count * ideal:.0f}",
             "-" if rate is None or not one else f"{rate / one:.2f}x", step,
         ))  # fmt: skip
-    peak = max((rate for rate in plateaus if rate is not None), default=None)
     most = max(timeline.phases)
+    peak = plateaus[timeline.phases.index(most)]  # the first phase with every server
     if peak is not None and one:
         checks.append((f"{most} servers give {peak / one:.2f}x one server's rate (ideal {most}x): at least "
                        f"{0.8 * most:.1f}x", peak / one >= 0.8 * most))  # fmt: skip
     checks.append((f"every item exactly once ({len(timeline.times)} items)", timeline.exactly_once))
     checks.append(("in the order of a fixed fleet", timeline.in_order))
     text = table(
-        f"Throughput while servers join and drain: {ms:g} ms items, windows of {timeline.window_s:g} s",
+        f"Throughput while servers join and drain: {ms:g} ms items, windows of {timeline.window_s:g} s"
+        + (f", {epochs} epochs back to back" if epochs > 1 else ", one epoch"),
         ("phase s", "event", "servers", "sessions on servers at its end", "plateau items/s", "ideal items/s",
          "vs 1 server", "step s"), rows,
     )  # fmt: skip
@@ -439,6 +445,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--ms", type=float, default=10.0, help="milliseconds each item waits in its worker")
     parser.add_argument("--phase-s", type=float, default=4.0, help="seconds of each timeline phase at the ideal rate")
     parser.add_argument("--window-s", type=float, default=0.5, help="the rate's window, seconds")
+    parser.add_argument("--timeline-epochs", type=int, default=1, help="epochs the timeline's items are split into, "
+                        "back to back (default 1: one epoch, as a long epoch sees servers come and go)")  # fmt: skip
     parser.add_argument("--max-sessions", type=int, default=4, help="the autoscaler's max_sessions (fixed 1..N)")
     parser.add_argument("--train-ms", type=float, default=4.0, help="the trainer's milliseconds per item")
     parser.add_argument("--epoch-items", type=int, default=400, help="items per epoch of the autoscaler rounds")
@@ -464,8 +472,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         pool.ensure(max(args.servers, 1))  # started untimed, all at once, as in a deployment
         if args.only in (None, "timeline"):
-            timeline = run_timeline(pool, key, args.servers, args.ms, args.phase_s, args.window_s)
-            text, found = timeline_report(timeline, args.ms)
+            timeline = run_timeline(pool, key, args.servers, args.ms, args.phase_s, args.window_s,
+                                    args.timeline_epochs)
+            text, found = timeline_report(timeline, args.ms, args.timeline_epochs)
             show(text)
             show(windows_table(timeline))
             checks += found

@@ -259,19 +259,21 @@ def test_front_ends_tables_write_their_own_section_of_results_md():
 
 @pytest.mark.timeout(120)
 def test_elastic_quick_run_checks_every_item_and_writes_its_figure(tmp_path):
-    """bench_elastic.py --quick: the timeline (a server joins, then drains) and the autoscaler's
-    rounds, their verdicts (exit 1 on a MISS), every item once, the SVG and
+    """bench_elastic.py --quick: the timeline (a server joins, then drains; two epochs back to back)
+    and the autoscaler's rounds, their verdicts (exit 1 on a MISS), every item once, the SVG and
     ELASTIC.md; no leftovers."""
     import xml.etree.ElementTree as ElementTree
 
     svg, markdown = tmp_path / "elastic.svg", tmp_path / "ELASTIC.md"
-    output = run_bench(tmp_path, ["--quick", "--plot", str(svg), "--results-md", str(markdown)], timeout=110,
+    output = run_bench(tmp_path, ["--quick", "--timeline-epochs", "2", "--plot", str(svg), "--results-md", str(markdown)],
+                       timeout=110,
                        script="bench_elastic.py", exit_codes=(0, 1))
     verdicts = output.split("### Verdicts")[1].split("results written to")[0].strip()
     assert "**PASS**: every item exactly once" in verdicts and "**PASS**: in the order of a fixed fleet" in verdicts
     assert re.search(r"\*\*(PASS|MISS)\*\*: join at [0-9.]+ s", verdicts), verdicts
     assert re.search(r"\*\*(PASS|MISS)\*\*: the autoscaler (is|never)", verdicts), verdicts
     assert "### Autoscale(min_sessions=1, max_sessions=2) against fixed fleets" in output
+    assert "2 epochs back to back" in output
     figure = ElementTree.parse(svg).getroot()
     marks = [text.text for text in figure.iter("{http://www.w3.org/2000/svg}text") if text.text]
     assert "join (2)" in marks and "drain (1)" in marks
