@@ -206,11 +206,12 @@ def hello_with_protocol_version(version: int) -> bytes:
 
 
 @pytest.mark.timeout(60)
-def test_trainer_with_another_protocol_version_is_told_by_the_server(worker_server):
-    """A trainer speaking protocol version N+1 gets a REJECT that says what to do; the server serves on."""
+@pytest.mark.parametrize("version", [PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1], ids=["older", "newer"])
+def test_trainer_with_another_protocol_version_is_told_by_the_server(worker_server, version):
+    """A trainer speaking an older or newer protocol version gets a REJECT that says what to do; the server serves on."""
     host, port = worker_server.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(hello_with_protocol_version(PROTOCOL_VERSION + 1))
+        sock.sendall(hello_with_protocol_version(version))
         reader = FrameReader()
         frame = None
         while frame is None:
@@ -220,7 +221,7 @@ def test_trainer_with_another_protocol_version_is_told_by_the_server(worker_serv
             frame = reader.next_frame()
     assert frame.kind == MessageKind.REJECT
     reason = bytes(frame.body).decode()
-    assert f"the peer speaks rpc_reading_service protocol version {PROTOCOL_VERSION + 1}" in reason
+    assert f"the peer speaks rpc_reading_service protocol version {version}" in reason
     assert f"this process (rpc_reading_service {__version__}) speaks version {PROTOCOL_VERSION}" in reason
     assert "Install the same rpc_reading_service version on the trainer and on every worker" in reason
     assert "protocol version mismatch" in worker_server.stderr()
@@ -228,13 +229,14 @@ def test_trainer_with_another_protocol_version_is_told_by_the_server(worker_serv
 
 
 @pytest.mark.timeout(30)
-def test_worker_with_another_protocol_version():
-    """A worker answering in protocol version N+1: the trainer names it and says what to do."""
+@pytest.mark.parametrize("version", [PROTOCOL_VERSION - 1, PROTOCOL_VERSION + 1], ids=["older", "newer"])
+def test_worker_with_another_protocol_version(version):
+    """A worker answering in an older or newer protocol version: the trainer names it and says what to do."""
     challenge = b"".join(bytes(c) for c in encode_frame(MessageKind.CHALLENGE, [b"x" * 64]))
-    reply = struct.pack("!4sB", MAGIC, PROTOCOL_VERSION + 1) + challenge[5:]
+    reply = struct.pack("!4sB", MAGIC, version) + challenge[5:]
     address, message = error_from_fake_peer(reply)
     assert message.startswith(f"worker at {address}: protocol version mismatch")
-    assert f"the peer speaks rpc_reading_service protocol version {PROTOCOL_VERSION + 1}" in message
+    assert f"the peer speaks rpc_reading_service protocol version {version}" in message
     assert "Install the same rpc_reading_service version on the trainer and on every worker" in message
 
 

@@ -310,8 +310,12 @@ def test_postauth_fuzz(server):
         HEADER.pack(MAGIC, PROTOCOL_VERSION, MessageKind.CREDIT, 0, 8) + b"\x00" * 3,
         frame_bytes(encode_frame(MessageKind.CREDIT, [b"\x00" * 5])),
         frame_bytes(encode_frame(MessageKind.START_EPOCH, [b"not a pickle"])),
+        frame_bytes(encode_control(MessageKind.ITEM_TIMED_OUT, {"epoch": 1, "position": -1})),
     ],
-    ids=["oversize", "oversize-buffers", "wrong-magic", "wrong-version", "truncated", "bad-credit", "bad-control"],
+    ids=[
+        "oversize", "oversize-buffers", "wrong-magic", "wrong-version", "truncated", "bad-credit", "bad-control",
+        "a-workers-failure",
+    ],
 )
 def test_malformed_postauth_frames_end_only_that_session(server, tail):
     sock, _ = authenticate(server.address, server.key)

@@ -23,10 +23,10 @@ from rpc_reading_service.protocol import (
     EncodedItem,
     EndOfInput,
     EndOfShard,
-    Error,
     Heartbeat,
     ItemCredit,
     Items,
+    ItemTimedOut,
     Lease,
     Leaving,
     Message,
@@ -35,6 +35,9 @@ from rpc_reading_service.protocol import (
     Refused,
     SessionState,
     Setup,
+    SetupFailed,
+    SetupRefused,
+    ShardFailed,
     StartEpoch,
     StopEpoch,
     encode_reject,
@@ -51,7 +54,10 @@ SAMPLES: Dict[MessageKind, Message] = {
     K.READY: Ready(4242, "host", "0.1.0"),
     K.START_EPOCH: StartEpoch(2, 7, 0, 1),
     K.STOP_EPOCH: StopEpoch(1),
-    K.ERROR: Error(1, "epoch", EXCEPTION),
+    K.SETUP_FAILED: SetupFailed(EXCEPTION),
+    K.SETUP_REFUSED: SetupRefused("transport", "start it with --transport torch_rpc"),
+    K.SHARD_FAILED: ShardFailed(1, EXCEPTION),
+    K.ITEM_TIMED_OUT: ItemTimedOut(1, 1, 5, 1.0, 1.2, "tb"),
     K.CLOSE: Close(),
     K.LEAVING: Leaving("drains"),
     K.CREDIT: Credit(1, 1),
@@ -124,11 +130,11 @@ PREPARE: Dict[Tuple[str, SessionState, MessageKind], Prepare] = {
     ("trainer", S.IN_EPOCH, K.ITEMS): with_item_credit_and_lease,
     ("worker", S.IN_EPOCH, K.CHUNK_DONE): with_lease,
 }
-#: Per (sender, state, kind), a message other than the sample where the sample is not legal there.
-MESSAGES = {("worker", S.SETTING_UP, K.ERROR): Error(None, "setup", EXCEPTION)}
 STALE_ONLY = {
-    ("worker", S.READY, kind) for kind in (K.DATA, K.END_OF_SHARD, K.ERROR, K.ITEM_CREDIT, K.CHUNK_DONE)
+    ("worker", S.READY, kind) for kind in (K.DATA, K.END_OF_SHARD, K.SHARD_FAILED, K.ITEM_CREDIT, K.CHUNK_DONE)
 }
+#: Never sent legally there either, but reported when it crossed the trainer's STOP_EPOCH: it ends the session.
+CROSSED = {("worker", S.READY, K.ITEM_TIMED_OUT)}
 
 LEGAL = [
     (role, state, kind, after)
@@ -154,11 +160,7 @@ def not_now_words(role: str, state: SessionState, kind: MessageKind) -> List[str
     return [f"{kind.name}, which a {role} never sends", f"{kind.name} while the session is {state.value}"]
 
 
-def expected(message: Message, after: SessionState) -> SessionState:
-    return S.CLOSED if message.ends_session else after
-
-
-SENT_LEGALLY = [entry for entry in LEGAL if entry[2] is not K.REJECT and entry[:3] not in STALE_ONLY]
+SENT_LEGALLY = [entry for entry in LEGAL if entry[2] is not K.REJECT and entry[:3] not in STALE_ONLY | CROSSED]
 
 
 @pytest.mark.parametrize("role, state, kind, after", SENT_LEGALLY, ids=ids(SENT_LEGALLY))
@@ -166,11 +168,10 @@ def test_every_legal_message_moves_both_ends_to_the_listed_state(role, state, ki
     link = PREPARE.get((role, state, kind), lambda link: link)(in_state(state))
     sender, receiver = getattr(link, role), getattr(link, ROLES[role])
     assert sender.state is receiver.state is state
-    message = MESSAGES.get((role, state, kind), SAMPLES[kind])
-    chunks = sender.send(message)
-    assert sender.state is expected(message, after)
+    chunks = sender.send(SAMPLES[kind])
+    assert sender.state is after
     events = link.deliver(chunks, receiver)
-    assert receiver.state is expected(message, after)
+    assert receiver.state is after
     if after is S.CLOSED:
         assert (sender.closed_by, receiver.closed_by) == ("us", "peer")
     assert all(not isinstance(event, Heartbeat) for event in events)
@@ -184,14 +185,19 @@ def test_a_reject_closes_the_trainers_end_in_every_state(state):
     assert (link.trainer.state, link.trainer.closed_by) == (S.CLOSED, "peer")
 
 
-@pytest.mark.parametrize("role, state, kind", sorted(STALE_ONLY), ids=ids(sorted(STALE_ONLY)))
-def test_a_stale_frame_where_only_stale_ones_can_come_is_dropped_and_the_state_stays(role, state, kind):
+@pytest.mark.parametrize("role, state, kind", sorted(STALE_ONLY | CROSSED), ids=ids(sorted(STALE_ONLY | CROSSED)))
+def test_a_frame_that_crossed_the_stop_is_dropped_or_reported(role, state, kind):
+    """Stale: dropped and the state stays; an ITEM_TIMED_OUT: reported, and the session ends."""
     link = stopped(in_state(S.READY))
     receiver = getattr(link, ROLES[role])
     with pytest.raises(LocalProtocolError, match="which is over"):
         getattr(link, role).send(SAMPLES[kind])  # never legal for the sender there
-    assert link.deliver(SAMPLES[kind].encode(), receiver) == []
-    assert (receiver.state, receiver.stale_frames) == (TRANSITIONS[role][state][kind], 1)
+    events = link.deliver(SAMPLES[kind].encode(), receiver)
+    after = TRANSITIONS[role][state][kind]
+    if (role, state, kind) in CROSSED:
+        assert (events, receiver.state, receiver.closed_by) == ([SAMPLES[kind]], after, "peer") and after is S.CLOSED
+    else:
+        assert (events, receiver.state, receiver.stale_frames) == ([], after, 1)
 
 
 @pytest.mark.parametrize("role, state, kind", ILLEGAL, ids=ids(ILLEGAL))

@@ -27,12 +27,12 @@ from rpc_reading_service.protocol import (
     EncodedItem,
     EndOfInput,
     EndOfShard,
-    Error,
     Frame,
     FrameReader,
     Heartbeat,
     ItemCredit,
     Items,
+    ItemTimedOut,
     Lease,
     Leaving,
     MessageKind,
@@ -40,6 +40,9 @@ from rpc_reading_service.protocol import (
     Ready,
     SessionState,
     Setup,
+    SetupFailed,
+    SetupRefused,
+    ShardFailed,
     StartEpoch,
     StopEpoch,
     TrainerSession,
@@ -177,8 +180,8 @@ def test_stop_and_restart_epoch_drops_frames_in_flight():
 def test_epoch_error_ends_the_epoch_and_the_session_goes_on():
     link = Link().set_up().start(1)
     link.to_trainer(Data(1, 0, items(b"x")))
-    (error,) = link.to_trainer(Error(1, "epoch", EXCEPTION))
-    assert error == Error(1, "epoch", EXCEPTION)
+    (error,) = link.to_trainer(ShardFailed(1, EXCEPTION))
+    assert error == ShardFailed(1, EXCEPTION)
     assert link.trainer.state is link.worker.state is SessionState.READY
     link.start(2)
     assert link.to_trainer(EndOfShard(2, 0)) == [EndOfShard(2, 0)]
@@ -187,8 +190,8 @@ def test_epoch_error_ends_the_epoch_and_the_session_goes_on():
 def test_setup_error_closes_the_session_on_both_sides():
     link = Link()
     link.to_worker(Setup(b"graph", 1, 2))
-    (error,) = link.to_trainer(Error(None, "setup", EXCEPTION))
-    assert error.phase == "setup" and error.exception == EXCEPTION
+    (error,) = link.to_trainer(SetupFailed(EXCEPTION))
+    assert error == SetupFailed(EXCEPTION)
     assert (link.worker.state, link.worker.closed_by) == (SessionState.CLOSED, "us")
     assert (link.trainer.state, link.trainer.closed_by) == (SessionState.CLOSED, "peer")
 
@@ -356,8 +359,10 @@ LOCAL_CASES = [
     (_in_epoch, "worker", EndOfShard(1, 3), "after 3 items, but its frames carried 0"),
     (_in_epoch, "worker", StartEpoch(2, 0, 0, 1), "START_EPOCH, which a worker never sends"),
     (_set_up, "worker", Ready(1, "h", "v"), "READY while the session is ready"),
-    (_set_up, "worker", Error(None, "setup", EXCEPTION), "setup ERROR (epoch None) after READY"),
-    (_after_end, "worker", Error(1, "epoch", EXCEPTION), "ERROR for epoch 1 after ending that epoch"),
+    (_set_up, "worker", SetupFailed(EXCEPTION), "SETUP_FAILED while the session is ready"),
+    (_set_up, "worker", SetupRefused("config", "no"), "SETUP_REFUSED while the session is ready"),
+    (_after_end, "worker", ShardFailed(1, EXCEPTION), "SHARD_FAILED for epoch 1 after ending that epoch"),
+    (_after_end, "worker", ItemTimedOut(1, 1, 0, 1.0, 1.5, ""), "ITEM_TIMED_OUT for epoch 1 after ending that epoch"),
     (_after_end, "worker", Data(1, 0, []), "after ending that stream"),
     (_dispatched, "worker", ItemCredit(2, 1), "ITEM_CREDIT for epoch 2, which was never started"),
 ]
@@ -422,6 +427,9 @@ REMOTE_CASES = [
     (_in_epoch, "trainer", EndOfShard(1, 9).encode(), "after 9 items, but its frames carried 0"),
     (_after_end, "trainer", Data(1, 0, []).encode(), "after ending that stream"),
     (_after_end, "trainer", EndOfShard(1, 0).encode(), "END_OF_SHARD for epoch 1 twice"),
+    (_after_end, "trainer", ShardFailed(1, EXCEPTION).encode(), "SHARD_FAILED for epoch 1 after ending that epoch"),
+    (_set_up, "trainer", ItemTimedOut(3, 3, 0, 1.0, 1.5, "").encode(), "ITEM_TIMED_OUT for epoch 3, which was never started"),
+    (_set_up, "trainer", SetupFailed(EXCEPTION).encode(), "SETUP_FAILED while the session is ready"),
     (_in_epoch, "trainer", StopEpoch(1).encode(), "STOP_EPOCH, which a worker never sends"),
     (_in_epoch, "trainer", ItemCredit(1, 1).encode(), "not started with dispatched=True"),
     (
@@ -492,8 +500,10 @@ def test_setup_with_a_non_positive_heartbeat_is_remote():
             {"graph": b"g", "worker_rank": 0, "num_workers": 1, "options": {"linger": "x"}},
             "option 'linger'",
         ),
-        (MessageKind.ERROR, {"epoch": 3, "phase": "setup", "exception": {}}, "setup errors have none"),
-        (MessageKind.ERROR, {"epoch": 3, "phase": "later", "exception": {}}, "unknown phase"),
+        (MessageKind.SETUP_FAILED, {"exception": {}}, "field 'exception' is empty"),
+        (MessageKind.SETUP_REFUSED, {"reason": "mood", "message": "m"}, "unknown reason 'mood'"),
+        (MessageKind.SHARD_FAILED, {"epoch": None, "exception": EXCEPTION}, "'epoch' is NoneType"),
+        (MessageKind.ITEM_TIMED_OUT, {"epoch": 1, "position": 1, "item_timeout": 1.0}, "without its field 'stuck_epoch'"),
         (MessageKind.READY, {"pid": -1, "hostname": "h", "package_version": "v"}, "negative"),
     ],
 )
@@ -531,7 +541,7 @@ def test_golden_hello():
 
 def test_golden_credit():
     assert wire(Credit(7, 3).encode()) == bytes.fromhex(
-        "52525356 04 14 0000 0000000000000008 00000007 00000003"
+        "52525356 05 14 0000 0000000000000008 00000007 00000003"
     )
 
 
@@ -626,8 +636,10 @@ MESSAGES = st.one_of(
         st.booleans(),
     ),
     st.builds(StopEpoch, u32),
-    st.builds(Error, st.none(), st.just("setup"), exceptions),
-    st.builds(Error, u32, st.sampled_from(["epoch", "dispatch"]), exceptions),
+    st.builds(SetupFailed, exceptions),
+    st.builds(SetupRefused, st.sampled_from(sorted(SetupRefused.REASONS)), text, st.none() | text),
+    st.builds(ShardFailed, u32, exceptions),
+    st.builds(ItemTimedOut, u32, u32, u64, numbers, numbers, text),
     st.builds(Close),
     st.builds(Leaving, text),
     st.builds(Heartbeat),
@@ -742,14 +754,14 @@ def test_leaving_ends_the_session_on_both_sides_in_an_epoch_between_epochs_and_i
         Link().set_up().deliver(Leaving().encode(), Link().set_up().worker)
 
 
-def _stuck(epoch: int, stuck_epoch: int) -> Error:
-    return Error(epoch, "item_timeout", stuck_epoch=stuck_epoch, position=5, item_timeout=1.0, seconds=1.2, stack="tb")
+def _stuck(epoch: int, stuck_epoch: int) -> ItemTimedOut:
+    return ItemTimedOut(epoch, stuck_epoch, position=5, item_timeout=1.0, seconds=1.2, stack="tb")
 
 
 def test_an_item_timeout_error_ends_the_session_on_both_sides():
     link = Link().set_up().start(1)
     (error,) = link.to_trainer(_stuck(1, 1))
-    assert error.ends_session and (error.position, error.stack) == (5, "tb")
+    assert error == _stuck(1, 1)
     assert (link.worker.state, link.worker.closed_by) == (SessionState.CLOSED, "us")
     assert (link.trainer.state, link.trainer.closed_by) == (SessionState.CLOSED, "peer")
 
@@ -762,18 +774,43 @@ def test_an_item_timeout_error_of_an_abandoned_epoch_is_still_reported():
     assert error.stuck_epoch == 1 and link.trainer.closed_by == "peer"
 
 
+def _setting_up(link):
+    link.to_worker(Setup(b"g", 0, 1))
+    return link
+
+
+#: A malformed frame of each failure kind, where the table lets it come: what the trainer says.
+MALFORMED_FAILURES = [
+    (_setting_up, encode_control(MessageKind.SETUP_FAILED, {}), "without its field 'exception'"),
+    (_setting_up, encode_control(MessageKind.SETUP_FAILED, {"exception": {}}), "field 'exception' is empty"),
+    (_setting_up, encode_control(MessageKind.SETUP_REFUSED, {"reason": "transport"}), "without its field 'message'"),
+    (_setting_up, encode_control(MessageKind.SETUP_REFUSED, {"reason": "mood", "message": "m"}), "unknown reason 'mood'"),
+    (_in_epoch, encode_control(MessageKind.SHARD_FAILED, {"epoch": 1, "exception": "bad"}), "'exception' is str"),
+    (_in_epoch, encode_frame(MessageKind.SHARD_FAILED, [b"not a pickle"]), "SHARD_FAILED"),
+    (
+        _in_epoch,
+        encode_control(
+            MessageKind.ITEM_TIMED_OUT,
+            {"epoch": 1, "stuck_epoch": 1, "position": -1, "item_timeout": 1.0, "seconds": 2.0, "stack": ""},
+        ),
+        "field 'position' is negative",
+    ),
+    (_in_epoch, encode_control(MessageKind.ITEM_TIMED_OUT, {"epoch": 1, "phase": "item_timeout"}), "without its field"),
+]
+
+
 @pytest.mark.parametrize(
-    "payload, words",
-    [
-        ({"epoch": 1, "phase": "item_timeout", "position": 1, "item_timeout": 1.0}, "without stuck_epoch"),
-        ({"epoch": 1, "phase": "epoch"}, "neither an exception nor a message"),
-        ({"epoch": None, "phase": "setup", "message": "m", "reason": "mood"}, "unknown reason 'mood'"),
-    ],
+    "prepare, chunks, words", MALFORMED_FAILURES, ids=[f"{frames_of(c[1])[0].kind.name}-{c[2][:30]}" for c in MALFORMED_FAILURES]
 )
-def test_error_fields_are_checked_together(payload, words):
-    (frame,) = frames_of(encode_control(MessageKind.ERROR, payload))
-    with pytest.raises(RemoteProtocolError, match=words):
-        decode_message(frame)
+def test_a_malformed_failure_frame_is_a_clear_remote_error_and_closes(prepare, chunks, words):
+    link = prepare(Link())
+    kind = frames_of(chunks)[0].kind.name
+    with pytest.raises(RemoteProtocolError) as info:
+        link.deliver(chunks, link.trainer)
+    text = str(info.value)
+    assert text.startswith(f"{WORKER} broke the session protocol: it sent a malformed {kind} (")
+    assert words in text and "check that both sides run the same rpc_reading_service version" in text
+    assert (link.trainer.state, link.trainer.closed_by) == (SessionState.CLOSED, "error")
 
 
 def test_a_lenient_worker_drops_frames_about_epochs_never_started():
@@ -806,7 +843,7 @@ def test_a_join_reaches_the_worker_as_a_join_and_is_refused_with_a_reason():
     link = Link()
     (event,) = link.deliver(join.encode(), link.worker)
     assert event == join and link.worker.state is SessionState.SETTING_UP
-    refusal = Error(None, "setup", message="start it with --transport torch_rpc", reason="transport")
+    refusal = SetupRefused("transport", "start it with --transport torch_rpc")
     link.trainer.send(Setup(b"g", 0, 1))  # the trainer's side of this session, for the test
     (error,) = link.to_trainer(refusal)
     assert (error.reason, error.message) == ("transport", "start it with --transport torch_rpc")

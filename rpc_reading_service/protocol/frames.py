@@ -37,7 +37,6 @@ __all__ = [
     "EncodedItem",
     "encode_data",
     "decode_data",
-    "data_epoch",
     "data_header",
     "encode_end_of_shard",
     "decode_end_of_shard",
@@ -48,7 +47,8 @@ __all__ = [
 #: 2: a LEASE grants a run of consecutive chunks, a CHUNK_DONE reports several chunks' item counts.
 #: 3: a LEASE gives its chunks' positions (first position and size: chunks may differ in size).
 #: 4: a worker may say LEAVING (its server drains) and end the session.
-PROTOCOL_VERSION = 4
+#: 5: a message per failure (SETUP_FAILED, SETUP_REFUSED, SHARD_FAILED, ITEM_TIMED_OUT) replaces ERROR.
+PROTOCOL_VERSION = 5
 MAGIC = b"RRSV"
 HEADER = struct.Struct("!4sBBHQ")
 BUFFER_LENGTH = struct.Struct("!Q")
@@ -74,9 +74,12 @@ class MessageKind(enum.IntEnum):
     READY = 11
     START_EPOCH = 12
     STOP_EPOCH = 13
-    ERROR = 14
+    SETUP_FAILED = 14  # ERROR, of every failure, until protocol version 4
     CLOSE = 15
     LEAVING = 16
+    SETUP_REFUSED = 17
+    SHARD_FAILED = 18
+    ITEM_TIMED_OUT = 19
     # Streaming: compact binary.
     CREDIT = 20
     DATA = 21
@@ -387,17 +390,10 @@ def data_header(frame: Frame) -> Tuple[int, int, int]:
     return _DATA_HEAD.unpack_from(frame.body)
 
 
-def data_epoch(frame: Frame) -> int:
-    """The epoch of a DATA frame, read from its header alone (to drop stale frames cheaply)."""
-    return data_header(frame)[0]
-
-
 def decode_data(frame: Frame) -> Tuple[int, int, List[EncodedItem]]:
     """Unpack a DATA (or ITEMS) frame into ``(epoch, sequence, items)``, without copying payloads."""
+    epoch, sequence, count = data_header(frame)
     body = memoryview(frame.body)
-    if len(body) < _DATA_HEAD.size:
-        raise RemoteProtocolError(f"{frame.kind.name} frame too short for its header")
-    epoch, sequence, count = _DATA_HEAD.unpack_from(body)
     table_end = _DATA_HEAD.size + count * _DATA_ITEM.size
     if table_end > len(body):
         raise RemoteProtocolError(f"{frame.kind.name} frame announces {count} items but is too short for their table")

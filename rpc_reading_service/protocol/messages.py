@@ -38,7 +38,10 @@ __all__ = [
     "Ready",
     "StartEpoch",
     "StopEpoch",
-    "Error",
+    "SetupFailed",
+    "SetupRefused",
+    "ShardFailed",
+    "ItemTimedOut",
     "Close",
     "Leaving",
     "Heartbeat",
@@ -66,8 +69,6 @@ class Message:
     """Base of every session message: ``kind`` is its frame type."""
 
     kind: ClassVar[MessageKind]
-    #: Whether the session ends with this message (on both ends).
-    ends_session: ClassVar[bool] = False
 
     def encode(self) -> List[Buffer]:
         """The chunks of this message's frame, ready for ``Connection.send``."""
@@ -238,7 +239,7 @@ class Join(_Control):
     frames travel elsewhere (torch_rpc): join the trainer's world at ``init_method``.
 
     It travels as a SETUP frame without a graph (:func:`decode_setup` tells the two apart),
-    so a server of another transport recognises it and refuses it with a setup ERROR of
+    so a server of another transport recognises it and refuses it with a SETUP_REFUSED of
     reason ``"transport"``. The worker answers READY (with its ``transport``) once joined.
     """
 
@@ -306,57 +307,65 @@ class StopEpoch(_Control):
     epoch: int
 
 
-@dataclass(frozen=True)
-class Error(_Control):
-    """Worker to trainer: setup (``epoch`` None, ``phase`` "setup") or an epoch failed.
-
-    ``exception`` is ``serialization.pack_exception``'s description of the exception. A
-    refusal (the worker cannot serve this trainer, e.g. it runs another transport) says why
-    in ``message``, with ``reason`` one of :attr:`REASONS`; it needs no exception. Phase
-    ``"item_timeout"``: the producer spent more than ``item_timeout`` seconds on item
-    ``position`` of epoch ``stuck_epoch`` (``stack`` is where) and the session ends with
-    this message; ``epoch`` is the epoch the trainer waits for.
-    """
-
-    kind: ClassVar[MessageKind] = MessageKind.ERROR
-    epoch: Optional[int]
-    phase: str
-    exception: Mapping[str, Any] = field(default_factory=dict)
-    message: Optional[str] = None
-    reason: Optional[str] = None
-    transport: Optional[str] = None
-    stuck_epoch: Optional[int] = None
-    position: Optional[int] = None
-    item_timeout: Optional[float] = None
-    seconds: Optional[float] = None
-    stack: str = ""
-
-    PHASES: ClassVar[frozenset] = frozenset({"setup", "epoch", "dispatch", "item_timeout"})
-    REASONS: ClassVar[frozenset] = frozenset({"transport", "config", "join"})
-
-    @property  # type: ignore[override]
-    def ends_session(self) -> bool:
-        """Whether the worker ends the session after this error (setup and item_timeout)."""
-        return self.phase in ("setup", "item_timeout")
+class _Failure(_Control):
+    """A worker's failure that carries ``exception``: ``serialization.pack_exception``'s description."""
 
     @classmethod
     def _check_together(cls, values: Mapping[str, Any], error: Type[ProtocolError], where: str) -> None:
-        phase, epoch = values["phase"], values["epoch"]
-        if phase not in cls.PHASES:
-            raise error(f"{where} of unknown phase {phase!r} (one of {sorted(cls.PHASES)})")
-        if (phase == "setup") != (epoch is None):
-            raise error(
-                f"{where} of phase {phase!r} with epoch {epoch}: setup errors have none, the others have one"
-            )
-        reason = values.get("reason")
-        if reason is not None and reason not in cls.REASONS:
-            raise error(f"{where} of unknown reason {reason!r} (one of {sorted(cls.REASONS)})")
-        if phase == "item_timeout":
-            missing = [name for name in ("stuck_epoch", "position", "item_timeout") if values.get(name) is None]
-            if missing:
-                raise error(f"{where} of phase 'item_timeout' without {', '.join(missing)}")
-        elif not values.get("exception") and values.get("message") is None:
-            raise error(f"{where} of phase {phase!r} with neither an exception nor a message")
+        if not values["exception"]:
+            raise error(f"{where} whose field 'exception' is empty (no exception described)")
+
+
+@dataclass(frozen=True)
+class SetupFailed(_Failure):
+    """Worker to trainer, instead of READY: setting up the graph raised ``exception``; the session ends."""
+
+    kind: ClassVar[MessageKind] = MessageKind.SETUP_FAILED
+    exception: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class SetupRefused(_Control):
+    """Worker to trainer, instead of READY: it cannot serve this trainer (``reason``, one of
+    :attr:`REASONS`) and says why in ``message``; the session ends. ``transport``: the transport
+    of a bootstrap connection whose server runs the one a :class:`Join` asked for (else None)."""
+
+    kind: ClassVar[MessageKind] = MessageKind.SETUP_REFUSED
+    reason: str
+    message: str
+    transport: Optional[str] = None
+
+    REASONS: ClassVar[frozenset] = frozenset({"transport", "config", "join"})
+
+    @classmethod
+    def _check_together(cls, values: Mapping[str, Any], error: Type[ProtocolError], where: str) -> None:
+        if values["reason"] not in cls.REASONS:
+            raise error(f"{where} of unknown reason {values['reason']!r} (one of {sorted(cls.REASONS)})")
+
+
+@dataclass(frozen=True)
+class ShardFailed(_Failure):
+    """Worker to trainer: its shard of ``epoch`` raised ``exception``; the epoch ends there, the session goes on."""
+
+    kind: ClassVar[MessageKind] = MessageKind.SHARD_FAILED
+    epoch: int
+    exception: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class ItemTimedOut(_Control):
+    """Worker to trainer: the producer spent ``seconds`` (more than ``item_timeout``) on item
+    ``position`` of epoch ``stuck_epoch`` (``stack`` is where); the session ends. ``epoch`` is
+    the epoch the trainer waits for (the stuck one, or one it started after it)."""
+
+    kind: ClassVar[MessageKind] = MessageKind.ITEM_TIMED_OUT
+    _u32: ClassVar[frozenset] = frozenset({"epoch", "stuck_epoch"})
+    epoch: int
+    stuck_epoch: int
+    position: int
+    item_timeout: float
+    seconds: float
+    stack: str
 
 
 @dataclass(frozen=True)
@@ -364,7 +373,6 @@ class Close(_Control):
     """Either side: the session is over; the sender closes the connection next."""
 
     kind: ClassVar[MessageKind] = MessageKind.CLOSE
-    ends_session: ClassVar[bool] = True
     #: Set on a bootstrap connection (the transport whose session ends), None in a session.
     transport: Optional[str] = None
 
@@ -377,7 +385,6 @@ class Leaving(_Control):
     elsewhere (from what it consumed). ``reason`` says why, for the trainer's log."""
 
     kind: ClassVar[MessageKind] = MessageKind.LEAVING
-    ends_session: ClassVar[bool] = True
     reason: str = ""
 
 
@@ -568,7 +575,10 @@ MESSAGE_TYPES: Dict[MessageKind, Type[Message]] = {
         Ready,
         StartEpoch,
         StopEpoch,
-        Error,
+        SetupFailed,
+        SetupRefused,
+        ShardFailed,
+        ItemTimedOut,
         Close,
         Leaving,
         Heartbeat,

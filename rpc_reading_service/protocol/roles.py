@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from ..errors import RemoteProtocolError
 from .frames import Frame
@@ -13,17 +13,18 @@ from .messages import (
     Data,
     EndOfInput,
     EndOfShard,
-    Error,
     ItemCredit,
     Items,
+    ItemTimedOut,
     Lease,
     Ready,
     Setup,
+    ShardFailed,
     StartEpoch,
     StopEpoch,
     decode_setup,
 )
-from .session import DataReceived, Event, Refused, SessionState, SessionProtocol
+from .session import DataReceived, Event, Refused, SessionProtocol
 
 __all__ = ["TrainerSession", "WorkerProtocol"]
 
@@ -74,21 +75,19 @@ class TrainerSession(SessionProtocol):
         self._chunk_done(message, self._remote)
         return [message]
 
-    def _receive_error(self, frame: Frame) -> Optional[List[Event]]:
-        message = self._decode(Error, frame)
-        if message.epoch is None:
-            if self.state is not SessionState.SETTING_UP:
-                raise self._remote("it sent a setup ERROR (epoch None) after READY")
-            return [message]  # a worker ends the session after a failed setup
-        if message.phase == "item_timeout":
-            # The worker ends the session after it, whichever epoch it names: report it.
-            self._is_current(message.epoch, message.kind, self._remote)
-            return [message]
+    def _receive_shard_failed(self, frame: Frame) -> Optional[List[Event]]:
+        message = self._decode(ShardFailed, frame)
         if not self._received_current(message.epoch, message.kind):
             return None
         if not self._data.open:
-            raise self._remote(f"it sent ERROR for epoch {message.epoch} after ending that epoch")
+            raise self._remote(f"it sent SHARD_FAILED for epoch {message.epoch} after ending that epoch")
         self._end_data()
+        return [message]
+
+    def _receive_item_timed_out(self, frame: Frame) -> List[Event]:
+        message = self._decode(ItemTimedOut, frame)
+        # The worker ends the session after it, whichever epoch it names: report it.
+        self._is_current(message.epoch, message.kind, self._remote)
         return [message]
 
     def _receive_data(self, frame: Frame) -> Optional[List[Event]]:
@@ -145,7 +144,7 @@ class WorkerProtocol(SessionProtocol):
     # -- what the trainer sends -----------------------------------------------------------------
     def _receive_setup(self, frame: Frame) -> List[Event]:
         """A session's Setup, or a bootstrap Join (which the driver refuses unless its
-        transport serves it): either way the worker answers READY or a setup ERROR."""
+        transport serves it): either way the worker answers READY, SETUP_FAILED or SETUP_REFUSED."""
         try:
             message = decode_setup(frame)
         except RemoteProtocolError as exc:
@@ -212,15 +211,13 @@ class WorkerProtocol(SessionProtocol):
         # graph (heartbeats) waits unread until now, so the trainer was not silent meanwhile.
         self._last_received = self._clock()
 
-    def _send_error(self, message: Error) -> None:
-        if message.epoch is None:
-            if self.state is not SessionState.SETTING_UP:
-                raise self._local("it sent a setup ERROR (epoch None) after READY")
-            return  # the session ends after a failed setup
+    def _send_shard_failed(self, message: Union[ShardFailed, ItemTimedOut]) -> None:
         self._sent_current(message.epoch, message.kind)
         if not self._data.open:
-            raise self._local(f"it sent ERROR for epoch {message.epoch} after ending that epoch")
+            raise self._local(f"it sent {message.kind.name} for epoch {message.epoch} after ending that epoch")
         self._end_data()
+
+    _send_item_timed_out = _send_shard_failed
 
     def _send_data(self, message: Data) -> None:
         self._sent_current(message.epoch, message.kind)

@@ -63,11 +63,10 @@ S = SessionState
 
 #: The transition table: for a message of a kind that a role sends in a state, the state after it
 #: (on both ends: the sender's ``send`` and the peer's ``receive_frame``). A kind missing from a
-#: state's row is illegal there. Closing transitions beside it: a message whose ``ends_session`` is
-#: true (a setup or item_timeout ERROR) closes the session; a frame dropped as stale (of an older or
-#: stopped epoch) leaves the state as it is; a broken rule (closed by "error") and a silent peer
-#: (``tick``: closed by "timeout") close it too. A worker server may end a session at any point with
-#: a REJECT that says why (``Connection.refuse``).
+#: state's row is illegal there. Beside it: a frame dropped as stale (of an older or stopped epoch)
+#: leaves the state as it is; a broken rule (closed by "error") and a silent peer (``tick``: closed
+#: by "timeout") close the session. A worker server may end a session at any point with a REJECT
+#: that says why (``Connection.refuse``).
 TRANSITIONS: Dict[str, Dict[SessionState, Dict[MessageKind, SessionState]]] = {
     "trainer": {
         S.NEW: {K.SETUP: S.SETTING_UP, K.HEARTBEAT: S.NEW, K.CLOSE: S.CLOSED},
@@ -84,18 +83,20 @@ TRANSITIONS: Dict[str, Dict[SessionState, Dict[MessageKind, SessionState]]] = {
     "worker": {
         S.NEW: {K.HEARTBEAT: S.NEW, K.LEAVING: S.CLOSED, K.REJECT: S.CLOSED, K.CLOSE: S.CLOSED},
         S.SETTING_UP: {
-            K.READY: S.READY, K.ERROR: S.CLOSED, K.HEARTBEAT: S.SETTING_UP, K.LEAVING: S.CLOSED,
+            K.READY: S.READY, K.SETUP_FAILED: S.CLOSED, K.SETUP_REFUSED: S.CLOSED, K.HEARTBEAT: S.SETTING_UP,
+            K.LEAVING: S.CLOSED, K.REJECT: S.CLOSED, K.CLOSE: S.CLOSED,
+        },
+        # DATA ... CHUNK_DONE here: only stale ones, sent before the trainer stopped the epoch; an
+        # ITEM_TIMED_OUT sent before it is reported (whichever epoch it names) and ends the session.
+        S.READY: {
+            K.DATA: S.READY, K.END_OF_SHARD: S.READY, K.SHARD_FAILED: S.READY, K.ITEM_CREDIT: S.READY,
+            K.CHUNK_DONE: S.READY, K.ITEM_TIMED_OUT: S.CLOSED, K.HEARTBEAT: S.READY, K.LEAVING: S.CLOSED,
             K.REJECT: S.CLOSED, K.CLOSE: S.CLOSED,
         },
-        S.READY: {  # DATA ... CHUNK_DONE here: only stale ones, sent before the trainer stopped the epoch
-            K.DATA: S.READY, K.END_OF_SHARD: S.READY, K.ERROR: S.READY, K.ITEM_CREDIT: S.READY,
-            K.CHUNK_DONE: S.READY, K.HEARTBEAT: S.READY, K.LEAVING: S.CLOSED, K.REJECT: S.CLOSED,
-            K.CLOSE: S.CLOSED,
-        },
         S.IN_EPOCH: {
-            K.DATA: S.IN_EPOCH, K.END_OF_SHARD: S.READY, K.ERROR: S.READY, K.ITEM_CREDIT: S.IN_EPOCH,
-            K.CHUNK_DONE: S.IN_EPOCH, K.HEARTBEAT: S.IN_EPOCH, K.LEAVING: S.CLOSED, K.REJECT: S.CLOSED,
-            K.CLOSE: S.CLOSED,
+            K.DATA: S.IN_EPOCH, K.END_OF_SHARD: S.READY, K.SHARD_FAILED: S.READY, K.ITEM_CREDIT: S.IN_EPOCH,
+            K.CHUNK_DONE: S.IN_EPOCH, K.ITEM_TIMED_OUT: S.CLOSED, K.HEARTBEAT: S.IN_EPOCH, K.LEAVING: S.CLOSED,
+            K.REJECT: S.CLOSED, K.CLOSE: S.CLOSED,
         },
     },
 }  # fmt: skip
@@ -114,7 +115,6 @@ class DataReceived:
     can hand the frame to the consumer cheaply.
     """
 
-    ends_session: ClassVar[bool] = False
     epoch: int
     sequence: int
     count: int
@@ -134,7 +134,6 @@ class DataReceived:
 class PeerTimedOut:
     """The peer sent nothing, not even a heartbeat, for too long; the session is closed."""
 
-    ends_session: ClassVar[bool] = True
     peer: str
     silent_seconds: float
     message: str
@@ -144,7 +143,6 @@ class PeerTimedOut:
 class Refused:
     """The worker server ended the session with a REJECT saying why; the session is closed."""
 
-    ends_session: ClassVar[bool] = True
     reason: str
 
 
@@ -296,8 +294,6 @@ class SessionProtocol:
         chunks = message.encode()
         self._on_send[kind](self, message)
         self._last_sent = self._clock()
-        if message.ends_session:
-            after = SessionState.CLOSED
         if after is not self.state:
             self._enter(after, "us")
         return chunks
@@ -323,8 +319,6 @@ class SessionProtocol:
             raise
         if events is None:
             return []  # stale: dropped, the state stays
-        if events and events[0].ends_session:
-            after = SessionState.CLOSED
         if after is not self.state:
             self._enter(after, "peer")
         return events

@@ -27,10 +27,10 @@ from ..protocol import (
     DataReceived,
     EndOfInput,
     EndOfShard,
-    Error,
     Frame,
     ItemCredit,
     Items,
+    ItemTimedOut,
     MAX_LEASE_RUN,
     Lease,
     Leaving,
@@ -40,6 +40,9 @@ from ..protocol import (
     SessionOptions,
     SessionState,
     Setup,
+    SetupFailed,
+    SetupRefused,
+    ShardFailed,
     StartEpoch,
     Tick,
     TrainerSession,
@@ -105,7 +108,7 @@ class Failure(Event):
 
 @dataclass(frozen=True, eq=False)
 class EpochFailed(Failure):
-    """The worker's epoch raised (its ERROR), or the dispatching part did."""
+    """The worker's epoch raised (its SHARD_FAILED) or timed out on an item, or the dispatching part raised."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -209,15 +212,16 @@ class WorkerChannel:
         self._credit_due = False
         #: The receiver thread of a connection no receive loop watches.
         self._tasks = TaskGroup(self.name)
-        #: When dispatching, the epoch's dispatcher hears this session's ITEM_CREDIT, END_OF_SHARD
-        #: and ERROR events here (from the receiver thread).
+        #: When dispatching, the epoch's dispatcher hears this session's ITEM_CREDIT, END_OF_SHARD,
+        #: SHARD_FAILED and ITEM_TIMED_OUT events here (from the receiver thread).
         self.input_sink: Optional[Callable[[Any], None]] = None
         self._on_event: Dict[type, Callable[[Any], bool]] = {
             DataReceived: self._on_data,
             ItemCredit: self._on_item_credit,
             EndOfShard: self._on_end_of_shard,
             ChunkDone: self._on_chunk_done,
-            Error: self._on_error,
+            ShardFailed: self._on_shard_failed,
+            ItemTimedOut: self._on_item_timed_out,
             Refused: lambda refused: self._lost(f"{self.name} ended the session: {refused.reason}"),
             Close: lambda close: self._lost(f"{self.name} ended the session (it said CLOSE)"),
             Leaving: self._on_leaving,
@@ -264,7 +268,7 @@ class WorkerChannel:
         try:
             self.conn.send_frames(frames)
         except (PeerLostError, OSError) as exc:
-            # Not the end yet: the peer's last frames (an ERROR, a REJECT that explains
+            # Not the end yet: the peer's last frames (a failure, a REJECT that explains
             # why it closed) may still wait to be read; recv reports the loss.
             log.debug("send to %s failed: %s", self.name, exc)
 
@@ -360,9 +364,9 @@ class WorkerChannel:
     def _raise_setup_failure(self, event: Any) -> None:
         if isinstance(event, Refused):
             raise WorkerRefusedError(f"{self.name} refused the session: {event.reason}")
-        if isinstance(event, Error):
-            if event.message is not None:  # a refusal with its reason (e.g. another transport)
-                raise WorkerStartupError(f"{self.name} refused the session: {event.message}")
+        if isinstance(event, SetupRefused):  # e.g. the server runs another transport
+            raise WorkerStartupError(f"{self.name} refused the session: {event.message}")
+        if isinstance(event, SetupFailed):
             error = rebuild_exception(dict(event.exception), self.rank, self.address)
             raise WorkerStartupError(
                 f"{self.name} could not set up the graph (unpickling it or running worker_init_fn): {error}"
@@ -622,14 +626,15 @@ class WorkerChannel:
         self._report(ShardEnded(self, event.epoch))
         return False
 
-    def _on_error(self, event: Error) -> bool:
+    def _on_shard_failed(self, event: ShardFailed) -> bool:
         self._tell_input(event)
-        if event.phase == "item_timeout":
-            self._ended_by = self._item_timeout_error(event)
-            error: BaseException = self._ended_by
-        else:
-            error = rebuild_exception(dict(event.exception), self.rank, self.address)
-        self._report(EpochFailed(self, event.epoch, error))
+        self._report(EpochFailed(self, event.epoch, rebuild_exception(dict(event.exception), self.rank, self.address)))
+        return False
+
+    def _on_item_timed_out(self, event: ItemTimedOut) -> bool:
+        self._tell_input(event)
+        self._ended_by = self._item_timeout_error(event)
+        self._report(EpochFailed(self, event.epoch, self._ended_by))
         return False
 
     def _on_leaving(self, event: Leaving) -> bool:
@@ -643,10 +648,9 @@ class WorkerChannel:
         reason = event.reason or "its worker server is draining"
         return WorkerDrainedError(f"{self.name} left the run: {reason}", self.rank, self.address)
 
-    def _item_timeout_error(self, event: Error) -> ItemTimeoutError:
-        position = -1 if event.position is None else event.position
-        stuck = event.stuck_epoch
-        epoch = self._numbers.get(stuck, f"{stuck} (on the wire)") if stuck is not None else "?"
+    def _item_timeout_error(self, event: ItemTimedOut) -> ItemTimeoutError:
+        position, stuck = event.position, event.stuck_epoch
+        epoch = self._numbers.get(stuck, f"{stuck} (on the wire)")
         message = (
             f"{self.name} spent more than {event.item_timeout} s (item_timeout) producing item {position} "
             f"of its shard in epoch {epoch} and ended its session. Its graph was here:\n{event.stack}"

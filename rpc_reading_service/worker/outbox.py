@@ -55,7 +55,6 @@ class Outbox:
     ):
         self._options = options
         self._protocol = protocol
-        self._encode = protocol.send
         self._send = send
         self._room = room
         self._cond = threading.Condition(lock)
@@ -291,7 +290,7 @@ class Outbox:
             # else the sender wakes within ``linger`` for the open batch and takes the marker with it
 
     def finish(self, epoch: int, final_frame: FinalFrame, end_session: bool = False) -> None:
-        """Queue the frame that ends ``epoch`` (END_OF_SHARD or ERROR) after its data.
+        """Queue the frame that ends ``epoch`` (END_OF_SHARD, SHARD_FAILED or ITEM_TIMED_OUT) after its data.
 
         With ``end_session``, nothing more of ``epoch`` is accepted and :attr:`session_over`
         turns true once the frame is taken: the session ends after sending it.
@@ -439,7 +438,7 @@ class Outbox:
             return None, float("inf")
         if self._input_credits:
             credits, self._input_credits = self._input_credits, 0
-            return self._encode(ItemCredit(self.epoch, credits)), 0.0
+            return self._protocol.send(ItemCredit(self.epoch, credits)), 0.0
         self._track_credit_wait(now)
         if self._sealed and isinstance(self._sealed[0], Message):
             if self._open and self._protocol.credits > 0 and self._final is None:
@@ -448,7 +447,7 @@ class Outbox:
                     return None, lingered_until - now
             marker = self._sealed.popleft()
             self._wake_producer()
-            return self._encode(marker), 0.0
+            return self._protocol.send(marker), 0.0
         if self._protocol.credits > 0:
             if not self._sealed and self._open:
                 if (
@@ -467,10 +466,10 @@ class Outbox:
                 self._wake_producer()
                 self.items_sent += len(items)
                 self.bytes_sent += sum(item.nbytes for item in items)
-                return self._encode(Data(self.epoch, self._protocol.next_sequence, items)), 0.0
+                return self._protocol.send(Data(self.epoch, self._protocol.next_sequence, items)), 0.0
         if self._final is not None and not self._sealed and not self._open:
             final, self._final = self._final, None
-            chunks = self._encode(final) if isinstance(final, Message) else final
+            chunks = self._protocol.send(final) if isinstance(final, Message) else final
             self.session_over = self._final_ends_session
             self.epoch = None
             return chunks, 0.0

@@ -22,8 +22,8 @@ from ..protocol import (
     EncodedItem,
     EndOfInput,
     EndOfShard,
-    Error,
     Items,
+    ItemTimedOut,
     Join,
     Lease,
     Leaving,
@@ -33,6 +33,9 @@ from ..protocol import (
     SessionOptions,
     SessionState,
     Setup,
+    SetupFailed,
+    SetupRefused,
+    ShardFailed,
     StartEpoch,
     StopEpoch,
     WorkerProtocol,
@@ -136,8 +139,8 @@ class WorkerSession:
         #: ``(epoch, position in the shard, monotonic start, thread id)`` while the producer
         #: waits for the graph's next item; None otherwise. Read by the sender (item_timeout).
         self._producing: Optional[Tuple[int, int, float, int]] = None
-        #: The item_timeout ERROR once it fired (the session then ends with it).
-        self._timed_out: Optional[Error] = None
+        #: The ITEM_TIMED_OUT once item_timeout fired (the session then ends with it).
+        self._timed_out: Optional[ItemTimedOut] = None
         self._stopping = self._tasks.stopping
         #: The worker-side selections of the graph (a policy's replacement of sharding_filter).
         self._selections: List[SelectionFilter] = []
@@ -239,7 +242,7 @@ class WorkerSession:
         except BaseException as exc:  # noqa: BLE001 - includes SystemExit from user code
             info = _describe(exc)
             log.warning("session setup for %s failed: %s: %s", self.conn.peer, info["type_name"], info["message"])
-            self._send(Error(None, "setup", info))
+            self._send(SetupFailed(info))
             return False
         self._send(Ready(os.getpid(), socket.gethostname(), __version__))
         return True
@@ -252,7 +255,7 @@ class WorkerSession:
             f"`rpc-reading-worker --transport {join.transport}`, or pass the worker's transport to RPCReadingService"
         )
         log.warning("refused the session of %s: %s", self.conn.peer, message)
-        self._send(Error(None, "setup", message=message, reason="transport"))
+        self._send(SetupRefused("transport", message))
 
     def _control_loop(self) -> None:
         while not self._stopping.is_set():
@@ -380,7 +383,7 @@ class WorkerSession:
                 self._producing = None
                 info = _describe(exc)
                 log.info("epoch %d raised %s: %s after %d items", epoch, info["type_name"], info["message"], sent)
-                self.outbox.finish(epoch, Error(epoch, "epoch", info))
+                self.outbox.finish(epoch, ShardFailed(epoch, info))
                 return
             self.outbox.finish(epoch, EndOfShard(epoch, sent))
         except Cancelled:
@@ -389,7 +392,7 @@ class WorkerSession:
             log.exception("producer of epoch %d failed in its own error handling", epoch)
             info = fallback_exception_info(None, failure)
             try:
-                self.outbox.finish(epoch, Error(epoch, "epoch", info))
+                self.outbox.finish(epoch, ShardFailed(epoch, info))
             except Cancelled:
                 pass
 
@@ -441,15 +444,12 @@ class WorkerSession:
             "The producer's stack:\n%s", epoch, position, limit, self.conn.peer, stack,
         )  # fmt: skip
         with self._lock:
-            self._timed_out = Error(
-                epoch, "item_timeout", stuck_epoch=epoch, position=position, item_timeout=limit,
-                seconds=seconds, stack=stack,
-            )  # fmt: skip
+            self._timed_out = ItemTimedOut(epoch, epoch, position, limit, seconds, stack)
             if self.outbox.epoch is not None:  # else the trainer hears of it in the next epoch it starts
                 self._report_item_timeout(self.outbox.epoch)
 
     def _report_item_timeout(self, epoch: int) -> None:
-        """Queue the item_timeout error as the end of ``epoch`` (the stuck one, or the one the
+        """Queue the ITEM_TIMED_OUT as the end of ``epoch`` (the stuck one, or the one the
         trainer started after it) and of the session (called with the lock held)."""
         assert self._timed_out is not None
         try:

@@ -9,7 +9,7 @@ import time
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ...errors import DispatchStalledError, ItemTimeoutError, thread_stack
-from ...protocol import EncodedItem, EndOfInput, EndOfShard, Error, ItemCredit, Items, Message
+from ...protocol import EncodedItem, EndOfInput, EndOfShard, ItemCredit, Items, ItemTimedOut, Message, ShardFailed
 from ...serialization import ItemEncoder
 from ...tasks import TaskGroup
 
@@ -318,14 +318,14 @@ class Dispatch:
 
     def input_sink(self, rank: int) -> Callable[[Any], None]:
         """The handler of the events of rank ``rank``'s current session that concern its
-        input (called from its receiver): ITEM_CREDIT grants, END_OF_SHARD and ERROR end it."""
+        input (called from its receiver): ITEM_CREDIT grants, END_OF_SHARD, SHARD_FAILED and ITEM_TIMED_OUT end it."""
         rank_input = self.inputs[rank]
         session = rank_input.session
 
         def handle(event: Any) -> None:
             if isinstance(event, ItemCredit):
                 rank_input.grant(event.epoch, event.credits, session)
-            elif isinstance(event, (EndOfShard, Error)) and event.epoch is not None:
+            elif isinstance(event, (EndOfShard, ShardFailed, ItemTimedOut)):
                 rank_input.shard_ended(event.epoch, session)
 
         return handle

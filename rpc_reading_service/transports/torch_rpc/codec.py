@@ -17,7 +17,7 @@ from ...protocol.frames import header_kind
 from ..base import Allocator
 
 TRANSPORT_NAME = "torch_rpc"
-#: Bootstrap protocol of this transport (inside SETUP/READY/ERROR control frames).
+#: Bootstrap protocol of this transport (inside SETUP/READY/SETUP_REFUSED control frames).
 BOOTSTRAP_VERSION = 1
 #: Bodies at least this large travel as a tensor (outside the RPC pickle stream).
 _TENSOR_BODY_MIN_BYTES = 64 * 1024

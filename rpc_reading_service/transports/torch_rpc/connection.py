@@ -29,7 +29,7 @@ class TorchRPCConnection(Connection):
     learns at once that the other one is gone.
     """
 
-    #: How long ``close`` waits for frames still in flight (e.g. a CLOSE or a final ERROR).
+    #: How long ``close`` waits for frames still in flight (e.g. a CLOSE or a final failure).
     flush_seconds = 1.0
     #: How long an end that closed waits for the other end to leave its RPC world (its
     #: bootstrap EOF) before it leaves its own anyway (see :meth:`_say_goodbye`).

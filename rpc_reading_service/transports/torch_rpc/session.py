@@ -14,7 +14,7 @@ from typing import Any, Dict, NoReturn, Optional, Sequence
 from ...addresses import parse_address
 from ...version import __version__
 from ...errors import ProtocolError, RemoteProtocolError
-from ...protocol import Buffer, Error, Frame, Join, MessageKind, Ready, decode_setup
+from ...protocol import Buffer, Frame, Join, MessageKind, Ready, SetupRefused, decode_setup
 from ..base import Connection, PeerLostError, WrappingListener
 from ..socket_transport import SocketConnection, SocketListener
 from .agent import agent_exists, current_agent_name, leave_group, rpc_api, short_error, shutdown_agent
@@ -38,7 +38,7 @@ def _shutdown_session_agent_at_exit() -> None:
 class _SessionConnection(TorchRPCConnection):
     """The worker's end. Joins the trainer's world on the first ``recv``, in the session process."""
 
-    flush_seconds = 2.0  # a session's last frame may be the ERROR that explains its end
+    flush_seconds = 2.0  # a session's last frame may be the failure that explains its end
 
     def __init__(self, bootstrap: SocketConnection, max_frame_bytes: int):
         super().__init__(bootstrap, bootstrap.peer, "", RPCInbox(max_frame_bytes), rpc_timeout=60.0)
@@ -99,8 +99,8 @@ class _SessionConnection(TorchRPCConnection):
 
     # -- bootstrap ------------------------------------------------------------------------------------
     def _refuse(self, message: str, reason: str) -> NoReturn:
-        """Answer the rendezvous with a setup ERROR saying why (``reason``: one of ``Error.REASONS``)."""
-        refusal = Error(None, "setup", message=message, reason=reason, transport=TRANSPORT_NAME)
+        """Answer the rendezvous with a SETUP_REFUSED saying why (``reason``: one of ``SetupRefused.REASONS``)."""
+        refusal = SetupRefused(reason, message, TRANSPORT_NAME)
         try:
             self._bootstrap.send(refusal.encode())
         except (PeerLostError, OSError):

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from ...addresses import format_address, is_loopback_host
 from ...errors import ConfigurationError, RemoteProtocolError, WorkerRefusedError
-from ...protocol import Error, Join, MessageKind, Ready, decode_reject
+from ...protocol import Join, MessageKind, Ready, SetupRefused, decode_reject
 from ..base import PROBE_SECONDS, Allocator, PeerLostError, Transport
 from ..socket_transport import SocketConnection, SocketTransport
 from .agent import rpc_api
@@ -168,7 +168,7 @@ class TorchRPCTransport(Transport):
         if frame.kind == MessageKind.REJECT:
             world.abandon(name)
             raise WorkerRefusedError(f"worker at {address} refused the session: {decode_reject(frame)}")
-        reply = {MessageKind.READY: Ready, MessageKind.ERROR: Error}.get(frame.kind)
+        reply = {MessageKind.READY: Ready, MessageKind.SETUP_REFUSED: SetupRefused}.get(frame.kind)
         try:
             answer = reply.decode(frame) if reply is not None else None
         except RemoteProtocolError:
@@ -181,9 +181,9 @@ class TorchRPCTransport(Transport):
                 f"{frame.kind.name}, as a server started with another --transport (probably socket) does. Start it "
                 "with `rpc-reading-worker --transport torch_rpc`, or use transport='socket' in the trainer"
             )
-        if isinstance(answer, Error):
+        if isinstance(answer, SetupRefused):
             world.abandon(name)
-            message = f"worker at {address} could not join the torch RPC world: {answer.message or '?'}"
+            message = f"worker at {address} could not join the torch RPC world: {answer.message}"
             if answer.reason == "join":
                 raise PeerLostError(message)
             raise ConfigurationError(message)
