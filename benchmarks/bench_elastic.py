@@ -128,9 +128,10 @@ class Timeline:
         """Seconds from ``event`` to the end of the first of two windows in a row past the middle of
         ``before`` and ``after`` (None if none are)."""
         middle = (before + after) / 2
-        past = [stop for stop, rate in self.rates()
-                if stop - self.window_s >= event.at and (rate > middle if after > before else rate < middle)]
-        return next((stop - event.at for stop in past if stop + self.window_s in past), None)
+        rates = self.rates()
+        past = [stop - self.window_s >= event.at and (rate > middle if after > before else rate < middle)
+                for stop, rate in rates]  # fmt: skip
+        return next((rates[i][0] - event.at for i in range(len(rates) - 1) if past[i] and past[i + 1]), None)
 
 
 def phase_plan(servers: int) -> List[int]:
