@@ -52,11 +52,13 @@ test-slurm: $(STAMP)
 	$(VENV)/bin/python -m pytest -m slurm tests/test_slurm.py
 
 # The published run: tables on stdout, and benchmarks/RESULTS.md, results.json, results.png;
-# then the front ends without DataLoader2 (bench-nodes, torchdata $(NODES_TORCHDATA_VERSION)) add their section to RESULTS.md.
+# then the front ends without DataLoader2 (bench-nodes, torchdata $(NODES_TORCHDATA_VERSION)) add their section to RESULTS.md,
+# and the elastic fleet (bench-elastic) writes ELASTIC.md.
 bench: $(BENCH_STAMP) $(NODES_STAMP)
 	$(VENV)/bin/python benchmarks/bench.py --json benchmarks/results.json --plot benchmarks/results.png \
 		--results-md benchmarks/RESULTS.md
 	$(MAKE) bench-nodes
+	$(MAKE) bench-elastic
 
 # RemoteMapper vs ParallelMapper, RemoteIterable vs torch's DataLoader: their section of RESULTS.md.
 bench-nodes: $(NODES_STAMP)
@@ -89,4 +91,9 @@ clean:
 	rm -rf *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
-.PHONY: all demo test test-system test-nodes test-slurm bench bench-nodes clean
+# Servers joining and draining under "dynamic", and the autoscaler against fixed fleets (about 2 minutes):
+# benchmarks/ELASTIC.md and the figure benchmarks/elastic.svg. A MISS among its verdicts does not fail make.
+bench-elastic: $(STAMP)
+	-$(VENV)/bin/python benchmarks/bench_elastic.py --plot benchmarks/elastic.svg --results-md benchmarks/ELASTIC.md
+
+.PHONY: all demo test test-system test-nodes test-slurm bench bench-nodes bench-elastic clean

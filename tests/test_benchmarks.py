@@ -54,10 +54,11 @@ def table_of(output: str, scenario: str) -> str:
     return match.group(0)
 
 
-def run_bench(tmp_path: Path, arguments: list[str], timeout: float) -> str:
-    """Run bench.py with ``arguments`` in ``tmp_path``; its stdout, once it exited with 0 and
-    left nothing running."""
-    command = [sys.executable, str(BENCH_DIR / "bench.py"), *arguments]
+def run_bench(tmp_path: Path, arguments: list[str], timeout: float, script: str = "bench.py",
+              exit_codes: tuple = (0,)) -> str:
+    """Run ``script`` (bench.py) with ``arguments`` in ``tmp_path``; its stdout, once it exited with
+    one of ``exit_codes`` and left nothing running."""
+    command = [sys.executable, str(BENCH_DIR / script), *arguments]
     pythonpath = os.pathsep.join([str(BENCH_DIR.parent), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=pythonpath)
     with open(tmp_path / "stdout.txt", "wb") as stdout, open(tmp_path / "stderr.txt", "wb") as stderr:
@@ -70,7 +71,7 @@ def run_bench(tmp_path: Path, arguments: list[str], timeout: float) -> str:
     finally:
         reap(proc)
     output = (tmp_path / "stdout.txt").read_text()
-    assert proc.returncode == 0, output + (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode in exit_codes, output + (tmp_path / "stderr.txt").read_text()
     return output
 
 
@@ -254,3 +255,81 @@ def test_front_ends_tables_write_their_own_section_of_results_md():
     assert bench_frontends.with_section(moved, f"{bench_frontends.SECTION}\n\nrun 2\n\n").endswith(
         "run 2\n\n## Over capped network links\n\nl\n"
     )
+
+
+@pytest.mark.timeout(120)
+def test_elastic_quick_run_checks_every_item_and_writes_its_figure(tmp_path):
+    """bench_elastic.py --quick: the timeline (a server joins, then drains; two epochs back to back)
+    and the autoscaler's rounds, their verdicts (exit 1 on a MISS), every item once, the SVG and
+    ELASTIC.md; no leftovers."""
+    import xml.etree.ElementTree as ElementTree
+
+    svg, markdown = tmp_path / "elastic.svg", tmp_path / "ELASTIC.md"
+    output = run_bench(tmp_path, ["--quick", "--timeline-epochs", "2", "--plot", str(svg), "--results-md", str(markdown)],
+                       timeout=110,
+                       script="bench_elastic.py", exit_codes=(0, 1))
+    verdicts = output.split("### Verdicts")[1].split("results written to")[0].strip()
+    assert "**PASS**: every item exactly once" in verdicts and "**PASS**: in the order of a fixed fleet" in verdicts
+    assert re.search(r"\*\*(PASS|MISS)\*\*: join at [0-9.]+ s", verdicts), verdicts
+    assert re.search(r"\*\*(PASS|MISS)\*\*: the autoscaler (is|never)", verdicts), verdicts
+    assert "### Autoscale(min_sessions=1, max_sessions=2) against fixed fleets" in output
+    assert "2 epochs back to back" in output
+    figure = ElementTree.parse(svg).getroot()
+    marks = [text.text for text in figure.iter("{http://www.w3.org/2000/svg}text") if text.text]
+    assert "join (2)" in marks and "drain (1)" in marks
+    assert len(list(figure.iter("{http://www.w3.org/2000/svg}polyline"))) == 1
+    written = markdown.read_text()
+    assert "load average (1 min)" in written and verdicts in written
+
+
+def synthetic_timeline(before_rate: float, after_rate: float, kind: str, servers: int):
+    """``before_rate`` items/s for 4 s, then ``after_rate`` for 4 s, a ``kind`` event at 4 s leaving ``servers``."""
+    from bench_elastic import Event, Timeline
+
+    times = [i / before_rate for i in range(int(4 * before_rate))]
+    times += [4 + i / after_rate for i in range(int(4 * after_rate))]
+    return Timeline(times, [Event(kind, 4.0, servers, "127.0.0.1:1")], 0.5, True, True, [3 - servers, servers],
+                    [(3 - servers, 3 - servers), (servers, servers)])
+
+
+@pytest.mark.parametrize("kind, before_rate, after_rate, servers, passed", [
+    ("join", 100.0, 200.0, 2, True), ("join", 100.0, 100.0, 2, False), ("join", 100.0, 400.0, 2, False),
+    ("drain", 200.0, 100.0, 1, True), ("drain", 200.0, 200.0, 1, False), ("drain", 200.0, 160.0, 1, False),
+])  # fmt: skip
+def test_elastic_step_checks_want_the_new_fleets_rate(kind, before_rate, after_rate, servers, passed):
+    """A join or drain passes when the plateau after it is the new fleet's rate (servers times one
+    session's, within half of it), reached within a few seconds."""
+    from bench_elastic import step_check
+
+    timeline = synthetic_timeline(before_rate, after_rate, kind, servers)
+    before, after = (timeline.plateau(start, end) for start, end, _n in timeline.bounds())
+    assert before == pytest.approx(before_rate, rel=0.05) and after == pytest.approx(after_rate, rel=0.05)
+    step, (text, verdict) = step_check(timeline, timeline.events[0], before, after, 100.0)
+    assert verdict is passed, text
+    assert (step == "none") is (not passed) and (not passed or float(step) <= 1.0), step
+
+
+@pytest.mark.parametrize("after, said", [((1, 1), False), ((2, 1), True)])
+def test_elastic_report_says_when_a_drain_kept_its_sessions(after, said):
+    from bench_elastic import timeline_report
+
+    timeline = synthetic_timeline(200.0, 100.0 * after[0], "drain", 1)
+    timeline.sessions = [(2, 2), after]
+    text, checks = timeline_report(timeline, 10.0)
+    assert ("After a drain the run kept its sessions: 2 on 1 server " in text) is said, text
+    assert [passed for line, passed in checks if line.startswith("drain")] == [not said]
+
+
+@pytest.mark.parametrize("auto_rates, verdict", [
+    ([90, 100, 185, 200], "within 10% of the best fixed fleet from epoch 2 on (3 epochs, 3.0 s of its run, 2 sessions)"),
+    ([90, 185, 100, 200], "within 10% of the best fixed fleet from epoch 3 on"),  # it must stay there
+    ([90, 100, 150, 170], "never stays within 10% of the best fixed fleet"),
+])  # fmt: skip
+def test_elastic_autoscale_verdict_is_the_round_from_which_it_stays_within_10_percent(auto_rates, verdict):
+    from bench_elastic import EpochResult, autoscale_report
+
+    fixed = {"fixed 1": [EpochResult(100.0, 1.0, 1, 0.6)] * 4, "fixed 2": [EpochResult(200.0, 1.0, 2, 0.1)] * 4}
+    auto = [EpochResult(rate, 1.0, 1 if rate < 150 else 2, 0.5) for rate in auto_rates]
+    text, [(line, passed)] = autoscale_report({**fixed, "autoscale": auto}, ["before epoch 1: hold"], 10.0, 4.0)
+    assert verdict in line and passed is ("never" not in verdict), line
+    assert "| 3 | 100 | 200 | 2 |" in text

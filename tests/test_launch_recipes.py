@@ -206,13 +206,107 @@ def test_fleet_script_without_the_venv_says_to_set_python_or_activate_it(tmp_pat
 # -- recipes that cannot run here --------------------------------------------------------------------
 @pytest.mark.timeout(30)
 def test_shell_recipes_parse():
-    for name in ("launch_local_fleet.sh", "slurm_hetjob.sbatch"):
+    for name in ("launch_local_fleet.sh", "slurm_hetjob.sbatch", "slurm_autoscale_worker.sbatch"):
         command = ["bash", "-n", str(EXAMPLES / name)]
         result = subprocess.run(command, capture_output=True, text=True, timeout=20)
         assert result.returncode == 0, f"{name}: {result.stderr}"
     sbatch = (EXAMPLES / "slurm_hetjob.sbatch").read_text()
     assert "#SBATCH hetjob" in sbatch and "--het-group=0" in sbatch and "--het-group=1" in sbatch
     assert "rpc-reading-worker" in sbatch and "torchrun" in sbatch
+
+
+# -- Slurm autoscaling: the worker job's script under a stand-in srun, on_scale with stand-in commands --------
+FAKE_SLURM = {
+    # srun: drop its options, run the task in its place
+    "srun": 'while [[ "${1:-}" == --* ]]; do shift; done\nexec "$@"\n',
+    # sbatch --parsable: a new pending job named by --job-name; prints its id
+    "sbatch": 'echo "sbatch $*" >>"$FAKE_SLURM/log"\nid=$(( $(cat "$FAKE_SLURM/next" 2>/dev/null || echo 100) + 1 ))\n'
+              'echo $id >"$FAKE_SLURM/next"\nfor a in "$@"; do [[ $a == --job-name=* ]] && name=${a#--job-name=}; done\n'
+              'echo "$id PD $name" >>"$FAKE_SLURM/jobs"\necho $id\n',
+    # squeue --name=NAME: "id state" of the jobs of that name
+    "squeue": 'for a in "$@"; do [[ $a == --name=* ]] && name=${a#--name=}; done\n'
+              'awk -v n="$name" \'$3 == n {print $1, $2}\' "$FAKE_SLURM/jobs"\n',
+    # scancel [--signal=TERM] ID: logged; without --signal the job is gone
+    "scancel": 'echo "scancel $*" >>"$FAKE_SLURM/log"\n[[ $1 == --signal=* ]] || sed -i "/^$1 /d" "$FAKE_SLURM/jobs"\n',
+}
+
+
+def fake_slurm(tmp_path: Path, *names: str) -> dict:
+    """The recipes' environment with stand-ins for the Slurm commands ``names`` first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in names:
+        (bin_dir / name).write_text("#!/bin/bash\n" + FAKE_SLURM[name])
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "jobs").touch()
+    env = recipe_env()
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", FAKE_SLURM=str(tmp_path))
+    return env
+
+
+@pytest.mark.timeout(90)
+def test_slurm_autoscale_worker_registers_serves_and_drains(tmp_path):
+    """The worker job's script (srun standing in): its server registers in the run's store under the
+    run's job, a trainer finds it there and reads from it, and SIGTERM (scancel --signal=TERM) drains it:
+    exit 0, its entry deleted."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    key_file = tmp_path / "key"
+    key_file.write_text("slurm-autoscale-key")
+    key_file.chmod(0o600)
+    env = fake_slurm(tmp_path, "srun")
+    env.update(RRS_STORE=f"127.0.0.1:{store.port}", RRS_JOB="4242", RRS_KEY_FILE=str(key_file),
+               LISTEN_HOST="127.0.0.1", WORKER_PORT="0", WORKER_LOG_LEVEL="INFO")  # fmt: skip
+    proc = subprocess.Popen(["bash", str(EXAMPLES / "slurm_autoscale_worker.sbatch")], env=env, cwd=tmp_path,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # fmt: skip
+    try:
+        assert wait_until(lambda: registered_workers(store, "4242"), 60), "the worker never registered"
+        rs = RPCReadingService(workers=StoreDiscovery(f"127.0.0.1:{store.port}", job="4242", timeout=30),
+                               auth_key="slurm-autoscale-key", num_workers=1)  # fmt: skip
+        with DataLoader2(IterableWrapper(range(20)).sharding_filter(), reading_service=rs) as loader:
+            assert sorted(loader) == list(range(20))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert registered_workers(store, "4242") == []
+    finally:
+        reap(proc)
+
+
+def load_slurm_autoscale():
+    """examples/slurm_autoscale.py as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("slurm_autoscale", EXAMPLES / "slurm_autoscale.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(30)
+def test_slurm_autoscale_on_scale_keeps_the_wanted_worker_jobs(tmp_path, monkeypatch):
+    """on_scale submits a job per server wanted (named for the run, told the store, job and key);
+    shrinking cancels the newest, a pending one at once, a running one by SIGTERM (its server drains),
+    not counted again while it drains; stop() drains the rest."""
+    for name, value in fake_slurm(tmp_path, "sbatch", "squeue", "scancel").items():
+        monkeypatch.setenv(name, value)
+    log, jobs_file = tmp_path / "log", tmp_path / "jobs"
+    jobs = load_slurm_autoscale().SlurmWorkerJobs(store="trainer:29700", run="77", key_file="/shared/rrs-77/key")
+    jobs(3, None)
+    submitted = log.read_text().splitlines()
+    assert len(submitted) == 3 and all(
+        "--job-name=rrs-worker-77" in line and "RRS_STORE=trainer:29700,RRS_JOB=77,RRS_KEY_FILE=/shared/rrs-77/key" in line
+        and line.endswith("slurm_autoscale_worker.sbatch") for line in submitted
+    ), submitted  # fmt: skip
+    jobs_file.write_text("101 R rrs-worker-77\n102 R rrs-worker-77\n103 PD rrs-worker-77\n999 R rrs-worker-other\n")
+    jobs(1, None)
+    assert log.read_text().splitlines()[3:] == ["scancel 103", "scancel --signal=TERM 102"]
+    jobs(1, None)  # 102 drains (still running): not cancelled again, nothing submitted
+    jobs(2, None)  # one more server: 102 does not count
+    assert log.read_text().splitlines()[5:6] == [submitted[0]] and len(log.read_text().splitlines()) == 6
+    jobs.stop()
+    assert log.read_text().splitlines()[6:] == ["scancel 104", "scancel --signal=TERM 101"]
 
 
 def _load_yaml_documents(path: Path):

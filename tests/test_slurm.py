@@ -1,4 +1,5 @@
-"""examples/slurm_hetjob.sbatch submitted with sbatch to a real, single-node Slurm (tests/slurm.py).
+"""examples/slurm_hetjob.sbatch submitted with sbatch to a real, single-node Slurm (tests/slurm.py), and
+the autoscaled run's worker jobs of examples/slurm_autoscale.py submitted and drained there.
 
 Opt-in (``make test-slurm``, or ``pytest -m slurm tests/test_slurm.py``): it needs root and
 Debian's ``slurm-wlm`` and ``munge``, and skips with the reason where either is missing or
@@ -83,3 +84,43 @@ def test_hetjob_recipe_trains_exactly_once_and_stops_its_workers(slurm, tmp_path
     assert "Killed" not in output and "forcing job termination" not in output, output
     assert re.search(r"deregistered worker slot \d+ of job", output), output
     assert (tmp_path / f"rrs-{job_id}" / "key").exists()
+
+
+def test_autoscale_worker_jobs_register_and_drain(slurm, tmp_path, monkeypatch):
+    """examples/slurm_autoscale.py's on_scale against a real Slurm: a worker job submitted for a
+    server wanted registers in the run's store under the run's job; one no longer wanted is sent
+    SIGTERM (scancel --signal=TERM), drains (its store entry deleted) and its job completes."""
+    from torch.distributed import TCPStore
+
+    from rpc_reading_service.discovery import registered_workers
+    from test_launch_recipes import load_slurm_autoscale
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    key_file = tmp_path / "key"
+    key_file.write_text("slurm-autoscale-key")
+    key_file.chmod(0o600)
+    environment = dict(slurm.env, PATH=f"{VENV_BIN}:{slurm.env.get('PATH', '/usr/bin:/bin')}", PYTHONPATH=_pythonpath(),
+                       LISTEN_HOST="127.0.0.1", WORKER_PORT=str(free_port()), WORKER_LOG_LEVEL="INFO")  # fmt: skip
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("RPC_READING_SERVICE_AUTH_KEY", raising=False)
+    jobs = load_slurm_autoscale().SlurmWorkerJobs(
+        store=f"127.0.0.1:{store.port}", run="autoscaled", key_file=str(key_file),
+        sbatch_args=["--cpus-per-task=1", "--time=3", f"--output={tmp_path}/worker-%j.out"],
+    )  # fmt: skip
+    jobs(1)
+    [(job_id, _state)] = jobs.jobs()
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not registered_workers(store, "autoscaled"):
+        if time.monotonic() > deadline:
+            pytest.fail(f"worker job {job_id} never registered ({job_state(slurm, job_id)}); logs:\n{slurm.logs()}")
+        time.sleep(0.5)
+    jobs(0)
+    while job_state(slurm, job_id).get("JobState") in ("PENDING", "RUNNING", "COMPLETING", None):
+        if time.monotonic() > deadline:
+            pytest.fail(f"worker job {job_id} still {job_state(slurm, job_id)}; logs:\n{slurm.logs()}")
+        time.sleep(0.5)
+    output = (tmp_path / f"worker-{job_id}.out").read_text()
+    assert job_state(slurm, job_id) == {"JobState": "COMPLETED", "ExitCode": "0:0"}, output + slurm.logs()
+    assert registered_workers(store, "autoscaled") == [] and jobs.jobs() == [], output
+    assert "Killed" not in output and "forcing job termination" not in output, output
