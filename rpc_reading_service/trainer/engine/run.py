@@ -596,6 +596,7 @@ class Engine:
                 units=units.get(channel.rank),
             )
             for channel in self.channels
+            if channel.rank not in progress.left
         ]
         items = sum(progress.consumed)
         return ReadingServiceStats(
