@@ -160,7 +160,7 @@ class LeaseBook:
             if self.available is not None and chunk >= self.available:
                 break  # pending is sorted: none after it exists yet either
             if chunk > latest and (reserved is None or chunk in reserved):  # a session walks its stream once
-                if self.holds_window(rank, self.schedule.size(chunk), now):
+                if reserved is None and self.holds_window(rank, self.schedule.size(chunk), now):
                     return None
                 choice = self.pending.pop(index)
                 for chunks in self.handing_back.values():
