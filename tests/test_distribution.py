@@ -214,6 +214,22 @@ def test_a_lost_session_gives_back_its_undelivered_chunks_with_what_was_delivere
     assert book.lease(1) == (3, 3)
 
 
+def test_a_drained_sessions_take_over_is_leased_its_chunks_at_once_and_no_other_then_ends():
+    book = LeaseBook(num_workers=3, chunk_size=4, depth=2, window=100)
+    for rank in (0, 1, 2, 0, 1, 2):
+        book.lease(rank)  # 0: chunks 0, 3; 1: chunks 1, 4; 2: chunks 2, 5
+    book.hand_back(1, book.lost(1))
+    assert [book.lease(1), book.lease(1), book.lease(1)] == [(1, 0), (4, 0), None]  # both at once, no new chunk
+    assert book.lease(2) is None and book.lease(0) is None  # the others hold their depth
+    book.done(1, 1, 4, None)
+    assert book.arrived(1, 4) == [(1, 4)] and not book.handed_back(1)  # chunk 4 still out
+    book.done(1, 4, 4, None)
+    assert not book.handed_back(1)  # reported, its items not here yet
+    assert book.arrived(1, 4) == [(4, 4)] and book.handed_back(1) and 1 in book.ended
+    book.done(0, 0, 4, None)
+    assert book.lease(0) == (6, 0) and book.lease(1) is None  # the next chunks go to the sessions left
+
+
 def test_a_frame_is_split_by_the_reported_counts_and_a_reported_chunk_whose_tail_was_lost_is_leased_again():
     book = LeaseBook(num_workers=1, chunk_size=4, depth=4, window=100)
     for _ in range(3):

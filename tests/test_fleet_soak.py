@@ -73,7 +73,7 @@ def test_servers_join_and_drain_every_epoch_and_every_epoch_is_exactly_once(fres
             assert items == expected[epoch], f"epoch {epoch} lost, repeated or reordered items"
             stats = dl.reading_service.stats()
             assert (stats.joins, stats.drains, stats.reassignments) == (1, PER_SERVER, 0), (epoch, stats)
-            assert sum(worker.items_consumed for worker in stats.workers) == ITEMS  # the drained ranks' too
+            assert stats.items == ITEMS and sessions_by_server(dl) == {s.address: PER_SERVER for s in fleet}  # no take-over left
             if baseline is None:  # after the first join and drain: the steady state
                 baseline = trainer_resources(dl)
             else:

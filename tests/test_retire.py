@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from _server_helpers import FileGate, wait_until
+from _server_helpers import FileGate, run_epochs, wait_until
 from test_drain import ITEMS, Hold, graph
 from test_join import two_epochs
+from torchdata.dataloader2 import DataLoader2
+
 from rpc_reading_service import RPCReadingService, WorkerDrainedError, WorkerLostError
 from rpc_reading_service.policies.dynamic.trainer import Dynamic
 
@@ -60,8 +62,38 @@ def test_a_drained_servers_ranks_are_retired_from_the_next_epoch(fresh_server, t
     )
     assert sorted(first) == sorted(second) == list(range(ITEMS))
     assert during.drains == 2 and during.reassignments == 0  # its work left was finished on the survivor
-    assert sessions_by_server(during) == {survivor.address: 4}
+    # Under "dynamic" the take-overs ended with the drained sessions' chunks; static shards are theirs to the end.
+    assert sessions_by_server(during) == {survivor.address: 2 if distribution == "dynamic" else 4}
     assert sessions_by_server(after) == {survivor.address: 2} and after.drains == 0  # its share, no more
+    assert drained.proc.wait(15) == 0
+
+
+@pytest.mark.timeout(60)
+def test_under_dynamic_a_drained_servers_sessions_are_gone_before_the_epoch_ends(fresh_server, tmp_path):
+    survivor = fresh_server(args=["--drain-timeout", "10"])
+    drained = fresh_server(args=["--drain-timeout", "10"], key=survivor.key)
+    gate = FileGate(tmp_path / "gate", timeout=30)
+    rs = RPCReadingService(workers=[survivor.address, drained.address], num_workers=4, auth_key=survivor.key,
+                           distribution=Dynamic(chunk_size=4, window=16), timeout=20.0)  # fmt: skip
+    items, sessions = [], []  # sessions: by server, read after each item
+    try:
+        with DataLoader2(graph(Hold(drained.pid, gate, at=5)), reading_service=rs) as dl:
+            dl.seed(11)
+            for item in dl:
+                items.append(item)
+                if len(items) == 1:
+                    assert wait_until(Path(gate.path + ".held").exists, 20), "the drained server's sessions never held"
+                    os.kill(drained.pid, signal.SIGTERM)
+                sessions.append(sessions_by_server(dl.reading_service.stats()))
+            after = list(dl), sessions_by_server(dl.reading_service.stats())
+    finally:
+        gate.open()
+    expected = run_epochs(graph(), RPCReadingService(workers=[survivor.address], num_workers=2, auth_key=survivor.key,
+                                                     distribution="dynamic"), n_epochs=2, seed=11)  # fmt: skip
+    assert [items, after[0]] == expected  # every item once, in the order of a fixed fleet
+    gone = sessions.index({survivor.address: 2}) if {survivor.address: 2} in sessions else ITEMS
+    assert gone < ITEMS - 1, f"the take-overs outlived their chunks: {[sum(s.values()) for s in sessions]}"
+    assert all(s == {survivor.address: 2} for s in sessions[gone:]) and after[1] == {survivor.address: 2}
     assert drained.proc.wait(15) == 0
 
 

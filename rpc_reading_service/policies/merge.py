@@ -13,7 +13,7 @@ import collections
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Set, Tuple
 
 from ..trainer.channel import (
     ChannelClosed,
@@ -106,6 +106,9 @@ class EpochProgress:
     #: graph has trainer-side DataPipes; and whether that graph ended the epoch.
     delivered: Optional[int] = None
     delivered_all: bool = False
+    #: Ranks whose session ended before the epoch (a drained session's take-over, its chunks
+    #: delivered): no longer sessions of the run.
+    left: Set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._resumed_at = sum(self.consumed)  # a resumed epoch starts with the checkpoint's positions

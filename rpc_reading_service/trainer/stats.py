@@ -62,6 +62,7 @@ class ReadingServiceStats:
     items_per_second: float
     wait_seconds: float
     data_stall: float
+    #: The run's sessions now (under "dynamic" a drained session's take-over is gone once its chunks came).
     workers: List[WorkerStats] = field(default_factory=list)
     #: Lost workers' shards replayed on new sessions this epoch (``on_worker_failure="reassign"``).
     reassignments: int = 0

@@ -115,6 +115,9 @@ class LeaseBook:
         self.finished: Set[int] = set()
         #: Ranks whose session joined the epoch after it started (a new server's, or a lost one's replacement).
         self.joined: Set[int] = set()
+        #: Ranks whose session only finishes a drained session's chunks (its take-over), and those
+        #: chunks not leased yet: :meth:`hand_back`.
+        self.handing_back: Dict[int, Set[int]] = {}
         #: Chunks leased per rank this epoch, less those that lay past the stream's end (``stats()``'s units).
         self.units: Dict[int, int] = {rank: 0 for rank in range(num_workers)}
         #: Chunks below this exist yet (None: all of them; a dispatched epoch's units exist once pulled).
@@ -132,23 +135,40 @@ class LeaseBook:
         floor, ceiling = self._window_bounds
         self._window_bounds = (floor, max(ceiling, 2 * self.max_depth * len(self.outstanding)))
 
+    def hand_back(self, rank: int, chunks: Sequence[int]) -> None:
+        """``rank``'s new session takes over a drained one's ``chunks`` (pending) and is leased no
+        other: it is done once they are (:meth:`handed_back`)."""
+        self.handing_back[rank] = self.handing_back.get(rank, set()) | set(chunks)
+
+    def handed_back(self, rank: int) -> bool:
+        """Whether ``rank`` handing back delivered its chunks: it is then ended for the epoch."""
+        if rank not in self.handing_back or self.handing_back[rank] or self.outstanding[rank] or self.arriving[rank]:
+            return False
+        del self.handing_back[rank]
+        self.ended.add(rank)
+        return True
+
     # -- leasing --------------------------------------------------------------------------------
     def lease(self, rank: int, now: Optional[float] = None) -> Optional[Tuple[int, int]]:
         """The next ``(chunk, skip)`` for ``rank`` if it has room and one is due, else None (recorded
         as leased), at ``now`` (monotonic; given, a worker's time waiting for it is not timed as work)."""
         if rank in self.ended or rank in self.finished or len(self.outstanding[rank]) >= self.depth_of(rank):
             return None
-        latest = self.latest[rank]
+        latest, reserved = self.latest[rank], self.handing_back.get(rank)
         choice: Optional[Tuple[int, int]] = None
         for index, (chunk, skip) in enumerate(self.pending):
             if self.available is not None and chunk >= self.available:
                 break  # pending is sorted: none after it exists yet either
-            if chunk > latest:  # a session walks its stream once: only chunks ahead of its latest lease
-                if self.holds_window(rank, self.schedule.size(chunk), now):
+            if chunk > latest and (reserved is None or chunk in reserved):  # a session walks its stream once
+                if reserved is None and self.holds_window(rank, self.schedule.size(chunk), now):
                     return None
                 choice = self.pending.pop(index)
+                for chunks in self.handing_back.values():
+                    chunks.discard(chunk)
                 break
         if choice is None:
+            if reserved is not None:
+                return None
             chunk = self.next_chunk
             if self.stream_chunks is not None and chunk >= self.stream_chunks:
                 return None
@@ -290,7 +310,9 @@ class LeaseBook:
         most 2 while the stream's length is known or expected (then :meth:`ends_last` keeps a
         second chunk from the worker that would end the epoch with it, and the others do not
         wait a lease's round trip at each chunk boundary); more for one whose chunks take less
-        than a round trip (enough for ``lead_seconds`` of its work)."""
+        than a round trip (enough for ``lead_seconds`` of its work); all its chunks for one handing back."""
+        if rank in self.handing_back:  # all of them at once: no other session can start that far back
+            return max(self.depth, len(self.outstanding[rank]) + len(self.handing_back[rank]))
         per_position = self.position_seconds.get(rank)
         if per_position is None:  # a session that joined mid-epoch may be a straggler: one chunk until measured
             return 1 if rank in self.joined else self.depth

@@ -20,7 +20,8 @@ from ...trainer.channel import (
     UnitsDispatched,
     WorkerChannel,
 )
-from ...errors import WorkerLostError
+from ...addresses import server_key
+from ...errors import WorkerDrainedError, WorkerLostError
 from ..base import EpochRun, Merger
 from .leases import CHUNK_LEAD_SECONDS, MAX_CHUNK_DEPTH, WINDOW_BYTES_PER_WORKER, LeaseBook, checkpoint_schedule
 from .schedule import DIVISOR, SMALLEST, ChunkSchedule, FixedChunks, GuidedChunks
@@ -166,12 +167,13 @@ class DynamicMerger(Merger):
             rank = event.channel.rank
             if rank >= len(channels):  # a joined session's event came before the wake-up
                 self._adopt()
-            if rank >= len(channels) or event.channel is not channels[rank]:
+            if rank >= len(channels) or event.channel is not channels[rank] or rank in progress.left:
                 continue  # left over from a replaced (or closed) session
             if isinstance(event, ChunkFinished):
                 done = event.chunk
                 book.done_many(rank, done.chunk, done.counts, done.stream_length)
                 self._top_up(event.channel)
+                self._end_if_handed_back(event.channel)
                 if done.stream_length is not None:
                     # The stream's end is known: the others may be leased its last chunks, or told
                     # that none come. A report gives them no other room: the window moves only as
@@ -196,6 +198,7 @@ class DynamicMerger(Merger):
                             self._hand_on(rank, chunk)
                             yield item
                     start += count
+                self._end_if_handed_back(event.channel)
             elif isinstance(event, SessionLost) and rank in book.ended and not (run.replace and run.reassign):
                 event.channel.held_loss = event  # this epoch has all of its items: the next one needs it
             else:
@@ -208,6 +211,7 @@ class DynamicMerger(Merger):
     def _stream_ended(self, channel: WorkerChannel) -> None:
         """``channel``'s stream ended (END_OF_SHARD): its leases still outstanding lie past the stream's end."""
         self.book.end(channel.rank)
+        self._end_if_handed_back(channel)
         self._finish_all()
 
     def _deliver_ready(self) -> Iterator[Any]:
@@ -252,8 +256,28 @@ class DynamicMerger(Merger):
         """Lease the lost session's chunks that were not delivered completely to its replacement."""
         if self.run.replace is None:
             raise error
-        for chunk in self.book.lost(lost.rank):
+        book, rank = self.book, lost.rank
+        chunks = book.lost(rank)
+        for chunk in chunks:
             self.buffers.pop(chunk, None)  # received but not handed on: the new lease sends them again
         channel = self.run.replace(lost, error)
-        self.run.channels[lost.rank] = channel
+        self.run.channels[rank] = channel
+        if rank in book.handing_back or (isinstance(error, WorkerDrainedError) and self._has_peer(channel)):
+            book.hand_back(rank, chunks)  # a drained session's take-over: its chunks, then it ends
         self._top_up(channel)
+        self._end_if_handed_back(channel)
+
+    def _has_peer(self, channel: WorkerChannel) -> bool:
+        """Whether another session of the epoch is on ``channel``'s server (it stays a rank of the run)."""
+        key, left = server_key(channel.address), self.run.progress.left
+        return any(
+            other is not channel and other.rank not in left and other.rank not in self.book.handing_back
+            and server_key(other.address) == key
+            for other in self.run.channels
+        )  # fmt: skip
+
+    def _end_if_handed_back(self, channel: WorkerChannel) -> None:
+        """End ``channel``'s session once it handed back a drained session's chunks (its items are here)."""
+        if self.book.handed_back(channel.rank):
+            self.run.progress.left.add(channel.rank)
+            channel.close()

@@ -304,6 +304,9 @@ class Engine:
                 self.fleet.drained.add(channel.address)
                 leaving.add(channel.rank)
         ranks = self.fleet.retirees(self.worker_addresses, leaving)
+        left = self.epoch.progress.left if self.epoch is not None else set()
+        if left and len(left | set(ranks)) < len(self.channels):  # sessions ended in their epoch are never kept
+            ranks = sorted(left | set(ranks))
         if not ranks:
             return False
         with self._lock:
@@ -596,6 +599,7 @@ class Engine:
                 units=units.get(channel.rank),
             )
             for channel in self.channels
+            if channel.rank not in progress.left
         ]
         items = sum(progress.consumed)
         return ReadingServiceStats(
