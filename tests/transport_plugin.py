@@ -66,9 +66,6 @@ class CountingConnection(Connection):
     def release(self) -> None:
         self._inner.release()
 
-    def set_max_frame_bytes(self, max_frame_bytes: int) -> None:
-        self._inner.set_max_frame_bytes(max_frame_bytes)
-
 
 class CountingListener(WrappingListener):
     def wrap(self, conn: Connection) -> Connection:

@@ -117,9 +117,6 @@ class Connection(abc.ABC):
         """Drop this process's handle without disturbing the peer (after handing it to a child)."""
         self.close()
 
-    def set_max_frame_bytes(self, max_frame_bytes: int) -> None:
-        """Refuse frames larger than this from now on."""
-
 
 class Listener(abc.ABC):
     """A server endpoint that yields authenticated connections."""

@@ -48,9 +48,6 @@ class SocketConnection(Connection):
         """The socket's file descriptor."""
         return self._sock.fileno()
 
-    def set_max_frame_bytes(self, max_frame_bytes: int) -> None:
-        self._reader.max_frame_bytes = max_frame_bytes
-
     def has_room(self) -> bool:
         # The kernel reports a socket writable while a good part of its send buffer is free
         # (a quarter to a third): plenty for a small frame.

@@ -70,9 +70,6 @@ class TorchRPCConnection(Connection):
         self._watcher = self._tasks.start(f"rpc-watch-{self.peer}", self._watch)
 
     # -- Connection -------------------------------------------------------------------------------
-    def set_max_frame_bytes(self, max_frame_bytes: int) -> None:
-        self._inbox.max_frame_bytes = max_frame_bytes
-
     def send(self, chunks: Sequence[Buffer]) -> None:
         head, body, buffers = split_rpc_frame(chunks)
         rpc = rpc_api()
