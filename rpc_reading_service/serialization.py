@@ -63,22 +63,28 @@ class EncodedItem:
         staged: Some buffers went where the encoder's ``stage`` put them (shared segments).
     """
 
-    __slots__ = ("payload", "buffers", "borrowed", "staged")  # one per item on the hot path: keep it light
+    #: One per item on the hot path: keep it light. ``nbytes``, the item's bytes on the wire, is
+    #: given by its encoder (read without a call), else counted when first asked for.
+    __slots__ = ("payload", "buffers", "borrowed", "staged", "nbytes")
 
     def __init__(self, payload: Buffer, buffers: Optional[List[Buffer]] = None, borrowed: bool = False,
-                 staged: bool = False):
+                 staged: bool = False, nbytes: Optional[int] = None):
         self.payload = payload
         self.buffers = buffers if buffers is not None else []
         self.borrowed = borrowed
         self.staged = staged
+        if nbytes is not None:
+            self.nbytes = nbytes
 
     def __repr__(self) -> str:
         return f"EncodedItem({len(self.payload)} bytes, {len(self.buffers)} buffers)"
 
-    @property
-    def nbytes(self) -> int:
-        """Total bytes of the item on the wire."""
-        return len(self.payload) + sum(memoryview(b).nbytes for b in self.buffers)
+    def __getattr__(self, name: str) -> Any:
+        """Count :attr:`nbytes` when first asked for (an item not made by an encoder)."""
+        if name != "nbytes":
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self.nbytes = len(self.payload) + sum(memoryview(b).nbytes for b in self.buffers)
+        return self.nbytes
 
 
 def _rebuild_tensor(data: Any, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
@@ -137,6 +143,14 @@ def _class_reduction(cls: type) -> Any:
     return _class_by_name, (module_name, qualname)
 
 
+_Tensor = torch.Tensor
+_TypedStorage = torch.storage.TypedStorage
+_PickleBuffer = pickle.PickleBuffer
+#: Types whose objects every tensor's reduction holds (its rebuild function, its dtype): no
+#: reduction of ours, looked up first.
+_PLAIN_TYPES = frozenset({types.FunctionType, torch.dtype})
+
+
 class ItemPickler(pickle.Pickler):
     """Pickler that sends CPU tensor storage as a pickle protocol 5 buffer, and classes
     this process cannot name by the name the trainer knows them by."""
@@ -147,46 +161,57 @@ class ItemPickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         """Classes by name or value, CPU tensors and storages by their buffers; else pickle's default."""
+        # Called for nearly every object of an item: the common kinds are looked at first.
+        kind = type(obj)
+        if kind is _Tensor:
+            # Each torch call costs ~5-20 us here (its code is cold after the item's bytes went
+            # through the cache), so the common case (a contiguous CPU tensor) makes as few as it can:
+            # numpy() alone checks what the slow path asks one call at a time (CPU, strided,
+            # no grad, no conjugate or negative bit, a dtype numpy has) and raises otherwise.
+            try:
+                array = obj.numpy()
+            except (RuntimeError, TypeError):
+                return _tensor_reduction(obj)
+            if not array.flags.c_contiguous:
+                return _tensor_reduction(obj)
+            if array.nbytes < OUT_OF_BAND_MIN_BYTES:  # in band, as its PickleBuffer would go: no buffer_callback
+                return _rebuild_tensor, (bytearray(array), obj.dtype, array.shape)
+            return _rebuild_tensor, (_PickleBuffer(array), obj.dtype, array.shape)
+        if kind in _PLAIN_TYPES:
+            return NotImplemented
         if isinstance(obj, type):
             reduction = self._class_reductions.get(obj)
             if reduction is None:
                 reduction = self._class_reductions[obj] = _class_reduction(obj)
             return reduction
-        if type(obj) is not torch.Tensor:
-            kind = type(obj)
-            if kind is torch.storage.TypedStorage and obj._untyped_storage.device.type == "cpu":  # .device warns
-                return _storage_reduction(obj)
-            if kind is torch.qscheme:  # plain pickle searches every module for it: 2 ms per item
-                return _lookup, ("torch", obj.__reduce__())
+        if kind is _TypedStorage and obj._untyped_storage.device.type == "cpu":  # .device warns
+            return _storage_reduction(obj)
+        if kind is torch.qscheme:  # plain pickle searches every module for it: 2 ms per item
+            return _lookup, ("torch", obj.__reduce__())
+        return NotImplemented
+
+
+def _tensor_reduction(obj: torch.Tensor) -> Any:
+    """How a tensor that is not a contiguous CPU tensor numpy can view travels (the slow path of
+    :meth:`ItemPickler.reducer_override`)."""
+    if not obj.is_cpu:
+        if obj.device.type == "meta":
             return NotImplemented
-        # Each torch call costs ~5-20 us here (its code is cold after the item's bytes went
-        # through the cache), so the common case (a contiguous CPU tensor) makes as few as it can:
-        # numpy() alone checks what the slow path below asks one call at a time (CPU, strided,
-        # no grad, no conjugate or negative bit, a dtype numpy has) and raises otherwise.
-        try:
-            array = obj.numpy()
-        except (RuntimeError, TypeError):
-            array = None
-        if array is not None and array.flags.c_contiguous:
-            return _rebuild_tensor, (pickle.PickleBuffer(array), obj.dtype, array.shape)
-        if not obj.is_cpu:
-            if obj.device.type == "meta":
-                return NotImplemented
-            # CUDA (and other accelerator) tensors cross as CPU tensors, on every transport:
-            # no device maps, and a trainer without that device can still read them.
-            return _same, (obj.detach().cpu().requires_grad_(obj.requires_grad),)
-        # A quantized tensor's dtype has no numpy equivalent, so numpy() above refused it; its
-        # bytes alone would arrive as a plain tensor without its quantizer: torch's reduction.
-        if obj.layout != torch.strided or obj.requires_grad or obj.is_quantized:
-            return _torch_reduction(obj)
-        try:
-            if not obj.is_contiguous() or obj.is_conj() or obj.is_neg():
-                obj = obj.contiguous().resolve_conj().resolve_neg()
-            flat = obj.reshape(-1)
-            raw = (flat if obj.dtype is torch.uint8 else flat.view(torch.uint8)).numpy()
-        except (RuntimeError, TypeError):
-            return _torch_reduction(obj)  # nested and other exotic tensors
-        return _rebuild_tensor, (pickle.PickleBuffer(raw), obj.dtype, tuple(obj.shape))
+        # CUDA (and other accelerator) tensors cross as CPU tensors, on every transport:
+        # no device maps, and a trainer without that device can still read them.
+        return _same, (obj.detach().cpu().requires_grad_(obj.requires_grad),)
+    # A quantized tensor's dtype has no numpy equivalent, so the reducer's numpy() refused it; its
+    # bytes alone would arrive as a plain tensor without its quantizer: torch's reduction.
+    if obj.layout != torch.strided or obj.requires_grad or obj.is_quantized:
+        return _torch_reduction(obj)
+    try:
+        if not obj.is_contiguous() or obj.is_conj() or obj.is_neg():
+            obj = obj.contiguous().resolve_conj().resolve_neg()
+        flat = obj.reshape(-1)
+        raw = (flat if obj.dtype is torch.uint8 else flat.view(torch.uint8)).numpy()
+    except (RuntimeError, TypeError):
+        return _torch_reduction(obj)  # nested and other exotic tensors
+    return _rebuild_tensor, (pickle.PickleBuffer(raw), obj.dtype, tuple(obj.shape))
 
 
 def _storage_reduction(storage: "torch.storage.TypedStorage") -> Any:
@@ -255,11 +280,6 @@ def release_sparse_tensors() -> None:
         torch._utils._validate_loaded_sparse_tensors()
 
 
-def _keep_small_buffers_in_band(buffer: pickle.PickleBuffer) -> bool:
-    # pickle's buffer_callback contract: a true result serialises the buffer in band.
-    return buffer.raw().nbytes < OUT_OF_BAND_MIN_BYTES
-
-
 class ItemEncoder:
     """Pickles items one by one, reusing one pickler; a large buffer is copied out of band as it is now.
 
@@ -276,7 +296,8 @@ class ItemEncoder:
         self, stage: Optional[Callable[[memoryview], Optional[Any]]] = None, borrow_min_bytes: Optional[int] = None
     ) -> None:
         self._stream = io.BytesIO()
-        self._out_of_band: List[pickle.PickleBuffer] = []
+        #: The item's out-of-band buffers, as the pickler met them (each a flat ``"B"`` view).
+        self._out_of_band: List[memoryview] = []
         self._pickler = ItemPickler(self._stream, protocol=_ITEM_PROTOCOL, buffer_callback=self._collect)
         self._stage = stage
         self._borrow_min_bytes = borrow_min_bytes
@@ -285,9 +306,11 @@ class ItemEncoder:
         self._copies = ReusedBuffers()
 
     def _collect(self, buffer: pickle.PickleBuffer) -> bool:
-        if _keep_small_buffers_in_band(buffer):
+        # pickle's buffer_callback contract: a true result serialises the buffer in band.
+        raw = buffer.raw()
+        if raw.nbytes < OUT_OF_BAND_MIN_BYTES:
             return True
-        self._out_of_band.append(buffer)
+        self._out_of_band.append(raw)
         return False
 
     def _snapshot(self, view: memoryview) -> Any:
@@ -298,9 +321,9 @@ class ItemEncoder:
         if self._borrow_min_bytes is not None and view.nbytes >= self._borrow_min_bytes:
             self._borrowed = True
             return view
-        copy = self._copies(view.nbytes)  # one sent (and let go) before is written again: no page faults
-        numpy.copyto(copy, numpy.frombuffer(view, dtype=numpy.uint8))
-        return memoryview(copy)
+        copy = memoryview(self._copies(view.nbytes))  # one sent (and let go) before is written again: no page faults
+        copy[:] = view
+        return copy
 
     def encode(self, obj: Any) -> EncodedItem:
         """Pickle one item; large buffers are returned separately (copies of them as they are
@@ -310,9 +333,15 @@ class ItemEncoder:
         stream.truncate()
         try:
             self._pickler.dump(obj)
+            payload = stream.getvalue()
+            if not self._out_of_band:
+                return EncodedItem(payload, [], nbytes=len(payload))
             self._borrowed = self._staged = False
-            buffers = [self._snapshot(b.raw()) for b in self._out_of_band]
-            return EncodedItem(stream.getvalue(), buffers, self._borrowed, self._staged)
+            buffers = [self._snapshot(view) for view in self._out_of_band]
+            nbytes = len(payload)
+            for view in self._out_of_band:
+                nbytes += view.nbytes
+            return EncodedItem(payload, buffers, self._borrowed, self._staged, nbytes)
         finally:
             # The memo and the out-of-band list hold the item: let go of it now, so that its
             # memory goes back to the allocator before the producer makes the next item, which
@@ -427,7 +456,8 @@ class ReusedBuffers:
         count = len(buffers)
         start = self._next if self._next < count else 0
         for index in itertools.chain(range(start, count), range(start)):
-            if buffers[index].nbytes == nbytes and _only_in(buffers, index):
+            # _only_in(buffers, index), without a call per item: the same references counted.
+            if buffers[index].nbytes == nbytes and sys.getrefcount(buffers[index]) == _ONLY_IN_A_LIST:
                 self._next = index + 1
                 return buffers[index]
         self._largest = max(self._largest, nbytes)

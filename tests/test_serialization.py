@@ -260,6 +260,58 @@ def test_an_encoder_lets_go_of_each_item_once_it_is_encoded():
     assert held_ref() is None  # let go of when pickling fails too
 
 
+def test_an_encoded_item_knows_its_bytes_on_the_wire():
+    encoder = ItemEncoder()
+    items = [torch.arange(16), torch.ones(OUT_OF_BAND_MIN_BYTES, dtype=torch.uint8),
+             {"a": torch.zeros(40_000), "b": torch.ones(20_000, dtype=torch.float64), "label": 3}]
+    for item in items:
+        encoded = encoder.encode(item)
+        counted = EncodedItem(encoded.payload, encoded.buffers)  # as the trainer's frames make them
+        expected = len(encoded.payload) + sum(memoryview(b).nbytes for b in encoded.buffers)
+        assert encoded.nbytes == counted.nbytes == expected
+    with pytest.raises(AttributeError, match="no attribute 'nbites'"):
+        encoded.nbites  # noqa: B018
+
+
+def _python_calls(function, *args):
+    """Calls of Python functions (not C ones) made by ``function(*args)``."""
+    calls = []
+    sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name) if event == "call" else None)
+    try:
+        result = function(*args)
+    finally:
+        sys.setprofile(None)
+    return result, calls[1:]  # not the frame of ``function`` itself
+
+
+@pytest.mark.parametrize("nbytes, budget", [(1024, 5), (OUT_OF_BAND_MIN_BYTES, 9)])
+def test_encoding_a_plain_tensor_costs_a_few_python_calls(nbytes, budget):
+    # A worker's CPU per small item is mostly calls: the encoder's part of them is bounded here
+    # (its reduction, the buffer's copy and the item's size, as a sender reads it twice).
+    encoder = ItemEncoder()
+    encoder.encode(torch.ones(nbytes, dtype=torch.uint8))  # the reused copy exists: as in a stream
+
+    def encode_and_size(tensor):
+        encoded = encoder.encode(tensor)
+        return encoded, encoded.nbytes + encoded.nbytes
+
+    tensor = torch.full((nbytes,), 7, dtype=torch.uint8)
+    (encoded, _), calls = _python_calls(encode_and_size, tensor)
+    assert len(calls) <= budget, calls
+    assert torch.equal(loads_item(over_the_wire(encoded)), tensor)
+
+
+def test_an_encoder_goes_on_after_an_item_it_could_not_pickle():
+    encoder = ItemEncoder()
+    with pytest.raises((pickle.PicklingError, AttributeError)):
+        encoder.encode({"big": torch.ones(OUT_OF_BAND_MIN_BYTES), "unpicklable": lambda: None})
+    for item in (torch.arange(10), {"big": torch.full((OUT_OF_BAND_MIN_BYTES,), 2.0)}):
+        encoded = encoder.encode(item)
+        assert len(encoded.buffers) == (0 if isinstance(item, torch.Tensor) else 1)
+        out = loads_item(over_the_wire(encoded))
+        assert torch.equal(out, item) if isinstance(item, torch.Tensor) else torch.equal(out["big"], item["big"])
+
+
 def test_requires_grad_tensor_uses_torch_reduction():
     t = torch.randn(3, requires_grad=True)
     out = roundtrip(t)
