@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import socket
@@ -139,6 +140,8 @@ class WorkerSession:
         #: ``(epoch, position in the shard, monotonic start, thread id)`` while the producer
         #: waits for the graph's next item; None otherwise. Read by the sender (item_timeout).
         self._producing: Optional[Tuple[int, int, float, int]] = None
+        #: The producers' item encoder (made at the first epoch, see :meth:`_item_encoder`).
+        self._encoder: Optional[ItemEncoder] = None
         #: The ITEM_TIMED_OUT once item_timeout fired (the session then ends with it).
         self._timed_out: Optional[ItemTimedOut] = None
         self._stopping = self._tasks.stopping
@@ -347,10 +350,7 @@ class WorkerSession:
                     self._seeds,
                 )  # fmt: skip
                 skip = request.skip
-                # Large buffers go out uncopied from the producer's memory where the send is
-                # synchronous (the outbox then writes each one before the next item is made).
-                borrow = borrow_min_bytes(self.options.batch_max_bytes) if self.conn.sends_synchronously else None
-                encode, put = ItemEncoder(self.conn.stage_buffer, borrow).encode, self.outbox.put
+                encode, put = self._item_encoder().encode, self.outbox.put
                 chunks = _ChunkCount(epoch, request.seed, self.outbox) if leases is not None else None
                 context = SelectionContext(request.epoch, request.seed, request.global_worker_id, leases)
                 if chunks is not None:
@@ -364,19 +364,22 @@ class WorkerSession:
                     items, put = self._watched(epoch, iter(self._graph)), self._unwatched(put)
                     if leases is not None:
                         leases.waiting = self._waiting_for_trainer
-                index = -1
-                for index, item in enumerate(items):
-                    if index < skip:
-                        continue
-                    if chunks is not None and chunks.skip > 0:
-                        chunks.skip -= 1  # delivered before the chunk was leased again
-                        continue
-                    put(epoch, encode(item))
-                    sent += 1
-                    if chunks is not None:
+                items = iter(items)
+                skipped = sum(1 for _ in itertools.islice(items, skip)) if skip else 0
+                if skipped < skip:  # a resumed epoch's position lies past the end of the shard
+                    raise past_the_end("'consumed'", "this worker's shard", skip, skipped)
+                if chunks is None:
+                    for item in items:
+                        put(epoch, encode(item))
+                        sent += 1
+                else:
+                    for item in items:
+                        if chunks.skip > 0:
+                            chunks.skip -= 1  # delivered before the chunk was leased again
+                            continue
+                        put(epoch, encode(item))
+                        sent += 1
                         chunks.items += 1
-                if index + 1 < skip:  # a resumed epoch's position lies past the end of the shard
-                    raise past_the_end("'consumed'", "this worker's shard", skip, index + 1)
             except Cancelled:
                 raise
             except BaseException as exc:  # noqa: BLE001 - report everything, even SystemExit
@@ -395,6 +398,17 @@ class WorkerSession:
                 self.outbox.finish(epoch, ShardFailed(epoch, info))
             except Cancelled:
                 pass
+
+    def _item_encoder(self) -> ItemEncoder:
+        """The session's encoder (its pickler and reused copies warm from one epoch to the next;
+        one producer encodes at a time: each joins the earlier ones first)."""
+        if self._encoder is None:
+            # Large buffers go out uncopied from the producer's memory where the send is
+            # synchronous (the outbox then writes each one before the next item is made).
+            borrow = borrow_min_bytes(self.options.batch_max_bytes) if self.conn.sends_synchronously else None
+            stages = type(self.conn).stage_buffer is not Connection.stage_buffer  # else no call per buffer
+            self._encoder = ItemEncoder(self.conn.stage_buffer if stages else None, borrow)
+        return self._encoder
 
     def _waiting_for_trainer(self, waiting: bool) -> None:
         """Waiting for the trainer (its next lease, or the items its dispatcher deals, which set
