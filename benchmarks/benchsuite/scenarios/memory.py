@@ -53,7 +53,7 @@ def measure_memory(contender: Contender, params: dict, emit: Callable[[dict], No
         workload = Workload("tensor", params["items"][item_bytes], item_bytes=item_bytes)
         first_loader_mib = warm_up(contender, workload, workers, params["budget_s"])
         baseline = rss_kib() or 0
-        with PeakRss() as peak:
+        with PeakRss(interval_s=0.001) as peak:
             data = drain(contender, workload, workers, params["budget_s"],
                          consume=read_all, consumer_sleep_s=params["consumer_sleep_s"])
         window = contender.credit_window_bytes(workload, workers)
@@ -95,7 +95,7 @@ def report_memory(scenario: Scenario, params: dict, results: dict) -> str:
         f"baseline: the RSS after a warm-up epoch of {WARM_UP_ITEMS} items on a loader of the same contender, closed "
         "(what a process pays once, at its first loader: modules, libraries, threads; "
         "'warm-up kept' is what it left resident), as tests/test_memory_bound.py does; "
-        "peak: sampled every 2 ms and the kernel's VmHWM",
+        "peak: the larger of VmRSS sampled every millisecond and the kernel's VmHWM",
         "credit window: W x prefetch (default) x item size, what RPCReadingService may hold in flight "
         f"by design; bound: {WINDOW_FACTOR} x credit window + {SLACK_MIB:.0f} MiB (the target)",
         "vs MPRS, vs DataLoader: at the same item size"])
