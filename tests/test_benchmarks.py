@@ -235,10 +235,15 @@ def test_memory_scenario_counts_what_an_epoch_holds_not_what_a_first_loader_load
     # same contender, so only what its epoch holds counts. Here a first loader keeps 32 MiB (as an
     # import would) and every epoch keeps each 1 MiB item it yields (16 in the measured one).
     import contextlib
+    import mmap
 
     import torch
     from benchsuite.contenders.base import Contender
     from benchsuite.scenarios.memory import measure_memory
+
+    def fresh(nbytes, value):
+        """A tensor on pages of its own (an anonymous mapping), every byte written: resident."""
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).fill_(value)
 
     loaded_once, held = [], []
 
@@ -246,11 +251,11 @@ def test_memory_scenario_counts_what_an_epoch_holds_not_what_a_first_loader_load
         @contextlib.contextmanager
         def epoch(self, workload, num_workers):
             if not loaded_once:
-                loaded_once.append(torch.ones(32 << 20, dtype=torch.uint8))  # written: resident
+                loaded_once.append(fresh(32 << 20, 1))
 
             def items():
                 for index in range(workload.n_items):
-                    held.append(torch.full((workload.item_bytes,), index % 251, dtype=torch.uint8))
+                    held.append(fresh(workload.item_bytes, index % 251))
                     yield held[-1]
 
             yield items()
