@@ -231,6 +231,27 @@ def test_a_socket_connection_reads_a_frame_of_many_buffers_in_few_reads():
         sender.close()
 
 
+def test_a_data_frames_body_is_received_into_reused_memory():
+    # A large DATA body (items pickled in band) lands in the connection's reused buffers, not
+    # in fresh zero-filled memory per frame: once a frame is let go, the next one reuses it.
+    import numpy
+
+    from rpc_reading_service.serialization import ReusedBuffers
+
+    body = bytes(range(256)) * 512  # 128 KiB
+    reader = FrameReader(allocate=ReusedBuffers())
+    reader.feed(wire(encode_frame(MessageKind.DATA, [body])))
+    first = reader.next_frame()
+    assert bytes(first.body) == body
+    address = numpy.asarray(first.body).ctypes.data
+    del first
+    reader.feed(wire(encode_frame(MessageKind.DATA, [body[::-1]])))
+    second = reader.next_frame()
+    assert bytes(second.body) == body[::-1] and numpy.asarray(second.body).ctypes.data == address
+    reader.feed(wire(encode_frame(MessageKind.CREDIT, [body])))
+    assert isinstance(reader.next_frame().body, bytearray)  # other kinds: their own bytes, as before
+
+
 def test_truncated_frame_is_mid_frame():
     data = wire(encode_frame(MessageKind.DATA, [b"0123456789"]))
     frames, reader = read_all(data[:-3])

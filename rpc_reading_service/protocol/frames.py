@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..errors import FrameTooLargeError, LocalProtocolError, RemoteProtocolError
-from ..serialization import Buffer, EncodedItem
+from ..serialization import REUSED_BUFFER_MIN_BYTES, Buffer, EncodedItem, ReusedBuffers
 from ..version import __version__
 
 __all__ = [
@@ -248,7 +248,12 @@ class FrameReader:
             ):  # fmt: skip
                 break  # the incremental parser checks it, and raises what is wrong
             offset = body_start + body_length
-            frames.append(Frame(frame_kind, bytearray(data[body_start:offset])))
+            if body_length < REUSED_BUFFER_MIN_BYTES:
+                frames.append(Frame(frame_kind, bytearray(data[body_start:offset])))
+                continue
+            body = self._new_body(frame_kind, body_length)
+            memoryview(body).cast("B")[:] = data[body_start:offset]
+            frames.append(Frame(frame_kind, body))
         return offset
 
     def next_frame(self) -> Optional[Frame]:
@@ -289,7 +294,7 @@ class FrameReader:
             self._check_size()
             self._allocated = [self.allocate(length) for length in self._lengths]
             self._views = [memoryview(buffer).cast("B") for buffer in self._allocated]
-            self._set_target(self._BODY, bytearray(self._body_length))
+            self._set_target(self._BODY, self._new_body(self._kind, self._body_length))
         elif self._state == self._BODY:
             self._body = self._target.obj
             self._next_buffer()
@@ -311,7 +316,14 @@ class FrameReader:
             self._set_target(self._LENGTHS, bytearray(BUFFER_LENGTH.size * n_buffers))
         else:
             self._check_size()
-            self._set_target(self._BODY, bytearray(body_length))
+            self._set_target(self._BODY, self._new_body(kind, body_length))
+
+    def _new_body(self, kind: MessageKind, nbytes: int) -> Buffer:
+        """Memory for a body: a DATA frame's from the reader's :class:`ReusedBuffers` when it has
+        them (its items are unpickled from it, then it is let go), else a new bytearray."""
+        if kind is MessageKind.DATA and isinstance(self.allocate, ReusedBuffers):
+            return self.allocate(nbytes)
+        return bytearray(nbytes)
 
     def _check_size(self) -> None:
         total = self._body_length + sum(self._lengths)
