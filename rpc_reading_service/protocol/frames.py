@@ -38,6 +38,7 @@ __all__ = [
     "encode_data",
     "decode_data",
     "data_header",
+    "data_nbytes",
     "encode_end_of_shard",
     "decode_end_of_shard",
     "HANDSHAKE_MAX_FRAME_BYTES",
@@ -48,7 +49,8 @@ __all__ = [
 #: 3: a LEASE gives its chunks' positions (first position and size: chunks may differ in size).
 #: 4: a worker may say LEAVING (its server drains) and end the session.
 #: 5: a message per failure (SETUP_FAILED, SETUP_REFUSED, SHARD_FAILED, ITEM_TIMED_OUT) replaces ERROR.
-PROTOCOL_VERSION = 5
+#: 6: DATA credit counts bytes (START_EPOCH's window and CREDIT; a frame goes while any is left), a u64 in CREDIT.
+PROTOCOL_VERSION = 6
 MAGIC = b"RRSV"
 HEADER = struct.Struct("!4sBBHQ")
 BUFFER_LENGTH = struct.Struct("!Q")
@@ -335,7 +337,7 @@ def decode_control(frame: Frame) -> Dict[str, Any]:
     return payload
 
 
-_CREDIT = struct.Struct("!II")
+_CREDIT = struct.Struct("!IQ")
 
 
 def _pack(layout: struct.Struct, kind: MessageKind, *values: int) -> bytes:
@@ -346,7 +348,7 @@ def _pack(layout: struct.Struct, kind: MessageKind, *values: int) -> bytes:
 
 
 def encode_credit(epoch: int, credits: int, kind: MessageKind = MessageKind.CREDIT) -> List[Buffer]:
-    """Encode a grant of ``credits`` more DATA frames (ITEMS frames for ITEM_CREDIT) for ``epoch``."""
+    """Encode a grant of ``credits`` more bytes of DATA frames (ITEMS frames for ITEM_CREDIT) for ``epoch``."""
     return encode_frame(kind, [_pack(_CREDIT, kind, epoch, credits)])
 
 
@@ -381,6 +383,12 @@ def encode_data(epoch: int, sequence: int, items: Sequence[EncodedItem]) -> Tupl
     body: List[Buffer] = [table]
     body.extend(item.payload for item in items)
     return body, buffers
+
+
+def data_nbytes(items: Sequence[EncodedItem]) -> int:
+    """Bytes of the body and buffers of a DATA frame packing ``items`` (its ``Frame.nbytes``):
+    what the frame costs of the trainer's credit."""
+    return _DATA_HEAD.size + sum(_DATA_ITEM.size + item.nbytes for item in items)
 
 
 def data_header(frame: Frame) -> Tuple[int, int, int]:
