@@ -24,6 +24,8 @@ from torchdata.dataloader2 import DataLoader2
 
 from rpc_reading_service import RPCReadingService, WorkerDrainedError, WorkerLostError
 from rpc_reading_service.policies.dynamic.trainer import Dynamic
+from rpc_reading_service.trainer.config import ReadingServiceConfig
+from rpc_reading_service.trainer.engine.fleet import Fleet
 
 DISTRIBUTIONS = ["round_robin", "first_ready", "sticky", "dynamic"]
 
@@ -117,3 +119,13 @@ def test_a_dead_server_under_dynamic_with_raise_raises(fresh_server, tmp_path):
     with pytest.raises(WorkerLostError) as info:
         _two_epochs_struck(fresh_server, tmp_path, "dynamic", lambda server: os.killpg(server.pid, signal.SIGKILL))
     assert not isinstance(info.value, WorkerDrainedError) and f"worker {info.value.rank} (" in str(info.value)
+
+
+def test_a_server_drained_under_one_spelling_is_drained_under_every_spelling():
+    fleet = Fleet(ReadingServiceConfig.create(workers=["localhost:4001", "127.0.0.1:4002"], num_workers=2))
+    fleet.mark_drained(["127.0.0.1:4001"])  # e.g. a hostfile that lists it by IP
+    assert fleet.is_drained("localhost:4001") and not fleet.is_drained("localhost:4002")
+    assert fleet.servers() == ["127.0.0.1:4002"]
+    assert fleet.retirees(["localhost:4001", "127.0.0.1:4002"], []) == [0]
+    fleet.serves_again(["localhost:4001"])  # listed again, by name
+    assert fleet.servers() == ["localhost:4001", "127.0.0.1:4002"] and fleet.retirees(fleet.rank_addresses(), []) == []

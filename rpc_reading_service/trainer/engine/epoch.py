@@ -246,7 +246,7 @@ class Epoch:
                 lost.rank, lost.address,
             )  # fmt: skip
         log.info("%s; its work goes on in a new session on another server", error)
-        engine.fleet.drained.add(lost.address)
+        engine.fleet.mark_drained([lost.address])
         channel = self._reopen(lost, error)
         self.drains += 1
         self.retiring.add(lost.rank)

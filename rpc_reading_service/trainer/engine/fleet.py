@@ -79,8 +79,8 @@ class Fleet:
         self._watch: Optional[DiscoveryWatch] = None
         #: The threads of the setups of :meth:`connect` (and the one starting them); :meth:`close` stops them.
         self._setups = TaskGroup("the setups of the run's sessions")
-        #: Addresses of the servers that drained during the run (their sessions left).
-        self.drained: Set[str] = set()
+        #: The servers that drained during the run or left its store or hostfile, by :func:`server_key`.
+        self._drained: Set[Tuple[str, int]] = set()
 
     def discover(self) -> int:
         """Find the workers of a :class:`StoreDiscovery` or :class:`Hostfile` (once) and return
@@ -132,10 +132,24 @@ class Fleet:
             self._server_keys[address] = server_key(address)
         return self._server_keys[address]
 
+    def mark_drained(self, addresses: Iterable[str]) -> None:
+        """The servers at ``addresses`` drained or left: no new session goes to them (any spelling)."""
+        keys = [self._key(address) for address in addresses]  # resolved before the set changes
+        self._drained.update(keys)
+
+    def serves_again(self, addresses: Iterable[str]) -> None:
+        """The servers at ``addresses`` came back (listed again, or joined): they take sessions again."""
+        keys = [self._key(address) for address in addresses]
+        self._drained.difference_update(keys)
+
+    def is_drained(self, address: str) -> bool:
+        """Whether the server at ``address`` (any spelling of it) drained or left the run."""
+        return self._key(address) in self._drained
+
     def add_rank(self, address: str) -> int:
         """One more worker rank, on the server at ``address``; returns the number of sessions."""
         self.rank_addresses().append(address)
-        self.drained.discard(address)  # a server that drained and came back serves again
+        self.serves_again([address])  # a server that drained and came back serves again
         self.num_workers += 1
         return self.num_workers
 
@@ -145,7 +159,7 @@ class Fleet:
         workers = self.config.workers
         given = list(workers.addresses) if isinstance(workers, WorkerAddresses) else list(self._discovered or ())
         known = distinct_servers([*given, *self.rank_addresses()], self._server_keys)
-        return [address for address in known if address not in self.drained]
+        return [address for address in known if not self.is_drained(address)]
 
     def resize(self, ranks: Sequence[str]) -> None:
         """The run's worker ranks from now on: ``ranks``, the server of each (autoscaling)."""
@@ -176,7 +190,7 @@ class Fleet:
         session now. A session that took over such a rank stays as a rank of its server if that
         server keeps no other rank (a server of the run that had none); none is retired if that
         would leave no rank (the epoch then replaces or raises)."""
-        gone = {self._key(address) for address in set(self.drained)}  # a copy: the watch's thread adds to it
+        gone = set(self._drained)  # a copy: the watch's thread adds to it
         leaving = {*leaving, *(rank for rank, address in enumerate(current) if self._key(address) in gone)}
         keeping = {self._key(address) for rank, address in enumerate(current) if rank not in leaving}
         retired = []
@@ -203,7 +217,7 @@ class Fleet:
         where = self._watch.where() if self._watch is not None else "the discovery"
         log.info("worker server %s left %s: taken as drained, its sessions end before the next epoch",
                  ", ".join(addresses), where)  # fmt: skip
-        self.drained.update(addresses)
+        self.mark_drained(addresses)
 
     def _addresses(self) -> List[str]:
         workers = self.config.workers
@@ -329,7 +343,7 @@ class Fleet:
             candidates, probe = [self.local_server.address], None  # it was just checked, or started
         failures = []
         for address in candidates:
-            if address in self.drained and probe is not None:
+            if self.is_drained(address) and probe is not None:
                 failures.append(f"{address}: it drained (or left the run's store or hostfile)")
                 continue
             reason = None if probe is None else probe(address)
@@ -341,7 +355,7 @@ class Fleet:
             except (WorkerLostError, OSError) as exc:
                 failures.append(f"{address}: {exc}")
         if isinstance(error, WorkerDrainedError):
-            gone = [address for address in candidates if address not in self.drained]
+            gone = [address for address in candidates if not self.is_drained(address)]
             every = "every worker server of this run has drained" if not gone else "no other server could take it"
             raise WorkerDrainedError(
                 f"{error}; {every}, so its work cannot go on: {'; '.join(failures)}. Start more worker servers "

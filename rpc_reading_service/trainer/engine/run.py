@@ -195,7 +195,7 @@ class Engine:
 
     def _found(self, addresses: List[str]) -> List[str]:
         """The discovery watch found ``addresses``: add them; returns those to try again."""
-        self.fleet.drained.difference_update(addresses)  # listed again after they left the list: they serve again
+        self.fleet.serves_again(addresses)  # listed again after they left the list: they serve again
         return self._join(addresses)[1]
 
     def _join(self, addresses: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -283,7 +283,7 @@ class Engine:
         sticky's keys, the servers), also when ranks were ``retired``. Returns the number of servers that joined."""
         with self._lock:
             servers, self._joined_servers = self._joined_servers, []
-        servers = [(address, count) for address, count in servers if address not in self.fleet.drained]  # left since
+        servers = [(address, count) for address, count in servers if not self.fleet.is_drained(address)]  # left since
         if not servers:
             joined = len(distinct_servers(channel.address for channel in self.adopt_joined(None)))
             if retired and not self.config.distribution.elastic:
@@ -301,7 +301,7 @@ class Engine:
         leaving = set(self.epoch.retiring) if self.epoch is not None else set()
         for channel in self.channels:
             if isinstance(channel.ended_by, WorkerDrainedError):  # it left once its epoch's work was done
-                self.fleet.drained.add(channel.address)
+                self.fleet.mark_drained([channel.address])
                 leaving.add(channel.rank)
         ranks = self.fleet.retirees(self.worker_addresses, leaving)
         left = self.epoch.progress.left if self.epoch is not None else set()
