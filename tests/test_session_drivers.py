@@ -29,7 +29,16 @@ from rpc_reading_service.trainer.channel import (
 )
 from rpc_reading_service.policies.merge import EpochProgress, iterate_in_order
 from rpc_reading_service.errors import ItemTimeoutError, WorkerLostError, WorkerStartupError
-from rpc_reading_service.protocol import MessageKind, SessionState, StopEpoch, data_nbytes, decode_data, encode_frame
+from rpc_reading_service.protocol import (
+    DATA_FRAME_OVERHEAD,
+    MessageKind,
+    SessionState,
+    StopEpoch,
+    data_cost,
+    data_nbytes,
+    decode_data,
+    encode_frame,
+)
 from rpc_reading_service.trainer.receive_loop import ReceiveLoop
 from rpc_reading_service.serialization import dumps_graph, dumps_item, loads_items
 from rpc_reading_service.protocol import FrameReader
@@ -38,7 +47,7 @@ from rpc_reading_service.worker.session import WorkerSession
 
 #: The bytes of credit of a DATA frame of one small int: a ``batch_max_bytes`` of it makes a window
 #: of ``credits`` such frames.
-FRAME = data_nbytes([dumps_item(0)])
+FRAME = data_cost(data_nbytes([dumps_item(0)]))
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -177,7 +186,7 @@ def consume_counting_credit(channel: WorkerChannel, epoch: int) -> list:
         received = channel.stats.bytes
         assert received < granted + largest, f"{received} bytes of DATA with {granted} granted"
         frames.append(loads_items(decode_data(event.frame)[2]))
-        granted += event.frame.nbytes
+        granted += data_cost(event.frame.nbytes)
         channel.grant(epoch, event.frame.nbytes)
 
 
@@ -305,6 +314,19 @@ def test_a_new_epoch_supersedes_a_running_one(pair):
     assert next(first) == 0  # epoch 1 abandoned with frames in flight
     assert link.epoch(2) == list(range(50))
     assert link.epoch(3) == list(range(50))
+
+
+def test_a_window_of_tiny_frames_holds_at_most_a_window_over_the_frame_overhead(pair):
+    # Credit counts bytes, and each frame costs a fixed overhead beside them: a consumer that takes
+    # nothing holds at most window / DATA_FRAME_OVERHEAD frames of tiny items, not window / 45 bytes.
+    link = pair().setup(IterableWrapper(range(100_000)).sharding_filter(), batch_max_items=1, linger=0.0)
+    link.channel.start_epoch(1, seed=1, global_worker_id=0, credits=1)  # a window of 1 MiB
+    worker = link.session.protocol
+    assert wait_until(lambda: worker.epoch == 1 and worker.credits <= 0, 10.0)  # the worker spent the window
+    sent = worker.next_sequence
+    assert wait_until(lambda: link.channel.frames_received == sent, 5.0)
+    assert link.channel.protocol.window == 1 << 20
+    assert (1 << 20) // FRAME <= sent <= (1 << 20) // DATA_FRAME_OVERHEAD + 1
 
 
 def test_a_stopped_epoch_ends_its_producer_and_the_next_one_runs(pair):

@@ -53,6 +53,8 @@ from rpc_reading_service.protocol import (
     encode_control,
     encode_frame,
     data_nbytes,
+    data_cost,
+    DATA_FRAME_OVERHEAD,
 )
 
 WORKER = "worker 0 (127.0.0.1:29600)"
@@ -161,39 +163,43 @@ def test_setup_epochs_with_credits_and_close():
 
 
 def test_data_credit_counts_bytes_and_a_frame_goes_while_any_is_left():
-    link = Link().set_up().start(1, credits=100)
-    costs = []
-    for sequence, batch in enumerate([(b"a", b"b"), (b"c",), (b"d", b"e")]):
+    batches = [(b"a", b"b"), (b"c",), (b"d", b"e")]
+    # A frame costs its body and buffers plus a fixed overhead (a bound on a window's frames).
+    costs = [data_cost(16 + 12 * len(batch) + len(batch)) for batch in batches]
+    assert costs[1] == 16 + 12 + 1 + DATA_FRAME_OVERHEAD
+    link = Link().set_up().start(1, credits=costs[0] + costs[1] + 29)
+    for sequence, batch in enumerate(batches):
         (event,) = link.to_trainer(Data(1, sequence, items(*batch)))
-        assert event.nbytes == data_nbytes(items(*batch)) == 16 + 12 * len(batch) + len(batch)
-        costs.append(event.nbytes)
+        assert data_cost(event.nbytes) == data_cost(data_nbytes(items(*batch))) == costs[sequence]
     # Both ends count the same bytes; the third frame went with 29 bytes left, past the window.
-    assert link.worker.credits == link.trainer.credits == 100 - sum(costs) == -13
+    left = 29 - costs[2]
+    assert link.worker.credits == link.trainer.credits == left < 0
     with pytest.raises(LocalProtocolError, match="without credit"):
         link.worker.send(Data(1, 3, items(b"f")))
-    link.to_worker(Credit(1, 13))  # back to 0: still none left
+    link.to_worker(Credit(1, -left))  # back to 0: still none left
     with pytest.raises(LocalProtocolError, match="without credit"):
         link.worker.send(Data(1, 3, items(b"f")))
     link.to_worker(Credit(1, 1))
     (event,) = link.to_trainer(Data(1, 3, [EncodedItem(b"g", [bytes(5000)])]))  # one frame over the window goes
-    assert event.nbytes == 16 + 12 + 1 + 5000 and link.trainer.credits == 1 - event.nbytes
+    assert event.nbytes == 16 + 12 + 1 + 5000 and link.trainer.credits == 1 - data_cost(event.nbytes)
     # A worker that sends once its credit is used up breaks the rule on the trainer's end.
     with pytest.raises(RemoteProtocolError, match="DATA frame 4 of epoch 1 without credit"):
         link.deliver(Data(1, 4, items(b"h")).encode(), link.trainer)
 
 
 def test_the_trainers_credit_window_is_frames_of_the_largest_frame_and_goes_back_by_halves():
-    window = CreditWindow(frame_bytes=1000)
-    assert window.start(4) == 4000  # four frames of the frame bound
-    assert not window.handed_on(1000) and window.handed_on(1000)  # half the window: a CREDIT is due
-    assert window.take() == 2000 and window.take() == 0
+    full = 10000 - DATA_FRAME_OVERHEAD  # a frame of these bytes costs 10000
+    window = CreditWindow(frame_bytes=10000)
+    assert window.start(4) == 40000  # four frames of the frame bound
+    assert not window.handed_on(full) and window.handed_on(full)  # half the window: a CREDIT is due
+    assert window.take() == 20000 and window.take() == 0
     # A slow stage's frames go back a whole window at a time.
-    assert [window.handed_on(1000, slow=True) for _ in range(4)] == [False, False, False, True]
-    assert window.take() == 4000
+    assert [window.handed_on(full, slow=True) for _ in range(4)] == [False, False, False, True]
+    assert window.take() == 40000
     # A frame over the bound grows the window to four of it: its CREDIT carries the growth.
-    assert window.handed_on(3000) and window.window == 12000
-    assert window.take() == 3000 + (12000 - 4000)
-    assert window.start(4) == 12000 and window.ungranted == 0  # kept for the session's next epochs
+    assert window.handed_on(30000 - DATA_FRAME_OVERHEAD) and window.window == 120000
+    assert window.take() == 30000 + (120000 - 40000)
+    assert window.start(4) == 120000 and window.ungranted == 0  # kept for the session's next epochs
     assert window_frames(12000, 1000) == 12 and window_frames(1, 1000) == 1 and window_frames(0, 1000) == 1
 
 
@@ -311,7 +317,7 @@ def test_any_interleaving_of_legal_drivers_keeps_the_rules_and_loses_nothing(dat
                 if isinstance(event, DataReceived):
                     assert event.epoch == epoch and epoch not in stopped  # stale frames never surface
                     received.setdefault(event.epoch, []).extend(payloads(event.decode()))
-                    to_worker.append(trainer.send(Credit(event.epoch, event.nbytes)))
+                    to_worker.append(trainer.send(Credit(event.epoch, data_cost(event.nbytes))))
                 elif isinstance(event, EndOfShard):
                     ended.add(event.epoch)
     for done in ended:

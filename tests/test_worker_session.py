@@ -22,6 +22,7 @@ from rpc_reading_service.protocol import (
     Setup,
     StartEpoch,
     WorkerProtocol,
+    data_cost,
     data_nbytes,
     decode_data,
     encode_end_of_shard,
@@ -73,7 +74,7 @@ def item(i):
 
 
 #: The bytes of credit of a DATA frame of one item of one byte.
-FRAME = data_nbytes([item(0)])
+FRAME = data_cost(data_nbytes([item(0)]))
 
 
 def data_items(chunks):

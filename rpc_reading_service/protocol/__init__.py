@@ -26,6 +26,8 @@ from .frames import (
     MessageKind,
     data_header,
     data_nbytes,
+    data_cost,
+    DATA_FRAME_OVERHEAD,
     decode_control,
     decode_credit,
     decode_data,
@@ -92,6 +94,8 @@ __all__ = [
     "decode_data",
     "data_header",
     "data_nbytes",
+    "data_cost",
+    "DATA_FRAME_OVERHEAD",
     "encode_end_of_shard",
     "decode_end_of_shard",
     # handshake

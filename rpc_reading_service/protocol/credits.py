@@ -3,13 +3,14 @@ frames handed on goes back (docs/architecture.md, "Credits and numbering"); no I
 
 from __future__ import annotations
 
+from .frames import data_cost
 from .messages import credit_batch
 
 __all__ = ["CreditWindow", "window_frames"]
 
 
 class CreditWindow:
-    """A window of ``frames`` frames, each of the session's frame bound or of the largest DATA frame
+    """A window of ``frames`` frames, each of the session's frame bound or of the costliest DATA frame
     handed on so far if larger, in bytes; and the credit handed on and not returned yet.
 
     Args:
@@ -31,19 +32,21 @@ class CreditWindow:
         return self.window
 
     def handed_on(self, nbytes: int, slow: bool = False) -> bool:
-        """Count a frame of ``nbytes`` whose last item was handed on; True when a CREDIT is due.
+        """Count a frame of ``nbytes`` (``Frame.nbytes``) whose last item was handed on; True when
+        a CREDIT is due.
 
-        A frame larger than every one before grows the window to ``frames`` of its size: items
+        A frame costlier than every one before grows the window to ``frames`` of its cost: items
         larger than a frame still have ``frames`` of them in flight.
 
         Args:
             slow: it was a slow stage's frame (one small item): the credit goes back a window at a time.
         """
-        if nbytes > self.frame_bytes:
-            grown = self.frames * nbytes
+        cost = data_cost(nbytes)
+        if cost > self.frame_bytes:
+            grown = self.frames * cost
             self.ungranted += grown - self.window
-            self.frame_bytes, self.window = nbytes, grown
-        self.ungranted += nbytes
+            self.frame_bytes, self.window = cost, grown
+        self.ungranted += cost
         return self.ungranted >= credit_batch(self.window, slow=slow)
 
     def take(self) -> int:

@@ -39,6 +39,8 @@ __all__ = [
     "decode_data",
     "data_header",
     "data_nbytes",
+    "data_cost",
+    "DATA_FRAME_OVERHEAD",
     "encode_end_of_shard",
     "decode_end_of_shard",
     "HANDSHAKE_MAX_FRAME_BYTES",
@@ -385,9 +387,18 @@ def encode_data(epoch: int, sequence: int, items: Sequence[EncodedItem]) -> Tupl
     return body, buffers
 
 
+#: What a DATA frame costs of the trainer's credit beyond its bytes: its objects there, and a bound
+#: on the frames one window holds (a window of 4 MiB: at most 1,024 frames of tiny items).
+DATA_FRAME_OVERHEAD = 4096
+
+
+def data_cost(nbytes: int) -> int:
+    """The credit a DATA frame of ``nbytes`` (its body and buffers, ``Frame.nbytes``) costs."""
+    return nbytes + DATA_FRAME_OVERHEAD
+
+
 def data_nbytes(items: Sequence[EncodedItem]) -> int:
-    """Bytes of the body and buffers of a DATA frame packing ``items`` (its ``Frame.nbytes``):
-    what the frame costs of the trainer's credit."""
+    """Bytes of the body and buffers of a DATA frame packing ``items`` (its ``Frame.nbytes``)."""
     return _DATA_HEAD.size + sum(_DATA_ITEM.size + item.nbytes for item in items)
 
 
