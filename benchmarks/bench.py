@@ -34,7 +34,9 @@ Scenarios: ``tiny`` (items/s, W=2), ``tensor1m`` / ``tensor8m`` (GB/s; the readi
 services at W=1 and W=2, ``--quick``: W=2), ``sweep`` (GB/s at item sizes from 1 KiB to
 64 MiB: the raw streams, RPCRS-tcp at W=1 and 2, the others at W=2; ``--sizes`` picks
 others), ``scaling`` (a sleep-bound stage at W = 1..16), ``memory``
-(trainer peak RSS with a slow consumer, 1 MiB and 8 MiB items), ``first_item`` (loader construction to first
+(trainer peak RSS with a slow consumer, 1 MiB and 8 MiB items, above the RSS after a warm-up
+epoch on a loader of the same contender: what a process loads once at its first loader, ~20 MiB of
+modules and libraries, is no item held and is printed apart), ``first_item`` (loader construction to first
 item).  Then a table of targets (PASS / MISS with the measured ratio and both rates).
 
 How it measures:

@@ -47,7 +47,8 @@ OUT_OF_BAND_MIN_BYTES = 64 * 1024
 #: Items are pickled with protocol 5: its out-of-band buffers carry tensor storage.
 _ITEM_PROTOCOL = 5
 #: Out-of-band buffers of at least this size leave a local worker (Unix socket) in shared
-#: memory; smaller ones cost less to send than to place and release.
+#: memory; smaller ones cost less to send than to place and release (where the two cross on
+#: the project's host: benchmarks/SWEEP.md).
 SHARED_MEMORY_MIN_BYTES = 256 * 1024
 
 #: Memory that can be sent or received as is (a frame chunk, a payload, an out-of-band buffer).

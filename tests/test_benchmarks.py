@@ -229,6 +229,44 @@ def test_memory_targets_bound_growth_by_the_credit_window_at_each_size():
     assert one["measured"] == pytest.approx(14 / 15) and eight["detail"].startswith("80.0 MiB vs bound 84 MiB")
 
 
+def test_memory_scenario_counts_what_an_epoch_holds_not_what_a_first_loader_loads_once():
+    # A process's first loader imports and maps what it needs once (DataLoader2, the package and
+    # the libraries they load: ~20 MiB); each point's baseline comes after a warm-up loader of the
+    # same contender, so only what its epoch holds counts. Here a first loader keeps 32 MiB (as an
+    # import would) and every epoch keeps each 1 MiB item it yields (16 in the measured one).
+    import contextlib
+    import mmap
+
+    import torch
+    from benchsuite.contenders.base import Contender
+    from benchsuite.scenarios.memory import measure_memory
+
+    def fresh(nbytes, value):
+        """A tensor on pages of its own (an anonymous mapping), every byte written: resident."""
+        return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).fill_(value)
+
+    loaded_once, held = [], []
+
+    class LoadsOnceKeepsItems(Contender):
+        @contextlib.contextmanager
+        def epoch(self, workload, num_workers):
+            if not loaded_once:
+                loaded_once.append(fresh(32 << 20, 1))
+
+            def items():
+                for index in range(workload.n_items):
+                    held.append(fresh(workload.item_bytes, index % 251))
+                    yield held[-1]
+
+            yield items()
+
+    params = {"items": {1 << 20: 16}, "workers": 1, "consumer_sleep_s": 0.0, "budget_s": 10.0}
+    (point,) = measure_memory(LoadsOnceKeepsItems(), params, lambda point: None)["points"]
+    assert point["items"] == 16 and loaded_once
+    assert 12 <= point["growth_mib"] <= 24, point  # the 16 items held, not the 32 MiB loaded once
+    assert point["first_loader_mib"] >= 32, point  # reported apart: what the warm-up left resident
+
+
 def test_sizes_are_read_in_kib_and_mib():
     import bench
 
