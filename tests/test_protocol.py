@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import threading
 
 import pytest
 
@@ -171,6 +172,84 @@ def test_writable_recv_into_style_reading():
     frame = reader.next_frame()
     assert bytes(frame.buffers[0]) == payload
     assert allocations == [len(payload)]  # the buffer got its own exact allocation
+
+
+def test_scatter_reading_fills_the_rest_of_a_frame_at_once():
+    # Once a frame's buffer lengths are known, its body and every buffer after it can take one
+    # read (recvmsg_into): writes spread over several sections complete the right frames.
+    payloads = [bytes([k]) * (1000 + 37 * k) for k in range(6)] + [b""]
+    data = wire(encode_frame(MessageKind.DATA, [b"body"], payloads)) + wire(encode_frame(MessageKind.CREDIT, [b"c"]))
+    reader = FrameReader()
+    offset = 0
+    sections_seen = []
+    while offset < len(data):
+        views = reader.writable_sections(4)
+        sections_seen.append(len(views))
+        n = min(sum(map(len, views)), 2500, len(data) - offset)
+        left = n
+        for view in views:  # as the kernel fills a scatter read: in order
+            step = min(len(view), left)
+            view[:step] = data[offset + n - left : offset + n - left + step]
+            left -= step
+        offset += n
+        reader.advance(n)
+    frames = reader.completed()
+    assert [frame.kind for frame in frames] == [MessageKind.DATA, MessageKind.CREDIT]
+    assert bytes(frames[0].body) == b"body" and [bytes(b) for b in frames[0].buffers] == payloads
+    assert max(sections_seen) == 4  # at most as many sections as asked for
+
+
+def test_a_socket_connection_reads_a_frame_of_many_buffers_in_few_reads():
+    import socket
+
+    from rpc_reading_service.transports.socket_transport import SocketConnection
+
+    class CountingConnection(SocketConnection):
+        staged = 0  # bytes read into the staging buffer (to be copied into the frame's memory)
+
+        def _recv_some(self, views):
+            first = views[0] if isinstance(views, list) else views
+            n = super()._recv_some(views)
+            if first.obj is self._staging.obj:
+                self.staged += n
+            return n
+
+    ours, theirs = socket.socketpair()
+    receiver = CountingConnection(ours, "sender", FrameReader())
+    sender = SocketConnection(theirs, "receiver", FrameReader())
+    try:
+        payloads = [bytes([k]) * (64 << 10) for k in range(16)]  # each under the direct-read size
+        sent = threading.Thread(target=sender.send, args=(encode_frame(MessageKind.DATA, [b"b"], payloads),))
+        sent.start()
+        frame = receiver.recv(timeout=5.0)
+        sent.join(5.0)
+        assert frame is not None and [bytes(b) for b in frame.buffers] == payloads
+        # Not a staging read and a copy per buffer: the frame's rest goes straight to its buffers.
+        assert receiver.staged <= 256 << 10, receiver.staged
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_data_frames_body_is_received_into_reused_memory():
+    # A large DATA body (items pickled in band) lands in the connection's reused buffers, not
+    # in fresh zero-filled memory per frame: once a frame is let go, the next one reuses it.
+    import numpy
+
+    from rpc_reading_service.serialization import ReusedBuffers
+
+    body = bytes(range(256)) * 512  # 128 KiB
+    reader = FrameReader(allocate=ReusedBuffers())
+    reader.feed(wire(encode_frame(MessageKind.DATA, [body])))
+    first = reader.next_frame()
+    assert bytes(first.body) == body
+    address = numpy.asarray(first.body).ctypes.data
+    del first
+    reader.feed(wire(encode_frame(MessageKind.DATA, [body[::-1]])))
+    second = reader.next_frame()
+    assert bytes(second.body) == body[::-1] and numpy.asarray(second.body).ctypes.data == address
+    reader.feed(wire(encode_frame(MessageKind.CREDIT, [body])))
+    assert isinstance(reader.next_frame().body, bytearray)  # other kinds: their own bytes, as before
 
 
 def test_truncated_frame_is_mid_frame():

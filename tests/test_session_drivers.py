@@ -407,3 +407,33 @@ def test_close_ends_both_ends(pair):
     assert isinstance(event, ChannelClosed)
     link.channel.start_epoch(2, seed=2, global_worker_id=0, credits=1)  # after close: nothing sent, no error
     assert link.channel.protocol.epoch == 1
+
+
+def test_the_merge_hands_on_whole_turns_of_received_frames_at_once_and_positions_stay_exact(pair):
+    from rpc_reading_service.policies.merge import flatten_runs, runs_in_order
+
+    # Two workers, frames of 5 items each, all received: the round-robin takes as many whole
+    # turns as both frames hold as one run (counted at once), not one step per item; a
+    # checkpoint after any item handed on still says exactly which items were taken.
+    links = [pair().setup(IterableWrapper(range(20)).sharding_filter(), batch_max_items=5, linger=5.0) for _ in range(2)]
+    links[1].channel.rank = 1
+    channels = [link.channel for link in links]
+    for channel in channels:
+        channel.start_epoch(1, seed=1, global_worker_id=channel.rank, credits=4)
+    assert wait_until(lambda: all(channel.frames_received == 4 for channel in channels), 5.0)
+    progress = EpochProgress(1, [0, 0])
+    sizes: list = []
+
+    def recorded(runs):
+        for run in runs:
+            sizes.append(len(run))
+            yield run
+
+    handed = []
+    for item in flatten_runs(recorded(runs_in_order(channels, progress)), progress):
+        handed.append(item)
+        taken = len(handed)
+        assert progress.positions() == ([(taken + 1) // 2, taken // 2], taken % 2)
+    assert handed == [x for x in range(20) for _ in range(2)]
+    assert sum(sizes) == 40 and len(sizes) <= 12, sizes  # a step per frame or so, not per item
+    assert progress.finished and progress.ahead == 0

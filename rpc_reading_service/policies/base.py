@@ -75,6 +75,12 @@ class Merger(abc.ABC):
     def __iter__(self) -> Iterator[Any]:
         """The epoch's items in the delivered order; ends when every worker's stream ended."""
 
+    def runs(self) -> Optional[Iterator[List[Any]]]:
+        """The same items as lists handed on in a row, each counted at once with
+        ``progress.count_run`` (its consumer takes ``progress.ahead`` down by one per item);
+        None: only :meth:`__iter__`. Once one of the two is iterated, the other is not."""
+        return None
+
     def state(self, undelivered: int = 0) -> Optional[Dict[str, Any]]:
         """The policy's checkpoint state (JSON-able), as if the last ``undelivered`` items handed on
         had not been taken (a trainer-side stage holds them: they are replayed). None: the per-rank

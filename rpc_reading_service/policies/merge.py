@@ -30,7 +30,20 @@ from ..errors import WorkerLostError
 from ..protocol import decode_data
 from ..serialization import loads_items
 
-__all__ = ["EpochProgress", "ReplaceFn", "iterate_in_order", "iterate_as_completed"]
+__all__ = [
+    "EpochProgress",
+    "ReplaceFn",
+    "RUN_MAX_ITEMS",
+    "flatten_runs",
+    "iterate_in_order",
+    "iterate_as_completed",
+    "runs_in_order",
+    "runs_as_completed",
+]
+
+#: At most this many items in one run (:func:`runs_in_order`): a checkpoint gives back the items
+#: of a run not handed on yet from ``EpochProgress.recent`` (1024 ranks), with room to spare.
+RUN_MAX_ITEMS = 256
 
 
 @dataclass
@@ -110,6 +123,8 @@ class EpochProgress:
     #: Ranks whose session ended before the epoch (a drained session's take-over, its chunks
     #: delivered): no longer sessions of the run.
     left: Set[int] = field(default_factory=set)
+    #: Of ``yielded``, items counted with their run (:meth:`count_run`) and not handed on yet.
+    ahead: int = 0
 
     def __post_init__(self) -> None:
         self._resumed_at = sum(self.consumed)  # a resumed epoch starts with the checkpoint's positions
@@ -122,22 +137,48 @@ class EpochProgress:
         self.recent.append(rank)
         self.yielded += 1  # last: positions() checks it against the sum of ``consumed``
 
-    def _snapshot(self) -> Tuple[List[int], int, List[int], int, Optional[int]]:
+    def count_run(self, ranks: Sequence[int], rounds: int, next_rank: Optional[int] = None) -> None:
+        """Record a run of items before it is handed on: ``rounds`` turns of ``ranks``, one item
+        each; the consumer takes ``ahead`` down by one per item it hands on."""
+        consumed = self.consumed
+        for rank in ranks:
+            consumed[rank] += rounds
+        if next_rank is not None:
+            self.next_rank = next_rank
+        self.recent.extend(ranks if rounds == 1 else list(ranks) * rounds)
+        items = len(ranks) * rounds
+        self.ahead += items
+        self.yielded += items  # last, as in count()
+
+    @property
+    def undelivered(self) -> int:
+        """Items counted that the training loop has not received (yet to be handed on, or held
+        by trainer-side DataPipes)."""
+        delivered = self.delivered
+        return self.ahead if delivered is None else self.yielded - delivered
+
+    def _snapshot(self) -> Tuple[List[int], int, List[int], int, int]:
         # The iterating thread may count while another one checkpoints: copy until the copy is
         # consistent. count() updates consumed, then recent, then yielded; copying in the
         # reverse order and checking yielded around it catches any interleaving.
         while True:
-            yielded, delivered = self.yielded, self.delivered
+            yielded, ahead, undelivered = self.yielded, self.ahead, self.undelivered
             recent = list(self.recent)
             next_rank = self.next_rank
             consumed = list(self.consumed)
             if sum(consumed) - self._resumed_at == yielded == self.yielded:
-                return consumed, next_rank, recent, yielded, delivered
+                return consumed, next_rank, recent, ahead, undelivered
+
+    def handed_on(self) -> List[int]:
+        """Items of each worker's shard handed on (``consumed`` less a run not handed on yet)."""
+        consumed, _next_rank, recent, ahead, _undelivered = self._snapshot()
+        for rank in recent[len(recent) - ahead :]:
+            consumed[rank] -= 1
+        return consumed
 
     def positions(self) -> Tuple[List[int], int]:
         """``(consumed, next_rank)`` as of the last item the training loop received."""
-        consumed, next_rank, recent, yielded, delivered = self._snapshot()
-        undelivered = 0 if delivered is None else yielded - delivered
+        consumed, next_rank, recent, _ahead, undelivered = self._snapshot()
         if not 0 <= undelivered <= len(recent):
             raise RuntimeError(
                 f"cannot checkpoint: the trainer-side DataPipes after the workers' part took {self.yielded} items and "
@@ -189,19 +230,38 @@ def _take_or_replace(cursor: "_Cursor", event: Event, epoch: int, replace: Optio
         cursor.channel = replace(cursor.channel, exc)
 
 
+def flatten_runs(runs: Iterator[List[Any]], progress: EpochProgress) -> Iterator[Any]:
+    """The items of ``runs`` one at a time, taking ``progress.ahead`` down as each is handed on."""
+    for run in runs:
+        run.reverse()
+        pop = run.pop  # every item's reference goes with it
+        while run:
+            progress.ahead -= 1
+            yield pop()
+
+
 def iterate_in_order(
     channels: Sequence[WorkerChannel], progress: EpochProgress, replace: Optional[ReplaceFn] = None
 ) -> Iterator[Any]:
-    """Yield items round-robin over workers, one item each in turn; finished workers drop out.
+    """The items of :func:`runs_in_order`, one at a time."""
+    return flatten_runs(runs_in_order(channels, progress, replace), progress)
 
-    The rotation starts at ``progress.next_rank``; ``progress`` is updated with every item.
-    With ``replace``, a lost worker's channel is swapped for the one ``replace`` returns.
+
+def runs_in_order(
+    channels: Sequence[WorkerChannel], progress: EpochProgress, replace: Optional[ReplaceFn] = None
+) -> Iterator[List[Any]]:
+    """Yield items round-robin over workers, one item each in turn, in runs; finished workers drop out.
+
+    A run is as many whole turns as every worker's received frame still holds (one item
+    when one of them has none yet), counted in ``progress`` at once (:meth:`EpochProgress.count_run`).
+    The rotation starts at ``progress.next_rank``. With ``replace``, a lost worker's channel
+    is swapped for the one ``replace`` returns.
     """
     epoch, count = progress.epoch, len(channels)
     ring = collections.deque(_Cursor(channels[(progress.next_rank + k) % count]) for k in range(count))
-    last: Optional[_Cursor] = None  # where the item handed on last came from
+    handed: Sequence[_Cursor] = ()  # where the items handed on last came from
     while ring:
-        if last is not None:
+        for last in handed:
             last.settle(epoch)
         cursor = ring[0]
         while not cursor.pending:
@@ -211,12 +271,23 @@ def iterate_in_order(
             _take_or_replace(cursor, event, epoch, replace)
         if not cursor.pending:
             ring.popleft()
+            handed = ()
             continue
-        item = cursor.pending.popleft()
-        last = cursor
-        ring.rotate(-1)
-        progress.count(cursor.channel.rank, ring[0].channel.rank)
-        yield item
+        rounds = min(len(each.pending) for each in ring)
+        if rounds <= 1:  # another worker's next frame is not taken yet: one item, as its turn comes
+            ring.rotate(-1)
+            progress.count_run((cursor.channel.rank,), 1, ring[0].channel.rank)
+            handed = (cursor,)
+            yield [cursor.pending.popleft()]
+            continue
+        handed = tuple(ring)
+        rounds = min(rounds, max(1, RUN_MAX_ITEMS // len(handed)))
+        if len(handed) == 1:
+            run = [cursor.pending.popleft() for _ in range(rounds)]
+        else:
+            run = [each.pending.popleft() for _ in range(rounds) for each in handed]
+        progress.count_run([each.channel.rank for each in handed], rounds, cursor.channel.rank)
+        yield run
     progress.finish()
 
 
@@ -227,7 +298,19 @@ def iterate_as_completed(
     replace: Optional[ReplaceFn] = None,
     reassign: bool = True,
 ) -> Iterator[Any]:
-    """Yield items in arrival order from a queue shared by all channels.
+    """The items of :func:`runs_as_completed`, one at a time."""
+    return flatten_runs(runs_as_completed(channels, events, progress, replace, reassign), progress)
+
+
+def runs_as_completed(
+    channels: Sequence[WorkerChannel],
+    events: "queue.SimpleQueue[Event]",
+    progress: EpochProgress,
+    replace: Optional[ReplaceFn] = None,
+    reassign: bool = True,
+) -> Iterator[List[Any]]:
+    """Yield items in arrival order from a queue shared by all channels, a frame's items as one
+    run (counted in ``progress`` at once).
 
     A worker lost after its shard ended is reported at the next epoch, which needs it (as
     in order, where its own queue keeps the loss): this epoch has every one of its items;
@@ -252,8 +335,10 @@ def iterate_as_completed(
             finished.add(cursor.channel.rank)
             continue
         _take_or_replace(cursor, event, epoch, replace)
-        while cursor.pending:
-            progress.count(cursor.channel.rank)
-            yield cursor.pending.popleft()
+        pending = cursor.pending
+        while pending:
+            run = [pending.popleft() for _ in range(min(len(pending), RUN_MAX_ITEMS))]
+            progress.count_run((cursor.channel.rank,), len(run))
+            yield run
             cursor.settle(epoch)  # at the next request
     progress.finish()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from ..errors import FrameTooLargeError, LocalProtocolError, RemoteProtocolError
-from ..serialization import Buffer, EncodedItem
+from ..serialization import REUSED_BUFFER_MIN_BYTES, Buffer, EncodedItem, ReusedBuffers
 from ..version import __version__
 
 __all__ = [
@@ -192,11 +192,26 @@ class FrameReader:
         """Memory where the next bytes of the stream belong (never empty)."""
         return self._target[self._filled :]
 
+    def writable_sections(self, most: int) -> List[memoryview]:
+        """Memory where the next bytes of the stream belong, in order: :meth:`writable` and, in a
+        frame's body or buffers, the frame's buffers after it (at most ``most`` sections in all)."""
+        views = [self._target[self._filled :]]
+        if self._state == self._BODY or self._state == self._BUFFERS:
+            after = len(self._buffers) + (self._state == self._BUFFERS)
+            views += self._views[after : after + most - 1]
+        return views
+
     def advance(self, nbytes: int) -> None:
-        """Record that ``nbytes`` were written into the memory returned by ``writable()``."""
-        self._filled += nbytes
-        while self._filled == len(self._target):
-            self._section_done()
+        """Record that ``nbytes`` were written into the memory returned by ``writable()`` (or
+        into the sections of :meth:`writable_sections`, in order)."""
+        while True:
+            step = min(nbytes, len(self._target) - self._filled)
+            self._filled += step
+            nbytes -= step
+            while self._filled == len(self._target):
+                self._section_done()
+            if not nbytes:
+                return
 
     def feed(self, data: Buffer) -> None:
         """Copy ``data`` into the reader (convenience for tests and non-socket transports)."""
@@ -237,7 +252,12 @@ class FrameReader:
             ):  # fmt: skip
                 break  # the incremental parser checks it, and raises what is wrong
             offset = body_start + body_length
-            frames.append(Frame(frame_kind, bytearray(data[body_start:offset])))
+            if body_length < REUSED_BUFFER_MIN_BYTES:
+                frames.append(Frame(frame_kind, bytearray(data[body_start:offset])))
+                continue
+            body = self._new_body(frame_kind, body_length)
+            memoryview(body).cast("B")[:] = data[body_start:offset]
+            frames.append(Frame(frame_kind, body))
         return offset
 
     def next_frame(self) -> Optional[Frame]:
@@ -261,6 +281,9 @@ class FrameReader:
         self._filled = 0
         self._lengths: List[int] = []
         self._buffers: List[Buffer] = []
+        #: Where each buffer of the frame is received, allocated once its lengths are known (and as bytes).
+        self._allocated: List[Buffer] = []
+        self._views: List[memoryview] = []
 
     def _set_target(self, state: int, memory: Buffer) -> None:
         self._state = state
@@ -273,12 +296,14 @@ class FrameReader:
         elif self._state == self._LENGTHS:
             self._lengths = list(struct.unpack(f"!{self._n_buffers}Q", self._target))
             self._check_size()
-            self._set_target(self._BODY, bytearray(self._body_length))
+            self._allocated = [self.allocate(length) for length in self._lengths]
+            self._views = [memoryview(buffer).cast("B") for buffer in self._allocated]
+            self._set_target(self._BODY, self._new_body(self._kind, self._body_length))
         elif self._state == self._BODY:
             self._body = self._target.obj
             self._next_buffer()
         else:
-            self._buffers.append(self._target.obj)
+            self._buffers.append(self._allocated[len(self._buffers)])
             self._next_buffer()
 
     def _parse_header(self) -> None:
@@ -295,7 +320,14 @@ class FrameReader:
             self._set_target(self._LENGTHS, bytearray(BUFFER_LENGTH.size * n_buffers))
         else:
             self._check_size()
-            self._set_target(self._BODY, bytearray(body_length))
+            self._set_target(self._BODY, self._new_body(kind, body_length))
+
+    def _new_body(self, kind: MessageKind, nbytes: int) -> Buffer:
+        """Memory for a body: a DATA frame's from the reader's :class:`ReusedBuffers` when it has
+        them (its items are unpickled from it, then it is let go), else a new bytearray."""
+        if kind is MessageKind.DATA and isinstance(self.allocate, ReusedBuffers):
+            return self.allocate(nbytes)
+        return bytearray(nbytes)
 
     def _check_size(self) -> None:
         total = self._body_length + sum(self._lengths)
@@ -308,11 +340,11 @@ class FrameReader:
     def _next_buffer(self) -> None:
         index = len(self._buffers)
         if index < self._n_buffers:
-            self._set_target(self._BUFFERS, self.allocate(self._lengths[index]))
+            self._state, self._target, self._filled = self._BUFFERS, self._views[index], 0
             if self._lengths[index]:
                 return
             # Zero-length buffer: complete at once.
-            self._buffers.append(self._target.obj)
+            self._buffers.append(self._allocated[index])
             return self._next_buffer()
         self._frames.append(Frame(self._kind, self._body, self._buffers))
         self._start_header()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..base import EpochRun, Merger
-from ..merge import iterate_as_completed
+from ..merge import runs_as_completed
 from ..round_robin.trainer import RoundRobin, IteratorMerger
 
 __all__ = ["FirstReady"]
@@ -18,4 +18,5 @@ class FirstReady(RoundRobin):
 
     def merger(self, run: EpochRun) -> Merger:
         """Items as their frames arrive, from the queue all channels share."""
-        return IteratorMerger(iterate_as_completed(run.channels, run.events, run.progress, run.replace, run.reassign))
+        runs = runs_as_completed(run.channels, run.events, run.progress, run.replace, run.reassign)
+        return IteratorMerger(runs, run.progress)

@@ -7,23 +7,28 @@ per rank, so resuming and reassigning replay a shard from the items consumed.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, List, Optional
 
 from ...selection import WorkerSelection
 from ..base import DistributionPolicy, EpochRun, FleetView, Merger
-from ..merge import iterate_in_order
+from ..merge import EpochProgress, flatten_runs, runs_in_order
 
 __all__ = ["RoundRobin", "IteratorMerger"]
 
 
 class IteratorMerger(Merger):
-    """A merger that is one of the merge functions over the epoch's channels."""
+    """A merger that is one of the merge functions' runs over the epoch's channels."""
 
-    def __init__(self, items: Iterator[Any]):
-        self._items = items
+    def __init__(self, runs: Iterator[List[Any]], progress: EpochProgress):
+        self._runs = runs
+        self._progress = progress
 
     def __iter__(self) -> Iterator[Any]:
-        return self._items
+        return flatten_runs(self._runs, self._progress)
+
+    def runs(self) -> Iterator[List[Any]]:
+        """The merge function's runs."""
+        return self._runs
 
 
 class RoundRobin(DistributionPolicy):
@@ -46,4 +51,4 @@ class RoundRobin(DistributionPolicy):
 
     def merger(self, run: EpochRun) -> Merger:
         """Round-robin over the workers' queues, starting at ``progress.next_rank``."""
-        return IteratorMerger(iterate_in_order(run.channels, run.progress, run.replace))
+        return IteratorMerger(runs_in_order(run.channels, run.progress, run.replace), run.progress)

@@ -121,11 +121,13 @@ class Epoch:
         if self._started:
             raise RuntimeError("an Epoch is iterated once: start a new epoch with Engine.start_epoch()")
         self._started = True
-        engine = self.engine
-        if engine.in_process_graph is not None:
-            return self._one_step_at_a_time(self._iterate_in_process())
+        if self.engine.in_process_graph is not None:
+            return self._one_step_at_a_time(self._iterate_in_process(), False)
         assert self._merger is not None
-        return self._one_step_at_a_time(self._then_dispatch_failure(iter(self._merger)))
+        runs = self._merger.runs()
+        if runs is None:
+            return self._one_step_at_a_time(iter(self._merger), False)
+        return self._one_step_at_a_time(runs, True)
 
     @property
     def user_number(self) -> int:
@@ -143,8 +145,7 @@ class Epoch:
         given back, to be replayed)."""
         self.progress.delivered = delivered
         consumed, next_rank = self.progress.positions()
-        undelivered = 0 if delivered is None else self.progress.yielded - delivered
-        policy = None if self._merger is None else self._merger.state(undelivered)
+        policy = None if self._merger is None else self._merger.state(self.progress.undelivered)
         return Positions(tuple(consumed), next_rank, policy)
 
     def units(self) -> Optional[Dict[int, int]]:
@@ -155,40 +156,52 @@ class Epoch:
         """What the next epoch's distribution policy may start from (:meth:`Merger.hint`)."""
         return None if self._merger is None else self._merger.hint()
 
-    def _one_step_at_a_time(self, items: Iterator[Any]) -> Iterator[Any]:
-        """``items``, each taken holding the engine's guard, and only while this epoch is the current one.
+    def _one_step_at_a_time(self, source: Iterator[Any], runs: bool) -> Iterator[Any]:
+        """The items of ``source`` (with ``runs``: of its runs), each taken holding the engine's
+        guard, and only while this epoch is the current one; then the exception that ended the
+        dispatching part, if one did.
 
         An iterator of an epoch that a newer one superseded must not take the newer epoch's
-        frames from the shared queues: that would lose them for its own iterator.
+        frames from the shared queues: that would lose them for its own iterator. The items of
+        a run are this iterator's already: handing them on takes no guard.
         """
-        engine = self.engine
+        engine, progress = self.engine, self.progress
         guard, get_ident = engine.guard, threading.get_ident
         lock, doing = guard.lock, "taking an item"
         while True:
-            # guard.acquire()/release() inlined: this runs once per item.
+            # guard.acquire()/release() inlined: this runs once per item or run.
             if not lock.acquire(False):
                 guard.refuse(doing)
             guard.depth, guard.holder, guard.doing = 1, get_ident(), doing
             try:
                 if self is not engine.epoch:
-                    raise RuntimeError(
-                        "this iterator of a DataLoader2 was invalidated because a newer iteration of the "
-                        "same DataLoader2 started a new epoch; iterate the newest iterator only"
-                    )
-                item = next(items)
+                    self._superseded()
+                taken = next(source)
             except StopIteration:
-                return
+                break
             finally:
                 guard.depth, guard.holder = 0, None
                 lock.release()
-            yield item
-
-    def _then_dispatch_failure(self, items: Iterator[Any]) -> Iterator[Any]:
-        """``items``, then the exception that ended the dispatching part, if one did."""
-        yield from items
-        failure = self.engine.dispatch_failure(self.wire)
+            if not runs:
+                yield taken
+                continue
+            taken.reverse()
+            pop = taken.pop  # every item's reference goes with it
+            while taken:
+                if self is not engine.epoch:
+                    self._superseded()
+                progress.ahead -= 1
+                yield pop()
+        failure = engine.dispatch_failure(self.wire)
         if failure is not None:
             raise failure
+
+    @staticmethod
+    def _superseded() -> None:
+        raise RuntimeError(
+            "this iterator of a DataLoader2 was invalidated because a newer iteration of the "
+            "same DataLoader2 started a new epoch; iterate the newest iterator only"
+        )
 
     def _iterate_in_process(self) -> Iterator[Any]:
         progress = self.progress

@@ -584,15 +584,16 @@ class Engine:
         progress = epoch.progress
         elapsed = max(progress.elapsed, 1e-9)
         units = epoch.units() or {}
+        consumed = progress.handed_on()
         workers = [
             WorkerStats(
                 rank=channel.rank,
                 address=channel.address,
-                items_consumed=progress.consumed[channel.rank],
+                items_consumed=consumed[channel.rank],
                 items_received=channel.stats.items,
                 bytes_received=channel.stats.bytes,
                 frames_received=channel.frames_received,
-                items_per_second=progress.consumed[channel.rank] / elapsed,
+                items_per_second=consumed[channel.rank] / elapsed,
                 queue_depth=channel.queue.qsize() if not self.config.distribution.shared_queue else 0,
                 wait_seconds=channel.stats.wait_seconds,
                 pid=channel.info.get("pid"),
@@ -601,7 +602,7 @@ class Engine:
             for channel in self.channels
             if channel.rank not in progress.left
         ]
-        items = sum(progress.consumed)
+        items = sum(consumed)
         return ReadingServiceStats(
             epoch=epoch.user_number,
             elapsed_seconds=elapsed,

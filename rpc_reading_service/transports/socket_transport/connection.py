@@ -17,6 +17,11 @@ from .sockets import discard_input, send_chunks
 __all__ = ["SocketConnection"]
 
 _STAGING_BYTES = 256 * 1024
+# A read goes straight into a frame's memory once that much of the frame is left to read: its
+# current section and the buffers after it, with one scatter read (recvmsg_into) of at most
+# _MAX_SECTIONS of them; less is read through the staging buffer.
+_DIRECT_BYTES = _STAGING_BYTES // 2
+_MAX_SECTIONS = 64
 # While a large section is being received over TCP, the socket reports readable only once this
 # much of it (or all that is left) has arrived (SO_RCVLOWAT): a wake-up and a receive per
 # 2 MiB instead of one per few loopback segments, which cost the trainer about a third of its
@@ -30,6 +35,8 @@ class SocketConnection(Connection):
     """An authenticated TCP connection carrying frames."""
 
     sends_synchronously = True  # sendmsg (or SSL_write) has taken every byte when send() returns
+    #: Whether a read may fill several sections of a frame at once (a TLS socket has no recvmsg).
+    scatters = True
 
     def __init__(self, sock: socket.socket, peer: str, reader: FrameReader):
         self.peer = peer
@@ -120,11 +127,12 @@ class SocketConnection(Connection):
     def _read(self, deadline: Optional[float]) -> bool:
         """One read: a large section straight into its memory, else into the staging buffer.
         False if nothing arrived by ``deadline``."""
-        target = self._reader.writable()
-        direct = len(target) >= _STAGING_BYTES // 2
+        sections = self._sections()
+        size = sum(map(len, sections))
+        direct = size >= _DIRECT_BYTES
         if self._low_water:
-            self._arm_low_water()
-        received = self._recv_into(target if direct else self._staging, deadline)
+            self._arm_low_water(size)
+        received = self._recv_into(sections if direct else [self._staging], deadline)
         if received is None:
             return False
         if direct:
@@ -133,11 +141,23 @@ class SocketConnection(Connection):
             self._pending = self._staging[:received]
         return True
 
-    def _arm_low_water(self) -> None:
-        """Before waiting for input: the low-water mark for the section being received (at
-        most what is left of it, so a frame's last bytes and the next small frame still wake)."""
-        target = len(self._reader.writable())
-        nbytes = min(target, _LOW_WATER_BYTES) if target >= _STAGING_BYTES // 2 else 1
+    def _sections(self) -> List[memoryview]:
+        """Where the next bytes belong: the reader's current section, and the frame's buffers
+        after it when this connection scatters."""
+        if self.scatters:
+            return self._reader.writable_sections(_MAX_SECTIONS)
+        return [self._reader.writable()]
+
+    def _arm_low_water(self, target: Optional[int] = None) -> None:
+        """Before waiting for input: the low-water mark for the sections being received (at
+        most what is left of them, so a frame's last bytes and the next small frame still wake).
+
+        Args:
+            target: Bytes of those sections, when known.
+        """
+        if target is None:
+            target = sum(map(len, self._sections()))
+        nbytes = min(target, _LOW_WATER_BYTES) if target >= _DIRECT_BYTES else 1
         if nbytes != self._low_water:
             try:
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
@@ -149,7 +169,7 @@ class SocketConnection(Connection):
         """Whether received bytes wait below the socket (in a TLS layer)."""
         return False
 
-    def _recv_into(self, view: memoryview, deadline: Optional[float]) -> Optional[int]:
+    def _recv_into(self, views: List[memoryview], deadline: Optional[float]) -> Optional[int]:
         if deadline is None and not self._reader.mid_frame:
             # Waiting for a new frame with no deadline (a worker session's control loop): it has
             # most likely not come yet, so wait first. A wake-up then costs a select and the
@@ -161,7 +181,7 @@ class SocketConnection(Connection):
             if self._closed:
                 raise PeerLostError(f"connection to {self.peer} is closed")
             try:
-                n = self._recv_some(view)
+                n = self._recv_some(views)
             except (BlockingIOError, InterruptedError):
                 if not self._wait_for_input(deadline):
                     return None
@@ -172,9 +192,11 @@ class SocketConnection(Connection):
                 raise self._closed_by_peer()
             return n
 
-    def _recv_some(self, view: memoryview) -> int:
-        """One non-blocking receive into ``view`` (raises BlockingIOError when nothing is there)."""
-        return self._sock.recv_into(view, 0, socket.MSG_DONTWAIT)
+    def _recv_some(self, views: List[memoryview]) -> int:
+        """One non-blocking receive into ``views``, in order (raises BlockingIOError when nothing is there)."""
+        if len(views) == 1:
+            return self._sock.recv_into(views[0], 0, socket.MSG_DONTWAIT)
+        return self._sock.recvmsg_into(views, 0, socket.MSG_DONTWAIT)[0]
 
     def _wait_for_input(self, deadline: Optional[float]) -> bool:
         """Wait until the socket is readable; False once ``deadline`` has passed."""

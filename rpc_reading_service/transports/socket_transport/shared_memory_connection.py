@@ -161,10 +161,10 @@ class SharedMemoryConnection(SocketConnection):
             return self._segments.open(shared, fds, self._reader.max_frame_bytes)
         raise RemoteProtocolError(f"{self.peer} sent {frame.kind.name}, which this end of the connection never accepts")
 
-    def _recv_some(self, view: memoryview) -> int:
+    def _recv_some(self, views: List[memoryview]) -> int:
         if self._segments is None:  # descriptors sent to this end are dropped by the kernel
-            return super()._recv_some(view)
-        n, ancillary, flags, _ = self._sock.recvmsg_into([view], _ANCILLARY_BYTES, _MSG_DONTWAIT)
+            return super()._recv_some(views)
+        n, ancillary, flags, _ = self._sock.recvmsg_into(views, _ANCILLARY_BYTES, _MSG_DONTWAIT)
         for level, kind, data in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                 fds = array.array("i")

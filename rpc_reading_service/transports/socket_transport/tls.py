@@ -6,7 +6,7 @@ from __future__ import annotations
 import ssl
 import threading
 import time
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence
 
 from ...errors import ConfigurationError
 from ...protocol import Buffer, FrameReader
@@ -47,6 +47,8 @@ class TLSSocketConnection(SocketConnection):
     receiver and the sender (heartbeats, credits) never block each other.
     """
 
+    scatters = False
+
     def __init__(self, sock: ssl.SSLSocket, peer: str, reader: FrameReader):
         super().__init__(sock, peer, reader)
         self._tls_lock = threading.Lock()
@@ -83,7 +85,8 @@ class TLSSocketConnection(SocketConnection):
             else:
                 self._wait(want_read, 1.0)
 
-    def _recv_into(self, view: memoryview, deadline: Optional[float]) -> Optional[int]:
+    def _recv_into(self, views: List[memoryview], deadline: Optional[float]) -> Optional[int]:
+        view = views[0]  # one section at a time: no scatter read through OpenSSL
         while True:
             want_read = True
             with self._tls_lock:
