@@ -145,8 +145,8 @@ def session_frames(draw):
         buffers = draw(st.lists(st.binary(max_size=64), max_size=3))
         return frame_bytes(encode_frame(MessageKind.HEARTBEAT, [body], buffers))
     if kind == "credit":
-        epoch, credits = draw(st.integers(1000, 2**32 - 1)), draw(st.integers(0, 2**32 - 1))
-        return frame_bytes(encode_frame(MessageKind.CREDIT, [struct.pack("!II", epoch, credits)]))
+        epoch, credits = draw(st.integers(1000, 2**32 - 1)), draw(st.integers(0, 2**64 - 1))
+        return frame_bytes(encode_frame(MessageKind.CREDIT, [struct.pack("!IQ", epoch, credits)]))
     return frame_bytes(encode_control(MessageKind.STOP_EPOCH, {"epoch": draw(st.integers(1000, 2**40))}))
 
 
@@ -307,7 +307,7 @@ def test_postauth_fuzz(server):
         HEADER.pack(MAGIC, PROTOCOL_VERSION, MessageKind.HEARTBEAT, 2, 0) + struct.pack("!QQ", MAX_FRAME, 1),
         HEADER.pack(b"RRSX", PROTOCOL_VERSION, MessageKind.CREDIT, 0, 8),
         HEADER.pack(MAGIC, 0, MessageKind.CREDIT, 0, 8),
-        HEADER.pack(MAGIC, PROTOCOL_VERSION, MessageKind.CREDIT, 0, 8) + b"\x00" * 3,
+        HEADER.pack(MAGIC, PROTOCOL_VERSION, MessageKind.CREDIT, 0, 12) + b"\x00" * 3,
         frame_bytes(encode_frame(MessageKind.CREDIT, [b"\x00" * 5])),
         frame_bytes(encode_frame(MessageKind.START_EPOCH, [b"not a pickle"])),
         frame_bytes(encode_control(MessageKind.ITEM_TIMED_OUT, {"epoch": 1, "position": -1})),

@@ -124,16 +124,21 @@ def _version() -> str:
     return __version__
 
 
+def quarter_mib(index: int) -> bytes:
+    """An item of 256 KiB: four of them fill the credit window of ``prefetch=1`` (1 MiB)."""
+    return bytes(256 << 10)
+
+
 @pytest.mark.timeout(90)
 def test_time_a_session_waits_for_trainer_credit_counts_while_it_waits(tmp_path):
     server = start_server(tmp_path, ["--metrics-port", "0"])
     try:
         url = metrics_url(server)
         service = remote(server, 1, prefetch=1)
-        dl = DataLoader2(IterableWrapper(range(10_000)), reading_service=service)
+        dl = DataLoader2(IterableWrapper(range(10_000)).map(quarter_mib), reading_service=service)
         try:
             it = iter(dl)
-            next(it)  # the worker fills its one frame of credit and waits for the trainer
+            next(it)  # the worker fills its one frame's worth of credit and waits for the trainer
             seen = {}
             waited = lambda: seen.update(scrape(url)) or worker_value(seen, "credit_wait_seconds_total") >= 0.5  # noqa: E731
             assert wait_until(waited, 15), seen

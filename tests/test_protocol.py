@@ -333,8 +333,12 @@ def test_control_rejects_non_dict_and_garbage():
 
 def test_credit_round_trip():
     assert decode_credit(roundtrip(encode_credit(7, 3))) == (7, 3)
+    # Credit counts bytes: a window of frames of several GiB fits (a u64), past a u32.
+    assert decode_credit(roundtrip(encode_credit(7, 4 << 32))) == (7, 4 << 32)
     with pytest.raises(ProtocolError):
         decode_credit(Frame(MessageKind.CREDIT, b"short"))
+    with pytest.raises(ProtocolError):
+        decode_credit(Frame(MessageKind.CREDIT, bytes(8)))  # a version-5 CREDIT (u32 credits)
 
 
 def test_end_of_shard_round_trip():

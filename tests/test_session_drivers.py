@@ -29,12 +29,25 @@ from rpc_reading_service.trainer.channel import (
 )
 from rpc_reading_service.policies.merge import EpochProgress, iterate_in_order
 from rpc_reading_service.errors import ItemTimeoutError, WorkerLostError, WorkerStartupError
-from rpc_reading_service.protocol import MessageKind, SessionState, StopEpoch, decode_data, encode_frame
+from rpc_reading_service.protocol import (
+    DATA_FRAME_OVERHEAD,
+    MessageKind,
+    SessionState,
+    StopEpoch,
+    data_cost,
+    data_nbytes,
+    decode_data,
+    encode_frame,
+)
 from rpc_reading_service.trainer.receive_loop import ReceiveLoop
-from rpc_reading_service.serialization import dumps_graph, loads_items
+from rpc_reading_service.serialization import dumps_graph, dumps_item, loads_items
 from rpc_reading_service.protocol import FrameReader
 from rpc_reading_service.transports.socket_transport import SocketConnection
 from rpc_reading_service.worker.session import WorkerSession
+
+#: The bytes of credit of a DATA frame of one small int: a ``batch_max_bytes`` of it makes a window
+#: of ``credits`` such frames.
+FRAME = data_cost(data_nbytes([dumps_item(0)]))
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -158,33 +171,35 @@ def pair():
         each.close()
 
 
-def consume_counting_credit(channel: WorkerChannel, epoch: int, credits: int) -> list:
-    """The items of ``epoch`` frame by frame, granting one credit per frame taken (as the
-    merge does), and checking that the trainer never received more DATA frames than it had
-    granted credits: the window the protocol guarantees, however the items were packed."""
-    frames, granted = [], credits
+def consume_counting_credit(channel: WorkerChannel, epoch: int) -> list:
+    """The items of ``epoch`` frame by frame, giving each frame's bytes back as it is taken (as
+    the merge does), and checking that the trainer never received more bytes than it had granted
+    plus one frame (a frame goes while any credit is left): the window the protocol guarantees,
+    however the items were packed."""
+    frames, granted, largest = [], channel.protocol.window, 0
     while True:
         event = channel.queue.get(timeout=5.0)
         assert isinstance(event, (FrameReceived, ShardEnded)), event
-        frames_received = channel.frames_received
-        assert frames_received <= granted, f"{frames_received} DATA frames with {granted} credits"
         if isinstance(event, ShardEnded):
             return frames
+        largest = max(largest, event.frame.nbytes)
+        received = channel.stats.bytes
+        assert received < granted + largest, f"{received} bytes of DATA with {granted} granted"
         frames.append(loads_items(decode_data(event.frame)[2]))
-        granted += 1
-        channel.grant(epoch)
+        granted += data_cost(event.frame.nbytes)
+        channel.grant(epoch, event.frame.nbytes)
 
 
 def test_setup_and_epochs_with_credits(pair):
-    link = pair().setup(IterableWrapper(range(10)).sharding_filter(), batch_max_items=2, linger=0.0)
+    link = pair().setup(IterableWrapper(range(10)).sharding_filter(), batch_max_items=2, linger=0.0, batch_max_bytes=FRAME)
     assert link.channel.info["pid"] > 0 and link.channel.protocol.state is SessionState.READY
-    # One credit: the worker sends one frame and waits for the trainer to take it.
+    # A window of one frame: the worker sends one frame and waits for the trainer to take it.
     link.channel.start_epoch(1, seed=1, global_worker_id=0, credits=1)
     assert wait_until(lambda: link.channel.queue.qsize() == 1, 5.0)
-    assert link.session.protocol.credits == 0 and link.channel.frames_received == 1
+    assert link.session.protocol.credits <= 0 and link.channel.frames_received == 1
     # With linger=0 a frame leaves with what is ready when credit comes (1 or 2 items): how
     # many frames an epoch takes depends on timing, the items, their order and the bounds do not.
-    frames = consume_counting_credit(link.channel, 1, credits=1)
+    frames = consume_counting_credit(link.channel, 1)
     assert [item for frame in frames for item in frame] == list(range(10))
     assert all(1 <= len(frame) <= 2 for frame in frames) and link.channel.frames_received == len(frames)
     assert link.epoch(2) == list(range(10))
@@ -194,7 +209,7 @@ def test_setup_and_epochs_with_credits(pair):
 def test_a_slow_stage_is_credited_once_its_whole_window_is_taken(pair):
     # Three one-item frames arrive, then the worker's graph blocks (no fourth frame comes yet).
     graph = IterableWrapper(range(12)).sharding_filter().map(slow_then_block_at_3)
-    link = pair(heartbeat_interval=5.0, peer_timeout=20.0).setup(graph, linger=0.001)
+    link = pair(heartbeat_interval=5.0, peer_timeout=20.0).setup(graph, linger=0.001, batch_max_bytes=FRAME)
     channel = link.channel
     channel.start_epoch(1, seed=1, global_worker_id=0, credits=4)
     assert wait_until(lambda: channel.frames_received == 3, 5.0)
@@ -202,16 +217,18 @@ def test_a_slow_stage_is_credited_once_its_whole_window_is_taken(pair):
     assert [next(items), next(items), next(items)] == [0, 1, 2]
     # All three taken, more than half the window: but the worker holds a credit for its next
     # slow item, so it needs none yet (one CREDIT per window for a slow stage, not per half).
-    assert channel.protocol.credits == 1 and channel.frames_received == 3
+    assert channel.protocol.credits == FRAME and channel.frames_received == 3
     RELEASE.set()
     assert next(items) == 3  # sent with the last credit
-    assert channel._ungranted == 3  # a frame's credit goes back at the request after its last item
+    assert channel._credit.ungranted == 3 * FRAME  # a frame's credit goes back at the request after its last item
     assert next(items) == 4  # the whole window handed on: all four went back in one CREDIT
     assert list(items) == list(range(5, 12))
 
 
 def test_in_a_receive_loop_the_loop_sends_the_credits_the_consumer_grants(pair):
-    link = pair(over_sockets=True).setup(IterableWrapper(range(40)).sharding_filter(), batch_max_items=1, linger=0.0)
+    link = pair(over_sockets=True).setup(
+        IterableWrapper(range(40)).sharding_filter(), batch_max_items=1, linger=0.0, batch_max_bytes=FRAME
+    )
     assert link.channel._in_loop
     sent_before = len(link.trainer_conn.senders)
     # A window of 2 one-item frames: the epoch needs a CREDIT for every other frame taken.
@@ -222,7 +239,9 @@ def test_in_a_receive_loop_the_loop_sends_the_credits_the_consumer_grants(pair):
 
 
 def test_a_credit_due_while_another_send_holds_the_connection_is_sent_once_it_is_free(pair):
-    link = pair(over_sockets=True).setup(IterableWrapper(range(12)).sharding_filter(), batch_max_items=1, linger=0.0)
+    link = pair(over_sockets=True).setup(
+        IterableWrapper(range(12)).sharding_filter(), batch_max_items=1, linger=0.0, batch_max_bytes=FRAME
+    )
     channel = link.channel
     channel.start_epoch(1, seed=1, global_worker_id=0, credits=2)
     items = iterate_in_order([channel], EpochProgress(1, [0]))
@@ -232,7 +251,7 @@ def test_a_credit_due_while_another_send_holds_the_connection_is_sent_once_it_is
         taker = threading.Thread(target=lambda: third.append(next(items)))
         taker.start()  # the request after the window's last item: its CREDIT is due
         assert wait_until(lambda: link.loop._retry >= 0.004, 5.0)  # the loop tried, and retried
-        assert link.session.protocol.credits == 0 and channel.frames_received == 2
+        assert link.session.protocol.credits <= 0 and channel.frames_received == 2
     taker.join(5.0)
     assert third == [2] and list(items) == list(range(3, 12))  # the loop's retry sent it
 
@@ -297,8 +316,21 @@ def test_a_new_epoch_supersedes_a_running_one(pair):
     assert link.epoch(3) == list(range(50))
 
 
+def test_a_window_of_tiny_frames_holds_at_most_a_window_over_the_frame_overhead(pair):
+    # Credit counts bytes, and each frame costs a fixed overhead beside them: a consumer that takes
+    # nothing holds at most window / DATA_FRAME_OVERHEAD frames of tiny items, not window / 45 bytes.
+    link = pair().setup(IterableWrapper(range(100_000)).sharding_filter(), batch_max_items=1, linger=0.0)
+    link.channel.start_epoch(1, seed=1, global_worker_id=0, credits=1)  # a window of 1 MiB
+    worker = link.session.protocol
+    assert wait_until(lambda: worker.epoch == 1 and worker.credits <= 0, 10.0)  # the worker spent the window
+    sent = worker.next_sequence
+    assert wait_until(lambda: link.channel.frames_received == sent, 5.0)
+    assert link.channel.protocol.window == 1 << 20
+    assert (1 << 20) // FRAME <= sent <= (1 << 20) // DATA_FRAME_OVERHEAD + 1
+
+
 def test_a_stopped_epoch_ends_its_producer_and_the_next_one_runs(pair):
-    link = pair().setup(IterableWrapper(range(50)).sharding_filter(), batch_max_items=1, linger=0.0)
+    link = pair().setup(IterableWrapper(range(50)).sharding_filter(), batch_max_items=1, linger=0.0, batch_max_bytes=FRAME)
     link.channel.start_epoch(1, seed=1, global_worker_id=0, credits=1)
     assert wait_until(lambda: link.channel.frames_received == 1, 5.0)
     link.channel._send_or_report(StopEpoch(1))

@@ -47,9 +47,14 @@ from rpc_reading_service.protocol import (
     StopEpoch,
     TrainerSession,
     WorkerProtocol,
+    CreditWindow,
+    window_frames,
     decode_message,
     encode_control,
     encode_frame,
+    data_nbytes,
+    data_cost,
+    DATA_FRAME_OVERHEAD,
 )
 
 WORKER = "worker 0 (127.0.0.1:29600)"
@@ -134,11 +139,12 @@ def test_setup_epochs_with_credits_and_close():
         assert link.worker.state is SessionState.IN_EPOCH and link.worker.credits == 2
         received = []
         for sequence, batch in enumerate([(b"a", b"b"), (b"c",), (b"d", b"e")]):
-            if link.worker.credits == 0:
+            if link.worker.credits <= 0:
                 with pytest.raises(LocalProtocolError, match="without credit"):
                     link.worker.send(Data(epoch, sequence, items(*batch)))
-                (credit,) = link.deliver(link.trainer.send(Credit(epoch, 1)), link.worker)
-                assert credit == Credit(epoch, 1)
+                grant = 1 - link.worker.credits
+                (credit,) = link.deliver(link.trainer.send(Credit(epoch, grant)), link.worker)
+                assert credit == Credit(epoch, grant)
             (event,) = link.to_trainer(Data(epoch, sequence, items(*batch)))
             assert isinstance(event, DataReceived) and (event.epoch, event.sequence, event.count) == (
                 epoch,
@@ -154,6 +160,47 @@ def test_setup_epochs_with_credits_and_close():
     assert link.to_worker(Close()) == [Close()]
     assert (link.trainer.state, link.trainer.closed_by) == (SessionState.CLOSED, "us")
     assert (link.worker.state, link.worker.closed_by) == (SessionState.CLOSED, "peer")
+
+
+def test_data_credit_counts_bytes_and_a_frame_goes_while_any_is_left():
+    batches = [(b"a", b"b"), (b"c",), (b"d", b"e")]
+    # A frame costs its body and buffers plus a fixed overhead (a bound on a window's frames).
+    costs = [data_cost(16 + 12 * len(batch) + len(batch)) for batch in batches]
+    assert costs[1] == 16 + 12 + 1 + DATA_FRAME_OVERHEAD
+    link = Link().set_up().start(1, credits=costs[0] + costs[1] + 29)
+    for sequence, batch in enumerate(batches):
+        (event,) = link.to_trainer(Data(1, sequence, items(*batch)))
+        assert data_cost(event.nbytes) == data_cost(data_nbytes(items(*batch))) == costs[sequence]
+    # Both ends count the same bytes; the third frame went with 29 bytes left, past the window.
+    left = 29 - costs[2]
+    assert link.worker.credits == link.trainer.credits == left < 0
+    with pytest.raises(LocalProtocolError, match="without credit"):
+        link.worker.send(Data(1, 3, items(b"f")))
+    link.to_worker(Credit(1, -left))  # back to 0: still none left
+    with pytest.raises(LocalProtocolError, match="without credit"):
+        link.worker.send(Data(1, 3, items(b"f")))
+    link.to_worker(Credit(1, 1))
+    (event,) = link.to_trainer(Data(1, 3, [EncodedItem(b"g", [bytes(5000)])]))  # one frame over the window goes
+    assert event.nbytes == 16 + 12 + 1 + 5000 and link.trainer.credits == 1 - data_cost(event.nbytes)
+    # A worker that sends once its credit is used up breaks the rule on the trainer's end.
+    with pytest.raises(RemoteProtocolError, match="DATA frame 4 of epoch 1 without credit"):
+        link.deliver(Data(1, 4, items(b"h")).encode(), link.trainer)
+
+
+def test_the_trainers_credit_window_is_frames_of_the_largest_frame_and_goes_back_by_halves():
+    full = 10000 - DATA_FRAME_OVERHEAD  # a frame of these bytes costs 10000
+    window = CreditWindow(frame_bytes=10000)
+    assert window.start(4) == 40000  # four frames of the frame bound
+    assert not window.handed_on(full) and window.handed_on(full)  # half the window: a CREDIT is due
+    assert window.take() == 20000 and window.take() == 0
+    # A slow stage's frames go back a whole window at a time.
+    assert [window.handed_on(full, slow=True) for _ in range(4)] == [False, False, False, True]
+    assert window.take() == 40000
+    # A frame over the bound grows the window to four of it: its CREDIT carries the growth.
+    assert window.handed_on(30000 - DATA_FRAME_OVERHEAD) and window.window == 120000
+    assert window.take() == 30000 + (120000 - 40000)
+    assert window.start(4) == 120000 and window.ungranted == 0  # kept for the session's next epochs
+    assert window_frames(12000, 1000) == 12 and window_frames(1, 1000) == 1 and window_frames(0, 1000) == 1
 
 
 def test_stop_and_restart_epoch_drops_frames_in_flight():
@@ -250,7 +297,7 @@ def test_any_interleaving_of_legal_drivers_keeps_the_rules_and_loses_nothing(dat
         if action == "start" or (action == "stop" and trainer.state is SessionState.IN_EPOCH):
             if action == "start":
                 epoch += 1
-                to_worker.append(trainer.send(StartEpoch(epoch, 0, 0, data.draw(st.integers(1, 3)))))
+                to_worker.append(trainer.send(StartEpoch(epoch, 0, 0, data.draw(st.integers(1, 100)))))
             else:
                 to_worker.append(trainer.send(StopEpoch(epoch)))
                 stopped.add(epoch)
@@ -270,7 +317,7 @@ def test_any_interleaving_of_legal_drivers_keeps_the_rules_and_loses_nothing(dat
                 if isinstance(event, DataReceived):
                     assert event.epoch == epoch and epoch not in stopped  # stale frames never surface
                     received.setdefault(event.epoch, []).extend(payloads(event.decode()))
-                    to_worker.append(trainer.send(Credit(event.epoch, 1)))
+                    to_worker.append(trainer.send(Credit(event.epoch, data_cost(event.nbytes))))
                 elif isinstance(event, EndOfShard):
                     ended.add(event.epoch)
     for done in ended:
@@ -541,7 +588,7 @@ def test_golden_hello():
 
 def test_golden_credit():
     assert wire(Credit(7, 3).encode()) == bytes.fromhex(
-        "52525356 05 14 0000 0000000000000008 00000007 00000003"
+        "52525356 06 14 0000 000000000000000c 00000007 0000000000000003"
     )
 
 
@@ -852,7 +899,7 @@ def test_a_join_reaches_the_worker_as_a_join_and_is_refused_with_a_reason():
 
 # -- leases ("dynamic" epochs) -------------------------------------------------------------------
 def test_leased_chunks_are_reported_done_in_order_with_the_items_since_the_last_report():
-    link = Link().set_up().start(1, credits=4, leased=True)
+    link = Link().set_up().start(1, credits=1 << 20, leased=True)
     with pytest.raises(RemoteProtocolError, match="DATA frame 0 of epoch 1 with items but holds no lease"):
         forged = Link().set_up().start(1, leased=True)
         forged.deliver(Data(1, 0, items(b"x")).encode(), forged.trainer)
@@ -889,7 +936,7 @@ def test_leased_chunks_are_reported_done_in_order_with_the_items_since_the_last_
 
 
 def test_a_lease_grants_a_run_of_chunks_and_a_chunk_done_reports_several():
-    link = Link().set_up().start(1, credits=4, leased=True)
+    link = Link().set_up().start(1, credits=1 << 20, leased=True)
     assert link.to_worker(Lease(1, 0, skip=1, count=3)) == [Lease(1, 0, 1, count=3)]
     link.to_worker(Lease(1, 5, count=2))
     assert link.trainer.leases_outstanding == [0, 1, 2, 5, 6] == link.worker.leases_outstanding

@@ -60,8 +60,8 @@ def big_item(x):
 
 class ReusedBuffer(IterDataPipe):
     """Yields (i, the same tensor refilled with i): a graph that writes one buffer for every
-    item, faster than the trainer takes them (300 KiB: out of band, and in shared memory for
-    local workers; 2 MiB: over TCP, sent from the graph's memory itself, uncopied)."""
+    item, faster than the trainer takes them (from 64 KiB: out of band, over TCP sent from the
+    graph's memory itself, uncopied; from 256 KiB in shared memory for local workers)."""
 
     def __init__(self, nbytes: int = 300 * 1024):
         self.nbytes = nbytes
@@ -198,9 +198,10 @@ def test_tensors_arrive_intact(servers, transport):
     assert_bit_exact(epoch)
     # a graph that refills one buffer for every item: each arrives as it was yielded, not as
     # the buffer was when it was sent (prefetch=1: items wait for credit while it is refilled)
-    # from half a frame (512 KiB) on: sent uncopied from the graph's own buffer where the
-    # connection's send is synchronous (the socket transport's)
-    for nbytes in (300 * 1024, 512 << 10, 2 << 20) if transport == "socket" else (300 * 1024,):
+    # from 64 KiB (out of band) on: sent uncopied from the graph's own buffer where the
+    # connection's send is synchronous (the socket transport's), each in a frame of its own
+    small = (64 << 10, 128 << 10, 300 * 1024, 512 << 10)
+    for nbytes in small + (2 << 20,) if transport == "socket" else (64 << 10, 300 * 1024):
         rs = remote(servers(transport), transport, num_workers=1, prefetch=1)
         with DataLoader2(ReusedBuffer(nbytes).sharding_filter(), reading_service=rs) as dl:
             assert_each_item_as_yielded(list(dl))

@@ -22,6 +22,8 @@ from rpc_reading_service.protocol import (
     Setup,
     StartEpoch,
     WorkerProtocol,
+    data_cost,
+    data_nbytes,
     decode_data,
     encode_end_of_shard,
 )
@@ -39,7 +41,8 @@ def frame_of(chunks):
 
 class DrivenOutbox(Outbox):
     """An Outbox over a real WorkerProtocol, which hears the trainer's START_EPOCH and CREDIT
-    first, under the same lock, as in a session's control loop (the counts are the protocol's)."""
+    first, under the same lock, as in a session's control loop (the counts are the protocol's).
+    Its credits count frames of one one-byte item (:data:`FRAME`): credit is bytes on the wire."""
 
     def __init__(self, options, send=None, room=lambda: True):
         self.lock = threading.RLock()
@@ -53,7 +56,7 @@ class DrivenOutbox(Outbox):
 
     def start_epoch(self, epoch, credits, leased=False):
         with self.lock:
-            self._hear(StartEpoch(epoch, 0, 0, credits, leased=leased))
+            self._hear(StartEpoch(epoch, 0, 0, credits * FRAME, leased=leased))
             super().start_epoch(epoch)
 
     def lease(self, epoch, chunk, count):
@@ -62,12 +65,16 @@ class DrivenOutbox(Outbox):
 
     def grant(self, epoch, credits):
         with self.lock:
-            if self._hear(Credit(epoch, credits)):
+            if self._hear(Credit(epoch, credits * FRAME)):
                 super().grant(epoch)
 
 
 def item(i):
     return EncodedItem(str(i).encode())
+
+
+#: The bytes of credit of a DATA frame of one item of one byte.
+FRAME = data_cost(data_nbytes([item(0)]))
 
 
 def data_items(chunks):

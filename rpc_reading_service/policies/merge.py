@@ -50,16 +50,16 @@ RUN_MAX_ITEMS = 256
 class _Cursor:
     channel: WorkerChannel
     pending: Deque[Any] = field(default_factory=collections.deque)
-    #: The credit of the frame ``pending`` holds, owed once its last item is handed on: whether
-    #: that frame was a slow one (None: nothing owed).
-    owed: Optional[bool] = None
+    #: The credit of the frame ``pending`` holds, owed once its last item is handed on: its bytes
+    #: and whether it was a slow one (None: nothing owed).
+    owed: Optional[Tuple[int, bool]] = None
 
     def settle(self, epoch: int) -> None:
         """Give the frame's credit back if all its items were handed on (called at the consumer's
         next request: the layers above let go of the item before by then, a consumer that keeps
         items asks for the next one anyway)."""
         if not self.pending and self.owed is not None:
-            self.channel.grant(epoch, after_slow_frame=self.owed)
+            self.channel.grant(epoch, *self.owed)
             self.owed = None
 
 
@@ -89,10 +89,11 @@ def take_items(event: Event, epoch: int, cursor: Optional[_Cursor] = None) -> Li
         raise event.error
     if isinstance(event, FrameReceived):
         _epoch, _sequence, items = decode_data(event.frame)
+        owed = (event.frame.nbytes, slow_frame(items))
         if cursor is None or not items:
-            event.channel.grant(epoch, after_slow_frame=slow_frame(items))
+            event.channel.grant(epoch, *owed)
         else:
-            cursor.owed = slow_frame(items)
+            cursor.owed = owed
         event.channel.stats.items += len(items)
         return loads_items(items)
     return []

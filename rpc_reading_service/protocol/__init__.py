@@ -25,6 +25,9 @@ from .frames import (
     FrameReader,
     MessageKind,
     data_header,
+    data_nbytes,
+    data_cost,
+    DATA_FRAME_OVERHEAD,
     decode_control,
     decode_credit,
     decode_data,
@@ -64,6 +67,7 @@ from .messages import (
     decode_message,
     decode_setup,
 )
+from .credits import CreditWindow, window_frames
 from .session import DataReceived, Event, PeerTimedOut, Refused, SessionState, Tick
 from .roles import TrainerSession, WorkerProtocol
 
@@ -89,6 +93,9 @@ __all__ = [
     "encode_data",
     "decode_data",
     "data_header",
+    "data_nbytes",
+    "data_cost",
+    "DATA_FRAME_OVERHEAD",
     "encode_end_of_shard",
     "decode_end_of_shard",
     # handshake
@@ -124,6 +131,9 @@ __all__ = [
     "MESSAGE_TYPES",
     "decode_message",
     "decode_setup",
+    # credits
+    "CreditWindow",
+    "window_frames",
     # session state machines
     "SessionState",
     "Event",

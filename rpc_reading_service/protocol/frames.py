@@ -38,6 +38,9 @@ __all__ = [
     "encode_data",
     "decode_data",
     "data_header",
+    "data_nbytes",
+    "data_cost",
+    "DATA_FRAME_OVERHEAD",
     "encode_end_of_shard",
     "decode_end_of_shard",
     "HANDSHAKE_MAX_FRAME_BYTES",
@@ -48,7 +51,8 @@ __all__ = [
 #: 3: a LEASE gives its chunks' positions (first position and size: chunks may differ in size).
 #: 4: a worker may say LEAVING (its server drains) and end the session.
 #: 5: a message per failure (SETUP_FAILED, SETUP_REFUSED, SHARD_FAILED, ITEM_TIMED_OUT) replaces ERROR.
-PROTOCOL_VERSION = 5
+#: 6: DATA credit counts bytes (START_EPOCH's window and CREDIT; a frame goes while any is left), a u64 in CREDIT.
+PROTOCOL_VERSION = 6
 MAGIC = b"RRSV"
 HEADER = struct.Struct("!4sBBHQ")
 BUFFER_LENGTH = struct.Struct("!Q")
@@ -367,7 +371,7 @@ def decode_control(frame: Frame) -> Dict[str, Any]:
     return payload
 
 
-_CREDIT = struct.Struct("!II")
+_CREDIT = struct.Struct("!IQ")
 
 
 def _pack(layout: struct.Struct, kind: MessageKind, *values: int) -> bytes:
@@ -378,7 +382,7 @@ def _pack(layout: struct.Struct, kind: MessageKind, *values: int) -> bytes:
 
 
 def encode_credit(epoch: int, credits: int, kind: MessageKind = MessageKind.CREDIT) -> List[Buffer]:
-    """Encode a grant of ``credits`` more DATA frames (ITEMS frames for ITEM_CREDIT) for ``epoch``."""
+    """Encode a grant of ``credits`` more bytes of DATA frames (ITEMS frames for ITEM_CREDIT) for ``epoch``."""
     return encode_frame(kind, [_pack(_CREDIT, kind, epoch, credits)])
 
 
@@ -413,6 +417,21 @@ def encode_data(epoch: int, sequence: int, items: Sequence[EncodedItem]) -> Tupl
     body: List[Buffer] = [table]
     body.extend(item.payload for item in items)
     return body, buffers
+
+
+#: What a DATA frame costs of the trainer's credit beyond its bytes: its objects there, and a bound
+#: on the frames one window holds (a window of 4 MiB: at most 1,024 frames of tiny items).
+DATA_FRAME_OVERHEAD = 4096
+
+
+def data_cost(nbytes: int) -> int:
+    """The credit a DATA frame of ``nbytes`` (its body and buffers, ``Frame.nbytes``) costs."""
+    return nbytes + DATA_FRAME_OVERHEAD
+
+
+def data_nbytes(items: Sequence[EncodedItem]) -> int:
+    """Bytes of the body and buffers of a DATA frame packing ``items`` (its ``Frame.nbytes``)."""
+    return _DATA_HEAD.size + sum(_DATA_ITEM.size + item.nbytes for item in items)
 
 
 def data_header(frame: Frame) -> Tuple[int, int, int]:

@@ -190,7 +190,7 @@ class SessionOptions:
 
 
 def credit_batch(window: int, slow: bool = False) -> int:
-    """How many credits a trainer returns in one CREDIT with a window of ``window`` frames.
+    """How many bytes of credit a trainer returns in one CREDIT with a window of ``window`` bytes.
 
     Args:
         slow: after a slow stage's frame (one small item): the whole window, else half of it (at least one).
@@ -278,7 +278,8 @@ class Ready(_Control):
 
 @dataclass(frozen=True)
 class StartEpoch(_Control):
-    """Trainer to worker: start ``epoch`` (superseding any running one) with ``credits`` DATA frames.
+    """Trainer to worker: start ``epoch`` (superseding any running one) with ``credits`` bytes of
+    DATA frames (the window: a frame may go while any credit is left, so one larger than it still goes).
 
     ``skip`` items of the shard are not sent (a resumed epoch); with ``dispatched`` the
     worker's input comes from the trainer in ITEMS frames, which it asks for with ITEM_CREDIT;
@@ -410,7 +411,7 @@ class Heartbeat(Message):
 
 @dataclass(frozen=True)
 class Credit(Message):
-    """Trainer to worker: ``credits`` more DATA frames of ``epoch`` may be sent."""
+    """Trainer to worker: ``credits`` more bytes of DATA frames of ``epoch`` may be sent (ITEM_CREDIT: frames)."""
 
     kind: ClassVar[MessageKind] = MessageKind.CREDIT
     epoch: int

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import List, Optional, Union
 
 from ..errors import RemoteProtocolError
-from .frames import Frame
+from .frames import Frame, data_cost, data_nbytes
 from .handshake import decode_reject
 from .messages import (
     ChunkDone,
@@ -98,14 +98,14 @@ class TrainerSession(SessionProtocol):
             and sequence == flow.sequence
         ):  # fmt: skip
             # The common frame, which passes every check below (a frame per item of a slow stage): in one test.
-            flow.credits -= 1
+            flow.credits -= data_cost(frame.nbytes)
             flow.sequence += 1
             flow.items += count
             return [DataReceived(epoch, sequence, count, frame)]
         if not self._received_current(epoch, frame.kind):
             return None
         self._check_data_leased(epoch, sequence, count, self._remote)
-        flow = self._frame_in_flow(self._data, frame.kind, epoch, sequence, self._remote)
+        flow = self._frame_in_flow(self._data, frame.kind, epoch, sequence, self._remote, data_cost(frame.nbytes))
         flow.items += count
         return [DataReceived(epoch, sequence, count, frame)]
 
@@ -222,7 +222,8 @@ class WorkerProtocol(SessionProtocol):
     def _send_data(self, message: Data) -> None:
         self._sent_current(message.epoch, message.kind)
         self._check_data_leased(message.epoch, message.sequence, len(message.items), self._local)
-        flow = self._frame_in_flow(self._data, message.kind, message.epoch, message.sequence, self._local)
+        cost = data_cost(data_nbytes(message.items))
+        flow = self._frame_in_flow(self._data, message.kind, message.epoch, message.sequence, self._local, cost)
         flow.items += len(message.items)
 
     def _send_end_of_shard(self, message: EndOfShard) -> None:

@@ -160,10 +160,10 @@ class Tick(NamedTuple):
 
 @dataclass
 class _Flow:
-    """One direction of one epoch's stream: frames allowed, frames and items so far."""
+    """One direction of one epoch's stream: credit left (DATA: bytes; ITEMS: frames), frames and items so far."""
 
     credits: int
-    #: The credits it started with (START_EPOCH's ``credits`` for DATA).
+    #: The credits it started with (START_EPOCH's ``credits`` for DATA: bytes).
     window: int = 0
     sequence: int = 0
     items: int = 0
@@ -253,12 +253,12 @@ class SessionProtocol:
 
     @property
     def credits(self) -> int:
-        """DATA frames the worker may still send in the current epoch."""
+        """Bytes of DATA credit left in the current epoch (a frame may go while it is positive)."""
         return self._data.credits if self._data.open and not self.stopped else 0
 
     @property
     def window(self) -> int:
-        """The current epoch's credit window: START_EPOCH's ``credits``."""
+        """The current epoch's credit window in bytes: START_EPOCH's ``credits``."""
         return self._data.window
 
     @property
@@ -436,21 +436,23 @@ class SessionProtocol:
         epoch: int,
         sequence: int,
         error: Callable[[str], Exception],
+        cost: int = 1,
     ) -> _Flow:
-        """Check one DATA/ITEMS frame against its flow's credit and numbering, and count it."""
+        """Check one DATA/ITEMS frame against its flow's credit and numbering, and count it
+        (``cost``: its credit, a DATA frame's bytes; an ITEMS frame's 1)."""
         if flow is None:
             raise error(f"it sent {kind.name} for epoch {epoch}, which was not started with dispatched=True")
         if not flow.open:
             raise error(f"it sent {kind.name} frame {sequence} of epoch {epoch} after ending that stream")
         if flow.credits <= 0:
             raise error(
-                f"it sent {kind.name} frame {sequence} of epoch {epoch} without credit: only as many frames as the receiver granted may be sent"
+                f"it sent {kind.name} frame {sequence} of epoch {epoch} without credit: a frame may be sent only while the receiver's grants are not used up"
             )
         if sequence != flow.sequence:
             raise error(
                 f"it sent {kind.name} frame {sequence} of epoch {epoch} where frame {flow.sequence} was due: a frame was lost or reordered"
             )
-        flow.credits -= 1
+        flow.credits -= cost
         flow.sequence += 1
         return flow
 

@@ -46,7 +46,7 @@ from ..protocol import (
     StartEpoch,
     Tick,
     TrainerSession,
-    credit_batch,
+    CreditWindow,
 )
 from ..serialization import rebuild_exception
 from ..tasks import TaskGroup
@@ -202,11 +202,11 @@ class WorkerChannel:
         self._held: Optional[List[Tuple[Tuple[Message, ...], Optional[int], bool]]] = []
         self._loop = loop
         self._in_loop = False
-        #: The credits the consumer granted and not sent back yet (:meth:`grant`).
-        self._ungranted = 0
         #: A full DATA frame's bytes (``batch_max_bytes``), the latest epoch's credits: :meth:`_bound_buffers`.
         self._frame_bytes, self._window = SessionOptions().batch_max_bytes, 1
-        #: Around the credits not sent back yet (the consumer adds, the receive loop sends), and
+        #: The byte window and the credit the consumer handed on and not sent back yet (:meth:`grant`).
+        self._credit = CreditWindow(self._frame_bytes)
+        #: Around :attr:`_credit` (the consumer adds, the receive loop sends), and
         #: whether the loop was told that they are due.
         self._credit_lock = threading.Lock()
         self._credit_due = False
@@ -336,7 +336,7 @@ class WorkerChannel:
         """
         assert self.conn is not None, "attach() the connection first"
         message = setup if isinstance(setup, Setup) else Setup(**setup)
-        self._frame_bytes = message.options.batch_max_bytes
+        self._frame_bytes = self._credit.frame_bytes = message.options.batch_max_bytes
         self._bound_buffers(self._window)  # an epoch started while connecting keeps its window
         with self._state_lock:
             self.protocol.setup_timeout = timeout
@@ -418,11 +418,11 @@ class WorkerChannel:
             self._numbers[epoch] = number
         with self._credit_lock:
             self.epoch = epoch
-            self._ungranted = 0
+            window = self._credit.start(credits)
         self._window = credits
         self._bound_buffers(credits)
         self.stats = ChannelStats()
-        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, credits, skip, dispatched, leased=leased))
+        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, window, skip, dispatched, leased=leased))
 
     def _bound_buffers(self, window: int) -> None:
         """Bound the connection's reuse pools by ``window`` (the session's credit window) plus one frame."""
@@ -433,20 +433,18 @@ class WorkerChannel:
         """Send an ITEMS or END_OF_INPUT frame of the dispatched input (nothing once its epoch is over)."""
         self._send_or_report(message, epoch=message.epoch)
 
-    def grant(self, epoch: int, credits: int = 1, after_slow_frame: bool = False) -> None:
-        """Allow the worker ``credits`` more DATA frames of ``epoch``, in batches (the consumer's thread)."""
+    def grant(self, epoch: int, nbytes: int, after_slow_frame: bool = False) -> None:
+        """Give back the credit of a DATA frame of ``epoch`` of ``nbytes`` (``Frame.nbytes``) whose
+        last item was handed on, in batches (the consumer's thread)."""
         if epoch != self.epoch:
             return
         with self._credit_lock:
-            self._ungranted += credits
-            # The window of the epoch whose frames are taken (the state machine recorded its START_EPOCH:
-            # frames of it came); a plain read, as this thread does not hold the state lock.
-            if self._ungranted < credit_batch(self.protocol.window, slow=after_slow_frame):
+            if not self._credit.handed_on(nbytes, slow=after_slow_frame):
                 return
             if self._in_loop:
                 tell, self._credit_due = not self._credit_due, True
             else:
-                tell, credits, self._ungranted = False, self._ungranted, 0
+                tell, credits = False, self._credit.take()
         if tell:
             assert self._loop is not None
             self._loop.due(self)
@@ -463,7 +461,7 @@ class WorkerChannel:
             if not self.conn.has_room():
                 return False
             with self._credit_lock:
-                epoch, credits, self._ungranted, self._credit_due = self.epoch, self._ungranted, 0, False
+                epoch, credits, self._credit_due = self.epoch, self._credit.take(), False
             if credits and epoch is not None:  # none: a LEASE took them along meanwhile
                 self._send_now([Credit(epoch, credits)], epoch, False)
             return True
@@ -490,7 +488,7 @@ class WorkerChannel:
         if final:
             messages.append(Lease(epoch, final=True))
         with self._credit_lock:
-            credits, self._ungranted = self._ungranted, 0
+            credits = self._credit.take()
         if credits:
             messages.insert(0, Credit(epoch, credits))
         self._send_or_report(*messages)

@@ -320,7 +320,7 @@ class Outbox:
 
     def _track_credit_wait(self, now: float) -> None:
         """Account the time data was ready but the trainer had granted no credit."""
-        blocked = self._protocol.credits == 0 and bool(self._sealed or self._open)
+        blocked = self._protocol.credits <= 0 and bool(self._sealed or self._open)
         if blocked and self._credit_wait_since is None:
             self._credit_wait_since = now
         elif not blocked and self._credit_wait_since is not None:

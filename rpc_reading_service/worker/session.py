@@ -40,6 +40,7 @@ from ..protocol import (
     StartEpoch,
     StopEpoch,
     WorkerProtocol,
+    window_frames,
 )
 from ..selection import LeaseInbox, SelectionContext, SelectionFilter
 from ..serialization import ItemEncoder, fallback_exception_info, loads_graph, pack_exception
@@ -281,11 +282,12 @@ class WorkerSession:
         of an item of an earlier epoch that got stuck."""
         self.outbox.start_epoch(request.epoch)
         # The segments lent (the window), the batch open, the one sealed and the item being made.
-        self.conn.bound_buffers(request.credits + 3, self.options.batch_max_bytes)
+        frames = window_frames(request.credits, self.options.batch_max_bytes)
+        self.conn.bound_buffers(frames + 3, self.options.batch_max_bytes)
         self._cancel_input()
         if request.dispatched:
             self._inbox = Inbox(request.epoch, lambda epoch: self.outbox.grant_input(epoch, 1), self._waiting_for_trainer)
-            self.outbox.grant_input(request.epoch, max(1, request.credits))
+            self.outbox.grant_input(request.epoch, frames)
         if self._leases is not None:
             self._leases.cancel()  # the superseded epoch's producer stops waiting for leases
         self._leases = LeaseInbox() if request.leased else None
