@@ -208,10 +208,15 @@ def test_setup_and_epochs_with_credits(pair):
 
 def test_a_slow_stage_is_credited_once_its_whole_window_is_taken(pair):
     # Three one-item frames arrive, then the worker's graph blocks (no fourth frame comes yet).
+    # One item a frame (batch_max_items): a sender that runs late (under load) packs no two.
     graph = IterableWrapper(range(12)).sharding_filter().map(slow_then_block_at_3)
-    link = pair(heartbeat_interval=5.0, peer_timeout=20.0).setup(graph, linger=0.001, batch_max_bytes=FRAME)
-    channel = link.channel
-    channel.start_epoch(1, seed=1, global_worker_id=0, credits=4)
+    link = pair(heartbeat_interval=5.0, peer_timeout=20.0).setup(
+        graph, linger=0.001, batch_max_items=1, batch_max_bytes=FRAME
+    )
+    channel, outbox = link.channel, link.session.outbox
+    with outbox.sending:  # no frame leaves until the second item is made: as a sender late under load
+        channel.start_epoch(1, seed=1, global_worker_id=0, credits=4)
+        assert wait_until(lambda: outbox._producer_waiting or len(outbox._open) > 1, 5.0)
     assert wait_until(lambda: channel.frames_received == 3, 5.0)
     items = iterate_in_order([channel], EpochProgress(1, [0]))
     assert [next(items), next(items), next(items)] == [0, 1, 2]
