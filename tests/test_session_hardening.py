@@ -19,6 +19,7 @@ import functools
 import json
 import math
 import os
+import resource
 import subprocess
 import sys
 import textwrap
@@ -95,6 +96,13 @@ def unpicklable_at_2(x):
 def hold_the_interpreter_lock_at_3(x):
     if x == 3:
         ctypes.PyDLL(None).sleep(60)  # C code that keeps the interpreter lock: no thread of the process runs
+    return x
+
+
+def segfault_at_3(x):
+    if x == 3:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
     return x
 
 
@@ -297,6 +305,20 @@ def test_an_item_stuck_in_c_code_holding_the_interpreter_lock_ends_its_session_w
     stderr = server.stderr()
     assert f'File "{__file__}", line' in stderr and "in hold_the_interpreter_lock_at_3" in stderr
     assert wait_until(lambda: not server.session_pids(), 5.0), server.session_pids()
+
+
+@pytest.mark.timeout(30)
+def test_a_session_that_dies_of_a_signal_is_logged_by_its_server_with_its_stacks(worker_server):
+    worker_server.wait_idle()
+    fds = lambda: len(os.listdir(f"/proc/{worker_server.proc.pid}/fd"))  # noqa: E731
+    before = fds()
+    rs = RPCReadingService(num_workers=1, workers=[worker_server.address], auth_key=worker_server.key, timeout=20)
+    with pytest.raises(WorkerLostError):
+        run_epochs(IterableWrapper(range(N)).sharding_filter().map(segfault_at_3), rs, n_epochs=1)
+    assert wait_until(lambda: "(SIGSEGV). Its threads were here:" in worker_server.stderr(), 5.0), worker_server.stderr()
+    logged = worker_server.stderr().split("(SIGSEGV). Its threads were here:")[1]
+    assert "Segmentation fault" in logged and "in segfault_at_3" in logged
+    assert wait_until(lambda: fds() <= before, 5.0), (fds(), before)  # the session's pipe closed too
 
 
 @pytest.mark.timeout(30)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import gc
 import logging
 import os
@@ -113,6 +114,8 @@ class WorkerServer:
             self._listener.admit = self._admit
         self._parent_pid = parent_pid
         self._children: Dict[int, str] = {}
+        #: The read end of each session process's pipe for the stacks faulthandler writes on a fatal signal.
+        self._crash_pipes: Dict[int, int] = {}
         self._terminated: Set[int] = set()  # sessions this server SIGTERMed itself, when shutting down
         #: Sessions in thread mode, and their connections (closed at shutdown, which ends them).
         self._sessions = TaskGroup(f"the worker server at {self.address}")
@@ -224,7 +227,9 @@ class WorkerServer:
             self._session_conns[thread] = conn
             return
         _flush_lines()
-        inherited = [*self._listener.inheritable_fds(), *self._wake_fds]
+        inherited = [*self._listener.inheritable_fds(), *self._wake_fds, *self._crash_pipes.values()]
+        # Non-blocking: a dump larger than the pipe is cut short, never a hang of the dying process.
+        crash_read, crash_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         # A stop signal waits until both sides are past the fork (and its at-fork hooks): the
         # server's handler only sets a flag; in the session, it acts with the default action.
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, (*STOP_SIGNALS, DRAIN_SESSION_SIGNAL))
@@ -232,12 +237,16 @@ class WorkerServer:
             pid = os.fork()
         except OSError as exc:  # BlockingIOError (EAGAIN) at a pids limit, ENOMEM
             self.ledger.end(counters)
+            os.close(crash_read)
+            os.close(crash_write)
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             self._refuse_session(conn, f"fork failed: {exc}")
             return
         if pid == 0:  # the session process
             code = 0
             try:
+                faulthandler.enable(crash_write, all_threads=True)  # every thread's stack, for the server to log
+                inherited.append(crash_read)
                 for signum in STOP_SIGNALS:
                     signal.signal(signum, signal.SIG_DFL)
                 signal.signal(DRAIN_SESSION_SIGNAL, lambda _signum, _frame: self.drain())  # this session leaves
@@ -256,8 +265,10 @@ class WorkerServer:
                 _flush_lines()
                 os._exit(code)
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        os.close(crash_write)
         conn.release()
         self._children[pid] = conn.peer
+        self._crash_pipes[pid] = crash_read
         self.ledger.forked(pid, counters)
         log.info("session for %s runs in process %d", conn.peer, pid)
 
@@ -304,18 +315,39 @@ class WorkerServer:
             if done:
                 peer = self._children.pop(pid)
                 self.ledger.process_ended(pid)
-                stack = take_stack(pid)
+                stack, crash = take_stack(pid), self._take_crash_stack(pid)
                 if stack is not None:
                     log.warning(
                         "session process %d for %s ended: C code held its interpreter lock for more than item_timeout "
                         "(no thread could run, nor send heartbeats). Its threads were here:\n%s", pid, peer, stack,
                     )  # fmt: skip
                 if os.WIFSIGNALED(status) and not (pid in self._terminated and os.WTERMSIG(status) == signal.SIGTERM):
-                    log.warning("session process %d for %s was killed by signal %d", pid, peer, os.WTERMSIG(status))
+                    log.warning(
+                        "session process %d for %s was killed by signal %d (%s)%s", pid, peer, os.WTERMSIG(status),
+                        _signal_name(os.WTERMSIG(status)), f". Its threads were here:\n{crash}" if crash else "",
+                    )  # fmt: skip
                 elif os.WIFSIGNALED(status):
                     log.debug("session process %d for %s ended on this server's SIGTERM", pid, peer)
                 else:
                     log.info("session process %d for %s ended", pid, peer)
+
+    def _take_crash_stack(self, pid: int) -> str:
+        """What the ended session process ``pid`` wrote on a fatal signal ("": nothing); closes its pipe."""
+        fd = self._crash_pipes.pop(pid, None)
+        if fd is None:
+            return ""
+        chunks = []
+        try:
+            while True:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        except OSError:  # BlockingIOError: all read (a process the session forked holds the write end)
+            pass
+        finally:
+            os.close(fd)
+        return b"".join(chunks).decode("utf-8", errors="replace").rstrip()
 
     def _drain(self) -> None:
         """Stop accepting, ask every session to leave, and wait up to ``drain_timeout`` for them
@@ -364,11 +396,20 @@ class WorkerServer:
             except (ProcessLookupError, ChildProcessError):
                 pass
             self._children.pop(pid, None)
+            self._take_crash_stack(pid)  # closes its pipe: killed here, nothing to say
         for conn in self._session_conns.values():  # thread sessions: a closed connection ends each one
             conn.close()
         self._sessions.stop(max(0.0, deadline - time.monotonic()) + 1.0)
         if self._cache is not None and self._cache.temporary and self._cache.directory:
             shutil.rmtree(self._cache.directory, ignore_errors=True)
+
+
+def _signal_name(signum: int) -> str:
+    """``SIGSEGV`` for 11; the number for a signal this platform does not name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
 
 
 def _flush_lines() -> None:
