@@ -578,3 +578,14 @@ def big_item(item: int) -> tuple:
     import torch
 
     return item, torch.full((40_000,), float(item))
+
+
+def python_calls(function: Callable[..., Any], *args: Any) -> Tuple[Any, List[str]]:
+    """``function(*args)``'s result and the names of the Python functions (not C ones) it called."""
+    calls: List[str] = []
+    sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name) if event == "call" else None)
+    try:
+        result = function(*args)
+    finally:
+        sys.setprofile(None)
+    return result, calls[1:]  # not the frame of ``function`` itself
