@@ -9,6 +9,7 @@ it forked, even when a test fails half-way.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import secrets
@@ -578,3 +579,18 @@ def big_item(item: int) -> tuple:
     import torch
 
     return item, torch.full((40_000,), float(item))
+
+
+def python_calls(function: Callable[..., Any], *args: Any) -> Tuple[Any, List[str]]:
+    """``function(*args)``'s result and the names of the Python functions (not C ones) it called."""
+    calls: List[str] = []
+    enabled = gc.isenabled()
+    gc.disable()  # no collection's callbacks (weak references, finalizers) among the calls counted
+    sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name) if event == "call" else None)
+    try:
+        result = function(*args)
+    finally:
+        sys.setprofile(None)
+        if enabled:
+            gc.enable()
+    return result, calls[1:]  # not the frame of ``function`` itself

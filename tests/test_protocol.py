@@ -6,6 +6,7 @@ import struct
 import threading
 
 import pytest
+from _server_helpers import python_calls
 
 from rpc_reading_service.errors import AuthenticationError, FrameTooLargeError, ProtocolError
 from rpc_reading_service.protocol import (
@@ -89,6 +90,28 @@ def test_feeding_byte_by_byte_yields_the_same_frames():
     assert [bytes(b) for b in frames[1].buffers] == [b"A" * 33, b"B"]
     assert decode_control(frames[2]) == {"epoch": 3}
     assert not reader.mid_frame
+
+
+def test_a_data_frame_of_one_large_item_costs_a_few_python_calls_to_encode_and_to_read():
+    # A large item makes a frame alone: the worker encodes it and the trainer decodes it and reads
+    # its size (is it a slow stage's?) with no call per part or buffer.
+    item = EncodedItem(b"payload", [bytearray(b"\x01" * 300_000), b"", memoryview(b"abc")], nbytes=300_010)
+
+    def encode():
+        return encode_frame(MessageKind.DATA, *encode_data(1, 7, [item]))
+
+    chunks, calls = python_calls(encode)
+    assert len(calls) <= 3, calls
+    frame = roundtrip(chunks)
+
+    def decode():
+        epoch, sequence, (decoded,) = decode_data(frame)
+        return epoch, sequence, decoded, decoded.nbytes
+
+    (epoch, sequence, decoded, nbytes), calls = python_calls(decode)
+    assert len(calls) <= 4, calls
+    assert (epoch, sequence, nbytes, bytes(decoded.payload)) == (1, 7, 300_010, b"payload")
+    assert [bytes(b) for b in decoded.buffers] == [b"\x01" * 300_000, b"", b"abc"]
 
 
 def test_whole_small_frames_in_one_go_are_the_frames_of_the_incremental_parser():

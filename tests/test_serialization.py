@@ -13,6 +13,7 @@ import cloudpickle
 import numpy as np
 import pytest
 import torch
+from _server_helpers import python_calls
 
 from rpc_reading_service.errors import ItemPicklingError, RemoteWorkerError
 from rpc_reading_service.protocol import EncodedItem, FrameReader, MessageKind, decode_data, encode_data, encode_frame
@@ -273,19 +274,8 @@ def test_an_encoded_item_knows_its_bytes_on_the_wire():
         encoded.nbites  # noqa: B018
 
 
-def _python_calls(function, *args):
-    """Calls of Python functions (not C ones) made by ``function(*args)``."""
-    calls = []
-    sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name) if event == "call" else None)
-    try:
-        result = function(*args)
-    finally:
-        sys.setprofile(None)
-    return result, calls[1:]  # not the frame of ``function`` itself
-
-
 @pytest.mark.parametrize("nbytes, budget", [(1024, 5), (OUT_OF_BAND_MIN_BYTES, 9)])
-def test_encoding_a_plain_tensor_costs_a_few_python_calls(nbytes, budget):
+def test_encoding_a_plain_tensor_costs_a_fewpython_calls(nbytes, budget):
     # A worker's CPU per small item is mostly calls: the encoder's part of them is bounded here
     # (its reduction, the buffer's copy and the item's size, as a sender reads it twice).
     encoder = ItemEncoder()
@@ -296,7 +286,7 @@ def test_encoding_a_plain_tensor_costs_a_few_python_calls(nbytes, budget):
         return encoded, encoded.nbytes + encoded.nbytes
 
     tensor = torch.full((nbytes,), 7, dtype=torch.uint8)
-    (encoded, _), calls = _python_calls(encode_and_size, tensor)
+    (encoded, _), calls = python_calls(encode_and_size, tensor)
     assert len(calls) <= budget, calls
     assert torch.equal(loads_item(over_the_wire(encoded)), tensor)
 

@@ -19,11 +19,12 @@ import numpy
 import pytest
 import torch
 
-from _server_helpers import remote, wait_until
+from _server_helpers import python_calls, remote, wait_until
 from rpc_reading_service.errors import LocalProtocolError, RemoteProtocolError, WorkerLostError
 from rpc_reading_service.protocol import PROTOCOL_VERSION, EncodedItem, FrameReader, MessageKind, encode_data, encode_frame
 from rpc_reading_service.protocol.frames import (
     SharedBuffer,
+    SharedFrame,
     decode_shared_data,
     encode_shared_data,
     split_frame,
@@ -213,6 +214,24 @@ def test_numpy_arrays_keep_their_segment_lent_while_they_live():
     gc.collect()
     _hand_over(pool, segments, encoded.buffers)
     assert pool.segments == 2  # both free again: reused
+
+
+def test_staging_and_lending_a_buffer_cost_no_python_call_per_segment_of_the_pool():
+    # Locally every large buffer is staged in a segment as it is encoded and lent with its frame:
+    # neither looks at each of the pool's segments through a call, and the smallest fitting one is taken.
+    pool, segments = SegmentPool(), SegmentMap("test")
+    held = [_hand_over(pool, segments, [numpy.full(BIG + (7 - i) * 4096, i, dtype=numpy.uint8)]) for i in range(8)]
+    del held
+    gc.collect()  # eight free segments, the smallest made last
+    item = numpy.full(BIG, 5, dtype=numpy.uint8)
+    staged, calls = python_calls(pool.stage, memoryview(item))
+    assert len(calls) <= 5, calls
+    (shared, inline, new, retired), calls = python_calls(pool.lend, [staged], SHARED_MEMORY_MIN_BYTES)
+    assert len(calls) <= 6, calls  # its SharedBuffer's __new__ among them
+    assert [b.segment for b in shared] == [8] and not (inline or new or retired) and pool.segments == 8
+    del staged
+    (received,) = segments.open(SharedFrame(MessageKind.DATA, 1, [], [], shared, b"", []), [], 1 << 30).buffers
+    assert bytes(received) == item.tobytes()
 
 
 def test_items_made_in_a_segment_are_lent_as_they_are_and_reused_once_both_sides_let_go():

@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from _server_helpers import wait_until
+from _server_helpers import python_calls, wait_until
 
 from rpc_reading_service.protocol import (
     ChunkDone,
@@ -243,6 +243,20 @@ def test_a_small_slow_item_is_written_by_its_producer_and_a_big_one_by_the_sende
     outbox.put(1, EncodedItem(b"x" * (1 << 20)))  # slow, but big
     assert len(written) == 1
     assert outbox.send_next(1.0) and written[1] == (threading.current_thread(), [MessageKind.DATA])
+
+
+def test_an_item_joining_an_open_batch_costs_one_python_call_beyond_put():
+    # A worker's CPU per small item is mostly calls: an item that joins an open batch without
+    # filling it is checked and added inline (the lock entered directly, its bounds checked once).
+    written = []
+    outbox = DrivenOutbox(SessionOptions(batch_max_items=4, linger=10.0), send=written.append)
+    outbox.start_epoch(1, credits=4)
+    items = [item(i) for i in range(4)]
+    assert [i.nbytes for i in items] == [1] * 4  # counted now, as an encoder gives it
+    outbox.put(1, items[0])  # opens the batch
+    assert [python_calls(outbox.put, 1, i)[1] for i in items[1:3]] == [["_check"], ["_check"]]
+    outbox.put(1, items[3])  # fills it: the producer writes it itself
+    assert [data_items(f)[2] for frames in written for f in frames] == [[0, 1, 2, 3]]
 
 
 def test_a_slow_item_short_of_credit_waits_for_the_credit_owed_without_waking_the_sender():

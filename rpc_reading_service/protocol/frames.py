@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import operator
 import pickle
 import struct
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ __all__ = [
     "FrameReader",
     "header_kind",
     "encode_frame",
+    "buffers_nbytes",
     "encode_control",
     "decode_control",
     "encode_credit",
@@ -142,7 +144,19 @@ class Frame:
     def nbytes(self) -> int:
         """Bytes this frame occupies in memory (body plus buffers)."""
         buffers = self.buffers
-        return len(self.body) + sum(memoryview(b).nbytes for b in buffers) if buffers else len(self.body)
+        return len(self.body) + buffers_nbytes(buffers) if buffers else len(self.body)
+
+
+def buffers_nbytes(buffers: Sequence[Buffer]) -> int:
+    """The bytes of ``buffers`` (a plain loop: no call per buffer).
+
+    Args:
+        buffers: Buffers of any format.
+    """
+    nbytes = 0
+    for buffer in buffers:
+        nbytes += memoryview(buffer).nbytes
+    return nbytes
 
 
 def encode_frame(kind: MessageKind, body: Sequence[Buffer] = (), buffers: Sequence[Buffer] = ()) -> List[Buffer]:
@@ -152,14 +166,23 @@ def encode_frame(kind: MessageKind, body: Sequence[Buffer] = (), buffers: Sequen
     """
     if len(buffers) > MAX_BUFFERS_PER_FRAME:
         raise LocalProtocolError(f"a frame may carry at most {MAX_BUFFERS_PER_FRAME} out-of-band buffers, got {len(buffers)}")
-    body_length = sum(memoryview(part).nbytes for part in body)
-    lengths = [memoryview(b).nbytes for b in buffers]
+    chunks: List[Buffer] = [b""]  # the head, once the lengths are known
+    body_length = 0
+    for part in body:  # plain loops: no call per part (a frame is encoded for every item or few)
+        nbytes = memoryview(part).nbytes
+        if nbytes:
+            body_length += nbytes
+            chunks.append(part)
     head = HEADER.pack(MAGIC, PROTOCOL_VERSION, int(kind), len(buffers), body_length)
-    if lengths:
+    if buffers:
+        lengths = []
+        for buffer in buffers:
+            nbytes = memoryview(buffer).nbytes
+            lengths.append(nbytes)
+            if nbytes:
+                chunks.append(buffer)
         head += struct.pack(f"!{len(lengths)}Q", *lengths)
-    chunks: List[Buffer] = [head]
-    chunks.extend(part for part in body if memoryview(part).nbytes)
-    chunks.extend(b for b in buffers if memoryview(b).nbytes)
+    chunks[0] = head
     return chunks
 
 
@@ -401,6 +424,7 @@ def _unpack(layout: struct.Struct, frame: Frame) -> Tuple[int, ...]:
 # -- DATA frames: many items packed into one frame ---------------------------------------------
 _DATA_HEAD = struct.Struct("!IQI")
 _DATA_ITEM = struct.Struct("!QI")
+_NBYTES, _LENGTH, _COUNT = operator.attrgetter("nbytes"), operator.itemgetter(0), operator.itemgetter(1)
 
 
 def encode_data(epoch: int, sequence: int, items: Sequence[EncodedItem]) -> Tuple[List[Buffer], List[Buffer]]:
@@ -410,12 +434,13 @@ def encode_data(epoch: int, sequence: int, items: Sequence[EncodedItem]) -> Tupl
     frames of one epoch from 0, so the receiver can verify nothing was lost.
     """
     table = bytearray(_pack(_DATA_HEAD, MessageKind.DATA, epoch, sequence, len(items)))
+    body: List[Buffer] = [table]
     buffers: List[Buffer] = []
     for item in items:
-        table += _DATA_ITEM.pack(len(item.payload), len(item.buffers))
-        buffers.extend(item.buffers)
-    body: List[Buffer] = [table]
-    body.extend(item.payload for item in items)
+        payload, item_buffers = item.payload, item.buffers
+        table += _DATA_ITEM.pack(len(payload), len(item_buffers))
+        body.append(payload)
+        buffers.extend(item_buffers)
     return body, buffers
 
 
@@ -431,7 +456,7 @@ def data_cost(nbytes: int) -> int:
 
 def data_nbytes(items: Sequence[EncodedItem]) -> int:
     """Bytes of the body and buffers of a DATA frame packing ``items`` (its ``Frame.nbytes``)."""
-    return _DATA_HEAD.size + sum(_DATA_ITEM.size + item.nbytes for item in items)
+    return _DATA_HEAD.size + _DATA_ITEM.size * len(items) + sum(map(_NBYTES, items))
 
 
 def data_header(frame: Frame) -> Tuple[int, int, int]:
@@ -449,10 +474,14 @@ def decode_data(frame: Frame) -> Tuple[int, int, List[EncodedItem]]:
     if table_end > len(body):
         raise RemoteProtocolError(f"{frame.kind.name} frame announces {count} items but is too short for their table")
     table = list(_DATA_ITEM.iter_unpack(body[_DATA_HEAD.size : table_end]))
-    if table_end + sum(length for length, _ in table) != len(body) or sum(n for _, n in table) != len(frame.buffers):
+    buffers = frame.buffers
+    if table_end + sum(map(_LENGTH, table)) != len(body) or sum(map(_COUNT, table)) != len(buffers):
         raise RemoteProtocolError(f"{frame.kind.name} frame item table does not match its body and buffers")
+    if count == 1:  # a frame of one item (large ones): its size is known here, read by the receiver
+        payload = body[table_end:]
+        return epoch, sequence, [EncodedItem(payload, list(buffers), nbytes=len(payload) + buffers_nbytes(buffers))]
     items: List[EncodedItem] = []
-    offset, buffer_index, buffers = table_end, 0, frame.buffers
+    offset, buffer_index = table_end, 0
     if not buffers:  # the common case for small items: no out-of-band buffers at all
         for length, _ in table:
             items.append(EncodedItem(body[offset : offset + length]))
@@ -538,10 +567,19 @@ def split_frame(chunks: Sequence[Buffer]) -> Tuple[MessageKind, List[Buffer], Li
     head = memoryview(chunks[0]).cast("B")
     _magic, _version, kind, n_buffers, _body_length = HEADER.unpack_from(head)
     lengths = struct.unpack_from(f"!{n_buffers}Q", head, HEADER.size) if n_buffers else ()
-    n_chunks = sum(1 for length in lengths if length)
+    n_chunks = len(lengths) - lengths.count(0)
     rest = list(chunks[1:])
-    body, sent = rest[: len(rest) - n_chunks], iter(rest[len(rest) - n_chunks :])
-    buffers: List[Buffer] = [next(sent) if length else b"" for length in lengths]
+    body, sent = rest[: len(rest) - n_chunks], rest[len(rest) - n_chunks :]
+    if n_chunks == len(lengths):  # no empty buffer: the chunks are the buffers
+        return MessageKind(kind), body, sent
+    buffers: List[Buffer] = []
+    taken = 0
+    for length in lengths:
+        if length:
+            buffers.append(sent[taken])
+            taken += 1
+        else:
+            buffers.append(b"")
     return MessageKind(kind), body, buffers
 
 
@@ -561,9 +599,12 @@ def encode_shared_data(
     if len(shared) + len(inline) != n_buffers:
         raise LocalProtocolError(f"{len(shared)} shared and {len(inline)} inline buffers are not the frame's {n_buffers}")
     parts = [_pack(_SHARED_HEAD, kind, int(kind), n_buffers, len(new_segments), len(retired), len(shared))]
-    parts += [_pack(_SHARED_NEW, MessageKind.SHARED_DATA, segment, size) for segment, size in new_segments]
-    parts += [_pack(_SHARED_RETIRED, MessageKind.SHARED_DATA, segment) for segment in retired]
-    parts += [_pack(_SHARED_BUFFER, MessageKind.SHARED_DATA, *buffer) for buffer in shared]
+    for segment, size in new_segments:
+        parts.append(_pack(_SHARED_NEW, MessageKind.SHARED_DATA, segment, size))
+    for segment in retired:
+        parts.append(_pack(_SHARED_RETIRED, MessageKind.SHARED_DATA, segment))
+    for buffer in shared:
+        parts.append(_pack(_SHARED_BUFFER, MessageKind.SHARED_DATA, *buffer))
     return encode_frame(MessageKind.SHARED_DATA, [b"".join(parts), *body], inline)
 
 

@@ -4,6 +4,7 @@ producer thread to the sender, which packs them into DATA frames and writes them
 from __future__ import annotations
 
 import collections
+import operator
 import threading
 import time
 from typing import Callable, Deque, List, Optional, Tuple, Union
@@ -28,6 +29,8 @@ _FRAMES_PER_SEND = 16
 #: Largest slow item a producer sends itself when the connection has no room: bigger ones go to
 #: the sender thread, so that producing the next item overlaps a send that waits.
 _INLINE_MAX_BYTES = 64 * 1024
+
+_nbytes = operator.attrgetter("nbytes")
 
 #: A frame that ends an epoch: a message (encoded when it leaves) or chunks already encoded.
 FinalFrame = Union[Message, List[Buffer]]
@@ -70,6 +73,7 @@ class Outbox:
         lock = lock if lock is not None else threading.RLock()
         #: The sender waits on ``_cond``, the producer on ``_producer_cond`` (one lock): waking one
         #: does not wake the other.
+        self._lock = lock
         self._cond = threading.Condition(lock)
         self._producer_cond = threading.Condition(lock)
         #: Held from taking frames (encoding them) to writing them (docs/architecture.md, "The outbox").
@@ -111,7 +115,7 @@ class Outbox:
 
     def start_epoch(self, epoch: int) -> None:
         """Drop whatever belongs to an older epoch and start ``epoch`` (its START_EPOCH just recorded)."""
-        with self._cond:
+        with self._lock:
             self.epoch = epoch
             self._open, self._open_bytes, self._open_slow = [], 0, False
             self._sealed.clear()
@@ -123,7 +127,7 @@ class Outbox:
 
     def stop_epoch(self, epoch: Optional[int] = None) -> None:
         """Cancel ``epoch`` (or the current one): its producer stops at the next item."""
-        with self._cond:
+        with self._lock:
             if epoch is None or epoch == self.epoch:
                 self.epoch = None
                 self._sealed.clear()
@@ -133,20 +137,20 @@ class Outbox:
 
     def grant_input(self, epoch: int, credits: int) -> None:
         """Ask the trainer for ``credits`` more ITEMS frames of ``epoch`` (sent before any DATA)."""
-        with self._cond:
+        with self._lock:
             if epoch == self.epoch and self._input_open:
                 self._input_credits += credits
                 self._cond.notify_all()
 
     def end_input(self, epoch: int) -> None:
         """The dispatched input of ``epoch`` ended: no more ITEM_CREDIT for it."""
-        with self._cond:
+        with self._lock:
             if epoch == self.epoch:
                 self._input_credits, self._input_open = 0, False
 
     def grant(self, epoch: int) -> None:
         """The state machine just recorded a CREDIT for ``epoch``: let the data waiting for it go."""
-        with self._cond:
+        with self._lock:
             if epoch == self.epoch:
                 if not (self._sealed or self._open):
                     return  # nobody waits for it: the sender sleeps on
@@ -166,7 +170,7 @@ class Outbox:
 
     def close(self) -> None:
         """Wake and stop everybody."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             self.epoch = None
             self._wake_all()
@@ -174,23 +178,33 @@ class Outbox:
     # -- producer side ------------------------------------------------------------------------
     def put(self, epoch: int, item: EncodedItem) -> None:
         """Add one item of ``epoch``; blocks while a full batch waits for credit."""
+        # The hot path: its checks inline, the lock entered directly (no Condition.__enter__).
         options = self._options
         frames: Optional[List[List[Buffer]]] = None
-        with self._cond:
+        with self._lock:
             self._check(epoch)
             now = time.monotonic()
-            slow = self._last_put is not None and now - self._last_put > options.linger
+            last = self._last_put
+            slow = last is not None and now - last > options.linger
             self._last_put = now
-            opened = not self._open
+            batch = self._open
+            opened = not batch
             if opened:
                 self._open_since = now
-            self._open.append(item)
+            batch.append(item)
             self._open_bytes += item.nbytes
-            itself = item.borrowed or self._writes_full_batch(item)
+            full = len(batch) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes
+            # A full batch the producer writes itself: a staged item's (a frame of a few hundred
+            # bytes), or any while credit is left and the connection has room (else the sender,
+            # woken, blocks in the send while the producer makes the next item).
+            itself = item.borrowed or (
+                full and (item.staged or (self._send is not None and self._protocol.credits > 0 and self._room()))
+            )
             self._batching = not (itself and opened)
             if itself:
                 pass  # sealed and written below (a borrowed item before the producer makes its next one)
             elif slow and opened and not self._batch_waits() and self._protocol.credits > 0:
+                full = False  # the batch of this item alone is sealed here
                 frames = self._take_inline(item)
                 if frames is None:
                     self._seal()  # the sender wakes once, for a frame to send
@@ -198,7 +212,7 @@ class Outbox:
                 self._open_slow = True  # the CREDIT the trainer owes takes it along: no wake-up of the sender
             elif opened and self._protocol.credits > 0 and self._sender_wakes_at > now + options.linger:
                 self._cond.notify_all()  # the sender times the linger from now (without credit, grant() does)
-            if itself or self._fills_batch():
+            if itself or full:
                 while self._batch_waits():
                     self._producer_waiting = True
                     self._producer_cond.wait()
@@ -212,20 +226,6 @@ class Outbox:
             self._write_inline(frames)
         if item.borrowed or item.staged:
             self._until_written(epoch, item, written=item.borrowed)
-
-    def _writes_full_batch(self, item: EncodedItem) -> bool:
-        """Whether the producer writes the batch ``item`` fills itself: a staged item's (a frame
-        of a few hundred bytes), or any while credit is left and the connection has room (else
-        the sender, woken, blocks in the send while the producer makes the next item); no
-        wake-up of the sender per frame."""
-        if not self._fills_batch():
-            return False
-        return item.staged or (self._send is not None and self._protocol.credits > 0 and self._room())
-
-    def _fills_batch(self) -> bool:
-        """Whether the open batch has reached its item or byte bound."""
-        options = self._options
-        return len(self._open) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes
 
     def _take_for_producer(self) -> Optional[List[List[Buffer]]]:
         """The frames for the producer to write itself, its sealed batch's among them when the
@@ -246,8 +246,8 @@ class Outbox:
         (borrowed: its buffers are the producer's memory), written out, or dropped unsent with its
         epoch: only then may the producer make its next item."""
         try:
-            with self._cond:
-                while any(type(entry) is list and entry and entry[-1] is item for entry in self._sealed):
+            with self._lock:
+                while self._sealed_with(item):
                     self._producer_waiting = True
                     self._producer_cond.wait()
                     self._producer_waiting = False
@@ -256,6 +256,13 @@ class Outbox:
             if written:
                 with self.sending:  # held by whoever took it, from taking it until it is written
                     pass
+
+    def _sealed_with(self, item: EncodedItem) -> bool:
+        """Whether a sealed batch ending with ``item`` waits to be taken."""
+        for entry in self._sealed:
+            if type(entry) is list and entry and entry[-1] is item:
+                return True
+        return False
 
     def _take_inline(self, item: EncodedItem) -> Optional[List[List[Buffer]]]:
         """The frames for the producer to write itself (its item, sealed alone, and what was ready
@@ -276,7 +283,7 @@ class Outbox:
             self.sending.release()
             # Under the lock: a sender that found the write in progress has set the flag and
             # waits by then, so it is never left waiting for a notify that came too early.
-            with self._cond:
+            with self._lock:
                 if self._sender_waiting:
                     self._cond.notify_all()
 
@@ -289,7 +296,7 @@ class Outbox:
         items costs no DATA frame and no wake-up of the sender of its own. A CHUNK_DONE still
         waiting with no batch sealed behind it takes the marker's counts along: one frame for
         the chunks a worker finished since its last send."""
-        with self._cond:
+        with self._lock:
             self._check(epoch)
             last = self._sealed[-1] if self._sealed else None
             if isinstance(last, ChunkDone):
@@ -312,7 +319,7 @@ class Outbox:
         With ``end_session``, nothing more of ``epoch`` is accepted and :attr:`session_over`
         turns true once the frame is taken: the session ends after sending it.
         """
-        with self._cond:
+        with self._lock:
             self._check(epoch)  # also refuses a producer after the watchdog ended the session
             self._final = final_frame
             self._final_ends_session = end_session
@@ -329,7 +336,7 @@ class Outbox:
 
     def credit_wait_total(self) -> float:
         """Seconds data waited for trainer credit so far, the wait going on now included."""
-        with self._cond:
+        with self._lock:
             since = self._credit_wait_since
             return self.credit_wait_seconds + (max(0.0, time.monotonic() - since) if since is not None else 0.0)
 
@@ -345,7 +352,10 @@ class Outbox:
 
     def _batch_waits(self) -> bool:
         """Whether a sealed batch of items waits for credit (markers ahead of the open batch do not count)."""
-        return any(not isinstance(entry, Message) for entry in self._sealed)
+        for entry in self._sealed:
+            if type(entry) is list:
+                return True
+        return False
 
     def _seal(self, wake: bool = True) -> None:
         """Close the open batch; ``wake``: notify the sender (not when the caller takes it at once),
@@ -390,7 +400,7 @@ class Outbox:
         """Up to ``limit`` frames once one is ready (None after ``timeout`` seconds), returned
         with :attr:`sending` held for the caller to release once they are written."""
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             while not self._closed:
                 now = time.monotonic()
                 wait = deadline - now
@@ -492,7 +502,7 @@ class Outbox:
                 assert isinstance(items, list)
                 self._wake_producer()
                 self.items_sent += len(items)
-                self.bytes_sent += sum(item.nbytes for item in items)
+                self.bytes_sent += sum(map(_nbytes, items))
                 return self._protocol.send(Data(self.epoch, self._protocol.next_sequence, items)), 0.0
         if self._final is not None and not self._sealed and not self._open:
             final, self._final = self._final, None

@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import logging
 import mmap
+import operator
 import os
 import threading
 import weakref
@@ -26,6 +27,7 @@ log = logging.getLogger(__name__)
 #: Bytes before a segment's data: byte 0 is its state (lent to the trainer, or free).
 HEADER_BYTES = 64
 _FREE, _LENT = 0, 1
+_CAPACITY, _SIZE = operator.attrgetter("capacity"), operator.attrgetter("size")
 _PAGE = mmap.PAGESIZE
 #: New segments one frame may bring (each one a descriptor in its ancillary data).
 MAX_NEW_SEGMENTS_PER_FRAME = 16
@@ -72,11 +74,13 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 
 class _Segment:
-    __slots__ = ("id", "size", "mapping", "state", "data", "address", "fd", "in_hand", "hand", "pinned", "resident")
+    __slots__ = ("id", "size", "capacity", "mapping", "state", "data", "address", "fd", "in_hand", "hand", "pinned",
+                 "resident")
 
     def __init__(self, segment_id: int, size: int, mapping: mmap.mmap):
         self.id = segment_id
         self.size = size
+        self.capacity = size - HEADER_BYTES  # its data's bytes
         self.mapping = mapping
         self.state = memoryview(mapping)[:1]
         self.data = numpy.frombuffer(mapping, dtype=numpy.uint8, offset=HEADER_BYTES)
@@ -86,15 +90,6 @@ class _Segment:
         self.hand: Optional[weakref.ref] = None  # that memory, whose end puts the segment down
         self.pinned = False  # page-locked for CUDA (a trainer's pin_memory): see SegmentMap
         self.resident = True  # its pages are mapped in this process (see SegmentMap.bound)
-
-    @property
-    def capacity(self) -> int:
-        return self.size - HEADER_BYTES
-
-    @property
-    def available(self) -> bool:
-        """Neither lent to the trainer nor in a producer's hands: free to reuse or retire."""
-        return self.state[0] == _FREE and not self.in_hand
 
     def put_down(self, _memory: weakref.ref) -> None:
         """The memory given to a producer is gone (a weak reference's callback)."""
@@ -269,13 +264,15 @@ class SegmentPool:
 
     def _made_in(self, view: memoryview) -> Optional[Tuple[_Segment, int]]:
         """The segment a producer made ``view`` in and its offset there, if any."""
-        held = [s for s in self._segments.values() if s.in_hand]
-        if not held or not view.nbytes:
+        if not view.nbytes:
             return None
-        address = _address(view)
-        for segment in held:
-            if segment.address <= address and address + view.nbytes <= segment.address + segment.capacity:
-                return segment, address - segment.address
+        address = None
+        for segment in self._segments.values():  # no call per segment: this runs for every large buffer
+            if segment.in_hand:
+                if address is None:
+                    address = _address(view)
+                if segment.address <= address and address + view.nbytes <= segment.address + segment.capacity:
+                    return segment, address - segment.address
         return None
 
     @property
@@ -340,9 +337,22 @@ class SegmentPool:
     def _fitting(self, nbytes: int, announced: bool = False) -> Optional[_Segment]:
         """The smallest available segment that holds ``nbytes`` and is at most twice that
         (with ``announced``: only one the trainer knows already)."""
-        fitting = [s for s in self._segments.values() if s.available and nbytes <= s.capacity <= 2 * nbytes
-                   and not (announced and s.fd is not None)]
-        return min(fitting, key=lambda s: s.capacity) if fitting else None
+        best = None
+        for segment in self._free():
+            capacity = segment.capacity
+            if nbytes <= capacity <= 2 * nbytes and not (announced and segment.fd is not None):
+                if best is None or capacity < best.capacity:
+                    best = segment
+        return best
+
+    def _free(self) -> List[_Segment]:
+        """The segments neither lent to the trainer nor in a producer's hands (free to reuse or
+        retire), oldest first; no call per segment (this runs for every allocation)."""
+        free = []
+        for segment in self._segments.values():
+            if segment.state[0] == _FREE and not segment.in_hand:
+                free.append(segment)
+        return free
 
     def _segment_for(self, view: memoryview, new: list, retired: list) -> Optional[_Segment]:
         full = len(new) >= MAX_NEW_SEGMENTS_PER_FRAME  # no room for another descriptor in this frame
@@ -378,11 +388,12 @@ class SegmentPool:
         """Retire free segments, smallest first, until at most ``max_free`` are left (one less
         with a new one of ``size`` bytes to make) and the pool with it holds at most ``max_bytes``
         and what :meth:`bound` keeps."""
-        free = sorted((s for s in self._segments.values() if s.available), key=lambda s: s.capacity)
+        free = self._free()
+        free.sort(key=_CAPACITY)
         surplus = len(free) - self.max_free + (1 if size else 0)
         keep = self.max_bytes
         if self._frames:
-            largest = max((s.size for s in self._segments.values()), default=size)
+            largest = max(map(_SIZE, self._segments.values()), default=size)
             keep = min(keep, self._frames * max(self._frame_bytes, largest, size))
         for segment in free:
             if surplus <= 0 and self._bytes + size <= keep:

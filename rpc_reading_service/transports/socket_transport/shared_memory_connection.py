@@ -85,7 +85,11 @@ class SharedMemoryConnection(SocketConnection):
         ``sendmsg`` per :data:`MAX_NEW_SEGMENTS_PER_FRAME` descriptors of new segments, which
         is what the trainer takes in with one receive)."""
         pool = self._pool
-        if pool is None or not any(self._lends(chunks) for chunks in frames):
+        lends = []
+        if pool is not None:
+            for chunks in frames:  # a plain loop: no call per frame but its check, made once
+                lends.append(self._lends(chunks))
+        if True not in lends:
             return super().send_frames(frames)
         with self._send_lock:
             if self._closed:
@@ -93,8 +97,8 @@ class SharedMemoryConnection(SocketConnection):
             pending: List[Buffer] = []
             new_segments: List[Tuple[int, int, int]] = []
             try:
-                for chunks in frames:
-                    if self._lends(chunks):
+                for chunks, lend in zip(frames, lends):
+                    if lend:
                         kind, body, buffers = split_frame(chunks)
                         shared, inline, new, retired = pool.lend(buffers, SHARED_MEMORY_MIN_BYTES)
                         if new and len(new_segments) + len(new) > MAX_NEW_SEGMENTS_PER_FRAME:
