@@ -586,8 +586,9 @@ def test_sigkill_of_a_worker_or_of_the_trainer_mid_epoch_leaves_nothing(fresh_se
     assert _leaks(server) == []
 
     assert server.alive()
-    assert sorted(os.listdir(f"/proc/{server.pid}/fd")) == server_fds
-    # The server unmaps a session's metrics page just after it reaps the session: wait for it.
+    # The server closes a session's descriptors (its stack-dump pipe) and unmaps its metrics page
+    # just after it reaps the session: wait for it.
+    assert wait_until(lambda: sorted(os.listdir(f"/proc/{server.pid}/fd")) == server_fds, 5), os.listdir(f"/proc/{server.pid}/fd")
     assert wait_until(lambda: _map_count(server.pid) == server_maps, 5), (_map_count(server.pid), server_maps)
     assert list(private_tmp.iterdir()) == []
     assert set(os.listdir("/dev/shm")) <= dev_shm | {name for name in os.listdir("/dev/shm") if name.startswith("torch_")}
