@@ -202,9 +202,10 @@ class WorkerChannel:
         self._held: Optional[List[Tuple[Tuple[Message, ...], Optional[int], bool]]] = []
         self._loop = loop
         self._in_loop = False
-        #: A full DATA frame's bytes (``batch_max_bytes``), the latest epoch's credits: :meth:`_bound_buffers`.
-        self._frame_bytes, self._window = SessionOptions().batch_max_bytes, 1
-        #: The byte window and the credit the consumer handed on and not sent back yet (:meth:`grant`).
+        #: A full DATA frame's bytes (``batch_max_bytes``): :meth:`_bound_buffers`.
+        self._frame_bytes = SessionOptions().batch_max_bytes
+        #: The latest epoch's window (its frames bound the buffers), and the credit the consumer
+        #: handed on and not sent back yet (:meth:`grant`).
         self._credit = CreditWindow(self._frame_bytes)
         #: Around :attr:`_credit` (the consumer adds, the receive loop sends), and
         #: whether the loop was told that they are due.
@@ -337,7 +338,7 @@ class WorkerChannel:
         assert self.conn is not None, "attach() the connection first"
         message = setup if isinstance(setup, Setup) else Setup(**setup)
         self._frame_bytes = self._credit.frame_bytes = message.options.batch_max_bytes
-        self._bound_buffers(self._window)  # an epoch started while connecting keeps its window
+        self._bound_buffers(self._credit.frames)  # an epoch started while connecting keeps its window
         with self._state_lock:
             self.protocol.setup_timeout = timeout
         # A server that refuses the session may close before reading all of SETUP: its
@@ -419,7 +420,6 @@ class WorkerChannel:
         with self._credit_lock:
             self.epoch = epoch
             window = self._credit.start(credits)
-        self._window = credits
         self._bound_buffers(credits)
         self.stats = ChannelStats()
         self._send_or_report(StartEpoch(epoch, seed, global_worker_id, window, skip, dispatched, leased=leased))
