@@ -34,6 +34,7 @@ __all__ = [
     "dumps_item",
     "loads_item",
     "loads_items",
+    "loads_payloads",
     "pins_shared_memory",
     "release_sparse_tensors",
     "dumps_graph",
@@ -367,11 +368,20 @@ def loads_item(item: EncodedItem) -> Any:
 
 def loads_items(items: Sequence[EncodedItem]) -> List[Any]:
     """Unpickle every item of a frame."""
-    loads = pickle.loads
+    return loads_payloads([item.payload for item in items], [item.buffers for item in items])
+
+
+def loads_payloads(payloads: Sequence[Buffer], buffers: Optional[Sequence[List[Buffer]]] = None) -> List[Any]:
+    """Unpickle a frame's items from their pickle streams and each one's out-of-band buffers
+    (None: the frame has none); no Python call per item beyond the items' own rebuilds."""
     try:
-        return [loads(item.payload, buffers=item.buffers) for item in items]
+        if buffers is None:
+            return list(map(pickle.loads, payloads))
+        loads = pickle.loads
+        return [loads(payload, buffers=item_buffers) for payload, item_buffers in zip(payloads, buffers)]
     finally:
-        release_sparse_tensors()
+        if _SPARSE_TENSORS_TO_CHECK:
+            release_sparse_tensors()
 
 
 def buffer_allocator(pin_memory: bool) -> Callable[[int], Any]:

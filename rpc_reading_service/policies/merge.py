@@ -27,8 +27,8 @@ from ..trainer.channel import (
     slow_frame,
 )
 from ..errors import WorkerLostError
-from ..protocol import decode_data
-from ..serialization import loads_items
+from ..protocol import decode_data_parts
+from ..serialization import loads_payloads
 
 __all__ = [
     "EpochProgress",
@@ -88,14 +88,16 @@ def take_items(event: Event, epoch: int, cursor: Optional[_Cursor] = None) -> Li
     if isinstance(event, Failure):
         raise event.error
     if isinstance(event, FrameReceived):
-        _epoch, _sequence, items = decode_data(event.frame)
-        owed = (event.frame.nbytes, slow_frame(items))
-        if cursor is None or not items:
+        frame = event.frame
+        _epoch, _sequence, payloads, buffers = decode_data_parts(frame)
+        nbytes = frame.nbytes
+        owed = (nbytes, slow_frame(len(payloads), nbytes))
+        if cursor is None or not payloads:
             event.channel.grant(epoch, *owed)
         else:
             cursor.owed = owed
-        event.channel.stats.items += len(items)
-        return loads_items(items)
+        event.channel.stats.items += len(payloads)
+        return loads_payloads(payloads, buffers)
     return []
 
 
