@@ -431,11 +431,11 @@ def test_the_merge_hands_on_whole_turns_of_received_frames_at_once_and_positions
 
     def recorded(runs):
         for run in runs:
-            sizes.append(len(run))
+            sizes.append(progress.ahead)  # counted, none of it handed on yet
             yield run
 
     handed = []
-    for item in flatten_runs(recorded(runs_in_order(channels, progress)), progress):
+    for item in flatten_runs(recorded(runs_in_order(channels, progress))):
         handed.append(item)
         taken = len(handed)
         assert progress.positions() == ([(taken + 1) // 2, taken // 2], taken % 2)
