@@ -442,3 +442,22 @@ def test_the_merge_hands_on_whole_turns_of_received_frames_at_once_and_positions
     assert handed == [x for x in range(20) for _ in range(2)]
     assert sum(sizes) == 40 and len(sizes) <= 12, sizes  # a step per frame or so, not per item
     assert progress.finished and progress.ahead == 0
+
+
+def test_a_run_hands_on_its_items_without_comparing_them_and_a_dropped_run_ends():
+    # A run's iterator pops its items: it never compares one with anything (a tensor's == with
+    # another object costs ~40 us), lets go of each as it goes, and ends once the run is dropped.
+    class Touchy:
+        def __eq__(self, other):
+            raise AssertionError("an item was compared")
+
+        __hash__ = object.__hash__
+
+    progress = EpochProgress(1, [0, 0])
+    items = [Touchy() for _ in range(6)]
+    run = progress.count_run([0, 1], 3, list(items), next_rank=0)
+    assert (progress.yielded, progress.ahead, progress.handed_on()) == (6, 6, [0, 0])
+    assert [next(run) is items[k] for k in range(4)] == [True] * 4
+    assert (progress.ahead, progress.handed_on(), progress.positions()) == (2, [2, 2], ([2, 2], 0))
+    progress.drop_run()  # a newer epoch superseded this one
+    assert list(run) == [] and progress.ahead == 0
