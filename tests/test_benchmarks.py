@@ -281,6 +281,29 @@ def test_sweep_ceiling_rows_pair_each_round_under_its_lowest_limit():
     assert "tcp1/ceiling" not in report  # a ceiling needs every limit
 
 
+def test_the_sweeps_figure_draws_every_limit_dashed():
+    from benchsuite.plot import plot_sweep
+
+    class Axes:
+        """Records what plot_sweep draws (matplotlib is the bench's extra, not the tests')."""
+
+        def __init__(self):
+            self.lines = {}
+
+        def plot(self, xs, ys, style, label):
+            self.lines[label] = style
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
+    point = {"workers": 1, "item_bytes": 1024, "bytes_per_s": 1e8}
+    names = ("raw-socket", "graph-limit", "loader-limit", "RPCRS-tcp")
+    axes = Axes()
+    plot_sweep(axes, {"sweep": {"params": {"sizes": [1024]}, "contenders": {
+        name: {"ok": True, "data": {"points": [point]}} for name in names}}})
+    assert axes.lines == {"raw-socket": "--", "graph-limit W=1": "--", "loader-limit": "--", "RPCRS-tcp W=1": "o-"}
+
+
 def test_memory_targets_bound_growth_by_the_credit_window_at_each_size():
     from benchsuite.report.targets import evaluate_targets
 
