@@ -257,9 +257,12 @@ def produce_graph_share(workload: Workload, rank: int, num_workers: int, done_fd
     for torch's per-item check as a worker session settles it), and hand each item nowhere.
 
     Each item stays alive while the next :data:`ITEMS_IN_FLIGHT` are made, as in
-    :func:`produce_share`.  Every item made counts as ``num_workers`` items (``num_workers``
-    workers, each as fast as this one alone): ``num_workers`` bytes go to ``done_fd`` per
-    item, written every :func:`count_every` items, ``workload.n_items`` bytes in all.
+    :func:`produce_share`; as many items are made first, untimed, so that the process has its
+    memory (a new process's first large items wait for their pages: ~0.2 s per 64 MiB item here,
+    ~20 ms once it has them, as a running worker has).  Every item made counts as
+    ``num_workers`` items (``num_workers`` workers, each as fast as this one alone):
+    ``num_workers`` bytes go to ``done_fd`` per item, written every :func:`count_every`
+    items, ``workload.n_items`` bytes in all.
     """
     import torch.utils.data.graph_settings as graph_settings
     from rpc_reading_service.graph import settle_iterator_checks
@@ -269,6 +272,9 @@ def produce_graph_share(workload: Workload, rank: int, num_workers: int, done_fd
     graph_settings.apply_sharding(datapipe, num_workers, rank, SHARDING_PRIORITIES.MULTIPROCESSING)
     items = iter(settle_iterator_checks(datapipe))
     held = collections.deque(maxlen=ITEMS_IN_FLIGHT)
+    for index in range(ITEMS_IN_FLIGHT + 1):
+        held.append(make_tensor(index, workload.item_bytes))
+    held.clear()
     every, counted, pending = count_every(workload.item_bytes), 0, 0
     go.wait()
     for item in items:
