@@ -345,8 +345,8 @@ TARGET_NOTES = [
     "shared segment, as RPCRS-local's workers do; nothing moved",
     "sweep ... / ceiling (info, no target): the reading service over the lowest of the target's raw stream, "
     "graph-limit (W workers' DataPipe graphs, nothing moved) and loader-limit (DataLoader2 handing on items made "
-    "before, a fresh tensor each): what no DataLoader2 reading service passes; under 1x raw, the per-item Python "
-    "work rules out the target there",
+    "before, a fresh tensor each): what no DataLoader2 reading service passes; where the ceiling / raw is under "
+    "the target's ratio, the per-item work of any DataLoader2 reading service rules the target out at that size",
     "memory: a slow consumer (5 ms per item); the credit window is W x prefetch x item size",
     "raw-socket is one TCP stream, so it is compared with RPCRS-tcp at W=1 (one stream); at W=2 three busy "
     "processes share 2 cores",
