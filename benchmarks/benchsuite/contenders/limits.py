@@ -126,6 +126,7 @@ class GraphLimit(ProductionLimit):
     clock_starts_at_go = False
 
     def producers(self, workload, num_workers, write_fd, go):
+        """One producer: worker 0's part of the graph, each item counted ``num_workers`` times."""
         if workload.kind != "tensor":
             raise ValueError(f"{self.name} only makes tensors")
         return [(produce_graph_share, (workload, 0, num_workers, write_fd, go))]

@@ -158,8 +158,9 @@ def under_ceiling_at_every_size(contender: str, workers: int, reference: str, sm
                                 below: Optional[int] = None, scenario: str = "sweep"):
     """A measure (info): the lowest over the item sizes in range of ``contender``'s paired ratio to
     its ceiling, the lowest of ``reference`` and the per-item limits (``report.format.ceiling_at``);
-    the detail gives, for each size, that ratio, the ceiling over ``reference`` (where it is under
-    1x, the per-item work rules out what the raw stream allows) and the limit that sets it."""
+    the detail gives, for each size, that ratio, the ceiling over ``reference`` (where it is under a
+    target's ratio to ``reference``, no DataLoader2 reading service can meet that target) and the
+    limit that sets it."""
     def measured(all_results: dict) -> tuple[Optional[float], str]:
         found, worst, unmeasured = over_sizes(
             all_results, scenario, smallest, below, (contender, reference, *PER_ITEM_LIMITS),
