@@ -132,11 +132,12 @@ class EpochProgress:
         #: its iterator's turns (one per item: emptied, the iterator ends).
         self._run: List[Any] = []
         self._turns: List[int] = []
+        self._dropped = 0  # items of a dropped run (:meth:`drop_run`): counted, never handed on
 
     @property
     def ahead(self) -> int:
         """Of ``yielded``, items counted with their run (:meth:`count_run`) and not handed on yet."""
-        return len(self._run)
+        return len(self._run) + self._dropped
 
     def count(self, rank: int, next_rank: Optional[int] = None) -> None:
         """Record one item of worker ``rank`` handed on (hot path: no lock, see :meth:`positions`)."""
@@ -164,8 +165,10 @@ class EpochProgress:
         return map(items.pop, self._turns)
 
     def drop_run(self) -> None:
-        """Let go of the items of the run not handed on yet: its iterator ends (a superseded epoch's)."""
+        """Let go of the items of the run not handed on yet: its iterator ends (a superseded
+        epoch's); they still count as not handed on (``ahead``)."""
         self._turns.clear()
+        self._dropped += len(self._run)
         self._run.clear()
 
     @property
