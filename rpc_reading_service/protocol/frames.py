@@ -54,7 +54,8 @@ __all__ = [
 #: 4: a worker may say LEAVING (its server drains) and end the session.
 #: 5: a message per failure (SETUP_FAILED, SETUP_REFUSED, SHARD_FAILED, ITEM_TIMED_OUT) replaces ERROR.
 #: 6: DATA credit counts bytes (START_EPOCH's window and CREDIT; a frame goes while any is left), a u64 in CREDIT.
-PROTOCOL_VERSION = 6
+#: 7: an item's tensor carries its dtype by name (``"float32"``), not as a pickled ``torch`` global.
+PROTOCOL_VERSION = 7
 MAGIC = b"RRSV"
 HEADER = struct.Struct("!4sBBHQ")
 BUFFER_LENGTH = struct.Struct("!Q")
