@@ -472,3 +472,11 @@ def test_the_producer_makes_few_calls_of_ours_per_item_with_or_without_item_time
     per_item = {name: calls / items for name, calls in producer_calls.items() if calls >= items}
     assert set(per_item) == {"encode", "__init__", "put"}, per_item  # the item encoded, EncodedItem made, put
     assert sum(producer_calls.values()) / items < 3.6, producer_calls  # main: 4.3, 6.3 with item_timeout
+
+
+def test_a_resumed_epoch_with_item_timeout_skips_the_items_delivered_before(pair):
+    # With item_timeout the producer watches the skipped items too (each its own clock).
+    link = pair().setup(IterableWrapper(range(10)).sharding_filter(), batch_max_items=2, item_timeout=5.0)
+    assert link.epoch(1, skip=3) == list(range(3, 10))
+    assert link.epoch(2, skip=10) == []
+    assert link.session._producing is None  # nothing watched once the epoch ended
