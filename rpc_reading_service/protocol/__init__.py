@@ -67,7 +67,7 @@ from .messages import (
     decode_message,
     decode_setup,
 )
-from .credits import CreditWindow, window_frames
+from .credits import CreditWindow, window_frames, with_window
 from .session import DataReceived, Event, PeerTimedOut, Refused, SessionState, Tick
 from .roles import TrainerSession, WorkerProtocol
 
@@ -134,6 +134,7 @@ __all__ = [
     # credits
     "CreditWindow",
     "window_frames",
+    "with_window",
     # session state machines
     "SessionState",
     "Event",
