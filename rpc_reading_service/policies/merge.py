@@ -29,7 +29,7 @@ from ..trainer.channel import (
 )
 from ..errors import WorkerLostError
 from ..protocol import decode_data_parts
-from ..serialization import loads_payloads
+from ..frame_items import loads_payloads
 
 __all__ = [
     "EpochProgress",
