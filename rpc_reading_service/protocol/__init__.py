@@ -25,12 +25,13 @@ from .frames import (
     FrameReader,
     MessageKind,
     data_header,
+    DATA_HEAD,
+    DATA_ITEM,
     data_nbytes,
     data_cost,
     DATA_FRAME_OVERHEAD,
     decode_control,
     decode_credit,
-    decode_data,
     decode_end_of_shard,
     encode_control,
     encode_credit,
@@ -38,6 +39,7 @@ from .frames import (
     encode_end_of_shard,
     encode_frame,
 )
+from .data_decode import decode_data, decode_data_parts
 from .handshake import NONCE_BYTES, ClientHandshake, ServerHandshake, handshake_proof, decode_reject, encode_reject  # noqa: F401 - handshake_proof: tests forge proofs
 from .messages import (
     MESSAGE_TYPES,
@@ -92,7 +94,10 @@ __all__ = [
     "EncodedItem",
     "encode_data",
     "decode_data",
+    "decode_data_parts",
     "data_header",
+    "DATA_HEAD",
+    "DATA_ITEM",
     "data_nbytes",
     "data_cost",
     "DATA_FRAME_OVERHEAD",
