@@ -206,7 +206,7 @@ def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, a
     workload = Workload("tensor", warmup + 2 * items, item_bytes=item_bytes)
     profile = cProfile.Profile(time.thread_time) if args.cprofile else None  # CPU, not wall: load moves no time
     spies: list[subprocess.Popen] = []
-    loop_profile = LoopProfile(args.calls_loop) if args.cprofile_loop or args.calls_loop else None
+    loop_profile = LoopProfile(bool(args.calls_loop)) if args.cprofile_loop or args.calls_loop else None
     with contender.epoch(workload, workers) as loader:
         iterator = iter(loader)
         for _ in range(warmup):
@@ -254,7 +254,7 @@ def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, a
             print(f"   {1e6 * tottime / items:8.1f} us/item  {ncalls / items:7.2f} calls/item  "
                   f"{os.path.basename(path)}:{line} {name}")
     if loop_profile:
-        loop_profile.report(items, args.cprofile or 25)
+        loop_profile.report(items, args.cprofile_loop or args.calls_loop)
     return {"size": item_bytes, "items_per_s": items / wall, "gb_per_s": items * item_bytes / wall / 1e9,
             "trainer_us": 1e6 * delta[me][0] / items, "workers_us": 1e6 * workers_cpu / items,
             "trainer_switches": delta[me][1] / items, "workers_switches": workers_switches / items,
@@ -273,8 +273,10 @@ def main(argv=None) -> int:
     parser.add_argument("--items", type=int, help="timed items per size instead of --bytes")
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--cprofile", type=int, nargs="?", const=25, default=0, metavar="ROWS")
-    parser.add_argument("--cprofile-loop", action="store_true", help="cProfile the receive loop thread")
-    parser.add_argument("--calls-loop", action="store_true", help="count the receive loop's calls per frame")
+    parser.add_argument("--cprofile-loop", type=int, nargs="?", const=25, default=0, metavar="ROWS",
+                        help="cProfile the receive loop thread")
+    parser.add_argument("--calls-loop", type=int, nargs="?", const=25, default=0, metavar="ROWS",
+                        help="count the receive loop's calls per DATA frame")
     parser.add_argument("--py-spy", metavar="DIR")
     args = parser.parse_args(argv)
     if args.py_spy and not shutil.which("py-spy"):
