@@ -146,7 +146,7 @@ def spy(directory: str, label: str) -> list[subprocess.Popen]:
 
 class LoopProfile:
     """A profiler (cProfile, or a ``sys.setprofile`` call counter) of the trainer's receive loop
-    thread, switched on and off by that thread at its next turn."""
+    thread, switched on and off by that thread at its next hand-over of frames."""
 
     def __init__(self, count: bool):
         from rpc_reading_service.trainer.receive_loop import ReceiveLoop
@@ -156,7 +156,7 @@ class LoopProfile:
         self.want = self.on = False
         original = getattr(ReceiveLoop, "unprofiled", ReceiveLoop._deliver_handed)
 
-        def turn(loop):
+        def profile_switch(loop):
             if self.want != self.on:
                 self.on = self.want
                 if self.profile is not None:
@@ -165,10 +165,10 @@ class LoopProfile:
                     sys.setprofile(self._count if self.on else None)
             return original(loop)
 
-        ReceiveLoop.unprofiled, ReceiveLoop._deliver_handed = original, turn
+        ReceiveLoop.unprofiled, ReceiveLoop._deliver_handed = original, profile_switch
 
     def _count(self, frame, event, arg) -> None:
-        if event == "call":
+        if event == "call" and frame.f_code.co_name != "profile_switch":  # not the loop's own
             self.calls[frame.f_code.co_name] = self.calls.get(frame.f_code.co_name, 0) + 1
         elif event == "c_call":
             self.calls["C:" + arg.__name__] = self.calls.get("C:" + arg.__name__, 0) + 1

@@ -42,6 +42,8 @@ class SocketConnection(Connection):
     sends_synchronously = True  # sendmsg (or SSL_write) has taken every byte when send() returns
     #: Whether a read may fill several sections of a frame at once (a TLS socket has no recvmsg).
     scatters = True
+    #: Whether received bytes may wait in a layer below the socket (TLS): see :meth:`_buffered`.
+    decrypts = False
 
     def __init__(self, sock: socket.socket, peer: str, reader: FrameReader):
         self.peer = peer
@@ -117,7 +119,7 @@ class SocketConnection(Connection):
         while True:
             if self._pending:
                 self._parse_pending()
-            elif (read and not self._buffered()) or not self._read(time.monotonic(), False):
+            elif (read and not (self.decrypts and self._buffered())) or not self._read(time.monotonic(), False):
                 if self._low_water:
                     self._arm_low_water()
                 return self._reader.completed()
