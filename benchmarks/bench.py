@@ -26,14 +26,19 @@ deployment runs one worker server per host), ``RPCDataloader`` (the rpcdataloade
 package, map-style, one ``python -m rpcdataloader.launch`` process per worker, as its
 README says), ``raw-socket`` (sendall / recv_into over loopback TCP, one stream: the
 transport limit) and ``raw-unix`` (the same over a Unix socket, the path RPCRS-local
-takes to its local server).  Every contender makes the same items the same way
+takes to its local server); in the sweep also ``graph-limit`` (one process iterating one
+worker's part of the same DataPipe graph, nothing moved, each item counted W times: what W
+workers' graphs make at most) and ``loader-limit`` (DataLoader2 without a reading service
+handing on items made before, a fresh tensor each: what a trainer hands on at most), the
+per-item ceilings no DataLoader2 reading service passes.  Every contender makes the same items the same way
 (``workloads.make_tensor``: a fresh tensor per item, every byte written), the raw
 senders and the production limit too.
 
 Scenarios: ``tiny`` (items/s, W=2), ``tensor1m`` / ``tensor8m`` (GB/s; the reading
 services at W=1 and W=2, ``--quick``: W=2), ``sweep`` (GB/s at item sizes from 1 KiB to
 64 MiB: the raw streams, RPCRS-tcp at W=1 and 2, the others at W=2; ``--sizes`` picks
-others), ``scaling`` (a sleep-bound stage at W = 1..16), ``memory``
+others; beside its targets against the raw streams, an ``info`` row of each reading service
+over its ceiling, the lowest of the raw stream and the per-item limits), ``scaling`` (a sleep-bound stage at W = 1..16), ``memory``
 (trainer peak RSS with a slow consumer, 1 MiB and 8 MiB items, above the RSS after a warm-up
 epoch on a loader of the same contender: what a process loads once at its first loader, ~20 MiB of
 modules and libraries, is no item held and is printed apart), ``first_item`` (loader construction to first

@@ -244,6 +244,50 @@ def produce_share(workload: Workload, rank: int, num_workers: int, done_fd: int,
     held.clear()
 
 
+def count_every(item_bytes: int) -> int:
+    """Items a limit's producer makes between two writes of their count: up to 64, at most
+    1 MiB of them (a write per item would be a system call and a wake-up of the counting
+    process per 1 KiB item, not the producer's own cost)."""
+    return max(1, min(64, MIB // max(1, item_bytes)))
+
+
+def produce_graph_share(workload: Workload, rank: int, num_workers: int, done_fd: int, go) -> None:
+    """Once ``go`` (an event) is set, iterate worker ``rank``'s part of :func:`build_datapipe`
+    as one of ``num_workers`` workers runs it (torch's sharding applied, every DataPipe settled
+    for torch's per-item check as a worker session settles it), and hand each item nowhere.
+
+    Each item stays alive while the next :data:`ITEMS_IN_FLIGHT` are made, as in
+    :func:`produce_share`; as many items are made first, untimed, so that the process has its
+    memory (a new process's first large items wait for their pages: ~0.2 s per 64 MiB item here,
+    ~20 ms once it has them, as a running worker has).  Every item made counts as
+    ``num_workers`` items (``num_workers`` workers, each as fast as this one alone):
+    ``num_workers`` bytes go to ``done_fd`` per item, written every :func:`count_every`
+    items, ``workload.n_items`` bytes in all.
+    """
+    import torch.utils.data.graph_settings as graph_settings
+    from rpc_reading_service.graph import settle_iterator_checks
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+    datapipe = build_datapipe(workload)
+    graph_settings.apply_sharding(datapipe, num_workers, rank, SHARDING_PRIORITIES.MULTIPROCESSING)
+    items = iter(settle_iterator_checks(datapipe))
+    held = collections.deque(maxlen=ITEMS_IN_FLIGHT)
+    for index in range(ITEMS_IN_FLIGHT + 1):
+        held.append(make_tensor(index, workload.item_bytes))
+    held.clear()
+    every, counted, pending = count_every(workload.item_bytes), 0, 0
+    go.wait()
+    for item in items:
+        held.append(item)
+        pending += 1
+        if pending == every:
+            counted += os.write(done_fd, b"\0" * min(pending * num_workers, workload.n_items - counted))
+            pending = 0
+    if pending:
+        os.write(done_fd, b"\0" * min(pending * num_workers, workload.n_items - counted))
+    held.clear()
+
+
 def main(argv: list[str]) -> int:
     """``python -m workloads raw-sender tcp:PORT|unix:PATH NBYTES COUNT``."""
     if len(argv) == 4 and argv[0] == "raw-sender":

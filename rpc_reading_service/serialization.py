@@ -88,8 +88,20 @@ class EncodedItem:
         return self.nbytes
 
 
-def _rebuild_tensor(data: Any, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    """Rebuild a CPU tensor on the memory of ``data`` (no copy when ``data`` is writable)."""
+#: Every dtype of this torch by itself and by its name (``"float32"``), which is what a tensor's
+#: reduction carries: a short string, in band (a dtype is a global to pickle and import per tensor).
+_DTYPES: Dict[Any, torch.dtype] = {value: value for value in vars(torch).values() if isinstance(value, torch.dtype)}
+_DTYPE_NAMES = {dtype: str(dtype).rpartition(".")[2] for dtype in _DTYPES}
+_DTYPES.update({name: dtype for dtype, name in _DTYPE_NAMES.items()})
+
+
+def _rebuild_tensor(data: Any, dtype: Union[str, torch.dtype], shape: Sequence[int]) -> torch.Tensor:
+    """Rebuild a CPU tensor of ``dtype`` (its name, or itself) on ``data``'s memory (no copy when writable)."""
+    try:
+        dtype = _DTYPES[dtype]
+    except KeyError:
+        raise pickle.UnpicklingError(f"a worker sent a tensor of dtype {dtype!r}, which this process's torch "
+                                     f"{torch.__version__} does not have: install one torch version everywhere") from None
     # One torch call where it can (each costs ~1-2 us, more on the receiving thread's cold cache).
     try:
         tensor = torch.frombuffer(data, dtype=dtype)
@@ -147,8 +159,7 @@ def _class_reduction(cls: type) -> Any:
 _Tensor = torch.Tensor
 _TypedStorage = torch.storage.TypedStorage
 _PickleBuffer = pickle.PickleBuffer
-#: Types whose objects every tensor's reduction holds (its rebuild function, its dtype): no
-#: reduction of ours, looked up first.
+#: Types of what a tensor's reduction holds (its rebuild function; a dtype without a name): looked up first.
 _PLAIN_TYPES = frozenset({types.FunctionType, torch.dtype})
 
 
@@ -165,19 +176,18 @@ class ItemPickler(pickle.Pickler):
         # Called for nearly every object of an item: the common kinds are looked at first.
         kind = type(obj)
         if kind is _Tensor:
-            # Each torch call costs ~5-20 us here (its code is cold after the item's bytes went
-            # through the cache), so the common case (a contiguous CPU tensor) makes as few as it can:
-            # numpy() alone checks what the slow path asks one call at a time (CPU, strided,
-            # no grad, no conjugate or negative bit, a dtype numpy has) and raises otherwise.
+            # numpy() alone checks what the slow path asks one torch call at a time (each ~5-20 us
+            # on a cold cache): CPU, strided, no grad, no conjugate or negative bit, a numpy dtype.
             try:
                 array = obj.numpy()
             except (RuntimeError, TypeError):
                 return _tensor_reduction(obj)
             if not array.flags.c_contiguous:
                 return _tensor_reduction(obj)
+            dtype = _DTYPE_NAMES.get(obj.dtype, obj.dtype)  # one this torch does not name travels as itself
             if array.nbytes < OUT_OF_BAND_MIN_BYTES:  # in band, as its PickleBuffer would go: no buffer_callback
-                return _rebuild_tensor, (bytearray(array), obj.dtype, array.shape)
-            return _rebuild_tensor, (_PickleBuffer(array), obj.dtype, array.shape)
+                return _rebuild_tensor, (bytearray(array), dtype, array.shape)
+            return _rebuild_tensor, (_PickleBuffer(array), dtype, array.shape)
         if kind in _PLAIN_TYPES:
             return NotImplemented
         if isinstance(obj, type):
@@ -212,7 +222,7 @@ def _tensor_reduction(obj: torch.Tensor) -> Any:
         raw = (flat if obj.dtype is torch.uint8 else flat.view(torch.uint8)).numpy()
     except (RuntimeError, TypeError):
         return _torch_reduction(obj)  # nested and other exotic tensors
-    return _rebuild_tensor, (pickle.PickleBuffer(raw), obj.dtype, tuple(obj.shape))
+    return _rebuild_tensor, (pickle.PickleBuffer(raw), _DTYPE_NAMES.get(obj.dtype, obj.dtype), tuple(obj.shape))
 
 
 def _storage_reduction(storage: "torch.storage.TypedStorage") -> Any:
@@ -338,9 +348,10 @@ class ItemEncoder:
             if not self._out_of_band:
                 return EncodedItem(payload, [], nbytes=len(payload))
             self._borrowed = self._staged = False
-            buffers = [self._snapshot(view) for view in self._out_of_band]
+            buffers = []
             nbytes = len(payload)
             for view in self._out_of_band:
+                buffers.append(self._snapshot(view))
                 nbytes += view.nbytes
             return EncodedItem(payload, buffers, self._borrowed, self._staged, nbytes)
         finally:

@@ -174,17 +174,26 @@ def test_the_sweep_runs_alone_at_the_sizes_asked(tmp_path):
     sweep's target judged, the point in the JSON; no leftovers."""
     results_json = tmp_path / "results.json"
     output = run_bench(tmp_path, ["--quick", "--only", "sweep", "--sizes", "256K", "--only", "raw-unix",
-                                  "--only", "RPCRS-local", "--json", str(results_json)], timeout=50)
+                                  "--only", "RPCRS-local", "--only", "graph-limit", "--only", "loader-limit",
+                                  "--json", str(results_json)], timeout=50)
     table = table_of(output, "sweep")
     rows = {line.split("  ")[0].strip(): line.split() for line in table.splitlines()[3:] if line[:1].isdigit()}
     assert set(rows) == {"256 KiB"}, table
-    for cells in rows.values():  # size (two words), raw-unix, local W=2, their ratio, CPU per item
-        assert float(cells[2]) > 0 and float(cells[3]) > 0 and cells[4].endswith("x"), table
+    # size (two words), raw-unix, graph-limit W=1 and W=2, loader-limit, local W=2, local2/raw-unix,
+    # local2/ceiling and the limit that sets it, CPU per item
+    for cells in rows.values():
+        assert all(float(cell) > 0 for cell in cells[2:7]) and cells[7].endswith("x"), table
+        assert cells[8].endswith("x") and cells[9] in ("raw", "graph", "loader"), table
     targets = table_of(output, "targets")
     assert re.search(r"sweep: RPCRS-local W=2 >= 1.0x raw-unix at every size \(the worst size\)\s+\S+x\s+1.0x\s+"
                      r"(PASS|MISS)\s+worst at 256 KiB", targets), targets
-    points = json.loads(results_json.read_text())["results"]["sweep"]["contenders"]["RPCRS-local"]["data"]["points"]
-    assert [p["item_bytes"] for p in points] == [256 * 1024]
+    assert re.search(r"sweep: RPCRS-local W=2 / ceiling at every size: the lowest of raw-unix, graph-limit W=2, "
+                     r"loader-limit \(the worst size\)\s+\S+x\s+-\s+info\s+worst at 256 KiB: .* each size, ours / "
+                     r"ceiling \(ceiling / raw-unix, the limit that sets it\): 256 KiB \S+x \(\S+x, "
+                     r"(raw-unix|graph-limit|loader-limit)\)", targets), targets
+    contenders = json.loads(results_json.read_text())["results"]["sweep"]["contenders"]
+    assert [p["item_bytes"] for p in contenders["RPCRS-local"]["data"]["points"]] == [256 * 1024]
+    assert [p["workers"] for p in contenders["graph-limit"]["data"]["points"]] == [1, 2]
 
 
 def test_sweep_targets_judge_the_worst_size_in_their_range():
@@ -209,8 +218,90 @@ def test_sweep_targets_judge_the_worst_size_in_their_range():
     results["sweep"]["contenders"]["RPCRS-tcp"]["data"]["points"][2]["bytes_per_s"] = 1.9e9
     row = {row["goal"]: row for row in evaluate_targets(results)}[large["goal"]]
     assert row["status"] == "n/a" and row["detail"].endswith("not measured at 64 KiB")  # no "every size" from one
+    judged = [t for t in TARGETS if t.goal.startswith("sweep:") and t.threshold is not None]
     assert sum(row["goal"].startswith("sweep:") for row in rows.values()) == sum(
-        t.goal.startswith("sweep:") for t in TARGETS) == 5
+        t.goal.startswith("sweep:") for t in TARGETS) == len(judged) + 3 == 8  # an info row per raw target
+
+
+def test_the_sweeps_per_item_limits_run_each_item_made_fresh():
+    """graph-limit counts each item its one process makes W times (the epoch's items, no more);
+    loader-limit hands on a fresh tensor per item, rebuilt from bytes made before."""
+    from benchsuite.contenders.limits import GraphLimit, LoaderLimit
+    from benchsuite.measure import drain
+    from workloads import Workload, fill_value
+
+    for workers in (1, 2):
+        data = drain(GraphLimit(), Workload("tensor", 301, item_bytes=1024), workers, budget_s=30.0)
+        assert data["items"] == 301 and not data["stopped_by_budget"] and data["bytes_per_s"] > 0, data
+    workload = Workload("tensor", 9, item_bytes=64 * 1024)
+    with LoaderLimit().epoch(workload, 1) as loader:
+        items = list(loader)
+    assert [int(item[-1]) for item in items] == [fill_value(index % 4) for index in range(9)]
+    assert len({id(item) for item in items}) == 9 and all(item.numel() == 64 * 1024 for item in items)
+    assert drain(LoaderLimit(), workload, 1, budget_s=30.0)["items"] == 9
+
+
+def test_sweep_ceiling_rows_pair_each_round_under_its_lowest_limit():
+    """The info row beside a sweep target: per size, ours over the lowest of the raw stream and the
+    per-item limits in the same round (the median of the rounds), the ceiling over the raw stream,
+    and the limit that sets it; the targets' verdicts stay as they are."""
+    from benchsuite.report.targets import evaluate_targets
+
+    sizes = [1024, 64 * 1024]
+    rates = {  # GB/s by size, three paired rounds each
+        "raw-socket": [[0.25, 0.25, 0.25], [3.0, 2.0, 3.0]],
+        "graph-limit": [[0.2, 0.25, 0.3], [9.0, 9.0, 9.0]],
+        "loader-limit": [[0.18, 0.1, 0.2], [8.0, 8.0, 8.0]],
+        "RPCRS-tcp": [[0.045, 0.05, 0.04], [1.0, 1.0, 1.5]],
+    }
+
+    def points(name, by_size):
+        workers = [1, 2] if name == "graph-limit" else [1]
+        return [{"workers": w, "item_bytes": size, "bytes_per_s": max(r) * 1e9, "round_rates": [r_ * 1e9 for r_ in r]}
+                for size, r in zip(sizes, by_size) for w in workers]
+
+    results = {"sweep": {"params": SCENARIOS["sweep"].plan(True) | {"sizes": sizes}, "contenders": {
+        name: {"ok": True, "data": {"points": points(name, by_size)}} for name, by_size in rates.items()}}}
+    rows = {row["goal"]: row for row in evaluate_targets(results)}
+    small = rows["sweep: RPCRS-tcp W=1 / ceiling below 64 KiB: the lowest of raw-socket, graph-limit W=1, "
+                 "loader-limit (the worst size)"]
+    # 1 KiB rounds: 0.045 / 0.18, 0.05 / 0.1, 0.04 / 0.2: 0.25, 0.5, 0.2; median 0.25 (round 1, loader-limit)
+    assert small["status"] == "info" and small["measured"] == pytest.approx(0.25), small
+    assert small["detail"] == ("worst at 1 KiB: 0.04 GB/s vs 0.18 GB/s (loader-limit); each size, ours / ceiling "
+                               "(ceiling / raw-socket, the limit that sets it): 1 KiB 0.25x (0.72x, loader-limit)")
+    large = rows["sweep: RPCRS-tcp W=1 / ceiling from 64 KiB up: the lowest of raw-socket, graph-limit W=1, "
+                 "loader-limit (the worst size)"]
+    assert large["measured"] == pytest.approx(0.5) and large["detail"].endswith("64 KiB 0.50x (1.00x, raw-socket)")
+    verdict = rows["sweep: RPCRS-tcp W=1 >= 0.7x raw-socket at every size below 64 KiB (the worst size)"]
+    assert verdict["status"] == "MISS" and verdict["measured"] == pytest.approx(0.18)  # against raw, as before
+    del results["sweep"]["contenders"]["loader-limit"]
+    rows = {row["goal"]: row for row in evaluate_targets(results)}
+    assert rows[small["goal"]]["status"] == "n/a" and "loader-limit: not run" in rows[small["goal"]]["detail"]
+    report = SCENARIOS["sweep"].report(SCENARIOS["sweep"], results["sweep"]["params"], results["sweep"]["contenders"])
+    assert "tcp1/ceiling" not in report  # a ceiling needs every limit
+
+
+def test_the_sweeps_figure_draws_every_limit_dashed():
+    from benchsuite.plot import plot_sweep
+
+    class Axes:
+        """Records what plot_sweep draws (matplotlib is the bench's extra, not the tests')."""
+
+        def __init__(self):
+            self.lines = {}
+
+        def plot(self, xs, ys, style, label):
+            self.lines[label] = style
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
+    point = {"workers": 1, "item_bytes": 1024, "bytes_per_s": 1e8}
+    names = ("raw-socket", "graph-limit", "loader-limit", "RPCRS-tcp")
+    axes = Axes()
+    plot_sweep(axes, {"sweep": {"params": {"sizes": [1024]}, "contenders": {
+        name: {"ok": True, "data": {"points": [point]}} for name in names}}})
+    assert axes.lines == {"raw-socket": "--", "graph-limit W=1": "--", "loader-limit": "--", "RPCRS-tcp W=1": "o-"}
 
 
 def test_memory_targets_bound_growth_by_the_credit_window_at_each_size():

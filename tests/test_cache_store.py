@@ -152,6 +152,17 @@ def test_an_entry_of_the_earlier_format_is_recomputed_without_a_corruption_warni
     assert not os.path.exists(path) and "corrupt" not in caplog.text and "earlier version" in caplog.text
 
 
+def test_an_entry_that_pickled_dtypes_as_globals_is_still_read(tmp_path):
+    store = DiskStore(str(tmp_path), 1 << 20)
+    store.put(KEYS[0], b"value")
+    path = store.entry_path(KEYS[0])
+    data = bytearray(open(path, "rb").read())
+    assert data[:8] == b"RRSCACH4"
+    data[:8] = b"RRSCACH3"  # the previous format: the same layout, dtypes pickled as torch globals
+    open(path, "wb").write(data)
+    assert bytes(store.get(KEYS[0])) == b"value"
+
+
 def test_a_failing_write_warns_once_and_stops_writing(tmp_path, caplog):
     store = DiskStore(str(tmp_path), 1 << 20)
     (tmp_path / "entries").write_text("not a directory")  # every write fails with an OSError

@@ -8,6 +8,7 @@ stuck peer is one end whose frames stop arriving (``drop_outgoing``).
 
 from __future__ import annotations
 
+import os
 import queue
 import socket
 import threading
@@ -18,6 +19,7 @@ import pytest
 import torch
 from torchdata.datapipes.iter import IterableWrapper
 
+import rpc_reading_service
 from _server_helpers import wait_until
 from memory_connection import connection_pair
 from rpc_reading_service.trainer.channel import (
@@ -43,6 +45,7 @@ from rpc_reading_service.trainer.receive_loop import ReceiveLoop
 from rpc_reading_service.serialization import dumps_graph, dumps_item, loads_items
 from rpc_reading_service.protocol import FrameReader
 from rpc_reading_service.transports.socket_transport import SocketConnection
+from rpc_reading_service.tasks import THREAD_PREFIX
 from rpc_reading_service.worker.session import WorkerSession
 
 #: The bytes of credit of a DATA frame of one small int: a ``batch_max_bytes`` of it makes a window
@@ -442,3 +445,38 @@ def test_the_merge_hands_on_whole_turns_of_received_frames_at_once_and_positions
     assert handed == [x for x in range(20) for _ in range(2)]
     assert sum(sizes) == 40 and len(sizes) <= 12, sizes  # a step per frame or so, not per item
     assert progress.finished and progress.ahead == 0
+
+
+@pytest.mark.parametrize("item_timeout", [None, 5.0])
+def test_the_producer_makes_few_calls_of_ours_per_item_with_or_without_item_timeout(pair, item_timeout):
+    # A worker's CPU per small item is mostly Python calls: the producer thread's own (this
+    # package's, beside the graph's) per item are its encoding and its put; item_timeout's watch
+    # of the item being made is kept inline, without a call per item.
+    package = os.path.dirname(rpc_reading_service.__file__) + os.sep
+    producer_calls: dict = {}
+
+    def count(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(package):
+            if threading.current_thread().name.startswith(THREAD_PREFIX + "producer-"):
+                name = frame.f_code.co_name
+                producer_calls[name] = producer_calls.get(name, 0) + 1
+
+    items = 3000
+    link = pair().setup(IterableWrapper(range(items)).sharding_filter(), batch_max_items=100, linger=1.0,
+                        item_timeout=item_timeout)
+    threading.setprofile(count)  # the threads started from here on: the epoch's producer among them
+    try:
+        assert link.epoch(1, credits=64) == list(range(items))
+    finally:
+        threading.setprofile(None)
+    per_item = {name: calls / items for name, calls in producer_calls.items() if calls >= items}
+    assert set(per_item) == {"encode", "__init__", "put"}, per_item  # the item encoded, EncodedItem made, put
+    assert sum(producer_calls.values()) / items < 3.8, producer_calls  # main: 4.3, 6.3 with item_timeout
+
+
+def test_a_resumed_epoch_with_item_timeout_skips_the_items_delivered_before(pair):
+    # With item_timeout the producer watches the skipped items too (each its own clock).
+    link = pair().setup(IterableWrapper(range(10)).sharding_filter(), batch_max_items=2, item_timeout=5.0)
+    assert link.epoch(1, skip=3) == list(range(3, 10))
+    assert link.epoch(2, skip=10) == []
+    assert link.session._producing is None  # nothing watched once the epoch ended

@@ -49,6 +49,7 @@ from rpc_reading_service.protocol import (
     WorkerProtocol,
     CreditWindow,
     window_frames,
+    with_window,
     decode_message,
     encode_control,
     encode_frame,
@@ -201,6 +202,14 @@ def test_the_trainers_credit_window_is_frames_of_the_largest_frame_and_goes_back
     assert window.take() == 30000 + (120000 - 40000)
     assert window.start(4) == 120000 and window.ungranted == 0  # kept for the session's next epochs
     assert window_frames(12000, 1000) == 12 and window_frames(1, 1000) == 1 and window_frames(0, 1000) == 1
+
+
+def test_an_epoch_started_before_the_sessions_frame_bound_is_known_gets_its_frames_of_that_bound():
+    window = CreditWindow()  # a channel still connecting: SETUP has not said the bound yet
+    assert window.start(3) == 0 and window.bound is None
+    assert window.set_bound(64 << 10) == 3 * (64 << 10) and window.window == 3 * (64 << 10)
+    held = (StartEpoch(1, 7, 0, 0, dispatched=True), StopEpoch(1))
+    assert with_window(held, window.window) == (StartEpoch(1, 7, 0, 3 * (64 << 10), dispatched=True), StopEpoch(1))
 
 
 def test_stop_and_restart_epoch_drops_frames_in_flight():

@@ -86,6 +86,50 @@ def test_a_session_that_joins_the_epoch_holds_one_chunk_until_its_speed_is_measu
     assert book.depth_of(2) > 1
 
 
+def _replaced_stragglers(workers: int, lost: Tuple[int, ...]) -> LeaseBook:
+    """``workers`` ranks doing a chunk of 16 positions in 10 ms; the sessions of ``lost`` lost holding
+    two chunks each (the others walked past them), each replacement measured a straggler by the
+    first of them (0.6 s)."""
+    book = LeaseBook(num_workers=workers, chunk_size=16, depth=2, window=16)
+    for rank in sorted(2 * list(range(workers))):
+        book.lease(rank, now=0.0)
+
+    def walked(rank: int, now: float) -> None:
+        chunk = book.outstanding[rank][0]
+        book.arrived(rank, 16)
+        book.done(rank, chunk, 16, None, now=now)
+        for _ in range(16):
+            book.deliver(chunk)
+
+    for rank in range(workers):
+        walked(rank, 0.01)
+        walked(rank, 0.02)
+    for rank in [*sorted(2 * list(lost)), *(rank for rank in range(workers) if rank not in lost)]:
+        book.lease(rank, now=0.03)
+    for rank in lost:
+        assert len(book.lost(rank)) == 2
+    for rank in lost:
+        assert book.lease(rank, now=0.05) is not None
+        walked(rank, 0.65)
+    return book
+
+
+def test_a_lost_sessions_chunk_only_its_replacement_may_take_goes_to_it_even_if_it_is_a_straggler():
+    book = _replaced_stragglers(3, lost=(1,))
+    assert book.pending == [(7, 0)] and book.holds_window(1, 16, now=0.65)  # the rule would keep it from chunk 7 ...
+    assert book.latest[0] > 7 and book.latest[2] > 7  # ... which no other session may take (a stream is walked once):
+    assert book.lease(1, now=0.65) == (7, 0)  # held back, it would stall the window's head until a probe
+    # While another session may take a pending chunk (a session that walked nothing yet), it gets it instead.
+    book = _replaced_stragglers(3, lost=(1,))
+    assert book.lost(0) == [8]
+    assert book.lease(1, now=0.65) is None and book.lease(0, now=0.65) == (7, 0)
+    # Two replacements, each a straggler the rule keeps from the pending chunks: neither waits for the other.
+    book = _replaced_stragglers(5, lost=(1, 3))
+    assert book.pending == [(12, 0), (13, 0)]
+    assert book.holds_window(1, 16, now=0.65) and book.holds_window(3, 16, now=0.65)
+    assert book.lease(1, now=0.65) == (12, 0) and book.lease(3, now=0.65) == (13, 0)
+
+
 def noisy(x: int) -> tuple:
     """Randomness after the sharding point (seeded per chunk with "dynamic")."""
     return x, random.randrange(10**9)

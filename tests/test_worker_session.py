@@ -245,18 +245,39 @@ def test_a_small_slow_item_is_written_by_its_producer_and_a_big_one_by_the_sende
     assert outbox.send_next(1.0) and written[1] == (threading.current_thread(), [MessageKind.DATA])
 
 
-def test_an_item_joining_an_open_batch_costs_one_python_call_beyond_put():
+def test_an_item_joining_an_open_batch_costs_no_python_call_beyond_put():
     # A worker's CPU per small item is mostly calls: an item that joins an open batch without
-    # filling it is checked and added inline (the lock entered directly, its bounds checked once).
+    # filling it is checked and added inline (the lock entered directly, its epoch and bounds checked once).
     written = []
     outbox = DrivenOutbox(SessionOptions(batch_max_items=4, linger=10.0), send=written.append)
     outbox.start_epoch(1, credits=4)
     items = [item(i) for i in range(4)]
     assert [i.nbytes for i in items] == [1] * 4  # counted now, as an encoder gives it
     outbox.put(1, items[0])  # opens the batch
-    assert [python_calls(outbox.put, 1, i)[1] for i in items[1:3]] == [["_check"], ["_check"]]
+    assert [python_calls(outbox.put, 1, i)[1] for i in items[1:3]] == [[], []]
     outbox.put(1, items[3])  # fills it: the producer writes it itself
     assert [data_items(f)[2] for frames in written for f in frames] == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("borrowed", [False, True])
+def test_an_item_that_fills_its_frame_is_written_by_its_producer_with_few_python_calls(borrowed):
+    # A large item makes a frame alone, which its producer seals, encodes and writes itself: the
+    # outbox's own calls for it are bounded (the credit read once per step, no wait looked for
+    # where nothing waits); the rest are the protocol's checks and the frame's encoding.
+    written = []
+    outbox = DrivenOutbox(SessionOptions(batch_max_items=1, linger=10.0), send=written.append)
+    outbox.start_epoch(1, credits=4)
+    outbox.put(1, item(0))
+    large = EncodedItem(b"1", [b"x" * 100], borrowed=borrowed, nbytes=101)
+    _, calls = python_calls(outbox.put, 1, large)
+    ours = [name for name in calls if name in OUTBOX_CALLS]
+    assert ours == ["_seal", "_take_for_producer", "_ready_frames", "_next_frame", "_write_inline"], calls
+    assert calls.count("credits") <= (2 if borrowed else 3) and "_pack" not in calls, calls  # the DATA head packed inline
+    assert [data_items(f)[2] for frames in written for f in frames] == [[0], [1]]
+
+
+#: The outbox's own methods (of the calls one ``put`` makes).
+OUTBOX_CALLS = {name for name, value in vars(Outbox).items() if callable(value) and not name.startswith("__")}
 
 
 def test_a_slow_item_short_of_credit_waits_for_the_credit_owed_without_waking_the_sender():

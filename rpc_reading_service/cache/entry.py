@@ -21,7 +21,10 @@ from typing import Optional, Union
 
 __all__ = ["HEADER_BYTES", "encode_entry", "decode_entry", "is_older_format"]
 
-MAGIC = b"RRSCACH3"
+MAGIC = b"RRSCACH4"
+#: RRSCACH3: tensors' dtypes pickled as torch globals, which this version still reads (an older
+#: one reads no RRSCACH4 entry: it computes the item again instead of failing on a dtype's name).
+_READABLE_MAGICS = (MAGIC, b"RRSCACH3")
 #: RRSCACH1: blake2b, payloads pickled by torch; RRSCACH2: no key. Recomputed once, then rewritten.
 _OLDER_MAGICS = (b"RRSCACH1", b"RRSCACH2")
 _HEADER = struct.Struct(">8sQI16s28x")
@@ -57,7 +60,7 @@ def decode_entry(data: Payload, key: str) -> Optional[memoryview]:
         return None
     magic, length, checksum, digest = _HEADER.unpack_from(data)
     payload = memoryview(data)[HEADER_BYTES:]
-    if magic != MAGIC or length != len(payload) or digest != _key_digest(key) or zlib.crc32(payload) != checksum:
+    if magic not in _READABLE_MAGICS or length != len(payload) or digest != _key_digest(key) or zlib.crc32(payload) != checksum:
         return None
     return payload
 

@@ -68,7 +68,7 @@ from .messages import (
     decode_message,
     decode_setup,
 )
-from .credits import CreditWindow, window_frames
+from .credits import CreditWindow, window_frames, with_window
 from .session import DataReceived, Event, PeerTimedOut, Refused, SessionState, Tick
 from .roles import TrainerSession, WorkerProtocol
 
@@ -135,6 +135,7 @@ __all__ = [
     # credits
     "CreditWindow",
     "window_frames",
+    "with_window",
     # session state machines
     "SessionState",
     "Event",

@@ -3,10 +3,13 @@ frames handed on goes back (docs/architecture.md, "Credits and numbering"); no I
 
 from __future__ import annotations
 
-from .frames import data_cost
-from .messages import credit_batch
+import dataclasses
+from typing import Optional, Sequence, Tuple
 
-__all__ = ["CreditWindow", "window_frames"]
+from .frames import data_cost
+from .messages import Message, StartEpoch, credit_batch
+
+__all__ = ["CreditWindow", "window_frames", "with_window"]
 
 
 class CreditWindow:
@@ -14,16 +17,26 @@ class CreditWindow:
     handed on so far if larger, in bytes; and the credit handed on and not returned yet.
 
     Args:
-        frame_bytes: The session's byte bound of a DATA frame (``batch_max_bytes``).
+        frame_bytes: The session's byte bound of a DATA frame (``batch_max_bytes``); None: not known
+            until its SETUP (:meth:`set_bound`), and no window is in bytes before.
     """
 
-    def __init__(self, frame_bytes: int):
-        self.frame_bytes = frame_bytes
+    def __init__(self, frame_bytes: Optional[int] = None):
+        #: The session's frame bound (None until known); :attr:`frame_bytes` grows past it with larger frames.
+        self.bound = frame_bytes
+        self.frame_bytes = frame_bytes or 0
         self.frames = 1
         #: The current epoch's window in bytes (what the worker may send ahead of the consumer).
-        self.window = frame_bytes
+        self.window = self.frame_bytes
         #: Bytes of frames handed on whose credit has not been returned yet.
         self.ungranted = 0
+
+    def set_bound(self, frame_bytes: int) -> int:
+        """The session's frame bound, from its SETUP (before any frame of it came): an epoch started
+        before keeps its frames, now of this bound; return its window in bytes."""
+        self.bound = self.frame_bytes = frame_bytes
+        self.window = self.frames * frame_bytes
+        return self.window
 
     def start(self, frames: int) -> int:
         """Start an epoch of ``frames`` frames; return its window in bytes (START_EPOCH's ``credits``)."""
@@ -64,3 +77,14 @@ def window_frames(window: int, frame_bytes: int) -> int:
         frame_bytes: The session's byte bound of a DATA frame.
     """
     return max(1, -(-window // max(1, frame_bytes)))
+
+
+def with_window(messages: Sequence[Message], window: int) -> Tuple[Message, ...]:
+    """``messages`` with each START_EPOCH's ``credits`` set to ``window`` (bytes): what a START_EPOCH
+    held while its session set up is sent with, once the session's frame bound is known.
+
+    Args:
+        window: The channel's current window (:attr:`CreditWindow.window`); every epoch of a run
+            starts with the same frames, and one held behind a later one is superseded at once.
+    """
+    return tuple(dataclasses.replace(m, credits=window) if isinstance(m, StartEpoch) else m for m in messages)

@@ -53,7 +53,8 @@ __all__ = [
 #: 4: a worker may say LEAVING (its server drains) and end the session.
 #: 5: a message per failure (SETUP_FAILED, SETUP_REFUSED, SHARD_FAILED, ITEM_TIMED_OUT) replaces ERROR.
 #: 6: DATA credit counts bytes (START_EPOCH's window and CREDIT; a frame goes while any is left), a u64 in CREDIT.
-PROTOCOL_VERSION = 6
+#: 7: an item's tensor carries its dtype by name (``"float32"``), not as a pickled ``torch`` global.
+PROTOCOL_VERSION = 7
 MAGIC = b"RRSV"
 HEADER = struct.Struct("!4sBBHQ")
 BUFFER_LENGTH = struct.Struct("!Q")
@@ -239,19 +240,18 @@ _NBYTES, _LENGTH, _COUNT = operator.attrgetter("nbytes"), operator.itemgetter(0)
 
 
 def encode_data(epoch: int, sequence: int, items: Sequence[EncodedItem]) -> Tuple[List[Buffer], List[Buffer]]:
-    """Pack ``items`` into the body chunks and buffers of one DATA (or ITEMS) frame.
-
-    Returns ``(body_chunks, buffers)`` for :func:`encode_frame`. ``sequence`` numbers the
-    frames of one epoch from 0, so the receiver can verify nothing was lost.
-    """
-    table = bytearray(_pack(_DATA_HEAD, MessageKind.DATA, epoch, sequence, len(items)))
+    """Pack ``items`` into one DATA (or ITEMS) frame: ``(body_chunks, buffers)`` for :func:`encode_frame`
+    (``sequence`` numbers an epoch's frames from 0: the receiver checks that nothing was lost)."""
+    try:  # packed inline (no call per frame); _pack names a value out of range
+        table = bytearray(_DATA_HEAD.pack(epoch, sequence, len(items)))
+    except struct.error:
+        table = bytearray(_pack(_DATA_HEAD, MessageKind.DATA, epoch, sequence, len(items)))
     body: List[Buffer] = [table]
     buffers: List[Buffer] = []
     for item in items:
-        payload, item_buffers = item.payload, item.buffers
-        table += _DATA_ITEM.pack(len(payload), len(item_buffers))
-        body.append(payload)
-        buffers.extend(item_buffers)
+        table += _DATA_ITEM.pack(len(item.payload), len(item.buffers))
+        body.append(item.payload)
+        buffers.extend(item.buffers)
     return body, buffers
 
 
@@ -378,11 +378,10 @@ def split_frame(chunks: Sequence[Buffer]) -> Tuple[MessageKind, List[Buffer], Li
     head = memoryview(chunks[0]).cast("B")
     _magic, _version, kind, n_buffers, _body_length = HEADER.unpack_from(head)
     lengths = struct.unpack_from(f"!{n_buffers}Q", head, HEADER.size) if n_buffers else ()
-    n_chunks = len(lengths) - lengths.count(0)
-    rest = list(chunks[1:])
-    body, sent = rest[: len(rest) - n_chunks], rest[len(rest) - n_chunks :]
-    if n_chunks == len(lengths):  # no empty buffer: the chunks are the buffers
-        return MessageKind(kind), body, sent
+    split = len(chunks) - (len(lengths) - lengths.count(0))  # where the buffers' chunks start
+    body, sent = list(chunks[1:split]), list(chunks[split:])
+    if len(sent) == len(lengths):  # no empty buffer: the chunks are the buffers
+        return _KINDS[kind], body, sent
     buffers: List[Buffer] = []
     taken = 0
     for length in lengths:
@@ -391,7 +390,7 @@ def split_frame(chunks: Sequence[Buffer]) -> Tuple[MessageKind, List[Buffer], Li
             taken += 1
         else:
             buffers.append(b"")
-    return MessageKind(kind), body, buffers
+    return _KINDS[kind], body, buffers
 
 
 def encode_shared_data(
@@ -414,8 +413,8 @@ def encode_shared_data(
         parts.append(_pack(_SHARED_NEW, MessageKind.SHARED_DATA, segment, size))
     for segment in retired:
         parts.append(_pack(_SHARED_RETIRED, MessageKind.SHARED_DATA, segment))
-    for buffer in shared:
-        parts.append(_pack(_SHARED_BUFFER, MessageKind.SHARED_DATA, *buffer))
+    for index, segment, offset, length in shared:  # checked by the pool: no call per buffer
+        parts.append(_SHARED_BUFFER.pack(index, segment, offset, length))
     return encode_frame(MessageKind.SHARED_DATA, [b"".join(parts), *body], inline)
 
 

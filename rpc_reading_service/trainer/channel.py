@@ -37,7 +37,6 @@ from ..protocol import (
     Message,
     Ready,
     Refused,
-    SessionOptions,
     SessionState,
     Setup,
     SetupFailed,
@@ -47,6 +46,7 @@ from ..protocol import (
     Tick,
     TrainerSession,
     CreditWindow,
+    with_window,
 )
 from ..serialization import rebuild_exception
 from ..tasks import TaskGroup
@@ -202,11 +202,9 @@ class WorkerChannel:
         self._held: Optional[List[Tuple[Tuple[Message, ...], Optional[int], bool]]] = []
         self._loop = loop
         self._in_loop = False
-        #: A full DATA frame's bytes (``batch_max_bytes``): :meth:`_bound_buffers`.
-        self._frame_bytes = SessionOptions().batch_max_bytes
-        #: The latest epoch's window (its frames bound the buffers), and the credit the consumer
-        #: handed on and not sent back yet (:meth:`grant`).
-        self._credit = CreditWindow(self._frame_bytes)
+        #: The latest epoch's window (its frames bound the buffers), in frames of the session's bound
+        #: once SETUP gives it, and the credit the consumer handed on and not sent back yet (:meth:`grant`).
+        self._credit = CreditWindow()
         #: Around :attr:`_credit` (the consumer adds, the receive loop sends), and
         #: whether the loop was told that they are due.
         self._credit_lock = threading.Lock()
@@ -280,8 +278,8 @@ class WorkerChannel:
             held, self._held = self._held or [], None
             if self._closing:
                 return
-            for messages, epoch, if_room in held:
-                self._send_now(messages, epoch, if_room)
+            for messages, epoch, if_room in held:  # a START_EPOCH's window: now that the frame bound is known
+                self._send_now(with_window(messages, self._credit.window), epoch, if_room)
 
     def _tick(self, now: Optional[float] = None, blocking: bool = True) -> Tick:
         """The state machine's liveness: send the heartbeat due, return what else it found.
@@ -337,8 +335,9 @@ class WorkerChannel:
         """
         assert self.conn is not None, "attach() the connection first"
         message = setup if isinstance(setup, Setup) else Setup(**setup)
-        self._frame_bytes = self._credit.frame_bytes = message.options.batch_max_bytes
-        self._bound_buffers(self._credit.frames)  # an epoch started while connecting keeps its window
+        with self._credit_lock:  # an epoch started while connecting: its frames, of this bound
+            self._credit.set_bound(message.options.batch_max_bytes)
+        self._bound_buffers(self._credit.frames)
         with self._state_lock:
             self.protocol.setup_timeout = timeout
         # A server that refuses the session may close before reading all of SETUP: its
@@ -426,8 +425,8 @@ class WorkerChannel:
 
     def _bound_buffers(self, window: int) -> None:
         """Bound the connection's reuse pools by ``window`` (the session's credit window) plus one frame."""
-        if self.conn is not None:
-            self.conn.bound_buffers(window + 1, self._frame_bytes)
+        if self.conn is not None and self._credit.bound is not None:  # else setup() bounds them
+            self.conn.bound_buffers(window + 1, self._credit.bound)
 
     def send_input(self, message: Union[Items, EndOfInput]) -> None:
         """Send an ITEMS or END_OF_INPUT frame of the dispatched input (nothing once its epoch is over)."""

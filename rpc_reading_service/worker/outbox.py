@@ -181,8 +181,10 @@ class Outbox:
         # The hot path: its checks inline, the lock entered directly (no Condition.__enter__).
         options = self._options
         frames: Optional[List[List[Buffer]]] = None
+        settled = False  # the item's batch written by this call: no wait for it below
         with self._lock:
-            self._check(epoch)
+            if self._closed or epoch != self.epoch or self._final_ends_session:
+                raise Cancelled()
             now = time.monotonic()
             last = self._last_put
             slow = last is not None and now - last > options.linger
@@ -194,26 +196,28 @@ class Outbox:
             batch.append(item)
             self._open_bytes += item.nbytes
             full = len(batch) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes
+            # The credit left, read once (0: not needed for this item, not read).
+            credits = self._protocol.credits if (full or opened) and not item.borrowed else 0
             # A full batch the producer writes itself: a staged item's (a frame of a few hundred
             # bytes), or any while credit is left and the connection has room (else the sender,
             # woken, blocks in the send while the producer makes the next item).
             itself = item.borrowed or (
-                full and (item.staged or (self._send is not None and self._protocol.credits > 0 and self._room()))
+                full and (item.staged or (self._send is not None and credits > 0 and self._room()))
             )
             self._batching = not (itself and opened)
             if itself:
                 pass  # sealed and written below (a borrowed item before the producer makes its next one)
-            elif slow and opened and not self._batch_waits() and self._protocol.credits > 0:
+            elif slow and opened and not self._batch_waits() and credits > 0:
                 full = False  # the batch of this item alone is sealed here
                 frames = self._take_inline(item)
                 if frames is None:
                     self._seal()  # the sender wakes once, for a frame to send
             elif slow and opened and self._credit_owed():
                 self._open_slow = True  # the CREDIT the trainer owes takes it along: no wake-up of the sender
-            elif opened and self._protocol.credits > 0 and self._sender_wakes_at > now + options.linger:
+            elif opened and credits > 0 and self._sender_wakes_at > now + options.linger:
                 self._cond.notify_all()  # the sender times the linger from now (without credit, grant() does)
             if itself or full:
-                while self._batch_waits():
+                while self._sealed and self._batch_waits():
                     self._producer_waiting = True
                     self._producer_cond.wait()
                     self._producer_waiting = False
@@ -222,9 +226,10 @@ class Outbox:
                     self._seal(wake=not itself)
                 if itself:
                     frames = self._take_for_producer()
+                    settled = frames is not None and not self._sealed
         if frames is not None:
             self._write_inline(frames)
-        if item.borrowed or item.staged:
+        if (item.borrowed or item.staged) and not settled:
             self._until_written(epoch, item, written=item.borrowed)
 
     def _take_for_producer(self) -> Optional[List[List[Buffer]]]:
@@ -324,15 +329,6 @@ class Outbox:
             self._final = final_frame
             self._final_ends_session = end_session
             self._wake_all()
-
-    def _track_credit_wait(self, now: float) -> None:
-        """Account the time data was ready but the trainer had granted no credit."""
-        blocked = self._protocol.credits <= 0 and bool(self._sealed or self._open)
-        if blocked and self._credit_wait_since is None:
-            self._credit_wait_since = now
-        elif not blocked and self._credit_wait_since is not None:
-            self.credit_wait_seconds += now - self._credit_wait_since
-            self._credit_wait_since = None
 
     def credit_wait_total(self) -> float:
         """Seconds data waited for trainer credit so far, the wait going on now included."""
@@ -455,6 +451,8 @@ class Outbox:
         while len(frames) < limit and not self._closed and not self.session_over:
             if not final and self._final is not None:
                 break
+            if not (self._sealed or self._open or self._input_credits or self._final is not None):
+                break  # nothing left to look at
             frame, _wait = self._next_frame(time.monotonic())
             if frame is None:
                 break
@@ -465,27 +463,30 @@ class Outbox:
         self._cond.notify_all()
         self._producer_cond.notify_all()
 
-    def _wake_producer(self) -> None:
-        """The sealed slot got free: wake the producer if it waits for it."""
-        if self._producer_waiting:
-            self._producer_cond.notify_all()
-
     def _next_frame(self, now: float) -> Tuple[Optional[List[Buffer]], float]:
         if self.epoch is None:
             return None, float("inf")
         if self._input_credits:
             credits, self._input_credits = self._input_credits, 0
             return self._protocol.send(ItemCredit(self.epoch, credits)), 0.0
-        self._track_credit_wait(now)
+        credits = self._protocol.credits
+        # The time data was ready but the trainer had granted no credit (inline: once per frame).
+        if credits <= 0 and (self._sealed or self._open):
+            if self._credit_wait_since is None:
+                self._credit_wait_since = now
+        elif self._credit_wait_since is not None:
+            self.credit_wait_seconds += now - self._credit_wait_since
+            self._credit_wait_since = None
         if self._sealed and isinstance(self._sealed[0], Message):
-            if self._open and self._protocol.credits > 0 and self._final is None:
+            if self._open and credits > 0 and self._final is None:
                 lingered_until = self._open_since + self._options.linger
                 if now < lingered_until:  # the marker leaves in one send with the open batch
                     return None, lingered_until - now
             marker = self._sealed.popleft()
-            self._wake_producer()
+            if self._producer_waiting:  # the sealed slot got free
+                self._producer_cond.notify_all()
             return self._protocol.send(marker), 0.0
-        if self._protocol.credits > 0:
+        if credits > 0:
             if not self._sealed and self._open:
                 if (
                     self._final is not None
@@ -500,7 +501,8 @@ class Outbox:
             if self._sealed:
                 items = self._sealed.popleft()
                 assert isinstance(items, list)
-                self._wake_producer()
+                if self._producer_waiting:  # the sealed slot got free
+                    self._producer_cond.notify_all()
                 self.items_sent += len(items)
                 self.bytes_sent += sum(map(_nbytes, items))
                 return self._protocol.send(Data(self.epoch, self._protocol.next_sequence, items)), 0.0

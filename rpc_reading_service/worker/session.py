@@ -20,7 +20,6 @@ from ..protocol import (
     ChunkDone,
     Close,
     Credit,
-    EncodedItem,
     EndOfInput,
     EndOfShard,
     Items,
@@ -65,6 +64,8 @@ _ITEM_CHECKS_PER_TIMEOUT = 4
 #: Seconds the session's end waits for its sender, and for its producers (one stuck in an item is left behind).
 SENDER_JOIN_SECONDS = 2.0
 PRODUCER_JOIN_SECONDS = 1.0
+#: What ``next`` gives past a graph's last item.
+_END = object()
 
 
 class _ThroughputLog:
@@ -361,16 +362,29 @@ class WorkerSession:
                         inbox.unit_hooks = (chunks.started, chunks.done)
                 for selection in self._selections:
                     selection.set_context(context)
-                items = self._graph
-                if watched:
-                    items, put = self._watched(epoch, iter(self._graph)), self._unwatched(put)
-                    if leases is not None:
-                        leases.waiting = self._waiting_for_trainer
-                items = iter(items)
-                skipped = sum(1 for _ in itertools.islice(items, skip)) if skip else 0
+                items = iter(self._graph)
+                if watched and leases is not None:
+                    leases.waiting = self._waiting_for_trainer
+                skipped = self._skip(epoch, items, skip, watched) if skip else 0
                 if skipped < skip:  # a resumed epoch's position lies past the end of the shard
                     raise past_the_end("'consumed'", "this worker's shard", skip, skipped)
-                if chunks is None:
+                if watched:  # item_timeout: the sender's check reads which item the producer works on
+                    ident, clock, index = threading.get_ident(), time.monotonic, skipped
+                    self._producing = (epoch, index, clock(), ident)
+                    for item in items:
+                        if chunks is not None and chunks.skip > 0:
+                            chunks.skip -= 1
+                        else:
+                            encoded = encode(item)
+                            self._producing = None  # waiting for credit is not producing: the trainer sets that pace
+                            put(epoch, encoded)
+                            sent += 1
+                            if chunks is not None:
+                                chunks.items += 1
+                        index += 1
+                        self._producing = (epoch, index, clock(), ident)
+                    self._producing = None
+                elif chunks is None:
                     for item in items:
                         put(epoch, encode(item))
                         sent += 1
@@ -421,29 +435,16 @@ class WorkerSession:
             epoch, position, _started, ident = producing
             self._producing = (epoch, position, float("inf") if waiting else time.monotonic(), ident)
 
-    def _watched(self, epoch: int, iterator: Iterator[Any]) -> Iterator[Any]:
-        """Yield ``iterator``'s items, telling the item_timeout check (the sender) which one the producer works on
-        (computing and pickling it, until :meth:`_unwatched` hands it to the outbox)."""
-        ident, clock, index = threading.get_ident(), time.monotonic, 0
-        while True:
+    def _skip(self, epoch: int, items: Iterator[Any], skip: int, watched: bool) -> int:
+        """Skip the first ``skip`` items of ``items`` (a resumed epoch's position); how many there were."""
+        if not watched:
+            return sum(1 for _ in itertools.islice(items, skip))
+        ident, clock = threading.get_ident(), time.monotonic
+        for index in range(skip):
             self._producing = (epoch, index, clock(), ident)
-            try:
-                item = next(iterator)
-            except StopIteration:
-                self._producing = None
-                return
-            yield item
-            index += 1
-
-    def _unwatched(self, put: Callable[[int, EncodedItem], None]) -> Callable[[int, EncodedItem], None]:
-        """``put``, first telling the item_timeout check the item is done: waiting for the trainer's
-        credit is not producing (the trainer sets that pace)."""
-
-        def put_done(epoch: int, item: EncodedItem) -> None:
-            self._producing = None
-            put(epoch, item)
-
-        return put_done
+            if next(items, _END) is _END:
+                return index
+        return skip
 
     # -- item_timeout -------------------------------------------------------------------------
     def _check_item(self, now: float, limit: float) -> None:

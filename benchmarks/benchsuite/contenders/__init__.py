@@ -12,7 +12,9 @@ from benchsuite.contenders.alternatives import MPRS, RPCDataloaderContender, Tor
 from benchsuite.contenders.base import Contender
 from benchsuite.contenders.limits import (
     CopyLimit,
+    GraphLimit,
     InProcess,
+    LoaderLimit,
     ProductionLimit,
     ProductionLimitMadeInSharedMemory,
     RawSocket,
@@ -29,7 +31,7 @@ from benchsuite.contenders.ours import (
 CONTENDERS: dict[str, type[Contender]] = {
     c.name: c for c in (InProcess, ProductionLimit, ProductionLimitMadeInSharedMemory, CopyLimit, MPRS, TorchDataLoader,
                         RPCRSLocal, RPCRSLocalMadeInSharedMemory, RPCRSTcp, RPCRSTwoServers, RPCRSTorchRPC,
-                        RPCDataloaderContender, RawSocket, RawUnixSocket)
+                        RPCDataloaderContender, RawSocket, RawUnixSocket, GraphLimit, LoaderLimit)
 }
 ONE_STREAM = tuple(name for name, c in CONTENDERS.items() if c.one_stream)  # no worker count
 ONE_ROUND = tuple(name for name, c in CONTENDERS.items() if c.one_round)

@@ -12,7 +12,7 @@ import sys
 import tempfile
 from typing import Iterator
 
-from workloads import build_datapipe, made_in_shared_memory, produce_share
+from workloads import build_datapipe, made_in_shared_memory, produce_graph_share, produce_share
 
 from benchsuite.contenders.base import Contender
 from benchsuite.measure import CLOCK_START, MadeElsewhere
@@ -45,15 +45,15 @@ class ProductionLimit(Contender):
 
     name = "production-limit"
     copies_to_shared_memory = False
+    clock_starts_at_go = True  # False: the rate counts as any contender's (from its first items)
 
     @contextlib.contextmanager
     def epoch(self, workload, num_workers):
         context = multiprocessing.get_context("fork")
         read_fd, write_fd = os.pipe()
         go = context.Event()
-        producers = [context.Process(target=produce_share, daemon=True,
-                                     args=(workload, rank, num_workers, write_fd, go, self.copies_to_shared_memory))
-                     for rank in range(num_workers)]
+        producers = [context.Process(target=target, args=args, daemon=True)
+                     for target, args in self.producers(workload, num_workers, write_fd, go)]
         try:
             for producer in producers:
                 producer.start()
@@ -69,10 +69,15 @@ class ProductionLimit(Contender):
             if write_fd is not None:
                 os.close(write_fd)
 
-    @staticmethod
-    def _count(read_fd: int, workload, go) -> Iterator[MadeElsewhere]:
+    def producers(self, workload, num_workers: int, write_fd: int, go) -> list[tuple]:
+        """(target, args) of each producer process: one per worker, each making its share."""
+        return [(produce_share, (workload, rank, num_workers, write_fd, go, self.copies_to_shared_memory))
+                for rank in range(num_workers)]
+
+    def _count(self, read_fd: int, workload, go) -> Iterator[MadeElsewhere]:
         go.set()
-        yield CLOCK_START
+        if self.clock_starts_at_go:
+            yield CLOCK_START
         item = MadeElsewhere(workload.item_bytes)
         made = 0
         while made < workload.n_items:
@@ -108,6 +113,46 @@ class CopyLimit(ProductionLimit):
 
     name = "copy-limit"
     copies_to_shared_memory = True
+
+
+class GraphLimit(ProductionLimit):
+    """The most ``num_workers`` DataLoader2 workers can produce: ONE process iterating the
+    workload's DataPipe graph as worker 0 of ``num_workers`` (``workloads.produce_graph_share``:
+    the same items, torch's sharding and per-item DataPipe hooks), nothing encoded or moved;
+    each item it makes counts for ``num_workers``, as if every worker ran as fast on a core
+    of its own.  Its rate counts from its first items, as the reading services' do."""
+
+    name = "graph-limit"
+    clock_starts_at_go = False
+
+    def producers(self, workload, num_workers, write_fd, go):
+        """One producer: worker 0's part of the graph, each item counted ``num_workers`` times."""
+        if workload.kind != "tensor":
+            raise ValueError(f"{self.name} only makes tensors")
+        return [(produce_graph_share, (workload, 0, num_workers, write_fd, go))]
+
+
+class LoaderLimit(Contender):
+    """The most a trainer's DataLoader2 can hand on: ``DataLoader2`` without a reading service
+    iterating ``received.ReceivedItems`` (items made before, so nothing is produced or moved); the
+    consuming side's own per-item work, what no reading service's trainer avoids."""
+
+    name = "loader-limit"
+    one_stream = True
+
+    @contextlib.contextmanager
+    def epoch(self, workload, num_workers):
+        from torchdata.dataloader2 import DataLoader2
+
+        from benchsuite.contenders.received import ReceivedItems
+
+        if workload.kind != "tensor":
+            raise ValueError(f"{self.name} only hands on tensors")
+        loader = DataLoader2(ReceivedItems(workload))
+        try:
+            yield loader
+        finally:
+            loader.shutdown()
 
 
 class RawSocket(Contender):

@@ -130,6 +130,47 @@ def paired_ratio_at(results: dict, contender: str, workers: int, reference: str,
                         point_at(results, reference, reference_workers, item_bytes), key)
 
 
+#: The per-item limits (``contenders.limits``) no DataLoader2 reading service passes: what W workers'
+#: DataPipe graphs make at most (``graph-limit``, at the same W) and what a trainer's DataLoader2
+#: hands on at most (``loader-limit``, one stream).
+PER_ITEM_LIMITS = ("graph-limit", "loader-limit")
+
+
+def paired_ceiling(point: Optional[dict], limits: dict, key: str = "bytes_per_s") -> Optional[dict]:
+    """``point``'s rate over the lowest of ``limits``' rates (name -> point), paired round by round
+    as :func:`paired_ratio` pairs two points: the median over the rounds that measured them all.
+
+    Returns ``{"median", "ratios", "binding", "rates", "limit_rates"}`` of the round whose ratio is
+    nearest the median: ``binding`` the lowest limit's name, ``rates`` the point's rate and that
+    limit's, ``limit_rates`` every limit's rate by name; or None when a point is missing."""
+    if not point or not all(limits.values()):
+        return None
+    series = {name: limit.get("round_rates") for name, limit in limits.items()}
+    ours = point.get("round_rates")
+    if not ours or not all(series.values()):  # points of one round
+        ours, series = [point.get(key)], {name: [limit.get(key)] for name, limit in limits.items()}
+    rounds = []
+    for index, rate in enumerate(ours):
+        rates = {name: rates_of[index] if index < len(rates_of) else None for name, rates_of in series.items()}
+        if rate and all(rates.values()):
+            rounds.append((rate / min(rates.values()), rate, rates))
+    if not rounds:
+        return None
+    median = statistics.median(ratio_ for ratio_, _, _ in rounds)
+    _, rate, rates = min(rounds, key=lambda found: abs(found[0] - median))
+    binding = min(rates, key=rates.get)
+    return {"median": median, "ratios": [ratio_ for ratio_, _, _ in rounds], "binding": binding,
+            "rates": (rate, rates[binding]), "limit_rates": rates}
+
+
+def ceiling_at(results: dict, contender: str, workers: int, reference: str,
+               item_bytes: Optional[int] = None) -> Optional[dict]:
+    """:func:`paired_ceiling` of ``contender`` at ``workers`` under the lowest of ``reference`` (one
+    stream) and the :data:`PER_ITEM_LIMITS` (``graph-limit`` at the same W), or None."""
+    limits = {name: point_at(results, name, workers, item_bytes) for name in (reference, *PER_ITEM_LIMITS)}
+    return paired_ceiling(point_at(results, contender, workers, item_bytes), limits)
+
+
 def paired_text(paired: dict) -> str:
     """Every round's ratio of a :func:`paired_ratio`, ``*`` after those in which the first
     contender ran first: ``0.91* / 0.97 / 1.02*``."""

@@ -12,6 +12,8 @@ from typing import Callable, Optional
 from benchsuite.contenders import ONE_STREAM
 from benchsuite.report.format import (
     GB,
+    PER_ITEM_LIMITS,
+    ceiling_at,
     fmt_ratio,
     fmt_size,
     paired_ratio,
@@ -109,6 +111,27 @@ def best_ratio(scenario: str, key: str, contender: str, reference: str):
     return measured
 
 
+def over_sizes(all_results: dict, scenario: str, smallest: int, below: Optional[int], names: tuple,
+               per_size: Callable[[dict, int], Optional[dict]]) -> tuple[dict, Optional[int], str]:
+    """``per_size(results, size)`` (a dict with a ``median``) at each item size of ``scenario`` from
+    ``smallest`` up, below ``below``: (what each size gave, if anything; the size of the lowest
+    median, or None; ``; not measured at ...`` for sizes in range without one, or, when none had
+    one, why, naming the first of ``names`` that did not run)."""
+    if scenario not in all_results:
+        return {}, None, f"{scenario} not run"
+    results = all_results[scenario]["contenders"]
+    sizes = [size for size in all_results[scenario]["params"]["sizes"]
+             if size >= smallest and (below is None or size < below)]
+    found = {size: value for size in sizes for value in [per_size(results, size)] if value}
+    if not found:
+        missing = [name for name in names if not (results.get(name) or {}).get("ok")]
+        return found, None, (f"{', '.join(missing)}: {(results.get(missing[0]) or {}).get('reason', 'not run')}"
+                             if missing else "no size in range measured both")
+    unmeasured = [fmt_size(size) for size in sizes if size not in found]
+    return (found, min(found, key=lambda size: found[size]["median"]),
+            f"; not measured at {', '.join(unmeasured)}" if unmeasured else "")
+
+
 def at_every_size(contender: str, workers: int, reference: str, threshold: float, smallest: int = 0,
                   below: Optional[int] = None, scenario: str = "sweep"):
     """A measure: the lowest over the item sizes of ``scenario`` (from ``smallest``, below
@@ -116,27 +139,41 @@ def at_every_size(contender: str, workers: int, reference: str, threshold: float
     the detail names the worst size and lists every size's ratio.  With a size not measured,
     none unless the sizes measured already miss ``threshold``."""
     def measured(all_results: dict) -> tuple[Optional[float], str]:
-        if scenario not in all_results:
-            return None, f"{scenario} not run"
-        results = all_results[scenario]["contenders"]
-        sizes = [size for size in all_results[scenario]["params"]["sizes"]
-                 if size >= smallest and (below is None or size < below)]
-        found = {size: paired for size in sizes
-                 for paired in [paired_ratio_at(results, contender, workers, reference, 2, size)] if paired}
-        if not found:
-            missing = [name for name in (contender, reference) if not (results.get(name) or {}).get("ok")]
-            return None, (f"{', '.join(missing)}: {(results.get(missing[0]) or {}).get('reason', 'not run')}"
-                          if missing else "no size in range measured both")
-        worst = min(found, key=lambda size: found[size]["median"])
+        found, worst, unmeasured = over_sizes(
+            all_results, scenario, smallest, below, (contender, reference),
+            lambda results, size: paired_ratio_at(results, contender, workers, reference, 2, size))
+        if worst is None:
+            return None, unmeasured
         ours, theirs = found[worst]["rates"]
         detail = (f"worst at {fmt_size(worst)}: {rate_text('bytes_per_s', ours)} vs "
                   f"{rate_text('bytes_per_s', theirs)}; each size: "
-                  + ", ".join(f"{fmt_size(size)} {fmt_ratio(found[size]['median'])}" for size in found))
-        unmeasured = [fmt_size(size) for size in sizes if size not in found]
-        if unmeasured:
-            detail += f"; not measured at {', '.join(unmeasured)}"
-            if found[worst]["median"] >= threshold:  # no verdict of "every size" from some of them
-                return None, detail
+                  + ", ".join(f"{fmt_size(size)} {fmt_ratio(found[size]['median'])}" for size in found) + unmeasured)
+        if unmeasured and found[worst]["median"] >= threshold:  # no verdict of "every size" from some of them
+            return None, detail
+        return found[worst]["median"], detail
+    return measured
+
+
+def under_ceiling_at_every_size(contender: str, workers: int, reference: str, smallest: int = 0,
+                                below: Optional[int] = None, scenario: str = "sweep"):
+    """A measure (info): the lowest over the item sizes in range of ``contender``'s paired ratio to
+    its ceiling, the lowest of ``reference`` and the per-item limits (``report.format.ceiling_at``);
+    the detail gives, for each size, that ratio, the ceiling over ``reference`` (where it is under a
+    target's ratio to ``reference``, no DataLoader2 reading service can meet that target) and the
+    limit that sets it."""
+    def measured(all_results: dict) -> tuple[Optional[float], str]:
+        found, worst, unmeasured = over_sizes(
+            all_results, scenario, smallest, below, (contender, reference, *PER_ITEM_LIMITS),
+            lambda results, size: ceiling_at(results, contender, workers, reference, size))
+        if worst is None:
+            return None, unmeasured
+        ours, ceiling = found[worst]["rates"]
+        detail = (f"worst at {fmt_size(worst)}: {rate_text('bytes_per_s', ours)} vs {rate_text('bytes_per_s', ceiling)} "
+                  f"({found[worst]['binding']}); each size, ours / ceiling (ceiling / {reference}, the limit "
+                  "that sets it): " + ", ".join(
+                      f"{fmt_size(size)} {fmt_ratio(bounded['median'])} "
+                      f"({fmt_ratio(bounded['rates'][1] / bounded['limit_rates'][reference])}, {bounded['binding']})"
+                      for size, bounded in found.items()) + unmeasured)
         return found[worst]["median"], detail
     return measured
 
@@ -150,6 +187,16 @@ def sweep_target(contender: str, workers: int, threshold: float, reference: str,
     goal = (f"sweep: {contender} W={workers} >= {threshold}x {reference}{'' if one_stream else ' W=2'} "
             f"{'at every size ' if smallest or below else ''}{where} (the worst size)").replace("  ", " ")
     return Target(goal, threshold, at_every_size(contender, workers, reference, threshold, smallest, below))
+
+
+def sweep_ceiling(contender: str, workers: int, reference: str, smallest: int = 0,
+                  below: Optional[int] = None) -> Target:
+    """The info row beside a sweep target against ``reference``: ``contender`` over its ceiling at
+    every size in range (:func:`under_ceiling_at_every_size`)."""
+    where = f"from {fmt_size(smallest)} up" if smallest else f"below {fmt_size(below)}" if below else "at every size"
+    goal = (f"sweep: {contender} W={workers} / ceiling {where}: the lowest of {reference}, "
+            f"graph-limit W={workers}, loader-limit (the worst size)")
+    return Target(goal, None, under_ceiling_at_every_size(contender, workers, reference, smallest, below))
 
 
 def efficiency_at(contender: str, workers: int, scenario: str = "scaling", minus: Optional[str] = None):
@@ -263,8 +310,11 @@ TARGETS = [
     Target("tensor8m: RPCRS-tcp >= 2x RPCDataloader (best W of each) *", 2,
            best_ratio("tensor8m", "bytes_per_s", "RPCRS-tcp", "RPCDataloader")),
     sweep_target("RPCRS-tcp", 1, 0.85, "raw-socket", smallest=64 * 1024),
+    sweep_ceiling("RPCRS-tcp", 1, "raw-socket", smallest=64 * 1024),
     sweep_target("RPCRS-tcp", 1, 0.7, "raw-socket", below=64 * 1024),
+    sweep_ceiling("RPCRS-tcp", 1, "raw-socket", below=64 * 1024),
     sweep_target("RPCRS-local", 2, 1.0, "raw-unix"),
+    sweep_ceiling("RPCRS-local", 2, "raw-unix"),
     sweep_target("RPCRS-local", 2, 3, "MPRS"),
     sweep_target("RPCRS-local", 2, 2, "torch-DataLoader"),
     Target("scaling: RPCRS-local efficiency at W=16 >= 0.9", 0.9, efficiency_at("RPCRS-local", 16)),
@@ -294,6 +344,10 @@ TARGET_NOTES = [
     "outside a worker session); RPCRS-local-shm: local workers whose graph makes its items that way",
     "copy-limit (info, no target): production-limit's processes, each also copying every item once into a warm "
     "shared segment, as RPCRS-local's workers do; nothing moved",
+    "sweep ... / ceiling (info, no target): the reading service over the lowest of the target's raw stream, "
+    "graph-limit (W workers' DataPipe graphs, nothing moved) and loader-limit (DataLoader2 handing on items made "
+    "before, a fresh tensor each): what no DataLoader2 reading service passes; where the ceiling / raw is under "
+    "the target's ratio, the per-item work of any DataLoader2 reading service rules the target out at that size",
     "memory: a slow consumer (5 ms per item); the credit window is W x prefetch x item size",
     "raw-socket is one TCP stream, so it is compared with RPCRS-tcp at W=1 (one stream); at W=2 three busy "
     "processes share 2 cores",

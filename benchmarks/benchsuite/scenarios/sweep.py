@@ -9,7 +9,16 @@ from workloads import MIB, Workload
 from benchsuite.contenders import ONE_STREAM
 from benchsuite.contenders.base import Contender
 from benchsuite.measure import drain
-from benchsuite.report.format import GB, fmt_ratio, fmt_size, paired_ratio_at, point_at, render_table
+from benchsuite.report.format import (
+    GB,
+    PER_ITEM_LIMITS,
+    ceiling_at,
+    fmt_ratio,
+    fmt_size,
+    paired_ratio_at,
+    point_at,
+    render_table,
+)
 from benchsuite.scenarios.base import (
     ROUNDS,
     STARTUP_ALLOWANCE_S,
@@ -23,13 +32,18 @@ KIB = 1 << 10
 #: From a token block to a large batch: 224x224 RGB is 147 KiB, 512x512 RGB 768 KiB.
 SIZES = (KIB, 16 * KIB, 64 * KIB, 128 * KIB, 256 * KIB, 512 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB)
 #: (contender, W) in the order of the table's rate columns; the raw streams are one stream.
-COLUMNS = (("raw-socket", 1), ("raw-unix", 1), ("RPCRS-tcp", 1), ("RPCRS-tcp", 2), ("RPCRS-local", 2),
-           ("MPRS", 2), ("torch-DataLoader", 2), ("RPCDataloader", 2))
+COLUMNS = (("raw-socket", 1), ("raw-unix", 1), ("graph-limit", 1), ("graph-limit", 2), ("loader-limit", 1),
+           ("RPCRS-tcp", 1), ("RPCRS-tcp", 2), ("RPCRS-local", 2), ("MPRS", 2), ("torch-DataLoader", 2),
+           ("RPCDataloader", 2))
 #: The ratio columns (and the targets'): (contender, W, reference at W=2 or its one stream).
 RATIOS = (("RPCRS-tcp", 1, "raw-socket"), ("RPCRS-tcp", 2, "raw-socket"), ("RPCRS-local", 2, "raw-unix"),
           ("RPCRS-local", 2, "MPRS"), ("RPCRS-local", 2, "torch-DataLoader"))
-#: A round runs each of these next to the one it is compared with (see ``runner.round_order``).
-PAIRED_ORDER = ("raw-socket", "RPCRS-tcp", "raw-unix", "RPCRS-local")
+#: The ceiling columns (and the targets' info rows): (contender, W, the raw reference of its targets),
+#: under the lowest of that reference and the per-item limits (``report.format.ceiling_at``).
+CEILINGS = (("RPCRS-tcp", 1, "raw-socket"), ("RPCRS-local", 2, "raw-unix"))
+#: A round runs each of these next to the one it is compared with (see ``runner.round_order``); the
+#: per-item limits run in every round too, each next to a reading service it bounds.
+PAIRED_ORDER = ("loader-limit", "raw-socket", "RPCRS-tcp", "graph-limit", "RPCRS-local", "raw-unix")
 CONTENDER_NAMES = tuple(dict.fromkeys(name for name, _ in COLUMNS))
 #: MPRS runs its epochs to the end (see ``contenders.alternatives.MPRS``): at most this many items.
 MPRS_MAX_ITEMS = 1500
@@ -40,15 +54,19 @@ def plan_sweep(quick: bool) -> dict:
     ``max_items`` items) that every contender but MPRS stops at the time budget."""
     return {"sizes": list(SIZES), "epoch_bytes": (256 if quick else 1024) * MIB, "min_items": 8 if quick else 16,
             "max_items": 200_000, "mprs_epoch_bytes": (64 if quick else 256) * MIB,
-            "workers": [2], "workers_by_contender": {"RPCRS-tcp": [1, 2], **{name: [1] for name in ONE_STREAM}},
+            "workers": [2], "workers_by_contender": {"RPCRS-tcp": [1, 2], "graph-limit": [1, 2],
+                                                     **{name: [1] for name in ONE_STREAM}},
             "budget_s": 0.3 if quick else 1.0, "warmup_s": 0.3 if quick else 0.5, "rounds": 1 if quick else PAIRED_ROUNDS,
             "rounds_of_all": 1 if quick else ROUNDS, "paired": list(PAIRED_ORDER),
             "round_order": list(PAIRED_ORDER), "rate_key": "bytes_per_s"}
 
 
 def sweep_workload(params: dict, name: str, item_bytes: int) -> Workload:
-    """The epoch contender ``name`` runs at ``item_bytes``: fresh tensors (``workloads.make_tensor``)."""
+    """The epoch contender ``name`` runs at ``item_bytes``: fresh tensors (``workloads.make_tensor``);
+    the per-item limits, which hold no more than a few items, run ``max_items`` (to the time budget)."""
     items = max(params["min_items"], min(params["max_items"], params["epoch_bytes"] // item_bytes))
+    if name in PER_ITEM_LIMITS:
+        items = params["max_items"]
     if name == "MPRS":
         items = min(items, max(params["min_items"], min(MPRS_MAX_ITEMS, params["mprs_epoch_bytes"] // item_bytes)))
     return Workload("tensor", items, item_bytes=item_bytes)
@@ -90,6 +108,8 @@ def report_sweep(scenario: Scenario, params: dict, results: dict) -> str:
     """One row per item size: every contender's GB/s, the paired ratios, the trainer's CPU per item."""
     columns = [(name, w) for name, w in COLUMNS if name in results]
     ratios = [(name, w, ref) for name, w, ref in RATIOS if name in results and ref in results]
+    ceilings = [(name, w, ref) for name, w, ref in CEILINGS
+                if all(n in results for n in (name, ref, *PER_ITEM_LIMITS))]
     rows = []
     for size in params["sizes"]:
         rates = []
@@ -99,12 +119,15 @@ def report_sweep(scenario: Scenario, params: dict, results: dict) -> str:
         paired = [paired_ratio_at(results, name, w, ref, 2, size) for name, w, ref in ratios]
         cpu = [cpu_text(results, name, w, size) for name, w in (("RPCRS-tcp", 1), ("raw-socket", 1),
                                                               ("RPCRS-local", 2), ("raw-unix", 1))]
+        bounded = [ceiling_at(results, name, w, ref, size) for name, w, ref in ceilings]
         rows.append([fmt_size(size)] + rates + [fmt_ratio(p and p["median"]) for p in paired]
+                    + [f"{fmt_ratio(c['median'])} {c['binding'].split('-')[0]}" if c else "-" for c in bounded]
                     + [" / ".join(cpu)])
     short = {"RPCRS-tcp": "tcp", "RPCRS-local": "local", "torch-DataLoader": "DataLoader"}
-    headers = (["item size"] + [name if name.startswith("raw-") else f"{short.get(name, name)} W={w}"
+    headers = (["item size"] + [name if name in ONE_STREAM else f"{short.get(name, name)} W={w}"
                                 for name, w in columns]
                + [f"{short[name]}{w}/{short.get(ref, ref)}" for name, w, ref in ratios]
+               + [f"{short[name]}{w}/ceiling" for name, w, _ in ceilings]
                + ["CPU us/item: tcp1 / raw-socket / local2 / raw-unix"])
     failed = [f"{name}: n/a ({outcome.get('reason', '?')[:120]})" for name, outcome in results.items()
               if not outcome.get("ok")]
@@ -124,6 +147,13 @@ def report_sweep(scenario: Scenario, params: dict, results: dict) -> str:
         f"epochs to the end: at most {params['mprs_epoch_bytes'] // MIB} MiB and {MPRS_MAX_ITEMS:,} items",
         f"a new loader per size (its start is not timed: rates count from {params['warmup_s']:g} s after its "
         "first item, or from the middle of a shorter epoch), after an untimed short epoch per contender and W",
+        "graph-limit W: ONE process iterating worker 0's part of the same DataPipe graph (torch's sharding for "
+        "W workers and per-item hooks, the same make_tensor), nothing encoded or moved, each item counted W times: "
+        "W workers each as fast as one alone; loader-limit: DataLoader2 (no reading service) over items made "
+        "before, each copied into one of 4 reused buffers and handed on as a fresh tensor (torch.frombuffer)",
+        "x/ceiling: the reading service over the lowest of its raw stream, graph-limit at its W and loader-limit "
+        "(paired, per round), and which of them is the lowest (raw, graph, loader): the most any DataLoader2 "
+        "reading service could deliver here",
         "CPU us/item: the trainer process's CPU time (all its threads) per item over the timed part",
         rounds] + failed + errors)
 

@@ -160,7 +160,8 @@ class LeaseBook:
             if self.available is not None and chunk >= self.available:
                 break  # pending is sorted: none after it exists yet either
             if chunk > latest and (reserved is None or chunk in reserved):  # a session walks its stream once
-                if reserved is None and self.holds_window(rank, self.schedule.size(chunk), now):
+                size = self.schedule.size(chunk)
+                if reserved is None and self.holds_window(rank, size, now) and self._others_may_take(rank, chunk, now):
                     return None
                 choice = self.pending.pop(index)
                 for chunks in self.handing_back.values():
@@ -192,6 +193,17 @@ class LeaseBook:
         self.units[rank] += 1
         self.delivered.setdefault(chunk, skip)
         return choice
+
+    def _others_may_take(self, rank: int, chunk: int, now: Optional[float]) -> bool:
+        """Whether a session other than ``rank`` may be leased the pending ``chunk`` at ``now``: one that
+        has not walked past it, takes chunks and is not kept from it by the window rule itself (else
+        holding it back would stall the window's head)."""
+        idle, size = self.ended | self.finished, self.schedule.size(chunk)
+        return any(
+            other != rank and latest < chunk and other not in idle and other not in self.handing_back
+            and not self.holds_window(other, size, now)
+            for other, latest in self.latest.items()
+        )  # fmt: skip
 
     def bounds(self, chunk: int) -> Tuple[int, int]:
         """``(first position, positions)`` of ``chunk`` (what its LEASE tells the worker)."""

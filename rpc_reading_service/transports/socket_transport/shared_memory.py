@@ -153,7 +153,8 @@ def copy_into_segment(view: memoryview) -> Optional[Buffer]:
     one of this process's segments (:func:`allocate`: it must not write it again), else a
     copy in a segment, made now; None where :func:`allocate` gives nothing or for a buffer
     under ``SHARED_MEMORY_MIN_BYTES`` (the encoder then copies it to ordinary memory)."""
-    pool = _producer_pool() if view.nbytes >= SHARED_MEMORY_MIN_BYTES else None
+    sole = _sole_producer_pool if view.nbytes >= SHARED_MEMORY_MIN_BYTES else None  # no call per buffer
+    pool = sole() if sole is not None else None
     return pool.stage(view) if pool is not None else None
 
 
@@ -269,6 +270,9 @@ class SegmentPool:
         address = None
         for segment in self._segments.values():  # no call per segment: this runs for every large buffer
             if segment.in_hand:
+                hand = segment.hand() if segment.hand is not None else None
+                if hand is view.obj and len(hand) == view.nbytes:  # all of the memory handed out (staged)
+                    return segment, 0
                 if address is None:
                     address = _address(view)
                 if segment.address <= address and address + view.nbytes <= segment.address + segment.capacity:
@@ -294,7 +298,9 @@ class SegmentPool:
         new: List[Tuple[int, int, int]] = []
         with self._lock:
             retired, self._retired = self._retired, []
-            self._retire_surplus(retired, 0)  # a consumer let go of many at once
+            kept = min(self.max_bytes, self._frames * self._frame_bytes or self.max_bytes)  # at least, by bound()
+            if len(self._segments) > self.max_free or self._bytes > kept:  # else nothing to retire: no call
+                self._retire_surplus(retired, 0)  # a consumer let go of many at once
             for index, buffer in enumerate(buffers):
                 view = memoryview(buffer).cast("B")
                 segment = None
@@ -338,8 +344,10 @@ class SegmentPool:
         """The smallest available segment that holds ``nbytes`` and is at most twice that
         (with ``announced``: only one the trainer knows already)."""
         best = None
-        for segment in self._free():
+        for segment in self._segments.values():  # the free ones (as :meth:`_free`), with no call per allocation
             capacity = segment.capacity
+            if segment.state[0] != _FREE or segment.in_hand:
+                continue
             if nbytes <= capacity <= 2 * nbytes and not (announced and segment.fd is not None):
                 if best is None or capacity < best.capacity:
                     best = segment

@@ -105,19 +105,23 @@ class SharedMemoryConnection(SocketConnection):
                             self._send_lent(pool, pending, new_segments)
                         new_segments += new
                         if shared or retired:
-                            chunks = encode_shared_data(kind, body, len(buffers), shared, inline,
-                                                        [(i, n) for i, n, _ in new], retired)
+                            announced = [(i, n) for i, n, _ in new] if new else ()
+                            chunks = encode_shared_data(kind, body, len(buffers), shared, inline, announced, retired)
                     pending += chunks
                 self._send_lent(pool, pending, new_segments)
             except OSError as exc:
                 raise PeerLostError(f"lost connection to {self.peer} while sending: {exc}") from exc
             finally:
-                pool.sent(new_segments)  # those a failed send left open
+                if new_segments:  # those a failed send left open
+                    pool.sent(new_segments)
 
     def _send_lent(self, pool: SegmentPool, pending: List[Buffer], new_segments: List[Tuple[int, int, int]]) -> None:
         """Send ``pending`` with the descriptors of ``new_segments`` (then closed here); empty both."""
-        send_chunks(self._sock, pending, [fd for _, _, fd in new_segments])
-        pool.sent(new_segments)
+        if not new_segments:
+            send_chunks(self._sock, pending)
+        else:
+            send_chunks(self._sock, pending, [fd for _, _, fd in new_segments])
+            pool.sent(new_segments)
         pending.clear()
         new_segments.clear()
 
