@@ -41,6 +41,8 @@ class FrameReader:
         self._frames: List[Frame] = []
         #: Bytes of the current frame's sections not received yet (0 while its head is read).
         self.frame_bytes_left = 0
+        #: Whether the current frame (between frames: the last one) has out-of-band buffers.
+        self.has_buffers = False
         self._start_header()
 
     # -- public -------------------------------------------------------------------------
@@ -129,6 +131,7 @@ class FrameReader:
                     return offset  # its buffers are received where they belong
                 continue
             offset = body_start + body_length
+            self.has_buffers = False
             if body_length < REUSED_BUFFER_MIN_BYTES:
                 frames.append(Frame(frame_kind, bytearray(data[body_start:offset])))
                 continue
@@ -195,7 +198,7 @@ class FrameReader:
         views = [memoryview(section).cast("B") for section in (self._body, *self._buffers)]
         self._views, self._sizes = views, [self._body_length, *lengths, math.inf]
         self._state, self._target, self._filled, self._index = _SECTIONS, views[0], 0, 0
-        self.frame_bytes_left = total
+        self.frame_bytes_left, self.has_buffers = total, bool(lengths)
         if body is not None:
             views[0][:] = body
         self.advance(0 if body is None else len(body))  # past empty sections

@@ -19,11 +19,12 @@ __all__ = ["SocketConnection"]
 _STAGING_BYTES = 256 * 1024
 # Once a frame's head (header, buffer lengths, body) is read, the rest of the frame goes straight
 # into its memory with one scatter read (recvmsg_into) of at most _MAX_SECTIONS sections, the
-# last of them the start of the staging buffer (_HEAD_BYTES: the heads of the frames after it).
-# A frame's head is read into that much of the staging buffer: a small read (few bytes of the
-# frame's buffers to copy), which takes whole small frames too. A connection that cannot
-# scatter (TLS) reads a section of _DIRECT_BYTES or more straight into it, less through the
-# whole staging buffer.
+# last of them the staging buffer (for the heads of the frames after it). Where frames carry
+# out-of-band buffers (the one being received, or between frames the last one), only the first
+# _HEAD_BYTES of the staging buffer are read into: a head comes with few bytes of its buffers
+# to copy. Where they do not (items pickled in band, control frames), the whole staging buffer,
+# which takes many such frames at once. A connection that cannot scatter (TLS) reads a section
+# of _DIRECT_BYTES or more straight into it, less through the whole staging buffer.
 _HEAD_BYTES = 32 * 1024
 _DIRECT_BYTES = _STAGING_BYTES // 2
 _MAX_SECTIONS = 64
@@ -142,16 +143,17 @@ class SocketConnection(Connection):
             arm: Set the low-water mark for this read first (not needed where it was set already).
         """
         reader = self._reader
+        staging = self._head if reader.has_buffers and self.scatters else self._staging
         if reader.frame_bytes_left and self.scatters:
             views = reader.writable_sections(_MAX_SECTIONS - 1)
             # the frame's every section (no call per section), or as many as a read takes
             direct = reader.frame_bytes_left if len(views) < _MAX_SECTIONS - 1 else sum(map(len, views))
-            views.append(self._head)
+            views.append(staging)
         elif reader.frame_bytes_left and len(reader.writable()) >= _DIRECT_BYTES:
             views = [reader.writable()]
             direct = len(views[0])
         else:
-            views, direct = [self._head if self.scatters else self._staging], 0
+            views, direct = [staging], 0
         if arm and self._low_water:
             self._arm_low_water()
         received = self._recv_into(views, deadline)
