@@ -33,7 +33,6 @@ __all__ = [
     "buffer_allocator",
     "dumps_item",
     "loads_item",
-    "loads_items",
     "pins_shared_memory",
     "release_sparse_tensors",
     "dumps_graph",
@@ -372,15 +371,6 @@ def loads_item(item: EncodedItem) -> Any:
     """Unpickle one item, rebuilding its buffers on the memory they were received into."""
     try:
         return pickle.loads(item.payload, buffers=item.buffers)
-    finally:
-        release_sparse_tensors()
-
-
-def loads_items(items: Sequence[EncodedItem]) -> List[Any]:
-    """Unpickle every item of a frame."""
-    loads = pickle.loads
-    try:
-        return [loads(item.payload, buffers=item.buffers) for item in items]
     finally:
         release_sparse_tensors()
 

@@ -24,6 +24,7 @@ from rpc_reading_service.protocol import (
     decode_control,
     decode_credit,
     decode_data,
+    decode_data_parts,
     decode_end_of_shard,
     encode_control,
     encode_credit,
@@ -94,7 +95,7 @@ def test_feeding_byte_by_byte_yields_the_same_frames():
 
 def test_a_data_frame_of_one_large_item_costs_a_few_python_calls_to_encode_and_to_read():
     # A large item makes a frame alone: the worker encodes it and the trainer decodes it and reads
-    # its size (is it a slow stage's?) with no call per part or buffer.
+    # the frame's size (is it a slow stage's?) with no call per part or buffer.
     item = EncodedItem(b"payload", [bytearray(b"\x01" * 300_000), b"", memoryview(b"abc")], nbytes=300_010)
 
     def encode():
@@ -105,13 +106,15 @@ def test_a_data_frame_of_one_large_item_costs_a_few_python_calls_to_encode_and_t
     frame = roundtrip(chunks)
 
     def decode():
-        epoch, sequence, (decoded,) = decode_data(frame)
-        return epoch, sequence, decoded, decoded.nbytes
+        epoch, sequence, (payload,), (buffers,) = decode_data_parts(frame)
+        return epoch, sequence, payload, buffers, frame.nbytes
 
-    (epoch, sequence, decoded, nbytes), calls = python_calls(decode)
+    (epoch, sequence, payload, buffers, nbytes), calls = python_calls(decode)
     assert len(calls) <= 4, calls
-    assert (epoch, sequence, nbytes, bytes(decoded.payload)) == (1, 7, 300_010, b"payload")
-    assert [bytes(b) for b in decoded.buffers] == [b"\x01" * 300_000, b"", b"abc"]
+    assert (epoch, sequence, nbytes, bytes(payload)) == (1, 7, 300_010 + 28, b"payload")
+    assert [bytes(b) for b in buffers] == [b"\x01" * 300_000, b"", b"abc"]
+    (decoded,) = decode_data(frame)[2]  # the worker's inbox reads ITEMS frames as encoded items
+    assert (decoded.nbytes, bytes(decoded.payload), len(decoded.buffers)) == (300_010, b"payload", 3)
 
 
 def test_whole_small_frames_in_one_go_are_the_frames_of_the_incremental_parser():

@@ -39,10 +39,12 @@ from rpc_reading_service.protocol import (
     data_cost,
     data_nbytes,
     decode_data,
+    decode_data_parts,
     encode_frame,
 )
 from rpc_reading_service.trainer.receive_loop import ReceiveLoop
-from rpc_reading_service.serialization import dumps_graph, dumps_item, loads_items
+from rpc_reading_service.frame_items import loads_payloads
+from rpc_reading_service.serialization import dumps_graph, dumps_item
 from rpc_reading_service.protocol import FrameReader
 from rpc_reading_service.transports.socket_transport import SocketConnection
 from rpc_reading_service.tasks import THREAD_PREFIX
@@ -188,7 +190,7 @@ def consume_counting_credit(channel: WorkerChannel, epoch: int) -> list:
         largest = max(largest, event.frame.nbytes)
         received = channel.stats.bytes
         assert received < granted + largest, f"{received} bytes of DATA with {granted} granted"
-        frames.append(loads_items(decode_data(event.frame)[2]))
+        frames.append(loads_payloads(*decode_data_parts(event.frame)[2:]))
         granted += data_cost(event.frame.nbytes)
         channel.grant(epoch, event.frame.nbytes)
 
@@ -434,17 +436,36 @@ def test_the_merge_hands_on_whole_turns_of_received_frames_at_once_and_positions
 
     def recorded(runs):
         for run in runs:
-            sizes.append(len(run))
+            sizes.append(progress.ahead)  # counted, none of it handed on yet
             yield run
 
     handed = []
-    for item in flatten_runs(recorded(runs_in_order(channels, progress)), progress):
+    for item in flatten_runs(recorded(runs_in_order(channels, progress))):
         handed.append(item)
         taken = len(handed)
         assert progress.positions() == ([(taken + 1) // 2, taken // 2], taken % 2)
     assert handed == [x for x in range(20) for _ in range(2)]
     assert sum(sizes) == 40 and len(sizes) <= 12, sizes  # a step per frame or so, not per item
     assert progress.finished and progress.ahead == 0
+
+
+def test_a_run_hands_on_its_items_without_comparing_them_and_a_dropped_run_ends():
+    # A run's iterator pops its items: it never compares one with anything (a tensor's == with
+    # another object costs ~40 us), lets go of each as it goes, and ends once the run is dropped.
+    class Touchy:
+        def __eq__(self, other):
+            raise AssertionError("an item was compared")
+
+        __hash__ = object.__hash__
+
+    progress = EpochProgress(1, [0, 0])
+    items = [Touchy() for _ in range(6)]
+    run = progress.count_run([0, 1], 3, list(items), next_rank=0)
+    assert (progress.yielded, progress.ahead, progress.handed_on()) == (6, 6, [0, 0])
+    assert [next(run) is items[k] for k in range(4)] == [True] * 4
+    assert (progress.ahead, progress.handed_on(), progress.positions()) == (2, [2, 2], ([2, 2], 0))
+    progress.drop_run()  # a newer epoch superseded this one: it lets go of the rest, still not handed on
+    assert list(run) == [] and (progress.ahead, progress.handed_on(), progress.positions()) == (2, [2, 2], ([2, 2], 0))
 
 
 @pytest.mark.parametrize("item_timeout", [None, 5.0])

@@ -306,7 +306,7 @@ def test_a_segment_a_producer_let_go_unsent_is_announced_when_a_copy_reuses_it()
 def test_frames_sent_together_bring_every_new_segment_over_a_real_socket():
     import socket
 
-    from rpc_reading_service.protocol.frames import decode_data
+    from rpc_reading_service.protocol import decode_data
     from rpc_reading_service.transports.socket_transport.shared_memory import MAX_NEW_SEGMENTS_PER_FRAME
     from rpc_reading_service.transports.socket_transport import SharedMemoryConnection
 

@@ -75,9 +75,9 @@ class Merger(abc.ABC):
     def __iter__(self) -> Iterator[Any]:
         """The epoch's items in the delivered order; ends when every worker's stream ended."""
 
-    def runs(self) -> Optional[Iterator[List[Any]]]:
-        """The same items as lists handed on in a row, each counted at once with
-        ``progress.count_run`` (its consumer takes ``progress.ahead`` down by one per item);
+    def runs(self) -> Optional[Iterator[Iterator[Any]]]:
+        """The same items in runs handed on in a row, each the iterator ``progress.count_run``
+        returned when it counted the run at once (``progress.ahead``: its items not handed on yet);
         None: only :meth:`__iter__`. Once one of the two is iterated, the other is not."""
         return None
 

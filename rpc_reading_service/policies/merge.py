@@ -10,6 +10,7 @@ checkpoint stores).
 from __future__ import annotations
 
 import collections
+import itertools
 import queue
 import time
 from dataclasses import dataclass, field
@@ -27,8 +28,8 @@ from ..trainer.channel import (
     slow_frame,
 )
 from ..errors import WorkerLostError
-from ..protocol import decode_data
-from ..serialization import loads_items
+from ..protocol import decode_data_parts
+from ..frame_items import loads_payloads
 
 __all__ = [
     "EpochProgress",
@@ -88,14 +89,16 @@ def take_items(event: Event, epoch: int, cursor: Optional[_Cursor] = None) -> Li
     if isinstance(event, Failure):
         raise event.error
     if isinstance(event, FrameReceived):
-        _epoch, _sequence, items = decode_data(event.frame)
-        owed = (event.frame.nbytes, slow_frame(items))
-        if cursor is None or not items:
+        frame = event.frame
+        _epoch, _sequence, payloads, buffers = decode_data_parts(frame)
+        nbytes = frame.nbytes
+        owed = (nbytes, slow_frame(len(payloads), nbytes))
+        if cursor is None or not payloads:
             event.channel.grant(epoch, *owed)
         else:
             cursor.owed = owed
-        event.channel.stats.items += len(items)
-        return loads_items(items)
+        event.channel.stats.items += len(payloads)
+        return loads_payloads(payloads, buffers)
     return []
 
 
@@ -123,11 +126,18 @@ class EpochProgress:
     #: Ranks whose session ended before the epoch (a drained session's take-over, its chunks
     #: delivered): no longer sessions of the run.
     left: Set[int] = field(default_factory=set)
-    #: Of ``yielded``, items counted with their run (:meth:`count_run`) and not handed on yet.
-    ahead: int = 0
-
     def __post_init__(self) -> None:
         self._resumed_at = sum(self.consumed)  # a resumed epoch starts with the checkpoint's positions
+        #: The run being handed on (:meth:`count_run`): its items not handed on yet, last first, and
+        #: its iterator's turns (one per item: emptied, the iterator ends).
+        self._run: List[Any] = []
+        self._turns: List[int] = []
+        self._dropped = 0  # items of a dropped run (:meth:`drop_run`): counted, never handed on
+
+    @property
+    def ahead(self) -> int:
+        """Of ``yielded``, items counted with their run (:meth:`count_run`) and not handed on yet."""
+        return len(self._run) + self._dropped
 
     def count(self, rank: int, next_rank: Optional[int] = None) -> None:
         """Record one item of worker ``rank`` handed on (hot path: no lock, see :meth:`positions`)."""
@@ -137,18 +147,29 @@ class EpochProgress:
         self.recent.append(rank)
         self.yielded += 1  # last: positions() checks it against the sum of ``consumed``
 
-    def count_run(self, ranks: Sequence[int], rounds: int, next_rank: Optional[int] = None) -> None:
-        """Record a run of items before it is handed on: ``rounds`` turns of ``ranks``, one item
-        each; the consumer takes ``ahead`` down by one per item it hands on."""
+    def count_run(self, ranks: Sequence[int], rounds: int, items: List[Any], next_rank: Optional[int] = None) -> Iterator[Any]:
+        """Record a run of ``items`` before it is handed on (``rounds`` turns of ``ranks``, one item
+        each) and return the iterator that hands them on: each item leaves the run (and the run
+        lets go of it) as it is handed on, with no Python call per item; ``ahead`` counts the rest."""
         consumed = self.consumed
         for rank in ranks:
             consumed[rank] += rounds
         if next_rank is not None:
             self.next_rank = next_rank
         self.recent.extend(ranks if rounds == 1 else list(ranks) * rounds)
-        items = len(ranks) * rounds
-        self.ahead += items
-        self.yielded += items  # last, as in count()
+        items.reverse()
+        # Not iter(items.pop, end mark): that compares every item with the mark (a tensor's == with
+        # another object costs ~40 us). A list iterator over the turns stops once they are cleared.
+        self._run, self._turns = items, [-1] * len(items)
+        self.yielded += len(items)  # last, as in count()
+        return map(items.pop, self._turns)
+
+    def drop_run(self) -> None:
+        """Let go of the items of the run not handed on yet: its iterator ends (a superseded
+        epoch's); they still count as not handed on (``ahead``)."""
+        self._turns.clear()
+        self._dropped += len(self._run)
+        self._run.clear()
 
     @property
     def undelivered(self) -> int:
@@ -230,26 +251,21 @@ def _take_or_replace(cursor: "_Cursor", event: Event, epoch: int, replace: Optio
         cursor.channel = replace(cursor.channel, exc)
 
 
-def flatten_runs(runs: Iterator[List[Any]], progress: EpochProgress) -> Iterator[Any]:
-    """The items of ``runs`` one at a time, taking ``progress.ahead`` down as each is handed on."""
-    for run in runs:
-        run.reverse()
-        pop = run.pop  # every item's reference goes with it
-        while run:
-            progress.ahead -= 1
-            yield pop()
+def flatten_runs(runs: Iterator[Iterator[Any]]) -> Iterator[Any]:
+    """The items of ``runs`` (the iterators :meth:`EpochProgress.count_run` returns) one at a time."""
+    return itertools.chain.from_iterable(runs)
 
 
 def iterate_in_order(
     channels: Sequence[WorkerChannel], progress: EpochProgress, replace: Optional[ReplaceFn] = None
 ) -> Iterator[Any]:
     """The items of :func:`runs_in_order`, one at a time."""
-    return flatten_runs(runs_in_order(channels, progress, replace), progress)
+    return flatten_runs(runs_in_order(channels, progress, replace))
 
 
 def runs_in_order(
     channels: Sequence[WorkerChannel], progress: EpochProgress, replace: Optional[ReplaceFn] = None
-) -> Iterator[List[Any]]:
+) -> Iterator[Iterator[Any]]:
     """Yield items round-robin over workers, one item each in turn, in runs; finished workers drop out.
 
     A run is as many whole turns as every worker's received frame still holds (one item
@@ -273,21 +289,20 @@ def runs_in_order(
             ring.popleft()
             handed = ()
             continue
-        rounds = min(len(each.pending) for each in ring)
+        rounds = len(cursor.pending) if len(ring) == 1 else min([len(each.pending) for each in ring])
         if rounds <= 1:  # another worker's next frame is not taken yet: one item, as its turn comes
             ring.rotate(-1)
-            progress.count_run((cursor.channel.rank,), 1, ring[0].channel.rank)
             handed = (cursor,)
-            yield [cursor.pending.popleft()]
+            yield progress.count_run((cursor.channel.rank,), 1, [cursor.pending.popleft()], ring[0].channel.rank)
             continue
         handed = tuple(ring)
         rounds = min(rounds, max(1, RUN_MAX_ITEMS // len(handed)))
         if len(handed) == 1:
             run = [cursor.pending.popleft() for _ in range(rounds)]
-        else:
-            run = [each.pending.popleft() for _ in range(rounds) for each in handed]
-        progress.count_run([each.channel.rank for each in handed], rounds, cursor.channel.rank)
-        yield run
+            yield progress.count_run((cursor.channel.rank,), rounds, run, cursor.channel.rank)
+            continue
+        run = [each.pending.popleft() for _ in range(rounds) for each in handed]
+        yield progress.count_run([each.channel.rank for each in handed], rounds, run, cursor.channel.rank)
     progress.finish()
 
 
@@ -299,7 +314,7 @@ def iterate_as_completed(
     reassign: bool = True,
 ) -> Iterator[Any]:
     """The items of :func:`runs_as_completed`, one at a time."""
-    return flatten_runs(runs_as_completed(channels, events, progress, replace, reassign), progress)
+    return flatten_runs(runs_as_completed(channels, events, progress, replace, reassign))
 
 
 def runs_as_completed(
@@ -308,7 +323,7 @@ def runs_as_completed(
     progress: EpochProgress,
     replace: Optional[ReplaceFn] = None,
     reassign: bool = True,
-) -> Iterator[List[Any]]:
+) -> Iterator[Iterator[Any]]:
     """Yield items in arrival order from a queue shared by all channels, a frame's items as one
     run (counted in ``progress`` at once).
 
@@ -338,7 +353,6 @@ def runs_as_completed(
         pending = cursor.pending
         while pending:
             run = [pending.popleft() for _ in range(min(len(pending), RUN_MAX_ITEMS))]
-            progress.count_run((cursor.channel.rank,), len(run))
-            yield run
+            yield progress.count_run((cursor.channel.rank,), len(run), run)
             cursor.settle(epoch)  # at the next request
     progress.finish()

@@ -26,12 +26,13 @@ from .frames import (
     Frame,
     MessageKind,
     data_header,
+    DATA_HEAD,
+    DATA_ITEM,
     data_nbytes,
     data_cost,
     DATA_FRAME_OVERHEAD,
     decode_control,
     decode_credit,
-    decode_data,
     decode_end_of_shard,
     encode_control,
     encode_credit,
@@ -39,6 +40,7 @@ from .frames import (
     encode_end_of_shard,
     encode_frame,
 )
+from .data_decode import decode_data, decode_data_parts
 from .handshake import NONCE_BYTES, ClientHandshake, ServerHandshake, handshake_proof, decode_reject, encode_reject  # noqa: F401 - handshake_proof: tests forge proofs
 from .messages import (
     MESSAGE_TYPES,
@@ -93,7 +95,10 @@ __all__ = [
     "EncodedItem",
     "encode_data",
     "decode_data",
+    "decode_data_parts",
     "data_header",
+    "DATA_HEAD",
+    "DATA_ITEM",
     "data_nbytes",
     "data_cost",
     "DATA_FRAME_OVERHEAD",

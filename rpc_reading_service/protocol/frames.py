@@ -37,8 +37,9 @@ __all__ = [
     "decode_credit",
     "EncodedItem",
     "encode_data",
-    "decode_data",
     "data_header",
+    "DATA_HEAD",
+    "DATA_ITEM",
     "data_nbytes",
     "data_cost",
     "DATA_FRAME_OVERHEAD",
@@ -236,7 +237,10 @@ def _unpack(layout: struct.Struct, frame: Frame) -> Tuple[int, ...]:
 # -- DATA frames: many items packed into one frame ---------------------------------------------
 _DATA_HEAD = struct.Struct("!IQI")
 _DATA_ITEM = struct.Struct("!QI")
-_NBYTES, _LENGTH, _COUNT = operator.attrgetter("nbytes"), operator.itemgetter(0), operator.itemgetter(1)
+#: A DATA frame's head (epoch, sequence, item count) and its table's row per item (payload bytes,
+#: buffers), for its decoder (:mod:`.data_decode`).
+DATA_HEAD, DATA_ITEM = _DATA_HEAD, _DATA_ITEM
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def encode_data(epoch: int, sequence: int, items: Sequence[EncodedItem]) -> Tuple[List[Buffer], List[Buffer]]:
@@ -275,34 +279,6 @@ def data_header(frame: Frame) -> Tuple[int, int, int]:
     if len(frame.body) < _DATA_HEAD.size:
         raise RemoteProtocolError(f"{frame.kind.name} frame too short for its header")
     return _DATA_HEAD.unpack_from(frame.body)
-
-
-def decode_data(frame: Frame) -> Tuple[int, int, List[EncodedItem]]:
-    """Unpack a DATA (or ITEMS) frame into ``(epoch, sequence, items)``, without copying payloads."""
-    epoch, sequence, count = data_header(frame)
-    body = memoryview(frame.body)
-    table_end = _DATA_HEAD.size + count * _DATA_ITEM.size
-    if table_end > len(body):
-        raise RemoteProtocolError(f"{frame.kind.name} frame announces {count} items but is too short for their table")
-    table = list(_DATA_ITEM.iter_unpack(body[_DATA_HEAD.size : table_end]))
-    buffers = frame.buffers
-    if table_end + sum(map(_LENGTH, table)) != len(body) or sum(map(_COUNT, table)) != len(buffers):
-        raise RemoteProtocolError(f"{frame.kind.name} frame item table does not match its body and buffers")
-    if count == 1:  # a frame of one item (large ones): its size is known here, read by the receiver
-        payload = body[table_end:]
-        return epoch, sequence, [EncodedItem(payload, list(buffers), nbytes=len(payload) + buffers_nbytes(buffers))]
-    items: List[EncodedItem] = []
-    offset, buffer_index = table_end, 0
-    if not buffers:  # the common case for small items: no out-of-band buffers at all
-        for length, _ in table:
-            items.append(EncodedItem(body[offset : offset + length]))
-            offset += length
-        return epoch, sequence, items
-    for length, n_buffers in table:
-        items.append(EncodedItem(body[offset : offset + length], buffers[buffer_index : buffer_index + n_buffers]))
-        offset += length
-        buffer_index += n_buffers
-    return epoch, sequence, items
 
 
 _EPOCH_MARK = struct.Struct("!IQ")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from ..errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from .data_decode import decode_data
 from .frames import (
     Buffer,
     EncodedItem,
@@ -18,7 +19,6 @@ from .frames import (
     decode_control,
     decode_chunk_done,
     decode_credit,
-    decode_data,
     decode_end_of_shard,
     decode_lease,
     encode_chunk_done,

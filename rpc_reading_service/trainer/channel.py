@@ -21,6 +21,8 @@ from ..errors import (
 )  # fmt: skip
 from .receive_loop import ReceiveLoop
 from ..protocol import (
+    DATA_HEAD,
+    DATA_ITEM,
     ChunkDone,
     Close,
     Credit,
@@ -661,9 +663,9 @@ class WorkerChannel:
 SLOW_FRAME_MAX_BYTES = 64 * 1024
 
 
-def slow_frame(items: Sequence[Any]) -> bool:
-    """Whether a DATA frame of ``items`` (encoded) is a slow stage's: one small item."""
-    return len(items) == 1 and items[0].nbytes <= SLOW_FRAME_MAX_BYTES
+def slow_frame(items: int, nbytes: int) -> bool:
+    """Whether a DATA frame of ``items`` items and ``nbytes`` (``Frame.nbytes``) is a slow stage's: one small item."""
+    return items == 1 and nbytes - DATA_HEAD.size - DATA_ITEM.size <= SLOW_FRAME_MAX_BYTES
 
 
 def lease_runs(chunks: Sequence[Tuple[int, int, int, int]]) -> List[Tuple[int, int, int, int, int]]:

@@ -19,4 +19,4 @@ class FirstReady(RoundRobin):
     def merger(self, run: EpochRun) -> Merger:
         """Items as their frames arrive, from the queue all channels share."""
         runs = runs_as_completed(run.channels, run.events, run.progress, run.replace, run.reassign)
-        return IteratorMerger(runs, run.progress)
+        return IteratorMerger(runs)

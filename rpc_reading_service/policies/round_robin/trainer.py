@@ -7,11 +7,11 @@ per rank, so resuming and reassigning replay a shard from the items consumed.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, Optional
 
 from ...selection import WorkerSelection
 from ..base import DistributionPolicy, EpochRun, FleetView, Merger
-from ..merge import EpochProgress, flatten_runs, runs_in_order
+from ..merge import flatten_runs, runs_in_order
 
 __all__ = ["RoundRobin", "IteratorMerger"]
 
@@ -19,14 +19,13 @@ __all__ = ["RoundRobin", "IteratorMerger"]
 class IteratorMerger(Merger):
     """A merger that is one of the merge functions' runs over the epoch's channels."""
 
-    def __init__(self, runs: Iterator[List[Any]], progress: EpochProgress):
+    def __init__(self, runs: Iterator[Iterator[Any]]):
         self._runs = runs
-        self._progress = progress
 
     def __iter__(self) -> Iterator[Any]:
-        return flatten_runs(self._runs, self._progress)
+        return flatten_runs(self._runs)
 
-    def runs(self) -> Iterator[List[Any]]:
+    def runs(self) -> Iterator[Iterator[Any]]:
         """The merge function's runs."""
         return self._runs
 
@@ -51,4 +50,4 @@ class RoundRobin(DistributionPolicy):
 
     def merger(self, run: EpochRun) -> Merger:
         """Round-robin over the workers' queues, starting at ``progress.next_rank``."""
-        return IteratorMerger(runs_in_order(run.channels, run.progress, run.replace), run.progress)
+        return IteratorMerger(runs_in_order(run.channels, run.progress, run.replace))

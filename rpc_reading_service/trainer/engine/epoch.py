@@ -9,6 +9,7 @@ worker whose server drained (its work goes on elsewhere: leaving is not a failur
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -122,12 +123,14 @@ class Epoch:
             raise RuntimeError("an Epoch is iterated once: start a new epoch with Engine.start_epoch()")
         self._started = True
         if self.engine.in_process_graph is not None:
-            return self._one_step_at_a_time(self._iterate_in_process(), False)
+            return self._one_step_at_a_time(self._iterate_in_process())
         assert self._merger is not None
         runs = self._merger.runs()
         if runs is None:
-            return self._one_step_at_a_time(iter(self._merger), False)
-        return self._one_step_at_a_time(runs, True)
+            return self._one_step_at_a_time(iter(self._merger))
+        # A run's items are handed on by its own iterator (no Python frame per item); this
+        # epoch's steps (its guard, superseded or not) run once per run.
+        return itertools.chain.from_iterable(self._one_step_at_a_time(runs))
 
     @property
     def user_number(self) -> int:
@@ -156,16 +159,20 @@ class Epoch:
         """What the next epoch's distribution policy may start from (:meth:`Merger.hint`)."""
         return None if self._merger is None else self._merger.hint()
 
-    def _one_step_at_a_time(self, source: Iterator[Any], runs: bool) -> Iterator[Any]:
-        """The items of ``source`` (with ``runs``: of its runs), each taken holding the engine's
-        guard, and only while this epoch is the current one; then the exception that ended the
-        dispatching part, if one did.
+    def supersede(self) -> None:
+        """A newer epoch of the engine replaces this one: its iterator hands on nothing more."""
+        self.progress.drop_run()
+
+    def _one_step_at_a_time(self, source: Iterator[Any]) -> Iterator[Any]:
+        """The items (or runs) of ``source``, each taken holding the engine's guard, and only while
+        this epoch is the current one; then the exception that ended the dispatching part, if one did.
 
         An iterator of an epoch that a newer one superseded must not take the newer epoch's
         frames from the shared queues: that would lose them for its own iterator. The items of
-        a run are this iterator's already: handing them on takes no guard.
+        a run are this iterator's already: handing them on takes no guard (a newer epoch drops
+        those not handed on yet: :meth:`supersede`).
         """
-        engine, progress = self.engine, self.progress
+        engine = self.engine
         guard, get_ident = engine.guard, threading.get_ident
         lock, doing = guard.lock, "taking an item"
         while True:
@@ -182,16 +189,7 @@ class Epoch:
             finally:
                 guard.depth, guard.holder = 0, None
                 lock.release()
-            if not runs:
-                yield taken
-                continue
-            taken.reverse()
-            pop = taken.pop  # every item's reference goes with it
-            while taken:
-                if self is not engine.epoch:
-                    self._superseded()
-                progress.ahead -= 1
-                yield pop()
+            yield taken
         failure = engine.dispatch_failure(self.wire)
         if failure is not None:
             raise failure

@@ -438,6 +438,8 @@ class Engine:
         epoch = Epoch(self, self.epoch_number, self._wire_epochs, seed, positions, dispatched=units)
         epoch.joins = joins
         epoch.retiring.update(later)
+        if self.epoch is not None:
+            self.epoch.supersede()
         self.epoch = epoch
         if self.in_process_graph is not None:
             self.in_process_graph = reset_worker_graph(
