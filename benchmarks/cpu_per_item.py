@@ -13,7 +13,9 @@ the TCP worker server and its sessions) counts as "workers".  Over the timed ite
 ``--warmup`` items) it reads, from ``/proc``, the CPU time (user + system, every thread) and
 the voluntary context switches (a thread that blocked: a wake-up later) of both sides.
 ``--cprofile`` prints the trainer's functions by own time with their calls per item;
-``--py-spy DIR`` records every process's Python stacks (``py-spy record``, collapsed stacks)
+``--cprofile-loop`` profiles the trainer's receive loop thread instead, and ``--calls-loop`` counts
+its Python and C calls per DATA frame (``sys.setprofile``: deterministic, the load does not move
+it); ``--py-spy DIR`` records every process's Python stacks (``py-spy record``, collapsed stacks)
 during the timed items.
 """
 
@@ -142,6 +144,61 @@ def spy(directory: str, label: str) -> list[subprocess.Popen]:
     return procs
 
 
+class LoopProfile:
+    """A profiler (cProfile, or a ``sys.setprofile`` call counter) of the trainer's receive loop
+    thread, switched on and off by that thread at its next hand-over of frames."""
+
+    def __init__(self, count: bool):
+        from rpc_reading_service.trainer.receive_loop import ReceiveLoop
+
+        self.profile = None if count else cProfile.Profile(time.thread_time)
+        self.calls: dict[str, int] = {}
+        self.want = self.on = False
+        original = getattr(ReceiveLoop, "unprofiled", ReceiveLoop._deliver_handed)
+
+        def profile_switch(loop):
+            if self.want != self.on:
+                self.on = self.want
+                if self.profile is not None:
+                    self.profile.enable() if self.on else self.profile.disable()
+                else:
+                    sys.setprofile(self._count if self.on else None)
+            return original(loop)
+
+        ReceiveLoop.unprofiled, ReceiveLoop._deliver_handed = original, profile_switch
+
+    def _count(self, frame, event, arg) -> None:
+        if event == "call" and frame.f_code.co_name != "profile_switch":  # not the loop's own
+            self.calls[frame.f_code.co_name] = self.calls.get(frame.f_code.co_name, 0) + 1
+        elif event == "c_call":
+            self.calls["C:" + arg.__name__] = self.calls.get("C:" + arg.__name__, 0) + 1
+
+    def switch(self, on: bool) -> None:
+        """Ask the loop's thread to start (stop) at its next turn; wait until it did."""
+        self.want = on
+        deadline = time.monotonic() + 10
+        while self.on != on and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def report(self, items: int, rows: int) -> None:
+        """Print the loop's functions with their calls per DATA frame (and per item)."""
+        if self.profile is not None:
+            stats = pstats.Stats(self.profile).stats
+            frames = sum(ncalls for (_, _, name), (_, ncalls, *_) in stats.items() if name == "_on_data")
+            print(f"-- cProfile of the receive loop: {frames / items:.3f} DATA frames per item; own time, calls per frame")
+            rows_ = sorted(stats.items(), key=lambda kv: -kv[1][2])[:rows]
+            for (path, line, name), (calls, ncalls, tottime, cumtime, _) in rows_:
+                print(f"   {1e6 * tottime / max(frames, 1):8.1f} us/frame  {ncalls / max(frames, 1):7.2f} calls/frame  "
+                      f"{os.path.basename(path)}:{line} {name}")
+            return
+        frames = max(self.calls.get("_on_data", 0), 1)
+        python = sum(n for name, n in self.calls.items() if not name.startswith("C:"))
+        print(f"-- calls of the receive loop: {frames / items:.3f} DATA frames per item; per frame "
+              f"{python / frames:.1f} Python, {(sum(self.calls.values()) - python) / frames:.1f} C")
+        for name, n in sorted(self.calls.items(), key=lambda kv: -kv[1])[:rows]:
+            print(f"   {n / frames:7.2f}  {name}")
+
+
 def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, args) -> dict:
     """One epoch: ``warmup`` items, then ``items`` timed ones with both sides' CPU and switches."""
     # As many untimed items after the timed ones: a worker's producer thread is still alive at
@@ -149,6 +206,7 @@ def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, a
     workload = Workload("tensor", warmup + 2 * items, item_bytes=item_bytes)
     profile = cProfile.Profile(time.thread_time) if args.cprofile else None  # CPU, not wall: load moves no time
     spies: list[subprocess.Popen] = []
+    loop_profile = LoopProfile(bool(args.calls_loop)) if args.cprofile_loop or args.calls_loop else None
     with contender.epoch(workload, workers) as loader:
         iterator = iter(loader)
         for _ in range(warmup):
@@ -160,10 +218,14 @@ def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, a
         threads_before, before, t0 = thread_usage(), snapshot(), time.perf_counter()
         if profile:
             profile.enable()
+        if loop_profile:
+            loop_profile.switch(True)
         for _ in range(items):
             touch(next(iterator))
         if profile:
             profile.disable()
+        if loop_profile:
+            loop_profile.switch(False)
         wall, after, threads_after = time.perf_counter() - t0, snapshot(), thread_usage()
         workers_after = worker_threads()
         for proc in spies:
@@ -191,6 +253,8 @@ def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, a
         for (path, line, name), (calls, ncalls, tottime, cumtime, _) in rows:
             print(f"   {1e6 * tottime / items:8.1f} us/item  {ncalls / items:7.2f} calls/item  "
                   f"{os.path.basename(path)}:{line} {name}")
+    if loop_profile:
+        loop_profile.report(items, args.cprofile_loop or args.calls_loop)
     return {"size": item_bytes, "items_per_s": items / wall, "gb_per_s": items * item_bytes / wall / 1e9,
             "trainer_us": 1e6 * delta[me][0] / items, "workers_us": 1e6 * workers_cpu / items,
             "trainer_switches": delta[me][1] / items, "workers_switches": workers_switches / items,
@@ -209,6 +273,10 @@ def main(argv=None) -> int:
     parser.add_argument("--items", type=int, help="timed items per size instead of --bytes")
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--cprofile", type=int, nargs="?", const=25, default=0, metavar="ROWS")
+    parser.add_argument("--cprofile-loop", type=int, nargs="?", const=25, default=0, metavar="ROWS",
+                        help="cProfile the receive loop thread")
+    parser.add_argument("--calls-loop", type=int, nargs="?", const=25, default=0, metavar="ROWS",
+                        help="count the receive loop's calls per DATA frame")
     parser.add_argument("--py-spy", metavar="DIR")
     args = parser.parse_args(argv)
     if args.py_spy and not shutil.which("py-spy"):

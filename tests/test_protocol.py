@@ -118,8 +118,9 @@ def test_a_data_frame_of_one_large_item_costs_a_few_python_calls_to_encode_and_t
 
 
 def test_whole_small_frames_in_one_go_are_the_frames_of_the_incremental_parser():
-    # feed_frames takes whole frames without buffers at once; a frame with buffers, a partial one
-    # and the bytes after them go through the incremental parser, frames in order either way.
+    # feed_frames takes whole frames without buffers and the head (header, lengths, body) of a frame
+    # with buffers at once; its buffers, a partial frame and the bytes after them go through the
+    # incremental parser, frames in order either way.
     chunks = (
         encode_frame(MessageKind.HEARTBEAT)
         + encode_credit(4, 2)
@@ -130,10 +131,12 @@ def test_whole_small_frames_in_one_go_are_the_frames_of_the_incremental_parser()
     )
     data = wire(chunks)
     bulk = FrameReader()
-    assert bulk.feed_frames(memoryview(data)) == len(wire(encode_frame(MessageKind.HEARTBEAT) + encode_credit(4, 2)))
-    assert bulk.feed_frames(memoryview(data[:5])) == 0  # not a whole header
+    head = len(wire(encode_frame(MessageKind.HEARTBEAT) + encode_credit(4, 2))) + HEADER.size + 2 * 8 + len(b"body")
+    assert FrameReader().feed_frames(memoryview(data[:5])) == 0  # not a whole header
+    assert bulk.feed_frames(memoryview(data)) == head
+    assert bulk.feed_frames(memoryview(data[head:])) == 0  # in the buffers of a frame
     cut = len(data) - 4  # the last frame arrives in two reads
-    bulk.feed(data[len(wire(encode_frame(MessageKind.HEARTBEAT) + encode_credit(4, 2))) : cut])
+    bulk.feed(data[head:cut])
     assert bulk.mid_frame
     bulk.feed(data[cut:])
     frames = bulk.completed()
@@ -252,6 +255,54 @@ def test_a_socket_connection_reads_a_frame_of_many_buffers_in_few_reads():
         assert frame is not None and [bytes(b) for b in frame.buffers] == payloads
         # Not a staging read and a copy per buffer: the frame's rest goes straight to its buffers.
         assert receiver.staged <= 256 << 10, receiver.staged
+    finally:
+        receiver.close()
+        sender.close()
+
+
+@pytest.mark.timeout(30)
+def test_frames_of_large_buffers_cost_two_reads_and_few_python_calls_each():
+    # Frames of 64 KiB buffers (the items of a DATA frame) that have arrived: each takes a small
+    # read of its head (header, lengths, body) and one scatter read of its buffers and the next
+    # head, with no Python call and no copy per buffer.
+    import fcntl
+    import socket
+    import termios
+    import time
+
+    from rpc_reading_service.transports.socket_transport import SocketConnection
+
+    class CountingConnection(SocketConnection):
+        reads = 0
+
+        def _recv_some(self, views):
+            self.reads += 1
+            return super()._recv_some(views)
+
+    ours, theirs = socket.socketpair()
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    receiver = CountingConnection(ours, "sender", FrameReader())
+    sender = SocketConnection(theirs, "receiver", FrameReader())
+    try:
+        frames = [encode_frame(MessageKind.DATA, [bytes(900)], [bytes([k, i]) * (32 << 10) for i in range(8)]) for k in range(4)]
+        total = len(wire([chunk for chunks in frames for chunk in chunks]))
+        sent = threading.Thread(target=sender.send_frames, args=(frames,))
+        sent.start()
+        deadline = time.monotonic() + 10
+        while fcntl.ioctl(ours, termios.FIONREAD, b"\0\0\0\0") != struct.pack("i", total):
+            assert time.monotonic() < deadline, "the frames did not arrive"
+            time.sleep(0.001)
+        sent.join(5.0)
+        received, calls, allnames = [], 0, []
+        while len(received) < len(frames):
+            ready, names = python_calls(receiver.recv_ready)
+            received += ready
+            calls += len(names)
+            allnames += names
+        assert [[bytes(b) for b in frame.buffers] for frame in received] == [[bytes(b) for b in chunks[2:]] for chunks in frames]
+        # main: 2 reads and 91 Python calls a frame (a take and two calls per buffer)
+        assert receiver.reads <= len(frames) + 1, receiver.reads
+        assert calls <= 30 * len(frames), (calls, allnames)
     finally:
         receiver.close()
         sender.close()

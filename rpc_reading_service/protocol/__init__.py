@@ -1,7 +1,8 @@
 """The wire protocol, sans I/O: bytes in, frames, typed messages and events out. No sockets here.
 
-- :mod:`.frames`: the frame layout and codec (``FrameReader``, ``encode_frame``, the
-  binary DATA/CREDIT/END_OF_SHARD bodies, pickled control bodies).
+- :mod:`.frames`: the frame layout and codec (``encode_frame``, the
+  binary DATA/CREDIT/END_OF_SHARD bodies, pickled control bodies); :mod:`.frame_reader`: the
+  incremental parser of a byte stream into frames (``FrameReader``).
 - :mod:`.handshake`: the mutual HMAC challenge-response before anything is unpickled.
 - :mod:`.messages`: one typed, frozen class per session message, each with encode/decode.
 - :mod:`.session`: the trainer's and the worker's state machines, where every rule about
@@ -11,6 +12,7 @@ The names the rest of the package imported from the former ``protocol`` module a
 re-exported here unchanged.
 """
 
+from .frame_reader import FrameReader
 from .frames import (
     DEFAULT_MAX_FRAME_BYTES,
     HANDSHAKE_KINDS,
@@ -22,7 +24,6 @@ from .frames import (
     Buffer,
     EncodedItem,
     Frame,
-    FrameReader,
     MessageKind,
     data_header,
     DATA_HEAD,

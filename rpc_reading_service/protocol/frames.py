@@ -7,10 +7,10 @@ import operator
 import pickle
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from ..errors import FrameTooLargeError, LocalProtocolError, RemoteProtocolError
-from ..serialization import REUSED_BUFFER_MIN_BYTES, Buffer, EncodedItem, ReusedBuffers
+from ..errors import LocalProtocolError, RemoteProtocolError
+from ..serialization import Buffer, EncodedItem
 from ..version import __version__
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "encode_shared_data",
     "decode_shared_data",
     "Frame",
-    "FrameReader",
     "header_kind",
     "encode_frame",
     "buffers_nbytes",
@@ -186,194 +185,6 @@ def encode_frame(kind: MessageKind, body: Sequence[Buffer] = (), buffers: Sequen
         head += struct.pack(f"!{len(lengths)}Q", *lengths)
     chunks[0] = head
     return chunks
-
-
-class FrameReader:
-    """Incremental frame parser for a byte stream.
-
-    Zero-copy use: ``view = reader.writable()``, ``n = sock.recv_into(view)``,
-    ``reader.advance(n)``, then ``reader.next_frame()``. Simple use: ``reader.feed(data)``.
-    Sizes are checked against ``max_frame_bytes`` as soon as the header (and the buffer
-    length table) arrive, before any memory is allocated for them.
-    """
-
-    _HEADER, _LENGTHS, _BODY, _BUFFERS = range(4)
-
-    def __init__(
-        self,
-        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-        allocate: Callable[[int], Buffer] = bytearray,
-        allowed_kinds: Optional[frozenset] = None,
-    ):
-        self.max_frame_bytes = max_frame_bytes
-        self.allowed_kinds = allowed_kinds
-        #: Where each out-of-band buffer is received (set once, before the first frame).
-        self.allocate = allocate
-        self._frames: List[Frame] = []
-        self._start_header()
-
-    # -- public -------------------------------------------------------------------------
-    def writable(self) -> memoryview:
-        """Memory where the next bytes of the stream belong (never empty)."""
-        return self._target[self._filled :]
-
-    def writable_sections(self, most: int) -> List[memoryview]:
-        """Memory where the next bytes of the stream belong, in order: :meth:`writable` and, in a
-        frame's body or buffers, the frame's buffers after it (at most ``most`` sections in all)."""
-        views = [self._target[self._filled :]]
-        if self._state == self._BODY or self._state == self._BUFFERS:
-            after = len(self._buffers) + (self._state == self._BUFFERS)
-            views += self._views[after : after + most - 1]
-        return views
-
-    def advance(self, nbytes: int) -> None:
-        """Record that ``nbytes`` were written into the memory returned by ``writable()`` (or
-        into the sections of :meth:`writable_sections`, in order)."""
-        while True:
-            step = min(nbytes, len(self._target) - self._filled)
-            self._filled += step
-            nbytes -= step
-            while self._filled == len(self._target):
-                self._section_done()
-            if not nbytes:
-                return
-
-    def feed(self, data: Buffer) -> None:
-        """Copy ``data`` into the reader (convenience for tests and non-socket transports)."""
-        data = memoryview(data).cast("B")
-        while data:
-            data = data[self.take(data) :]
-
-    def take(self, data: memoryview) -> int:
-        """Copy what the reader can take now from the start of ``data`` (bytes received, not
-        empty): the whole small frames there at once, else as much of its current section as
-        ``data`` holds; return how many bytes it took (at least one)."""
-        whole = self.feed_frames(data)
-        if whole:
-            return whole
-        target = self.writable()
-        n = min(len(target), len(data))
-        target[:n] = data[:n]
-        self.advance(n)
-        return n
-
-    def feed_frames(self, data: memoryview) -> int:
-        """Take the whole frames without buffers at the start of ``data`` at once; the bytes taken (0: none).
-
-        The fast path of small frames (one header unpack and one body copy each); anything else
-        is left to :meth:`writable` and :meth:`advance`, with every check and error.
-        """
-        if self._state != self._HEADER or self._filled:
-            return 0
-        offset, end, unpack, size = 0, len(data), HEADER.unpack_from, HEADER.size
-        allowed, frames = self.allowed_kinds, self._frames
-        while end - offset >= size:
-            magic, version, kind, n_buffers, body_length = unpack(data, offset)
-            body_start = offset + size
-            frame_kind = _KINDS.get(kind) if magic == MAGIC and version == PROTOCOL_VERSION else None
-            if (
-                frame_kind is None or n_buffers or body_length > end - body_start or body_length > self.max_frame_bytes
-                or (allowed is not None and frame_kind not in allowed)
-            ):  # fmt: skip
-                break  # the incremental parser checks it, and raises what is wrong
-            offset = body_start + body_length
-            if body_length < REUSED_BUFFER_MIN_BYTES:
-                frames.append(Frame(frame_kind, bytearray(data[body_start:offset])))
-                continue
-            body = self._new_body(frame_kind, body_length)
-            memoryview(body).cast("B")[:] = data[body_start:offset]
-            frames.append(Frame(frame_kind, body))
-        return offset
-
-    def next_frame(self) -> Optional[Frame]:
-        """Return the oldest complete frame, or None if none is complete yet."""
-        return self._frames.pop(0) if self._frames else None
-
-    def completed(self) -> List[Frame]:
-        """Every complete frame not taken yet, oldest first (and none from now on)."""
-        frames, self._frames = self._frames, []
-        return frames
-
-    @property
-    def mid_frame(self) -> bool:
-        """True when part of a frame has been read (EOF now means a truncated frame)."""
-        return self._state != self._HEADER or self._filled > 0
-
-    # -- state machine ---------------------------------------------------------------------
-    def _start_header(self) -> None:
-        self._state = self._HEADER
-        self._target = memoryview(bytearray(HEADER.size))
-        self._filled = 0
-        self._lengths: List[int] = []
-        self._buffers: List[Buffer] = []
-        #: Where each buffer of the frame is received, allocated once its lengths are known (and as bytes).
-        self._allocated: List[Buffer] = []
-        self._views: List[memoryview] = []
-
-    def _set_target(self, state: int, memory: Buffer) -> None:
-        self._state = state
-        self._target = memoryview(memory).cast("B")
-        self._filled = 0
-
-    def _section_done(self) -> None:
-        if self._state == self._HEADER:
-            self._parse_header()
-        elif self._state == self._LENGTHS:
-            self._lengths = list(struct.unpack(f"!{self._n_buffers}Q", self._target))
-            self._check_size()
-            self._allocated = [self.allocate(length) for length in self._lengths]
-            self._views = [memoryview(buffer).cast("B") for buffer in self._allocated]
-            self._set_target(self._BODY, self._new_body(self._kind, self._body_length))
-        elif self._state == self._BODY:
-            self._body = self._target.obj
-            self._next_buffer()
-        else:
-            self._buffers.append(self._allocated[len(self._buffers)])
-            self._next_buffer()
-
-    def _parse_header(self) -> None:
-        magic, version, kind, n_buffers, body_length = HEADER.unpack(self._target)
-        kind = header_kind(magic, version, kind)
-        if self.allowed_kinds is not None and kind not in self.allowed_kinds:
-            raise RemoteProtocolError(f"message {kind.name} is not allowed at this point of the session")
-        if n_buffers > MAX_BUFFERS_PER_FRAME:
-            raise RemoteProtocolError(f"frame announces {n_buffers} buffers, at most {MAX_BUFFERS_PER_FRAME} are allowed")
-        self._kind = kind
-        self._n_buffers = n_buffers
-        self._body_length = body_length
-        if n_buffers:
-            self._set_target(self._LENGTHS, bytearray(BUFFER_LENGTH.size * n_buffers))
-        else:
-            self._check_size()
-            self._set_target(self._BODY, self._new_body(kind, body_length))
-
-    def _new_body(self, kind: MessageKind, nbytes: int) -> Buffer:
-        """Memory for a body: a DATA frame's from the reader's :class:`ReusedBuffers` when it has
-        them (its items are unpickled from it, then it is let go), else a new bytearray."""
-        if kind is MessageKind.DATA and isinstance(self.allocate, ReusedBuffers):
-            return self.allocate(nbytes)
-        return bytearray(nbytes)
-
-    def _check_size(self) -> None:
-        total = self._body_length + sum(self._lengths)
-        if total > self.max_frame_bytes:
-            raise FrameTooLargeError(
-                f"peer announced a {self._kind.name} frame of {total} bytes, over the maximum of "
-                f"{self.max_frame_bytes} bytes; refused before reading it"
-            )
-
-    def _next_buffer(self) -> None:
-        index = len(self._buffers)
-        if index < self._n_buffers:
-            self._state, self._target, self._filled = self._BUFFERS, self._views[index], 0
-            if self._lengths[index]:
-                return
-            # Zero-length buffer: complete at once.
-            self._buffers.append(self._allocated[index])
-            return self._next_buffer()
-        self._frames.append(Frame(self._kind, self._body, self._buffers))
-        self._start_header()
-        # A header target is never empty, so the caller's loop stops here.
 
 
 # -- control messages (pickled dicts, after authentication only) -------------------------------

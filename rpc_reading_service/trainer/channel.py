@@ -525,7 +525,7 @@ class WorkerChannel:
         if self._closing:
             return True
         try:
-            return self._deliver(self.conn.recv_ready())
+            return self._deliver(frames) if (frames := self.conn.recv_ready()) else False
         except Exception as exc:  # noqa: BLE001 - reported, as by _receiving() (one call less per read)
             return self._receiving_failed(exc)
 

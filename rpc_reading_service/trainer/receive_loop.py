@@ -149,9 +149,12 @@ class ReceiveLoop:
 
     def _turns(self) -> None:
         while True:
-            self._deliver_handed()  # before a removal is done: its owner reports it closed next
-            self._apply_changes()
-            self._deliver_handed()  # an added session's first frames
+            # (each step only when there is something to do: a Python call less per turn)
+            if self._handed:
+                self._deliver_handed()  # before a removal is done: its owner reports it closed next
+            if self._changes:  # read without the lock: a change made after this wakes the loop
+                self._apply_changes()
+                self._deliver_handed()  # an added session's first frames
             if self._closed:
                 return
             timeout = max(0.0, self._next_sweep - time.monotonic()) if self._watched else None
@@ -168,7 +171,8 @@ class ReceiveLoop:
                     self._drain_wake()
                 elif id(session) in self._watched and self._call(session.on_readable, True):
                     self._unwatch(session)
-            self._send_due()
+            if self._due:  # read without the lock: one made due later is sent after the next select
+                self._send_due()
             now = time.monotonic()
             if now >= self._next_sweep:
                 self._sweep(now)

@@ -17,9 +17,15 @@ from .sockets import discard_input, send_chunks
 __all__ = ["SocketConnection"]
 
 _STAGING_BYTES = 256 * 1024
-# A read goes straight into a frame's memory once that much of the frame is left to read: its
-# current section and the buffers after it, with one scatter read (recvmsg_into) of at most
-# _MAX_SECTIONS of them; less is read through the staging buffer.
+# Once a frame's head (header, buffer lengths, body) is read, the rest of the frame goes straight
+# into its memory with one scatter read (recvmsg_into) of at most _MAX_SECTIONS sections, the
+# last of them the staging buffer (for the heads of the frames after it). Where frames carry
+# out-of-band buffers (the one being received, or between frames the last one), only the first
+# _HEAD_BYTES of the staging buffer are read into: a head comes with few bytes of its buffers
+# to copy. Where they do not (items pickled in band, control frames), the whole staging buffer,
+# which takes many such frames at once. A connection that cannot scatter (TLS) reads a section
+# of _DIRECT_BYTES or more straight into it, less through the whole staging buffer.
+_HEAD_BYTES = 32 * 1024
 _DIRECT_BYTES = _STAGING_BYTES // 2
 _MAX_SECTIONS = 64
 # While a large section is being received over TCP, the socket reports readable only once this
@@ -37,6 +43,8 @@ class SocketConnection(Connection):
     sends_synchronously = True  # sendmsg (or SSL_write) has taken every byte when send() returns
     #: Whether a read may fill several sections of a frame at once (a TLS socket has no recvmsg).
     scatters = True
+    #: Whether received bytes may wait in a layer below the socket (TLS): see :meth:`_buffered`.
+    decrypts = False
 
     def __init__(self, sock: socket.socket, peer: str, reader: FrameReader):
         self.peer = peer
@@ -44,6 +52,7 @@ class SocketConnection(Connection):
         self._reader = reader
         self._send_lock = threading.Lock()
         self._staging = memoryview(bytearray(_STAGING_BYTES))
+        self._head = self._staging[:_HEAD_BYTES]
         self._pending = memoryview(b"")
         self._closed = False
         self._room_poller: Optional["select.poll"] = None
@@ -110,57 +119,57 @@ class SocketConnection(Connection):
         bytes, which ``select`` cannot see. The frames of a read come out before the EOF
         or reset of a later read is raised.
         """
-        reader, frames, read = self._reader, [], False
+        read = False
         while True:
-            frames += reader.completed()
             if self._pending:
                 self._parse_pending()
-            elif (read and not self._buffered()) or not self._read(time.monotonic()):
+            elif (read and not (self.decrypts and self._buffered())) or not self._read(time.monotonic(), False):
                 if self._low_water:
                     self._arm_low_water()
-                return frames
+                return self._reader.completed()
             else:
                 read = True
 
     def _parse_pending(self) -> None:
-        """Move staged bytes into the frame reader: the whole small frames at once, else as far
-        as its current section goes."""
+        """Move staged bytes into the frame reader: the whole small frames and a frame's head at
+        once, else as far as its current section goes."""
         self._pending = self._pending[self._reader.take(self._pending) :]
 
-    def _read(self, deadline: Optional[float]) -> bool:
-        """One read: a large section straight into its memory, else into the staging buffer.
-        False if nothing arrived by ``deadline``."""
-        sections = self._sections()
-        size = sum(map(len, sections))
-        direct = size >= _DIRECT_BYTES
-        if self._low_water:
-            self._arm_low_water(size)
-        received = self._recv_into(sections if direct else [self._staging], deadline)
+    def _read(self, deadline: Optional[float], arm: bool = True) -> bool:
+        """One read: the rest of a frame straight into its memory (and what follows into the
+        staging buffer), else into the staging buffer. False if nothing arrived by ``deadline``.
+
+        Args:
+            arm: Set the low-water mark for this read first (not needed where it was set already).
+        """
+        reader = self._reader
+        staging = self._head if reader.has_buffers and self.scatters else self._staging
+        if reader.frame_bytes_left and self.scatters:
+            views = reader.writable_sections(_MAX_SECTIONS - 1)
+            # the frame's every section (no call per section), or as many as a read takes
+            direct = reader.frame_bytes_left if len(views) < _MAX_SECTIONS - 1 else sum(map(len, views))
+            views.append(staging)
+        elif reader.frame_bytes_left and len(reader.writable()) >= _DIRECT_BYTES:
+            views = [reader.writable()]
+            direct = len(views[0])
+        else:
+            views, direct = [staging], 0
+        if arm and self._low_water:
+            self._arm_low_water()
+        received = self._recv_into(views, deadline)
         if received is None:
             return False
         if direct:
-            self._reader.advance(received)
-        else:
-            self._pending = self._staging[:received]
+            reader.advance(min(received, direct))
+        if received > direct:
+            self._pending = self._staging[: received - direct]
         return True
 
-    def _sections(self) -> List[memoryview]:
-        """Where the next bytes belong: the reader's current section, and the frame's buffers
-        after it when this connection scatters."""
-        if self.scatters:
-            return self._reader.writable_sections(_MAX_SECTIONS)
-        return [self._reader.writable()]
-
-    def _arm_low_water(self, target: Optional[int] = None) -> None:
-        """Before waiting for input: the low-water mark for the sections being received (at
-        most what is left of them, so a frame's last bytes and the next small frame still wake).
-
-        Args:
-            target: Bytes of those sections, when known.
-        """
-        if target is None:
-            target = sum(map(len, self._sections()))
-        nbytes = min(target, _LOW_WATER_BYTES) if target >= _DIRECT_BYTES else 1
+    def _arm_low_water(self) -> None:
+        """Before waiting for input: the low-water mark for the frame being received (at most
+        what is left of it, so a frame's last bytes and the next small frame still wake)."""
+        left = self._reader.frame_bytes_left
+        nbytes = min(left, _LOW_WATER_BYTES) if left >= _DIRECT_BYTES else 1
         if nbytes != self._low_water:
             try:
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)

@@ -48,6 +48,7 @@ class TLSSocketConnection(SocketConnection):
     """
 
     scatters = False
+    decrypts = True
 
     def __init__(self, sock: ssl.SSLSocket, peer: str, reader: FrameReader):
         super().__init__(sock, peer, reader)
