@@ -161,7 +161,7 @@ class LeaseBook:
                 break  # pending is sorted: none after it exists yet either
             if chunk > latest and (reserved is None or chunk in reserved):  # a session walks its stream once
                 size = self.schedule.size(chunk)
-                if reserved is None and self.holds_window(rank, size, now) and self._others_may_take(rank, chunk, now):
+                if reserved is None and self.holds_window(rank, size, now) and self._others_may_take(rank, chunk, size, now):
                     return None
                 choice = self.pending.pop(index)
                 for chunks in self.handing_back.values():
@@ -194,11 +194,11 @@ class LeaseBook:
         self.delivered.setdefault(chunk, skip)
         return choice
 
-    def _others_may_take(self, rank: int, chunk: int, now: Optional[float]) -> bool:
-        """Whether a session other than ``rank`` may be leased the pending ``chunk`` at ``now``: one that
-        has not walked past it, takes chunks and is not kept from it by the window rule itself (else
-        holding it back would stall the window's head)."""
-        idle, size = self.ended | self.finished, self.schedule.size(chunk)
+    def _others_may_take(self, rank: int, chunk: int, size: int, now: Optional[float]) -> bool:
+        """Whether a session other than ``rank`` may be leased the pending ``chunk`` (of ``size``
+        positions) at ``now``: one that has not walked past it, takes chunks and is not kept from it
+        by the window rule itself (else holding it back would stall the window's head)."""
+        idle = self.ended | self.finished
         return any(
             other != rank and latest < chunk and other not in idle and other not in self.handing_back
             and not self.holds_window(other, size, now)
