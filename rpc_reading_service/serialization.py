@@ -358,8 +358,13 @@ class ItemEncoder:
             # memory goes back to the allocator before the producer makes the next item, which
             # then gets the same cache-warm memory (held until the next encode, every other
             # item's memory was cold: a third more time to make and copy an 8 MiB tensor).
+            # CPython's clear_memo() frees each object before it empties the table, and freeing a
+            # tensor lets other threads run: a collection there would traverse freed objects. So
+            # the memo's objects are held until the memo is empty.
+            held = self._pickler.memo.copy()
             self._pickler.clear_memo()
             self._out_of_band = []
+            del held
 
 
 def dumps_item(obj: Any) -> EncodedItem:
