@@ -630,19 +630,32 @@ def traverse():  # what every collection does to the pickler, as often as it can
         for obj in gc.get_referents(pickler):
             type(obj).__name__
 
+class Doubled:  # whose own reduction makes a tensor that only the pickle memo holds
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __reduce__(self):
+        return Doubled, (self.tensor * 2,)
+
 threading.Thread(target=traverse, daemon=True).start()
 indices, values = torch.stack([torch.arange(10), torch.arange(10)]), torch.ones(10)
+kinds = sys.argv[2].split(",")
 deadline = time.monotonic() + float(sys.argv[1])
 while time.monotonic() < deadline:
-    encoder.encode(torch.sparse_coo_tensor(indices, values, (10, 10), check_invariants=False).coalesce())
-    encoder.encode(torch.ones(10, requires_grad=True))
+    if "sparse" in kinds:  # torch's own reduction
+        encoder.encode(torch.sparse_coo_tensor(indices, values, (10, 10), check_invariants=False).coalesce())
+    if "grad" in kinds:
+        encoder.encode(torch.ones(10, requires_grad=True))
+    if "class" in kinds:
+        encoder.encode({"a": Doubled(values), "b": [values, 3]})
 done.set()
 """
 
 
 @pytest.mark.timeout(60)
-def test_encoding_leaves_no_freed_object_where_another_threads_collection_looks():
+@pytest.mark.parametrize("kinds", ["sparse,grad", "class"])
+def test_encoding_leaves_no_freed_object_where_another_threads_collection_looks(kinds):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONMALLOC="debug", PYTHONFAULTHANDLER="1")
-    command = [sys.executable, "-c", _ENCODE_WHILE_COLLECTED, "2"]
+    command = [sys.executable, "-c", _ENCODE_WHILE_COLLECTED, "2", kinds]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, f"the encoding process ended with {done.returncode}:\n{done.stderr[-3000:]}"
