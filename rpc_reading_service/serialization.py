@@ -158,8 +158,10 @@ def _class_reduction(cls: type) -> Any:
 _Tensor = torch.Tensor
 _TypedStorage = torch.storage.TypedStorage
 _PickleBuffer = pickle.PickleBuffer
-#: Types of what a tensor's reduction holds (its rebuild function; a dtype without a name): looked up first.
-_PLAIN_TYPES = frozenset({types.FunctionType, torch.dtype})
+#: Types pickle saves by itself, making no object: what a tensor's reduction holds (its rebuild
+#: function; a dtype without a name) and containers. Looked up first.
+_PLAIN_TYPES = frozenset({types.FunctionType, types.BuiltinFunctionType, torch.dtype, dict, list, tuple, set,
+                          frozenset, bytearray, _PickleBuffer})
 
 
 class ItemPickler(pickle.Pickler):
@@ -169,6 +171,7 @@ class ItemPickler(pickle.Pickler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._class_reductions: Dict[type, Any] = {}
+        self.made_objects = False  # a reduction (torch's, a class's own) made objects only the memo may hold
 
     def reducer_override(self, obj: Any) -> Any:
         """Classes by name or value, CPU tensors and storages by their buffers; else pickle's default."""
@@ -180,8 +183,10 @@ class ItemPickler(pickle.Pickler):
             try:
                 array = obj.numpy()
             except (RuntimeError, TypeError):
+                self.made_objects = True
                 return _tensor_reduction(obj)
             if not array.flags.c_contiguous:
+                self.made_objects = True
                 return _tensor_reduction(obj)
             dtype = _DTYPE_NAMES.get(obj.dtype, obj.dtype)  # one this torch does not name travels as itself
             if array.nbytes < OUT_OF_BAND_MIN_BYTES:  # in band, as its PickleBuffer would go: no buffer_callback
@@ -195,9 +200,11 @@ class ItemPickler(pickle.Pickler):
                 reduction = self._class_reductions[obj] = _class_reduction(obj)
             return reduction
         if kind is _TypedStorage and obj._untyped_storage.device.type == "cpu":  # .device warns
+            self.made_objects = True
             return _storage_reduction(obj)
         if kind is torch.qscheme:  # plain pickle searches every module for it: 2 ms per item
             return _lookup, ("torch", obj.__reduce__())
+        self.made_objects = True  # pickle calls the object's own reduction
         return NotImplemented
 
 
@@ -354,12 +361,15 @@ class ItemEncoder:
                 nbytes += view.nbytes
             return EncodedItem(payload, buffers, self._borrowed, self._staged, nbytes)
         finally:
-            # The memo and the out-of-band list hold the item: let go of it now, so that its
-            # memory goes back to the allocator before the producer makes the next item, which
-            # then gets the same cache-warm memory (held until the next encode, every other
-            # item's memory was cold: a third more time to make and copy an 8 MiB tensor).
+            # The memo and the out-of-band list hold the item: let go of it now (its memory is then
+            # the next item's, cache-warm: a third less time to make and copy an 8 MiB tensor). What
+            # a reduction made goes once the memo is empty, as other threads may run meanwhile
+            # (clear_memo() frees before it empties: docs/architecture.md, "Serialization").
+            held = self._pickler.memo.copy() if self._pickler.made_objects else None
             self._pickler.clear_memo()
+            self._pickler.made_objects = False
             self._out_of_band = []
+            del held
 
 
 def dumps_item(obj: Any) -> EncodedItem:

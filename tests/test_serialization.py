@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import pickletools
+import subprocess
 import sys
 import threading
 import types
@@ -605,3 +607,55 @@ def test_a_graph_needing_a_missing_module_names_it_and_the_fix():
     with pytest.raises(ModuleNotFoundError, match=r"'nosuch'.*install.*pickle_by_value=\[nosuch\]") as caught:
         loads_graph(data)
     assert caught.value.name == "nosuch"
+
+
+
+# An encoder pickling items while another thread's garbage collection traverses its pickler (the
+# receive loop's, as a dispatcher encodes; one thread-mode session's, as another one's producer
+# does). A tensor torch reduces itself (sparse, requiring grad) leaves tensors in the pickle memo,
+# and freeing one lets other threads run. PYTHONMALLOC=debug poisons freed memory: a traversal
+# that reaches a freed object crashes at once.
+_ENCODE_WHILE_COLLECTED = """
+import gc, pickle, sys, threading, time
+import torch
+from rpc_reading_service.serialization import ItemEncoder
+
+encoder = ItemEncoder()
+# the pickler, as a collection finds it
+pickler = next(o for o in gc.get_referents(encoder) if isinstance(o, pickle.Pickler))
+done = threading.Event()
+
+def traverse():  # what every collection does to the pickler, as often as it can
+    while not done.is_set():
+        for obj in gc.get_referents(pickler):
+            type(obj).__name__
+
+class Doubled:  # whose own reduction makes a tensor that only the pickle memo holds
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+    def __reduce__(self):
+        return Doubled, (self.tensor * 2,)
+
+threading.Thread(target=traverse, daemon=True).start()
+indices, values = torch.stack([torch.arange(10), torch.arange(10)]), torch.ones(10)
+kinds = sys.argv[2].split(",")
+deadline = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < deadline:
+    if "sparse" in kinds:  # torch's own reduction
+        encoder.encode(torch.sparse_coo_tensor(indices, values, (10, 10), check_invariants=False).coalesce())
+    if "grad" in kinds:
+        encoder.encode(torch.ones(10, requires_grad=True))
+    if "class" in kinds:
+        encoder.encode({"a": Doubled(values), "b": [values, 3]})
+done.set()
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kinds", ["sparse,grad", "class"])
+def test_encoding_leaves_no_freed_object_where_another_threads_collection_looks(kinds):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONMALLOC="debug", PYTHONFAULTHANDLER="1")
+    command = [sys.executable, "-c", _ENCODE_WHILE_COLLECTED, "2", kinds]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, f"the encoding process ended with {done.returncode}:\n{done.stderr[-3000:]}"
