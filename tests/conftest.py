@@ -103,7 +103,7 @@ class HardLimit:
     def arm(cls, seconds: float) -> None:
         """End this process, with every thread's stack, ``seconds`` from now unless :meth:`disarm`."""
         cls.deadline = time.monotonic() + seconds
-        cls._resume()
+        cls.resume()
 
     @classmethod
     def disarm(cls) -> None:
@@ -117,7 +117,8 @@ class HardLimit:
             faulthandler.cancel_dump_traceback_later()
 
     @classmethod
-    def _resume(cls) -> None:
+    def resume(cls) -> None:
+        """Arm the watchdog again for what is left of the test's time (after something cancelled it)."""
         if cls.deadline is not None:
             left = max(cls.deadline - time.monotonic(), 0.001)
             faulthandler.dump_traceback_later(left, exit=True, file=_STDERR_COPY[0])
@@ -127,7 +128,7 @@ class HardLimit:
         cls.deadline = None
 
 
-os.register_at_fork(before=HardLimit._pause, after_in_parent=HardLimit._resume, after_in_child=HardLimit._forget)
+os.register_at_fork(before=HardLimit._pause, after_in_parent=HardLimit.resume, after_in_child=HardLimit._forget)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -144,6 +145,13 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]):
     finally:
         if limit is not None:
             HardLimit.disarm()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_exception_interact() -> None:
+    """pytest's faulthandler plugin cancels the watchdog when a test fails: arm it again (a
+    teardown that blocks after pytest-timeout failed the test has no other limit)."""
+    HardLimit.resume()
 
 
 #: A copy of the process's own stderr (not pytest's capture of it), for the stacks of a stuck test.
