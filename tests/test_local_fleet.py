@@ -263,3 +263,33 @@ def test_a_trainer_killed_mid_epoch_leaves_no_session_on_a_tcp_server(worker_ser
     finally:
         os.close(pipe)
         reap(trainer)
+
+
+TRAINER_WITH_A_WATCHDOG = """
+import faulthandler
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+from rpc_reading_service import RPCReadingService
+
+faulthandler.dump_traceback_later(600, exit=True)  # the trainer's own watchdog, as pytest's faulthandler_timeout
+service = RPCReadingService(num_workers=2, item_timeout=5, timeout=5)
+try:
+    print(sorted(DataLoader2(IterableWrapper(range(10)).sharding_filter(), reading_service=service)), flush=True)
+except Exception as exc:
+    print(type(exc).__name__, exc, flush=True)
+faulthandler.cancel_dump_traceback_later()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_local_workers_serve_a_trainer_whose_faulthandler_timer_is_armed(tmp_path):
+    """A local server forked while the trainer's faulthandler timer runs inherits that timer
+    without its thread: its sessions' item_timeout watch (faulthandler's timer) hung them."""
+    trainer = spawn_python(TRAINER_WITH_A_WATCHDOG, tmp_path)
+    try:
+        assert read_line(trainer, timeout=45) == str(list(range(10)))
+        assert trainer.wait(10) == 0
+    finally:
+        reap(trainer)
+    log = next(tmp_path.glob("trainer-*.log")).read_text()
+    assert "faulthandler timer" in log and "start_method='spawn'" in log  # says what it cannot do

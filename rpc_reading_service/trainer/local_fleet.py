@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import secrets
 import selectors
@@ -26,6 +27,8 @@ __all__ = [
 ]
 
 DEFAULT_LOCAL_CACHE_BYTES = 1 << 30
+
+log = logging.getLogger(__name__)
 
 
 def read_line(process: Any, timeout: float, stream: Any = None) -> str:
@@ -134,6 +137,7 @@ def _fork_server(
 ) -> _ForkedProcess:
     """Fork a worker server that writes ``listening on ADDRESS`` (or an error) to ``announce_fd``."""
     from ..worker import die_with_parent, serve_until_signalled
+    from ..worker.lock_watch import timer_usable
 
     parent = os.getpid()
     # The kernel signals the child when the thread that forked it ends: only the main thread's
@@ -149,10 +153,18 @@ def _fork_server(
             if on_main_thread:
                 die_with_parent(signal.SIGTERM)  # stops it at once, as its trainer would (the parent poll: 0.5 s)
             release_inherited_descriptors(keep=(0, 1, 2, announce_fd))
+            lock_watch = timer_usable()
+            if not lock_watch:
+                log.warning(
+                    "this trainer's faulthandler timer (faulthandler.dump_traceback_later) was armed when it forked its "
+                    "local workers, where that timer no longer works: item_timeout cannot end a session stuck in C "
+                    "code that holds the interpreter lock. LocalWorkers(start_method='spawn') has no such limit"
+                )
             code = serve_until_signalled(
                 dict(
                     host=host, port=0, auth_key=auth_key, transport=transport, parent_pid=parent, cache=cache,
                     drain_timeout=0,  # its trainer stops it: no trainer to hand work to
+                    lock_watch=lock_watch,
                 ),
                 announce=lambda line: os.write(announce_fd, line.encode("utf-8") + b"\n"),
             )

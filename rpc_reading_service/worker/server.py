@@ -72,13 +72,15 @@ class WorkerServer:
         stats_interval: float = 30.0,
         cache: Optional[CacheConfig] = None,
         drain_timeout: float = 30.0,
+        lock_watch: bool = True,
     ):
         """``tls_cert``/``tls_key``: serve TLS. ``max_frame_bytes``: refuse larger frames from
         trainers. ``max_sessions``: refuse sessions beyond this many at once. ``idle_timeout``:
         seconds an authenticated trainer may stay silent before sending SETUP. ``stats_interval``:
         seconds between each session's throughput log lines (0 turns them off). ``cache``: the
         worker cache every session's ``cached_map`` shares (None: ``cached_map`` just calls fn).
-        ``drain_timeout``: seconds a drain (:meth:`drain`) waits for the sessions to leave."""
+        ``drain_timeout``: seconds a drain (:meth:`drain`) waits for the sessions to leave. ``lock_watch``:
+        with item_timeout, forked sessions stuck in C code end (False where faulthandler's timer hangs)."""
         if not auth_key and not is_loopback_host(host):
             raise ConfigurationError(
                 f"refusing to listen on {host} without an auth key: anyone who can reach the port could run "
@@ -91,6 +93,7 @@ class WorkerServer:
         if not drain_timeout >= 0:
             raise ConfigurationError(f"--drain-timeout must be 0 or more seconds, got {drain_timeout}")
         self.drain_timeout = drain_timeout
+        self.lock_watch = lock_watch
         #: Set by :meth:`drain` (a signal handler): a plain flag, read by the accept loop and sessions.
         self.draining = False
         options: Dict[str, Any] = {}
@@ -307,6 +310,7 @@ class WorkerServer:
             counters=counters,
             own_process=own_process,
             draining=lambda: self.draining,
+            lock_watch=self.lock_watch,
         ).run()
 
     def _reap(self) -> None:
