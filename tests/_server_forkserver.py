@@ -18,7 +18,9 @@ Only servers whose interpreter would start the same way can come from here: the 
 says so by returning None.
 
 A server's parent is the forkserver, which reaps it and writes its exit code on a pipe of its
-own, read by :class:`ForkedServerProcess` (the part of ``subprocess.Popen`` the tests use).
+own, read by :class:`ForkedServerProcess` (the part of ``subprocess.Popen`` the tests use). The
+forkserver exits when the test process closes its control socket (or dies), and each server
+watches the forkserver (``--parent-pid``) and stops then.
 """
 
 from __future__ import annotations
@@ -126,7 +128,9 @@ def _become_server(request: dict, fds: List[int], control: socket.socket) -> Non
         importlib.util.find_spec("_no_such_module_")
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = ["-c", *request["args"]]
+        # It ends once the forkserver does (when the test process is gone, even killed): a test
+        # process that crashed leaves no server behind.
+        sys.argv = ["-c", *request["args"], "--parent-pid", str(os.getppid())]
 
         runpy.run_module("rpc_reading_service.worker", run_name="__main__", alter_sys=True)
         code = 0

@@ -7,9 +7,11 @@ modules that import them from here.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import threading
-from typing import List
+import time
+from typing import Dict, List, Optional
 
 import pytest
 
@@ -66,6 +68,137 @@ def pytest_collection_modifyitems(items: List[pytest.Item]) -> None:
             item.add_marker(pytest.mark.system)
     rank = {name: index for index, name in enumerate(LONGEST_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+#: Seconds past a test's pytest-timeout limit after which :func:`pytest_runtest_protocol` ends its
+#: test process: pytest-timeout's SIGALRM cannot stop a test stuck in C code or in a teardown
+#: that blocks after it fired.
+HARD_LIMIT_MARGIN_S = 60.0
+
+
+def hard_limit(item: pytest.Item) -> Optional[float]:
+    """Seconds after which ``item``'s test process is ended: its timeout (marker, else the ini's
+    ``timeout``) plus :data:`HARD_LIMIT_MARGIN_S`; None when it has no timeout."""
+    marker = item.get_closest_marker("timeout")
+    limit = None
+    if marker is not None:
+        limit = marker.kwargs.get("timeout", marker.args[0] if marker.args else None)
+    if limit is None:
+        limit = item.config.getini("timeout")
+    limit = float(limit or 0)
+    return limit + HARD_LIMIT_MARGIN_S if limit > 0 else None
+
+
+class HardLimit:
+    """faulthandler's watchdog over one test, disarmed around every ``os.fork`` of this process.
+
+    A child forked while the watchdog is armed inherits it as running without its thread: its
+    first ``dump_traceback_later`` (a forked worker session's ``LockWatch``) waits for that thread
+    forever. So the watchdog is cancelled before a fork and armed again in the parent after it.
+    """
+
+    deadline: Optional[float] = None
+
+    @classmethod
+    def arm(cls, seconds: float) -> None:
+        """End this process, with every thread's stack, ``seconds`` from now unless :meth:`disarm`."""
+        cls.deadline = time.monotonic() + seconds
+        cls.resume()
+
+    @classmethod
+    def disarm(cls) -> None:
+        """Cancel the watchdog."""
+        cls.deadline = None
+        faulthandler.cancel_dump_traceback_later()
+
+    @classmethod
+    def _pause(cls) -> None:
+        if cls.deadline is not None:
+            faulthandler.cancel_dump_traceback_later()
+
+    @classmethod
+    def resume(cls) -> None:
+        """Arm the watchdog again for what is left of the test's time (after something cancelled it)."""
+        if cls.deadline is not None:
+            left = max(cls.deadline - time.monotonic(), 0.001)
+            faulthandler.dump_traceback_later(left, exit=True, file=_STDERR_COPY[0])
+
+    @classmethod
+    def _forget(cls) -> None:
+        cls.deadline = None
+
+
+os.register_at_fork(before=HardLimit._pause, after_in_parent=HardLimit.resume, after_in_child=HardLimit._forget)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Optional[pytest.Item]):
+    """End the test process if one test (setup, call and teardown, with the module fixtures it
+    tears down) outlives :func:`hard_limit`: faulthandler's C watchdog writes every thread's stack
+    to the process's stderr and exits, however the test blocks; xdist reports the test as crashed
+    and goes on (see :func:`pytest_xdist_make_scheduler`)."""
+    limit = hard_limit(item)
+    if limit is not None:
+        HardLimit.arm(limit)
+    try:
+        yield
+    finally:
+        if limit is not None:
+            HardLimit.disarm()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_exception_interact() -> None:
+    """pytest's faulthandler plugin cancels the watchdog when a test fails: arm it again (a
+    teardown that blocks after pytest-timeout failed the test has no other limit)."""
+    HardLimit.resume()
+
+
+#: A copy of the process's own stderr (not pytest's capture of it), for the stacks of a stuck test.
+_STDERR_COPY: List[int] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep a copy of stderr while pytest does not capture it (between loading conftests and the session)."""
+    _STDERR_COPY.append(os.dup(2))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadfile`` without xdist's hang after a crashed worker: see :func:`crash_safe_loadfile`."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    return crash_safe_loadfile()(config, log)
+
+
+def crash_safe_loadfile() -> type:
+    """xdist's ``LoadFileScheduling``, except that a crashed worker's files are handed out again
+    without the test it crashed in (reported failed, as ``--dist load`` does) and without the files
+    it had finished.
+
+    xdist 3.8 requeues every file the worker was given, finished or not, and the crashing test:
+    a finished file reaches the replacement worker as an empty batch, which never completes, so
+    the files queued behind it are never handed out and the run waits forever (and the crashing
+    test crashed each replacement in turn).
+    """
+    from xdist.scheduler import LoadFileScheduling
+
+    class CrashSafeLoadFile(LoadFileScheduling):
+        def remove_node(self, node) -> Optional[str]:
+            workload: Dict[str, Dict[str, bool]] = self.assigned_work.pop(node)
+            pending = [nodeid for unit in workload.values() for nodeid, done in unit.items() if not done]
+            if not pending:
+                return None
+            crashitem = pending[0]  # a worker runs its files, and their tests, in order
+            for scope, unit in workload.items():
+                unit.pop(crashitem, None)
+                if not all(unit.values()):
+                    self.workqueue[scope] = unit
+            for other in self.assigned_work:
+                self._reschedule(other)
+            return crashitem
+
+    return CrashSafeLoadFile
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 import secrets
+import selectors
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import List
 
 import pytest
-from _server_helpers import children_of, process_alive, read_line, reap, spawn_python, wait_until
+from _server_helpers import _pythonpath, children_of, process_alive, read_line, reap, spawn_python, wait_until
 from conftest import run_epochs
 from torchdata.datapipes.iter import IterableWrapper
 
@@ -131,3 +137,159 @@ def test_a_server_on_an_abstract_unix_socket_serves_and_leaves_no_file(fresh_ser
     server.stop()
     assert list(tmp_path.iterdir()) == [server.stderr_path]  # nothing but the test's own log
     assert "@" + name[len("unix:@"):] not in Path("/proc/net/unix").read_text()  # the socket is gone
+
+
+TRAINER_HOLDING_A_PIPE = """
+import os, signal, sys
+from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+from rpc_reading_service import RPCReadingService
+
+held, graph, address, key = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+if address:
+    service = RPCReadingService(workers=[address], num_workers=2, auth_key=key, timeout=30)
+else:
+    service = RPCReadingService(num_workers=2, timeout=30)
+dp = IterableWrapper(range(10**7))
+dp = dp.sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING) if graph == "dispatch" else dp.sharding_filter()
+it = iter(DataLoader2(dp, reading_service=service))
+next(it), next(it)  # one item of each session: the epoch runs
+print("started", flush=True)
+command = sys.stdin.readline().strip()
+if command == "close":
+    os.close(held)
+    print("closed", flush=True)
+    sys.stdin.readline()
+else:
+    os.kill(os.getpid(), getattr(signal, command))
+"""
+
+
+def start_trainer_holding_a_pipe(tmp_path: Path, graph: str = "plain", server=None):
+    """A trainer (pipes: stdin, stdout) that also holds the write end of a pipe, as an xdist
+    worker holds its channel to pytest; returns it and the pipe's read end, once its epoch runs."""
+    read_end, write_end = os.pipe()
+    address, key = (server.address, server.key) if server is not None else ("", "")
+    with open(tmp_path / "trainer.log", "wb") as log:
+        trainer = subprocess.Popen(
+            [sys.executable, "-c", TRAINER_HOLDING_A_PIPE, str(write_end), graph, address, key],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, pass_fds=(write_end,),
+            env=dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONWARNINGS="ignore"), start_new_session=True,
+        )  # fmt: skip
+    os.close(write_end)
+    try:
+        assert read_line(trainer, timeout=45) == "started"
+    except BaseException:
+        os.close(read_end)
+        reap(trainer)
+        raise
+    return trainer, read_end
+
+
+def reaches_eof(fd: int, timeout: float) -> bool:
+    """Whether the pipe ``fd`` reads to its end (every writer closed it) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if selector.select(deadline - time.monotonic()) and not os.read(fd, 4096):
+                return True
+    return False
+
+
+def descendants_of(pid: int) -> List[int]:
+    """``pid``'s live children, theirs, and so on."""
+    found, todo = [], [pid]
+    while todo:
+        children = children_of(todo.pop())
+        found += children
+        todo += children
+    return found
+
+
+def send(trainer, command: str) -> None:
+    trainer.stdin.write(command.encode() + b"\n")
+    trainer.stdin.flush()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("signum, graph", [("SIGSEGV", "plain"), ("SIGKILL", "dispatch")])
+def test_a_trainer_killed_mid_epoch_leaves_no_worker_and_no_pipe_held(signum, graph, tmp_path):
+    """Nothing of a trainer that dies of a signal outlives it by more than a few seconds: not its
+    local server, not a session, not a copy of a pipe it held (a test runner would wait for it)."""
+    trainer, pipe = start_trainer_holding_a_pipe(tmp_path, graph)
+    try:
+        workers = descendants_of(trainer.pid)
+        assert len(workers) == 3, workers  # the local server and its two sessions
+        send(trainer, signum)
+        assert trainer.wait(10) == -getattr(signal, signum)
+        assert reaches_eof(pipe, timeout=5), "a worker process still holds the dead trainer's pipe"
+        assert wait_until(lambda: not any(process_alive(pid) for pid in workers), timeout=5), (
+            f"still running after the trainer died: {[pid for pid in workers if process_alive(pid)]}"
+        )
+    finally:
+        os.close(pipe)
+        reap(trainer)
+
+
+@pytest.mark.timeout(60)
+def test_local_workers_hold_no_copy_of_a_pipe_their_trainer_closes(tmp_path):
+    """The forked local server keeps no copy of the trainer's pipes and sockets: one the trainer
+    closes reaches its end while the workers run."""
+    trainer, pipe = start_trainer_holding_a_pipe(tmp_path)
+    try:
+        send(trainer, "close")
+        assert read_line(trainer, timeout=10) == "closed"
+        assert reaches_eof(pipe, timeout=5), "the local workers hold a copy of a pipe their trainer closed"
+        assert len(descendants_of(trainer.pid)) == 3  # still serving
+    finally:
+        os.close(pipe)
+        reap(trainer)
+
+
+@pytest.mark.timeout(60)
+def test_a_trainer_killed_mid_epoch_leaves_no_session_on_a_tcp_server(worker_server, tmp_path):
+    before = set(children_of(worker_server.pid))
+    trainer, pipe = start_trainer_holding_a_pipe(tmp_path, server=worker_server)
+    try:
+        sessions = set(children_of(worker_server.pid)) - before
+        assert len(sessions) == 2, sessions
+        send(trainer, "SIGSEGV")
+        assert trainer.wait(10) == -signal.SIGSEGV
+        assert reaches_eof(pipe, timeout=5)
+        assert wait_until(lambda: not any(process_alive(pid) for pid in sessions), timeout=5), sessions
+        assert process_alive(worker_server.pid)  # the server serves on
+    finally:
+        os.close(pipe)
+        reap(trainer)
+
+
+TRAINER_WITH_A_WATCHDOG = """
+import faulthandler
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+from rpc_reading_service import RPCReadingService
+
+faulthandler.dump_traceback_later(600, exit=True)  # the trainer's own watchdog, as pytest's faulthandler_timeout
+service = RPCReadingService(num_workers=2, item_timeout=5, timeout=5)
+try:
+    print(sorted(DataLoader2(IterableWrapper(range(10)).sharding_filter(), reading_service=service)), flush=True)
+except Exception as exc:
+    print(type(exc).__name__, exc, flush=True)
+faulthandler.cancel_dump_traceback_later()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_local_workers_serve_a_trainer_whose_faulthandler_timer_is_armed(tmp_path):
+    """A local server forked while the trainer's faulthandler timer runs inherits that timer
+    without its thread: its sessions' item_timeout watch (faulthandler's timer) hung them."""
+    trainer = spawn_python(TRAINER_WITH_A_WATCHDOG, tmp_path)
+    try:
+        assert read_line(trainer, timeout=45) == str(list(range(10)))
+        assert trainer.wait(10) == 0
+    finally:
+        reap(trainer)
+    log = next(tmp_path.glob("trainer-*.log")).read_text()
+    assert "faulthandler timer" in log and "start_method='spawn'" in log  # says what it cannot do

@@ -20,9 +20,13 @@ from torchdata.datapipes.iter import IterableWrapper
 from _server_helpers import (
     AUTH_KEY_ENV,
     VENV_BIN,
+    _pythonpath,
     authenticate,
     connect,
+    process_alive,
+    read_line,
     read_until_closed,
+    reap,
     reject_reason,
     remote,
     run_epochs,
@@ -294,6 +298,39 @@ def test_forked_test_servers_start_as_fresh_ones_and_report_their_exit(fresh_ser
     assert first.proc.wait(10) == 0  # clean SIGTERM stop
     second.proc.send_signal(signal.SIGKILL)
     assert second.proc.wait(10) == -signal.SIGKILL and second.proc.poll() == -signal.SIGKILL
+
+
+TEST_PROCESS_THAT_CRASHES = """
+import os, signal, sys
+from pathlib import Path
+from _server_helpers import start_server
+server = start_server(Path(sys.argv[1]))
+print(server.pid, flush=True)
+sys.stdin.readline()
+os.kill(os.getpid(), signal.SIGSEGV)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_test_server_ends_with_the_test_process_that_crashed(tmp_path):
+    """A test process that dies of a signal (an xdist worker's crash) leaves no server of its
+    forkserver behind: the forkserver exits, and its servers watch it."""
+    test_process = subprocess.Popen(
+        [sys.executable, "-c", TEST_PROCESS_THAT_CRASHES, str(tmp_path)], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=_pythonpath()), start_new_session=True,
+    )  # fmt: skip
+    server_pid = None
+    try:
+        server_pid = int(read_line(test_process, timeout=45))
+        assert process_alive(server_pid)
+        test_process.stdin.write(b"go\n")
+        test_process.stdin.flush()
+        assert test_process.wait(10) == -signal.SIGSEGV
+        assert wait_until(lambda: not process_alive(server_pid), timeout=10), f"server {server_pid} outlived its test process"
+    finally:
+        reap(test_process)
+        if server_pid is not None and process_alive(server_pid):
+            os.kill(server_pid, signal.SIGKILL)
 
 
 def test_server_killed_mid_epoch(fresh_server):

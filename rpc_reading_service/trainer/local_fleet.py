@@ -3,25 +3,32 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import secrets
 import selectors
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 from ..cache.config import CacheConfig
 from ..errors import ConfigurationError, WorkerStartupError
 from ..keys import AUTH_KEY_ENV
 
-__all__ = ["LocalWorkerServer", "read_line", "read_listening_address", "DEFAULT_LOCAL_CACHE_BYTES"]
+__all__ = [
+    "LocalWorkerServer", "read_line", "read_listening_address", "release_inherited_descriptors", "DEFAULT_LOCAL_CACHE_BYTES",
+]
 
 DEFAULT_LOCAL_CACHE_BYTES = 1 << 30
+
+log = logging.getLogger(__name__)
 
 
 def read_line(process: Any, timeout: float, stream: Any = None) -> str:
@@ -96,13 +103,46 @@ class _ForkedProcess:
             os.kill(self.pid, signum)
 
 
+def release_inherited_descriptors(keep: Tuple[int, ...]) -> None:
+    """Point this forked process's copies of the trainer's sockets and pipes at /dev/null, except ``keep``.
+
+    A copy would keep each open past the trainer's own close or death: a peer waiting for EOF
+    (a remote worker's session, the reader of a pipe such as a test runner's) would wait for this
+    process too. The numbers stay taken, so the trainer's objects inherited here close nothing else.
+
+    Args:
+        keep: The descriptors this process still needs (its stdout and stderr, its announcement pipe).
+    """
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: keep them (the server still exits with its trainer)
+        return
+    devnull = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        for fd in fds:
+            if fd in keep or fd == devnull:
+                continue
+            try:
+                mode = os.fstat(fd).st_mode
+            except OSError:  # the directory listing's own descriptor, closed by now
+                continue
+            if stat.S_ISSOCK(mode) or stat.S_ISFIFO(mode):
+                os.dup2(devnull, fd, inheritable=False)
+    finally:
+        os.close(devnull)
+
+
 def _fork_server(
     auth_key: bytes, host: str, transport: str, cache: Optional[CacheConfig], announce_fd: int, read_end: int
 ) -> _ForkedProcess:
     """Fork a worker server that writes ``listening on ADDRESS`` (or an error) to ``announce_fd``."""
-    from ..worker import serve_until_signalled
+    from ..worker import die_with_parent, serve_until_signalled
+    from ..worker.lock_watch import timer_usable
 
     parent = os.getpid()
+    # The kernel signals the child when the thread that forked it ends: only the main thread's
+    # end is the trainer's (a trainer thread that ends would stop the server under a live trainer).
+    on_main_thread = threading.current_thread() is threading.main_thread()
     sys.stdout.flush()  # the server shares the trainer's streams: it must not inherit their buffers
     sys.stderr.flush()
     pid = os.fork()
@@ -110,10 +150,21 @@ def _fork_server(
         code = 0
         try:
             os.close(read_end)
+            if on_main_thread:
+                die_with_parent(signal.SIGTERM)  # stops it at once, as its trainer would (the parent poll: 0.5 s)
+            release_inherited_descriptors(keep=(0, 1, 2, announce_fd))
+            lock_watch = timer_usable()
+            if not lock_watch:
+                log.warning(
+                    "this trainer's faulthandler timer (faulthandler.dump_traceback_later) was armed when it forked its "
+                    "local workers, where that timer no longer works: item_timeout cannot end a session stuck in C "
+                    "code that holds the interpreter lock. LocalWorkers(start_method='spawn') has no such limit"
+                )
             code = serve_until_signalled(
                 dict(
                     host=host, port=0, auth_key=auth_key, transport=transport, parent_pid=parent, cache=cache,
                     drain_timeout=0,  # its trainer stops it: no trainer to hand work to
+                    lock_watch=lock_watch,
                 ),
                 announce=lambda line: os.write(announce_fd, line.encode("utf-8") + b"\n"),
             )

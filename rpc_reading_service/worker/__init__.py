@@ -5,6 +5,6 @@ its input and output. The server's API is re-exported here, so ``rpc_reading_ser
 (the console script) and ``python -m rpc_reading_service.worker`` keep working.
 """
 
-from .server import WorkerServer, build_parser, main, run, serve_until_signalled
+from .server import WorkerServer, build_parser, die_with_parent, main, run, serve_until_signalled
 
-__all__ = ["WorkerServer", "build_parser", "main", "run", "serve_until_signalled"]
+__all__ = ["WorkerServer", "build_parser", "die_with_parent", "main", "run", "serve_until_signalled"]

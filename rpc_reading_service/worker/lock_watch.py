@@ -14,12 +14,14 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import signal
 import tempfile
+import time
 from typing import Optional
 
 from ..tasks import TaskGroup
 
-__all__ = ["LockWatch", "MARGIN", "stack_file", "take_stack"]
+__all__ = ["LockWatch", "MARGIN", "stack_file", "take_stack", "timer_usable"]
 
 #: Seconds past item_timeout the lock may stay held before the process ends (a loaded host may
 #: not run the re-arming thread on time; the sender's own check fires at item_timeout).
@@ -42,6 +44,31 @@ def take_stack(pid: int) -> Optional[str]:
     with contextlib.suppress(OSError):
         os.unlink(path)
     return text or None
+
+
+def timer_usable(wait: float = 0.5) -> bool:
+    """Whether faulthandler's timer works in this process (False: :class:`LockWatch` would hang it).
+
+    A process forked while its parent's timer was armed (a trainer's own
+    ``faulthandler.dump_traceback_later``) inherits the timer as running without its thread:
+    arming or cancelling it there waits for that thread forever, holding the interpreter lock.
+    So a forked child of this process tries, and is killed if it has not ended within ``wait``.
+
+    Args:
+        wait: Seconds to give the probe.
+    """
+    pid = os.fork()
+    if pid == 0:  # the probe
+        faulthandler.cancel_dump_traceback_later()
+        os._exit(0)
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if os.waitpid(pid, os.WNOHANG)[0]:
+            return True
+        time.sleep(0.002)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return False
 
 
 class LockWatch:

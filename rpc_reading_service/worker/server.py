@@ -47,7 +47,7 @@ with torchdata_banner_muted():  # the session code imports torchdata's datapipes
     from ..graph import warm_up_worker_graph_utilities  # noqa: E402
     from .session import WorkerSession  # noqa: E402
 
-__all__ = ["WorkerServer", "build_parser", "main"]
+__all__ = ["WorkerServer", "build_parser", "die_with_parent", "main"]
 
 log = logging.getLogger("rpc_reading_service.worker")
 
@@ -72,13 +72,15 @@ class WorkerServer:
         stats_interval: float = 30.0,
         cache: Optional[CacheConfig] = None,
         drain_timeout: float = 30.0,
+        lock_watch: bool = True,
     ):
         """``tls_cert``/``tls_key``: serve TLS. ``max_frame_bytes``: refuse larger frames from
         trainers. ``max_sessions``: refuse sessions beyond this many at once. ``idle_timeout``:
         seconds an authenticated trainer may stay silent before sending SETUP. ``stats_interval``:
         seconds between each session's throughput log lines (0 turns them off). ``cache``: the
         worker cache every session's ``cached_map`` shares (None: ``cached_map`` just calls fn).
-        ``drain_timeout``: seconds a drain (:meth:`drain`) waits for the sessions to leave."""
+        ``drain_timeout``: seconds a drain (:meth:`drain`) waits for the sessions to leave. ``lock_watch``:
+        with item_timeout, forked sessions stuck in C code end (False where faulthandler's timer hangs)."""
         if not auth_key and not is_loopback_host(host):
             raise ConfigurationError(
                 f"refusing to listen on {host} without an auth key: anyone who can reach the port could run "
@@ -91,6 +93,7 @@ class WorkerServer:
         if not drain_timeout >= 0:
             raise ConfigurationError(f"--drain-timeout must be 0 or more seconds, got {drain_timeout}")
         self.drain_timeout = drain_timeout
+        self.lock_watch = lock_watch
         #: Set by :meth:`drain` (a signal handler): a plain flag, read by the accept loop and sessions.
         self.draining = False
         options: Dict[str, Any] = {}
@@ -233,6 +236,7 @@ class WorkerServer:
         # A stop signal waits until both sides are past the fork (and its at-fork hooks): the
         # server's handler only sets a flag; in the session, it acts with the default action.
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, (*STOP_SIGNALS, DRAIN_SESSION_SIGNAL))
+        server_pid = os.getpid()
         try:
             pid = os.fork()
         except OSError as exc:  # BlockingIOError (EAGAIN) at a pids limit, ENOMEM
@@ -250,6 +254,8 @@ class WorkerServer:
                 for signum in STOP_SIGNALS:
                     signal.signal(signum, signal.SIG_DFL)
                 signal.signal(DRAIN_SESSION_SIGNAL, lambda _signum, _frame: self.drain())  # this session leaves
+                if self._parent_pid is not None and die_with_parent(signal.SIGKILL) and os.getppid() != server_pid:
+                    os._exit(1)  # a trainer's own server: its sessions end with it, however it ended
                 wakeup = signal.set_wakeup_fd(-1)  # the server's self-pipe: not this process's
                 signal.pthread_sigmask(signal.SIG_SETMASK, mask)
                 for fd in inherited + ([wakeup] if wakeup >= 0 else []):
@@ -304,6 +310,7 @@ class WorkerServer:
             counters=counters,
             own_process=own_process,
             draining=lambda: self.draining,
+            lock_watch=self.lock_watch,
         ).run()
 
     def _reap(self) -> None:
@@ -402,6 +409,26 @@ class WorkerServer:
         self._sessions.stop(max(0.0, deadline - time.monotonic()) + 1.0)
         if self._cache is not None and self._cache.temporary and self._cache.directory:
             shutil.rmtree(self._cache.directory, ignore_errors=True)
+
+
+def die_with_parent(signum: int) -> bool:
+    """Have the kernel send this process ``signum`` when the thread that forked it ends (Linux's
+    ``PR_SET_PDEATHSIG``, whatever this process is doing then); False where it cannot.
+
+    Args:
+        signum: The signal to receive (its default action, or this process's handler, applies).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+_PR_SET_PDEATHSIG = 1
 
 
 def _signal_name(signum: int) -> str:

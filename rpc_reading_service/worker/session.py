@@ -103,15 +103,17 @@ class WorkerSession:
         counters: Any = None,
         own_process: bool = False,
         draining: Callable[[], bool] = lambda: False,
+        lock_watch: bool = True,
     ):
         """``counters``: where the session publishes its counters for the server's metrics (an
         object with ``publish(outbox)``, e.g. :class:`~rpc_reading_service.metrics.counters.SessionCounters`);
         ``own_process``: the session has its process to itself (forked): with item_timeout, a
         :class:`~rpc_reading_service.worker.lock_watch.LockWatch` ends it when C code holds the
-        interpreter lock for good. ``draining``: True once the server drains (the session then leaves)."""
+        interpreter lock for good (unless not ``lock_watch``). ``draining``: True once the server drains (the
+        session then leaves)."""
         self.conn = conn
         self._draining = draining
-        self._own_process = own_process
+        self._watch_lock = own_process and lock_watch
         self._lock_watch: Optional[LockWatch] = None
         self.server_address = server_address
         self.stats_interval = stats_interval
@@ -167,7 +169,7 @@ class WorkerSession:
         try:
             if not self._setup():
                 return
-            if self._own_process and self.options.item_timeout is not None:
+            if self._watch_lock and self.options.item_timeout is not None:
                 self._lock_watch = LockWatch(self.options.item_timeout)
                 self._lock_watch.start()
             self._tasks.start(f"sender for {self.conn.peer}", self._send_loop)
