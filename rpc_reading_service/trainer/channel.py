@@ -423,7 +423,7 @@ class WorkerChannel:
             window = self._credit.start(credits)
         self._bound_buffers(credits)
         self.stats = ChannelStats()
-        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, window, skip, dispatched, leased=leased))
+        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, window, skip, dispatched, leased, credits))
 
     def _bound_buffers(self, window: int) -> None:
         """Bound the connection's reuse pools by ``window`` (the session's credit window) plus one frame."""
