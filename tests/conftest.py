@@ -169,7 +169,10 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """End what the tests left running: the forkserver (its servers follow it), then every child
-    process this test process still has, with a warning that names their command lines."""
+    process this test process still has, with a warning that names their command lines. Not in
+    xdist's controller, which runs no test (its children are the test processes)."""
+    if getattr(session.config, "workerinput", None) is None and getattr(session.config.option, "dist", "no") != "no":
+        return
     close_forkserver()
     left = reap_children()
     if left:
