@@ -136,10 +136,10 @@ class ServersJoined(Event):
 def drop_items(events: "queue.SimpleQueue[Event]") -> None:
     """Drop the items no one will take from ``events`` of closed channels; the other events stay, in order."""
     kept = []
-    while True:
+    while not events.empty():  # not by queue.Empty: a service finalized at exit finds this module's names cleared
         try:
             event = events.get_nowait()
-        except queue.Empty:
+        except queue.Empty:  # another thread took the last one
             break
         if not isinstance(event, FrameReceived):
             kept.append(event)
