@@ -50,7 +50,7 @@ LONGEST_FILES_FIRST = (
     "test_benchmarks.py", "test_server_hardening.py", "test_transport_conformance.py",
     "test_torch_rpc_transport.py", "test_end_to_end.py", "test_example_ddp_train.py", "test_worker.py",
     "test_multi_trainer.py", "test_local_fleet.py", "test_mprs_parity.py", "test_tls.py", "test_scale.py",
-    "test_load.py",
+    "test_load.py", "test_suite_processes.py",
 )  # fmt: skip
 
 
