@@ -9,6 +9,7 @@ plain-text table per scenario (measured value, ratios), then a table of targets:
     python benchmarks/bench.py --only tiny --only MPRS --only RPCRS-tcp
     python benchmarks/bench.py --only tensor8m --json out.json --plot out.png --results-md out.md
     python benchmarks/bench.py --quick --only sweep   # the item-size sweep alone (a few minutes)
+    python benchmarks/bench.py --only sessions --only RPCRS-2servers --workers 128   # one point
 
 Contenders: ``in-process`` (plain iteration of the graph), ``production-limit`` (W
 processes that only make the items, nothing moved: the ceiling for local workers; each
@@ -127,6 +128,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="run only this contender (repeatable)")
     parser.add_argument("--sizes", type=item_sizes, metavar="SIZES",
                         help="the sweep's item sizes instead of its own: comma-separated, such as 64K,1M,1024")
+    parser.add_argument("--workers", type=worker_list, metavar="W",
+                        help="the worker counts of a scenario that measures several (sessions, scaling) instead "
+                             "of its own: comma-separated, such as 128 or 64,128")
     parser.add_argument("--json", metavar="PATH", help="write all results to PATH")
     parser.add_argument("--plot", metavar="PATH", help="write a scaling + bandwidth figure (needs matplotlib)")
     parser.add_argument("--results-md", metavar="PATH",
@@ -155,6 +159,17 @@ def item_sizes(text: str) -> list[int]:
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: every size must be at least 1 byte")
     return sizes
+
+
+def worker_list(text: str) -> list[int]:
+    """``64,128`` as worker counts, for ``--workers``."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: not a list of worker counts such as 64,128") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every worker count must be at least 1")
+    return counts
 
 
 def setup_environment() -> None:

@@ -245,9 +245,13 @@ _forkserver: Optional[_ForkServer] = None
 _forkserver_lock = threading.Lock()
 
 
-def _close_forkserver() -> None:
-    if _forkserver is not None:
-        _forkserver.close()
+def close_forkserver() -> None:
+    """Stop this process's forkserver, if it started one (its servers then stop too: they watch it)."""
+    global _forkserver
+    with _forkserver_lock:
+        server, _forkserver = _forkserver, None
+    if server is not None:
+        server.close()
 
 
 def forked_server(
@@ -262,7 +266,7 @@ def forked_server(
     with _forkserver_lock:
         if _forkserver is None:
             _forkserver = _ForkServer(_python_env(env))
-            atexit.register(_close_forkserver)
+            atexit.register(close_forkserver)
         server = _forkserver
     if _python_env(env) != server.python_env:
         return None

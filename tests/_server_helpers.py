@@ -198,7 +198,8 @@ def start_server(
 
     The default command without ``exclude_paths`` or ``env`` is forked from this test process's
     forkserver (:mod:`_server_forkserver`: the same server, without importing torch again);
-    anything else is spawned.
+    anything else is spawned, with ``--parent-pid`` of this process. Either way the server ends
+    with the test process, however that ends.
     """
     if isinstance(args, str):  # conftest's old start_server took the key second
         raise TypeError(f"start_server(workdir, args, key): args is a list of CLI arguments, not {args!r}")
@@ -222,8 +223,8 @@ def start_server(
         proc = None if env or exclude_paths else forked_server(argv, full_env, str(workdir), stderr.fileno(), timeout)
         if proc is None:
             proc = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, env=full_env,
-                start_new_session=True, cwd=str(workdir),
+                [*argv, "--parent-pid", str(os.getpid())], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=stderr, env=full_env, start_new_session=True, cwd=str(workdir),
             )  # fmt: skip
     server = Server(proc, "", key, stderr_path)
     try:
@@ -284,6 +285,47 @@ def children_of(pid: int) -> List[int]:
         except OSError:
             continue
     return [child for child in found if process_alive(child)]
+
+
+def command_line(pid: int) -> str:
+    """The command line of ``pid`` (its arguments joined by spaces; empty once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+#: Children the interpreter keeps until it exits (multiprocessing's and torch's helper daemons),
+#: by a part of their command line: not a test's leftovers.
+INTERPRETER_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver", "torch_shm_manager")
+
+
+def signal_process(pid: int, signum: int) -> None:
+    """Send ``signum`` to ``pid``, to its whole process group if it leads one; nothing if it is gone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signum)
+        else:
+            os.kill(pid, signum)
+
+
+def reap_children(grace: float = 2.0) -> List[str]:
+    """End every child this process still has (but :data:`INTERPRETER_HELPERS`), each with its
+    process group if it leads one: SIGTERM, SIGKILL after ``grace`` seconds; reap them and return
+    their command lines."""
+    children = {pid: command_line(pid) for pid in children_of(os.getpid())}
+    children = {pid: line for pid, line in children.items() if not any(h in line for h in INTERPRETER_HELPERS)}
+
+    for pid in children:
+        signal_process(pid, signal.SIGTERM)
+    if not wait_until(lambda: not any(process_alive(pid) for pid in children), grace):
+        for pid in children:
+            signal_process(pid, signal.SIGKILL)
+    for pid in children:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+    return list(children.values())
 
 
 def _live_processes() -> Iterator[Tuple[int, List[str]]]:
@@ -550,10 +592,16 @@ class _Sleep:
         return item
 
 
+def subprocess_env(**extra: str) -> Dict[str, str]:
+    """This process's environment for a Python subprocess that imports the tests' modules (the
+    PYTHONPATH of :func:`_pythonpath`), with ``extra`` variables."""
+    return dict(os.environ, PYTHONPATH=_pythonpath(), **extra)
+
+
 def spawn_python(code: str, workdir: Path) -> subprocess.Popen:
     """Run ``code`` in a fresh interpreter (a trainer) in its own process group; stdin and
     stdout are pipes, stderr goes to a log file in ``workdir``."""
-    env = dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONWARNINGS="ignore")
+    env = subprocess_env(PYTHONWARNINGS="ignore")
     with open(workdir / f"trainer-{secrets.token_hex(4)}.log", "wb") as log:
         return subprocess.Popen(
             [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

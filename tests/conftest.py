@@ -11,6 +11,7 @@ import faulthandler
 import os
 import threading
 import time
+import warnings
 from typing import Dict, List, Optional
 
 import pytest
@@ -19,6 +20,7 @@ import pytest
 # otherwise use whatever address this host's name resolves to.
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
+from _server_forkserver import close_forkserver  # noqa: E402
 from _server_helpers import (  # noqa: E402, F401 - re-exported: test modules import these from conftest
     AUTH_KEY_ENV,
     PRELOADED_WORKER,
@@ -29,6 +31,7 @@ from _server_helpers import (  # noqa: E402, F401 - re-exported: test modules im
     children_of,
     process_alive,
     read_listening_line,
+    reap_children,
     run_epochs,
     start_server,
     threads_left_behind,
@@ -47,7 +50,7 @@ LONGEST_FILES_FIRST = (
     "test_benchmarks.py", "test_server_hardening.py", "test_transport_conformance.py",
     "test_torch_rpc_transport.py", "test_end_to_end.py", "test_example_ddp_train.py", "test_worker.py",
     "test_multi_trainer.py", "test_local_fleet.py", "test_mprs_parity.py", "test_tls.py", "test_scale.py",
-    "test_load.py",
+    "test_load.py", "test_suite_processes.py",
 )  # fmt: skip
 
 
@@ -161,6 +164,21 @@ _STDERR_COPY: List[int] = []
 def pytest_configure(config: pytest.Config) -> None:
     """Keep a copy of stderr while pytest does not capture it (between loading conftests and the session)."""
     _STDERR_COPY.append(os.dup(2))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """End what the tests left running: the forkserver (its servers follow it), then every child
+    process this test process still has, with a warning that names their command lines. Not in
+    xdist's controller, which runs no test (its children are the test processes)."""
+    if getattr(session.config, "workerinput", None) is None and getattr(session.config.option, "dist", "no") != "no":
+        return
+    close_forkserver()
+    left = reap_children()
+    if left:
+        message = f"{len(left)} child process(es) left running by the tests, ended: " + "; ".join(left)
+        os.write(_STDERR_COPY[0], f"\nWARNING: {message}\n".encode())  # seen under xdist too
+        warnings.warn(message, pytest.PytestWarning, stacklevel=1)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -366,6 +366,19 @@ def test_sizes_are_read_in_kib_and_mib():
         bench.parse_args(["--sizes", "1G"])
 
 
+def test_workers_replace_the_worker_counts_of_a_scenario_that_has_several():
+    import bench
+    from benchsuite.runner import Runner
+
+    args = bench.parse_args(["--only", "sessions", "--workers", "128"])
+    runner = Runner.__new__(Runner)  # plan() reads only the arguments: no server pool started
+    runner.args = args
+    assert runner.plan(SCENARIOS["sessions"])["workers_list"] == [128]
+    assert runner.plan(SCENARIOS["tensor8m"]) == SCENARIOS["tensor8m"].plan(False)  # no list of W: untouched
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--workers", "0"])
+
+
 def test_front_ends_tables_write_their_own_section_of_results_md():
     import bench_frontends
     from benchsuite.contenders.frontends import FRONT_ENDS

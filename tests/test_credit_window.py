@@ -1,19 +1,25 @@
 """The byte credit window against a real worker process: a session's window is the epoch's
 credits in frames of the session's own frame bound (``batch_max_bytes``), also for an epoch
-started while the session was still being set up (its START_EPOCH waits for READY)."""
+started while the session was still being set up (its START_EPOCH waits for READY); and the
+ITEM_CREDIT of dispatched input stays the window in frames after large items grew its bytes."""
 
 from __future__ import annotations
 
 import queue
+from typing import List, Tuple
 
 import pytest
+from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import wait_until
+from rpc_reading_service import RPCReadingService
 from rpc_reading_service.policies.merge import EpochProgress, iterate_in_order
 from rpc_reading_service.protocol import data_cost, data_nbytes
 from rpc_reading_service.serialization import dumps_graph, dumps_item
 from rpc_reading_service.trainer.channel import WorkerChannel
+from rpc_reading_service.trainer.engine.dispatch import RankInput
 from rpc_reading_service.transports.socket_transport import SocketTransport
 
 pytestmark = pytest.mark.timeout(30)
@@ -51,3 +57,36 @@ def test_an_epoch_started_while_its_session_sets_up_gets_its_credits_in_frames_o
         assert [index for index, _payload in items] == list(range(ITEMS))
     finally:
         channel.close(timeout=2.0)
+
+
+def item_of_2_mib(index: int) -> tuple:
+    """An item larger than the default frame bound (1 MiB): each frame of it grows the window."""
+    return index, bytes(2 << 20)
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_dispatched_input_credit_stays_prefetch_frames_after_the_window_grew(worker_server, monkeypatch, prefetch):
+    """The worker's first ITEM_CREDIT of an epoch is the window in frames (``prefetch``): also in an
+    epoch after one whose items, larger than a frame, grew the DATA window (which then counts
+    ``prefetch`` frames of their size, not more frames of the frame bound)."""
+    grants: List[Tuple[int, int]] = []
+    real_grant = RankInput.grant
+
+    def record(self: RankInput, epoch: int, credits: int, session: int = 0) -> None:
+        grants.append((epoch, credits))
+        real_grant(self, epoch, credits, session)
+
+    monkeypatch.setattr(RankInput, "grant", record)
+    dp = IterableWrapper(range(6)).sharding_round_robin_dispatch(SHARDING_PRIORITIES.MULTIPROCESSING).map(item_of_2_mib)
+    rs = RPCReadingService(num_workers=1, workers=[worker_server.address], auth_key=worker_server.key, prefetch=prefetch)
+    with DataLoader2(dp, reading_service=rs) as dl:
+        windows = []
+        for _epoch in range(2):
+            dl.seed(1)
+            assert sorted(index for index, _payload in dl) == list(range(6))
+            windows.append(dl.reading_service._engine.channels[0].protocol.window)
+    assert windows[1] > prefetch * (1 << 20)  # the first epoch grew the window past the frame bound
+    first = {}
+    for epoch, credits in grants:
+        first.setdefault(epoch, credits)
+    assert len(first) == 2 and set(first.values()) == {prefetch}, f"first ITEM_CREDIT of each epoch: {first}"

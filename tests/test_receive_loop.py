@@ -9,7 +9,7 @@ from typing import List, Optional
 import pytest
 
 from _server_helpers import wait_until
-from rpc_reading_service.trainer.receive_loop import ReceiveLoop
+from rpc_reading_service.trainer.receive_loop import HAND_OVER_MAX, ReceiveLoop
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -18,11 +18,13 @@ class Session:
     """A :class:`~rpc_reading_service.trainer.receive_loop.Watched` whose bytes come through a socket pair;
     each byte read is handed over to ``delivered``, and each read notes what was delivered by then."""
 
-    def __init__(self, loop: ReceiveLoop, delivered: List[bytes]):
-        self.loop, self.delivered = loop, delivered
+    def __init__(self, loop: ReceiveLoop, delivered: List[bytes], read_bytes: int = 64):
+        self.loop, self.delivered, self.read_bytes = loop, delivered, read_bytes
         self.ours, self.theirs = socket.socketpair()
         self.ours.setblocking(False)
         self.seen_when_reading: List[List[bytes]] = []
+        #: How many items were delivered when each read (and its hand-overs) ended.
+        self.delivered_after_reading: List[int] = []
         self.reads = 0
         #: Set: its reads wait for this event (to hold the loop's thread in a turn).
         self.gate: Optional[threading.Event] = None
@@ -35,12 +37,13 @@ class Session:
         if self.gate is not None:
             self.gate.wait(5.0)
         try:
-            data = self.ours.recv(64)
+            data = self.ours.recv(self.read_bytes)
         except BlockingIOError:
             return False
         self.seen_when_reading.append(list(self.delivered))
         for byte in data:
             self.loop.hand_over(self.delivered.append, bytes([byte]))
+        self.delivered_after_reading.append(len(self.delivered))
         return not data
 
     def on_tick(self, now: float) -> Optional[float]:
@@ -80,6 +83,29 @@ def test_what_sessions_hand_over_in_one_turn_is_delivered_after_the_turn_in_orde
         loop.close()
         for session in sessions + [gate]:
             session.close()
+
+
+def test_a_turn_that_holds_many_hand_overs_delivers_them_in_batches_before_it_ends():
+    """A turn that reads a long backlog hands on every :data:`HAND_OVER_MAX` items, in order,
+    instead of keeping the consumer waiting for the whole turn."""
+    loop, delivered = ReceiveLoop(), []
+    session = Session(loop, delivered, read_bytes=4096)
+    gate = Session(loop, [])
+    count = 3 * HAND_OVER_MAX + 10
+    try:
+        for each in (session, gate):
+            loop.add(each)
+        assert wait_until(lambda: session.reads and gate.reads, 5.0)
+        gate.gate = threading.Event()  # hold the loop in a turn while the backlog arrives
+        gate.theirs.send(b"g")
+        assert wait_until(lambda: gate.reads == 2, 5.0)
+        session.theirs.send(bytes(range(256)) * (count // 256) + bytes(count % 256))
+        gate.gate.set()
+        assert wait_until(lambda: len(delivered) == count, 5.0)
+        assert b"".join(delivered) == bytes(range(256)) * (count // 256) + bytes(count % 256)  # in order
+        assert session.delivered_after_reading[-1] == 3 * HAND_OVER_MAX  # before the turn ended: all but the tail
+    finally:
+        loop.close()
 
 
 def test_a_hand_over_outside_the_loops_thread_is_delivered_at_once():

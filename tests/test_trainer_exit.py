@@ -61,6 +61,31 @@ def test_exit_without_shutdown_stops_the_workers_silently(tmp_path: Path, keep: 
     assert _stderr(tmp_path) == ""
 
 
+SHUT_DOWN_SCRIPT = """
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+from rpc_reading_service import RPCReadingService
+
+service = RPCReadingService(num_workers=2)  # a global: finalized only at interpreter exit
+dl = DataLoader2(IterableWrapper(range(100)).sharding_filter(), reading_service=service)
+print(len(list(dl)), flush=True)
+dl.shutdown()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_reading_service_kept_in_a_global_is_finalized_silently_at_exit(tmp_path: Path):
+    """DataLoader2 runs a copy of the service it is given: the user's own object, never started,
+    is finalized at interpreter exit, when the modules' names are already cleared."""
+    trainer = spawn_python(SHUT_DOWN_SCRIPT, tmp_path)
+    try:
+        assert trainer.stdout.readline() == b"100\n", _stderr(tmp_path)
+        assert trainer.wait(30) == 0, _stderr(tmp_path)
+    finally:
+        reap(trainer)
+    assert _stderr(tmp_path) == ""
+
+
 def _stderr(tmp_path: Path) -> str:
     (log,) = tmp_path.glob("trainer-*.log")
     return log.read_text(errors="replace")

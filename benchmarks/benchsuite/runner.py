@@ -182,10 +182,13 @@ class Runner:
 
     def plan(self, scenario: Scenario) -> dict:
         """``scenario``'s parameters for this run: its plan, with ``--sizes`` as its item sizes
-        when it measures several (``params['sizes']``)."""
+        and ``--workers`` as its worker counts when it measures several (``params['sizes']``,
+        ``params['workers_list']``)."""
         params = scenario.plan(self.args.quick)
         if getattr(self.args, "sizes", None) and "sizes" in params:
             params["sizes"] = list(self.args.sizes)
+        if getattr(self.args, "workers", None) and "workers_list" in params:
+            params["workers_list"] = list(self.args.workers)
         return params
 
     def selected(self, scenario: Scenario) -> list[str]:

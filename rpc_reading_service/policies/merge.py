@@ -251,6 +251,21 @@ def _take_or_replace(cursor: "_Cursor", event: Event, epoch: int, replace: Optio
         cursor.channel = replace(cursor.channel, exc)
 
 
+def _whole_turns(ring: Sequence[_Cursor]) -> int:
+    """Whole turns over ``ring`` its cursors' pending items hold (the fewest any holds); at most
+    one as soon as one cursor holds at most one: a slow stage's frames hold one item each, and
+    the ring's other cursors are not looked at (no cost per session per item)."""
+    rounds = len(ring[0].pending)
+    if rounds > 1:
+        for each in ring:
+            held = len(each.pending)
+            if held < rounds:
+                rounds = held
+                if held <= 1:
+                    break
+    return rounds
+
+
 def flatten_runs(runs: Iterator[Iterator[Any]]) -> Iterator[Any]:
     """The items of ``runs`` (the iterators :meth:`EpochProgress.count_run` returns) one at a time."""
     return itertools.chain.from_iterable(runs)
@@ -289,7 +304,7 @@ def runs_in_order(
             ring.popleft()
             handed = ()
             continue
-        rounds = len(cursor.pending) if len(ring) == 1 else min([len(each.pending) for each in ring])
+        rounds = _whole_turns(ring)
         if rounds <= 1:  # another worker's next frame is not taken yet: one item, as its turn comes
             ring.rotate(-1)
             handed = (cursor,)

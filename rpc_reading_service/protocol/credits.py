@@ -70,7 +70,7 @@ class CreditWindow:
 
 def window_frames(window: int, frame_bytes: int) -> int:
     """Full frames in a byte window (at least one): what a worker sizes its pools and its
-    dispatched input's ITEM_CREDIT by.
+    dispatched input's ITEM_CREDIT by when START_EPOCH does not give its ``frames``.
 
     Args:
         window: START_EPOCH's ``credits`` (bytes).

@@ -284,7 +284,9 @@ class StartEpoch(_Control):
     ``skip`` items of the shard are not sent (a resumed epoch); with ``dispatched`` the
     worker's input comes from the trainer in ITEMS frames, which it asks for with ITEM_CREDIT;
     with ``leased`` the worker keeps the chunks of the stream the trainer leases to it (LEASE)
-    and reports each one done (CHUNK_DONE).
+    and reports each one done (CHUNK_DONE). ``frames`` is the window in frames (the policy's
+    credits), however large a frame grew: the ITEM_CREDIT of dispatched input; None (a trainer
+    that does not say) means ``credits`` in frames of the session's frame bound.
     """
 
     kind: ClassVar[MessageKind] = MessageKind.START_EPOCH
@@ -296,6 +298,7 @@ class StartEpoch(_Control):
     skip: int = 0
     dispatched: bool = False
     leased: bool = False
+    frames: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -136,10 +136,10 @@ class ServersJoined(Event):
 def drop_items(events: "queue.SimpleQueue[Event]") -> None:
     """Drop the items no one will take from ``events`` of closed channels; the other events stay, in order."""
     kept = []
-    while True:
+    while not events.empty():  # not by queue.Empty: a service finalized at exit finds this module's names cleared
         try:
             event = events.get_nowait()
-        except queue.Empty:
+        except queue.Empty:  # another thread took the last one
             break
         if not isinstance(event, FrameReceived):
             kept.append(event)
@@ -423,7 +423,7 @@ class WorkerChannel:
             window = self._credit.start(credits)
         self._bound_buffers(credits)
         self.stats = ChannelStats()
-        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, window, skip, dispatched, leased=leased))
+        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, window, skip, dispatched, leased, credits))
 
     def _bound_buffers(self, window: int) -> None:
         """Bound the connection's reuse pools by ``window`` (the session's credit window) plus one frame."""

@@ -26,6 +26,10 @@ _MIN_SWEEP_SECONDS = 0.001
 #: lateness, and no spinning while a send to a worker that stopped reading is stuck.
 _RETRY_SECONDS = 0.001
 _MAX_RETRY_SECONDS = 0.064
+#: A turn hands on what it holds once it holds this many: a turn that finds many sessions'
+#: backlogs (a host too busy for the loop to keep up) would keep the consumer waiting for all of
+#: them, seconds with 128 sessions on 2 saturated cores.
+HAND_OVER_MAX = 256
 
 
 class Watched(Protocol):
@@ -126,9 +130,12 @@ class ReceiveLoop:
 
     def hand_over(self, deliver: Callable[[Any], None], item: Any) -> None:
         """``deliver(item)``, at the end of the loop's current turn when called in the loop's
-        thread (in order with the others handed over), else at once."""
+        thread (in order with the others handed over; at once with them when the turn holds
+        :data:`HAND_OVER_MAX`), else at once."""
         if threading.get_ident() == self._ident:
             self._handed.append((deliver, item))
+            if len(self._handed) >= HAND_OVER_MAX:
+                self._deliver_handed()
         else:
             deliver(item)
 

@@ -285,7 +285,7 @@ class WorkerSession:
         of an item of an earlier epoch that got stuck."""
         self.outbox.start_epoch(request.epoch)
         # The segments lent (the window), the batch open, the one sealed and the item being made.
-        frames = window_frames(request.credits, self.options.batch_max_bytes)
+        frames = request.frames or window_frames(request.credits, self.options.batch_max_bytes)
         self.conn.bound_buffers(frames + 3, self.options.batch_max_bytes)
         self._cancel_input()
         if request.dispatched:
