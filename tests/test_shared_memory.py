@@ -141,9 +141,12 @@ def encode_in_session(item) -> EncodedItem:
     return ItemEncoder(stage=copy_into_segment).encode(item)
 
 
-def _hand_over(pool: SegmentPool, segments: SegmentMap, buffers, max_frame_bytes: int = 1 << 30):
-    """What the two ends of a connection do with one frame's buffers: the received buffers."""
+def _hand_over(pool: SegmentPool, segments: SegmentMap, buffers, max_frame_bytes: int = 1 << 30, made=None):
+    """What the two ends of a connection do with one frame's buffers: the received buffers
+    (the ids of the segments it made go in ``made``)."""
     shared, inline, new, retired = pool.lend(buffers, SHARED_MEMORY_MIN_BYTES)
+    if made is not None:
+        made += [segment_id for segment_id, _, _ in new]
     fds = [os.dup(fd) for _, _, fd in new]  # what SCM_RIGHTS does
     pool.sent(new)
     (frame,) = frames_of(wire(encode_shared_data(MessageKind.DATA, [], len(buffers), shared, inline,
@@ -198,6 +201,24 @@ def test_a_bound_pool_retires_free_segments_past_the_window_and_lends_past_it_wh
     (buffer,) = _hand_over(pool, segments, encoded.buffers)  # the next frame retires the surplus
     assert pool.segments == 2 == segments.segments
     assert torch.equal(loads_item(EncodedItem(encoded.payload, [buffer])), item)
+
+
+def test_a_bound_pool_lends_its_window_of_small_segments_again_and_makes_no_more():
+    # A consumer that holds a window's worth of 256 KiB items, then lets them go, again and
+    # again: the pool keeps the window's segments (bound by their bytes, not by a count of free
+    # ones) and makes none after the first window (main: all but 8 retired and made again).
+    pool, segments = SegmentPool(), SegmentMap("test")
+    pool.bound(5, BIG)
+    segments.bound(5, BIG)
+    item = numpy.arange(SHARED_MEMORY_MIN_BYTES, dtype=numpy.uint8)
+    made = []
+    for _ in range(4):
+        held = [_hand_over(pool, segments, [memoryview(item)], made=made)[0] for _ in range(16)]
+        assert all(numpy.array_equal(numpy.frombuffer(buffer, dtype=numpy.uint8), item) for buffer in held)
+        del held
+        gc.collect()
+    assert len(made) == 16 == pool.segments == segments.segments, made
+    pool.close()
 
 
 def test_numpy_arrays_keep_their_segment_lent_while_they_live():
