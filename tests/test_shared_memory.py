@@ -141,9 +141,12 @@ def encode_in_session(item) -> EncodedItem:
     return ItemEncoder(stage=copy_into_segment).encode(item)
 
 
-def _hand_over(pool: SegmentPool, segments: SegmentMap, buffers, max_frame_bytes: int = 1 << 30):
-    """What the two ends of a connection do with one frame's buffers: the received buffers."""
+def _hand_over(pool: SegmentPool, segments: SegmentMap, buffers, max_frame_bytes: int = 1 << 30, made=None):
+    """What the two ends of a connection do with one frame's buffers: the received buffers
+    (the ids of the segments it made go in ``made``)."""
     shared, inline, new, retired = pool.lend(buffers, SHARED_MEMORY_MIN_BYTES)
+    if made is not None:
+        made += [segment_id for segment_id, _, _ in new]
     fds = [os.dup(fd) for _, _, fd in new]  # what SCM_RIGHTS does
     pool.sent(new)
     (frame,) = frames_of(wire(encode_shared_data(MessageKind.DATA, [], len(buffers), shared, inline,
@@ -198,6 +201,24 @@ def test_a_bound_pool_retires_free_segments_past_the_window_and_lends_past_it_wh
     (buffer,) = _hand_over(pool, segments, encoded.buffers)  # the next frame retires the surplus
     assert pool.segments == 2 == segments.segments
     assert torch.equal(loads_item(EncodedItem(encoded.payload, [buffer])), item)
+
+
+def test_a_bound_pool_lends_its_window_of_small_segments_again_and_makes_no_more():
+    # A consumer that holds a window's worth of 256 KiB items, then lets them go, again and
+    # again: the pool keeps the window's segments (bound by their bytes, not by a count of free
+    # ones) and makes none after the first window (main: all but 8 retired and made again).
+    pool, segments = SegmentPool(), SegmentMap("test")
+    pool.bound(5, BIG)
+    segments.bound(5, BIG)
+    item = numpy.arange(SHARED_MEMORY_MIN_BYTES, dtype=numpy.uint8)
+    made = []
+    for _ in range(4):
+        held = [_hand_over(pool, segments, [memoryview(item)], made=made)[0] for _ in range(16)]
+        assert all(numpy.array_equal(numpy.frombuffer(buffer, dtype=numpy.uint8), item) for buffer in held)
+        del held
+        gc.collect()
+    assert len(made) == 16 == pool.segments == segments.segments, made
+    pool.close()
 
 
 def test_numpy_arrays_keep_their_segment_lent_while_they_live():
@@ -604,3 +625,64 @@ def test_a_server_running_sessions_in_threads_keeps_no_segment_of_a_killed_train
     _kill_a_trainer_mid_epoch(server)
     assert wait_until(lambda: _leaks(server) == [] and len(os.listdir(f"/proc/{server.pid}/fd")) == server_fds, 15)
     assert server.alive()
+
+
+@pytest.mark.timeout(30)
+def test_a_local_connection_takes_a_whole_frame_of_small_buffers_in_one_read():
+    # A local worker's DATA frame of 64 KiB items (1 MiB, through the socket: under the shared
+    # memory threshold) is queued whole by its send, so the trainer's receive loop takes it in
+    # one read instead of one per piece the default send buffer (208 KiB) lets through.
+    import contextlib
+    import fcntl
+    import struct
+    import termios
+    import threading
+
+    from rpc_reading_service.protocol import decode_data
+    from rpc_reading_service.transports.base import PeerLostError
+    from rpc_reading_service.transports.socket_transport import SocketTransport
+    from rpc_reading_service.transports.socket_transport.sockets import UNIX_SEND_BUFFER_BYTES
+
+    with open("/proc/sys/net/core/wmem_max") as limit:
+        if int(limit.read()) < UNIX_SEND_BUFFER_BYTES:
+            pytest.skip("this host caps a socket's send buffer under what a local connection asks (net.core.wmem_max)")
+    key, address = secrets.token_bytes(16), f"unix:@rrs-test-{secrets.token_hex(6)}"
+    transport = SocketTransport()
+    listener = transport.listen(address, 0, key)
+    accepted = []
+    accepting = threading.Thread(target=lambda: accepted.append(listener.accept(timeout=10)))
+    accepting.start()
+    trainer = transport.connect(address, key, timeout=10)
+    accepting.join(10)
+    [worker] = accepted
+    reads, sending = [], None
+    receive = trainer._recv_some
+    trainer._recv_some = lambda views: reads.append(len(views)) or receive(views)
+    try:
+        items = [dumps_item(numpy.full(64 << 10, 10 * k + i, dtype=numpy.uint8)) for k in range(2) for i in range(16)]
+        frames = [encode_frame(MessageKind.DATA, *encode_data(0, k, items[16 * k : 16 * (k + 1)])) for k in range(2)]
+        total = sum(memoryview(chunk).nbytes for chunks in frames for chunk in chunks)
+
+        def send() -> None:
+            with contextlib.suppress(PeerLostError):  # main: the test closes the connection under it
+                worker.send_frames(frames)
+
+        sending = threading.Thread(target=send)
+        sending.start()
+        deadline = time.monotonic() + 5
+        while struct.unpack("i", fcntl.ioctl(trainer.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0] < total:
+            assert time.monotonic() < deadline, "the worker's send did not queue its frames whole"
+            time.sleep(0.001)
+        received = []
+        while len(received) < len(frames):
+            received += trainer.recv_ready()
+        assert [[int(loads_item(item)[0]) for item in decode_data(frame)[2]] for frame in received] == [
+            [10 * k + i for i in range(16)] for k in range(2)
+        ]
+        assert len(reads) <= len(frames) + 1, reads  # main: the frames did not fit the send buffer
+    finally:
+        trainer.close()
+        worker.close()
+        listener.close()
+        if sending is not None:
+            sending.join(5)

@@ -178,7 +178,7 @@ class SegmentPool:
     Args:
         max_bytes: The most bytes of segments the pool holds; past that a buffer that finds no
             free segment goes through the socket.
-        max_free: The most free segments kept.
+        max_free: The most free segments kept before :meth:`bound` (then its bytes bound them).
     """
 
     def __init__(self, max_bytes: int = 1 << 30, max_free: int = 8):
@@ -198,7 +198,8 @@ class SegmentPool:
         """Keep no free segment past ``frames`` frames' worth of segments (the connection's share
         of the credit window, plus one), a frame being ``frame_bytes`` or the largest segment, if
         larger; more are made while that many are lent (a consumer holding items), and retired
-        once free again.
+        once free again. Up to that many bytes, free segments are kept whatever their number
+        (not ``max_free``): the window's worth of small segments is lent again and again.
 
         Args:
             frames: Frames in flight at once, plus one.
@@ -299,7 +300,7 @@ class SegmentPool:
         with self._lock:
             retired, self._retired = self._retired, []
             kept = min(self.max_bytes, self._frames * self._frame_bytes or self.max_bytes)  # at least, by bound()
-            if len(self._segments) > self.max_free or self._bytes > kept:  # else nothing to retire: no call
+            if (not self._frames and len(self._segments) > self.max_free) or self._bytes > kept:  # else no call
                 self._retire_surplus(retired, 0)  # a consumer let go of many at once
             for index, buffer in enumerate(buffers):
                 view = memoryview(buffer).cast("B")
@@ -383,8 +384,8 @@ class SegmentPool:
         return self._register(size, mapping, fd, new)
 
     def _reserve(self, nbytes: int, retired: list) -> Optional[int]:
-        """Room for a new segment for ``nbytes``, after retiring free segments past ``max_free``
-        or ``max_bytes``: its size, counted in the pool's bytes; None if there is no room."""
+        """Room for a new segment for ``nbytes``, after retiring free segments past what the pool
+        keeps (:meth:`_retire_surplus`): its size, counted in the pool's bytes; None if there is no room."""
         size = -(-(nbytes + HEADER_BYTES) // _PAGE) * _PAGE
         self._retire_surplus(retired, size)
         if self._bytes + size > self.max_bytes:
@@ -393,16 +394,18 @@ class SegmentPool:
         return size
 
     def _retire_surplus(self, retired: list, size: int) -> None:
-        """Retire free segments, smallest first, until at most ``max_free`` are left (one less
-        with a new one of ``size`` bytes to make) and the pool with it holds at most ``max_bytes``
-        and what :meth:`bound` keeps."""
+        """Retire free segments, smallest first, until the pool with a new one of ``size`` bytes
+        holds at most ``max_bytes`` and what :meth:`bound` keeps (unbound: at most ``max_free``
+        free segments are left, one less with a new one to make)."""
         free = self._free()
         free.sort(key=_CAPACITY)
-        surplus = len(free) - self.max_free + (1 if size else 0)
         keep = self.max_bytes
         if self._frames:
+            surplus = 0
             largest = max(map(_SIZE, self._segments.values()), default=size)
             keep = min(keep, self._frames * max(self._frame_bytes, largest, size))
+        else:
+            surplus = len(free) - self.max_free + (1 if size else 0)
         for segment in free:
             if surplus <= 0 and self._bytes + size <= keep:
                 break
