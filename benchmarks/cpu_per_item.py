@@ -85,8 +85,8 @@ def usage(pid: int) -> tuple[float, int, int]:
         return 0.0, 0, 0
 
 
-def thread_usage() -> dict[str, tuple[float, int]]:
-    """:func:`usage` of each of this process's threads, by thread name."""
+def thread_usage() -> dict[str, tuple[float, int, float]]:
+    """:func:`usage` of each of this process's threads (and its :func:`run_delay`), by thread name."""
     names = {thread.native_id: thread.name for thread in threading.enumerate()}
     found: dict[str, tuple[float, int]] = {}
     for tid in os.listdir("/proc/self/task"):
@@ -98,12 +98,21 @@ def thread_usage() -> dict[str, tuple[float, int]]:
         except OSError:
             continue
         name = names.get(int(tid), f"thread-{tid}")
-        found[name] = ((int(fields[11]) + int(fields[12])) / TICKS, switches)
+        found[name] = ((int(fields[11]) + int(fields[12])) / TICKS, switches, run_delay("self", tid))
     return found
 
 
-def worker_threads() -> dict[str, tuple[float, int]]:
-    """CPU seconds and voluntary context switches of the descendants' threads, by their kernel
+def run_delay(pid: int | str, tid: int | str) -> float:
+    """Seconds thread ``tid`` of ``pid`` was ready to run but waited for a CPU (``schedstat``)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def worker_threads() -> dict[str, tuple[float, int, float]]:
+    """CPU seconds, voluntary context switches and run delay (:func:`run_delay`) of the descendants' threads, by their kernel
     name (``comm``: Python threads carry their names there only where something sets them, as
     ``--stalls``'s ``probe/sitecustomize.py`` does; else every thread counts as ``python``)."""
     found: dict[str, tuple[float, int]] = {}
@@ -116,8 +125,8 @@ def worker_threads() -> dict[str, tuple[float, int]]:
                     fields = stat.read().rpartition(")")[2].split()
                 with open(f"/proc/{pid}/task/{tid}/status") as status:
                     switches = sum(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches"))
-                cpu, n = found.get(name, (0.0, 0))
-                found[name] = (cpu + (int(fields[11]) + int(fields[12])) / TICKS, n + switches)
+                cpu, n, delay = found.get(name, (0.0, 0, 0.0))
+                found[name] = (cpu + (int(fields[11]) + int(fields[12])) / TICKS, n + switches, delay + run_delay(pid, tid))
         except OSError:
             continue
     return found
@@ -331,17 +340,21 @@ def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, a
     me = os.getpid()
     delta = {pid: [now - then for now, then in zip(after[pid], before.get(pid, (0.0, 0, 0)))] for pid in after}
     workers_cpu, workers_switches, workers_faults = (sum(d[k] for pid, d in delta.items() if pid != me) for k in range(3))
-    threads = {name: (1e6 * (cpu - threads_before.get(name, (0.0, 0))[0]) / items,
-                      (n - threads_before.get(name, (0.0, 0))[1]) / items)
-               for name, (cpu, n) in threads_after.items()}
-    busy = sorted(((cpu, n, name) for name, (cpu, n) in threads.items() if cpu or n), reverse=True)
+    none = (0.0, 0, 0.0)
+    threads = {name: (1e6 * (cpu - threads_before.get(name, none)[0]) / items,
+                      (n - threads_before.get(name, none)[1]) / items,
+                      1e6 * (delay - threads_before.get(name, none)[2]) / items)
+               for name, (cpu, n, delay) in threads_after.items()}
+    busy = sorted(((cpu, n, delay, name) for name, (cpu, n, delay) in threads.items() if cpu or n), reverse=True)
     print(f"   trainer threads ({fmt_size(item_bytes)}): " + ", ".join(
-        f"{name} {cpu:.1f} us {n:.2f} sw" for cpu, n, name in busy[:4]) + " per item")
-    switched = sorted(((n - workers_before.get(name, (0.0, 0))[1]) / items,
-                       1e6 * (cpu - workers_before.get(name, (0.0, 0))[0]) / items, name)
-                      for name, (cpu, n) in workers_after.items())
+        f"{name} {cpu:.1f} us {n:.2f} sw {delay:.1f} us ready" for cpu, n, delay, name in busy[:4]) + " per item")
+    switched = sorted(((n - workers_before.get(name, none)[1]) / items,
+                       1e6 * (cpu - workers_before.get(name, none)[0]) / items,
+                       1e6 * (delay - workers_before.get(name, none)[2]) / items, name)
+                      for name, (cpu, n, delay) in workers_after.items())
     print(f"   workers' threads ({fmt_size(item_bytes)}): " + ", ".join(
-        f"{name} {cpu:.1f} us {n:.2f} sw" for n, cpu, name in reversed(switched) if n > 0.005 or cpu) + " per item")
+        f"{name} {cpu:.1f} us {n:.2f} sw {delay:.1f} us ready" for n, cpu, delay, name in reversed(switched)
+        if n > 0.005 or cpu) + " per item (us ready: waiting for a CPU)")
     if stalls:
         stalls.report(items, stall_before)
     if profile:
