@@ -312,7 +312,7 @@ def test_frames_of_large_buffers_cost_two_reads_and_few_python_calls_each():
 def test_a_frames_reused_buffers_cost_no_python_call_each():
     # The trainer's receive memory (ReusedBuffers): a frame's sixteen 64 KiB buffers (a DATA frame
     # of 64 KiB items) are handed out with one call, reused once the frames are let go, and the
-    # frame costs no Python call per buffer.
+    # frame costs no Python call per buffer; its size, counted as it is received, no loop over them.
     import fcntl
     import socket
     import termios
@@ -349,10 +349,12 @@ def test_a_frames_reused_buffers_cost_no_python_call_each():
                     allnames += names
             assert [[bytes(b) for b in frame.buffers] for frame in got] == [[bytes(b) for b in chunks[2:]] for chunks in frames]
             addresses.append(sorted(numpy.asarray(b).ctypes.data for frame in got for b in frame.buffers))
+            sizes, names = python_calls(lambda: [frame.nbytes for frame in got])  # counted as received: no loop
+            assert sizes == [900 + 16 * (64 << 10)] * 2 and "buffers_nbytes" not in names, names
             received += len(got) if turn else 0
             del got, ready  # the frames are let go: their buffers are free for the next ones
         assert addresses[0] == addresses[1] == addresses[2]  # reused, not made again
-        # main: 44 Python calls a frame (a ReusedBuffers call per buffer)
+        # main: 41 Python calls a frame (a ReusedBuffers call per buffer)
         assert calls <= 30 * received and allnames.count("__call__") == 0, (calls / received, allnames)
     finally:
         receiver.close()

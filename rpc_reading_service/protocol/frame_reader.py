@@ -43,6 +43,7 @@ class FrameReader:
         self.frame_bytes_left = 0
         #: Whether the current frame (between frames: the last one) has out-of-band buffers.
         self.has_buffers = False
+        self._frame_nbytes = 0  # the current frame's bytes, once its head is read
         self._start_header()
 
     # -- public -------------------------------------------------------------------------
@@ -204,13 +205,13 @@ class FrameReader:
             views = [memoryview(section).cast("B") for section in (self._body, *self._buffers)]
         self._views, self._sizes = views, [self._body_length, *lengths, math.inf]
         self._state, self._target, self._filled, self._index = _SECTIONS, views[0], 0, 0
-        self.frame_bytes_left, self.has_buffers = total, bool(lengths)
+        self.frame_bytes_left, self.has_buffers, self._frame_nbytes = total, bool(lengths), total
         if body is not None:
             views[0][:] = body
         self.advance(0 if body is None else len(body))  # past empty sections
 
     def _frame_done(self) -> None:
-        self._frames.append(Frame(self._kind, self._body, self._buffers))
+        self._frames.append(Frame(self._kind, self._body, self._buffers, self._frame_nbytes))
         self.frame_bytes_left = 0
         self._start_header()
 
