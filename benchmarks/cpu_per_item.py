@@ -427,6 +427,8 @@ def main(argv=None) -> int:
     finally:
         if pool is not None:
             pool.stop()
+        if STALLS is not None:
+            shutil.rmtree(STALLS.directory, ignore_errors=True)
     return 0
 
 
