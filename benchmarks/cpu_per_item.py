@@ -85,8 +85,8 @@ def usage(pid: int) -> tuple[float, int, int]:
         return 0.0, 0, 0
 
 
-def thread_usage() -> dict[str, tuple[float, int]]:
-    """:func:`usage` of each of this process's threads, by thread name."""
+def thread_usage() -> dict[str, tuple[float, int, float]]:
+    """:func:`usage` of each of this process's threads (and its :func:`run_delay`), by thread name."""
     names = {thread.native_id: thread.name for thread in threading.enumerate()}
     found: dict[str, tuple[float, int]] = {}
     for tid in os.listdir("/proc/self/task"):
@@ -98,23 +98,35 @@ def thread_usage() -> dict[str, tuple[float, int]]:
         except OSError:
             continue
         name = names.get(int(tid), f"thread-{tid}")
-        found[name] = ((int(fields[11]) + int(fields[12])) / TICKS, switches)
+        found[name] = ((int(fields[11]) + int(fields[12])) / TICKS, switches, run_delay("self", tid))
     return found
 
 
-def worker_threads() -> dict[str, int]:
-    """Voluntary context switches of the descendants' threads, by their kernel name (``comm``:
-    Python threads carry their names there only where something sets them, e.g. a
-    ``sitecustomize`` calling ``prctl(PR_SET_NAME)``; else every thread counts as ``python``)."""
-    found: dict[str, int] = {}
+def run_delay(pid: int | str, tid: int | str) -> float:
+    """Seconds thread ``tid`` of ``pid`` was ready to run but waited for a CPU (``schedstat``)."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/schedstat") as stat:
+            return int(stat.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def worker_threads() -> dict[str, tuple[float, int, float]]:
+    """CPU seconds, voluntary context switches and run delay (:func:`run_delay`) of the descendants' threads, by their kernel
+    name (``comm``: Python threads carry their names there only where something sets them, as
+    ``--stalls``'s ``probe/sitecustomize.py`` does; else every thread counts as ``python``)."""
+    found: dict[str, tuple[float, int]] = {}
     for pid in descendants(os.getpid()):
         try:
             for tid in os.listdir(f"/proc/{pid}/task"):
                 with open(f"/proc/{pid}/task/{tid}/comm") as comm:
                     name = comm.read().strip()
+                with open(f"/proc/{pid}/task/{tid}/stat") as stat:
+                    fields = stat.read().rpartition(")")[2].split()
                 with open(f"/proc/{pid}/task/{tid}/status") as status:
                     switches = sum(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches"))
-                found[name] = found.get(name, 0) + switches
+                cpu, n, delay = found.get(name, (0.0, 0, 0.0))
+                found[name] = (cpu + (int(fields[11]) + int(fields[12])) / TICKS, n + switches, delay + run_delay(pid, tid))
         except OSError:
             continue
     return found
@@ -199,6 +211,93 @@ class LoopProfile:
             print(f"   {n / frames:7.2f}  {name}")
 
 
+class Stalls:
+    """``--stalls``: where the trainer's threads wait (the consumer for frames, the receive loop
+    in ``select``), its DATA frames and hand-overs, and the workers' waits (``probe/``)."""
+
+    def __init__(self, directory: str):
+        from rpc_reading_service.policies.merge import EpochProgress
+        from rpc_reading_service.trainer.channel import WorkerChannel
+        from rpc_reading_service.trainer.receive_loop import ReceiveLoop
+
+        self.directory = directory
+        self.local: dict[str, list] = {}
+        wait, on_data, loop_init = EpochProgress.wait, WorkerChannel._on_data, ReceiveLoop.__init__
+        deliver = ReceiveLoop._deliver_handed
+
+        def add(what: str, seconds: float) -> None:
+            entry = self.local.setdefault(f"{threading.current_thread().name}|{what}", [0.0, 0])
+            entry[0] += seconds
+            entry[1] += 1
+
+        def timed_wait(progress, source, stats=None):
+            if not source.empty():
+                return wait(progress, source, stats)
+            start = time.perf_counter()
+            try:
+                return wait(progress, source, stats)
+            finally:
+                add("blocked for a frame", time.perf_counter() - start)
+
+        def counted_on_data(channel, event):
+            add("DATA frames", 0.0)
+            return on_data(channel, event)
+
+        def counted_deliver(loop):
+            if loop._handed:
+                add("hand-overs (turns that queue events)", 0.0)
+            return deliver(loop)
+
+        def probed_init(loop, *args, **kwargs):
+            loop_init(loop, *args, **kwargs)
+            select = loop._selector.select
+
+            def timed_select(timeout=None):
+                start = time.perf_counter()
+                try:
+                    return select(timeout)
+                finally:
+                    add("select", time.perf_counter() - start)
+
+            loop._selector.select = timed_select
+
+        EpochProgress.wait, WorkerChannel._on_data, ReceiveLoop.__init__ = timed_wait, counted_on_data, probed_init
+        ReceiveLoop._deliver_handed = counted_deliver
+
+    def totals(self) -> dict[str, list]:
+        """Every process's totals so far, ``trainer|THREAD|what`` / ``worker|THREAD|what``."""
+        import json
+
+        found = {f"trainer|{key}": list(value) for key, value in self.local.items()}
+        for entry in os.listdir(self.directory):
+            if entry.endswith(".json"):
+                try:
+                    with open(os.path.join(self.directory, entry)) as data:
+                        for key, value in json.load(data).items():
+                            total = found.setdefault(f"worker|{key}", [0.0, 0])
+                            total[0] += value[0]
+                            total[1] += value[1]
+                except (OSError, ValueError):
+                    continue
+        return found
+
+    def difference(self, before: dict[str, list]) -> dict[str, list]:
+        """What was added to the totals since ``before``."""
+        time.sleep(0.05)  # the workers' next dump
+        return {key: [value[0] - before.get(key, [0.0, 0])[0], value[1] - before.get(key, [0.0, 0])[1]]
+                for key, value in self.totals().items()}
+
+    @staticmethod
+    def report(items: int, delta: dict[str, list]) -> None:
+        """Each wait per item: microseconds and times."""
+        print("   waits per item (us, times): " + "; ".join(
+            f"{key} {1e6 * seconds / items:.1f} us {n / items:.3f}x"
+            for key, (seconds, n) in sorted(delta.items()) if n))
+
+
+STALLS: "Stalls | None" = None
+
+
 def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, args) -> dict:
     """One epoch: ``warmup`` items, then ``items`` timed ones with both sides' CPU and switches."""
     # As many untimed items after the timed ones: a worker's producer thread is still alive at
@@ -207,6 +306,7 @@ def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, a
     profile = cProfile.Profile(time.thread_time) if args.cprofile else None  # CPU, not wall: load moves no time
     spies: list[subprocess.Popen] = []
     loop_profile = LoopProfile(bool(args.calls_loop)) if args.cprofile_loop or args.calls_loop else None
+    stalls = STALLS
     with contender.epoch(workload, workers) as loader:
         iterator = iter(loader)
         for _ in range(warmup):
@@ -215,6 +315,7 @@ def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, a
             spies = spy(args.py_spy, f"{contender.name}-{fmt_size(item_bytes).replace(' ', '')}")
             time.sleep(0.5)  # py-spy attaches
         workers_before = worker_threads()
+        stall_before = stalls.totals() if stalls else None
         threads_before, before, t0 = thread_usage(), snapshot(), time.perf_counter()
         if profile:
             profile.enable()
@@ -227,6 +328,8 @@ def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, a
         if loop_profile:
             loop_profile.switch(False)
         wall, after, threads_after = time.perf_counter() - t0, snapshot(), thread_usage()
+        if stalls:
+            stall_before = stalls.difference(stall_before)
         workers_after = worker_threads()
         for proc in spies:
             proc.send_signal(signal.SIGINT)  # py-spy writes its file and exits
@@ -237,15 +340,23 @@ def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, a
     me = os.getpid()
     delta = {pid: [now - then for now, then in zip(after[pid], before.get(pid, (0.0, 0, 0)))] for pid in after}
     workers_cpu, workers_switches, workers_faults = (sum(d[k] for pid, d in delta.items() if pid != me) for k in range(3))
-    threads = {name: (1e6 * (cpu - threads_before.get(name, (0.0, 0))[0]) / items,
-                      (n - threads_before.get(name, (0.0, 0))[1]) / items)
-               for name, (cpu, n) in threads_after.items()}
-    busy = sorted(((cpu, n, name) for name, (cpu, n) in threads.items() if cpu or n), reverse=True)
+    none = (0.0, 0, 0.0)
+    threads = {name: (1e6 * (cpu - threads_before.get(name, none)[0]) / items,
+                      (n - threads_before.get(name, none)[1]) / items,
+                      1e6 * (delay - threads_before.get(name, none)[2]) / items)
+               for name, (cpu, n, delay) in threads_after.items()}
+    busy = sorted(((cpu, n, delay, name) for name, (cpu, n, delay) in threads.items() if cpu or n), reverse=True)
     print(f"   trainer threads ({fmt_size(item_bytes)}): " + ", ".join(
-        f"{name} {cpu:.1f} us {n:.2f} sw" for cpu, n, name in busy[:4]) + " per item")
-    switched = sorted(((n - workers_before.get(name, 0)) / items, name) for name, n in workers_after.items())
-    print(f"   workers' switches per item by thread ({fmt_size(item_bytes)}): " + ", ".join(
-        f"{name} {n:.2f}" for n, name in reversed(switched) if n > 0.005))
+        f"{name} {cpu:.1f} us {n:.2f} sw {delay:.1f} us ready" for cpu, n, delay, name in busy[:4]) + " per item")
+    switched = sorted(((n - workers_before.get(name, none)[1]) / items,
+                       1e6 * (cpu - workers_before.get(name, none)[0]) / items,
+                       1e6 * (delay - workers_before.get(name, none)[2]) / items, name)
+                      for name, (cpu, n, delay) in workers_after.items())
+    print(f"   workers' threads ({fmt_size(item_bytes)}): " + ", ".join(
+        f"{name} {cpu:.1f} us {n:.2f} sw {delay:.1f} us ready" for n, cpu, delay, name in reversed(switched)
+        if n > 0.005 or cpu) + " per item (us ready: waiting for a CPU)")
+    if stalls:
+        stalls.report(items, stall_before)
     if profile:
         print(f"-- cProfile of the trainer, {fmt_size(item_bytes)}: own time, calls per item")
         stats = pstats.Stats(profile)
@@ -278,10 +389,19 @@ def main(argv=None) -> int:
     parser.add_argument("--calls-loop", type=int, nargs="?", const=25, default=0, metavar="ROWS",
                         help="count the receive loop's calls per DATA frame")
     parser.add_argument("--py-spy", metavar="DIR")
+    parser.add_argument("--stalls", action="store_true",
+                        help="time where each thread waits, per item (the workers' through probe/sitecustomize.py)")
     args = parser.parse_args(argv)
     if args.py_spy and not shutil.which("py-spy"):
         parser.error("--py-spy: py-spy is not on PATH")
     setup_environment()
+    if args.stalls:
+        import tempfile
+
+        global STALLS
+        os.environ["RRS_PROBE_DIR"] = tempfile.mkdtemp(prefix="rrs-probe-")
+        os.environ["PYTHONPATH"] = os.pathsep.join([os.path.join(BENCH_DIR, "probe"), os.environ["PYTHONPATH"]])
+        STALLS = Stalls(os.environ["RRS_PROBE_DIR"])
     import torch
 
     torch.set_num_threads(1)  # as the bench's trainer
@@ -307,6 +427,8 @@ def main(argv=None) -> int:
     finally:
         if pool is not None:
             pool.stop()
+        if STALLS is not None:
+            shutil.rmtree(STALLS.directory, ignore_errors=True)
     return 0
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
-import itertools
 import pickle
 import sys
 import traceback
@@ -20,6 +19,7 @@ import numpy
 import torch
 
 from .errors import ItemPicklingError, RemoteWorkerError, describe_worker
+from .receive_buffers import REUSED_BUFFER_MIN_BYTES, REUSED_BUFFERS_MAX_BYTES, ReusedBuffers, uninitialised_bytes
 
 __all__ = [
     "OUT_OF_BAND_MIN_BYTES",
@@ -30,6 +30,8 @@ __all__ = [
     "ItemEncoder",
     "PinnedBuffers",
     "ReusedBuffers",
+    "REUSED_BUFFER_MIN_BYTES",
+    "REUSED_BUFFERS_MAX_BYTES",
     "buffer_allocator",
     "dumps_item",
     "loads_item",
@@ -42,7 +44,8 @@ __all__ = [
     "rebuild_exception",
 ]
 
-OUT_OF_BAND_MIN_BYTES = 64 * 1024
+#: Buffers of at least this size go out of band (and are received into reused memory).
+OUT_OF_BAND_MIN_BYTES = REUSED_BUFFER_MIN_BYTES
 #: Items are pickled with protocol 5: its out-of-band buffers carry tensor storage.
 _ITEM_PROTOCOL = 5
 #: Out-of-band buffers of at least this size leave a local worker (Unix socket) in shared
@@ -411,108 +414,11 @@ def pins_shared_memory(allocate: Optional[Callable[[int], Any]]) -> bool:
     return isinstance(allocate, PinnedBuffers)
 
 
-def _uninitialised_bytes(nbytes: int) -> Any:
-    # Not bytearray: it zero-fills every buffer that recv_into is about to overwrite, which
-    # cost about half of the trainer's receive time on 8 MiB tensors.
-    return numpy.empty(nbytes, dtype=numpy.uint8)
-
-
-#: Buffers of at least this size (every out-of-band one) are reused: malloc hands 64 KiB-1 MiB
-#: ones back to the system too (measured: 15 page faults per 256 KiB item received over TCP, 28
-#: per item copied in its worker); smaller ones come from malloc's free lists.
-REUSED_BUFFER_MIN_BYTES = OUT_OF_BAND_MIN_BYTES
-#: At most this many bytes of free buffers wait for reuse per connection (a few items of the credit window).
-REUSED_BUFFERS_MAX_BYTES = 64 * 1024 * 1024
-
-
-class ReusedBuffers:
-    """Uninitialised receive buffers; a large one is handed out again, for a buffer of the same
-    size, once nothing refers to it any more (its tensor and every view of it are gone).
-
-    At most :meth:`bound` (or :data:`REUSED_BUFFERS_MAX_BYTES`). Not thread-safe but :meth:`bound`:
-    one per allocating thread. Why: docs/architecture.md (page faults of fresh buffers).
-    """
-
-    __slots__ = ("_buffers", "_bytes", "_next", "_frames", "_frame_bytes", "_largest")
-
-    def __init__(self) -> None:
-        self._buffers: List[numpy.ndarray] = []
-        self._bytes = 0
-        #: Where the search for a free buffer starts: after the one handed out last (buffers are
-        #: let go in about the order they were handed out, so the next one is usually free).
-        self._next = 0
-        #: What :meth:`bound` set (0: no bound but :data:`REUSED_BUFFERS_MAX_BYTES`), and the
-        #: largest buffer asked for (a frame holds at least one).
-        self._frames, self._frame_bytes, self._largest = 0, 0, 0
-
-    def bound(self, frames: int, frame_bytes: int) -> None:
-        """Keep at most ``frames`` frames' worth of buffers (a connection's share of the credit
-        window, plus one), a frame being ``frame_bytes`` (the batch bound) or the largest buffer
-        asked for, if larger. Any thread may call it: the allocating one applies it.
-
-        Args:
-            frames: Frames in flight at once, plus one.
-            frame_bytes: Bytes a frame holds (``batch_max_bytes``).
-        """
-        self._frames, self._frame_bytes = frames, frame_bytes
-
-    def _max_bytes(self) -> int:
-        if not self._frames:
-            return REUSED_BUFFERS_MAX_BYTES
-        return min(REUSED_BUFFERS_MAX_BYTES, self._frames * max(self._frame_bytes, self._largest))
-
-    def __call__(self, nbytes: int) -> Any:
-        if nbytes < REUSED_BUFFER_MIN_BYTES:
-            return _uninitialised_bytes(nbytes)
-        buffers = self._buffers
-        count = len(buffers)
-        start = self._next if self._next < count else 0
-        for index in itertools.chain(range(start, count), range(start)):
-            # _only_in(buffers, index), without a call per item: the same references counted.
-            if buffers[index].nbytes == nbytes and sys.getrefcount(buffers[index]) == _ONLY_IN_A_LIST:
-                self._next = index + 1
-                return buffers[index]
-        self._largest = max(self._largest, nbytes)
-        max_bytes = self._max_bytes()
-        self._make_room(nbytes, max_bytes)
-        buffer = _uninitialised_bytes(nbytes)
-        if self._bytes + nbytes <= max_bytes:
-            buffers.append(buffer)
-            self._bytes += nbytes
-            self._next = len(buffers)
-        return buffer
-
-    def _make_room(self, nbytes: int, max_bytes: int) -> None:
-        """Drop free buffers, oldest first, until ``nbytes`` more fit under ``max_bytes`` (items
-        of another size replace those of the old one)."""
-        buffers = self._buffers
-        index = 0
-        while self._bytes + nbytes > max_bytes and index < len(buffers):
-            if _only_in(buffers, index):
-                self._bytes -= buffers.pop(index).nbytes
-            else:
-                index += 1
-
-
-def _references(buffers: List[Any], index: int) -> int:
-    return sys.getrefcount(buffers[index])
-
-
-#: What :func:`_references` counts for an object only ``buffers`` refers to (measured, not
-#: assumed: interpreters differ in the temporary references they count).
-_ONLY_IN_A_LIST = _references([numpy.empty(0)], 0)
-
-
-def _only_in(buffers: List[Any], index: int) -> bool:
-    """Whether nothing but ``buffers`` refers to ``buffers[index]``."""
-    return _references(buffers, index) == _ONLY_IN_A_LIST
-
-
 def accepts_shared_memory(allocate: Optional[Callable[[int], Any]]) -> bool:
     """Whether received buffers may live in shared memory instead of memory from
     ``allocate``: yes for plain memory and for pinned memory (``pin_memory`` with CUDA: the
     segments are page-locked where they are mapped), no for any other allocator."""
-    return (allocate is None or allocate is bytearray or allocate is _uninitialised_bytes
+    return (allocate is None or allocate is bytearray or allocate is uninitialised_bytes
             or isinstance(allocate, (ReusedBuffers, PinnedBuffers)))
 
 

@@ -308,6 +308,59 @@ def test_frames_of_large_buffers_cost_two_reads_and_few_python_calls_each():
         sender.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_frames_reused_buffers_cost_no_python_call_each():
+    # The trainer's receive memory (ReusedBuffers): a frame's sixteen 64 KiB buffers (a DATA frame
+    # of 64 KiB items) are handed out with one call, reused once the frames are let go, and the
+    # frame costs no Python call per buffer; its size, counted as it is received, no loop over them.
+    import fcntl
+    import socket
+    import termios
+    import time
+
+    import numpy
+
+    from rpc_reading_service.serialization import ReusedBuffers
+    from rpc_reading_service.transports.socket_transport import SocketConnection
+
+    ours, theirs = socket.socketpair()
+    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    receiver = SocketConnection(ours, "sender", FrameReader(allocate=ReusedBuffers()))
+    sender = SocketConnection(theirs, "receiver", FrameReader())
+    try:
+        addresses, calls, allnames, received = [], 0, [], 0
+        for turn in range(3):
+            frames = [encode_frame(MessageKind.DATA, [bytes(900)], [bytes([turn * 32 + k * 16 + i]) * (64 << 10) for i in range(16)])
+                      for k in range(2)]  # fmt: skip
+            total = len(wire([chunk for chunks in frames for chunk in chunks]))
+            sent = threading.Thread(target=sender.send_frames, args=(frames,))
+            sent.start()
+            deadline = time.monotonic() + 10
+            while fcntl.ioctl(ours, termios.FIONREAD, b"\0\0\0\0") != struct.pack("i", total):
+                assert time.monotonic() < deadline, "the frames did not arrive"
+                time.sleep(0.001)
+            sent.join(5.0)
+            got: list = []
+            while len(got) < len(frames):
+                ready, names = python_calls(receiver.recv_ready)
+                got += ready
+                if turn:  # the first turn makes the buffers
+                    calls += len(names)
+                    allnames += names
+            assert [[bytes(b) for b in frame.buffers] for frame in got] == [[bytes(b) for b in chunks[2:]] for chunks in frames]
+            addresses.append(sorted(numpy.asarray(b).ctypes.data for frame in got for b in frame.buffers))
+            sizes, names = python_calls(lambda: [frame.nbytes for frame in got])  # counted as received: no loop
+            assert sizes == [900 + 16 * (64 << 10)] * 2 and "buffers_nbytes" not in names, names
+            received += len(got) if turn else 0
+            del got, ready  # the frames are let go: their buffers are free for the next ones
+        assert addresses[0] == addresses[1] == addresses[2]  # reused, not made again
+        # main: 41 Python calls a frame (a ReusedBuffers call per buffer)
+        assert calls <= 30 * received and allnames.count("__call__") == 0, (calls / received, allnames)
+    finally:
+        receiver.close()
+        sender.close()
+
+
 def test_a_data_frames_body_is_received_into_reused_memory():
     # A large DATA body (items pickled in band) lands in the connection's reused buffers, not
     # in fresh zero-filled memory per frame: once a frame is let go, the next one reuses it.

@@ -205,6 +205,32 @@ def test_reused_receive_buffers_are_bounded_by_the_window_given():
     assert sum(ref() is not None for ref in held) == 3
 
 
+def test_a_frames_reused_buffers_at_once_are_those_one_call_each_would_hand_out():
+    # ReusedBuffers.many: the sizes asked for, free buffers reused (never one twice, never one in
+    # use), the small ones fresh, and the pool kept as one call per buffer keeps it.
+    sizes = (100, REUSED_BUFFER_MIN_BYTES, 2 * REUSED_BUFFER_MIN_BYTES, REUSED_BUFFER_MIN_BYTES)
+
+    def frames(take):
+        allocate = ReusedBuffers()
+        allocate.bound(2, 4 * REUSED_BUFFER_MIN_BYTES)
+        first = take(allocate, sizes)
+        assert [buffer.nbytes for buffer in first] == list(sizes) and len({id(b) for b in first}) == 4
+        held = first[2]  # still in use
+        addresses = {id(buffer) for buffer in first[1:]}
+        del first
+        second = take(allocate, sizes)
+        assert [buffer.nbytes for buffer in second] == list(sizes)
+        assert second[2] is not held and {id(second[1]), id(second[3])} <= addresses  # the free ones, each once
+        third = take(allocate, [REUSED_BUFFER_MIN_BYTES] * 12)  # past the bound: handed out, not all kept
+        assert len({id(b) for b in third}) == 12
+        refs = [weakref.ref(b) for b in third]
+        del third, second
+        return [ref() is not None for ref in refs]
+
+    kept = frames(lambda allocate, lengths: allocate.many(lengths))
+    assert kept == frames(lambda allocate, lengths: [allocate(n) for n in lengths]) and any(kept) and not all(kept)
+
+
 def test_every_out_of_band_receive_buffer_is_reused_once_let_go():
     # malloc hands 64 KiB-1 MiB buffers back to the system too: each new one cost page faults
     allocate = buffer_allocator(pin_memory=False)

@@ -43,6 +43,7 @@ class FrameReader:
         self.frame_bytes_left = 0
         #: Whether the current frame (between frames: the last one) has out-of-band buffers.
         self.has_buffers = False
+        self._frame_nbytes = 0  # the current frame's bytes, once its head is read
         self._start_header()
 
     # -- public -------------------------------------------------------------------------
@@ -192,19 +193,25 @@ class FrameReader:
                 f"peer announced a {self._kind.name} frame of {total} bytes, over the maximum of "
                 f"{self.max_frame_bytes} bytes; refused before reading it"
             )
-        self._body = self._new_body(self._kind, self._body_length)
         allocate = self.allocate
-        self._buffers = [allocate(length) for length in lengths]
-        views = [memoryview(section).cast("B") for section in (self._body, *self._buffers)]
+        if isinstance(allocate, ReusedBuffers) and self._kind is MessageKind.DATA:
+            # a DATA frame's body and buffers with one call (flat uint8 arrays: views need no cast)
+            sections = allocate.many((self._body_length, *lengths))
+            self._body, self._buffers = sections[0], sections[1:]
+            views = list(map(memoryview, sections))
+        else:
+            self._body = self._new_body(self._kind, self._body_length)
+            self._buffers = [allocate(length) for length in lengths]
+            views = [memoryview(section).cast("B") for section in (self._body, *self._buffers)]
         self._views, self._sizes = views, [self._body_length, *lengths, math.inf]
         self._state, self._target, self._filled, self._index = _SECTIONS, views[0], 0, 0
-        self.frame_bytes_left, self.has_buffers = total, bool(lengths)
+        self.frame_bytes_left, self.has_buffers, self._frame_nbytes = total, bool(lengths), total
         if body is not None:
             views[0][:] = body
         self.advance(0 if body is None else len(body))  # past empty sections
 
     def _frame_done(self) -> None:
-        self._frames.append(Frame(self._kind, self._body, self._buffers))
+        self._frames.append(Frame(self._kind, self._body, self._buffers, self._frame_nbytes))
         self.frame_bytes_left = 0
         self._start_header()
 

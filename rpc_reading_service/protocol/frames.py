@@ -140,10 +140,14 @@ class Frame:
     kind: MessageKind
     body: Buffer
     buffers: List[Buffer] = field(default_factory=list)
+    #: :attr:`nbytes` as the receiver counted it (None: counted when asked, a loop over the buffers).
+    size: Optional[int] = field(default=None, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
         """Bytes this frame occupies in memory (body plus buffers)."""
+        if self.size is not None:
+            return self.size
         buffers = self.buffers
         return len(self.body) + buffers_nbytes(buffers) if buffers else len(self.body)
 
