@@ -19,7 +19,7 @@ from ..errors import (
     WorkerStartupError,
     describe_worker,
 )  # fmt: skip
-from .receive_loop import ReceiveLoop
+from .receive_loop import FRAMES_PER_TURN, ReceiveLoop
 from ..protocol import (
     DATA_HEAD,
     DATA_ITEM,
@@ -525,7 +525,10 @@ class WorkerChannel:
         if self._closing:
             return True
         try:
-            return self._deliver(frames) if (frames := self.conn.recv_ready()) else False
+            frames = self.conn.recv_ready(FRAMES_PER_TURN)
+            if self.conn.ready_left:  # frames kept for the next turns, which serve the other sessions first
+                self._loop.again(self)  # type: ignore[union-attr]
+            return self._deliver(frames) if frames else False
         except Exception as exc:  # noqa: BLE001 - reported, as by _receiving() (one call less per read)
             return self._receiving_failed(exc)
 
