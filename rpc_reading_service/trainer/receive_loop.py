@@ -142,7 +142,7 @@ class ReceiveLoop:
     def hand_over(self, deliver: Callable[[Any], None], item: Any) -> None:
         """``deliver(item)``, at the end of the loop's current turn when called in the loop's
         thread (in order with the others handed over; at once with them when the turn holds
-        :data:`HAND_OVER_MAX`), else at once."""
+        :data:`HAND_OVER_MAX`; after the next turn when sessions hold frames for it), else at once."""
         if threading.get_ident() == self._ident:
             self._handed.append((deliver, item))
             if len(self._handed) >= HAND_OVER_MAX:
@@ -168,9 +168,10 @@ class ReceiveLoop:
     def _turns(self) -> None:
         while True:
             # (each step only when there is something to do: a Python call less per turn)
-            if self._handed:
-                self._deliver_handed()  # before a removal is done: its owner reports it closed next
+            if self._handed and not self._again:  # before the loop may wait (else in batches)
+                self._deliver_handed()
             if self._changes:  # read without the lock: a change made after this wakes the loop
+                self._deliver_handed()  # before a removal is done: its owner reports it closed next
                 self._apply_changes()
                 self._deliver_handed()  # an added session's first frames
             if self._closed:
