@@ -173,7 +173,8 @@ class ReceiveLoop:
             if self._changes:  # read without the lock: a change made after this wakes the loop
                 self._deliver_handed()  # before a removal is done: its owner reports it closed next
                 self._apply_changes()
-                self._deliver_handed()  # an added session's first frames
+                if not self._again:
+                    self._deliver_handed()  # an added session's first frames
             if self._closed:
                 return
             timeout = max(0.0, self._next_sweep - time.monotonic()) if self._watched else None
