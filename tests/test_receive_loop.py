@@ -115,3 +115,53 @@ def test_a_hand_over_outside_the_loops_thread_is_delivered_at_once():
         assert delivered == [1]
     finally:
         loop.close()
+
+
+class Holding(Session):
+    """A session that takes in what arrived at once but hands over at most ``per_turn`` bytes a
+    turn, asking the loop to come back for the rest (:meth:`ReceiveLoop.again`)."""
+
+    def __init__(self, loop: ReceiveLoop, delivered: List[bytes], per_turn: int):
+        super().__init__(loop, delivered)
+        self.per_turn, self.held = per_turn, b""
+
+    def on_readable(self) -> bool:
+        self.reads += 1
+        try:
+            self.held += self.ours.recv(4096)
+        except BlockingIOError:
+            pass
+        self.seen_when_reading.append(list(self.delivered))
+        now, self.held = self.held[: self.per_turn], self.held[self.per_turn :]
+        for byte in now:
+            self.loop.hand_over(self.delivered.append, bytes([byte]))
+        if self.held:
+            self.loop.again(self)
+        return False
+
+
+def test_sessions_that_hold_input_are_served_in_turns_with_their_sockets_idle_and_handed_on_in_batches():
+    loop, delivered = ReceiveLoop(), []
+    sessions = [Holding(loop, delivered, per_turn=4) for _ in range(2)]
+    gate = threading.Event()
+    blocker = Session(loop, delivered)  # holds the loop's thread until both backlogs arrived
+    blocker.gate = gate
+    try:
+        loop.add(blocker)
+        assert wait_until(lambda: blocker.reads == 1, 5)
+        for session, byte in zip(sessions, b"ab"):
+            loop.add(session)
+            session.theirs.sendall(bytes([byte]) * 40)
+        gate.set()
+        # Nothing more arrives: the loop comes back for what the sessions hold by itself.
+        assert wait_until(lambda: len(delivered) == 80, 5), len(delivered)
+        assert set(delivered[:8]) == {b"a", b"b"}  # four of each per turn, not one backlog first
+        assert [delivered.count(b) for b in (b"a", b"b")] == [40, 40]
+        # While they held input, the turns handed on nothing: all of it in one batch at the end.
+        assert all(seen == [] for session in sessions for seen in session.seen_when_reading)
+        assert all(session.reads >= 10 for session in sessions)
+    finally:
+        gate.set()
+        loop.close()
+        for session in sessions + [blocker]:
+            session.close()

@@ -39,6 +39,7 @@ from .frames import (
     encode_data,
     encode_end_of_shard,
     encode_frame,
+    lease_runs,
 )
 from .data_decode import decode_data, decode_data_parts
 from .handshake import NONCE_BYTES, ClientHandshake, ServerHandshake, handshake_proof, decode_reject, encode_reject  # noqa: F401 - handshake_proof: tests forge proofs
@@ -78,6 +79,7 @@ __all__ = [
     # frames
     "PROTOCOL_VERSION",
     "MAX_LEASE_RUN",
+    "lease_runs",
     "MAGIC",
     "HEADER",
     "Buffer",

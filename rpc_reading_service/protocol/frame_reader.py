@@ -145,10 +145,23 @@ class FrameReader:
         """Return the oldest complete frame, or None if none is complete yet."""
         return self._frames.pop(0) if self._frames else None
 
-    def completed(self) -> List[Frame]:
-        """Every complete frame not taken yet, oldest first (and none from now on)."""
-        frames, self._frames = self._frames, []
-        return frames
+    def completed(self, most: int = 0) -> List[Frame]:
+        """The complete frames not taken yet, oldest first; the rest stay for the next call.
+
+        Args:
+            most: Take at most this many (0: every one).
+        """
+        frames = self._frames
+        if not most or len(frames) <= most:
+            self._frames = []
+            return frames
+        self._frames = frames[most:]
+        return frames[:most]
+
+    @property
+    def waiting(self) -> int:
+        """Complete frames not taken yet."""
+        return len(self._frames)
 
     @property
     def mid_frame(self) -> bool:

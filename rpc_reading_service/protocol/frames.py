@@ -16,6 +16,7 @@ from ..version import __version__
 __all__ = [
     "PROTOCOL_VERSION",
     "MAX_LEASE_RUN",
+    "lease_runs",
     "MAGIC",
     "HEADER",
     "Buffer",
@@ -440,6 +441,26 @@ def encode_lease(epoch: int, chunk: int, skip: int, count: int, final: bool, sta
     to be sent); ``final``: no more leases this epoch (``count``, ``start`` and ``size`` are then 0)."""
     kind = MessageKind.LEASE
     return encode_frame(kind, [_pack(_LEASE, kind, epoch, chunk, skip, count, int(final), start, size)])
+
+
+def lease_runs(chunks: Sequence[Tuple[int, int, int, int]]) -> List[Tuple[int, int, int, int, int]]:
+    """Leases ``(chunk, skip, first position, positions)`` as runs, one LEASE each.
+
+    Returns:
+        ``(first chunk, skip, count, first position, positions each)`` per run.
+    """
+    runs: List[List[int]] = []
+    for chunk, skip, start, size in chunks:
+        if runs:
+            first, _skip, count, run_start, run_size = runs[-1]
+            if (
+                not skip and chunk == first + count and size == run_size and start == run_start + count * size
+                and count < MAX_LEASE_RUN
+            ):  # fmt: skip
+                runs[-1][2] += 1
+                continue
+        runs.append([chunk, skip, 1, start, size])
+    return [(chunk, skip, count, start, size) for chunk, skip, count, start, size in runs]
 
 
 def decode_lease(frame: Frame) -> Tuple[int, int, int, bool, int, int, int]:

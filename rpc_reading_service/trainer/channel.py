@@ -19,7 +19,7 @@ from ..errors import (
     WorkerStartupError,
     describe_worker,
 )  # fmt: skip
-from .receive_loop import ReceiveLoop
+from .receive_loop import FRAMES_PER_TURN, ReceiveLoop
 from ..protocol import (
     DATA_HEAD,
     DATA_ITEM,
@@ -33,7 +33,6 @@ from ..protocol import (
     ItemCredit,
     Items,
     ItemTimedOut,
-    MAX_LEASE_RUN,
     Lease,
     Leaving,
     Message,
@@ -48,6 +47,7 @@ from ..protocol import (
     Tick,
     TrainerSession,
     CreditWindow,
+    lease_runs,
     with_window,
 )
 from ..serialization import rebuild_exception
@@ -525,7 +525,10 @@ class WorkerChannel:
         if self._closing:
             return True
         try:
-            return self._deliver(frames) if (frames := self.conn.recv_ready()) else False
+            frames = self.conn.recv_ready(FRAMES_PER_TURN)
+            if self.conn.ready_left:  # frames kept for the next turns, which serve the other sessions first
+                self._loop.again(self)  # type: ignore[union-attr]
+            return self._deliver(frames) if frames else False
         except Exception as exc:  # noqa: BLE001 - reported, as by _receiving() (one call less per read)
             return self._receiving_failed(exc)
 
@@ -666,26 +669,6 @@ SLOW_FRAME_MAX_BYTES = 64 * 1024
 def slow_frame(items: int, nbytes: int) -> bool:
     """Whether a DATA frame of ``items`` items and ``nbytes`` (``Frame.nbytes``) is a slow stage's: one small item."""
     return items == 1 and nbytes - DATA_HEAD.size - DATA_ITEM.size <= SLOW_FRAME_MAX_BYTES
-
-
-def lease_runs(chunks: Sequence[Tuple[int, int, int, int]]) -> List[Tuple[int, int, int, int, int]]:
-    """Leases ``(chunk, skip, first position, positions)`` as runs, one LEASE each.
-
-    Returns:
-        ``(first chunk, skip, count, first position, positions each)`` per run.
-    """
-    runs: List[List[int]] = []
-    for chunk, skip, start, size in chunks:
-        if runs:
-            first, _skip, count, run_start, run_size = runs[-1]
-            if (
-                not skip and chunk == first + count and size == run_size and start == run_start + count * size
-                and count < MAX_LEASE_RUN
-            ):  # fmt: skip
-                runs[-1][2] += 1
-                continue
-        runs.append([chunk, skip, 1, start, size])
-    return [(chunk, skip, count, start, size) for chunk, skip, count, start, size in runs]
 
 
 def _kinds(messages: Sequence[Message]) -> str:

@@ -30,6 +30,9 @@ _MAX_RETRY_SECONDS = 0.064
 #: backlogs (a host too busy for the loop to keep up) would keep the consumer waiting for all of
 #: them, seconds with 128 sessions on 2 saturated cores.
 HAND_OVER_MAX = 256
+#: Frames a session takes in per turn of the loop (the rest wait in its connection for the next
+#: turns): the sessions of a turn that finds many backlogs are served in turns, each a little.
+FRAMES_PER_TURN = 16
 
 
 class Watched(Protocol):
@@ -39,7 +42,8 @@ class Watched(Protocol):
         """The descriptor that turns readable when the session's frames arrive."""
 
     def on_readable(self) -> bool:
-        """Take in what arrived; True when the session is over (the loop stops watching it)."""
+        """Take in what arrived (at most :data:`FRAMES_PER_TURN` frames; a session that keeps
+        more calls :meth:`ReceiveLoop.again`); True when the session is over (the loop stops watching it)."""
 
     def on_tick(self, now: float) -> Optional[float]:
         """Liveness at ``now``: seconds until the next check, or None when the session is over."""
@@ -77,6 +81,8 @@ class ReceiveLoop:
         self._retry = _RETRY_SECONDS
         #: What sessions handed on in this turn of the loop: (deliver, item), in order.
         self._handed: List[Tuple[Callable[[Any], None], Any]] = []
+        #: Sessions (by id()) that hold frames for the next turn, readable or not: :meth:`again`.
+        self._again: Dict[int, Watched] = {}
         self._ident: Optional[int] = None
 
     def add(self, session: Watched) -> None:
@@ -128,10 +134,15 @@ class ReceiveLoop:
         if wake:
             self._wake()
 
+    def again(self, session: Watched) -> None:
+        """Call ``session.on_readable()`` in the loop's next turn even if its descriptor is not
+        readable (the loop's thread only: from ``on_readable``)."""
+        self._again[id(session)] = session
+
     def hand_over(self, deliver: Callable[[Any], None], item: Any) -> None:
         """``deliver(item)``, at the end of the loop's current turn when called in the loop's
         thread (in order with the others handed over; at once with them when the turn holds
-        :data:`HAND_OVER_MAX`), else at once."""
+        :data:`HAND_OVER_MAX`; after the next turn when sessions hold frames for it), else at once."""
         if threading.get_ident() == self._ident:
             self._handed.append((deliver, item))
             if len(self._handed) >= HAND_OVER_MAX:
@@ -157,11 +168,13 @@ class ReceiveLoop:
     def _turns(self) -> None:
         while True:
             # (each step only when there is something to do: a Python call less per turn)
-            if self._handed:
-                self._deliver_handed()  # before a removal is done: its owner reports it closed next
+            if self._handed and not self._again:  # before the loop may wait (else in batches)
+                self._deliver_handed()
             if self._changes:  # read without the lock: a change made after this wakes the loop
+                self._deliver_handed()  # before a removal is done: its owner reports it closed next
                 self._apply_changes()
-                self._deliver_handed()  # an added session's first frames
+                if not self._again:
+                    self._deliver_handed()  # an added session's first frames
             if self._closed:
                 return
             timeout = max(0.0, self._next_sweep - time.monotonic()) if self._watched else None
@@ -169,14 +182,21 @@ class ReceiveLoop:
                 if self._due:  # retries (new ones are sent below before the loop waits)
                     timeout = self._retry if timeout is None else min(timeout, self._retry)
                 self._selecting = True
-            events = self._selector.select(timeout)
+            events = self._selector.select(0.0 if self._again else timeout)
             with self._lock:
                 self._selecting = self._woken = False
+            again, self._again = self._again, {}
             for key, _events in events:
                 session = key.data
                 if session is None:
                     self._drain_wake()
-                elif id(session) in self._watched and self._call(session.on_readable, True):
+                    continue
+                if again:  # served now: once a turn
+                    again.pop(id(session), None)
+                if id(session) in self._watched and self._call(session.on_readable, True):
+                    self._unwatch(session)
+            for session in again.values():
+                if id(session) in self._watched and self._call(session.on_readable, True):
                     self._unwatch(session)
             if self._due:  # read without the lock: one made due later is sent after the next select
                 self._send_due()
@@ -237,6 +257,7 @@ class ReceiveLoop:
 
     def _unwatch(self, session: Watched) -> None:
         self._watched.pop(id(session), None)
+        self._again.pop(id(session), None)
         with self._lock:
             self._due.pop(id(session), None)
         for key in list(self._selector.get_map().values()):

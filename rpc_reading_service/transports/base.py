@@ -87,12 +87,19 @@ class Connection(abc.ABC):
             frame_bytes: Bytes a frame holds (``batch_max_bytes``).
         """
 
-    def recv_ready(self) -> List[Frame]:
+    #: Whether the last :meth:`recv_ready` left frames (or bytes) in this end that the next
+    #: one returns even if :meth:`fileno` does not turn readable again.
+    ready_left = False
+
+    def recv_ready(self, most: int = 0) -> List[Frame]:
         """The frames that can be received without blocking (often none), for an event loop
         that found :meth:`fileno` readable. Raises as :meth:`recv` does.
 
         The default takes at most one complete frame; a transport with a :meth:`fileno`
         overrides it to read what has arrived in one go.
+
+        Args:
+            most: Return at most this many frames (0: no bound); the rest set :attr:`ready_left`.
         """
         frame = self.recv(timeout=0)
         return [] if frame is None else [frame]

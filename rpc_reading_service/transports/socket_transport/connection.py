@@ -111,22 +111,26 @@ class SocketConnection(Connection):
             elif not self._read(deadline):
                 return None
 
-    def recv_ready(self) -> List[Frame]:
+    def recv_ready(self, most: int = 0) -> List[Frame]:
         """The frames completed by what has arrived, read without blocking (for an event loop).
 
-        One read per call, so that a peer that never stops sending cannot starve the other
-        connections of the loop; a TLS connection reads on while OpenSSL holds decrypted
-        bytes, which ``select`` cannot see. The frames of a read come out before the EOF
-        or reset of a later read is raised.
+        One read per call, and none while whole frames wait from an earlier one, so that a peer
+        that never stops sending cannot starve the other connections of the loop; a TLS
+        connection reads on while OpenSSL holds decrypted bytes (which ``select`` cannot see)
+        and no frame is complete. The frames of a read come out before the EOF or reset of a
+        later read is raised. What is left sets :attr:`ready_left`.
         """
         read = False
+        reader = self._reader
         while True:
             if self._pending:
                 self._parse_pending()
-            elif (read and not (self.decrypts and self._buffered())) or not self._read(time.monotonic(), False):
+            elif reader.waiting or (read and not (self.decrypts and self._buffered())) or not self._read(time.monotonic(), False):
                 if self._low_water:
                     self._arm_low_water()
-                return self._reader.completed()
+                frames = reader.completed(most)
+                self.ready_left = bool(reader.waiting) or (self.decrypts and self._buffered())
+                return frames
             else:
                 read = True
 

@@ -140,8 +140,8 @@ class SharedMemoryConnection(SocketConnection):
             if frame is not None:
                 return frame
 
-    def recv_ready(self) -> List[Frame]:
-        frames = super().recv_ready()
+    def recv_ready(self, most: int = 0) -> List[Frame]:
+        frames = super().recv_ready(most)
         for frame in frames:
             if frame.kind in TRANSPORT_KINDS:  # rare: the loop below only when one came
                 return [each for each in map(self._session_frame, frames) if each is not None]
