@@ -260,15 +260,28 @@ def test_a_socket_connection_reads_a_frame_of_many_buffers_in_few_reads():
         sender.close()
 
 
+def send_and_wait_arrived(sender, receiving_socket, frames) -> None:
+    """Send ``frames`` from another thread and wait until all their bytes wait in ``receiving_socket``."""
+    import fcntl
+    import termios
+    import time
+
+    total = len(wire([chunk for chunks in frames for chunk in chunks]))
+    sent = threading.Thread(target=sender.send_frames, args=(frames,))
+    sent.start()
+    deadline = time.monotonic() + 10
+    while fcntl.ioctl(receiving_socket, termios.FIONREAD, b"\0\0\0\0") != struct.pack("i", total):
+        assert time.monotonic() < deadline, "the frames did not arrive"
+        time.sleep(0.001)
+    sent.join(5.0)
+
+
 @pytest.mark.timeout(30)
 def test_frames_of_large_buffers_cost_two_reads_and_few_python_calls_each():
     # Frames of 64 KiB buffers (the items of a DATA frame) that have arrived: each takes a small
     # read of its head (header, lengths, body) and one scatter read of its buffers and the next
     # head, with no Python call and no copy per buffer.
-    import fcntl
     import socket
-    import termios
-    import time
 
     from rpc_reading_service.transports.socket_transport import SocketConnection
 
@@ -285,14 +298,7 @@ def test_frames_of_large_buffers_cost_two_reads_and_few_python_calls_each():
     sender = SocketConnection(theirs, "receiver", FrameReader())
     try:
         frames = [encode_frame(MessageKind.DATA, [bytes(900)], [bytes([k, i]) * (32 << 10) for i in range(8)]) for k in range(4)]
-        total = len(wire([chunk for chunks in frames for chunk in chunks]))
-        sent = threading.Thread(target=sender.send_frames, args=(frames,))
-        sent.start()
-        deadline = time.monotonic() + 10
-        while fcntl.ioctl(ours, termios.FIONREAD, b"\0\0\0\0") != struct.pack("i", total):
-            assert time.monotonic() < deadline, "the frames did not arrive"
-            time.sleep(0.001)
-        sent.join(5.0)
+        send_and_wait_arrived(sender, ours, frames)
         received, calls, allnames = [], 0, []
         while len(received) < len(frames):
             ready, names = python_calls(receiver.recv_ready)
@@ -313,10 +319,7 @@ def test_a_frames_reused_buffers_cost_no_python_call_each():
     # The trainer's receive memory (ReusedBuffers): a frame's sixteen 64 KiB buffers (a DATA frame
     # of 64 KiB items) are handed out with one call, reused once the frames are let go, and the
     # frame costs no Python call per buffer; its size, counted as it is received, no loop over them.
-    import fcntl
     import socket
-    import termios
-    import time
 
     import numpy
 
@@ -332,14 +335,7 @@ def test_a_frames_reused_buffers_cost_no_python_call_each():
         for turn in range(3):
             frames = [encode_frame(MessageKind.DATA, [bytes(900)], [bytes([turn * 32 + k * 16 + i]) * (64 << 10) for i in range(16)])
                       for k in range(2)]  # fmt: skip
-            total = len(wire([chunk for chunks in frames for chunk in chunks]))
-            sent = threading.Thread(target=sender.send_frames, args=(frames,))
-            sent.start()
-            deadline = time.monotonic() + 10
-            while fcntl.ioctl(ours, termios.FIONREAD, b"\0\0\0\0") != struct.pack("i", total):
-                assert time.monotonic() < deadline, "the frames did not arrive"
-                time.sleep(0.001)
-            sent.join(5.0)
+            send_and_wait_arrived(sender, ours, frames)
             got: list = []
             while len(got) < len(frames):
                 ready, names = python_calls(receiver.recv_ready)
