@@ -73,15 +73,7 @@ class ReusedBuffers:
             if buffers[index].nbytes == nbytes and sys.getrefcount(buffers[index]) == _ONLY_IN_A_LIST:
                 self._next = index + 1
                 return buffers[index]
-        self._largest = max(self._largest, nbytes)
-        max_bytes = self._max_bytes()
-        self._make_room(nbytes, max_bytes)
-        buffer = uninitialised_bytes(nbytes)
-        if self._bytes + nbytes <= max_bytes:
-            buffers.append(buffer)
-            self._bytes += nbytes
-            self._next = len(buffers)
-        return buffer
+        return self._make(nbytes)
 
     def many(self, lengths: Sequence[int]) -> List[Any]:
         """Buffers of ``lengths`` bytes each, as that many calls would hand them out (one call
@@ -99,13 +91,26 @@ class ReusedBuffers:
                     start = index + 1
                     found.append(buffers[index])
                     break
-            else:  # none free: a new one, as __call__ makes it
+            else:  # none free: a new one
                 self._next = start
-                found.append(self(nbytes))
+                found.append(self._make(nbytes))
                 count = len(buffers)
                 start = self._next if self._next < count else 0
         self._next = start
         return found
+
+    def _make(self, nbytes: int) -> Any:
+        """A new buffer of ``nbytes`` (none is free), kept for reuse if it fits the bound."""
+        self._largest = max(self._largest, nbytes)
+        max_bytes = self._max_bytes()
+        self._make_room(nbytes, max_bytes)
+        buffer = uninitialised_bytes(nbytes)
+        if self._bytes + nbytes <= max_bytes:
+            buffers = self._buffers
+            buffers.append(buffer)
+            self._bytes += nbytes
+            self._next = len(buffers)
+        return buffer
 
     def _make_room(self, nbytes: int, max_bytes: int) -> None:
         """Drop free buffers, oldest first, until ``nbytes`` more fit under ``max_bytes`` (items
