@@ -43,7 +43,7 @@ over its ceiling, the lowest of the raw stream and the per-item limits), ``scali
 (trainer peak RSS with a slow consumer, 1 MiB and 8 MiB items, above the RSS after a warm-up
 epoch on a loader of the same contender: what a process loads once at its first loader, ~20 MiB of
 modules and libraries, is no item held and is printed apart), ``first_item`` (loader construction to first
-item).  Then a table of targets (PASS / MISS with the measured ratio and both rates).
+item, after the contender's own package was imported, timed apart).  Then a table of targets (PASS / MISS with the measured ratio and both rates).
 
 How it measures:
 

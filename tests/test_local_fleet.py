@@ -272,7 +272,7 @@ from torchdata.datapipes.iter import IterableWrapper
 from rpc_reading_service import RPCReadingService
 
 faulthandler.dump_traceback_later(600, exit=True)  # the trainer's own watchdog, as pytest's faulthandler_timeout
-service = RPCReadingService(num_workers=2, item_timeout=5, timeout=5)
+service = RPCReadingService(num_workers=2, item_timeout={item_timeout}, timeout=5)
 try:
     print(sorted(DataLoader2(IterableWrapper(range(10)).sharding_filter(), reading_service=service)), flush=True)
 except Exception as exc:
@@ -282,14 +282,17 @@ faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.mark.timeout(60)
-def test_local_workers_serve_a_trainer_whose_faulthandler_timer_is_armed(tmp_path):
+@pytest.mark.parametrize("item_timeout", [5, None])
+def test_local_workers_serve_a_trainer_whose_faulthandler_timer_is_armed(item_timeout, tmp_path):
     """A local server forked while the trainer's faulthandler timer runs inherits that timer
-    without its thread: its sessions' item_timeout watch (faulthandler's timer) hung them."""
-    trainer = spawn_python(TRAINER_WITH_A_WATCHDOG, tmp_path)
+    without its thread: its sessions' item_timeout watch (faulthandler's timer) hung them.
+    Without item_timeout nothing uses that timer: the server neither probes it nor warns."""
+    trainer = spawn_python(TRAINER_WITH_A_WATCHDOG.format(item_timeout=item_timeout), tmp_path)
     try:
         assert read_line(trainer, timeout=45) == str(list(range(10)))
         assert trainer.wait(10) == 0
     finally:
         reap(trainer)
     log = next(tmp_path.glob("trainer-*.log")).read_text()
-    assert "faulthandler timer" in log and "start_method='spawn'" in log  # says what it cannot do
+    warned = "faulthandler timer" in log and "start_method='spawn'" in log  # says what it cannot do
+    assert warned == (item_timeout is not None), log

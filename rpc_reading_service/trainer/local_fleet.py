@@ -133,9 +133,11 @@ def release_inherited_descriptors(keep: Tuple[int, ...]) -> None:
 
 
 def _fork_server(
-    auth_key: bytes, host: str, transport: str, cache: Optional[CacheConfig], announce_fd: int, read_end: int
+    auth_key: bytes, host: str, transport: str, cache: Optional[CacheConfig], announce_fd: int, read_end: int,
+    watch_locks: bool,
 ) -> _ForkedProcess:
-    """Fork a worker server that writes ``listening on ADDRESS`` (or an error) to ``announce_fd``."""
+    """Fork a worker server that writes ``listening on ADDRESS`` (or an error) to ``announce_fd``;
+    ``watch_locks``: its sessions may have an item_timeout (probe faulthandler's timer for them)."""
     from ..worker import die_with_parent, serve_until_signalled
     from ..worker.lock_watch import timer_usable
 
@@ -153,8 +155,8 @@ def _fork_server(
             if on_main_thread:
                 die_with_parent(signal.SIGTERM)  # stops it at once, as its trainer would (the parent poll: 0.5 s)
             release_inherited_descriptors(keep=(0, 1, 2, announce_fd))
-            lock_watch = timer_usable()
-            if not lock_watch:
+            lock_watch = watch_locks and timer_usable()
+            if watch_locks and not lock_watch:
                 log.warning(
                     "this trainer's faulthandler timer (faulthandler.dump_traceback_later) was armed when it forked its "
                     "local workers, where that timer no longer works: item_timeout cannot end a session stuck in C "
@@ -191,9 +193,11 @@ class LocalWorkerServer:
         start_method: Optional[str] = None,
         cache_dir: Optional[str] = None,
         cache_size: int = DEFAULT_LOCAL_CACHE_BYTES,
+        watch_locks: bool = True,
     ):
         """``cache_dir``: keep the ``cached_map`` cache there (default: a temporary directory
-        removed by :meth:`stop`); ``cache_size``: its bound in bytes."""
+        removed by :meth:`stop`); ``cache_size``: its bound in bytes; ``watch_locks``: False when
+        no session it serves has an item_timeout (a forked server then skips probing faulthandler's timer)."""
         if start_method is None:
             start_method = "fork" if transport == "socket" and hasattr(os, "fork") else "spawn"
         if start_method not in ("fork", "spawn"):
@@ -210,6 +214,7 @@ class LocalWorkerServer:
         self.cache_size = cache_size
         self._cache: Optional[CacheConfig] = None
         self._cache_temp_dir: Optional[str] = None
+        self.watch_locks = watch_locks
 
     def _listen_host(self) -> str:
         if self.transport == "socket" and sys.platform.startswith("linux"):
@@ -259,7 +264,9 @@ class LocalWorkerServer:
         try:
             if self.start_method == "fork":
                 host = self._listen_host()
-                self._process = _fork_server(self.auth_key, host, self.transport, self._cache, write_end, read_end)
+                self._process = _fork_server(
+                    self.auth_key, host, self.transport, self._cache, write_end, read_end, self.watch_locks
+                )
             else:
                 self._process = self._spawn(write_end)
         except BaseException:

@@ -393,9 +393,10 @@ class WorkerServer:
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + 3.0
+        self._reap()  # sessions that ended on their trainer's CLOSE: no wait at all
         while self._children and time.monotonic() < deadline:
-            self._reap()
             time.sleep(0.02)
+            self._reap()
         for pid in list(self._children):
             try:
                 os.kill(pid, signal.SIGKILL)

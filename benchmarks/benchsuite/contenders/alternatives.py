@@ -75,6 +75,9 @@ class RPCDataloaderContender(Contender):
     name = "RPCDataloader"
     network_timeout_s = 60
 
+    def load(self) -> None:
+        import rpcdataloader  # noqa: F401
+
     @contextlib.contextmanager
     def epoch(self, workload, num_workers):
         import rpcdataloader

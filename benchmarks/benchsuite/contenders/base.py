@@ -27,6 +27,10 @@ class Contender:
     def __init__(self, servers: Optional[dict] = None):
         self.servers = servers or {}
 
+    def load(self) -> None:
+        """Import the contender's own package, as a script's imports do before any loader (the
+        parent imported torch and torchdata.dataloader2 before forking every child)."""
+
     @contextlib.contextmanager
     def epoch(self, workload: Workload, num_workers: int) -> Iterator[Iterable]:
         """Build the loader for one epoch of ``workload`` on ``num_workers`` workers, yield

@@ -12,7 +12,10 @@ from benchsuite.contenders.base import DataLoader2Contender
 
 
 class RPCRSContender(DataLoader2Contender):
-    """What every RPCReadingService contender shares: its credit window."""
+    """What every RPCReadingService contender shares: its package and its credit window."""
+
+    def load(self) -> None:
+        from rpc_reading_service import RPCReadingService  # noqa: F401
 
     def credit_window_bytes(self, workload, num_workers: int) -> Optional[int]:
         """``num_workers x prefetch`` frames of one item each: what the trainer may hold in

@@ -226,6 +226,7 @@ class Fleet:
             self.local_server = LocalWorkerServer(
                 self.auth_key, self.config.transport.name, start_method=workers.start_method,
                 cache_dir=workers.cache_dir, cache_size=int(workers.cache_size),
+                watch_locks=self.config.item_timeout is not None,
             )  # fmt: skip
             addresses = [self.local_server.start()]
         elif isinstance(workers, WorkerAddresses):
