@@ -85,6 +85,11 @@ class ReusedBuffers:
             if nbytes < REUSED_BUFFER_MIN_BYTES:
                 found.append(uninitialised_bytes(nbytes))
                 continue
+            # The search's first look, without making its iterators: the next one is usually free.
+            if start < count and buffers[start].nbytes == nbytes and sys.getrefcount(buffers[start]) == _ONLY_IN_A_LIST:
+                found.append(buffers[start])
+                start += 1
+                continue
             for index in itertools.chain(range(start, count), range(start)):
                 # as in __call__ (a buffer found holds a reference from ``found`` from then on)
                 if buffers[index].nbytes == nbytes and sys.getrefcount(buffers[index]) == _ONLY_IN_A_LIST:

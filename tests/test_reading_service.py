@@ -8,7 +8,9 @@ Graph functions are module-level: workers import them by reference.
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import os
 import pickle
 import random
@@ -22,7 +24,7 @@ from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import children_of, remote, run_epochs, wait_dead, wait_until
+from _server_helpers import children_of, python_calls, remote, run_epochs, wait_dead, wait_until
 from rpc_reading_service import (
     ConfigurationError,
     Liveness,
@@ -190,6 +192,20 @@ def test_tiny_items_stream_fast(worker_server):
             rates.append(count / (time.perf_counter() - start))
             assert count == n
     assert max(rates) > 13_000, f"only {max(rates):.0f} items/s (the best of {', '.join(f'{r:.0f}' for r in rates)})"
+
+
+def test_the_training_loop_takes_each_item_with_one_python_call(worker_server):
+    # Between the training loop's next() and the epoch's runs only DataLoader2's own __next__
+    # runs per item: torch's iterator hook does not wrap the stream in its per-item checks.
+    n = 3000
+    with DataLoader2(IterableWrapper(range(n)).sharding_filter(), reading_service=remote(worker_server, 1)) as dl:
+        items = iter(dl)
+        first = next(items)  # the session set up, its first frame taken
+        rest, calls = python_calls(lambda: list(itertools.islice(items, n - 1)))
+        assert [first] + rest == list(range(n))
+        assert list(items) == []
+    per_item = {name: count for name, count in collections.Counter(calls).items() if count > (n - 1) // 4}
+    assert per_item == {"__next__": n - 1}, per_item
 
 
 def test_large_tensors_arrive_intact(worker_server):

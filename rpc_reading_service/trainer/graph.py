@@ -42,7 +42,11 @@ class RemoteStream(IterDataPipe):
     def __iter__(self) -> Iterator[Any]:
         engine = self._engine
         assert engine is not None and engine.epoch is not None, "initialize_iteration() must run first"
-        return iter(engine.epoch)
+        items = iter(engine.epoch)
+        # torch's iterator hook hands this on as it is, not wrapped in its per-item checks
+        # (docs/architecture.md, "The path of one item").
+        self._fast_forward_iterator = items
+        return items
 
     def __getstate__(self) -> dict:
         return {}  # torchdata traverses graphs by pickling them; the engine (sockets, threads) stays out
