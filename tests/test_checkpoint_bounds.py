@@ -231,6 +231,17 @@ def test_chunks_complete_past_the_end_of_the_stream_are_refused(make_rs, checkpo
         resume(with_values(state, signed(values)), make_rs(policy))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("policy", ["dynamic", "dynamic-dispatch"])
+def test_chunks_open_past_the_end_of_the_stream_resume_the_rest_of_the_epoch(make_rs, checkpoints, policy):
+    """A re-signed next_chunk a few chunks past the end: the open chunks there hold nothing, and the
+    epoch ends (a dispatched one waited forever for units its dispatcher never makes)."""
+    state, epoch = checkpoints[policy]
+    values = values_of(state)
+    values["distribution"]["next_chunk"] = N_ITEMS + 6
+    assert sorted(resume(with_values(state, signed(values)), make_rs(policy))) == sorted(epoch[CUT:])
+
+
 # -- memory: a number of the state is never the size of an allocation --------------------------------
 _RESUME_SCRIPT = """
 import pickle, sys
