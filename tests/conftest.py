@@ -39,18 +39,20 @@ from _server_helpers import (  # noqa: E402, F401 - re-exported: test modules im
 
 
 # Test files, longest first (about 15 s or more each on this 2-core machine, measured with
-# `make test` on 2026-12-01): collected first, so that `make test` (xdist keeps this order with
+# `make test` on 2026-12-04): collected first, so that `make test` (xdist keeps this order with
 # --no-loadscope-reorder) hands them out first and ends with the short files. xdist's own order
 # (most tests first) left one-test files of 20-30 s to the end, each the tail of the run. Files not
 # listed follow in collection order. The list decides the order only: a stale one costs balance,
-# never a check.
+# never a check. The `system` files keep their place for `make test-system`.
 LONGEST_FILES_FIRST = (
-    "test_checkpoint_bounds.py", "test_fork_safety.py", "test_reassign.py", "test_fleet_soak.py", "test_cache.py", "test_session_hardening.py", "test_readme.py",
-    "test_discovery.py", "test_checkpoint.py", "test_cluster.py", "test_launch_recipes.py",
-    "test_benchmarks.py", "test_server_hardening.py", "test_transport_conformance.py",
-    "test_torch_rpc_transport.py", "test_end_to_end.py", "test_example_ddp_train.py", "test_worker.py",
-    "test_multi_trainer.py", "test_local_fleet.py", "test_mprs_parity.py", "test_tls.py", "test_scale.py",
-    "test_load.py", "test_suite_processes.py",
+    "test_checkpoint.py", "test_mprs_parity.py", "test_reassign.py", "test_transport_conformance.py",
+    "test_checkpoint_bounds.py", "test_local_fleet.py", "test_readme.py", "test_worker.py",
+    "test_cluster.py", "test_launch_recipes.py", "test_benchmarks.py", "test_join.py",
+    "test_session_hardening.py", "test_discovery.py", "test_fork_safety.py", "test_shared_memory.py",
+    "test_autoscale.py", "test_cache.py", "test_fleet_checkpoint.py", "test_torch_rpc_transport.py",
+    "test_reading_service.py", "test_end_to_end.py", "test_example_ddp_train.py", "test_metrics.py",
+    "test_suite_processes.py", "test_serialization.py", "test_dispatch.py", "test_server_hardening.py",
+    "test_multi_trainer.py", "test_load.py", "test_fleet_soak.py",
 )  # fmt: skip
 
 

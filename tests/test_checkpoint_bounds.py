@@ -231,53 +231,84 @@ def test_chunks_complete_past_the_end_of_the_stream_are_refused(make_rs, checkpo
         resume(with_values(state, signed(values)), make_rs(policy))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("policy", ["dynamic", "dynamic-dispatch"])
+def test_chunks_open_past_the_end_of_the_stream_resume_the_rest_of_the_epoch(make_rs, checkpoints, policy):
+    """A re-signed next_chunk a few chunks past the end: the open chunks there hold nothing, and the
+    epoch ends (a dispatched one waited forever for units its dispatcher never makes)."""
+    state, epoch = checkpoints[policy]
+    values = values_of(state)
+    values["distribution"]["next_chunk"] = N_ITEMS + 6
+    assert sorted(resume(with_values(state, signed(values)), make_rs(policy))) == sorted(epoch[CUT:])
+
+
 # -- memory: a number of the state is never the size of an allocation --------------------------------
 _RESUME_SCRIPT = """
-import pickle, sys
+import json, pickle, sys
 from torchdata.dataloader2 import DataLoader2
 from rpc_reading_service import ConfigurationError, RPCReadingService
 from rpc_reading_service.policies.dynamic.trainer import Dynamic
 
-with open(sys.argv[1], "rb") as handle:
-    state = pickle.load(handle)
-rs = RPCReadingService(num_workers=3, workers=[sys.argv[2]], auth_key=sys.argv[3], distribution=Dynamic(chunk_size=3))
-dl = DataLoader2.from_state(state, rs)
-try:
-    print("RESUMED", len(list(dl)))
-except ConfigurationError as exc:
-    print("REFUSED", exc)
-finally:
-    dl.shutdown()
+for path in sys.argv[3:]:  # one line per state, in order: what its resume did
+    with open(path, "rb") as handle:
+        state = pickle.load(handle)
+    rs = RPCReadingService(num_workers=3, workers=[sys.argv[1]], auth_key=sys.argv[2], distribution=Dynamic(chunk_size=3))
+    try:
+        dl = DataLoader2.from_state(state, rs)
+        try:
+            outcome = f"RESUMED {len(list(dl))}"
+        finally:
+            dl.shutdown()
+    except ConfigurationError as exc:
+        outcome = f"REFUSED {exc}"
+    except BaseException as exc:
+        outcome = f"FAILED {type(exc).__name__}: {exc}"
+    print(json.dumps(outcome), flush=True)
 """
 
 #: The resuming trainer's address space: a trainer needs under 1 GiB; old code built a list
 #: over ``range(complete_below, next_chunk)`` (3 GiB in 8 s for next_chunk=2**40).
 ADDRESS_SPACE = 2 * 1024**3
 
+#: ``(field, value)`` of the "dynamic" state set to a huge number.
+HUGE = [("next_chunk", 2**40), ("next_chunk", 2**62), ("schedule", "huge")]
+
 
 def _limit_address_space() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (ADDRESS_SPACE, ADDRESS_SPACE))
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("field, value", [("next_chunk", 2**40), ("next_chunk", 2**62), ("schedule", "huge")])
-def test_a_huge_dynamic_number_is_refused_without_eating_memory(worker_server, checkpoints, tmp_path, field, value):
-    policy = "dynamic-guided" if field == "schedule" else "dynamic"
-    state, _epoch = checkpoints[policy]
-    values = _unsigned(values_of(state))
-    if field == "schedule":  # a guided schedule of 2**30 workers: its tail alone would be billions of bounds
-        values["distribution"]["schedule"].update(workers=2**30, divisor=2**9, length=2**39)
-    else:
-        values["distribution"][field] = value
-    path = tmp_path / "state.pkl"
-    path.write_bytes(pickle.dumps(with_values(state, values)))
+@pytest.fixture(scope="module")
+def huge_resumes(worker_server, checkpoints, tmp_path_factory) -> Dict[tuple, str]:
+    """``(field, value)`` of :data:`HUGE` -> what resuming that state did, each in turn in one
+    subprocess with the address-space limit (one torch import for all)."""
+    paths = []
+    for field, value in HUGE:
+        policy = "dynamic-guided" if field == "schedule" else "dynamic"
+        state, _epoch = checkpoints[policy]
+        values = _unsigned(values_of(state))
+        if field == "schedule":  # a guided schedule of 2**30 workers: its tail alone would be billions of bounds
+            values["distribution"]["schedule"].update(workers=2**30, divisor=2**9, length=2**39)
+        else:
+            values["distribution"][field] = value
+        paths.append(tmp_path_factory.mktemp("huge") / "state.pkl")
+        paths[-1].write_bytes(pickle.dumps(with_values(state, values)))
     done = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", _RESUME_SCRIPT, str(path), worker_server.address, worker_server.key],
-        capture_output=True, text=True, timeout=90, preexec_fn=_limit_address_space,
+        [sys.executable, "-W", "ignore", "-c", _RESUME_SCRIPT, worker_server.address, worker_server.key, *map(str, paths)],
+        capture_output=True, text=True, timeout=120, preexec_fn=_limit_address_space,
         env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)),
     )  # fmt: skip
-    assert done.returncode == 0 and done.stdout.startswith("REFUSED"), (done.stdout, done.stderr[-3000:])
-    assert "malformed RPCReadingService checkpoint: the 'dynamic' distribution state" in done.stdout
+    outcomes = [json.loads(line) for line in done.stdout.splitlines()]
+    assert done.returncode == 0 and len(outcomes) == len(HUGE), (done.stdout, done.stderr[-3000:])
+    return dict(zip(HUGE, outcomes))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("field, value", HUGE)
+def test_a_huge_dynamic_number_is_refused_without_eating_memory(huge_resumes, field, value):
+    outcome = huge_resumes[field, value]
+    assert outcome.startswith("REFUSED"), outcome
+    assert "malformed RPCReadingService checkpoint: the 'dynamic' distribution state" in outcome
 
 
 # -- any number, any type, anywhere: refused or resumed, never another exception ------------------

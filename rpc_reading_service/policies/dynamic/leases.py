@@ -450,6 +450,12 @@ class LeaseBook:
                 f"has chunks up to {self._resumed_complete - 1} complete, but the stream has {self.stream_chunks} "
                 "chunks in this epoch (was the checkpoint edited, or the data changed?)"
             )
+        past = [(chunk, skip) for chunk, skip in self.pending if chunk >= self.stream_chunks]
+        for chunk, skip in past:  # a resumed book's open chunks there hold nothing: none to wait for
+            if skip:
+                raise _refuse(f"has items of chunk {chunk} delivered, which lies past the end of this epoch's stream")
+            self.pending.remove((chunk, skip))
+            self.delivered.pop(chunk, None)
 
     def lost(self, rank: int) -> List[int]:
         """``rank``'s session is lost: its chunks not done, and the ones done whose items did not
