@@ -257,6 +257,33 @@ def test_staging_and_lending_a_buffer_cost_no_python_call_per_segment_of_the_poo
     assert bytes(received) == item.tobytes()
 
 
+def test_a_local_workers_encoder_calls_its_stage_only_for_buffers_that_may_go_in_segments():
+    # A worker's session makes its encoder from its connection's stage_buffer and stage_min_bytes:
+    # a buffer under the shared-memory threshold is copied as over any socket with no call to
+    # learn that, a larger one costs one call (the pool's function itself, no method around it).
+    import socket
+
+    from rpc_reading_service.transports.socket_transport import SharedMemoryConnection
+
+    worker_sock, trainer_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = SharedMemoryConnection(worker_sock, "trainer", FrameReader(), lend=True)
+    pool = SegmentPool()
+    pool.offer_to_producers()
+    try:
+        encoder = ItemEncoder(conn.stage_buffer, stage_min_bytes=conn.stage_min_bytes)
+        for nbytes, staged in [(SHARED_MEMORY_MIN_BYTES // 2, False), (SHARED_MEMORY_MIN_BYTES, True)]:
+            tensor = torch.full((nbytes,), 7, dtype=torch.uint8)
+            encoder.encode(tensor)  # the reused copy (or the segment) exists: as in a stream
+            encoded, calls = python_calls(encoder.encode, tensor)
+            stage_calls = [name for name in calls if name in ("stage_buffer", "copy_into_segment")]
+            assert stage_calls == (["copy_into_segment"] if staged else []), calls
+            assert encoded.staged is staged and torch.equal(loads_item(encoded), tensor)
+    finally:
+        pool.close()
+        conn.close()
+        trainer_sock.close()
+
+
 def test_items_made_in_a_segment_are_lent_as_they_are_and_reused_once_both_sides_let_go():
     from rpc_reading_service import shared_collate, shared_empty
 
