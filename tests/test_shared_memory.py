@@ -221,6 +221,52 @@ def test_a_bound_pool_lends_its_window_of_small_segments_again_and_makes_no_more
     pool.close()
 
 
+def _shmem_kib() -> int:
+    """This process's resident shared memory (every mapping of a segment counts its pages)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssShmem:"))
+
+
+def test_a_bound_map_drops_the_pages_of_free_segments_past_its_window_and_maps_them_when_lent_again():
+    # The trainer keeps the window (two frames here) of segments resident: once the consumer let
+    # go of six, the next frame drops the pages of the newest free ones; a dropped one lent again
+    # is mapped again with its bytes.
+    pool, segments = SegmentPool(), SegmentMap("test")
+    segments.bound(2, BIG)
+    items = [numpy.full(BIG, i, dtype=numpy.uint8) for i in range(6)]
+    held = [_hand_over(pool, segments, [memoryview(item)])[0] for item in items]
+    assert pool.segments == segments.segments == 6
+    before = _shmem_kib()
+    del held
+    gc.collect()
+    (first,) = _hand_over(pool, segments, [memoryview(items[0])])  # lent in the oldest segment
+    assert before - _shmem_kib() >= 4 * BIG // 1024  # the newest four dropped, two kept
+    again = [_hand_over(pool, segments, [memoryview(item)])[0] for item in items[1:]]  # every segment again
+    assert _shmem_kib() - before >= -BIG // 1024 and pool.segments == segments.segments == 6
+    assert [int(numpy.frombuffer(b, dtype=numpy.uint8)[-1]) for b in [first] + again] == list(range(6))
+    pool.close()
+
+
+def test_a_frame_within_the_bound_costs_the_map_no_look_at_each_segment():
+    # Before each frame the trainer checks that the segments it keeps resident stay within its
+    # bound: counted as they change, not by a call per mapped segment (32 here) per frame.
+    pool, segments = SegmentPool(), SegmentMap("test")
+    pool.bound(64, BIG)
+    segments.bound(64, BIG)
+    item = numpy.full(SHARED_MEMORY_MIN_BYTES, 5, dtype=numpy.uint8)
+    held = [_hand_over(pool, segments, [memoryview(item)])[0] for _ in range(32)]
+    del held
+    gc.collect()
+    shared, inline, new, retired = pool.lend([memoryview(item)], SHARED_MEMORY_MIN_BYTES)
+    frame = SharedFrame(MessageKind.DATA, 1, [], retired, shared, b"", inline)
+    received, calls = python_calls(segments.open, frame, [], 1 << 30)
+    # The frame's byte counts, then one call to keep the bound and the buffer's (its finalizer, the Frame).
+    assert calls == ["shared_bytes", "<genexpr>", "<genexpr>", "<genexpr>", "_make_room", "_buffer", "__init__",
+                     "atexit", "__init__"], calls
+    assert bytes(received.buffers[0]) == item.tobytes() and segments.segments == 32
+    pool.close()
+
+
 def test_numpy_arrays_keep_their_segment_lent_while_they_live():
     pool, segments = SegmentPool(), SegmentMap("test")
     array = numpy.arange(BIG, dtype=numpy.int32)

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 #: Bytes before a segment's data: byte 0 is its state (lent to the trainer, or free).
 HEADER_BYTES = 64
 _FREE, _LENT = 0, 1
-_CAPACITY, _SIZE = operator.attrgetter("capacity"), operator.attrgetter("size")
+_CAPACITY, _SIZE, _ID = operator.attrgetter("capacity"), operator.attrgetter("size"), operator.attrgetter("id")
 _PAGE = mmap.PAGESIZE
 #: New segments one frame may bring (each one a descriptor in its ancillary data).
 MAX_NEW_SEGMENTS_PER_FRAME = 16
@@ -502,6 +502,9 @@ class SegmentMap:
         self._segments: Dict[int, _Segment] = {}
         #: What :meth:`bound` set: frames' worth of segments resident here (0: no bound), a frame's bytes.
         self._frames, self._frame_bytes = 0, 0
+        #: The resident segments' bytes, how many segments are not resident, the largest one's size:
+        #: kept as they change, so that a frame within the bound costs no look at every segment.
+        self._resident_bytes, self._dropped, self._largest = 0, 0, 0
 
     def bound(self, frames: int, frame_bytes: int) -> None:
         """Keep at most ``frames`` frames' worth of segments resident here (the connection's share
@@ -521,21 +524,34 @@ class SegmentMap:
         brings in fits under :meth:`bound` with the segments resident already."""
         if not self._frames:
             return
-        placed = {p.segment for p in shared.shared}
-        coming = [size for _id, size in shared.new_segments]
-        coming += [s.size for i in placed if (s := self._segments.get(i)) is not None and not s.resident]
-        sizes = [s.size for s in self._segments.values()] + coming
-        keep = self._frames * max(self._frame_bytes, max(sizes, default=0))
-        resident = sum(s.size for s in self._segments.values() if s.resident) + sum(coming)
+        resident, largest = self._resident_bytes, self._largest
+        for _id, size in shared.new_segments:
+            resident += size
+            largest = size if size > largest else largest
+        placed = None
+        if self._dropped:  # a placed segment whose pages were dropped comes back
+            placed = {p.segment for p in shared.shared}
+            resident += sum(s.size for i in placed if (s := self._segments.get(i)) is not None and not s.resident)
+        keep = self._frames * max(self._frame_bytes, largest)
+        if resident <= keep:
+            return
+        if placed is None:
+            placed = {p.segment for p in shared.shared}
         # The newest first: a worker lends the oldest free segment that fits, so those stay warm.
-        for segment in sorted(self._segments.values(), key=lambda s: -s.id):
+        for segment in sorted(self._segments.values(), key=_ID, reverse=True):
             if resident <= keep:
                 return
             if segment.resident and not segment.pinned and segment.id not in placed and segment.state[0] == _FREE:
                 with contextlib.suppress(OSError, ValueError):
                     segment.mapping.madvise(mmap.MADV_DONTNEED)
-                segment.resident = False
+                self._resident(segment, False)
                 resident -= segment.size
+
+    def _resident(self, segment: _Segment, resident: bool) -> None:
+        """Mark ``segment``'s pages mapped here or dropped (counted for :meth:`_make_room`)."""
+        segment.resident = resident
+        self._resident_bytes += segment.size if resident else -segment.size
+        self._dropped += -1 if resident else 1
 
     def open(self, shared: SharedFrame, fds: List[int], max_frame_bytes: int) -> Frame:
         """The inner frame of ``shared``, its buffers on the segments; ``fds`` are the
@@ -548,7 +564,7 @@ class SegmentMap:
             for segment_id in shared.retired:
                 retired = self._segments.pop(segment_id, None)
                 if retired is not None:
-                    _cuda_host_unregister(retired)
+                    self._forget(retired)
             self._make_room(shared)
             for (segment_id, size), fd in zip(shared.new_segments, fds):
                 self._add(segment_id, size, fd)
@@ -566,6 +582,8 @@ class SegmentMap:
         if not HEADER_BYTES < size <= os.fstat(fd).st_size:
             raise self._error(f"announced segment {segment_id} of {size} bytes, which its descriptor does not hold")
         segment = self._segments[segment_id] = _Segment(segment_id, size, _map(fd, size))
+        self._resident_bytes += size
+        self._largest = max(self._largest, size)
         if self.pin:
             segment.pinned = _cuda_host_register(segment)
 
@@ -580,10 +598,20 @@ class SegmentMap:
         if not segment.resident:  # its pages were dropped (see bound): map them in one call
             with contextlib.suppress(OSError, ValueError):
                 segment.mapping.madvise(_MADV_POPULATE_READ)
-            segment.resident = True
+            self._resident(segment, True)
         memory = (ctypes.c_ubyte * placed.length).from_buffer(segment.mapping, placed.offset)
         weakref.finalize(memory, _release, segment.state, _pid).atexit = False
         return memory  # type: ignore[return-value]
+
+    def _forget(self, segment: _Segment) -> None:
+        """A retired segment is no longer counted (its mapping goes with the last buffer on it)."""
+        if segment.resident:
+            self._resident_bytes -= segment.size
+        else:
+            self._dropped -= 1
+        if segment.size >= self._largest:
+            self._largest = max(map(_SIZE, self._segments.values()), default=0)
+        _cuda_host_unregister(segment)
 
     def _error(self, what: str) -> RemoteProtocolError:
         return RemoteProtocolError(f"the worker at {self.peer} {what} (SHARED_DATA frame)")
@@ -598,3 +626,4 @@ class SegmentMap:
         for segment in self._segments.values():
             _cuda_host_unregister(segment)
         self._segments.clear()
+        self._resident_bytes, self._dropped, self._largest = 0, 0, 0
