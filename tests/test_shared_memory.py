@@ -294,7 +294,7 @@ def test_staging_and_lending_a_buffer_cost_no_python_call_per_segment_of_the_poo
     gc.collect()  # eight free segments, the smallest made last
     item = numpy.full(BIG, 5, dtype=numpy.uint8)
     staged, calls = python_calls(pool.stage, memoryview(item))
-    assert calls == ["_made_in", "allocate", "_fitting", "_hand_out"], calls
+    assert calls == ["_made_in", "allocate", "_fitting", "_segment_bytes", "_hand_out"], calls
     (shared, inline, new, retired), calls = python_calls(pool.lend, [staged], SHARED_MEMORY_MIN_BYTES)
     assert calls == ["_made_in", "_lend_made", "<lambda>"], calls  # <lambda>: its SharedBuffer's __new__
     assert [b.segment for b in shared] == [8] and not (inline or new or retired) and pool.segments == 8
@@ -328,6 +328,48 @@ def test_a_local_workers_encoder_calls_its_stage_only_for_buffers_that_may_go_in
         pool.close()
         conn.close()
         trainer_sock.close()
+
+
+def _lines_run_in(function_name: str, function, *args):
+    """``function(*args)``'s result and how many lines of the functions named ``function_name`` ran."""
+    import sys
+
+    lines = [0]
+
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == function_name:
+            def count(frame, event, arg):
+                lines[0] += event == "line"
+                return count
+            return count
+        return None
+
+    sys.settrace(trace)
+    try:
+        result = function(*args)
+    finally:
+        sys.settrace(None)
+    return result, lines[0]
+
+
+def test_a_buffer_takes_the_first_free_segment_made_for_its_size_without_looking_further():
+    # A stream of same-sized buffers: the oldest free segment made for that size is the smallest
+    # that fits, so the pool looks no further whether it holds 4 free segments or 32.
+    looked = []
+    for count in (4, 32):
+        pool, segments = SegmentPool(), SegmentMap("test")
+        pool.bound(64, BIG)
+        item = numpy.full(SHARED_MEMORY_MIN_BYTES, 6, dtype=numpy.uint8)
+        held = [_hand_over(pool, segments, [memoryview(item)]) for _ in range(count)]
+        del held
+        gc.collect()
+        staged, lines = _lines_run_in("_fitting", pool.stage, memoryview(item))
+        (received,) = _hand_over(pool, segments, [staged])
+        assert bytes(received) == item.tobytes() and pool.segments == count
+        looked.append(lines)
+        del staged, received
+        pool.close()
+    assert looked[0] == looked[1], looked
 
 
 def test_items_made_in_a_segment_are_lent_as_they_are_and_reused_once_both_sides_let_go():

@@ -158,6 +158,11 @@ def copy_into_segment(view: memoryview) -> Optional[Buffer]:
     return pool.stage(view) if pool is not None else None
 
 
+def _segment_bytes(nbytes: int) -> int:
+    """The size of a segment made for ``nbytes``: the header and the bytes, in whole pages."""
+    return -(-(nbytes + HEADER_BYTES) // _PAGE) * _PAGE
+
+
 def _new_segment(size: int, view: Optional[memoryview]) -> Tuple[mmap.mmap, int]:
     """A new memfd segment of ``size`` bytes holding ``view``'s bytes after the header (or
     zeros), mapped: ``(mapping, descriptor)``. Raises OSError or ValueError if the system
@@ -343,13 +348,16 @@ class SegmentPool:
 
     def _fitting(self, nbytes: int, announced: bool = False) -> Optional[_Segment]:
         """The smallest available segment that holds ``nbytes`` and is at most twice that
-        (with ``announced``: only one the trainer knows already)."""
+        (with ``announced``: only one the trainer knows already), the oldest of those."""
         best = None
+        smallest = _segment_bytes(nbytes) - HEADER_BYTES  # what a segment made for it holds: none less
         for segment in self._segments.values():  # the free ones (as :meth:`_free`), with no call per allocation
             capacity = segment.capacity
             if segment.state[0] != _FREE or segment.in_hand:
                 continue
             if nbytes <= capacity <= 2 * nbytes and not (announced and segment.fd is not None):
+                if capacity == smallest:  # no smaller one further on: the rest are not looked at
+                    return segment
                 if best is None or capacity < best.capacity:
                     best = segment
         return best
@@ -386,7 +394,7 @@ class SegmentPool:
     def _reserve(self, nbytes: int, retired: list) -> Optional[int]:
         """Room for a new segment for ``nbytes``, after retiring free segments past what the pool
         keeps (:meth:`_retire_surplus`): its size, counted in the pool's bytes; None if there is no room."""
-        size = -(-(nbytes + HEADER_BYTES) // _PAGE) * _PAGE
+        size = _segment_bytes(nbytes)
         self._retire_surplus(retired, size)
         if self._bytes + size > self.max_bytes:
             return None
