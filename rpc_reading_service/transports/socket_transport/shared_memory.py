@@ -495,6 +495,11 @@ def _cuda_host_unregister(segment: _Segment) -> None:
         segment.pinned = False
 
 
+#: Frames a worker fills past the window (its open batch, the one sealed for credit): their
+#: segments stay resident in the trainer too, up to a frame's bound each (see SegmentMap.bound).
+_WORKER_FRAMES = 2
+
+
 class SegmentMap:
     """The trainer's mappings of one connection's segments; builds received buffers on them.
 
@@ -516,8 +521,8 @@ class SegmentMap:
 
     def bound(self, frames: int, frame_bytes: int) -> None:
         """Keep at most ``frames`` frames' worth of segments resident here (the connection's share
-        of the credit window, plus one), a frame being ``frame_bytes`` or the largest segment:
-        before more arrive, the pages of free segments past that leave this process's resident
+        of the credit window, plus one), a frame being ``frame_bytes`` or the largest segment, and
+        the ``frame_bytes`` of each frame a worker fills past the window: before more arrive, the pages of free segments past that leave this process's resident
         memory (``MADV_DONTNEED``: the memory stays the worker's), and come back when one is
         lent again.
 
@@ -540,7 +545,7 @@ class SegmentMap:
         if self._dropped:  # a placed segment whose pages were dropped comes back
             placed = {p.segment for p in shared.shared}
             resident += sum(s.size for i in placed if (s := self._segments.get(i)) is not None and not s.resident)
-        keep = self._frames * max(self._frame_bytes, largest)
+        keep = self._frames * max(self._frame_bytes, largest) + _WORKER_FRAMES * self._frame_bytes
         if resident <= keep:
             return
         if placed is None:
