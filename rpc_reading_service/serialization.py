@@ -312,16 +312,20 @@ class ItemEncoder:
             itself for memory the producer must not write again; None: an ordinary copy.
         borrow_min_bytes: A buffer at least this large that ``stage`` left alone is not copied:
             the item refers to the producer's memory (:attr:`EncodedItem.borrowed`).
+        stage_min_bytes: ``stage`` is called for no buffer smaller than this (0: for every one).
     """
 
     def __init__(
-        self, stage: Optional[Callable[[memoryview], Optional[Any]]] = None, borrow_min_bytes: Optional[int] = None
-    ) -> None:
+        self, stage: Optional[Callable[[memoryview], Optional[Any]]] = None, borrow_min_bytes: Optional[int] = None,
+        stage_min_bytes: int = 0,
+    ) -> None:  # fmt: skip
         self._stream = io.BytesIO()
         #: The item's out-of-band buffers, as the pickler met them (each a flat ``"B"`` view).
         self._out_of_band: List[memoryview] = []
         self._pickler = ItemPickler(self._stream, protocol=_ITEM_PROTOCOL, buffer_callback=self._collect)
         self._stage = stage
+        #: No buffer is this large without a ``stage``: one comparison per buffer says whether to call it.
+        self._stage_min_bytes = stage_min_bytes if stage is not None else sys.maxsize
         self._borrow_min_bytes = borrow_min_bytes
         self._copies = ReusedBuffers()
 
@@ -353,10 +357,10 @@ class ItemEncoder:
                 item.buffers = []
                 return item
             buffers = item.buffers = []
-            stage, borrow_min_bytes = self._stage, self._borrow_min_bytes
+            stage, stage_min_bytes, borrow_min_bytes = self._stage, self._stage_min_bytes, self._borrow_min_bytes
             for view in out_of_band:
                 item.nbytes += view.nbytes
-                staged = stage(view) if stage is not None else None
+                staged = stage(view) if view.nbytes >= stage_min_bytes else None
                 if staged is not None:
                     item.staged = True
                     buffers.append(staged)

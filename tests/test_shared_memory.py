@@ -221,6 +221,90 @@ def test_a_bound_pool_lends_its_window_of_small_segments_again_and_makes_no_more
     pool.close()
 
 
+def _shmem_kib() -> int:
+    """This process's resident shared memory (every mapping of a segment counts its pages)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssShmem:"))
+
+
+def test_a_bound_map_drops_the_pages_of_free_segments_past_its_window_and_maps_them_when_lent_again():
+    # The trainer keeps the window (two frames here) and the two frames a worker fills past it
+    # resident (two 1 MiB segments, then 2 MiB): once the consumer let go of six, the next frame drops
+    # the pages of the newest free ones; a dropped one lent again is mapped again with its bytes.
+    pool, segments = SegmentPool(), SegmentMap("test")
+    segments.bound(2, BIG)
+    items = [numpy.full(BIG, i, dtype=numpy.uint8) for i in range(6)]
+    held = [_hand_over(pool, segments, [memoryview(item)])[0] for item in items]
+    assert pool.segments == segments.segments == 6
+    before = _shmem_kib()
+    del held
+    gc.collect()
+    (first,) = _hand_over(pool, segments, [memoryview(items[0])])  # lent in the oldest segment
+    assert before - _shmem_kib() >= 3 * BIG // 1024  # the newest three dropped
+    again = [_hand_over(pool, segments, [memoryview(item)])[0] for item in items[1:]]  # every segment again
+    assert _shmem_kib() - before >= -BIG // 1024 and pool.segments == segments.segments == 6
+    assert [int(numpy.frombuffer(b, dtype=numpy.uint8)[-1]) for b in [first] + again] == list(range(6))
+    pool.close()
+
+
+def test_a_frame_within_the_bound_costs_the_map_no_look_at_each_segment():
+    # Before each frame the trainer checks that the segments it keeps resident stay within its
+    # bound: counted as they change, not by a call per mapped segment (32 here) per frame.
+    pool, segments = SegmentPool(), SegmentMap("test")
+    pool.bound(64, BIG)
+    segments.bound(64, BIG)
+    item = numpy.full(SHARED_MEMORY_MIN_BYTES, 5, dtype=numpy.uint8)
+    held = [_hand_over(pool, segments, [memoryview(item)])[0] for _ in range(32)]
+    del held
+    gc.collect()
+    shared, inline, new, retired = pool.lend([memoryview(item)], SHARED_MEMORY_MIN_BYTES)
+    frame = SharedFrame(MessageKind.DATA, 1, [], retired, shared, b"", inline)
+    received, calls = python_calls(segments.open, frame, [], 1 << 30)
+    # The frame's byte counts, then one call to keep the bound and the buffer's (its finalizer, the Frame).
+    assert calls == ["shared_bytes", "<genexpr>", "<genexpr>", "<genexpr>", "_make_room", "_buffer", "__init__",
+                     "atexit", "__init__"], calls
+    assert bytes(received.buffers[0]) == item.tobytes() and segments.segments == 32
+    pool.close()
+
+
+def test_the_frames_a_worker_fills_past_the_window_stay_resident_in_the_trainer():
+    # A worker's pool keeps the window plus its own frames (the batch open, the one sealed for
+    # credit, the item being made), and stages items two frames ahead of what the trainer holds:
+    # the trainer keeps those two frames resident too, so a stream maps and drops no page
+    # (main: a madvise pair, ~40-160 us, for every few 256 KiB-1 MiB items).
+    import collections
+    import sys
+
+    pool, segments = SegmentPool(), SegmentMap("test")
+    pool.bound(2 + 3, BIG)  # a window of two frames, as a worker's session bounds its pool
+    segments.bound(2 + 1, BIG)  # and as the trainer's channel bounds its map
+    pool.offer_to_producers()
+    madvised = [0]
+
+    def count(frame, event, arg):
+        madvised[0] += event == "c_call" and arg.__name__ == "madvise"
+
+    held, staged = collections.deque(), collections.deque()
+    try:
+        for step in range(30):
+            item = numpy.full(SHARED_MEMORY_MIN_BYTES, step, dtype=numpy.uint8)
+            staged.append([copy_into_segment(memoryview(item)) for _ in range(3)])  # 3 items a 1 MiB frame
+            if len(staged) > 2:
+                lent = staged.popleft()
+                sys.setprofile(count if step >= 10 else None)
+                held.append(_hand_over(pool, segments, lent))
+                sys.setprofile(None)
+                del lent
+                if len(held) > 2:
+                    held.popleft()
+        assert [int(numpy.frombuffer(b, dtype=numpy.uint8)[0]) for b in held[-1]] == [27] * 3
+    finally:
+        sys.setprofile(None)
+    assert madvised[0] == 0
+    del held, staged
+    pool.close()
+
+
 def test_numpy_arrays_keep_their_segment_lent_while_they_live():
     pool, segments = SegmentPool(), SegmentMap("test")
     array = numpy.arange(BIG, dtype=numpy.int32)
@@ -248,13 +332,82 @@ def test_staging_and_lending_a_buffer_cost_no_python_call_per_segment_of_the_poo
     gc.collect()  # eight free segments, the smallest made last
     item = numpy.full(BIG, 5, dtype=numpy.uint8)
     staged, calls = python_calls(pool.stage, memoryview(item))
-    assert calls == ["_made_in", "allocate", "_fitting", "_hand_out"], calls
+    assert calls == ["_made_in", "allocate", "_fitting", "_segment_bytes", "_hand_out"], calls
     (shared, inline, new, retired), calls = python_calls(pool.lend, [staged], SHARED_MEMORY_MIN_BYTES)
     assert calls == ["_made_in", "_lend_made", "<lambda>"], calls  # <lambda>: its SharedBuffer's __new__
     assert [b.segment for b in shared] == [8] and not (inline or new or retired) and pool.segments == 8
     del staged
     (received,) = segments.open(SharedFrame(MessageKind.DATA, 1, [], [], shared, b"", []), [], 1 << 30).buffers
     assert bytes(received) == item.tobytes()
+
+
+def test_a_local_workers_encoder_calls_its_stage_only_for_buffers_that_may_go_in_segments():
+    # A worker's session makes its encoder from its connection's stage_buffer and stage_min_bytes:
+    # a buffer under the shared-memory threshold is copied as over any socket with no call to
+    # learn that, a larger one costs one call (the pool's function itself, no method around it).
+    import socket
+
+    from rpc_reading_service.transports.socket_transport import SharedMemoryConnection
+
+    worker_sock, trainer_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = SharedMemoryConnection(worker_sock, "trainer", FrameReader(), lend=True)
+    pool = SegmentPool()
+    pool.offer_to_producers()
+    try:
+        encoder = ItemEncoder(conn.stage_buffer, stage_min_bytes=conn.stage_min_bytes)
+        for nbytes, staged in [(SHARED_MEMORY_MIN_BYTES // 2, False), (SHARED_MEMORY_MIN_BYTES, True)]:
+            tensor = torch.full((nbytes,), 7, dtype=torch.uint8)
+            encoder.encode(tensor)  # the reused copy (or the segment) exists: as in a stream
+            encoded, calls = python_calls(encoder.encode, tensor)
+            stage_calls = [name for name in calls if name in ("stage_buffer", "copy_into_segment")]
+            assert stage_calls == (["copy_into_segment"] if staged else []), calls
+            assert encoded.staged is staged and torch.equal(loads_item(encoded), tensor)
+    finally:
+        pool.close()
+        conn.close()
+        trainer_sock.close()
+
+
+def _lines_run_in(function_name: str, function, *args):
+    """``function(*args)``'s result and how many lines of the functions named ``function_name`` ran."""
+    import sys
+
+    lines = [0]
+
+    def trace(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == function_name:
+            def count(frame, event, arg):
+                lines[0] += event == "line"
+                return count
+            return count
+        return None
+
+    sys.settrace(trace)
+    try:
+        result = function(*args)
+    finally:
+        sys.settrace(None)
+    return result, lines[0]
+
+
+def test_a_buffer_takes_the_first_free_segment_made_for_its_size_without_looking_further():
+    # A stream of same-sized buffers: the oldest free segment made for that size is the smallest
+    # that fits, so the pool looks no further whether it holds 4 free segments or 32.
+    looked = []
+    for count in (4, 32):
+        pool, segments = SegmentPool(), SegmentMap("test")
+        pool.bound(64, BIG)
+        item = numpy.full(SHARED_MEMORY_MIN_BYTES, 6, dtype=numpy.uint8)
+        held = [_hand_over(pool, segments, [memoryview(item)]) for _ in range(count)]
+        del held
+        gc.collect()
+        staged, lines = _lines_run_in("_fitting", pool.stage, memoryview(item))
+        (received,) = _hand_over(pool, segments, [staged])
+        assert bytes(received) == item.tobytes() and pool.segments == count
+        looked.append(lines)
+        del staged, received
+        pool.close()
+    assert looked[0] == looked[1], looked
 
 
 def test_items_made_in_a_segment_are_lent_as_they_are_and_reused_once_both_sides_let_go():

@@ -35,6 +35,9 @@ class Connection(abc.ABC):
     #: buffers from the producer's own memory, uncopied. False (the default) for a transport
     #: that may still read them after returning (an asynchronous send).
     sends_synchronously: bool = False
+    #: The smallest buffer :meth:`stage_buffer` may stage: the worker's encoder calls it for none
+    #: smaller (the default 0: for every large buffer).
+    stage_min_bytes: int = 0
 
     def stage_buffer(self, view: memoryview) -> Optional[Buffer]:
         """Where an item's large buffer ``view`` goes as the worker encodes it (an ``ItemEncoder``'s

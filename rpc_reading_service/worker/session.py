@@ -425,7 +425,7 @@ class WorkerSession:
             # synchronous (the outbox then writes each one before the next item is made).
             borrow = borrow_min_bytes(self.options.batch_max_bytes) if self.conn.sends_synchronously else None
             stages = type(self.conn).stage_buffer is not Connection.stage_buffer  # else no call per buffer
-            self._encoder = ItemEncoder(self.conn.stage_buffer if stages else None, borrow)
+            self._encoder = ItemEncoder(self.conn.stage_buffer if stages else None, borrow, self.conn.stage_min_bytes)
         return self._encoder
 
     def _waiting_for_trainer(self, waiting: bool) -> None:

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 #: Bytes before a segment's data: byte 0 is its state (lent to the trainer, or free).
 HEADER_BYTES = 64
 _FREE, _LENT = 0, 1
-_CAPACITY, _SIZE = operator.attrgetter("capacity"), operator.attrgetter("size")
+_CAPACITY, _SIZE, _ID = operator.attrgetter("capacity"), operator.attrgetter("size"), operator.attrgetter("id")
 _PAGE = mmap.PAGESIZE
 #: New segments one frame may bring (each one a descriptor in its ancillary data).
 MAX_NEW_SEGMENTS_PER_FRAME = 16
@@ -156,6 +156,11 @@ def copy_into_segment(view: memoryview) -> Optional[Buffer]:
     sole = _sole_producer_pool if view.nbytes >= SHARED_MEMORY_MIN_BYTES else None  # no call per buffer
     pool = sole() if sole is not None else None
     return pool.stage(view) if pool is not None else None
+
+
+def _segment_bytes(nbytes: int) -> int:
+    """The size of a segment made for ``nbytes``: the header and the bytes, in whole pages."""
+    return -(-(nbytes + HEADER_BYTES) // _PAGE) * _PAGE
 
 
 def _new_segment(size: int, view: Optional[memoryview]) -> Tuple[mmap.mmap, int]:
@@ -343,13 +348,16 @@ class SegmentPool:
 
     def _fitting(self, nbytes: int, announced: bool = False) -> Optional[_Segment]:
         """The smallest available segment that holds ``nbytes`` and is at most twice that
-        (with ``announced``: only one the trainer knows already)."""
+        (with ``announced``: only one the trainer knows already), the oldest of those."""
         best = None
+        smallest = _segment_bytes(nbytes) - HEADER_BYTES  # what a segment made for it holds: none less
         for segment in self._segments.values():  # the free ones (as :meth:`_free`), with no call per allocation
             capacity = segment.capacity
             if segment.state[0] != _FREE or segment.in_hand:
                 continue
             if nbytes <= capacity <= 2 * nbytes and not (announced and segment.fd is not None):
+                if capacity == smallest:  # no smaller one further on: the rest are not looked at
+                    return segment
                 if best is None or capacity < best.capacity:
                     best = segment
         return best
@@ -386,7 +394,7 @@ class SegmentPool:
     def _reserve(self, nbytes: int, retired: list) -> Optional[int]:
         """Room for a new segment for ``nbytes``, after retiring free segments past what the pool
         keeps (:meth:`_retire_surplus`): its size, counted in the pool's bytes; None if there is no room."""
-        size = -(-(nbytes + HEADER_BYTES) // _PAGE) * _PAGE
+        size = _segment_bytes(nbytes)
         self._retire_surplus(retired, size)
         if self._bytes + size > self.max_bytes:
             return None
@@ -487,6 +495,11 @@ def _cuda_host_unregister(segment: _Segment) -> None:
         segment.pinned = False
 
 
+#: Frames a worker fills past the window (its open batch, the one sealed for credit): their
+#: segments stay resident in the trainer too, up to a frame's bound each (see SegmentMap.bound).
+_WORKER_FRAMES = 2
+
+
 class SegmentMap:
     """The trainer's mappings of one connection's segments; builds received buffers on them.
 
@@ -502,11 +515,14 @@ class SegmentMap:
         self._segments: Dict[int, _Segment] = {}
         #: What :meth:`bound` set: frames' worth of segments resident here (0: no bound), a frame's bytes.
         self._frames, self._frame_bytes = 0, 0
+        #: The resident segments' bytes, how many segments are not resident, the largest one's size:
+        #: kept as they change, so that a frame within the bound costs no look at every segment.
+        self._resident_bytes, self._dropped, self._largest = 0, 0, 0
 
     def bound(self, frames: int, frame_bytes: int) -> None:
         """Keep at most ``frames`` frames' worth of segments resident here (the connection's share
-        of the credit window, plus one), a frame being ``frame_bytes`` or the largest segment:
-        before more arrive, the pages of free segments past that leave this process's resident
+        of the credit window, plus one), a frame being ``frame_bytes`` or the largest segment, and
+        the ``frame_bytes`` of each frame a worker fills past the window: before more arrive, the pages of free segments past that leave this process's resident
         memory (``MADV_DONTNEED``: the memory stays the worker's), and come back when one is
         lent again.
 
@@ -521,21 +537,34 @@ class SegmentMap:
         brings in fits under :meth:`bound` with the segments resident already."""
         if not self._frames:
             return
-        placed = {p.segment for p in shared.shared}
-        coming = [size for _id, size in shared.new_segments]
-        coming += [s.size for i in placed if (s := self._segments.get(i)) is not None and not s.resident]
-        sizes = [s.size for s in self._segments.values()] + coming
-        keep = self._frames * max(self._frame_bytes, max(sizes, default=0))
-        resident = sum(s.size for s in self._segments.values() if s.resident) + sum(coming)
+        resident, largest = self._resident_bytes, self._largest
+        for _id, size in shared.new_segments:
+            resident += size
+            largest = size if size > largest else largest
+        placed = None
+        if self._dropped:  # a placed segment whose pages were dropped comes back
+            placed = {p.segment for p in shared.shared}
+            resident += sum(s.size for i in placed if (s := self._segments.get(i)) is not None and not s.resident)
+        keep = self._frames * max(self._frame_bytes, largest) + _WORKER_FRAMES * self._frame_bytes
+        if resident <= keep:
+            return
+        if placed is None:
+            placed = {p.segment for p in shared.shared}
         # The newest first: a worker lends the oldest free segment that fits, so those stay warm.
-        for segment in sorted(self._segments.values(), key=lambda s: -s.id):
+        for segment in sorted(self._segments.values(), key=_ID, reverse=True):
             if resident <= keep:
                 return
             if segment.resident and not segment.pinned and segment.id not in placed and segment.state[0] == _FREE:
                 with contextlib.suppress(OSError, ValueError):
                     segment.mapping.madvise(mmap.MADV_DONTNEED)
-                segment.resident = False
+                self._resident(segment, False)
                 resident -= segment.size
+
+    def _resident(self, segment: _Segment, resident: bool) -> None:
+        """Mark ``segment``'s pages mapped here or dropped (counted for :meth:`_make_room`)."""
+        segment.resident = resident
+        self._resident_bytes += segment.size if resident else -segment.size
+        self._dropped += -1 if resident else 1
 
     def open(self, shared: SharedFrame, fds: List[int], max_frame_bytes: int) -> Frame:
         """The inner frame of ``shared``, its buffers on the segments; ``fds`` are the
@@ -548,7 +577,7 @@ class SegmentMap:
             for segment_id in shared.retired:
                 retired = self._segments.pop(segment_id, None)
                 if retired is not None:
-                    _cuda_host_unregister(retired)
+                    self._forget(retired)
             self._make_room(shared)
             for (segment_id, size), fd in zip(shared.new_segments, fds):
                 self._add(segment_id, size, fd)
@@ -566,6 +595,8 @@ class SegmentMap:
         if not HEADER_BYTES < size <= os.fstat(fd).st_size:
             raise self._error(f"announced segment {segment_id} of {size} bytes, which its descriptor does not hold")
         segment = self._segments[segment_id] = _Segment(segment_id, size, _map(fd, size))
+        self._resident_bytes += size
+        self._largest = max(self._largest, size)
         if self.pin:
             segment.pinned = _cuda_host_register(segment)
 
@@ -580,10 +611,20 @@ class SegmentMap:
         if not segment.resident:  # its pages were dropped (see bound): map them in one call
             with contextlib.suppress(OSError, ValueError):
                 segment.mapping.madvise(_MADV_POPULATE_READ)
-            segment.resident = True
+            self._resident(segment, True)
         memory = (ctypes.c_ubyte * placed.length).from_buffer(segment.mapping, placed.offset)
         weakref.finalize(memory, _release, segment.state, _pid).atexit = False
         return memory  # type: ignore[return-value]
+
+    def _forget(self, segment: _Segment) -> None:
+        """A retired segment is no longer counted (its mapping goes with the last buffer on it)."""
+        if segment.resident:
+            self._resident_bytes -= segment.size
+        else:
+            self._dropped -= 1
+        if segment.size >= self._largest:
+            self._largest = max(map(_SIZE, self._segments.values()), default=0)
+        _cuda_host_unregister(segment)
 
     def _error(self, what: str) -> RemoteProtocolError:
         return RemoteProtocolError(f"the worker at {self.peer} {what} (SHARED_DATA frame)")
@@ -598,3 +639,4 @@ class SegmentMap:
         for segment in self._segments.values():
             _cuda_host_unregister(segment)
         self._segments.clear()
+        self._resident_bytes, self._dropped, self._largest = 0, 0, 0

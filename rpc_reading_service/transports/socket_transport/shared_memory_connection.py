@@ -43,6 +43,7 @@ class SharedMemoryConnection(SocketConnection):
     # A local worker's large buffers go into shared segments as they are encoded (the segment
     # pool decides where each one goes): they are not sent from the producer's own memory.
     sends_synchronously = False
+    stage_min_bytes = SHARED_MEMORY_MIN_BYTES
 
     def __init__(
         self, sock: socket.socket, peer: str, reader: FrameReader, offered: bool = False, lend: bool = False,
@@ -56,9 +57,9 @@ class SharedMemoryConnection(SocketConnection):
         self._fds: "collections.deque[int]" = collections.deque()
         self._bound: Optional[Tuple[int, int]] = None  # bound_buffers' arguments, for a pool made later
 
-    def stage_buffer(self, view: memoryview) -> Optional[Buffer]:
-        """A large buffer goes into a segment of this process's session as it is encoded (:func:`.shared_memory.copy_into_segment`)."""
-        return copy_into_segment(view)
+    # A large buffer goes into a segment of this process's session as it is encoded: the function
+    # itself, one call per buffer (no method around it).
+    stage_buffer = staticmethod(copy_into_segment)  # type: ignore[assignment]
 
     @property
     def shared_segments(self) -> int:
