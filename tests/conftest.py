@@ -48,7 +48,7 @@ LONGEST_FILES_FIRST = (
     "test_checkpoint.py", "test_mprs_parity.py", "test_reassign.py", "test_transport_conformance.py",
     "test_checkpoint_bounds.py", "test_local_fleet.py", "test_readme.py", "test_worker.py",
     "test_cluster.py", "test_launch_recipes.py", "test_benchmarks.py", "test_join.py",
-    "test_session_hardening.py", "test_discovery.py", "test_fork_safety.py", "test_shared_memory.py",
+    "test_session_hardening.py", "test_discovery.py", "test_fork_safety.py", "test_shared_memory_processes.py",
     "test_autoscale.py", "test_cache.py", "test_fleet_checkpoint.py", "test_torch_rpc_transport.py",
     "test_reading_service.py", "test_end_to_end.py", "test_example_ddp_train.py", "test_metrics.py",
     "test_suite_processes.py", "test_serialization.py", "test_dispatch.py", "test_server_hardening.py",
