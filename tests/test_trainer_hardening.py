@@ -1,7 +1,9 @@
 """A real trainer fed by a hostile worker: a raw socket server that passes the handshake with the
-right key, answers SETUP, then sends DATA frames whose items the trainer cannot unpickle.
+right key, then answers SETUP or the first epoch with frames a real worker would not send (items
+the trainer cannot unpickle, a failure whose exception description is malformed).
 
-The trainer must raise a typed error naming the worker, not a bare pickle error (and not hang).
+The trainer must raise a typed error naming the worker at once: never a bare error of the
+trainer's own code, never a hang.
 """
 
 from __future__ import annotations
@@ -16,8 +18,16 @@ import pytest
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from rpc_reading_service import ItemUnpicklingError, RPCReadingService, __version__
-from rpc_reading_service.protocol import HANDSHAKE_KINDS, FrameReader, ServerHandshake
+from rpc_reading_service import (
+    ItemUnpicklingError,
+    RemoteProtocolError,
+    RemoteWorkerError,
+    RPCReadingService,
+    WorkerLostError,
+    WorkerStartupError,
+    __version__,
+)
+from rpc_reading_service.protocol import HANDSHAKE_KINDS, FrameReader, MessageKind, ServerHandshake, encode_control
 from rpc_reading_service.protocol.messages import Data, Ready, StartEpoch, decode_message, decode_setup
 from rpc_reading_service.serialization import EncodedItem
 
@@ -38,17 +48,19 @@ def _send(conn: socket.socket, chunks) -> None:
 
 
 class HostileWorker:
-    """A worker server on a free port that serves one session: handshake, READY, then ``payloads``
-    as the items of the first epoch's DATA frame 0; it holds the connection until closed.
+    """A worker server on a free port that serves one session: the handshake, then ``at_setup``'s
+    frame instead of READY, or READY and ``in_epoch(epoch)``'s frame when the first epoch starts;
+    it holds the connection until closed.
 
     Args:
-        payloads: The pickle streams of the frame's items.
+        at_setup: The chunks of the frame that answers SETUP (None: READY).
+        in_epoch: The chunks of the frame sent when an epoch starts, from its number.
     """
 
-    def __init__(self, payloads) -> None:
+    def __init__(self, at_setup=None, in_epoch=None) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.address = "127.0.0.1:%d" % self._listener.getsockname()[1]
-        self._payloads = payloads
+        self._at_setup, self._in_epoch = at_setup, in_epoch
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="hostile-worker", daemon=True)
         self._thread.start()
@@ -62,11 +74,13 @@ class HostileWorker:
             _send(conn, handshake.receive_proof(_next_frame(conn, reader)))
             reader.allowed_kinds, reader.max_frame_bytes = None, 1 << 26
             decode_setup(_next_frame(conn, reader))
-            _send(conn, Ready(os.getpid(), "hostile", __version__).encode())
-            while not isinstance(start := decode_message(_next_frame(conn, reader)), StartEpoch):
-                pass
-            items = [EncodedItem(payload, []) for payload in self._payloads]
-            _send(conn, Data(start.epoch, 0, items).encode())
+            if self._at_setup is not None:
+                _send(conn, self._at_setup)
+            else:
+                _send(conn, Ready(os.getpid(), "hostile", __version__).encode())
+                while not isinstance(start := decode_message(_next_frame(conn, reader)), StartEpoch):
+                    pass
+                _send(conn, self._in_epoch(start.epoch))
             self._done.wait(30)
 
     def close(self) -> None:
@@ -75,6 +89,21 @@ class HostileWorker:
         self._listener.close()
         self._thread.join(10)
         assert not self._thread.is_alive()
+
+
+def _first_epoch_error(worker: HostileWorker, expected):
+    """The error (of type ``expected``) that a DataLoader2 over ``worker`` raises, at once."""
+    try:
+        rs = RPCReadingService(num_workers=1, workers=[worker.address], auth_key=KEY, timeout=5)
+        started = time.monotonic()
+        with pytest.raises(expected) as caught:
+            with DataLoader2(IterableWrapper(range(10)).sharding_filter(), reading_service=rs) as dl:
+                list(dl)
+        assert time.monotonic() - started < 10  # at once, not by a timeout
+    finally:
+        worker.close()
+    assert worker.address in str(caught.value)
+    return caught.value
 
 
 @pytest.mark.timeout(30)
@@ -87,18 +116,43 @@ class HostileWorker:
     ids=["corrupt", "missing-module"],
 )
 def test_an_item_the_trainer_cannot_unpickle_names_its_worker(payload, cause):
-    worker = HostileWorker([pickle.dumps(1), payload])
-    try:
-        rs = RPCReadingService(num_workers=1, workers=[worker.address], auth_key=KEY, timeout=5)
-        started = time.monotonic()
-        with DataLoader2(IterableWrapper(range(10)).sharding_filter(), reading_service=rs) as dl:
-            with pytest.raises(ItemUnpicklingError) as caught:
-                list(dl)
-        assert time.monotonic() - started < 10  # at once, not by a timeout
-    finally:
-        worker.close()
-    error = caught.value
-    assert (error.rank, error.address) == (0, worker.address)
-    assert f"worker 0 ({worker.address}) sent an item this trainer cannot unpickle ({cause})" in str(error)
+    items = [EncodedItem(pickle.dumps(1), []), EncodedItem(payload, [])]
+    error = _first_epoch_error(HostileWorker(in_epoch=lambda epoch: Data(epoch, 0, items).encode()), ItemUnpicklingError)
+    worker_address = error.address
+    assert error.rank == 0
+    assert f"worker 0 ({worker_address}) sent an item this trainer cannot unpickle ({cause})" in str(error)
     assert isinstance(error, pickle.UnpicklingError)  # what callers caught before it named the worker
     assert error.__cause__ is not None
+
+
+#: Exception descriptions a real worker never sends, and what the trainer says of each.
+MALFORMED_DESCRIPTIONS = [
+    ({"type_name": 5, "traceback": "tb"}, "exception's 'type_name' is int 5, expected str"),
+    ({"type_name": "X", "pickled": 12}, "exception's 'pickled' is int 12, expected bytes or None"),
+]
+#: Descriptions whose pickle rebuilds something that is not an exception: told by their text.
+NOT_AN_EXCEPTION = [pickle.dumps("text"), pickle.dumps([1])]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("description, problem", MALFORMED_DESCRIPTIONS, ids=["type-name", "pickled"])
+def test_a_malformed_failure_is_a_protocol_error_naming_the_worker(description, problem):
+    at_setup = encode_control(MessageKind.SETUP_FAILED, {"exception": description})
+    error = _first_epoch_error(HostileWorker(at_setup=at_setup), RemoteProtocolError)
+    assert f"it sent a malformed SETUP_FAILED (received a SETUP_FAILED message whose {problem})" in str(error)
+    in_epoch = lambda epoch: encode_control(MessageKind.SHARD_FAILED, {"epoch": epoch, "exception": description})  # noqa: E731
+    error = _first_epoch_error(HostileWorker(in_epoch=in_epoch), WorkerLostError)
+    assert f"it sent a malformed SHARD_FAILED (received a SHARD_FAILED message whose {problem})" in str(error)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("pickled", NOT_AN_EXCEPTION, ids=["str", "list"])
+def test_a_failure_whose_pickle_is_not_an_exception_is_told_by_its_text(pickled):
+    description = {"type_name": "BadThing", "traceback": "Traceback: the worker's text", "pickled": pickled}
+    at_setup = encode_control(MessageKind.SETUP_FAILED, {"exception": description})
+    error = _first_epoch_error(HostileWorker(at_setup=at_setup), WorkerStartupError)
+    assert "Caught BadThing in worker process 0" in str(error) and "the worker's text" in str(error)
+    in_epoch = lambda epoch: encode_control(MessageKind.SHARD_FAILED, {"epoch": epoch, "exception": description})  # noqa: E731
+    error = _first_epoch_error(HostileWorker(in_epoch=in_epoch), RemoteWorkerError)
+    assert str(error).startswith("Caught BadThing in worker process 0") and "the worker's text" in str(error)
+    assert error.remote_exception is None
