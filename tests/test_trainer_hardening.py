@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import struct
 import threading
 import time
 
@@ -27,7 +28,7 @@ from rpc_reading_service import (
     WorkerStartupError,
     __version__,
 )
-from rpc_reading_service.protocol import HANDSHAKE_KINDS, FrameReader, MessageKind, ServerHandshake, encode_control
+from rpc_reading_service.protocol import HANDSHAKE_KINDS, FrameReader, MessageKind, ServerHandshake, encode_control, encode_frame
 from rpc_reading_service.protocol.messages import Data, Ready, StartEpoch, decode_message, decode_setup
 from rpc_reading_service.serialization import EncodedItem
 
@@ -118,9 +119,8 @@ def _first_epoch_error(worker: HostileWorker, expected):
 def test_an_item_the_trainer_cannot_unpickle_names_its_worker(payload, cause):
     items = [EncodedItem(pickle.dumps(1), []), EncodedItem(payload, [])]
     error = _first_epoch_error(HostileWorker(in_epoch=lambda epoch: Data(epoch, 0, items).encode()), ItemUnpicklingError)
-    worker_address = error.address
     assert error.rank == 0
-    assert f"worker 0 ({worker_address}) sent an item this trainer cannot unpickle ({cause})" in str(error)
+    assert f"worker 0 ({error.address}) sent an item this trainer cannot unpickle ({cause})" in str(error)
     assert isinstance(error, pickle.UnpicklingError)  # what callers caught before it named the worker
     assert error.__cause__ is not None
 
@@ -156,3 +156,23 @@ def test_a_failure_whose_pickle_is_not_an_exception_is_told_by_its_text(pickled)
     error = _first_epoch_error(HostileWorker(in_epoch=in_epoch), RemoteWorkerError)
     assert str(error).startswith("Caught BadThing in worker process 0") and "the worker's text" in str(error)
     assert error.remote_exception is None
+
+
+_HEAD, _ITEM = struct.Struct("!IQI"), struct.Struct("!QI")  # a DATA frame's head and item table entry
+_SEVEN = pickle.dumps(7)
+#: DATA frames whose item table does not match their body and buffers: (body chunks, buffers).
+BAD_TABLES = {
+    "more-items-than-table": lambda e: ([_HEAD.pack(e, 0, 5) + _ITEM.pack(len(_SEVEN), 0), _SEVEN], []),
+    "payload-past-body": lambda e: ([_HEAD.pack(e, 0, 1) + _ITEM.pack(len(_SEVEN) + 100, 0), _SEVEN], []),
+    "missing-buffers": lambda e: ([_HEAD.pack(e, 0, 1) + _ITEM.pack(len(_SEVEN), 3), _SEVEN], []),
+    "extra-buffer": lambda e: ([_HEAD.pack(e, 0, 1) + _ITEM.pack(len(_SEVEN), 0), _SEVEN], [b"xx"]),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", sorted(BAD_TABLES))
+def test_a_data_frame_whose_item_table_lies_names_its_worker(name):
+    in_epoch = lambda epoch: encode_frame(MessageKind.DATA, *BAD_TABLES[name](epoch))  # noqa: E731
+    error = _first_epoch_error(HostileWorker(in_epoch=in_epoch), WorkerLostError)
+    assert error.rank == 0 and str(error).startswith(f"worker 0 ({error.address}) broke the session protocol: DATA frame")
+    assert isinstance(error.__cause__, RemoteProtocolError)

@@ -27,7 +27,7 @@ from ..trainer.channel import (
     WorkerChannel,
     slow_frame,
 )
-from ..errors import ItemUnpicklingError, WorkerLostError
+from ..errors import ItemUnpicklingError, RemoteProtocolError, WorkerLostError
 from ..protocol import decode_data_parts
 from ..frame_items import loads_payloads
 from ..safe_text import printable
@@ -91,7 +91,11 @@ def take_items(event: Event, epoch: int, cursor: Optional[_Cursor] = None) -> Li
         raise event.error
     if isinstance(event, FrameReceived):
         frame = event.frame
-        _epoch, _sequence, payloads, buffers = decode_data_parts(frame)
+        try:
+            _epoch, _sequence, payloads, buffers = decode_data_parts(frame)
+        except RemoteProtocolError as exc:  # its item table, read here and not by the receiver
+            channel = event.channel
+            raise WorkerLostError(f"{channel.name} broke the session protocol: {exc}", channel.rank, channel.address) from exc
         nbytes = frame.nbytes
         owed = (nbytes, slow_frame(len(payloads), nbytes))
         if cursor is None or not payloads:
