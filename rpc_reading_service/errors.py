@@ -6,6 +6,7 @@ what to do about it. All inherit from :class:`RPCReadingServiceError`.
 
 from __future__ import annotations
 
+import pickle
 import sys
 import traceback
 from typing import Optional
@@ -25,6 +26,7 @@ __all__ = [
     "WorkerRefusedError",
     "WorkerLostError",
     "ItemTimeoutError",
+    "ItemUnpicklingError",
     "WorkerDrainedError",
     "WorkerStartupError",
     "RemoteWorkerError",
@@ -188,6 +190,17 @@ class ItemPicklingError(RPCReadingServiceError, TypeError):
     """An item holds a tensor that cannot be pickled to cross to the other side (an MKL-DNN
     tensor, for example). The message names the tensor's kind; convert it in the graph into one
     that can cross (``.to_dense()``, or a plain strided tensor) before yielding it."""
+
+
+class ItemUnpicklingError(RPCReadingServiceError, pickle.UnpicklingError):
+    """The trainer could not unpickle an item a worker sent (a class or module of the item missing
+    here, another version of a library, or corrupt bytes). ``rank`` and ``address`` name the worker;
+    the original exception is the ``__cause__``."""
+
+    def __init__(self, message: str, rank: Optional[int] = None, address: Optional[str] = None):
+        super().__init__(message)
+        self.rank = rank
+        self.address = address
 
 
 def malformed_checkpoint(

@@ -595,6 +595,8 @@ def rebuild_exception(
             original = pickle.loads(info["pickled"])
         except Exception:  # noqa: BLE001 - the type may not exist here, or not rebuild here
             original = None
+        if not isinstance(original, BaseException):
+            original = None  # a peer's pickle of something else: described by its text alone
     rebuilt: BaseException
     if original is not None:
         if isinstance(original, KeyError):

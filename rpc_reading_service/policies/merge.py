@@ -27,9 +27,10 @@ from ..trainer.channel import (
     WorkerChannel,
     slow_frame,
 )
-from ..errors import WorkerLostError
+from ..errors import ItemUnpicklingError, RemoteProtocolError, WorkerLostError
 from ..protocol import decode_data_parts
 from ..frame_items import loads_payloads
+from ..safe_text import printable
 
 __all__ = [
     "EpochProgress",
@@ -90,7 +91,11 @@ def take_items(event: Event, epoch: int, cursor: Optional[_Cursor] = None) -> Li
         raise event.error
     if isinstance(event, FrameReceived):
         frame = event.frame
-        _epoch, _sequence, payloads, buffers = decode_data_parts(frame)
+        try:
+            _epoch, _sequence, payloads, buffers = decode_data_parts(frame)
+        except RemoteProtocolError as exc:  # its item table, read here and not by the receiver
+            channel = event.channel
+            raise WorkerLostError(f"{channel.name} broke the session protocol: {exc}", channel.rank, channel.address) from exc
         nbytes = frame.nbytes
         owed = (nbytes, slow_frame(len(payloads), nbytes))
         if cursor is None or not payloads:
@@ -98,8 +103,24 @@ def take_items(event: Event, epoch: int, cursor: Optional[_Cursor] = None) -> Li
         else:
             cursor.owed = owed
         event.channel.stats.items += len(payloads)
-        return loads_payloads(payloads, buffers)
+        try:
+            return loads_payloads(payloads, buffers)
+        except Exception as exc:  # noqa: BLE001 - whatever an item's rebuild raises, say whose item it was
+            raise unreadable_items(event.channel, exc) from exc
     return []
+
+
+def unreadable_items(channel: WorkerChannel, exc: Exception) -> ItemUnpicklingError:
+    """The error of a DATA frame of ``channel``'s worker whose items this trainer cannot unpickle (``exc``)."""
+    try:
+        text = printable(str(exc), limit=300)
+    except Exception:  # noqa: BLE001 - an exception's __str__ is user code
+        text = "<unprintable>"
+    return ItemUnpicklingError(
+        f"{channel.name} sent an item this trainer cannot unpickle ({type(exc).__name__}: {text}): every "
+        "class of an item must be importable here, from the same versions of its modules as on the worker",
+        channel.rank, channel.address,
+    )  # fmt: skip
 
 
 @dataclass

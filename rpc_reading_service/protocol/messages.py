@@ -311,13 +311,25 @@ class StopEpoch(_Control):
     epoch: int
 
 
+#: The types of the keys of ``serialization.pack_exception``'s description of an exception.
+_EXCEPTION_KEYS: Dict[str, Any] = {
+    "type_name": (str,), "type_module": (str,), "message": (str,), "traceback": (str,), "pickled": (bytes, type(None)),
+}
+
+
 class _Failure(_Control):
     """A worker's failure that carries ``exception``: ``serialization.pack_exception``'s description."""
 
     @classmethod
     def _check_together(cls, values: Mapping[str, Any], error: Type[ProtocolError], where: str) -> None:
-        if not values["exception"]:
+        described = values["exception"]
+        if not described:
             raise error(f"{where} whose field 'exception' is empty (no exception described)")
+        for key, types in _EXCEPTION_KEYS.items():
+            if key in described and not isinstance(described[key], types):
+                value = described[key]
+                wanted = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+                raise error(f"{where} whose exception's {key!r} is {type(value).__name__} {value!r:.80}, expected {wanted}")
 
 
 @dataclass(frozen=True)
