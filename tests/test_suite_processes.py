@@ -105,8 +105,7 @@ if sys.argv[-1] == "raise":
 """
 
 
-@pytest.mark.parametrize("ends", ["returns", "raise"])
-@pytest.mark.parametrize("how", ["-c", "script"])
+@pytest.mark.parametrize("how, ends", [("-c", "returns"), ("script", "raise")])
 def test_a_forked_interpreter_runs_its_code_as_main_and_exits_as_a_fresh_one(tmp_path, how, ends):
     script = tmp_path / "script.py"
     script.write_text(FORKED_SCRIPT)
