@@ -17,12 +17,13 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Collection, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
-from _server_forkserver import PRELOADED_COMMAND, forked_server
+from _server_forkserver import PRELOADED_COMMAND, forked_python, forked_server
 from rpc_reading_service import __version__
 from rpc_reading_service.addresses import parse_address
 from rpc_reading_service.trainer.local_fleet import read_line, read_listening_address  # noqa: F401 - re-exported for tests
@@ -108,10 +109,12 @@ def worker_cli_runs(
     argvs: Sequence[Sequence[str]], env: Optional[Dict[str, str]] = None, cwd: Optional[str] = None
 ) -> List[subprocess.CompletedProcess]:
     """``python -m rpc_reading_service.worker ARGS`` for each list in ``argvs``, all in ONE
-    interpreter (one torch import instead of one per list), one result per list. Only for
-    arguments the worker answers and exits on (help, refusals): one that starts a server serves on."""
-    done = subprocess.run([sys.executable, "-c", _CLI_RUNS_SCRIPT, json.dumps([list(a) for a in argvs])],
-                          capture_output=True, text=True, timeout=45, env=env, cwd=cwd)
+    interpreter (forked from the forkserver: torch imported already), one result per list, with
+    ``env`` (PYTHONPATH: the tests' own) in ``cwd``. Only for arguments the worker answers and
+    exits on (help, refusals): one that starts a server serves on."""
+    env = dict(os.environ if env is None else env, PYTHONPATH=_pythonpath())
+    argv = ["-c", _CLI_RUNS_SCRIPT, json.dumps([list(a) for a in argvs])]
+    done = python_run(argv, env, cwd or os.getcwd(), timeout=45)
     assert done.returncode == 0, f"the worker CLI runs failed ({done.returncode}):\n{done.stderr}"
     return [subprocess.CompletedProcess([*WORKER_CLI, *run[0]], *run[1:]) for run in json.loads(done.stdout)]
 
@@ -598,15 +601,40 @@ def subprocess_env(**extra: str) -> Dict[str, str]:
     return dict(os.environ, PYTHONPATH=_pythonpath(), **extra)
 
 
-def spawn_python(code: str, workdir: Path) -> subprocess.Popen:
-    """Run ``code`` in a fresh interpreter (a trainer) in its own process group; stdin and
-    stdout are pipes, stderr goes to a log file in ``workdir``."""
+def spawn_python(code: str, workdir: Path, args: Sequence[str] = ()) -> subprocess.Popen:
+    """Run ``python -c code *args`` (a trainer) in its own process group, forked from the forkserver
+    (:func:`_server_forkserver.forked_python`: torch imported already); stdin and stdout are
+    pipes, stderr goes to a log file in ``workdir``."""
     env = subprocess_env(PYTHONWARNINGS="ignore")
     with open(workdir / f"trainer-{secrets.token_hex(4)}.log", "wb") as log:
+        forked = forked_python(["-c", code, *args], env, str(workdir), log.fileno(), stdin_pipe=True)
+        if forked is not None:
+            return forked  # type: ignore[return-value] - the part of Popen the tests use
         return subprocess.Popen(
-            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-c", code, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=log, env=env, start_new_session=True, cwd=str(workdir),
         )  # fmt: skip
+
+
+def python_run(argv: Sequence[str], env: Dict[str, str], cwd: str, timeout: float) -> subprocess.CompletedProcess:
+    """``python *argv`` to its end, as ``subprocess.run`` with text output captured: forked from the
+    forkserver (:func:`_server_forkserver.forked_python`: torch imported already) if ``env`` allows,
+    else spawned; in a session of its own, reaped with it on any outcome (a timeout raises)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = forked_python(list(argv), env, cwd, err.fileno(), stdout_fd=out.fileno())
+        if proc is None:
+            proc = subprocess.Popen(
+                [sys.executable, *argv], stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=cwd,
+                start_new_session=True,
+            )  # fmt: skip
+        try:
+            code = proc.wait(timeout)
+        finally:
+            reap(proc)
+        out.seek(0)
+        err.seek(0)
+        said = [stream.read().decode(errors="replace") for stream in (out, err)]
+    return subprocess.CompletedProcess([sys.executable, *argv], code, *said)
 
 
 def reap(proc: subprocess.Popen) -> None:

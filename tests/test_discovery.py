@@ -20,7 +20,7 @@ from torch.distributed import TCPStore
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import _pythonpath, free_port, start_server, wait_until
+from _server_helpers import _pythonpath, free_port, python_run, start_server, wait_until
 from rpc_reading_service import (
     ConfigurationError,
     DiscoveryTimeoutError,
@@ -259,12 +259,8 @@ def test_advertised_address_rules():
 @pytest.mark.timeout(60)
 def test_worker_exits_with_a_clear_error_when_the_store_never_comes(tmp_path):
     port = free_port()
-    env_cmd = [sys.executable, "-m", "rpc_reading_service.worker", "--port", "0", "--store", f"127.0.0.1:{port}",
-               "--store-timeout", "1"]  # fmt: skip
-    result = subprocess.run(
-        env_cmd, capture_output=True, text=True, timeout=45, cwd=str(tmp_path),
-        env={"PYTHONPATH": _pythonpath(), "PATH": "/usr/bin:/bin"},
-    )  # fmt: skip
+    argv = ["-m", "rpc_reading_service.worker", "--port", "0", "--store", f"127.0.0.1:{port}", "--store-timeout", "1"]
+    result = python_run(argv, {"PYTHONPATH": _pythonpath(), "PATH": "/usr/bin:/bin"}, str(tmp_path), timeout=45)
     assert result.returncode == 1, result.stderr
     assert f"no TCPStore answers at 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr
@@ -272,10 +268,8 @@ def test_worker_exits_with_a_clear_error_when_the_store_never_comes(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_worker_refuses_to_register_a_unix_socket(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "rpc_reading_service.worker", "--host", f"unix:{tmp_path}/w.sock", "--store", "127.0.0.1:1"],
-        capture_output=True, text=True, timeout=45, cwd=str(tmp_path), env={"PYTHONPATH": _pythonpath()},
-    )  # fmt: skip
+    argv = ["-m", "rpc_reading_service.worker", "--host", f"unix:{tmp_path}/w.sock", "--store", "127.0.0.1:1"]
+    result = python_run(argv, {"PYTHONPATH": _pythonpath()}, str(tmp_path), timeout=45)
     assert result.returncode == 2
     assert "cannot reach a Unix socket" in result.stderr
 

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+import time
 import uuid
 
 import pytest
-import torch.multiprocessing as mp
-from _server_helpers import free_port, reap, remote, run_epochs
+from _server_forkserver import forked_python
+from _server_helpers import free_port, python_run, reap, remote, run_epochs, subprocess_env
 from torchdata.dataloader2 import DataLoader2, MultiProcessingReadingService
 from torchdata.datapipes.iter import IterableWrapper
 
@@ -85,19 +85,12 @@ if __name__ == "__main__":
 def test_functions_from_main_script_and_spawn_child(worker_server, tmp_path):
     script = tmp_path / "trainer_script.py"
     script.write_text(TRAINER_SCRIPT)
-    proc = subprocess.Popen(
-        [sys.executable, str(script), worker_server.address, worker_server.key],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=tmp_path,
-        start_new_session=True,  # so that a hang is reaped with its spawn child
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=80)
-    finally:
-        reap(proc)  # the script's process group: its spawn child too
-    assert proc.returncode == 0, stderr[-3000:]
+    # ``python trainer_script.py``, forked from the tests' forkserver (torch imported already); its
+    # child is a real ``spawn`` child, reaped with it (a session of their own).
+    args = [str(script), worker_server.address, worker_server.key]
+    done = python_run(args, subprocess_env(), str(tmp_path), timeout=80)
+    stdout, stderr = done.stdout, done.stderr
+    assert done.returncode == 0, stderr[-3000:]
     outputs = {}
     for line in stdout.splitlines():
         outputs.update(json.loads(line))
@@ -163,14 +156,28 @@ def remote_at(address, key):
     return RPCReadingService(num_workers=2, workers=[address], auth_key=key)
 
 
+# rank, world size, port (numbers), address, key, directory
+RANK = "import sys, test_end_to_end as t; t.distributed_trainer(*map(int, sys.argv[1:4]), *sys.argv[4:])"
+
+
 def test_distributed_ranks_get_disjoint_global_shards(worker_server, tmp_path):
     world_size = 2
-    mp.spawn(
-        distributed_trainer,
-        args=(world_size, free_port(), worker_server.address, worker_server.key, str(tmp_path)),
-        nprocs=world_size,
-        join=True,
-    )
+    args = [str(world_size), str(free_port()), worker_server.address, worker_server.key, str(tmp_path)]
+    ranks = []  # each rank a trainer forked from the tests' forkserver (torch imported already)
+    try:
+        for rank in range(world_size):
+            with open(tmp_path / f"rank{rank}.log", "wb") as log:
+                argv, fd = ["-c", RANK, str(rank), *args], log.fileno()
+                ranks.append(forked_python(argv, subprocess_env(), str(tmp_path), fd, stdout_fd=fd))
+            assert ranks[-1] is not None, "the forkserver runs the tests' interpreters"
+        deadline = time.monotonic() + 80
+        for rank, proc in enumerate(ranks):
+            code = proc.wait(max(0.1, deadline - time.monotonic()))
+            assert code == 0, (tmp_path / f"rank{rank}.log").read_text()[-3000:]
+    finally:
+        for proc in ranks:
+            if proc is not None:
+                reap(proc)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world_size)]
     for mode in ("rpc", "sequential"):
         for epoch in range(2):

@@ -9,14 +9,13 @@ import os
 import secrets
 import selectors
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import List
 
 import pytest
-from _server_helpers import _pythonpath, children_of, process_alive, read_line, reap, spawn_python, wait_until
+from _server_helpers import children_of, process_alive, read_line, reap, spawn_python, wait_until
 from conftest import run_epochs
 from torchdata.datapipes.iter import IterableWrapper
 
@@ -146,7 +145,9 @@ from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 from rpc_reading_service import RPCReadingService
 
-held, graph, address, key = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+graph, address, key = sys.argv[2], sys.argv[3], sys.argv[4]
+held = os.open(sys.argv[1], os.O_WRONLY)  # the pipe's write end, inheritable as a passed-down one is
+os.set_inheritable(held, True)
 if address:
     service = RPCReadingService(workers=[address], num_workers=2, auth_key=key, timeout=30)
 else:
@@ -169,15 +170,11 @@ else:
 def start_trainer_holding_a_pipe(tmp_path: Path, graph: str = "plain", server=None):
     """A trainer (pipes: stdin, stdout) that also holds the write end of a pipe, as an xdist
     worker holds its channel to pytest; returns it and the pipe's read end, once its epoch runs."""
-    read_end, write_end = os.pipe()
+    pipe = tmp_path / "held.fifo"
+    os.mkfifo(pipe)
+    read_end = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)  # the trainer opens the write end
     address, key = (server.address, server.key) if server is not None else ("", "")
-    with open(tmp_path / "trainer.log", "wb") as log:
-        trainer = subprocess.Popen(
-            [sys.executable, "-c", TRAINER_HOLDING_A_PIPE, str(write_end), graph, address, key],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, pass_fds=(write_end,),
-            env=dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONWARNINGS="ignore"), start_new_session=True,
-        )  # fmt: skip
-    os.close(write_end)
+    trainer = spawn_python(TRAINER_HOLDING_A_PIPE, tmp_path, [str(pipe), graph, address, key])
     try:
         assert read_line(trainer, timeout=45) == "started"
     except BaseException:

@@ -1,9 +1,9 @@
 """Two trainer processes (torch.distributed, gloo) sharing the same worker servers.
 
 The test starts two ``python -m rpc_reading_service.worker --port 0`` servers (keyed through
-``RPC_READING_SERVICE_AUTH_KEY``), then spawns two trainers that form a gloo process group on
-a free loopback port. Each trainer runs every scenario below on the same servers and puts
-its items on a queue; the test checks them:
+``RPC_READING_SERVICE_AUTH_KEY``), then starts two trainers (forked from the tests'
+forkserver) that form a gloo process group on a free loopback port. Each trainer runs every
+scenario below on the same servers and prints its items; the test checks them:
 
 - ``RPCReadingService`` alone under the initialised process group: the global shard is
   ``dist_rank * N + worker_rank`` of ``world * N``, disjoint across ranks, union = dataset.
@@ -17,19 +17,21 @@ its items on a queue; the test checks them:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
-import queue
 import random
+import selectors
+import subprocess
 import time
 import traceback
 from datetime import timedelta
 from typing import Any
 
 import pytest
-import torch.multiprocessing as mp
-from _server_helpers import free_port, start_server
+from _server_forkserver import forked_python
+from _server_helpers import free_port, reap, start_server, subprocess_env
 
 WORLD = 2
 WORKERS_PER_TRAINER = 2
@@ -213,48 +215,72 @@ def fleet(tmp_path_factory):
             server.stop()
 
 
-def run_trainers(fleet, names: list[str], timeout: float) -> dict[str, dict[int, Any]]:
-    """Spawn the two trainers, collect ``{scenario: {rank: outcome}}`` within ``timeout`` seconds."""
+class PrintedResults:
+    """A trainer's ``results``: each ``(rank, name, outcome)`` a line of stdout, pickled (hex)."""
+
+    def put(self, result: tuple) -> None:
+        print(RESULT_PREFIX + pickle.dumps(result).hex(), flush=True)
+
+
+RESULT_PREFIX = "result "
+TRAINER = (
+    "import json, sys, test_multi_trainer as t; a = sys.argv; t.trainer(int(a[1]), int(a[2]), "
+    "json.loads(a[3]), a[4], json.loads(a[5]), t.PrintedResults(), float(a[6]))"
+)
+
+
+def run_trainers(fleet, names: list[str], timeout: float, workdir) -> dict[str, dict[int, Any]]:
+    """Start the two trainers (forked from the tests' forkserver, torch imported already), collect
+    ``{scenario: {rank: outcome}}`` within ``timeout`` seconds."""
     addresses, key, _ = fleet
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(
-            target=trainer, args=(rank, port, addresses, key, names, results, timeout - 5), daemon=True
-        )
-        for rank in range(WORLD)
-    ]
-    for proc in procs:
-        proc.start()
+    procs = []
     collected: dict[str, dict[int, Any]] = {name: {} for name in names}
     deadline = time.monotonic() + timeout
     try:
-        for _ in range(WORLD * len(names)):
-            while True:
-                try:
-                    rank, name, outcome = results.get(timeout=0.5)
-                    break
-                except queue.Empty:
-                    missing = {
-                        n: sorted(set(range(WORLD)) - set(r)) for n, r in collected.items() if len(r) < WORLD
-                    }
-                    dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                    if dead:
-                        pytest.fail(
-                            f"a trainer died (exit codes {dead}); missing (scenario: ranks): {missing}"
-                        )
-                    if time.monotonic() > deadline:
-                        pytest.fail(f"trainers did not report within {timeout} s; missing: {missing}")
-            collected[name][rank] = outcome
+        for rank in range(WORLD):
+            argv = ["-c", TRAINER, str(rank), str(port), json.dumps(addresses), key, json.dumps(names)]
+            argv.append(str(timeout - 5))  # the trainer's own bound: then it prints its stacks
+            with open(workdir / f"trainer{rank}.log", "wb") as log:
+                procs.append(forked_python(argv, subprocess_env(), str(workdir), log.fileno()))
+            assert procs[-1] is not None, "the forkserver runs the tests' interpreters"
+        expected, received = WORLD * len(names), 0
+        with selectors.DefaultSelector() as selector:
+            for proc in procs:
+                selector.register(proc.stdout.fileno(), selectors.EVENT_READ, data=[b""])
+            while received < expected:
+                for line in _read_lines(selector):
+                    rank, name, outcome = pickle.loads(bytes.fromhex(line[len(RESULT_PREFIX):]))
+                    collected[name][rank] = outcome
+                    received += 1
+                dead = [proc.poll() for proc in procs if proc.poll() not in (None, 0)]
+                if received < expected and (dead or time.monotonic() > deadline):
+                    missing = {n: sorted(set(range(WORLD)) - set(r))
+                               for n, r in collected.items() if len(r) < WORLD}  # fmt: skip
+                    logs = "\n".join((workdir / f"trainer{r}.log").read_text()[-2000:] for r in range(WORLD))
+                    pytest.fail(f"trainers ended (exit codes {dead}) or did not report within {timeout} s; "
+                                f"missing (scenario: ranks): {missing}\n{logs}")  # fmt: skip
         for proc in procs:
-            proc.join(max(0.1, deadline - time.monotonic()))
+            with contextlib.suppress(subprocess.TimeoutExpired):  # ended below, as a hung one would be
+                proc.wait(max(0.1, deadline - time.monotonic()))
     finally:
         for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+            if proc is not None:
+                reap(proc)
     return collected
+
+
+def _read_lines(selector: selectors.BaseSelector) -> list[str]:
+    """The result lines the trainers printed within half a second (a line's start waits for its end)."""
+    lines = []
+    for key, _ in selector.select(timeout=0.5):
+        data = os.read(key.fd, 65536)
+        if not data:  # this trainer ended (its exit code is checked)
+            selector.unregister(key.fd)
+            continue
+        *complete, key.data[0] = (key.data[0] + data).split(b"\n")
+        lines += [line.decode() for line in complete if line.startswith(RESULT_PREFIX.encode())]
+    return lines
 
 
 def _ok(outcomes: dict[int, Any], name: str) -> dict[int, Any]:
@@ -264,9 +290,9 @@ def _ok(outcomes: dict[int, Any], name: str) -> dict[int, Any]:
 
 
 @pytest.mark.timeout(120)
-def test_two_trainers_share_the_worker_servers(fleet):
+def test_two_trainers_share_the_worker_servers(fleet, tmp_path):
     names = list(SCENARIOS) + list(CHECKPOINT_SCENARIOS) + ["resume-other-rank-refused"]
-    collected = run_trainers(fleet, names, timeout=100)
+    collected = run_trainers(fleet, names, timeout=100, workdir=tmp_path)
 
     shards = WORLD * WORKERS_PER_TRAINER
     for name, (kind, n, fullsync, _) in SCENARIOS.items():

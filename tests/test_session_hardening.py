@@ -20,7 +20,6 @@ import json
 import math
 import os
 import resource
-import subprocess
 import sys
 import textwrap
 import threading
@@ -30,7 +29,7 @@ import pytest
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import reap, wait_until
+from _server_helpers import python_run, wait_until
 from conftest import _pythonpath, run_epochs
 from rpc_reading_service import (
     ConfigurationError,
@@ -201,17 +200,11 @@ if __name__ == "__main__":
 
 
 def run_script(directory, args, timeout=40.0):
-    """Run ``directory/train.py *args`` as a real ``__main__`` script; reaped on any outcome."""
+    """Run ``directory/train.py *args`` as a real ``__main__`` script (forked from the tests'
+    forkserver, torch imported already); reaped on any outcome."""
     env = dict(os.environ, PYTHONPATH=_pythonpath(), PYTHONWARNINGS="ignore")
-    proc = subprocess.Popen(
-        [sys.executable, "train.py", *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, env=env, cwd=str(directory), start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        reap(proc)
-    return proc.returncode, out.decode(), err.decode()
+    done = python_run(["train.py", *args], env, str(directory), timeout)
+    return done.returncode, done.stdout, done.stderr
 
 
 @pytest.mark.timeout(60)

@@ -7,6 +7,7 @@ on a tiny test file, which crashes after starting a server, or leaves a child ru
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +16,8 @@ from pathlib import Path
 from typing import Tuple
 
 import pytest
-from _server_helpers import process_alive, reap, signal_process, subprocess_env, wait_until
+from _server_forkserver import forked_python
+from _server_helpers import children_of, process_alive, reap, signal_process, subprocess_env, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -89,3 +91,47 @@ def test_a_child_left_running_is_ended_at_session_end_with_a_warning(tmp_path):
         assert done.returncode == 0, done.stdout
         assert "child process(es) left running by the tests, ended" in done.stdout
         assert "time.sleep(120)  # left-behind" in done.stdout
+
+
+# -- interpreters forked from the tests' forkserver (trainers, README blocks) ----------------------
+FORKED_SCRIPT = """
+import atexit, json, sys, warnings
+atexit.register(lambda: print("atexit ran", flush=True))
+warnings.warn("a warning PYTHONWARNINGS=ignore hides")
+print(json.dumps({"argv": sys.argv, "main": __name__, "file": globals().get("__file__"), "path0": sys.path[0],
+                  "stdin": sys.stdin.readline()}), flush=True)
+if sys.argv[-1] == "raise":
+    raise ValueError("uncaught")
+"""
+
+
+@pytest.mark.parametrize("how, ends", [("-c", "returns"), ("script", "raise")])
+def test_a_forked_interpreter_runs_its_code_as_main_and_exits_as_a_fresh_one(tmp_path, how, ends):
+    script = tmp_path / "script.py"
+    script.write_text(FORKED_SCRIPT)
+    argv = ["-c", FORKED_SCRIPT, "x", ends] if how == "-c" else ["script.py", "x", ends]
+    with open(tmp_path / "stderr.txt", "wb") as stderr:
+        proc = forked_python(argv, subprocess_env(PYTHONWARNINGS="ignore"), str(tmp_path), stderr.fileno(),
+                             stdin_pipe=True)  # fmt: skip
+    assert proc is not None
+    try:
+        proc.stdin.write(b"from stdin\n")
+        proc.stdin.close()
+        code = proc.wait(30)
+        lines = proc.stdout.read().decode().splitlines()
+    finally:
+        reap(proc)
+    said = json.loads(lines[0])
+    if how == "-c":
+        assert said == {"argv": ["-c", "x", ends], "main": "__main__", "file": None, "path0": "",
+                        "stdin": "from stdin\n"}  # fmt: skip
+    else:
+        assert said == {"argv": ["script.py", "x", ends], "main": "__main__", "file": str(script),
+                        "path0": str(tmp_path), "stdin": "from stdin\n"}  # fmt: skip
+    assert lines[1:] == ["atexit ran"]  # the interpreter's exit ran
+    stderr = (tmp_path / "stderr.txt").read_text()
+    if ends == "raise":
+        assert code == 1 and stderr.rstrip().endswith("ValueError: uncaught"), stderr
+    else:
+        assert code == 0 and stderr == "", stderr
+    assert proc.pid not in children_of(os.getpid())  # the forkserver's child, not this process's

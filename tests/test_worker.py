@@ -24,6 +24,7 @@ from _server_helpers import (
     authenticate,
     connect,
     process_alive,
+    python_run,
     read_line,
     read_until_closed,
     reap,
@@ -108,14 +109,9 @@ def test_python_dash_m_prints_listening_line(worker_server):
 
 def test_refuses_public_address_without_key(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != AUTH_KEY_ENV}
-    result = subprocess.run(
-        [sys.executable, "-m", "rpc_reading_service.worker", "--host", "0.0.0.0", "--port", "0"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=tmp_path,
-    )
+    env["PYTHONPATH"] = _pythonpath()
+    argv = ["-m", "rpc_reading_service.worker", "--host", "0.0.0.0", "--port", "0"]
+    result = python_run(argv, env, str(tmp_path), timeout=30)
     assert result.returncode == 2
     assert "refusing to listen on 0.0.0.0 without an auth key" in result.stderr
     assert "--auth-key-file" in result.stderr
