@@ -255,24 +255,32 @@ def test_an_item_joining_an_open_batch_costs_no_python_call_beyond_put():
     assert [i.nbytes for i in items] == [1] * 4  # counted now, as an encoder gives it
     outbox.put(1, items[0])  # opens the batch
     assert [python_calls(outbox.put, 1, i)[1] for i in items[1:3]] == [[], []]
-    outbox.put(1, items[3])  # fills it: the producer writes it itself
+    _, calls = python_calls(outbox.put, 1, items[3])  # fills it: sealed for the sender, not written
+    assert [name for name in calls if name in OUTBOX_CALLS] == ["_seal"] and written == [], calls
+    assert outbox.send_next(1.0)  # this thread as the sender
     assert [data_items(f)[2] for frames in written for f in frames] == [[0, 1, 2, 3]]
 
 
 @pytest.mark.parametrize("borrowed", [False, True])
-def test_an_item_that_fills_its_frame_is_written_by_its_producer_with_few_python_calls(borrowed):
-    # A large item makes a frame alone, which its producer seals, encodes and writes itself: the
-    # outbox's own calls for it are bounded (the credit read once per step, no wait looked for
-    # where nothing waits); the rest are the protocol's checks and the frame's encoding.
+def test_an_item_that_fills_its_frame_costs_its_producer_few_python_calls(borrowed):
+    # A large item makes a frame alone. A borrowed one (the producer's memory) its producer seals,
+    # encodes and writes itself: the outbox's own calls for it are bounded (the credit read once
+    # per step, no wait looked for where nothing waits); the rest are the protocol's checks and
+    # the frame's encoding. Any other the producer only seals, for the sender to write.
     written = []
     outbox = DrivenOutbox(SessionOptions(batch_max_items=1, linger=10.0), send=written.append)
     outbox.start_epoch(1, credits=4)
     outbox.put(1, item(0))
+    assert outbox.send_next(1.0)  # this thread as the sender
     large = EncodedItem(b"1", [b"x" * 100], borrowed=borrowed, nbytes=101)
     _, calls = python_calls(outbox.put, 1, large)
     ours = [name for name in calls if name in OUTBOX_CALLS]
-    assert ours == ["_seal", "_take_for_producer", "_ready_frames", "_next_frame", "_write_inline"], calls
-    assert calls.count("credits") <= (2 if borrowed else 3) and "_pack" not in calls, calls  # the DATA head packed inline
+    if borrowed:
+        assert ours == ["_seal", "_take_for_producer", "_ready_frames", "_next_frame", "_write_inline"], calls
+        assert calls.count("credits") <= 2 and "_pack" not in calls, calls  # the DATA head packed inline
+    else:
+        assert ours == ["_seal"] and calls.count("credits") <= 2 and len(written) == 1, calls
+        assert outbox.send_next(1.0)
     assert [data_items(f)[2] for frames in written for f in frames] == [[0], [1]]
 
 
@@ -410,45 +418,35 @@ def test_a_staged_item_that_fills_its_batch_is_written_by_its_producer_or_waits_
         producer.join(5.0)
 
 
-def test_a_full_batch_is_written_by_its_producer_while_the_connection_has_room():
-    # A fast stream: the producer writes each batch it fills itself while credit is left and the
-    # connection has room, and the sender, timing open batches on its own while items come
-    # within linger of each other, is not notified per frame; a batch the producer leaves open
-    # still leaves after linger, from the sender. With no room (a write that would block) the
-    # sender writes the full batch, while the producer goes on.
-    current, room, written = threading.current_thread(), [True], []
-    outbox = DrivenOutbox(
-        SessionOptions(batch_max_items=2, linger=0.5),
-        send=lambda frames: written.append((threading.current_thread(), [data_items(f)[2] for f in frames])),
-        room=lambda: room[0],
-    )
+def test_a_full_batch_is_written_by_the_sender_while_its_producer_makes_the_next_items():
+    # A fast stream: the producer seals each batch it fills and goes on; the sender writes it,
+    # woken once per frame at most (it times open batches on its own while items come within
+    # linger of each other); frames leave in order, numbered in order. A batch the producer
+    # leaves open still leaves after linger, from the sender.
+    gate, written, wakes = threading.Event(), [], []
+
+    def send(frames):
+        gate.wait(2.0)  # the first write waits here while the producer goes on
+        written.append((threading.current_thread(), [data_items(f)[1:] for f in frames]))
+
+    outbox = DrivenOutbox(SessionOptions(batch_max_items=2, linger=0.5), send=send)
     outbox.start_epoch(1, credits=8)
+    notify_all = outbox._cond.notify_all
+    outbox._cond.notify_all = lambda: (wakes.append(bool(outbox._cond._waiters)), notify_all())
     stop = threading.Event()
     sender = threading.Thread(target=lambda: [outbox.send_next(0.2) for _ in iter(stop.is_set, True)])
     sender.start()
     try:
-        outbox.put(1, item(0))  # opens a batch: the sender is woken to time its linger
-        deadline = time.monotonic() + 5.0
-        while outbox._sender_wakes_at > time.monotonic() + 0.5 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        notified = []
-        notify_all = outbox._cond.notify_all
-        outbox._cond.notify_all = lambda: (notified.append(True), notify_all())
-        for i in (1, 2, 3):
+        for i in range(5):  # the first frame's write waits for the gate: the producer does not
             outbox.put(1, item(i))
-        assert written == [(current, [[0, 1]]), (current, [[2, 3]])] and notified == []
-        outbox.put(1, item(4))  # left open: the sender, awake on its own, takes it after linger
-        while len(written) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert written[2] == (sender, [[4]]) and notified == []
-        room[0] = False
-        outbox.put(1, item(5))  # a slow item (linger after the one before): sealed alone, not full
-        outbox.put(1, item(6))
-        outbox.put(1, item(7))  # fills its batch, no room: the sender writes it
-        while written[-1][1] != [[6, 7]] and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert written[-1] == (sender, [[6, 7]])
+        assert written == [] and not gate.is_set()
+        gate.set()
+        sent = lambda: [frame for _thread, frames in written for frame in frames]  # noqa: E731
+        assert wait_until(lambda: len(sent()) == 3, 5.0)  # the last one after linger
+        assert sent() == [(0, [0, 1]), (1, [2, 3]), (2, [4])] and {thread for thread, _ in written} == {sender}
+        assert wakes.count(True) <= 3, wakes  # a wake-up of the sender per frame at most
     finally:
+        gate.set()
         stop.set()
         outbox.close()
         sender.join(5.0)

@@ -197,13 +197,11 @@ class Outbox:
             self._open_bytes += item.nbytes
             full = len(batch) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes
             # The credit left, read once (0: not needed for this item, not read).
-            credits = self._protocol.credits if (full or opened) and not item.borrowed else 0
-            # A full batch the producer writes itself: a staged item's (a frame of a few hundred
-            # bytes), or any while credit is left and the connection has room (else the sender,
-            # woken, blocks in the send while the producer makes the next item).
-            itself = item.borrowed or (
-                full and (item.staged or (self._send is not None and credits > 0 and self._room()))
-            )
+            credits = self._protocol.credits if opened and not item.borrowed else 0
+            # The producer writes a borrowed item's frame (its memory) and a full batch that a
+            # staged item fills (a frame of a few hundred bytes); the sender writes any other
+            # full batch while the producer makes the next items.
+            itself = item.borrowed or (full and item.staged)
             self._batching = not (itself and opened)
             if itself:
                 pass  # sealed and written below (a borrowed item before the producer makes its next one)
@@ -214,7 +212,7 @@ class Outbox:
                     self._seal()  # the sender wakes once, for a frame to send
             elif slow and opened and self._credit_owed():
                 self._open_slow = True  # the CREDIT the trainer owes takes it along: no wake-up of the sender
-            elif opened and credits > 0 and self._sender_wakes_at > now + options.linger:
+            elif opened and not full and credits > 0 and self._sender_wakes_at > now + options.linger:
                 self._cond.notify_all()  # the sender times the linger from now (without credit, grant() does)
             if itself or full:
                 while self._sealed and self._batch_waits():
