@@ -12,7 +12,7 @@ import pickle
 import sys
 import traceback
 import types
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import cloudpickle
 import numpy
@@ -40,6 +40,8 @@ __all__ = [
     "dumps_graph",
     "loads_graph",
     "pack_exception",
+    "EXCEPTION_FIELD_TYPES",
+    "exception_summary",
     "fallback_exception_info",
     "rebuild_exception",
 ]
@@ -532,6 +534,17 @@ def _rebuildable_pickle(exc: BaseException) -> Optional[bytes]:
     except BaseException:  # noqa: BLE001 - any exception type may fail to pickle or rebuild
         return None
     return pickled
+
+
+def exception_summary(exc: BaseException) -> str:
+    """``T: message`` of ``exc``, never raising for it (``<unprintable T object>`` for a broken ``__str__``)."""
+    return f"{_type_name(exc)}: {_text_or_placeholder(lambda: str(exc), exc)}"
+
+
+#: The types of each field of :func:`pack_exception`'s description (the protocol checks a peer's).
+EXCEPTION_FIELD_TYPES: Dict[str, Tuple[type, ...]] = {
+    "type_name": (str,), "type_module": (str,), "message": (str,), "traceback": (str,), "pickled": (bytes, type(None)),
+}
 
 
 def pack_exception(exc: BaseException) -> Dict[str, Any]:

@@ -12,15 +12,22 @@ import types
 import weakref
 
 import cloudpickle
-
 import numpy as np
 import pytest
 import torch
 from _server_helpers import python_calls
 
 from rpc_reading_service.errors import ItemPicklingError, RemoteWorkerError
-from rpc_reading_service.protocol import EncodedItem, FrameReader, MessageKind, decode_data, encode_data, encode_frame
+from rpc_reading_service.protocol import (
+    EncodedItem,
+    FrameReader,
+    MessageKind,
+    decode_data,
+    encode_data,
+    encode_frame,
+)
 from rpc_reading_service.serialization import (
+    EXCEPTION_FIELD_TYPES,
     OUT_OF_BAND_MIN_BYTES,
     REUSED_BUFFER_MIN_BYTES,
     REUSED_BUFFERS_MAX_BYTES,
@@ -30,6 +37,7 @@ from rpc_reading_service.serialization import (
     buffer_allocator,
     dumps_graph,
     dumps_item,
+    exception_summary,
     fallback_exception_info,
     loads_graph,
     loads_item,
@@ -498,6 +506,18 @@ def test_pack_exception_fields():
     assert info["message"] == "boom 7"
     assert "raise exc" in info["traceback"] and "ValueError: boom 7" in info["traceback"]
     assert pickle.loads(info["pickled"]).args == ("boom 7",)
+
+
+def test_pack_exception_gives_each_field_the_type_the_protocol_checks():
+    for exc in (ValueError("boom 7"), BrokenStrError("hidden"), BrokenReduceError("x")):
+        info = raise_and_pack(exc)
+        assert set(info) == set(EXCEPTION_FIELD_TYPES)
+        assert all(isinstance(info[key], types) for key, types in EXCEPTION_FIELD_TYPES.items()), info
+
+
+def test_exception_summary_names_the_type_and_never_raises():
+    assert exception_summary(ValueError("boom 7")) == "ValueError: boom 7"
+    assert exception_summary(BrokenStrError("hidden")) == "BrokenStrError: <unprintable BrokenStrError object>"
 
 
 def test_rebuild_keeps_type_and_names_worker():

@@ -30,6 +30,7 @@ from ..trainer.channel import (
 from ..errors import ItemUnpicklingError, RemoteProtocolError, WorkerLostError
 from ..protocol import decode_data_parts
 from ..frame_items import loads_payloads
+from ..serialization import exception_summary
 from ..safe_text import printable
 
 __all__ = [
@@ -112,12 +113,9 @@ def take_items(event: Event, epoch: int, cursor: Optional[_Cursor] = None) -> Li
 
 def unreadable_items(channel: WorkerChannel, exc: Exception) -> ItemUnpicklingError:
     """The error of a DATA frame of ``channel``'s worker whose items this trainer cannot unpickle (``exc``)."""
-    try:
-        text = printable(str(exc), limit=300)
-    except Exception:  # noqa: BLE001 - an exception's __str__ is user code
-        text = "<unprintable>"
+    cause = printable(exception_summary(exc), limit=300)
     return ItemUnpicklingError(
-        f"{channel.name} sent an item this trainer cannot unpickle ({type(exc).__name__}: {text}): every "
+        f"{channel.name} sent an item this trainer cannot unpickle ({cause}): every "
         "class of an item must be importable here, from the same versions of its modules as on the worker",
         channel.rank, channel.address,
     )  # fmt: skip

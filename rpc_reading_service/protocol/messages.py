@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 from ..errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from ..serialization import EXCEPTION_FIELD_TYPES
 from .data_decode import decode_data
 from .frames import (
     Buffer,
@@ -311,12 +312,6 @@ class StopEpoch(_Control):
     epoch: int
 
 
-#: The types of the keys of ``serialization.pack_exception``'s description of an exception.
-_EXCEPTION_KEYS: Dict[str, Any] = {
-    "type_name": (str,), "type_module": (str,), "message": (str,), "traceback": (str,), "pickled": (bytes, type(None)),
-}
-
-
 class _Failure(_Control):
     """A worker's failure that carries ``exception``: ``serialization.pack_exception``'s description."""
 
@@ -325,7 +320,7 @@ class _Failure(_Control):
         described = values["exception"]
         if not described:
             raise error(f"{where} whose field 'exception' is empty (no exception described)")
-        for key, types in _EXCEPTION_KEYS.items():
+        for key, types in EXCEPTION_FIELD_TYPES.items():
             if key in described and not isinstance(described[key], types):
                 value = described[key]
                 wanted = " or ".join("None" if t is type(None) else t.__name__ for t in types)
