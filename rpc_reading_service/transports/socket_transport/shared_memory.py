@@ -522,9 +522,9 @@ class SegmentMap:
     def bound(self, frames: int, frame_bytes: int) -> None:
         """Keep at most ``frames`` frames' worth of segments resident here (the connection's share
         of the credit window, plus one), a frame being ``frame_bytes`` or the largest segment, and
-        the ``frame_bytes`` of each frame a worker fills past the window: before more arrive, the pages of free segments past that leave this process's resident
-        memory (``MADV_DONTNEED``: the memory stays the worker's), and come back when one is
-        lent again.
+        the ``frame_bytes`` of each frame a worker fills past the window: before more arrive, the
+        pages of free segments past that leave this process's resident memory (``MADV_DONTNEED``:
+        the memory stays the worker's), and come back when one is lent again.
 
         Args:
             frames: Frames in flight at once, plus one.
