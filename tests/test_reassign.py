@@ -98,6 +98,16 @@ class UnevenShards:
         return datapipe
 
 
+class HoldWorker:
+    """``worker_init_fn``: worker ``worker_id`` stops at ``hold``; the others run as they are."""
+
+    def __init__(self, hold: Hold, worker_id: int):
+        self.hold, self.worker_id = hold, worker_id
+
+    def __call__(self, datapipe: IterDataPipe, worker_info: Any) -> IterDataPipe:
+        return HoldAt(datapipe, self.hold) if worker_info.worker_id == self.worker_id else datapipe
+
+
 def exit_at(k: int, x: int) -> int:
     """Kill the process at item ``k``, every time (a poison item)."""
     if x == k:
@@ -551,7 +561,7 @@ def test_raise_after_a_complete_shard_reports_at_the_next_epoch_in_both_orders(r
 
 
 @pytest.mark.timeout(90)
-def test_stopped_server_is_not_retried_while_another_is_live(fresh_server):
+def test_stopped_server_is_not_retried_while_another_is_live(fresh_server, tmp_path):
     """A server that hangs (SIGSTOP: its kernel still accepts connections) loses its sessions;
     their shards go to the live server at once, not after a connect_timeout spent on the
     hung one first."""
@@ -560,9 +570,13 @@ def test_stopped_server_is_not_retried_while_another_is_live(fresh_server):
     reference = _two_epochs(_remote_loader([a.address, b.address], a.key, 2))[0]
     a.wait_idle(5)
     b.wait_idle(5)
+    # Worker 0 (on a) waits at its 10th item until the stop: one whose whole shard is already
+    # sent when its server stops is never missed (a slow start of b's session lets a run ahead).
+    hold = Hold(tmp_path / "release", before=10)
     service = RPCReadingService(
         num_workers=2, workers=[a.address, b.address], auth_key=a.key, on_worker_failure="reassign",
         liveness=Liveness(heartbeat_interval=HEARTBEAT, connect_timeout=30.0), timeout=TIMEOUT,
+        worker_init_fn=HoldWorker(hold, worker_id=0),
     )  # fmt: skip
     dl = DataLoader2(_graph(200), reading_service=service)
     dl.seed(SEED)
@@ -571,9 +585,10 @@ def test_stopped_server_is_not_retried_while_another_is_live(fresh_server):
         epoch = []
         for item in dl:
             epoch.append(item)
-            if len(epoch) == 4:  # early: under load a worker runs ahead of a slow consumer, and one whose whole shard is already sent is never missed
+            if len(epoch) == 4:
                 os.killpg(a.pid, signal.SIGSTOP)  # the server and every session it forked
                 stopped_at = time.monotonic()
+                hold.open()  # for worker 0's replacement on b
         took = time.monotonic() - stopped_at
         assert dl.reading_service.worker_addresses == [b.address, b.address]
     finally:
