@@ -197,7 +197,8 @@ class ItemPickler(pickle.Pickler):
                 return _tensor_reduction(obj)
             dtype = _DTYPE_NAMES.get(obj.dtype, obj.dtype)  # one this torch does not name travels as itself
             if array.nbytes < OUT_OF_BAND_MIN_BYTES:  # in band, as its PickleBuffer would go: no buffer_callback
-                return _rebuild_tensor, (bytearray(array), dtype, array.shape)
+                # bytearray() of a 0-d integer array is that many zero bytes (it is an index): its bytes, from .data
+                return _rebuild_tensor, (bytearray(array if array.ndim else array.data), dtype, array.shape)
             return _rebuild_tensor, (_PickleBuffer(array), dtype, array.shape)
         if kind in _PLAIN_TYPES:
             return NotImplemented

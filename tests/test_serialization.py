@@ -133,6 +133,17 @@ def test_small_tensors_stay_in_band():
     assert encoded.buffers == []
 
 
+def test_zero_dimensional_tensors_arrive_with_their_value():
+    # A label as torch.tensor(8): its bytes, not bytearray(8)'s eight zero bytes (read as tensor(0)).
+    for value in (0, 5, 8, 100):
+        for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.float32, torch.bool):
+            tensor = torch.tensor(value, dtype=dtype)
+            for item in (tensor, (tensor, value)):
+                out = loads_item(over_the_wire(dumps_item(item)))
+                received = out if isinstance(out, torch.Tensor) else out[0]
+                assert received.shape == () and received.dtype == dtype and torch.equal(received, tensor), (value, dtype)
+
+
 def test_large_tensor_goes_out_of_band_and_is_rebuilt_on_received_memory():
     tensor = torch.randn(256, 256)  # 256 KiB
     assert tensor.numel() * tensor.element_size() >= OUT_OF_BAND_MIN_BYTES
