@@ -20,6 +20,7 @@ import torch
 
 from .errors import ItemPicklingError, RemoteWorkerError, describe_worker
 from .receive_buffers import REUSED_BUFFER_MIN_BYTES, REUSED_BUFFERS_MAX_BYTES, ReusedBuffers, uninitialised_bytes
+from .tensor_streams import TensorStreams
 
 __all__ = [
     "OUT_OF_BAND_MIN_BYTES",
@@ -197,7 +198,8 @@ class ItemPickler(pickle.Pickler):
                 return _tensor_reduction(obj)
             dtype = _DTYPE_NAMES.get(obj.dtype, obj.dtype)  # one this torch does not name travels as itself
             if array.nbytes < OUT_OF_BAND_MIN_BYTES:  # in band, as its PickleBuffer would go: no buffer_callback
-                return _rebuild_tensor, (bytearray(array), dtype, array.shape)
+                # bytearray() of a 0-d integer array is that many zero bytes (it is an index): its bytes, from .data
+                return _rebuild_tensor, (bytearray(array if array.ndim else array.data), dtype, array.shape)
             return _rebuild_tensor, (_PickleBuffer(array), dtype, array.shape)
         if kind in _PLAIN_TYPES:
             return NotImplemented
@@ -330,6 +332,7 @@ class ItemEncoder:
         self._stage_min_bytes = stage_min_bytes if stage is not None else sys.maxsize
         self._borrow_min_bytes = borrow_min_bytes
         self._copies = ReusedBuffers()
+        self._tensor_streams = TensorStreams()
 
     def _collect(self, buffer: pickle.PickleBuffer) -> bool:
         # pickle's buffer_callback contract: a true result serialises the buffer in band.
@@ -344,36 +347,43 @@ class ItemEncoder:
         now) for a send with no further copy."""
         # Once per item on the producer's hot path: no Python call but the pickler's own (the
         # item made without running EncodedItem.__init__, each buffer's copy inline).
+        key = None
+        if type(obj) is _Tensor:  # a bare tensor: its stream from the one of its dtype and shape, no pickler
+            key = (obj.dtype, obj.shape)
+            kept = self._tensor_streams.get(key)
+            if kept is not None:
+                try:
+                    array = obj.numpy()
+                except (RuntimeError, TypeError):
+                    array = None  # the pickler's reduction says what it is
+                if array is not None and array.flags.c_contiguous:
+                    before, after = kept
+                    if after is None:
+                        return self._with_buffers(before, [_PickleBuffer(array).raw()])
+                    item = _new_item(EncodedItem)
+                    item.payload = payload = b"".join((before, array, after))
+                    item.nbytes = len(payload)
+                    item.borrowed = item.staged = False
+                    item.buffers = []
+                    return item
+                key = None  # pickled, and not kept
         stream = self._stream
         stream.seek(0)
         stream.truncate()
         try:
             self._pickler.dump(obj)
             payload = stream.getvalue()
-            item = _new_item(EncodedItem)
-            item.payload = payload
-            item.nbytes = len(payload)
-            item.borrowed = item.staged = False
             out_of_band = self._out_of_band
+            if key is not None:
+                self._tensor_streams.keep(obj, key, payload, out_of_band)
             if not out_of_band:
+                item = _new_item(EncodedItem)
+                item.payload = payload
+                item.nbytes = len(payload)
+                item.borrowed = item.staged = False
                 item.buffers = []
                 return item
-            buffers = item.buffers = []
-            stage, stage_min_bytes, borrow_min_bytes = self._stage, self._stage_min_bytes, self._borrow_min_bytes
-            for view in out_of_band:
-                item.nbytes += view.nbytes
-                staged = stage(view) if view.nbytes >= stage_min_bytes else None
-                if staged is not None:
-                    item.staged = True
-                    buffers.append(staged)
-                elif borrow_min_bytes is not None and view.nbytes >= borrow_min_bytes:
-                    item.borrowed = True
-                    buffers.append(view)
-                else:
-                    copy = memoryview(self._copies(view.nbytes))  # one sent (and let go) before is written again: no page faults
-                    copy[:] = view
-                    buffers.append(copy)
-            return item
+            return self._with_buffers(payload, out_of_band)
         finally:
             # The memo and the out-of-band list hold the item: let go of it now (its memory is then
             # the next item's, cache-warm: a third less time to make and copy an 8 MiB tensor). What
@@ -385,6 +395,34 @@ class ItemEncoder:
             if self._out_of_band:
                 self._out_of_band = []
             del held
+
+    def _with_buffers(self, payload: bytes, out_of_band: List[memoryview]) -> EncodedItem:
+        """The item of ``payload`` and its out-of-band buffers, each staged, borrowed or copied.
+
+        Args:
+            payload: The item's pickle stream.
+            out_of_band: Its out-of-band buffers, as the pickler met them (flat ``"B"`` views).
+        """
+        item = _new_item(EncodedItem)
+        item.payload = payload
+        item.nbytes = len(payload)
+        item.borrowed = item.staged = False
+        buffers = item.buffers = []
+        stage, stage_min_bytes, borrow_min_bytes = self._stage, self._stage_min_bytes, self._borrow_min_bytes
+        for view in out_of_band:
+            item.nbytes += view.nbytes
+            staged = stage(view) if view.nbytes >= stage_min_bytes else None
+            if staged is not None:
+                item.staged = True
+                buffers.append(staged)
+            elif borrow_min_bytes is not None and view.nbytes >= borrow_min_bytes:
+                item.borrowed = True
+                buffers.append(view)
+            else:
+                copy = memoryview(self._copies(view.nbytes))  # one sent (and let go) before is written again: no page faults
+                copy[:] = view
+                buffers.append(copy)
+        return item
 
 
 def dumps_item(obj: Any) -> EncodedItem:

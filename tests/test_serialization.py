@@ -44,6 +44,7 @@ from rpc_reading_service.serialization import (
     pack_exception,
     rebuild_exception,
 )
+from rpc_reading_service.tensor_streams import TensorStreams
 
 
 def over_the_wire(item: EncodedItem) -> EncodedItem:
@@ -131,6 +132,17 @@ def test_nested_structures_round_trip():
 def test_small_tensors_stay_in_band():
     encoded = dumps_item([torch.zeros(10), np.zeros(10)])
     assert encoded.buffers == []
+
+
+def test_zero_dimensional_tensors_arrive_with_their_value():
+    # A label as torch.tensor(8): its bytes, not bytearray(8)'s eight zero bytes (read as tensor(0)).
+    for value in (0, 5, 8, 100):
+        for dtype in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.float32, torch.bool):
+            tensor = torch.tensor(value, dtype=dtype)
+            for item in (tensor, (tensor, value)):
+                out = loads_item(over_the_wire(dumps_item(item)))
+                received = out if isinstance(out, torch.Tensor) else out[0]
+                assert received.shape == () and received.dtype == dtype and torch.equal(received, tensor), (value, dtype)
 
 
 def test_large_tensor_goes_out_of_band_and_is_rebuilt_on_received_memory():
@@ -311,13 +323,15 @@ def test_an_encoded_item_knows_its_bytes_on_the_wire():
         encoded.nbites  # noqa: B018
 
 
-@pytest.mark.parametrize("nbytes, budget", [(1024, 3), (OUT_OF_BAND_MIN_BYTES, 5)])
+@pytest.mark.parametrize("nbytes, budget", [(1024, 1), (OUT_OF_BAND_MIN_BYTES, 3)])
 def test_encoding_a_plain_tensor_costs_a_fewpython_calls(nbytes, budget):
-    # A worker's CPU per small item is mostly calls: the encoder's part of them is bounded here
-    # (encode, the pickler's reductions of the tensor and of its rebuild function, and a large
-    # buffer's collection and reused copy; no call to make the item or to read its size twice).
+    # A worker's CPU per small item is mostly calls: the encoder's part of them is bounded here.
+    # A bare tensor of a dtype and shape encoded twice before costs no pickler call (its stream is
+    # the earlier one's, with its own bytes in band); a large one, its buffer's reused copy (encode,
+    # the buffers' step, the copy's buffer); no call to make the item or to read its size twice.
     encoder = ItemEncoder()
-    encoder.encode(torch.ones(nbytes, dtype=torch.uint8))  # the reused copy exists: as in a stream
+    for _ in range(2):  # the reused copy exists, the stream is kept: as in a stream of such tensors
+        encoder.encode(torch.ones(nbytes, dtype=torch.uint8))
 
     def encode_and_size(tensor):
         encoded = encoder.encode(tensor)
@@ -326,7 +340,49 @@ def test_encoding_a_plain_tensor_costs_a_fewpython_calls(nbytes, budget):
     tensor = torch.full((nbytes,), 7, dtype=torch.uint8)
     (encoded, _), calls = python_calls(encode_and_size, tensor)
     assert len(calls) <= budget, calls
+    assert "reducer_override" not in calls
     assert torch.equal(loads_item(over_the_wire(encoded)), tensor)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.tensor(8),
+        torch.tensor(2.5, dtype=torch.float64),
+        torch.zeros(0, 3, dtype=torch.int16),
+        torch.arange(12, dtype=torch.int32).reshape(3, 4),
+        torch.randn(10, 10)[2:5],  # contiguous, not at the start of its storage
+        torch.tensor([True, False, True]),
+        torch.arange(OUT_OF_BAND_MIN_BYTES - 1, dtype=torch.uint8),
+        torch.arange(OUT_OF_BAND_MIN_BYTES // 4, dtype=torch.float32),
+        torch.randn(4, 3).t(),  # not contiguous: pickled every time
+        torch.randn(5, dtype=torch.bfloat16),  # no numpy dtype: pickled every time
+    ],
+    ids=lambda t: f"{t.dtype}-{tuple(t.shape)}",
+)
+def test_a_bare_tensor_encoded_from_an_earlier_ones_stream_is_the_picklers_stream(tensor):
+    warm = ItemEncoder()
+    for _ in range(2):  # the second of its dtype and shape: the pickler's stream kept
+        warm.encode(torch.zeros_like(tensor))
+    for fill in (1, 3):
+        item = torch.full_like(tensor, fill) if tensor.is_contiguous() else tensor * fill
+        encoded, pickled = warm.encode(item), ItemEncoder().encode(item)
+        assert encoded.payload == pickled.payload and encoded.nbytes == pickled.nbytes
+        assert [bytes(b) for b in encoded.buffers] == [bytes(b) for b in pickled.buffers]
+        out = loads_item(over_the_wire(encoded))
+        assert out.dtype == item.dtype and out.shape == item.shape and torch.equal(out, item)
+
+
+def test_an_encoder_keeps_the_streams_of_a_bounded_number_of_tensor_kinds():
+    encoder, streams = ItemEncoder(), TensorStreams()
+    for length in range(200):  # ever new shapes: each pickled, and kept the second time only
+        for _ in range(2):
+            tensor = torch.arange(length, dtype=torch.int16)
+            encoded = encoder.encode(tensor)
+            assert torch.equal(loads_item(over_the_wire(encoded)), tensor)
+            streams.keep(tensor, (tensor.dtype, tensor.shape), encoded.payload, [])
+        assert len(streams) <= 64
+    assert streams  # the latest kinds are kept
 
 
 @pytest.mark.parametrize(
