@@ -58,10 +58,10 @@ _MAX_REQUEST = 1 << 20
 PRELOADED_COMMAND = [
     sys.executable,
     "-c",
-    "import sys, runpy, pytest; "
+    "import sys, runpy, pytest, hypothesis; "
     "runpy.run_module('rpc_reading_service.worker', run_name='__main__', alter_sys=True)",
 ]
-_PRELOADS = ("pytest", "rpc_reading_service.worker", "torchdata.dataloader2")
+_PRELOADS = ("pytest", "hypothesis", "rpc_reading_service.worker", "torchdata.dataloader2")
 
 # The forkserver: preload, then serve requests on the control socket (fd given as argv[1]).
 _SCRIPT = "import sys, _server_forkserver as f; f.serve(int(sys.argv[1]))"

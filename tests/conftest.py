@@ -45,7 +45,7 @@ from _server_helpers import (  # noqa: E402, F401 - re-exported: test modules im
 # listed follow in collection order. The list decides the order only: a stale one costs balance,
 # never a check. The `system` files keep their place for `make test-system`.
 LONGEST_FILES_FIRST = (
-    "test_checkpoint.py", "test_mprs_parity.py", "test_reassign.py", "test_transport_conformance.py",
+    "test_mprs_parity.py", "test_reassign.py", "test_transport_conformance.py", "test_checkpoint.py",
     "test_checkpoint_bounds.py", "test_local_fleet.py", "test_readme.py", "test_worker.py",
     "test_cluster.py", "test_launch_recipes.py", "test_benchmarks.py", "test_join.py",
     "test_session_hardening.py", "test_discovery.py", "test_fork_safety.py", "test_shared_memory_processes.py",
