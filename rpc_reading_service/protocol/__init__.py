@@ -71,7 +71,7 @@ from .messages import (
     decode_message,
     decode_setup,
 )
-from .credits import CreditWindow, window_frames, with_window
+from .credits import FRAMES_PAST_WINDOW, CreditWindow, window_frames, with_window
 from .session import DataReceived, Event, PeerTimedOut, Refused, SessionState, Tick
 from .roles import TrainerSession, WorkerProtocol
 
@@ -141,6 +141,7 @@ __all__ = [
     "decode_setup",
     # credits
     "CreditWindow",
+    "FRAMES_PAST_WINDOW",
     "window_frames",
     "with_window",
     # session state machines

@@ -9,7 +9,11 @@ from typing import Optional, Sequence, Tuple
 from .frames import data_cost
 from .messages import Message, StartEpoch, credit_batch
 
-__all__ = ["CreditWindow", "window_frames", "with_window"]
+__all__ = ["CreditWindow", "FRAMES_PAST_WINDOW", "window_frames", "with_window"]
+
+#: Frames a worker fills past its credit window (its open batch and the one sealed for credit):
+#: their segments stay resident in the trainer too (docs/architecture.md, "Shared memory").
+FRAMES_PAST_WINDOW = 2
 
 
 class CreditWindow:

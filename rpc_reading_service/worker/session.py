@@ -39,6 +39,7 @@ from ..protocol import (
     StartEpoch,
     StopEpoch,
     WorkerProtocol,
+    FRAMES_PAST_WINDOW,
     window_frames,
 )
 from ..selection import LeaseInbox, SelectionContext, SelectionFilter
@@ -284,9 +285,9 @@ class WorkerSession:
         """Start ``request.epoch`` (called with the lock held): its producer, or the report
         of an item of an earlier epoch that got stuck."""
         self.outbox.start_epoch(request.epoch)
-        # The segments lent (the window), the batch open, the one sealed and the item being made.
+        # The segments lent (the window), the frames filled past it and the item being made.
         frames = request.frames or window_frames(request.credits, self.options.batch_max_bytes)
-        self.conn.bound_buffers(frames + 3, self.options.batch_max_bytes)
+        self.conn.bound_buffers(frames + FRAMES_PAST_WINDOW + 1, self.options.batch_max_bytes)
         self._cancel_input()
         if request.dispatched:
             self._inbox = Inbox(request.epoch, lambda epoch: self.outbox.grant_input(epoch, 1), self._waiting_for_trainer)

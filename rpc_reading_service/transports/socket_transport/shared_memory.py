@@ -17,6 +17,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy
 
 from ...errors import RemoteProtocolError
+from ...protocol.credits import FRAMES_PAST_WINDOW
 from ...protocol.frames import Buffer, Frame, SharedBuffer, SharedFrame
 from ...serialization import SHARED_MEMORY_MIN_BYTES
 
@@ -495,11 +496,6 @@ def _cuda_host_unregister(segment: _Segment) -> None:
         segment.pinned = False
 
 
-#: Frames a worker fills past the window (its open batch, the one sealed for credit): their
-#: segments stay resident in the trainer too, up to a frame's bound each (see SegmentMap.bound).
-_WORKER_FRAMES = 2
-
-
 class SegmentMap:
     """The trainer's mappings of one connection's segments; builds received buffers on them.
 
@@ -545,7 +541,7 @@ class SegmentMap:
         if self._dropped:  # a placed segment whose pages were dropped comes back
             placed = {p.segment for p in shared.shared}
             resident += sum(s.size for i in placed if (s := self._segments.get(i)) is not None and not s.resident)
-        keep = self._frames * max(self._frame_bytes, largest) + _WORKER_FRAMES * self._frame_bytes
+        keep = self._frames * max(self._frame_bytes, largest) + FRAMES_PAST_WINDOW * self._frame_bytes
         if resident <= keep:
             return
         if placed is None:
