@@ -389,11 +389,11 @@ def _guided_book_past_the_end():
     schedule = GuidedChunks(23, 3, first_size=3, largest=256, warmup=6)
     book = LeaseBook(num_workers=3, chunk_size=3, depth=2, window=100, expected_chunks=23, schedule=schedule)
     for chunk in range(23):
-        rank = chunk % 3
-        assert book.lease(rank) == (chunk, 0)
-        book.done(rank, chunk, 1, None)  # the last one ends at the stream's end: reported without a length
+        rank, now = chunk % 3, 10.0 + chunk  # every rank as fast (measured times would make one a straggler under load)
+        assert book.lease(rank, now=now) == (chunk, 0)
+        book.done(rank, chunk, 1, None, now=now + 0.5)  # the last one ends at the stream's end: reported without a length
         book.deliver(chunk)
-    assert [book.lease(rank) for rank in range(3)] == [(23, 0), (24, 0), (25, 0)]
+    assert [book.lease(rank, now=40.0) for rank in range(3)] == [(23, 0), (24, 0), (25, 0)]
     return book
 
 
