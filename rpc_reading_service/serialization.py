@@ -347,7 +347,7 @@ class ItemEncoder:
         now) for a send with no further copy."""
         # Once per item on the producer's hot path: no Python call but the pickler's own (the
         # item made without running EncodedItem.__init__, each buffer's copy inline).
-        key = None
+        key, payload = None, None
         if type(obj) is _Tensor:  # a bare tensor: its stream from the one of its dtype and shape, no pickler
             key = (obj.dtype, obj.shape)
             kept = self._tensor_streams.get(key)
@@ -360,41 +360,38 @@ class ItemEncoder:
                     before, after = kept
                     if after is None:
                         return self._with_buffers(before, [_PickleBuffer(array).raw()])
-                    item = _new_item(EncodedItem)
-                    item.payload = payload = b"".join((before, array, after))
-                    item.nbytes = len(payload)
-                    item.borrowed = item.staged = False
-                    item.buffers = []
-                    return item
-                key = None  # pickled, and not kept
-        stream = self._stream
-        stream.seek(0)
-        stream.truncate()
-        try:
-            self._pickler.dump(obj)
-            payload = stream.getvalue()
-            out_of_band = self._out_of_band
-            if key is not None:
-                self._tensor_streams.keep(obj, key, payload, out_of_band)
-            if not out_of_band:
-                item = _new_item(EncodedItem)
-                item.payload = payload
-                item.nbytes = len(payload)
-                item.borrowed = item.staged = False
-                item.buffers = []
-                return item
-            return self._with_buffers(payload, out_of_band)
-        finally:
-            # The memo and the out-of-band list hold the item: let go of it now (its memory is then
-            # the next item's, cache-warm: a third less time to make and copy an 8 MiB tensor). What
-            # a reduction made goes once the memo is empty, as other threads may run meanwhile
-            # (clear_memo() frees before it empties: docs/architecture.md, "Serialization").
-            held = self._pickler.memo.copy() if self._pickler.made_objects else None
-            self._pickler.clear_memo()
-            self._pickler.made_objects = False
-            if self._out_of_band:
-                self._out_of_band = []
-            del held
+                    payload = b"".join((before, array, after))
+                else:
+                    key = None  # pickled, and not kept
+        if payload is None:
+            stream = self._stream
+            stream.seek(0)
+            stream.truncate()
+            try:
+                self._pickler.dump(obj)
+                payload = stream.getvalue()
+                out_of_band = self._out_of_band
+                if key is not None:
+                    self._tensor_streams.keep(obj, key, payload, out_of_band)
+                if out_of_band:
+                    return self._with_buffers(payload, out_of_band)
+            finally:
+                # The memo and the out-of-band list hold the item: let go of it now (its memory is
+                # then the next item's, cache-warm: a third less time to make and copy an 8 MiB
+                # tensor). What a reduction made goes once the memo is empty, as other threads may
+                # run meanwhile (clear_memo() frees before it empties: docs/architecture.md, "Serialization").
+                held = self._pickler.memo.copy() if self._pickler.made_objects else None
+                self._pickler.clear_memo()
+                self._pickler.made_objects = False
+                if self._out_of_band:
+                    self._out_of_band = []
+                del held
+        item = _new_item(EncodedItem)  # its bytes all in band
+        item.payload = payload
+        item.nbytes = len(payload)
+        item.borrowed = item.staged = False
+        item.buffers = []
+        return item
 
     def _with_buffers(self, payload: bytes, out_of_band: List[memoryview]) -> EncodedItem:
         """The item of ``payload`` and its out-of-band buffers, each staged, borrowed or copied.
