@@ -51,7 +51,6 @@ pytestmark = pytest.mark.skipif(not shared_memory_available(), reason="needs mem
 
 SEGMENT_NAME = "memfd:rpc-reading-service"
 BIG = 1 << 20
-QUANTIZED_HALF = SHARED_MEMORY_MIN_BYTES // 2  # a batch of two is as big as a plain one that is shared
 
 
 def header(kind: int, n_buffers: int, body_length: int) -> bytes:

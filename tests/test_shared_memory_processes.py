@@ -14,7 +14,7 @@ import numpy
 import pytest
 import torch
 from _server_helpers import remote, wait_until
-from test_shared_memory import in_shared_memory, shared_ranges
+from test_shared_memory import BIG, SEGMENT_NAME, in_shared_memory, shared_ranges
 
 from rpc_reading_service.errors import WorkerLostError
 from rpc_reading_service.protocol import MessageKind, encode_data, encode_frame
@@ -29,10 +29,7 @@ from rpc_reading_service.transports.socket_transport.shared_memory import (
 
 pytestmark = pytest.mark.skipif(not shared_memory_available(), reason="needs memfd (Linux)")
 
-SEGMENT_NAME = "memfd:rpc-reading-service"
-BIG = 1 << 20
 QUANTIZED_HALF = SHARED_MEMORY_MIN_BYTES // 2  # a batch of two is as big as a plain one that is shared
-
 
 
 
