@@ -302,7 +302,7 @@ def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, a
     """One epoch: ``warmup`` items, then ``items`` timed ones with both sides' CPU and switches."""
     # As many untimed items after the timed ones: a worker's producer thread is still alive at
     # the last reading (the switches of a thread that ended are no longer in /proc).
-    workload = Workload("tensor", warmup + 2 * items, item_bytes=item_bytes)
+    workload = Workload(args.kind, warmup + 2 * items, item_bytes=item_bytes)
     profile = cProfile.Profile(time.thread_time) if args.cprofile else None  # CPU, not wall: load moves no time
     spies: list[subprocess.Popen] = []
     loop_profile = LoopProfile(bool(args.calls_loop)) if args.cprofile_loop or args.calls_loop else None
@@ -378,6 +378,8 @@ def main(argv=None) -> int:
     parser.add_argument("--contender", choices=["RPCRS-local", "RPCRS-tcp", "raw-socket", "raw-unix"],
                         default="RPCRS-local")
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--kind", choices=["tensor", "labelled-tensor"], default="tensor",
+                        help="each item a bare tensor, or a tuple of a tensor and an int label")
     parser.add_argument("--sizes", type=item_sizes, default=item_sizes("16K,64K,256K,1M"))
     parser.add_argument("--bytes", type=item_sizes, default=[256 << 20], metavar="SIZE",
                         help="timed bytes per size (default 256M), between 500 and 20,000 items")

@@ -36,7 +36,8 @@ class Workload:
     """What one epoch yields: ``n_items`` items of one kind.
 
     kind: ``"ints"`` (the index itself), ``"tensor"`` (a fresh ``torch.uint8`` tensor
-    of ``item_bytes`` bytes, see :func:`make_tensor`), ``"shared-tensor"`` (the same, made
+    of ``item_bytes`` bytes, see :func:`make_tensor`), ``"labelled-tensor"`` (the same in a
+    tuple with an int label, see :func:`make_labelled_tensor`), ``"shared-tensor"`` (the same, made
     with ``rpc_reading_service.shared_empty``, see :func:`make_tensor_in_shared_memory`) or
     ``"sleep"`` (the index, after ``sleep_s`` seconds of sleep in the producing worker).
     ``block``: shard blocks of that many indices instead of single ones (see
@@ -78,6 +79,11 @@ def make_tensor(index: int, nbytes: int):
     return torch.from_numpy(make_array(index, nbytes))
 
 
+def make_labelled_tensor(index: int, nbytes: int):
+    """An image and its label: :func:`make_tensor`'s item and ``index % 1000`` in a tuple."""
+    return make_tensor(index, nbytes), index % 1000
+
+
 def make_tensor_in_shared_memory(index: int, nbytes: int):
     """:func:`make_tensor`'s item, written by the same one-thread numpy fill into memory from
     ``rpc_reading_service.shared_empty``: in a local worker's session a segment its
@@ -109,6 +115,8 @@ def item_function(workload: Workload):
         return None
     if workload.kind == "tensor":
         return functools.partial(make_tensor, nbytes=workload.item_bytes)
+    if workload.kind == "labelled-tensor":
+        return functools.partial(make_labelled_tensor, nbytes=workload.item_bytes)
     if workload.kind == "shared-tensor":
         return functools.partial(make_tensor_in_shared_memory, nbytes=workload.item_bytes)
     if workload.kind == "sleep":

@@ -20,7 +20,7 @@ import torch
 
 from .errors import ItemPicklingError, RemoteWorkerError, describe_worker
 from .receive_buffers import REUSED_BUFFER_MIN_BYTES, REUSED_BUFFERS_MAX_BYTES, ReusedBuffers, uninitialised_bytes
-from .tensor_streams import TensorStreams
+from .tensor_streams import CONTAINERS, ContainerStreams, TensorStreams, container_kind
 
 __all__ = [
     "OUT_OF_BAND_MIN_BYTES",
@@ -333,6 +333,7 @@ class ItemEncoder:
         self._borrow_min_bytes = borrow_min_bytes
         self._copies = ReusedBuffers()
         self._tensor_streams = TensorStreams()
+        self._container_streams = ContainerStreams()
 
     def _collect(self, buffer: pickle.PickleBuffer) -> bool:
         # pickle's buffer_callback contract: a true result serialises the buffer in band.
@@ -347,10 +348,13 @@ class ItemEncoder:
         now) for a send with no further copy."""
         # Once per item on the producer's hot path: no Python call but the pickler's own (the
         # item made without running EncodedItem.__init__, each buffer's copy inline).
-        key, payload = None, None
-        if type(obj) is _Tensor:  # a bare tensor: its stream from the one of its dtype and shape, no pickler
-            key = (obj.dtype, obj.shape)
-            kept = self._tensor_streams.get(key)
+        key, payload, kind = None, None, type(obj)
+        if kind is _Tensor:  # a bare tensor: its stream from the one of its dtype and shape, no pickler
+            try:
+                key = (obj.dtype, obj.shape)
+            except RuntimeError:  # a nested tensor has no shape: pickled
+                key = None
+            kept = self._tensor_streams.get(key) if key is not None else None
             if kept is not None:
                 try:
                     array = obj.numpy()
@@ -363,6 +367,13 @@ class ItemEncoder:
                     payload = b"".join((before, array, after))
                 else:
                     key = None  # pickled, and not kept
+        elif kind in CONTAINERS:  # a tuple, list or dict of bare tensors: the same from its kind's stream
+            key = container_kind(obj)
+            made = self._container_streams.make(obj, key) if key is not None else None
+            if made is not None:
+                payload, out_of_band = made
+                if out_of_band:
+                    return self._with_buffers(payload, out_of_band)
         if payload is None:
             stream = self._stream
             stream.seek(0)
@@ -372,7 +383,10 @@ class ItemEncoder:
                 payload = stream.getvalue()
                 out_of_band = self._out_of_band
                 if key is not None:
-                    self._tensor_streams.keep(obj, key, payload, out_of_band)
+                    if kind is _Tensor:
+                        self._tensor_streams.keep(obj, key, payload, out_of_band)
+                    else:
+                        self._container_streams.keep(obj, key, payload, out_of_band, _pickled_alone)
                 if out_of_band:
                     return self._with_buffers(payload, out_of_band)
             finally:
@@ -425,6 +439,11 @@ class ItemEncoder:
 def dumps_item(obj: Any) -> EncodedItem:
     """Pickle one item with a fresh :class:`ItemEncoder` (use an encoder for many items)."""
     return ItemEncoder().encode(obj)
+
+
+def _pickled_alone(obj: Any) -> bytes:
+    """The pickle stream of ``obj`` from a fresh encoder."""
+    return ItemEncoder().encode(obj).payload
 
 
 def loads_item(item: EncodedItem) -> Any:

@@ -31,6 +31,8 @@ def touch(item) -> int:
         return 0
     if type(item) is MadeElsewhere:
         return item.nbytes
+    if type(item) is tuple:  # an image and its label
+        return touch(item[0])
     import torch
 
     if isinstance(item, torch.Tensor):
