@@ -240,7 +240,7 @@ def test_a_small_slow_item_is_written_by_its_producer_and_a_big_one_by_the_sende
     assert written == [(producer, [MessageKind.DATA])]
     assert outbox.take(0.0) is None  # nothing left for the sender
     time.sleep(0.03)
-    outbox.put(1, EncodedItem(b"x" * (1 << 20)))  # slow, but big
+    outbox.put(1, EncodedItem(b"x" * (100 << 10)))  # slow, but big (not a full frame)
     assert len(written) == 1
     assert outbox.send_next(1.0) and written[1] == (threading.current_thread(), [MessageKind.DATA])
 
@@ -255,35 +255,30 @@ def test_an_item_joining_an_open_batch_costs_no_python_call_beyond_put():
     assert [i.nbytes for i in items] == [1] * 4  # counted now, as an encoder gives it
     outbox.put(1, items[0])  # opens the batch
     assert [python_calls(outbox.put, 1, i)[1] for i in items[1:3]] == [[], []]
-    _, calls = python_calls(outbox.put, 1, items[3])  # fills it: sealed for the sender, not written
-    assert [name for name in calls if name in OUTBOX_CALLS] == ["_seal"] and written == [], calls
-    assert outbox.send_next(1.0)  # this thread as the sender
+    _, calls = python_calls(outbox.put, 1, items[3])  # fills it: sealed and written by its producer
+    assert [name for name in calls if name in OUTBOX_CALLS] == WRITTEN_BY_ITS_PRODUCER, calls
     assert [data_items(f)[2] for frames in written for f in frames] == [[0, 1, 2, 3]]
 
 
 @pytest.mark.parametrize("borrowed", [False, True])
 def test_an_item_that_fills_its_frame_costs_its_producer_few_python_calls(borrowed):
-    # A large item makes a frame alone. A borrowed one (the producer's memory) its producer seals,
-    # encodes and writes itself: the outbox's own calls for it are bounded (the credit read once
-    # per step, no wait looked for where nothing waits); the rest are the protocol's checks and
-    # the frame's encoding. Any other the producer only seals, for the sender to write.
+    # A large item makes a frame alone: its producer seals, encodes and writes it itself (a
+    # borrowed one before it makes the next item: its memory). The outbox's own calls for it are
+    # bounded (the credit read once per step, no wait looked for where nothing waits); the rest
+    # are the protocol's checks and the frame's encoding.
     written = []
     outbox = DrivenOutbox(SessionOptions(batch_max_items=1, linger=10.0), send=written.append)
     outbox.start_epoch(1, credits=4)
     outbox.put(1, item(0))
-    assert outbox.send_next(1.0)  # this thread as the sender
     large = EncodedItem(b"1", [b"x" * 100], borrowed=borrowed, nbytes=101)
     _, calls = python_calls(outbox.put, 1, large)
-    ours = [name for name in calls if name in OUTBOX_CALLS]
-    if borrowed:
-        assert ours == ["_seal", "_take_for_producer", "_ready_frames", "_next_frame", "_write_inline"], calls
-        assert calls.count("credits") <= 2 and "_pack" not in calls, calls  # the DATA head packed inline
-    else:
-        assert ours == ["_seal"] and calls.count("credits") <= 2 and len(written) == 1, calls
-        assert outbox.send_next(1.0)
+    assert [name for name in calls if name in OUTBOX_CALLS] == WRITTEN_BY_ITS_PRODUCER, calls
+    assert calls.count("credits") <= 2 and "_pack" not in calls, calls  # the DATA head packed inline
     assert [data_items(f)[2] for frames in written for f in frames] == [[0], [1]]
 
 
+#: The outbox's calls in a ``put`` that seals its batch and writes it.
+WRITTEN_BY_ITS_PRODUCER = ["_seal", "_take_for_producer", "_ready_frames", "_next_frame", "_write_inline"]
 #: The outbox's own methods (of the calls one ``put`` makes).
 OUTBOX_CALLS = {name for name, value in vars(Outbox).items() if callable(value) and not name.startswith("__")}
 
@@ -365,10 +360,7 @@ def test_items_that_each_make_a_frame_leave_the_sender_asleep():
     outbox.put(1, EncodedItem(b"0", borrowed=True))
     outbox.put(1, EncodedItem(b"1", borrowed=True))
     assert written == [(current, [[0]]), (current, [[1]])] and notified == []
-    # items within linger of each other, credit left: still no reason to wake every linger
-    assert outbox._armed_wait(time.monotonic()) == float("inf")
-    outbox.put(1, item(2))  # an item that shares its batch: the sender times it
-    assert outbox._armed_wait(time.monotonic()) == 0.5
+    outbox.put(1, item(2))  # an item that shares its batch: left open, the sender looks at it
     assert outbox.send_next(1.0) and written[-1] == (current, [[2]])  # this thread as the sender
     notified.clear()
     producer = threading.Thread(target=outbox.put, args=(1, EncodedItem(b"3", borrowed=True)))
@@ -418,36 +410,48 @@ def test_a_staged_item_that_fills_its_batch_is_written_by_its_producer_or_waits_
         producer.join(5.0)
 
 
-def test_a_full_batch_is_written_by_the_sender_while_its_producer_makes_the_next_items():
-    # A fast stream: the producer seals each batch it fills and goes on; the sender writes it,
-    # woken once per frame at most (it times open batches on its own while items come within
-    # linger of each other); frames leave in order, numbered in order. A batch the producer
-    # leaves open still leaves after linger, from the sender.
-    gate, written, wakes = threading.Event(), [], []
-
-    def send(frames):
-        gate.wait(2.0)  # the first write waits here while the producer goes on
-        written.append((threading.current_thread(), [data_items(f)[1:] for f in frames]))
-
-    outbox = DrivenOutbox(SessionOptions(batch_max_items=2, linger=0.5), send=send)
+def test_a_full_or_lingering_batch_is_written_by_its_producer_and_a_left_one_by_the_sender():
+    # A fast stream: the producer seals each batch it fills, or that has been open for linger,
+    # and writes it itself (the sender would take the interpreter lock from it to write it); a
+    # batch it leaves open (a stall) leaves after linger from the sender. Frames leave in order.
+    current, written = threading.current_thread(), []
+    outbox = DrivenOutbox(
+        SessionOptions(batch_max_items=2, linger=0.2),
+        send=lambda frames: written.append((threading.current_thread(), [data_items(f)[1:] for f in frames])),
+    )
     outbox.start_epoch(1, credits=8)
-    notify_all = outbox._cond.notify_all
-    outbox._cond.notify_all = lambda: (wakes.append(bool(outbox._cond._waiters)), notify_all())
     stop = threading.Event()
-    sender = threading.Thread(target=lambda: [outbox.send_next(0.2) for _ in iter(stop.is_set, True)])
+    sender = threading.Thread(target=lambda: [outbox.send_next(0.05) for _ in iter(stop.is_set, True)])
     sender.start()
     try:
-        for i in range(5):  # the first frame's write waits for the gate: the producer does not
+        for i in range(5):
             outbox.put(1, item(i))
-        assert written == [] and not gate.is_set()
-        gate.set()
-        sent = lambda: [frame for _thread, frames in written for frame in frames]  # noqa: E731
-        assert wait_until(lambda: len(sent()) == 3, 5.0)  # the last one after linger
-        assert sent() == [(0, [0, 1]), (1, [2, 3]), (2, [4])] and {thread for thread, _ in written} == {sender}
-        assert wakes.count(True) <= 3, wakes  # a wake-up of the sender per frame at most
+        assert written == [(current, [(0, [0, 1])]), (current, [(1, [2, 3])])]
+        assert wait_until(lambda: len(written) == 3, 5.0)  # the one left open, after linger
+        assert written[2] == (sender, [(2, [4])])
+        outbox.put(1, item(5))  # after the stall: a slow item, written alone at once
+        assert written[3] == (current, [(3, [5])])
+        outbox.put(1, item(6))
+        while len(written) == 4:  # the batch stays open while items come, at most linger
+            time.sleep(0.05)
+            outbox.put(1, item(7))
+        assert written[4][0] is current and written[4][1][0][1][:2] == [6, 7]
     finally:
-        gate.set()
         stop.set()
         outbox.close()
         sender.join(5.0)
     assert not sender.is_alive()
+
+
+def test_while_its_producer_puts_items_the_sender_looks_for_a_stall_ever_less_often():
+    # Each look takes the interpreter lock from the producer: the sender looks after linger, then
+    # twice as long each time it finds the producer putting, up to 64 lingers, and after linger
+    # again once the producer stops.
+    outbox = DrivenOutbox(SessionOptions(batch_max_items=100, linger=0.01))
+    outbox.start_epoch(1, credits=8)
+    outbox.put(1, item(0))
+    looks = [outbox._next_look(time.monotonic(), 0.0) for _ in range(9)]
+    assert looks == [0.01 * 2**k for k in range(7)] + [0.64, 0.64]
+    outbox._last_put -= 0.02  # the producer went quiet
+    assert outbox._next_look(time.monotonic(), 0.005) == 0.005
+    assert outbox._next_look(time.monotonic() - 0.02, 0.0) == 0.01

@@ -29,6 +29,10 @@ _FRAMES_PER_SEND = 16
 #: Largest slow item a producer sends itself when the connection has no room: bigger ones go to
 #: the sender thread, so that producing the next item overlaps a send that waits.
 _INLINE_MAX_BYTES = 64 * 1024
+#: While the producer puts items, the sender looks for a batch it left open (a stall) after
+#: ``linger``, then twice as long each time it finds the producer still putting, up to this many
+#: ``linger`` (docs/architecture.md, "The outbox": each look takes the interpreter lock).
+_STALL_LOOKS_MAX_LINGERS = 64
 
 _nbytes = operator.attrgetter("nbytes")
 
@@ -83,8 +87,11 @@ class Outbox:
         self._sender_waiting = False
         self._producer_waiting = False
         #: When the sender, waiting on the condition, wakes on its own (inf: it does not wait): a
-        #: batch opened before that, less ``linger``, needs no notify.
+        #: batch opened before that, less the longest look for a stall, needs no notify.
         self._sender_wakes_at = float("inf")
+        #: How long the sender waits before it looks again for a batch the producer left open.
+        self._stall_look = options.linger
+        self._stall_look_max = options.linger * _STALL_LOOKS_MAX_LINGERS
         #: Frames a credit let go, taken by :meth:`grant` for its caller to write.
         self._taken: List[List[Buffer]] = []
         self.epoch: Optional[int] = None
@@ -93,10 +100,8 @@ class Outbox:
         self._open_since = 0.0
         #: A slow item opened the batch and waits for credit: sealed without lingering once credit comes.
         self._open_slow = False
-        #: When the producer put the epoch's latest item (None before its first), and whether that
-        #: item shares its batch (False: it made a batch alone, a borrowed or a full one).
+        #: When the producer put the epoch's latest item (None before its first).
         self._last_put: Optional[float] = None
-        self._batching = False
         #: Sealed batches waiting for credit, and markers (CHUNK_DONE) that follow them without credit
         #: (ahead of the open batch, which may still hold their chunks' last items).
         self._sealed: Deque[Union[List[EncodedItem], Message]] = collections.deque()
@@ -195,14 +200,14 @@ class Outbox:
                 self._open_since = now
             batch.append(item)
             self._open_bytes += item.nbytes
-            full = len(batch) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes
+            # Full at its bounds, or open for ``linger``: the producer seals and writes it itself.
+            full = (
+                len(batch) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes
+                or (not opened and now - self._open_since >= options.linger)
+            )  # fmt: skip
+            itself = item.borrowed or full
             # The credit left, read once (0: not needed for this item, not read).
-            credits = self._protocol.credits if opened and not item.borrowed else 0
-            # The producer writes a borrowed item's frame (its memory) and a full batch that a
-            # staged item fills (a frame of a few hundred bytes); the sender writes any other
-            # full batch while the producer makes the next items.
-            itself = item.borrowed or (full and item.staged)
-            self._batching = not (itself and opened)
+            credits = self._protocol.credits if opened and not itself else 0
             if itself:
                 pass  # sealed and written below (a borrowed item before the producer makes its next one)
             elif slow and opened and not self._batch_waits() and credits > 0:
@@ -212,19 +217,18 @@ class Outbox:
                     self._seal()  # the sender wakes once, for a frame to send
             elif slow and opened and self._credit_owed():
                 self._open_slow = True  # the CREDIT the trainer owes takes it along: no wake-up of the sender
-            elif opened and not full and credits > 0 and self._sender_wakes_at > now + options.linger:
-                self._cond.notify_all()  # the sender times the linger from now (without credit, grant() does)
-            if itself or full:
+            elif opened and credits > 0 and self._sender_wakes_at > now + self._stall_look_max:
+                self._cond.notify_all()  # the sender looks for a stall from now (without credit, grant() does)
+            if itself:
                 while self._sealed and self._batch_waits():
                     self._producer_waiting = True
                     self._producer_cond.wait()
                     self._producer_waiting = False
                     self._check(epoch)
                 if self._open:  # the sender may have taken it while we waited
-                    self._seal(wake=not itself)
-                if itself:
-                    frames = self._take_for_producer()
-                    settled = frames is not None and not self._sealed
+                    self._seal(wake=False)
+                frames = self._take_for_producer()
+                settled = frames is not None and not self._sealed
         if frames is not None:
             self._write_inline(frames)
         if (item.borrowed or item.staged) and not settled:
@@ -402,14 +406,15 @@ class Outbox:
                     # Woken at the end of that write only for what is ready behind it; else timed as below.
                     self._sender_waiting = self._ready_behind_write()
                     if not self._sender_waiting:
-                        wait = min(wait, self._linger_left(now), self._armed_wait(now))
+                        wait = min(wait, self._next_look(now, self._linger_left(now)))
                 else:
                     self._sender_waiting = False
                     frame, ready_in = self._next_frame(now)
                     if frame is not None:
+                        self._stall_look = self._options.linger
                         return self._ready_frames([frame], limit, final=True)
                     self.sending.release()
-                    wait = min(wait, ready_in, self._armed_wait(now))
+                    wait = min(wait, self._next_look(now, ready_in))
                 if wait <= 0:
                     return None
                 self._sender_wakes_at = now + wait
@@ -428,20 +433,17 @@ class Outbox:
             return float("inf")
         return self._open_since + self._options.linger - now
 
-    def _armed_wait(self, now: float) -> float:
-        """While items that share batches come within ``linger`` of each other and credit is left,
-        the sender wakes every ``linger`` on its own: a producer opening a batch then need not wake
-        it (it writes full batches itself), and a batch left open is still sent within ``linger``.
-        Items that each make a batch alone (borrowed, or as large as a frame) leave none open."""
+    def _next_look(self, now: float, ready_in: float) -> float:
+        """Seconds until the sender looks again at an open batch due in ``ready_in``: while the
+        producer puts items it seals that batch itself, so the sender only looks for a stall, each
+        time later (a look takes the interpreter lock from the producer: docs/architecture.md)."""
         linger = self._options.linger
-        if (
-            self._batching
-            and self._protocol.credits > 0
-            and self._last_put is not None
-            and now - self._last_put < linger
-        ):
-            return linger
-        return float("inf")
+        if self._open and self._last_put is not None and now - self._last_put < linger:
+            look = self._stall_look
+            self._stall_look = min(2 * look, self._stall_look_max)
+            return max(ready_in, look)
+        self._stall_look = linger
+        return ready_in
 
     def _ready_frames(self, frames: List[List[Buffer]], limit: int, final: bool) -> List[List[Buffer]]:
         """``frames`` and the ones ready behind them, at most ``limit``; with ``final``, also the
