@@ -455,3 +455,25 @@ def test_while_its_producer_puts_items_the_sender_looks_for_a_stall_ever_less_of
     outbox._last_put -= 0.02  # the producer went quiet
     assert outbox._next_look(time.monotonic(), 0.005) == 0.005
     assert outbox._next_look(time.monotonic() - 0.02, 0.0) == 0.01
+
+
+def test_a_credit_while_the_producer_fills_a_batch_does_not_wake_the_sender():
+    # The producer seals and writes the batch it fills: a CREDIT that finds only that batch (not
+    # due) wakes nobody while the sender's next look is near; one that finds the sender asleep for
+    # longer (it slept without credit) wakes it, to look for a stall.
+    written = []
+    outbox = DrivenOutbox(SessionOptions(batch_max_items=100, linger=0.05), send=written.append)
+    outbox.start_epoch(1, credits=4)
+    notified = []
+    notify_all = outbox._cond.notify_all
+    outbox._cond.notify_all = lambda: (notified.append(True), notify_all())
+    outbox.put(1, item(0))  # opens a batch: wakes the sender, asleep for good, to look in time
+    outbox.put(1, item(1))
+    assert notified == [True]
+    notified.clear()
+    outbox._sender_wakes_at = time.monotonic() + 0.05  # the sender looks within linger
+    outbox.grant(1, 4)
+    assert notified == [] and outbox._taken == []
+    outbox._sender_wakes_at = float("inf")  # asleep without a look armed
+    outbox.grant(1, 4)
+    assert notified == [True] and outbox._taken == [] and written == []

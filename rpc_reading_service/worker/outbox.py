@@ -165,6 +165,8 @@ class Outbox:
                     if self._taken:
                         return
                     self.sending.release()
+                    if not self._sealed and self._sender_wakes_at <= time.monotonic() + self._stall_look_max:
+                        return  # only a batch still filling: its producer seals it, the sender looks in time
                 self._cond.notify_all()
 
     def write_taken(self) -> None:
