@@ -445,16 +445,40 @@ def test_a_full_or_lingering_batch_is_written_by_its_producer_and_a_left_one_by_
 
 def test_while_its_producer_puts_items_the_sender_looks_for_a_stall_ever_less_often():
     # Each look takes the interpreter lock from the producer: the sender looks after linger, then
-    # twice as long each time it finds the producer putting, up to 64 lingers, and after linger
-    # again once the producer stops.
+    # twice as long each time it finds the producer putting, up to 16 lingers, and after linger
+    # again once the producer stops or waits for the trainer.
     outbox = DrivenOutbox(SessionOptions(batch_max_items=100, linger=0.01))
     outbox.start_epoch(1, credits=8)
     outbox.put(1, item(0))
-    looks = [outbox._next_look(time.monotonic(), 0.0) for _ in range(9)]
-    assert looks == [0.01 * 2**k for k in range(7)] + [0.64, 0.64]
+    looks = [outbox._next_look(time.monotonic(), 0.0) for _ in range(7)]
+    assert looks == [0.01 * 2**k for k in range(5)] + [0.16, 0.16]
     outbox._last_put -= 0.02  # the producer went quiet
     assert outbox._next_look(time.monotonic(), 0.005) == 0.005
-    assert outbox._next_look(time.monotonic() - 0.02, 0.0) == 0.01
+    outbox.put(1, item(1))
+    assert outbox._next_look(time.monotonic(), 0.0) == 0.01
+    outbox.producer_idle()  # it waits for the trainer: the open batch leaves after linger
+    assert outbox._next_look(time.monotonic(), 0.004) == 0.004
+
+
+def test_a_chunks_end_wakes_a_sender_that_would_look_late():
+    # After a CHUNK_DONE the producer may wait for its next lease: the open batch and the marker
+    # must leave within linger, not at a look armed for a busy producer.
+    outbox = DrivenOutbox(SessionOptions(batch_max_items=100, linger=0.01))
+    outbox.start_epoch(1, credits=8, leased=True)
+    outbox.lease(1, 0, count=2)
+    outbox.put(1, item(0))
+    notified = []
+    notify_all = outbox._cond.notify_all
+    outbox._cond.notify_all = lambda: (notified.append(True), notify_all())
+    outbox._sender_wakes_at = time.monotonic() + 0.005  # a look within linger: no wake-up needed
+    outbox.mark(1, ChunkDone(1, 0, (1,), None))
+    assert notified == []
+    outbox._sender_wakes_at = time.monotonic() + 0.16  # the longest look
+    outbox.mark(1, ChunkDone(1, 1, (0,), None))
+    assert notified == [True]
+    frames = outbox.take_frames(1.0)  # after linger (the producer waits for its next lease)
+    assert [frame_of(f).kind for f in frames] == [MessageKind.CHUNK_DONE, MessageKind.DATA]
+    assert ChunkDone.decode(frame_of(frames[0])) == ChunkDone(1, 0, (1, 0))
 
 
 def test_a_credit_while_the_producer_fills_a_batch_does_not_wake_the_sender():

@@ -32,7 +32,7 @@ _INLINE_MAX_BYTES = 64 * 1024
 #: While the producer puts items, the sender looks for a batch it left open (a stall) after
 #: ``linger``, then twice as long each time it finds the producer still putting, up to this many
 #: ``linger`` (docs/architecture.md, "The outbox": each look takes the interpreter lock).
-_STALL_LOOKS_MAX_LINGERS = 64
+_STALL_LOOKS_MAX_LINGERS = 16
 
 _nbytes = operator.attrgetter("nbytes")
 
@@ -220,7 +220,7 @@ class Outbox:
             elif slow and opened and self._credit_owed():
                 self._open_slow = True  # the CREDIT the trainer owes takes it along: no wake-up of the sender
             elif opened and credits > 0 and self._sender_wakes_at > now + self._stall_look_max:
-                self._cond.notify_all()  # the sender looks for a stall from now (without credit, grant() does)
+                self._cond.notify_all()  # the sender looks for a stall from now (else grant() does)
             if itself:
                 while self._sealed and self._batch_waits():
                     self._producer_waiting = True
@@ -235,6 +235,12 @@ class Outbox:
             self._write_inline(frames)
         if (item.borrowed or item.staged) and not settled:
             self._until_written(epoch, item, written=item.borrowed)
+
+    def producer_idle(self) -> None:
+        """The producer waits for the trainer (its next lease, dispatched input): the open batch is
+        the sender's to send after ``linger``, and the next item is not a slow one. The producer's
+        own call, without the lock (a plain store; the sender reads it under the lock)."""
+        self._last_put = None
 
     def _take_for_producer(self) -> Optional[List[List[Buffer]]]:
         """The frames for the producer to write itself, its sealed batch's among them when the
@@ -318,7 +324,8 @@ class Outbox:
             # The walk may now wait for its next lease: that gap says nothing of how fast items
             # come, so the next chunk's first item is not sealed alone as a slow one.
             self._last_put = None
-            if not self._open or self._protocol.credits <= 0:
+            late = self._sender_wakes_at > time.monotonic() + self._options.linger  # a long look armed
+            if not self._open or self._protocol.credits <= 0 or late:
                 self._cond.notify_all()
             # else the sender wakes within ``linger`` for the open batch and takes the marker with it
 

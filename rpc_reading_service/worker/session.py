@@ -366,7 +366,7 @@ class WorkerSession:
                 for selection in self._selections:
                     selection.set_context(context)
                 items = iter(self._graph)
-                if watched and leases is not None:
+                if leases is not None:
                     leases.waiting = self._waiting_for_trainer
                 skipped = self._skip(epoch, items, skip, watched) if skip else 0
                 if skipped < skip:  # a resumed epoch's position lies past the end of the shard
@@ -433,6 +433,8 @@ class WorkerSession:
         """Waiting for the trainer (its next lease, or the items its dispatcher deals, which set
         that pace) is not producing an item: item_timeout does not count it, and the item's
         clock restarts after it."""
+        if waiting:
+            self.outbox.producer_idle()
         producing = self._producing
         if producing is not None:
             epoch, position, _started, ident = producing
