@@ -237,9 +237,10 @@ class Outbox:
             self._until_written(epoch, item, written=item.borrowed)
 
     def producer_idle(self) -> None:
-        """The producer waits for the trainer (its next lease, dispatched input): the open batch is
-        the sender's to send after ``linger``, and the next item is not a slow one. The producer's
-        own call, without the lock (a plain store; the sender reads it under the lock)."""
+        """The producer waits for the trainer (its next lease, dispatched input): the sender sends
+        the open batch at its next look (at most 16 ``linger`` away) instead of looking later, and
+        the next item is not a slow one. The producer's own call, without the lock (a plain store;
+        the sender reads it under the lock)."""
         self._last_put = None
 
     def _take_for_producer(self) -> Optional[List[List[Buffer]]]:
@@ -420,7 +421,6 @@ class Outbox:
                     self._sender_waiting = False
                     frame, ready_in = self._next_frame(now)
                     if frame is not None:
-                        self._stall_look = self._options.linger
                         return self._ready_frames([frame], limit, final=True)
                     self.sending.release()
                     wait = min(wait, self._next_look(now, ready_in))

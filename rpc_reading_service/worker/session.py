@@ -16,6 +16,7 @@ from ..errors import FrameTooLargeError, RemoteProtocolError, past_the_end, thre
 from ..graph import WorkerGraphSeeds, prepare_worker_graph, reset_worker_graph, seed_chunk
 from ..graph_utils import WorkerInfo
 from ..protocol import (
+    FRAMES_PAST_WINDOW,
     Buffer,
     ChunkDone,
     Close,
@@ -39,7 +40,6 @@ from ..protocol import (
     StartEpoch,
     StopEpoch,
     WorkerProtocol,
-    FRAMES_PAST_WINDOW,
     window_frames,
 )
 from ..selection import LeaseInbox, SelectionContext, SelectionFilter
