@@ -51,7 +51,7 @@ import types
 import warnings
 from typing import Dict, List, Optional
 
-from rpc_reading_service.trainer.local_fleet import _ForkedProcess
+from rpc_reading_service.trainer.local_fleet import ForkedProcess
 
 _MAX_REQUEST = 1 << 20
 # What _server_helpers.PRELOADED_WORKER runs (kept here: that module imports this one).
@@ -213,7 +213,7 @@ def _become_server(request: dict, fds: List[int], control: socket.socket) -> Non
 
 
 # -- the test process's side ------------------------------------------------------------------
-class ForkedServerProcess(_ForkedProcess):
+class ForkedServerProcess(ForkedProcess):
     """A server forked by the forkserver, with what ``subprocess.Popen`` has that the tests use:
     local_fleet's handle of a forked server, its exit code read from the forkserver's pipe (the
     server is the forkserver's child, not this process's)."""
@@ -242,10 +242,6 @@ class ForkedServerProcess(_ForkedProcess):
                 raise RuntimeError(f"the forkserver ended before server {self.pid}: no exit code for it")
             self.returncode = int(text)
         return self.returncode
-
-    def send_signal(self, signum: int) -> None:
-        """Signal the server (unless it has been reaped already, as Popen does)."""
-        self._signal(signum)
 
 
 class _ForkServer:

@@ -135,3 +135,22 @@ def test_a_forked_interpreter_runs_its_code_as_main_and_exits_as_a_fresh_one(tmp
     else:
         assert code == 0 and stderr == "", stderr
     assert proc.pid not in children_of(os.getpid())  # the forkserver's child, not this process's
+
+
+def test_stopping_a_forked_server_that_the_forkserver_reaped_meanwhile_does_not_raise():
+    """A killed forked server may be reaped by the forkserver between our poll and our signal
+    (its exit code not written yet): stopping it then is not an error."""
+    from _server_forkserver import ForkedServerProcess
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(10)  # reaped: its pid names no process, as a server the forkserver just reaped
+    status_read, status_write = os.pipe()  # nothing written yet: poll() says it still runs
+    try:
+        server = ForkedServerProcess(child.pid, [], None, status_read)
+        assert server.poll() is None
+        server.send_signal(signal.SIGINT)
+        server.kill()
+        os.write(status_write, b"-9")
+        assert server.wait(5) == -9
+    finally:
+        os.close(status_write)

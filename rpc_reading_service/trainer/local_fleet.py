@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -68,7 +69,7 @@ def read_listening_address(process: Any, timeout: float, stream: Any = None) -> 
     return text[len("listening on ") :]
 
 
-class _ForkedProcess:
+class ForkedProcess:
     """Just enough of ``subprocess.Popen`` for a forked server: poll, wait, terminate, kill."""
 
     def __init__(self, pid: int):
@@ -93,14 +94,16 @@ class _ForkedProcess:
         return self.returncode
 
     def terminate(self) -> None:
-        self._signal(signal.SIGTERM)
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self._signal(signal.SIGKILL)
+        self.send_signal(signal.SIGKILL)
 
-    def _signal(self, signum: int) -> None:
+    def send_signal(self, signum: int) -> None:
+        """Signal the process unless it has ended (also when another process reaped it meanwhile)."""
         if self.poll() is None:
-            os.kill(self.pid, signum)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
 
 
 def release_inherited_descriptors(keep: Tuple[int, ...]) -> None:
@@ -135,7 +138,7 @@ def release_inherited_descriptors(keep: Tuple[int, ...]) -> None:
 def _fork_server(
     auth_key: bytes, host: str, transport: str, cache: Optional[CacheConfig], announce_fd: int, read_end: int,
     watch_locks: bool,
-) -> _ForkedProcess:
+) -> ForkedProcess:
     """Fork a worker server that writes ``listening on ADDRESS`` (or an error) to ``announce_fd``;
     ``watch_locks``: its sessions may have an item_timeout (probe faulthandler's timer for them)."""
     from ..worker import die_with_parent, serve_until_signalled
@@ -178,7 +181,7 @@ def _fork_server(
             code = 1
         finally:
             os._exit(code)
-    return _ForkedProcess(pid)
+    return ForkedProcess(pid)
 
 
 class LocalWorkerServer:
@@ -208,7 +211,7 @@ class LocalWorkerServer:
         self.startup_timeout = startup_timeout
         self.log_level = log_level
         self.address: Optional[str] = None
-        self._process: Any = None  # subprocess.Popen or _ForkedProcess
+        self._process: Any = None  # subprocess.Popen or ForkedProcess
         self._socket_dir: Optional[str] = None
         self.cache_dir = cache_dir
         self.cache_size = cache_size
