@@ -241,8 +241,8 @@ class LeaseInbox:
         self._end = 0  # the position after the latest lease
         self._final = False
         self._cancelled = False
-        #: Called with True before the producer waits for a decision and False after (the
-        #: session's item watchdog does not count waiting for the trainer as producing).
+        #: Called with True before the producer waits for a decision and False after, outside
+        #: the lock (the session's item watchdog does not count waiting for the trainer as producing).
         self.waiting: Optional[Callable[[bool], None]] = None
 
     def add(self, chunk: int, skip: int = 0, count: int = 1, start: Optional[int] = None, size: int = 1) -> None:
@@ -276,28 +276,40 @@ class LeaseInbox:
 
         Raises :class:`StopSelection` when no lease will ever come for it (or the epoch ended).
         """
-        with self._cond:
-            runs = self._runs
+        waiting = self.waiting
+        announced = False  # waiting(True) was called: waiting(False) follows, both outside the lock
+        try:
             while True:
-                if self._cancelled:
-                    raise StopSelection()
-                while runs and runs[0][3] <= position:
-                    runs.popleft()  # passed: every chunk of it was walked and reported
-                if runs and runs[0][1] <= position:
-                    chunk, start, size, _stop, skip = runs[0]
-                    index = (position - start) // size
-                    return chunk + index, skip if index == 0 else 0, start + (index + 1) * size
-                if position < self._end:
-                    return None, 0, runs[0][1] if runs else self._end
-                if self._final:
-                    raise StopSelection()
-                if self.waiting is not None:
-                    self.waiting(True)
-                try:
-                    self._cond.wait()
-                finally:
-                    if self.waiting is not None:
-                        self.waiting(False)
+                with self._cond:
+                    decision = self._decision(position)
+                    if decision is not None:
+                        return decision
+                    if announced or waiting is None:
+                        self._cond.wait()
+                        continue
+                announced = True
+                waiting(True)
+        finally:
+            if announced:
+                waiting(False)  # type: ignore[misc]
+
+    def _decision(self, position: int) -> Optional[Tuple[Optional[int], int, int]]:
+        """:meth:`decide`'s answer for ``position`` as the leases stand (the caller holds the lock);
+        None while it is not decided yet."""
+        if self._cancelled:
+            raise StopSelection()
+        runs = self._runs
+        while runs and runs[0][3] <= position:
+            runs.popleft()  # passed: every chunk of it was walked and reported
+        if runs and runs[0][1] <= position:
+            chunk, start, size, _stop, skip = runs[0]
+            index = (position - start) // size
+            return chunk + index, skip if index == 0 else 0, start + (index + 1) * size
+        if position < self._end:
+            return None, 0, runs[0][1] if runs else self._end
+        if self._final:
+            raise StopSelection()
+        return None
 
     def outstanding(self, done: int) -> List[int]:
         """The leased chunks after ``done`` (the last one reported), in order."""

@@ -166,18 +166,36 @@ def test_a_replacement_session_gets_the_whole_input_again_and_ended_shards_never
     assert sent == []
 
 
+def _takes_the_lock_from_another_thread(call) -> bool:
+    """Whether ``call`` (which takes an inbox's lock) returns in another thread within 2 s."""
+    other = threading.Thread(target=call)
+    other.start()
+    other.join(2)
+    return not other.is_alive()
+
+
 def test_the_workers_inbox_grants_per_frame_and_says_when_it_waits():
     taken: List[int] = []
     waits: List[bool] = []
-    inbox = Inbox(3, on_taken=taken.append, on_wait=waits.append)
+    lock_free: List[bool] = []
+
+    def on_wait(waiting: bool) -> None:  # outside the inbox's lock: the hook may take the outbox's
+        lock_free.append(_takes_the_lock_from_another_thread(lambda: inbox.lease(0, 0)))
+        waits.append(waiting)
+
+    inbox = Inbox(3, on_taken=taken.append, on_wait=on_wait)
     out: List[Any] = []
-    reader = threading.Thread(target=lambda: out.extend(inbox))
+    reader = threading.Thread(target=lambda: out.extend(inbox), daemon=True)
     reader.start()
-    assert wait_until(lambda: waits == [True], timeout=5)  # no item yet: item_timeout does not count this
-    inbox.put([dumps_item("a"), dumps_item("b")])
-    inbox.end()
-    reader.join(5)
-    assert out == ["a", "b"] and taken == [3] and waits == [True, False]
+    try:
+        assert wait_until(lambda: waits == [True], timeout=5)  # no item yet: item_timeout does not count this
+        inbox.put([dumps_item("a"), dumps_item("b")])
+        inbox.end()
+    finally:
+        reader.join(5)
+        if reader.is_alive():
+            inbox.cancel()
+    assert out == ["a", "b"] and taken == [3] and waits == [True, False] and lock_free == [True, True]
     cancelled = Inbox(4, on_taken=taken.append)
     cancelled.cancel()
     with pytest.raises(Exception) as caught:

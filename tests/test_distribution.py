@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import threading
 import time
 from typing import Any, List
 
@@ -20,7 +21,7 @@ import pytest
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import remote, run_epochs, slow_rank
+from _server_helpers import remote, run_epochs, slow_rank, wait_until
 from rpc_reading_service import (
     ConfigurationError,
     Liveness,
@@ -35,7 +36,7 @@ from rpc_reading_service.policies.dynamic.trainer import Dynamic
 from rpc_reading_service.policies.dynamic.leases import LeaseBook, check_book_state, checkpoint_schedule
 from rpc_reading_service.policies.dynamic.schedule import FixedChunks, GuidedChunks
 from rpc_reading_service.policies.dynamic.worker import LeasedChunks
-from rpc_reading_service.selection import LeaseInbox, SelectionContext, SelectionFilter, WorkerSelection
+from rpc_reading_service.selection import LeaseInbox, SelectionContext, SelectionFilter, StopSelection, WorkerSelection
 
 N = 60
 
@@ -289,6 +290,37 @@ def test_a_leased_walk_reports_each_chunk_after_its_last_item_and_is_asked_only_
     assert out == [0, 1, 2, 3, 4, 5, 10, 11, 12, 13, 14]
     assert reports == [(0, None, 3), (1, None, 6), (4, None, 11)]  # each once its last item was taken
     assert passed == [2, 5, 9, 14]  # the last position of each span, not every position
+
+
+def test_a_walk_waiting_for_its_next_lease_says_so_outside_the_lease_inboxs_lock():
+    # The session's hook takes the outbox's lock (to wake its sender): never under the inbox's.
+    inbox = LeaseInbox()
+    calls: List[tuple] = []
+
+    def waiting(flag: bool) -> None:
+        other = threading.Thread(target=inbox.outstanding, args=(0,))
+        other.start()
+        other.join(2)
+        calls.append((flag, not other.is_alive()))
+
+    inbox.waiting = waiting
+    decided: List[tuple] = []
+    walk = threading.Thread(target=lambda: decided.append(inbox.decide(0)), daemon=True)
+    walk.start()
+    try:
+        assert wait_until(lambda: calls == [(True, True)], timeout=5)
+        inbox.add(0, count=1, start=0, size=3)
+    finally:
+        walk.join(5)
+        if walk.is_alive():
+            inbox.cancel()  # a failed check leaves no walk waiting
+    assert decided == [(0, 0, 3)] and calls == [(True, True), (False, True)]
+    inbox = LeaseInbox()
+    inbox.waiting = waiting
+    inbox.finish()
+    with pytest.raises(StopSelection):
+        inbox.decide(3)  # no lease will come: no wait, no call
+    assert len(calls) == 2
 
 
 # -- the guided chunk schedule (pure) ------------------------------------------------------------

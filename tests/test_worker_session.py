@@ -481,6 +481,24 @@ def test_a_chunks_end_wakes_a_sender_that_would_look_late():
     assert ChunkDone.decode(frame_of(frames[0])) == ChunkDone(1, 0, (1, 0))
 
 
+def test_a_producer_waiting_for_the_trainer_wakes_a_sender_that_would_look_late():
+    # Waiting for dispatched input or a lease: the open batch must leave within linger, not at a
+    # look armed while the producer was busy.
+    outbox = DrivenOutbox(SessionOptions(batch_max_items=100, linger=0.01))
+    outbox.start_epoch(1, credits=8)
+    outbox.put(1, item(0))
+    notified = []
+    notify_all = outbox._cond.notify_all
+    outbox._cond.notify_all = lambda: (notified.append(True), notify_all())
+    outbox._sender_wakes_at = time.monotonic() + 0.005  # a look within linger: no wake-up needed
+    outbox.producer_idle()
+    assert notified == []
+    outbox._sender_wakes_at = time.monotonic() + 0.16  # the longest look
+    outbox.producer_idle()
+    assert notified == [True]
+    assert data_items(outbox.take(1.0))[2] == [0]
+
+
 def test_a_credit_while_the_producer_fills_a_batch_does_not_wake_the_sender():
     # The producer seals and writes the batch it fills: a CREDIT that finds only that batch (not
     # due) wakes nobody while the sender's next look is near; one that finds the sender asleep for

@@ -26,7 +26,7 @@ class Inbox:
 
     ``on_taken(epoch)`` runs each time the producer takes a frame: the session grants the
     trainer one more ITEMS frame then. ``on_wait(True)`` runs when the producer starts waiting
-    for a frame, ``on_wait(False)`` when it stops.
+    for a frame, ``on_wait(False)`` when it stops (both outside the inbox's lock).
 
     In a leased epoch ("dynamic" with a dispatch point) each item is one unit, leased right
     before its ITEMS frame (:meth:`lease`): with :attr:`unit_hooks` ``(started, done)`` set,
@@ -74,17 +74,23 @@ class Inbox:
     def __iter__(self) -> Iterator[Any]:
         while True:
             with self._cond:
-                if not (self._frames or self._ended or self._cancelled):
-                    self._on_wait(True)
-                    while not (self._frames or self._ended or self._cancelled):
-                        self._cond.wait()
+                ready = self._ready()
+                if ready:
+                    if self._cancelled:
+                        raise Cancelled()
+                    if not self._frames:
+                        return
+                    items = self._frames.popleft()
+                    units = [self._units.popleft() for _ in items] if self.unit_hooks is not None else None
+            if not ready:
+                self._on_wait(True)  # outside the lock, as is on_wait(False)
+                try:
+                    with self._cond:
+                        while not self._ready():
+                            self._cond.wait()
+                finally:
                     self._on_wait(False)
-                if self._cancelled:
-                    raise Cancelled()
-                if not self._frames:
-                    return
-                items = self._frames.popleft()
-                units = [self._units.popleft() for _ in items] if self.unit_hooks is not None else None
+                continue
             self._on_taken(self.epoch)
             if units is None:
                 for item in items:
@@ -95,6 +101,10 @@ class Inbox:
                 started(unit, skip)
                 yield loads_item(item)
                 done(unit, None)
+
+    def _ready(self) -> bool:
+        """Whether the producer has something to take or to stop for (the caller holds the lock)."""
+        return bool(self._frames or self._ended or self._cancelled)
 
 
 class DispatchedInput(IterDataPipe):

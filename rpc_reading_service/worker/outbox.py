@@ -237,11 +237,13 @@ class Outbox:
             self._until_written(epoch, item, written=item.borrowed)
 
     def producer_idle(self) -> None:
-        """The producer waits for the trainer (its next lease, dispatched input): the sender sends
-        the open batch at its next look (at most 16 ``linger`` away) instead of looking later, and
-        the next item is not a slow one. The producer's own call, without the lock (a plain store;
-        the sender reads it under the lock)."""
-        self._last_put = None
+        """The producer waits for the trainer (its next lease, dispatched input): the open batch
+        leaves after ``linger`` (the sender is woken if it would look later), and the next item
+        is not a slow one."""
+        with self._lock:
+            self._last_put = None
+            if self._open and self._protocol.credits > 0 and self._sender_looks_late():
+                self._cond.notify_all()
 
     def _take_for_producer(self) -> Optional[List[List[Buffer]]]:
         """The frames for the producer to write itself, its sealed batch's among them when the
@@ -325,8 +327,7 @@ class Outbox:
             # The walk may now wait for its next lease: that gap says nothing of how fast items
             # come, so the next chunk's first item is not sealed alone as a slow one.
             self._last_put = None
-            late = self._sender_wakes_at > time.monotonic() + self._options.linger  # a long look armed
-            if not self._open or self._protocol.credits <= 0 or late:
+            if not self._open or self._protocol.credits <= 0 or self._sender_looks_late():
                 self._cond.notify_all()
             # else the sender wakes within ``linger`` for the open batch and takes the marker with it
 
@@ -353,6 +354,10 @@ class Outbox:
         CREDIT without more of them (:func:`~rpc_reading_service.protocol.credit_batch`)."""
         window = self._protocol.window
         return window - self._protocol.credits >= credit_batch(window, slow=True)
+
+    def _sender_looks_late(self) -> bool:
+        """Whether the sender's next look is more than ``linger`` away (one armed for a busy producer)."""
+        return self._sender_wakes_at > time.monotonic() + self._options.linger
 
     def _check(self, epoch: int) -> None:
         if self._closed or epoch != self.epoch or self._final_ends_session:
