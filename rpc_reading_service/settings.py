@@ -59,7 +59,7 @@ MAX_PREFETCH = 1 << 20
 
 RPC_READING_SERVICE_NUMBERS = (
     NumberRule("num_workers", integer=True, minimum=0, maximum=MAX_WORKERS),
-    NumberRule("prefetch", integer=True, minimum=1, unit="frames per worker", maximum=MAX_PREFETCH),
+    NumberRule("prefetch", integer=True, minimum=1, optional=True, unit="frames per worker", maximum=MAX_PREFETCH),
     NumberRule("main_prefetch_cnt", integer=True, minimum=0, unit="items", maximum=MAX_PREFETCH),
     NumberRule("max_frame_bytes", integer=True, minimum=1024, optional=True, unit="bytes"),
     NumberRule("max_reassignments", integer=True, minimum=0),

@@ -20,6 +20,7 @@ from rpc_reading_service.protocol import data_cost, data_nbytes
 from rpc_reading_service.serialization import dumps_graph, dumps_item
 from rpc_reading_service.trainer.channel import WorkerChannel
 from rpc_reading_service.trainer.engine.dispatch import RankInput
+from rpc_reading_service.trainer.config import ReadingServiceConfig
 from rpc_reading_service.transports.socket_transport import SocketTransport
 
 pytestmark = pytest.mark.timeout(30)
@@ -90,3 +91,31 @@ def test_dispatched_input_credit_stays_prefetch_frames_after_the_window_grew(wor
     for epoch, credits in grants:
         first.setdefault(epoch, credits)
     assert len(first) == 2 and set(first.values()) == {prefetch}, f"first ITEM_CREDIT of each epoch: {first}"
+
+
+def test_the_default_window_shrinks_as_the_fleet_grows_and_an_explicit_one_stays():
+    auto = ReadingServiceConfig()
+    grown = [auto.frames_in_flight(w)[1] for w in (1, 2, 4, 5, 8, 16, 1000)]
+    assert auto.frames_in_flight(1)[0] == 4 and grown == [16, 16, 16, 12, 8, 4, 4]
+    assert ReadingServiceConfig(prefetch=3).frames_in_flight(1000) == (3, 0)
+
+
+def item_of(size_and_index):
+    size, index = size_and_index
+    return index, bytes(size)
+
+
+@pytest.mark.parametrize(
+    "prefetch, size, window_mib",
+    [(None, 1 << 10, 4), (None, 256 << 10, 16), (2, 256 << 10, 2), (None, 8 << 20, 32), (8, 8 << 20, 32)],
+)
+def test_local_workers_get_the_window_of_their_prefetch_and_items(prefetch, size, window_mib):
+    """By default 4 MiB, grown to 64 items of a kind that few fill a frame, at most 16 MiB, or
+    4 items larger than a frame; ``prefetch`` frames as given (at most 4 items larger than a frame)."""
+    n = 16 if size > 1 << 20 else 200
+    dp = IterableWrapper([(size, index) for index in range(n)]).sharding_filter().map(item_of)
+    with DataLoader2(dp, reading_service=RPCReadingService(num_workers=2, prefetch=prefetch)) as dl:
+        for _epoch in range(2):  # the second epoch starts with the window the first one grew to
+            assert sorted(index for index, _payload in dl) == list(range(n))
+        windows = [channel.protocol.window for channel in dl.reading_service._engine.channels]
+    assert all(window_mib << 20 <= window <= (window_mib << 20) * 1.02 for window in windows), windows

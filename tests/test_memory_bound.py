@@ -1,6 +1,6 @@
 """The trainer's memory is bounded by the credit window: a slow consumer that holds no item makes
-the trainer's resident memory grow by at most 1.25 x the window (workers x prefetch x item
-size) + 4 MiB, locally (shared memory) and over TCP, for 1 MiB and 8 MiB items.
+the trainer's resident memory grow by at most 1.25 x the window (workers x each one's window at
+the default ``prefetch``, in frames of one item) + 4 MiB, locally (shared memory) and over TCP, for 1 MiB and 8 MiB items.
 
 Measured as the benchmark's memory scenario does (benchmarks/benchsuite/scenarios/memory.py):
 the peak of resident memory (the larger of RssAnon + RssShmem + RssFile sampled every millisecond
@@ -20,9 +20,11 @@ import pytest
 import torch
 
 from _server_helpers import remote
+from rpc_reading_service.protocol import SessionOptions, window_bytes
+from rpc_reading_service.trainer.config import ReadingServiceConfig
 
 MIB = 1 << 20
-PREFETCH = 4  # RPCReadingService's default
+FRAME_BOUND = SessionOptions().batch_max_bytes
 ITEMS = {MIB: 48, 8 * MIB: 24}
 WARM_UP_ITEMS = 8  # as the benchmark's memory scenario
 CONSUMER_SLEEP_S = 0.03  # slower than the workers: the window fills
@@ -108,7 +110,8 @@ def _growth_mib(make_service, workers, size):
     baseline = _resident_kib()
     with _Peak() as peak:
         assert _drain(make_service(), size, ITEMS[size]) == ITEMS[size]
-    window_mib = workers * PREFETCH * size / MIB
+    frames, grow_to = ReadingServiceConfig().frames_in_flight(workers)
+    window_mib = workers * window_bytes(frames, FRAME_BOUND, size, grow_to, size) / MIB
     return (peak.peak - baseline) / 1024, 1.25 * window_mib + 4
 
 

@@ -53,9 +53,9 @@ RUN_MAX_ITEMS = 256
 class _Cursor:
     channel: WorkerChannel
     pending: Deque[Any] = field(default_factory=collections.deque)
-    #: The credit of the frame ``pending`` holds, owed once its last item is handed on: its bytes
-    #: and whether it was a slow one (None: nothing owed).
-    owed: Optional[Tuple[int, bool]] = None
+    #: The credit of the frame ``pending`` holds, owed once its last item is handed on: its bytes,
+    #: whether it was a slow one and its items (None: nothing owed).
+    owed: Optional[Tuple[int, bool, int]] = None
 
     def settle(self, epoch: int) -> None:
         """Give the frame's credit back if all its items were handed on (called at the consumer's
@@ -98,7 +98,7 @@ def take_items(event: Event, epoch: int, cursor: Optional[_Cursor] = None) -> Li
             channel = event.channel
             raise WorkerLostError(f"{channel.name} broke the session protocol: {exc}", channel.rank, channel.address) from exc
         nbytes = frame.nbytes
-        owed = (nbytes, slow_frame(len(payloads), nbytes))
+        owed = (nbytes, slow_frame(len(payloads), nbytes), len(payloads))
         if cursor is None or not payloads:
             event.channel.grant(epoch, *owed)
         else:

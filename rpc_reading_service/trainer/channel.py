@@ -339,7 +339,7 @@ class WorkerChannel:
         message = setup if isinstance(setup, Setup) else Setup(**setup)
         with self._credit_lock:  # an epoch started while connecting: its frames, of this bound
             self._credit.set_bound(message.options.batch_max_bytes)
-        self._bound_buffers(self._credit.frames)
+        self._bound_buffers()
         with self._state_lock:
             self.protocol.setup_timeout = timeout
         # A server that refuses the session may close before reading all of SETUP: its
@@ -408,44 +408,56 @@ class WorkerChannel:
         dispatched: bool = False,
         leased: bool = False,
         number: Optional[int] = None,
+        grow_to: int = 0,
     ) -> None:
         """Start ``epoch`` on the worker, superseding any epoch still running there.
 
         Args:
+            credits: its credit window in frames.
             dispatched: its input comes from the trainer (:meth:`send_input`).
             leased: the worker walks its stream by the chunks :meth:`lease` hands it.
             number: the epoch as the user counts it (from 0), for messages.
+            grow_to: the frames that window may grow to with larger items (0: it does not).
         """
         if number is not None:
             self._numbers[epoch] = number
         with self._credit_lock:
             self.epoch = epoch
-            window = self._credit.start(credits)
-        self._bound_buffers(credits)
+            window = self._credit.start(credits, grow_to)
+        self._bound_buffers()
         self.stats = ChannelStats()
-        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, window, skip, dispatched, leased, credits))
+        # Its frames: what the worker bounds its buffer pools by, the most this window may grow to.
+        self._send_or_report(StartEpoch(epoch, seed, global_worker_id, window, skip, dispatched, leased, max(credits, grow_to)))
 
-    def _bound_buffers(self, window: int) -> None:
-        """Bound the connection's reuse pools by ``window`` (the session's credit window) plus one frame."""
+    def _bound_buffers(self) -> None:
+        """Bound the connection's reuse pools by the session's credit window as it is now, plus one
+        frame (a larger pool hands out colder memory: its buffers are reused in turn)."""
         if self.conn is not None and self._credit.bound is not None:  # else setup() bounds them
-            self.conn.bound_buffers(window + 1, self._credit.bound)
+            self.conn.bound_buffers(self._credit.frames_held() + 1, self._credit.bound)
 
     def send_input(self, message: Union[Items, EndOfInput]) -> None:
         """Send an ITEMS or END_OF_INPUT frame of the dispatched input (nothing once its epoch is over)."""
         self._send_or_report(message, epoch=message.epoch)
 
-    def grant(self, epoch: int, nbytes: int, after_slow_frame: bool = False) -> None:
-        """Give back the credit of a DATA frame of ``epoch`` of ``nbytes`` (``Frame.nbytes``) whose
-        last item was handed on, in batches (the consumer's thread)."""
+    def grant(self, epoch: int, nbytes: int, after_slow_frame: bool = False, items: int = 1) -> None:
+        """Give back the credit of a DATA frame of ``epoch`` of ``nbytes`` (``Frame.nbytes``) and
+        ``items`` items whose last item was handed on, in batches (the consumer's thread)."""
         if epoch != self.epoch:
             return
         with self._credit_lock:
-            if not self._credit.handed_on(nbytes, slow=after_slow_frame):
-                return
-            if self._in_loop:
-                tell, self._credit_due = not self._credit_due, True
-            else:
-                tell, credits = False, self._credit.take()
+            window = self._credit.window
+            due = self._credit.handed_on(nbytes, after_slow_frame, items)
+            grew = self._credit.window > window
+            tell = False
+            if due:
+                if self._in_loop:
+                    tell, self._credit_due = not self._credit_due, True
+                else:
+                    credits = self._credit.take()
+        if grew:
+            self._bound_buffers()
+        if not due:
+            return
         if tell:
             assert self._loop is not None
             self._loop.due(self)

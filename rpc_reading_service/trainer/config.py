@@ -414,10 +414,19 @@ def _failure_policy(value: Any) -> Optional[Reassign]:
     raise ConfigurationError(f"on_worker_failure must be 'raise', 'reassign' or Reassign(...), got {value!r}")
 
 
+#: ``prefetch=None``: each worker's window is this many frames ...
+AUTO_PREFETCH_FRAMES = 4
+#: ... growing to this many for items large enough that a few fill a frame ...
+AUTO_PREFETCH_GROW_TO = 16
+#: ... and past 4 workers to fewer, about this many shared (the trainer's memory for what is in flight).
+AUTO_PREFETCH_TRAINER_FRAMES = 64
+
+
 @dataclass(frozen=True)
 class ReadingServiceConfig:
     """Everything a run needs to know, checked once: build it with :meth:`create`.
 
+    ``prefetch`` is None for a window sized by the items and the fleet (:meth:`frames_in_flight`).
     ``reassign`` is ``None`` for ``on_worker_failure="raise"``. ``main_prefetch_cnt`` is the
     number of items a trainer-side thread takes ahead (MPRS's ``main_prefetch_cnt``; 0: none).
     ``distribution`` is the :class:`~rpc_reading_service.policies.base.DistributionPolicy`
@@ -429,7 +438,7 @@ class ReadingServiceConfig:
     auth_key: Optional[bytes] = None
     transport: TransportConfig = TransportConfig()
     in_order: bool = True
-    prefetch: int = 4
+    prefetch: Optional[int] = None
     main_prefetch_cnt: int = 0
     worker_init_fn: Optional[InitFn] = None
     worker_reset_fn: Optional[InitFn] = None
@@ -441,6 +450,19 @@ class ReadingServiceConfig:
     pin_memory: bool = False
     distribution: Any = None
     autoscale: Optional[Autoscale] = None
+
+    def frames_in_flight(self, workers: int) -> Tuple[int, int]:
+        """Each worker's credit window: ``(frames, grow_to)``, ``(prefetch, 0)``, or for
+        ``prefetch=None`` 4 frames growing to 16 for large items (64 of them in flight), to fewer
+        past 4 workers (64 frames shared).
+
+        Args:
+            workers: The sessions the trainer reads from now.
+        """
+        if self.prefetch is not None:
+            return self.prefetch, 0
+        shared = AUTO_PREFETCH_TRAINER_FRAMES // max(1, workers)
+        return AUTO_PREFETCH_FRAMES, max(AUTO_PREFETCH_FRAMES, min(AUTO_PREFETCH_GROW_TO, shared))
 
     @classmethod
     def create(

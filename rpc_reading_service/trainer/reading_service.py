@@ -85,7 +85,9 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
             :class:`~rpc_reading_service.Dynamic` ``(chunk_size=...)``. See README "Work distribution".
         in_order: ``False`` is the shorthand for ``distribution="first_ready"`` (with
             ``"dynamic"``: its arrival-order delivery).
-        prefetch: Packed frames each worker may have in flight (the credit window), 1 to 2**20.
+        prefetch: Packed frames of 1 MiB each worker may have in flight (the credit window), 1 to 2**20;
+            None: 4, growing to 64 items of a kind of which a few fill a frame (at most 16 frames,
+            fewer past 4 workers).
         worker_init_fn: ``fn(datapipe, worker_info) -> datapipe``, once per worker.
         worker_reset_fn: ``fn(datapipe, worker_info, seed_generator) -> datapipe``, every epoch.
         timeout: Seconds without any word from a worker before it is declared lost
@@ -114,7 +116,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         auth_key: Optional[Union[str, bytes]] = None,
         transport: Union[str, TransportConfig] = "socket",
         in_order: bool = True,
-        prefetch: int = 4,
+        prefetch: Optional[int] = None,
         worker_init_fn: Optional[InitFn] = None,
         worker_reset_fn: Optional[ResetFn] = None,
         timeout: float = 10.0,

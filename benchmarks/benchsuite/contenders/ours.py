@@ -3,7 +3,6 @@ running worker server."""
 
 from __future__ import annotations
 
-import inspect
 from typing import Optional
 
 from workloads import made_in_shared_memory
@@ -18,14 +17,16 @@ class RPCRSContender(DataLoader2Contender):
         from rpc_reading_service import RPCReadingService  # noqa: F401
 
     def credit_window_bytes(self, workload, num_workers: int) -> Optional[int]:
-        """``num_workers x prefetch`` frames of one item each: what the trainer may hold in
-        flight by design (``prefetch`` at its default)."""
-        from rpc_reading_service import RPCReadingService
+        """``num_workers`` credit windows of frames of one item each, as the package sizes them at
+        its default ``prefetch``: what the trainer may hold in flight by design."""
+        from rpc_reading_service.protocol import SessionOptions, window_bytes
+        from rpc_reading_service.trainer.config import ReadingServiceConfig
 
-        prefetch = inspect.signature(RPCReadingService).parameters.get("prefetch")
-        if prefetch is None or not isinstance(prefetch.default, int) or not workload.item_bytes:
+        if not workload.item_bytes:
             return None
-        return num_workers * prefetch.default * workload.item_bytes
+        frames, grow_to = ReadingServiceConfig().frames_in_flight(num_workers)
+        item = workload.item_bytes
+        return num_workers * window_bytes(frames, SessionOptions().batch_max_bytes, item, grow_to, item)
 
 
 class RPCRSLocal(RPCRSContender):

@@ -458,10 +458,15 @@ class Engine:
         global_rank = self.dist.global_worker_id(channel.rank, self.num_workers)
         policy = self.config.distribution
         skip = policy.skip(epoch.progress, channel.rank)
+        frames, grow_to = self.config.frames_in_flight(len(self.channels))
         channel.start_epoch(
-            epoch.wire, epoch.seed, global_rank, policy.credits(self.config.prefetch), skip=skip,
-            dispatched=self.dispatching is not None, leased=policy.leased, number=epoch.user_number,
+            epoch.wire, epoch.seed, global_rank, policy.credits(frames), skip=skip,
+            dispatched=self.dispatching is not None, leased=policy.leased, number=epoch.user_number, grow_to=grow_to,
         )  # fmt: skip
+
+    def _frames_in_flight(self) -> int:
+        """Each worker's credit window in frames (before it grows for large items), for the fleet as it is now."""
+        return self.config.frames_in_flight(len(self.channels))[0]
 
     def _new_dispatch(self, epoch: Epoch) -> Dispatch:
         """Stop the last epoch's dispatching and set up this one's (its thread starts after
@@ -472,7 +477,7 @@ class Engine:
         keep_history = self.config.reassign is not None
         # A worker's pipeline, in frames: one pending here, the credit window, one in its graph,
         # two in its outbox, the DATA window, one the consumer took. Past that, dispatching stalls.
-        depth = 2 * self.config.prefetch + 5
+        depth = 2 * self._frames_in_flight() + 5
         inputs = [
             RankInput(channel.rank, epoch.wire, channel.send_input, options.batch_max_items,
                       options.batch_max_bytes, keep_history, cond, depth * options.batch_max_items,
@@ -499,7 +504,7 @@ class Engine:
                 self.events.put(UnitsDispatched(channels[0], wire))
 
         self.dispatch = UnitDispatch(
-            self.dispatching, wire, self._dispatch_failed(wire), notify, max(1, self.config.prefetch),
+            self.dispatching, wire, self._dispatch_failed(wire), notify, self._frames_in_flight(),
             options.batch_max_items, options.batch_max_bytes, self.config.item_timeout,
             self.epoch_number - 1,  # the Epoch's user_number (made after this)
         )  # fmt: skip

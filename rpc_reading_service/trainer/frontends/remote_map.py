@@ -90,7 +90,7 @@ class RemoteMapperIterDataPipe(IterDataPipe):
         transport: Any = "socket",
         distribution: Any = None,
         in_order: bool = True,
-        prefetch: int = 4,
+        prefetch: Optional[int] = None,
         seed: Optional[int] = None,
         timeout: float = 10.0,
         item_timeout: Optional[float] = None,

@@ -41,7 +41,8 @@ class RemoteIterable(RunFrontEnd, torch.utils.data.IterableDataset):
         distribution: ``"round_robin"`` (default), ``"first_ready"``, ``"dynamic"``, ``"sticky"``
             or a policy object (a factory source: the first two).
         in_order: ``False`` is the shorthand for ``distribution="first_ready"``.
-        prefetch: Packed frames each worker may have in flight (the credit window).
+        prefetch: Packed frames each worker may have in flight (the credit window; None: as
+            :class:`~rpc_reading_service.RPCReadingService` sizes it).
         seed: The run's seed: two runs with one seed give the same epochs, and its epochs differ.
             None: each epoch's seed is drawn from torch's global generator (``torch.manual_seed(s)``
             before an epoch reproduces it).
@@ -68,7 +69,7 @@ class RemoteIterable(RunFrontEnd, torch.utils.data.IterableDataset):
         transport: Union[str, TransportConfig] = "socket",
         distribution: Any = None,
         in_order: bool = True,
-        prefetch: int = 4,
+        prefetch: Optional[int] = None,
         seed: Optional[int] = None,
         worker_init_fn: Optional[InitFn] = None,
         worker_reset_fn: Optional[ResetFn] = None,
