@@ -107,11 +107,11 @@ def item_of(size_and_index):
 
 @pytest.mark.parametrize(
     "prefetch, size, window_mib",
-    [(None, 1 << 10, 4), (None, 256 << 10, 16), (2, 256 << 10, 2), (None, 8 << 20, 32), (8, 8 << 20, 32)],
+    [(None, 1 << 10, 4), (None, 256 << 10, 16), (2, 256 << 10, 2), (None, 8 << 20, 32), (2, 8 << 20, 16)],
 )
 def test_local_workers_get_the_window_of_their_prefetch_and_items(prefetch, size, window_mib):
-    """By default 4 MiB, grown to 64 items of a kind that few fill a frame, at most 16 MiB, or
-    4 items larger than a frame; ``prefetch`` frames as given (at most 4 items larger than a frame)."""
+    """By default 4 MiB, grown to 64 items of a kind that few fill a frame, at most 16 MiB, or 4
+    items larger than a frame; ``prefetch`` frames as given (of items larger than a frame: that many)."""
     n = 16 if size > 1 << 20 else 200
     dp = IterableWrapper([(size, index) for index in range(n)]).sharding_filter().map(item_of)
     with DataLoader2(dp, reading_service=RPCReadingService(num_workers=2, prefetch=prefetch)) as dl:

@@ -127,17 +127,6 @@ def test_the_trainers_credit_window_is_frames_of_the_largest_frame_and_goes_back
     assert window_frames(12000, 1000) == 12 and window_frames(1, 1000) == 1 and window_frames(0, 1000) == 1
 
 
-def test_a_wide_window_holds_many_small_frames_but_at_most_four_large_ones():
-    full = 10000 - DATA_FRAME_OVERHEAD
-    window = CreditWindow(frame_bytes=10000)
-    assert window.start(16) == 160000  # sixteen frames of the bound
-    assert not window.handed_on(12000 - DATA_FRAME_OVERHEAD) and window.window == 160000  # 4 x 12000 < 16 x 10000
-    assert window.handed_on(80000 - DATA_FRAME_OVERHEAD) and window.window == 4 * 80000  # four of the largest
-    assert window.take() == 12000 + 80000 + (320000 - 160000)
-    assert window.start(16) == 320000 and window.start(2) == 2 * 80000  # fewer than four: that many
-    assert not window.handed_on(full) and window_bytes(16, 10000, 0) == 160000
-
-
 def test_a_window_that_may_grow_holds_64_items_of_the_costliest_kind_up_to_its_frames():
     full = 10000 - DATA_FRAME_OVERHEAD
     window = CreditWindow(frame_bytes=10000)
@@ -146,6 +135,7 @@ def test_a_window_that_may_grow_holds_64_items_of_the_costliest_kind_up_to_its_f
     assert window.handed_on(full, items=2) and window.window == 160000  # 64 of 5000 bytes: 16 frames at most
     assert window.take() == 2 * 10000 + 120000  # the CREDIT carries the growth
     assert window.start(4, grow_to=16) == 160000 and window.start(4) == 40000  # kept; an explicit window stays
+    assert window_bytes(4, 10000, 80000, 16, 80000) == 320000  # frames larger than the bound: 4 of them
 
 
 def test_an_epoch_started_before_the_sessions_frame_bound_is_known_gets_its_frames_of_that_bound():

@@ -71,7 +71,7 @@ from .messages import (
     decode_message,
     decode_setup,
 )
-from .credits import FRAMES_PAST_WINDOW, LARGE_FRAMES_IN_FLIGHT, CreditWindow, window_bytes, window_frames, with_window
+from .credits import FRAMES_PAST_WINDOW, CreditWindow, window_bytes, window_frames, with_window
 from .session import DataReceived, Event, PeerTimedOut, Refused, SessionState, Tick
 from .roles import TrainerSession, WorkerProtocol
 
@@ -142,7 +142,6 @@ __all__ = [
     # credits
     "CreditWindow",
     "FRAMES_PAST_WINDOW",
-    "LARGE_FRAMES_IN_FLIGHT",
     "window_bytes",
     "window_frames",
     "with_window",

@@ -10,16 +10,12 @@ from .frames import data_cost
 from .messages import Message, StartEpoch, credit_batch
 
 __all__ = [
-    "CreditWindow", "FRAMES_PAST_WINDOW", "ITEMS_IN_FLIGHT", "LARGE_FRAMES_IN_FLIGHT", "window_bytes", "window_frames",
-    "with_window",
+    "CreditWindow", "FRAMES_PAST_WINDOW", "ITEMS_IN_FLIGHT", "window_bytes", "window_frames", "with_window",
 ]
 
 #: Frames a worker fills past its credit window (its open batch and the one sealed for credit):
 #: their segments stay resident in the trainer too (docs/architecture.md, "Shared memory").
 FRAMES_PAST_WINDOW = 2
-#: Frames larger than the frame bound (items larger than a frame) in flight at most, whatever the
-#: window's frames: a window of 16 frames holds 16 MiB of small items but not 16 items of 8 MiB.
-LARGE_FRAMES_IN_FLIGHT = 4
 #: A window that may grow (``grow_to``) holds at least this many items of the costliest seen, up to
 #: ``grow_to`` frames: frames of a few large items need more of them in flight than frames of many.
 ITEMS_IN_FLIGHT = 64
@@ -27,8 +23,8 @@ ITEMS_IN_FLIGHT = 64
 
 def window_bytes(frames: int, bound: int, largest: int, grow_to: int = 0, item_bytes: int = 0) -> int:
     """A credit window in bytes: ``frames`` frames of ``bound`` bytes, or of ``largest`` (the
-    costliest frame so far) if larger, then at most :data:`LARGE_FRAMES_IN_FLIGHT` of them; or
-    :data:`ITEMS_IN_FLIGHT` items of ``item_bytes`` if more, up to ``grow_to`` frames of ``bound``.
+    costliest frame so far) if larger; or :data:`ITEMS_IN_FLIGHT` items of ``item_bytes`` if more,
+    up to ``grow_to`` frames of ``bound``.
 
     Args:
         frames: The window in frames (``prefetch``).
@@ -37,8 +33,7 @@ def window_bytes(frames: int, bound: int, largest: int, grow_to: int = 0, item_b
         grow_to: The frames the window may grow to with larger items (0: it does not).
         item_bytes: The costliest item handed on so far (a frame's cost over its items).
     """
-    fixed = max(frames * bound, min(frames, LARGE_FRAMES_IN_FLIGHT) * largest)
-    return max(fixed, min(ITEMS_IN_FLIGHT * item_bytes, grow_to * bound))
+    return max(frames * max(bound, largest), min(ITEMS_IN_FLIGHT * item_bytes, grow_to * bound))
 
 
 class CreditWindow:
