@@ -77,7 +77,7 @@ class CreditWindow:
     def frames_held(self) -> int:
         """The window in frames of the costliest frame so far (at least one): what the receive
         buffers' pool is bounded by."""
-        return max(1, -(-self.window // max(1, self.frame_bytes)))
+        return window_frames(self.window, self.frame_bytes)
 
     def _window(self) -> int:
         return window_bytes(self.frames, self.bound or 0, self.frame_bytes, self.grow_to, self.item_bytes)
