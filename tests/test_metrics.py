@@ -273,20 +273,25 @@ def test_a_forked_child_keeps_no_socket_of_the_endpoint():
     port = endpoint.port
     assert scrape(endpoint.url) == {}
     release_r, release_w = os.pipe()
+    ready_r, ready_w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: hold on until released, touching nothing
+    if pid == 0:  # the child: say it runs (its fork hooks ran), then hold on until released
         try:
             os.close(release_w)
+            os.write(ready_w, b"r")
             os.read(release_r, 1)
         finally:
             os._exit(0)
     try:
         os.close(release_r)
+        os.close(ready_w)
+        assert os.read(ready_r, 1) == b"r"  # the fork hooks run in the child after the parent's fork returns
         endpoint.close()
         # nothing listens on the port although the child still runs (a bind could also meet another
         # test's connection that the OS gave the same local port)
         assert port not in listening_ports()
     finally:
         os.close(release_w)
+        os.close(ready_r)
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
