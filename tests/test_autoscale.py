@@ -31,10 +31,11 @@ SLOTS = 2  # sessions that make items at once
 
 
 class Slotted:
-    """A map function: each item holds one of :data:`SLOTS` file locks in ``directory`` for :data:`DELAY`."""
+    """A map function: each item holds one of :data:`SLOTS` file locks in ``directory`` for ``delay`` seconds."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, delay: float = DELAY):
         self.directory = str(directory)
+        self.delay = delay
 
     def __call__(self, item: int) -> int:
         while True:
@@ -46,7 +47,7 @@ class Slotted:
                     os.close(fd)
                     continue
                 try:
-                    time.sleep(DELAY)
+                    time.sleep(self.delay)
                     return item
                 finally:
                     os.close(fd)  # releases the lock
@@ -143,9 +144,10 @@ def _reference(server, epochs, distribution):
 @pytest.mark.parametrize("distribution", ["round_robin", "dynamic"])
 def test_a_starved_trainer_grows_the_sessions_until_one_more_adds_nothing(worker_server, tmp_path, distribution):
     # min_gain 0.5: a second session doubles the items/s, a third adds none; the margin absorbs a loaded
-    # machine's stalls in an epoch of ~0.5 s (at 0.25 a third session once looked 25 % faster under load)
+    # machine's stalls: at 0.25 a third session once looked 25 % faster under load, and with epochs of
+    # ~0.5 s at two sessions once 50 % faster (an epoch of two sessions stalled by ~0.25 s): ~1 s now
     autoscale = Autoscale(min_sessions=1, max_sessions=4, target_stall=0.05, min_gain=0.5, sessions_per_server=4)
-    got, metrics = _run(worker_server, 5, distribution, autoscale, fn=Slotted(tmp_path))
+    got, metrics = _run(worker_server, 5, distribution, autoscale, fn=Slotted(tmp_path, delay=2 * DELAY))
     sessions = [len(stats.workers) for _items, stats in got]
     # 1 (its first epoch is not judged), 1 -> 2 -> 3 (twice the items/s), 3: the third session added nothing
     assert sessions == [1, 1, 2, 3, 3], [stats.scale_decisions for _i, stats in got]
