@@ -14,6 +14,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -34,6 +35,7 @@ from rpc_reading_service import (
     serve_metrics,
 )
 from rpc_reading_service.metrics import MetricsEndpoint
+from rpc_reading_service.metrics.endpoint import MAX_CONNECTIONS
 
 Samples = Dict[Tuple[str, Tuple[Tuple[str, str], ...]], float]
 
@@ -217,6 +219,7 @@ def test_reassignments_are_counted(tmp_path):
 def test_without_prometheus_client_the_package_works_and_metrics_say_what_to_install():
     script = """
 import sys
+import time
 sys.modules["prometheus_client"] = None  # as if not installed
 import rpc_reading_service as rrs
 from rpc_reading_service.worker import main
@@ -295,3 +298,47 @@ def test_a_forked_child_keeps_no_socket_of_the_endpoint():
         os.close(ready_r)
         _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_scraper_that_sends_nothing_delays_no_other_scrape_nor_close():
+    """A connection left silent (a port scanner, a half-open probe) holds one thread until its
+    timeout (10 s): other scrapes are answered meanwhile, and close() ends it at once."""
+    endpoint = MetricsEndpoint(CollectorRegistry())
+    silent = socket.create_connection(("127.0.0.1", endpoint.port))
+    try:
+        started = time.monotonic()
+        assert scrape(endpoint.url) == {}
+        assert time.monotonic() - started < 5  # before: ~10 s, the silent connection's timeout
+        started = time.monotonic()
+        endpoint.close()
+        assert time.monotonic() - started < 5
+        silent.settimeout(5)
+        assert silent.recv(1) == b""  # the endpoint shut the silent connection down
+    finally:
+        silent.close()
+        endpoint.close()
+
+
+@pytest.mark.timeout(30)
+def test_connections_beyond_the_limit_are_closed_unanswered_and_the_endpoint_recovers():
+    endpoint = MetricsEndpoint(CollectorRegistry())
+    silent = [socket.create_connection(("127.0.0.1", endpoint.port)) for _ in range(MAX_CONNECTIONS)]
+    try:
+        extra = socket.create_connection(("127.0.0.1", endpoint.port))
+        with extra:
+            extra.settimeout(5)
+            assert extra.recv(1) == b""  # accepted after the silent ones, closed: no thread for it
+        silent.pop().close()  # one thread free again once the endpoint sees it closed
+
+        def answered() -> bool:
+            try:
+                return scrape(endpoint.url) == {}
+            except (OSError, urllib.error.URLError):  # closed unanswered while the thread still ran
+                return False
+
+        assert wait_until(answered, 10)
+    finally:
+        for connection in silent:
+            connection.close()
+        endpoint.close()

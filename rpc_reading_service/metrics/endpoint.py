@@ -27,6 +27,8 @@ INSTALL_HINT = "pip install 'rpc-reading-service[metrics]'"
 _REQUEST_TIMEOUT = 10.0
 #: Seconds :meth:`MetricsEndpoint.close` waits for its thread (the request it serves) to end.
 CLOSE_JOIN_SECONDS = 5.0
+#: Connections served at once (each in its own thread); one more is closed unanswered.
+MAX_CONNECTIONS = 8
 
 
 def require_prometheus_client(what: str) -> ModuleType:
@@ -83,7 +85,8 @@ class MetricsEndpoint:
             return
         self._closed = True
         self._server.shutdown()
-        self._server.server_close()
+        self._server.drop_connections()  # a stuck scraper's thread ends now, not at its timeout
+        self._server.server_close()  # joins the connections' threads
         self._tasks.stop(CLOSE_JOIN_SECONDS)
 
     def __enter__(self) -> "MetricsEndpoint":
@@ -127,8 +130,12 @@ def _make_server(family: int, address: Any, render: Any) -> Any:
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - http.server's name
             log.debug("metrics request from %s: " + format, self.client_address[0], *args)
 
-    class Server(http.server.HTTPServer):
+    class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
         address_family = family
+        # Each connection in its own thread, joined by server_close(): a scraper that connects
+        # and sends nothing delays no other scrape.
+        daemon_threads = False
+        block_on_close = True
 
         def __init__(self) -> None:
             #: Held while a connection is accepted and around a fork: no socket leaks into a child half-tracked.
@@ -148,9 +155,27 @@ def _make_server(family: int, address: Any, render: Any) -> Any:
                 self.connections.add(connection)
             return connection, peer
 
+        def process_request(self, request: Any, client_address: Any) -> None:
+            if len(self.connections) > MAX_CONNECTIONS:  # this one among them
+                log.debug("metrics request from %s refused: %d connections already served", client_address,
+                          MAX_CONNECTIONS)
+                self.shutdown_request(request)
+                return
+            super().process_request(request, client_address)
+
         def shutdown_request(self, request: Any) -> None:
             super().shutdown_request(request)
             self.connections.discard(request)
+
+        def drop_connections(self) -> None:
+            """Shut every open connection down: the threads serving them end."""
+            with self.fork_lock:
+                open_now = list(self.connections)
+            for connection in open_now:
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # closed meanwhile
 
         def handle_error(self, request: Any, client_address: Any) -> None:
             log.debug("metrics request from %s failed", client_address, exc_info=True)  # a scraper gone, say
