@@ -460,8 +460,11 @@ def test_workers_that_stop_reading_their_input_are_lost_on_time_and_their_input_
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGCONT)
         dl.shutdown()
-    assert stopped and not set(stopped) & set(pids)  # both were replaced
-    assert replaced_after is not None and replaced_after < timeout + 2.0, replaced_after
+    assert stopped and not set(stopped) & set(pids), (stopped, pids)  # both were replaced
+    # Measured at the first item after both were replaced (the replacements' start included): a
+    # send blocking a thread the other sessions need would hold the loss off for good, so the
+    # margin over ``timeout`` is that of a loaded machine (2 s was once too little in the full suite).
+    assert replaced_after is not None and replaced_after < timeout + 4.0, replaced_after
     assert sorted(seen) == list(range(n))  # every item once
 
 
