@@ -25,7 +25,7 @@ log = logging.getLogger("rpc_reading_service.metrics")
 INSTALL_HINT = "pip install 'rpc-reading-service[metrics]'"
 #: Seconds a scraper has to send its request.
 _REQUEST_TIMEOUT = 10.0
-#: Seconds :meth:`MetricsEndpoint.close` waits for its thread (the request it serves) to end.
+#: Seconds :meth:`MetricsEndpoint.close` waits for its serving thread to end.
 CLOSE_JOIN_SECONDS = 5.0
 #: Connections served at once (each in its own thread); one more is closed unanswered.
 MAX_CONNECTIONS = 8
@@ -138,7 +138,8 @@ def _make_server(family: int, address: Any, render: Any) -> Any:
         block_on_close = True
 
         def __init__(self) -> None:
-            #: Held while a connection is accepted and around a fork: no socket leaks into a child half-tracked.
+            #: Held while a connection is accepted, closed or shut down and around a fork: no socket
+            #: leaks into a child half-tracked, none is shut down as another thread closes it.
             self.fork_lock = threading.Lock()
             self.connections: Set[socket.socket] = set()
             super().__init__(address, Handler)
@@ -164,18 +165,18 @@ def _make_server(family: int, address: Any, render: Any) -> Any:
             super().process_request(request, client_address)
 
         def shutdown_request(self, request: Any) -> None:
-            super().shutdown_request(request)
-            self.connections.discard(request)
+            with self.fork_lock:
+                super().shutdown_request(request)
+                self.connections.discard(request)
 
         def drop_connections(self) -> None:
             """Shut every open connection down: the threads serving them end."""
             with self.fork_lock:
-                open_now = list(self.connections)
-            for connection in open_now:
-                try:
-                    connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass  # closed meanwhile
+                for connection in self.connections:
+                    try:
+                        connection.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass  # the peer has gone
 
         def handle_error(self, request: Any, client_address: Any) -> None:
             log.debug("metrics request from %s failed", client_address, exc_info=True)  # a scraper gone, say
