@@ -107,10 +107,13 @@ def item_of(size_and_index):
 
 @pytest.mark.parametrize(
     "prefetch, size, window_mib",
-    [(None, 1 << 10, 4), (None, 256 << 10, 16), (2, 256 << 10, 2), (None, 8 << 20, 32), (2, 8 << 20, 16)],
+    [
+        (None, 1 << 10, 4), (None, 64 << 10, 16), (None, 256 << 10, 16), (2, 256 << 10, 2), (None, 8 << 20, 32),
+        (2, 8 << 20, 16),
+    ],
 )
 def test_local_workers_get_the_window_of_their_prefetch_and_items(prefetch, size, window_mib):
-    """By default 4 MiB, grown to 64 items of a kind that few fill a frame, at most 16 MiB, or 4
+    """By default 4 MiB, grown to 256 items of a kind that few fill a frame, at most 16 MiB, or 4
     items larger than a frame; ``prefetch`` frames as given (of items larger than a frame: that many)."""
     n = 16 if size > 1 << 20 else 200
     dp = IterableWrapper([(size, index) for index in range(n)]).sharding_filter().map(item_of)

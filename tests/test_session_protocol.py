@@ -127,12 +127,12 @@ def test_the_trainers_credit_window_is_frames_of_the_largest_frame_and_goes_back
     assert window_frames(12000, 1000) == 12 and window_frames(1, 1000) == 1 and window_frames(0, 1000) == 1
 
 
-def test_a_window_that_may_grow_holds_64_items_of_the_costliest_kind_up_to_its_frames():
+def test_a_window_that_may_grow_holds_256_items_of_the_costliest_kind_up_to_its_frames():
     full = 10000 - DATA_FRAME_OVERHEAD
     window = CreditWindow(frame_bytes=10000)
     assert window.start(4, grow_to=16) == 40000
-    assert not window.handed_on(full, items=100) and window.window == 40000  # 64 items of 100 bytes fit
-    assert window.handed_on(full, items=2) and window.window == 160000  # 64 of 5000 bytes: 16 frames at most
+    assert not window.handed_on(full, items=100) and window.window == 40000  # 256 items of 100 bytes fit
+    assert window.handed_on(full, items=2) and window.window == 160000  # 256 of 5000 bytes: 16 frames at most
     assert window.take() == 2 * 10000 + 120000  # the CREDIT carries the growth
     assert window.start(4, grow_to=16) == 160000 and window.start(4) == 40000  # kept; an explicit window stays
     assert window_bytes(4, 10000, 80000, 16, 80000) == 320000  # frames larger than the bound: 4 of them

@@ -18,7 +18,7 @@ __all__ = [
 FRAMES_PAST_WINDOW = 2
 #: A window that may grow (``grow_to``) holds at least this many items of the costliest seen, up to
 #: ``grow_to`` frames: frames of a few large items need more of them in flight than frames of many.
-ITEMS_IN_FLIGHT = 64
+ITEMS_IN_FLIGHT = 256
 
 
 def window_bytes(frames: int, bound: int, largest: int, grow_to: int = 0, item_bytes: int = 0) -> int:

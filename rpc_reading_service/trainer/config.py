@@ -453,7 +453,7 @@ class ReadingServiceConfig:
 
     def frames_in_flight(self, workers: int) -> Tuple[int, int]:
         """Each worker's credit window: ``(frames, grow_to)``, ``(prefetch, 0)``, or for
-        ``prefetch=None`` 4 frames growing to 16 for large items (64 of them in flight), to fewer
+        ``prefetch=None`` 4 frames growing to 16 for large items (256 of them in flight), to fewer
         past 4 workers (64 frames shared).
 
         Args:

@@ -86,7 +86,7 @@ class RPCReadingService(CheckpointableReadingServiceInterface):
         in_order: ``False`` is the shorthand for ``distribution="first_ready"`` (with
             ``"dynamic"``: its arrival-order delivery).
         prefetch: Packed frames of 1 MiB each worker may have in flight (the credit window), 1 to 2**20;
-            None: 4, growing to 64 items of a kind of which a few fill a frame (at most 16 frames,
+            None: 4, growing to 256 items of a kind of which a few fill a frame (at most 16 frames,
             fewer past 4 workers).
         worker_init_fn: ``fn(datapipe, worker_info) -> datapipe``, once per worker.
         worker_reset_fn: ``fn(datapipe, worker_info, seed_generator) -> datapipe``, every epoch.
