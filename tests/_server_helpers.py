@@ -391,6 +391,17 @@ def process_alive(pid: int) -> bool:
     return tasks != [str(pid)] or process_state(pid) not in (None, "Z", "X")
 
 
+def open_file_targets(pid: int) -> List[str]:
+    """What each descriptor ``pid`` holds open names (``/proc/PID/fd``); one closed while read is left out."""
+    targets = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed since the listing (a session thread ending, say)
+            pass
+    return targets
+
+
 def rss_kib(pid: int) -> int:
     """The resident memory of ``pid``, in KiB."""
     with open(f"/proc/{pid}/status") as handle:

@@ -13,7 +13,7 @@ import time
 import numpy
 import pytest
 import torch
-from _server_helpers import remote, wait_until
+from _server_helpers import open_file_targets, remote, wait_until
 from test_shared_memory import BIG, SEGMENT_NAME, in_shared_memory, shared_ranges
 
 from rpc_reading_service.errors import WorkerLostError
@@ -75,13 +75,7 @@ def check_quantized(item, index: int) -> None:
 
 def segment_descriptors(pid) -> int:
     """Descriptors of segments ``pid`` holds open."""
-    count = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            count += SEGMENT_NAME in os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            pass
-    return count
+    return sum(SEGMENT_NAME in target for target in open_file_targets(pid))
 
 
 @pytest.mark.timeout(60)

@@ -23,6 +23,7 @@ from _server_helpers import (
     _pythonpath,
     authenticate,
     connect,
+    open_file_targets,
     process_alive,
     python_run,
     read_line,
@@ -288,7 +289,7 @@ def test_forked_test_servers_start_as_fresh_ones_and_report_their_exit(fresh_ser
         assert os.getsid(server.pid) == server.pid and os.readlink(f"/proc/{server.pid}/cwd") == str(tmp_path)
         assert run_epoch(server) == list(range(20))  # the key came from its environment
     first_status_pipe = os.readlink(f"/proc/self/fd/{first.proc._status_fd}")  # noqa: SLF001
-    held = [os.readlink(f"/proc/{second.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{second.pid}/fd")]
+    held = open_file_targets(second.pid)
     assert first_status_pipe not in held, held
     first.proc.terminate()
     assert first.proc.wait(10) == 0  # clean SIGTERM stop
