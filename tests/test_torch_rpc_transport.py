@@ -26,7 +26,7 @@ from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
-from _server_helpers import children_of, process_alive, run_epochs, start_server, wait_until
+from _server_helpers import children_of, open_file_targets, process_alive, run_epochs, start_server, wait_until
 from _server_helpers import remote as shared_remote
 from rpc_reading_service import (
     ConfigurationError,
@@ -99,14 +99,7 @@ def remote(server, num_workers=2, transport="torch_rpc", **kwargs):
 
 def listening_tcp_addresses():
     """(ip, port) of the TCP sockets this process listens on, from /proc."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
+    inodes = {target[len("socket:[") : -1] for target in open_file_targets(os.getpid()) if target.startswith("socket:[")}
     found = []
     for table, width in (("/proc/self/net/tcp", 4), ("/proc/self/net/tcp6", 16)):
         with open(table) as handle:
