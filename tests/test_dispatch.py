@@ -533,7 +533,10 @@ def test_dynamic_dispatch_reassigns_a_killed_workers_units_exactly_once():
     def loader() -> DataLoader2:
         return _dynamic_dispatch_loader(
             graph=dispatching(60, slow_identity, with_draw), on_worker_failure="reassign", timeout=5.0,
-            liveness=Liveness(heartbeat_interval=0.2), worker_init_fn=SlowRank(1, 0.02),
+            # 0.25 s per item: worker 1 holds its second unit for that long after its first item
+            # arrived, which the check after that item sees (at 0.02 s a loaded trainer once read
+            # both first: the kill never came)
+            liveness=Liveness(heartbeat_interval=0.2), worker_init_fn=SlowRank(1, 0.25),
         )  # fmt: skip
 
     with loader() as dl:
