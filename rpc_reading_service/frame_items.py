@@ -7,20 +7,58 @@ gives its parts); one item: :func:`~rpc_reading_service.serialization.loads_item
 from __future__ import annotations
 
 import pickle
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .serialization import Buffer, release_sparse_tensors
+import torch
+
+from .serialization import Buffer, dumps_item, rebuild_tensor, release_sparse_tensors
 
 __all__ = ["loads_payloads"]
+
+#: A bare tensor's pickle stream with its data out of band is about 90 bytes: longer streams
+#: are never one (no look-up for them).
+_BARE_TENSOR_STREAM_MAX_BYTES = 256
+#: Streams whose rebuild is known at most (cleared when full).
+_KNOWN_MAX = 64
+_Tensor = torch.Tensor
+#: Pickle streams of bare tensors received, by their bytes: the dtype and shape that unpickling
+#: one would give ``rebuild_tensor`` (None: a stream of a tensor made otherwise, unpickled).
+_bare_tensor_streams: Dict[bytes, Optional[Tuple[torch.dtype, Tuple[int, ...]]]] = {}
 
 
 def loads_payloads(payloads: Sequence[Buffer], buffers: Optional[Sequence[List[Buffer]]] = None) -> List[Any]:
     """Unpickle a frame's items from their pickle streams and each one's out-of-band buffers
-    (None: the frame has none); no Python call per item beyond the items' own rebuilds."""
+    (None: the frame has none); no Python call per item beyond the items' own rebuilds, and
+    none but the tensor's for a bare tensor of a dtype and shape seen before."""
     try:
         if buffers is None:
             return list(map(pickle.loads, payloads))
-        loads = pickle.loads
-        return [loads(payload, buffers=item_buffers) for payload, item_buffers in zip(payloads, buffers)]
+        loads, streams, items = pickle.loads, _bare_tensor_streams, []
+        append = items.append
+        for payload, item_buffers in zip(payloads, buffers):
+            if len(item_buffers) != 1 or len(payload) > _BARE_TENSOR_STREAM_MAX_BYTES:
+                append(loads(payload, buffers=item_buffers))
+                continue
+            stream = bytes(payload)
+            kind = streams.get(stream)
+            if kind is not None:
+                append(rebuild_tensor(item_buffers[0], *kind))
+                continue
+            item = loads(stream, buffers=item_buffers)
+            if type(item) is _Tensor and stream not in streams:
+                _learn(stream, item)
+            append(item)
+        return items
     finally:
         release_sparse_tensors()
+
+
+def _learn(stream: bytes, tensor: torch.Tensor) -> None:
+    """Remember whether ``stream`` is the one an item encoder makes of a bare tensor of
+    ``tensor``'s dtype and shape (its rebuild is then ``rebuild_tensor`` on the buffer alone)."""
+    encoded = dumps_item(tensor)
+    same = encoded.payload == stream and len(encoded.buffers) == 1
+    known = (tensor.dtype, tuple(tensor.shape)) if same else None
+    if len(_bare_tensor_streams) >= _KNOWN_MAX:
+        _bare_tensor_streams.clear()
+    _bare_tensor_streams[stream] = known

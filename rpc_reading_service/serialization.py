@@ -36,6 +36,7 @@ __all__ = [
     "buffer_allocator",
     "dumps_item",
     "loads_item",
+    "rebuild_tensor",
     "pins_shared_memory",
     "release_sparse_tensors",
     "dumps_graph",
@@ -117,6 +118,10 @@ def _rebuild_tensor(data: Any, dtype: Union[str, torch.dtype], shape: Sequence[i
     if len(shape) == 1 and shape[0] == tensor.shape[0]:
         return tensor
     return tensor.view(tuple(shape))
+
+
+#: The rebuild of a tensor's pickle stream, for a receiver that knows its arguments without unpickling.
+rebuild_tensor = _rebuild_tensor
 
 
 def _same(obj: Any) -> Any:
