@@ -7,11 +7,12 @@ gives its parts); one item: :func:`~rpc_reading_service.serialization.loads_item
 from __future__ import annotations
 
 import pickle
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from .serialization import Buffer, dumps_item, rebuild_tensor, release_sparse_tensors
+from .serialization import Buffer, ItemEncoder, rebuild_tensor, release_sparse_tensors
+from .tensor_streams import first_sighting
 
 __all__ = ["loads_payloads"]
 
@@ -24,6 +25,8 @@ _Tensor = torch.Tensor
 #: Pickle streams of bare tensors received, by their bytes: the dtype and shape that unpickling
 #: one would give ``rebuild_tensor`` (None: a stream of a tensor made otherwise, unpickled).
 _bare_tensor_streams: Dict[bytes, Optional[Tuple[torch.dtype, Tuple[int, ...]]]] = {}
+#: Streams of bare tensors unpickled once (a stream is learnt the second time: not one of ever new shapes).
+_seen_once: Set[bytes] = set()
 
 
 def loads_payloads(payloads: Sequence[Buffer], buffers: Optional[Sequence[List[Buffer]]] = None) -> List[Any]:
@@ -54,11 +57,19 @@ def loads_payloads(payloads: Sequence[Buffer], buffers: Optional[Sequence[List[B
 
 
 def _learn(stream: bytes, tensor: torch.Tensor) -> None:
-    """Remember whether ``stream`` is the one an item encoder makes of a bare tensor of
-    ``tensor``'s dtype and shape (its rebuild is then ``rebuild_tensor`` on the buffer alone)."""
-    encoded = dumps_item(tensor)
+    """Remember, the second time ``stream`` is unpickled, whether it is the one an item encoder
+    makes of a bare tensor of ``tensor``'s dtype and shape (its rebuild is then ``rebuild_tensor``
+    on the buffer alone)."""
+    if first_sighting(_seen_once, stream):
+        return
+    encoded = ItemEncoder(stage=_as_is).encode(tensor)  # the buffer as it is: no copy
     same = encoded.payload == stream and len(encoded.buffers) == 1
     known = (tensor.dtype, tuple(tensor.shape)) if same else None
     if len(_bare_tensor_streams) >= _KNOWN_MAX:
         _bare_tensor_streams.clear()
     _bare_tensor_streams[stream] = known
+
+
+def _as_is(buffer: memoryview) -> memoryview:
+    """``buffer`` itself (an encoder's ``stage`` that copies nothing)."""
+    return buffer

@@ -12,7 +12,7 @@ import torch
 
 from .receive_buffers import REUSED_BUFFER_MIN_BYTES
 
-__all__ = ["CONTAINERS", "ContainerStreams", "TensorStreams", "container_kind"]
+__all__ = ["CONTAINERS", "ContainerStreams", "TensorStreams", "container_kind", "first_sighting"]
 
 #: Kinds (dtypes and shapes, or containers) whose pickle streams an encoder keeps (cleared when full).
 _KEPT = 64
@@ -86,7 +86,7 @@ def _data_places(
     return places
 
 
-def _first_sighting(seen: Set[Any], key: Any) -> bool:
+def first_sighting(seen: Set[Any], key: Any) -> bool:
     """Whether ``key`` is met for the first time (then remembered; ``seen`` is bounded)."""
     if key in seen:
         return False
@@ -116,7 +116,7 @@ class TensorStreams(dict):
             payload: The pickler's stream of it.
             out_of_band: The buffers the pickler gave out of band.
         """
-        if _first_sighting(self._seen, key):
+        if first_sighting(self._seen, key):
             return
         arrays = _arrays((tensor,))
         places = _data_places(payload, arrays, out_of_band) if arrays is not None else None
@@ -209,7 +209,7 @@ class ContainerStreams(dict):
             out_of_band: The buffers the pickler gave out of band.
             pickled: A pickler's stream of another item (``obj`` with each scalar changed, to find them).
         """
-        if kind in self or _first_sighting(self._seen, kind):
+        if kind in self or first_sighting(self._seen, kind):
             return
         values = list(obj.values() if kind[1] is not None else obj)
         arrays = _arrays(value for value in values if type(value) is _Tensor)

@@ -127,3 +127,12 @@ def test_bare_tensors_from_local_workers_arrive_as_made():
                 assert torch.equal(tensor, tensor_of(index)), index
                 indices.append(index)
             assert sorted(indices) == list(range(600))
+
+
+def test_a_stream_of_ever_new_shapes_is_unpickled_and_never_encoded_again():
+    encoder = ItemEncoder()
+    tensors = [torch.full((ELEMENTS + 4 * k,), float(k)) for k in range(20)]  # 20 shapes, each once
+    payloads, buffers = received(tensors, encoder)
+    decoded, calls = python_calls(loads_payloads, payloads, buffers)
+    assert all(torch.equal(out, tensor) for out, tensor in zip(decoded, tensors))
+    assert "encode" not in calls and "dump" not in calls, sorted(set(calls))
