@@ -106,10 +106,12 @@ def test_a_known_stream_with_a_buffer_of_another_size_fails_as_unpickling_it_doe
 
 
 def tensor_of(index: int) -> Any:
-    """Each index a bare tensor of one of three kinds (the third with no numpy dtype) that says
-    which index it is (its first two elements: ``index // 256``, ``index % 256``, exact in each)."""
-    kinds = [(torch.float32, (64, ELEMENTS // 64)), (torch.int64, (ELEMENTS,)), (torch.bfloat16, (ELEMENTS,))]
-    dtype, shape = kinds[index % 3]
+    """Each index a bare tensor of one of four kinds (the third with no numpy dtype, the fourth
+    large enough for a local worker's shared memory) that says which index it is (its first two
+    elements: ``index // 256``, ``index % 256``, exact in each)."""
+    kinds = [(torch.float32, (64, ELEMENTS // 64)), (torch.int64, (ELEMENTS,)), (torch.bfloat16, (ELEMENTS,)),
+             (torch.float32, (8, ELEMENTS))]
+    dtype, shape = kinds[index % 4]
     tensor = torch.full(shape, index % 256, dtype=dtype)
     tensor.view(-1)[0] = index // 256
     return tensor
