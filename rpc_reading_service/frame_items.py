@@ -21,6 +21,8 @@ __all__ = ["loads_payloads"]
 _BARE_TENSOR_STREAM_MAX_BYTES = 256
 #: Streams whose rebuild is known at most (cleared when full).
 _KNOWN_MAX = 64
+#: A bare tensor's stream ends with its rebuild's call: REDUCE, MEMOIZE, STOP (a container's does not).
+_REDUCE = pickle.REDUCE[0]
 _Tensor = torch.Tensor
 #: Pickle streams of bare tensors received, by their bytes: the dtype and shape that unpickling
 #: one would give ``rebuild_tensor`` (None: a stream of a tensor made otherwise, unpickled).
@@ -39,7 +41,10 @@ def loads_payloads(payloads: Sequence[Buffer], buffers: Optional[Sequence[List[B
         loads, streams, items = pickle.loads, _bare_tensor_streams, []
         append = items.append
         for payload, item_buffers in zip(payloads, buffers):
-            if len(item_buffers) != 1 or len(payload) > _BARE_TENSOR_STREAM_MAX_BYTES:
+            if (
+                len(item_buffers) != 1 or not 3 <= len(payload) <= _BARE_TENSOR_STREAM_MAX_BYTES
+                or payload[-3] != _REDUCE
+            ):  # fmt: skip
                 append(loads(payload, buffers=item_buffers))
                 continue
             stream = bytes(payload)
