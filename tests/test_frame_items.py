@@ -138,3 +138,13 @@ def test_a_stream_of_ever_new_shapes_is_unpickled_and_never_encoded_again():
     decoded, calls = python_calls(loads_payloads, payloads, buffers)
     assert all(torch.equal(out, tensor) for out, tensor in zip(decoded, tensors))
     assert "encode" not in calls and "dump" not in calls, sorted(set(calls))
+
+
+@pytest.mark.parametrize("payload", [b"", b".", b"R\x94", b"\x80\x05R\x94."])
+def test_a_short_or_malformed_stream_fails_as_unpickling_it_does(payload):
+    buffers = [[np.zeros(OUT_OF_BAND_MIN_BYTES, dtype=np.uint8)]]
+    with pytest.raises(Exception) as unpickled:
+        pickle.loads(payload, buffers=buffers[0])
+    with pytest.raises(Exception) as decoded:
+        loads_payloads([memoryview(bytearray(payload))], buffers)
+    assert type(decoded.value) is type(unpickled.value) and str(decoded.value) == str(unpickled.value)
