@@ -67,14 +67,9 @@ def _learn(stream: bytes, tensor: torch.Tensor) -> None:
     on the buffer alone)."""
     if first_sighting(_seen_once, stream):
         return
-    encoded = ItemEncoder(stage=_as_is).encode(tensor)  # the buffer as it is: no copy
+    encoded = ItemEncoder(borrow_min_bytes=0).encode(tensor)  # its buffer lent as it is: no copy
     same = encoded.payload == stream and len(encoded.buffers) == 1
     known = (tensor.dtype, tuple(tensor.shape)) if same else None
     if len(_bare_tensor_streams) >= _KNOWN_MAX:
         _bare_tensor_streams.clear()
     _bare_tensor_streams[stream] = known
-
-
-def _as_is(buffer: memoryview) -> memoryview:
-    """``buffer`` itself (an encoder's ``stage`` that copies nothing)."""
-    return buffer
