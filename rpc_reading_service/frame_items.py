@@ -12,20 +12,19 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 import torch
 
 from .serialization import Buffer, ItemEncoder, rebuild_tensor, release_sparse_tensors
-from .tensor_streams import first_sighting
+from .tensor_streams import first_sighting, keep_bounded
 
 __all__ = ["loads_payloads"]
 
 #: A bare tensor's pickle stream with its data out of band is about 90 bytes: longer streams
 #: are never one (no look-up for them).
 _BARE_TENSOR_STREAM_MAX_BYTES = 256
-#: Streams whose rebuild is known at most (cleared when full).
-_KNOWN_MAX = 64
 #: A bare tensor's stream ends with its rebuild's call: REDUCE, MEMOIZE, STOP (a container's does not).
 _REDUCE = pickle.REDUCE[0]
 _Tensor = torch.Tensor
 #: Pickle streams of bare tensors received, by their bytes: the dtype and shape that unpickling
-#: one would give ``rebuild_tensor`` (None: a stream of a tensor made otherwise, unpickled).
+#: one would give ``rebuild_tensor`` (None: a stream of a tensor made otherwise, unpickled);
+#: as many as an encoder keeps at most.
 _bare_tensor_streams: Dict[bytes, Optional[Tuple[torch.dtype, Tuple[int, ...]]]] = {}
 #: Streams of bare tensors unpickled once (a stream is learnt the second time: not one of ever new shapes).
 _seen_once: Set[bytes] = set()
@@ -70,6 +69,4 @@ def _learn(stream: bytes, tensor: torch.Tensor) -> None:
     encoded = ItemEncoder(borrow_min_bytes=0).encode(tensor)  # its buffer lent as it is: no copy
     same = encoded.payload == stream and len(encoded.buffers) == 1
     known = (tensor.dtype, tuple(tensor.shape)) if same else None
-    if len(_bare_tensor_streams) >= _KNOWN_MAX:
-        _bare_tensor_streams.clear()
-    _bare_tensor_streams[stream] = known
+    keep_bounded(_bare_tensor_streams, stream, known)

@@ -6,13 +6,20 @@ from __future__ import annotations
 
 import pickle
 import struct
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
 from .receive_buffers import REUSED_BUFFER_MIN_BYTES
 
-__all__ = ["CONTAINERS", "ContainerStreams", "TensorStreams", "container_kind", "first_sighting"]
+__all__ = [
+    "CONTAINERS",
+    "ContainerStreams",
+    "TensorStreams",
+    "container_kind",
+    "first_sighting",
+    "keep_bounded",
+]
 
 #: Kinds (dtypes and shapes, or containers) whose pickle streams an encoder keeps (cleared when full).
 _KEPT = 64
@@ -96,6 +103,19 @@ def first_sighting(seen: Set[Any], key: Any) -> bool:
     return True
 
 
+def keep_bounded(kept: Dict[Any, Any], key: Any, value: Any) -> None:
+    """``kept[key] = value``; a dict of as many kinds as are kept is emptied first (it starts again).
+
+    Args:
+        kept: A dict of kept streams by kind.
+        key: The kind.
+        value: What is kept of it.
+    """
+    if len(kept) >= _KEPT:
+        kept.clear()
+    kept[key] = value
+
+
 class TensorStreams(dict):
     """A bare tensor's pickle stream by ``(dtype, shape)``: the bytes before and after its in-band
     data (None after: its data is out of band, the stream is all of it). A dict: the encoder's
@@ -122,10 +142,9 @@ class TensorStreams(dict):
         places = _data_places(payload, arrays, out_of_band) if arrays is not None else None
         if places is None:
             return
-        if len(self) >= _KEPT:
-            self.clear()  # more dtypes and shapes than that: start again
         (at,) = places
-        self[key] = (payload, None) if at is None else (payload[:at], payload[at + arrays[0].nbytes :])
+        kept = (payload, None) if at is None else (payload[:at], payload[at + arrays[0].nbytes :])
+        keep_bounded(self, key, kept)
 
 
 def container_kind(obj: Any) -> Optional[Tuple[Any, ...]]:
@@ -227,9 +246,7 @@ class ContainerStreams(dict):
             return
         if [bytes(buffer) for buffer in made[1]] != [bytes(buffer) for buffer in out_of_band]:
             return
-        if len(self) >= _KEPT:
-            self.clear()
-        self[kind] = kept
+        keep_bounded(self, kind, kept)
 
 
 def _changed(value: Any) -> Any:
