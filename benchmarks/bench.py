@@ -31,7 +31,11 @@ takes to its local server); in the sweep also ``graph-limit`` (one process itera
 worker's part of the same DataPipe graph, nothing moved, each item counted W times: what W
 workers' graphs make at most) and ``loader-limit`` (DataLoader2 without a reading service
 handing on items made before, a fresh tensor each: what a trainer hands on at most), the
-per-item ceilings no DataLoader2 reading service passes.  Every contender makes the same items the same way
+per-item ceilings no DataLoader2 reading service passes, and ``pipeline-limit`` /
+``pipeline-limit-unix`` (W processes iterating their part of the same graph and sending each
+tensor's bytes over TCP / a Unix socket to a DataLoader2 that hands them on: the graph, the
+move and the loader added up, as on cores the trainer and workers share; not a bound, as
+batched sends or shared memory can pass it).  Every contender makes the same items the same way
 (``workloads.make_tensor``: a fresh tensor per item, every byte written), the raw
 senders and the production limit too.
 
@@ -39,7 +43,8 @@ Scenarios: ``tiny`` (items/s, W=2), ``tensor1m`` / ``tensor8m`` (GB/s; the readi
 services at W=1 and W=2, ``--quick``: W=2), ``sweep`` (GB/s at item sizes from 1 KiB to
 64 MiB: the raw streams, RPCRS-tcp at W=1 and 2, the others at W=2; ``--sizes`` picks
 others; beside its targets against the raw streams, an ``info`` row of each reading service
-over its ceiling, the lowest of the raw stream and the per-item limits), ``scaling`` (a sleep-bound stage at W = 1..16), ``memory``
+over its ceiling, the lowest of the raw stream and the per-item limits, and one over its
+stream's pipeline limit), ``scaling`` (a sleep-bound stage at W = 1..16), ``memory``
 (trainer peak RSS with a slow consumer, 1 MiB and 8 MiB items, above the RSS after a warm-up
 epoch on a loader of the same contender: what a process loads once at its first loader, ~20 MiB of
 modules and libraries, is no item held and is printed apart), ``first_item`` (loader construction to first

@@ -189,6 +189,27 @@ def raw_sender(address: str, nbytes: int, count: int) -> None:
             pass  # the receiver stopped early (time budget): not an error
 
 
+def pipeline_sender(address: str, rank: int, num_workers: int, nbytes: int, count: int) -> None:
+    """Connect to ``address`` and ``sendall`` the bytes of every item of worker ``rank``'s part of
+    :func:`build_datapipe` (``count`` tensors of ``nbytes``), iterated as a worker session iterates
+    it (torch's sharding applied, every DataPipe settled for torch's per-item check): a worker's
+    least work per item (its graph and the send), with nothing encoded, framed or credited."""
+    import torch.utils.data.graph_settings as graph_settings
+    from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
+
+    from rpc_reading_service.graph import settle_iterator_checks
+
+    datapipe = build_datapipe(Workload("tensor", count, item_bytes=nbytes))
+    graph_settings.apply_sharding(datapipe, num_workers, rank, SHARDING_PRIORITIES.MULTIPROCESSING)
+    with connect(address) as sock:
+        try:
+            sock.sendall(rank.to_bytes(4, "little"))
+            for item in settle_iterator_checks(datapipe):
+                sock.sendall(item.numpy())
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the receiver stopped early (time budget): not an error
+
+
 class SegmentRing:
     """:data:`ITEMS_IN_FLIGHT` shared segments of ``nbytes`` (memfd, every page mapped up
     front), written in turn: :meth:`append` copies an item's bytes into the next one and
@@ -296,12 +317,19 @@ def produce_graph_share(workload: Workload, rank: int, num_workers: int, done_fd
     held.clear()
 
 
+USAGE = ("usage: python -m workloads raw-sender tcp:PORT|unix:PATH NBYTES COUNT\n"
+         "       python -m workloads pipeline-sender tcp:PORT|unix:PATH RANK WORKERS NBYTES COUNT")
+
+
 def main(argv: list[str]) -> int:
-    """``python -m workloads raw-sender tcp:PORT|unix:PATH NBYTES COUNT``."""
+    """``python -m workloads raw-sender ...`` or ``pipeline-sender ...`` (:data:`USAGE`)."""
     if len(argv) == 4 and argv[0] == "raw-sender":
         raw_sender(argv[1], int(argv[2]), int(argv[3]))
         return 0
-    print("usage: python -m workloads raw-sender tcp:PORT|unix:PATH NBYTES COUNT", file=sys.stderr)
+    if len(argv) == 6 and argv[0] == "pipeline-sender":
+        pipeline_sender(argv[1], *(int(arg) for arg in argv[2:]))
+        return 0
+    print(USAGE, file=sys.stderr)
     return 2
 
 

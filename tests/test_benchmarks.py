@@ -220,7 +220,7 @@ def test_sweep_targets_judge_the_worst_size_in_their_range():
     assert row["status"] == "n/a" and row["detail"].endswith("not measured at 64 KiB")  # no "every size" from one
     judged = [t for t in TARGETS if t.goal.startswith("sweep:") and t.threshold is not None]
     assert sum(row["goal"].startswith("sweep:") for row in rows.values()) == sum(
-        t.goal.startswith("sweep:") for t in TARGETS) == len(judged) + 3 == 8  # an info row per raw target
+        t.goal.startswith("sweep:") for t in TARGETS) == len(judged) + 6 == 11  # two info rows per raw target
 
 
 def test_the_sweeps_per_item_limits_run_each_item_made_fresh():
@@ -239,6 +239,60 @@ def test_the_sweeps_per_item_limits_run_each_item_made_fresh():
     assert [int(item[-1]) for item in items] == [fill_value(index % 4) for index in range(9)]
     assert len({id(item) for item in items}) == 9 and all(item.numel() == 64 * 1024 for item in items)
     assert drain(LoaderLimit(), workload, 1, budget_s=30.0)["items"] == 9
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name, workers", [("pipeline-limit", 1), ("pipeline-limit-unix", 2)])
+def test_the_pipeline_limit_hands_on_every_item_its_senders_graphs_made(name, workers, monkeypatch):
+    """pipeline-limit[-unix]: W sender processes, each iterating its part of the workload's graph,
+    and a DataLoader2 that hands on every item in the order torch's sharding dealt them, each a
+    fresh tensor of the bytes its sender made; an epoch left early stops its senders."""
+    from benchsuite.measure import drain
+    from workloads import Workload, fill_value
+
+    paths = [str(BENCH_DIR.parent), str(BENCH_DIR), os.environ.get("PYTHONPATH", "")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(path for path in paths if path))  # as bench.py sets
+
+    contender = CONTENDERS[name]()
+    workload = Workload("tensor", 9, item_bytes=64 * 1024)
+    with contender.epoch(workload, workers) as loader:  # each read before the next (4 buffers go round)
+        seen = [(int(item[0]), int(item[-1]), item.numel()) for item in loader]
+    assert seen == [(fill_value(i), fill_value(i), 64 * 1024) for i in range(9)]
+    data = drain(contender, Workload("tensor", 200_000, item_bytes=16 * 1024), workers, budget_s=0.3)
+    assert data["stopped_by_budget"] and data["bytes_per_s"] > 0, data
+
+
+def test_sweep_pipeline_rows_set_each_size_beside_the_same_graph_and_loader_on_a_plain_socket():
+    """The second info row beside a sweep target: per size, ours over its stream's pipeline limit at
+    the same W (paired, the median of the rounds), and that limit over the raw stream."""
+    from benchsuite.report.targets import evaluate_targets
+
+    sizes = [1024, 64 * 1024]
+    rates = {  # GB/s by size, three paired rounds each
+        "raw-socket": [[0.25, 0.25, 0.25], [3.0, 3.0, 3.0]],
+        "pipeline-limit": [[0.1, 0.125, 0.1], [2.0, 2.4, 2.0]],
+        "RPCRS-tcp": [[0.05, 0.1, 0.08], [1.0, 1.2, 1.5]],
+    }
+    results = {"sweep": {"params": SCENARIOS["sweep"].plan(True) | {"sizes": sizes}, "contenders": {
+        name: {"ok": True, "data": {"points": [
+            {"workers": 1, "item_bytes": size, "bytes_per_s": max(r) * 1e9,
+             "round_rates": [x * 1e9 for x in r]}
+            for size, r in zip(sizes, by_size)]}} for name, by_size in rates.items()}}}
+    rows = {row["goal"]: row for row in evaluate_targets(results)}
+    small = rows["sweep: RPCRS-tcp W=1 / pipeline-limit W=1 below 64 KiB (the worst size)"]
+    # 1 KiB rounds: 0.5, 0.8, 0.8: median 0.8 (the first such round); the limit 0.125 / 0.25 of raw
+    assert small["status"] == "info" and small["measured"] == pytest.approx(0.8), small
+    assert small["detail"] == ("worst at 1 KiB: 0.10 GB/s vs 0.12 GB/s (pipeline-limit); each size, ours / "
+                               "ceiling (ceiling / raw-socket, the limit that sets it): 1 KiB 0.80x (0.50x, "
+                               "pipeline-limit)")
+    large = rows["sweep: RPCRS-tcp W=1 / pipeline-limit W=1 from 64 KiB up (the worst size)"]
+    assert large["measured"] == pytest.approx(0.5)
+    assert large["detail"].endswith("64 KiB 0.50x (0.67x, pipeline-limit)")
+    local = "sweep: RPCRS-local W=2 / pipeline-limit-unix W=2 at every size (the worst size)"
+    assert rows[local]["status"] == "n/a"
+    sweep = results["sweep"]
+    report = SCENARIOS["sweep"].report(SCENARIOS["sweep"], sweep["params"], sweep["contenders"])
+    assert "tcp1/pipeline" in report and "tcp1/ceiling" not in report
 
 
 def test_sweep_ceiling_rows_pair_each_round_under_its_lowest_limit():
@@ -297,11 +351,12 @@ def test_the_sweeps_figure_draws_every_limit_dashed():
             return lambda *args, **kwargs: None
 
     point = {"workers": 1, "item_bytes": 1024, "bytes_per_s": 1e8}
-    names = ("raw-socket", "graph-limit", "loader-limit", "RPCRS-tcp")
+    names = ("raw-socket", "graph-limit", "loader-limit", "pipeline-limit-unix", "RPCRS-tcp")
     axes = Axes()
     plot_sweep(axes, {"sweep": {"params": {"sizes": [1024]}, "contenders": {
         name: {"ok": True, "data": {"points": [point]}} for name in names}}})
-    assert axes.lines == {"raw-socket": "--", "graph-limit W=1": "--", "loader-limit": "--", "RPCRS-tcp W=1": "o-"}
+    assert axes.lines == {"raw-socket": "--", "graph-limit W=1": "--", "loader-limit": "--",
+                          "pipeline-limit-unix W=1": "--", "RPCRS-tcp W=1": "o-"}
 
 
 def test_memory_targets_bound_growth_by_the_credit_window_at_each_size():

@@ -92,7 +92,7 @@ def plot_sweep(ax, all_results: dict) -> None:
             measured = [(size, rate) for size, rate in measured if rate]
             if measured:
                 ax.plot([size for size, _ in measured], [rate / GB for _, rate in measured],
-                        "--" if name.startswith("raw-") or name.endswith("-limit") else "o-",
+                        "--" if name.startswith("raw-") or "-limit" in name else "o-",
                         label=name if name in ONE_STREAM else f"{name} W={workers}")
     ax.set(xscale="log", yscale="log", xlabel="item size", ylabel="GB/s (1e9 bytes)",
            title="throughput by item size (fresh tensors; dashed: the limits; raw-* = one stream)")

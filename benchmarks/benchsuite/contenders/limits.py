@@ -10,6 +10,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 from typing import Iterator
 
 from workloads import build_datapipe, made_in_shared_memory, produce_graph_share, produce_share
@@ -176,10 +177,9 @@ class RawSocket(Contender):
             raise ValueError(f"{self.name} only moves byte buffers")
         nbytes, count = workload.item_bytes, workload.n_items
         with self.listen() as (listener, address):
-            listener.settimeout(SERVER_START_TIMEOUT_S)
             sender = spawn([sys.executable, "-m", "workloads", "raw-sender", address, str(nbytes), str(count)])
             try:
-                conn, _ = listener.accept()
+                conn = accept_from(listener, [sender])
                 with conn:
                     conn.settimeout(SERVER_START_TIMEOUT_S)
                     yield self._receive(conn, nbytes, count)
@@ -214,3 +214,73 @@ class RawUnixSocket(RawSocket):
                 listener.bind(path)
                 listener.listen(1)
                 yield listener, f"unix:{path}"
+
+
+class PipelineLimit(RawSocket):
+    """The least any DataLoader2 reading service does per item, over loopback TCP: one sender
+    process per worker iterates its part of the workload's DataPipe graph as a worker does
+    (``workloads.pipeline_sender``: torch's sharding and per-item hooks) and ``sendall``s each
+    tensor's bytes; this process's DataLoader2, without a reading service, iterates
+    ``received.StreamedItems`` over those streams (each item received into a reused buffer and
+    handed on as a fresh tensor).  Nothing is encoded, framed or credited, no thread hands over:
+    on a machine where the trainer and the workers share the cores, the graph, the move and
+    DataLoader2's loop add up, and this is their sum."""
+
+    name = "pipeline-limit"
+    one_stream = False
+
+    @contextlib.contextmanager
+    def epoch(self, workload, num_workers):
+        from torchdata.dataloader2 import DataLoader2
+
+        from benchsuite.contenders.received import StreamedItems
+
+        if workload.kind != "tensor" or workload.block:
+            raise ValueError(f"{self.name} only moves tensors of a plain graph")
+        with contextlib.ExitStack() as stack:
+            listener, address = stack.enter_context(self.listen())
+            senders = [spawn([sys.executable, "-m", "workloads", "pipeline-sender", address, str(rank),
+                              str(num_workers), str(workload.item_bytes), str(workload.n_items)])
+                       for rank in range(num_workers)]
+            stack.callback(stop_processes, senders)
+            streams = [stack.enter_context(accept_from(listener, senders)) for _ in range(num_workers)]
+            streams.sort(key=sender_rank)  # the senders connect in any order; each says its rank first
+            loader = DataLoader2(StreamedItems(workload, [conn.fileno() for conn in streams], self.family))
+            stack.callback(loader.shutdown)
+            yield loader
+
+
+def accept_from(listener: socket.socket, senders: list,
+                timeout: float = SERVER_START_TIMEOUT_S) -> socket.socket:
+    """The next connection to ``listener`` (blocking, as the receives that follow are), within ``timeout``;
+    ConnectionError at once if one of ``senders`` (processes that dial it) exited instead."""
+    deadline = time.monotonic() + timeout
+    listener.settimeout(0.2)
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout:
+            exited = [sender.returncode for sender in senders if sender.poll() not in (None, 0)]
+            if exited or time.monotonic() > deadline:
+                raise ConnectionError(f"no sender connected (exit codes {exited})") from None
+            continue
+        conn.settimeout(SERVER_START_TIMEOUT_S)
+        return conn
+
+
+def sender_rank(conn: socket.socket) -> int:
+    """The rank a pipeline sender says first (4 bytes, little-endian)."""
+    said = b""
+    while len(said) < 4:
+        chunk = conn.recv(4 - len(said))
+        if not chunk:
+            raise ConnectionError("pipeline sender closed before its rank")
+        said += chunk
+    return int.from_bytes(said, "little")
+
+
+class PipelineLimitUnix(PipelineLimit, RawUnixSocket):
+    """:class:`PipelineLimit` over Unix domain sockets (as local workers move their items)."""
+
+    name = "pipeline-limit-unix"
+    family = socket.AF_UNIX

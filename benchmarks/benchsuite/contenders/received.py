@@ -29,3 +29,39 @@ class ReceivedItems(IterDataPipe):
         for index in range(self.workload.n_items):
             views[index % slots][:] = made[index % slots]
             yield torch.frombuffer(buffers[index % slots], dtype=torch.uint8)
+
+
+class StreamedItems(IterDataPipe):
+    """What a trainer's DataLoader2 iterates in ``limits.PipelineLimit``: the items of one stream per
+    worker (connected sockets, by file descriptor: DataLoader2 copies its DataPipe), item ``i`` from
+    stream ``i % W`` as torch's sharding deals them, each received into the next of
+    ``workloads.ITEMS_IN_FLIGHT`` reused buffers and handed on as a fresh tensor (``torch.frombuffer``)."""
+
+    _is_child_datapipe = False  # torch's per-item check finds the flag (see RemoteStream)
+
+    def __init__(self, workload, fds: list, family: int):
+        self.workload, self.fds, self.family = workload, fds, family
+
+    def __iter__(self) -> Iterator:
+        import os
+        import socket
+
+        nbytes, slots = self.workload.item_bytes, ITEMS_IN_FLIGHT
+        streams = [socket.socket(self.family, socket.SOCK_STREAM, fileno=os.dup(fd)) for fd in self.fds]
+        for stream in streams:
+            stream.setblocking(True)  # as the raw stream's receive (a duplicate knows no timeout)
+        buffers = [bytearray(nbytes) for _ in range(slots)]
+        views = [memoryview(buffer) for buffer in buffers]
+        try:
+            for index in range(self.workload.n_items):
+                stream, view = streams[index % len(streams)], views[index % slots]
+                received = 0
+                while received < nbytes:
+                    count = stream.recv_into(view[received:])
+                    if not count:
+                        raise ConnectionError(f"pipeline sender {index % len(streams)} closed early")
+                    received += count
+                yield torch.frombuffer(buffers[index % slots], dtype=torch.uint8)
+        finally:
+            for stream in streams:
+                stream.close()

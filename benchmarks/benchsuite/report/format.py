@@ -134,6 +134,10 @@ def paired_ratio_at(results: dict, contender: str, workers: int, reference: str,
 #: DataPipe graphs make at most (``graph-limit``, at the same W) and what a trainer's DataLoader2
 #: hands on at most (``loader-limit``, one stream).
 PER_ITEM_LIMITS = ("graph-limit", "loader-limit")
+#: Both at once with a plain move between them, by the raw stream whose kind of socket it moves items
+#: over: W processes' graphs sending each tensor's bytes to a DataLoader2 that hands them on (nothing
+#: encoded, framed or credited), at the same W as the reading service it is set beside.
+PIPELINE_LIMITS = {"raw-socket": "pipeline-limit", "raw-unix": "pipeline-limit-unix"}
 
 
 def paired_ceiling(point: Optional[dict], limits: dict, key: str = "bytes_per_s") -> Optional[dict]:
@@ -164,10 +168,10 @@ def paired_ceiling(point: Optional[dict], limits: dict, key: str = "bytes_per_s"
 
 
 def ceiling_at(results: dict, contender: str, workers: int, reference: str,
-               item_bytes: Optional[int] = None) -> Optional[dict]:
+               item_bytes: Optional[int] = None, limits: tuple = PER_ITEM_LIMITS) -> Optional[dict]:
     """:func:`paired_ceiling` of ``contender`` at ``workers`` under the lowest of ``reference`` (one
-    stream) and the :data:`PER_ITEM_LIMITS` (``graph-limit`` at the same W), or None."""
-    limits = {name: point_at(results, name, workers, item_bytes) for name in (reference, *PER_ITEM_LIMITS)}
+    stream) and ``limits`` (at the same W; the :data:`PER_ITEM_LIMITS` unless given), or None."""
+    limits = {name: point_at(results, name, workers, item_bytes) for name in (reference, *limits)}
     return paired_ceiling(point_at(results, contender, workers, item_bytes), limits)
 
 

@@ -13,6 +13,7 @@ from benchsuite.contenders import ONE_STREAM
 from benchsuite.report.format import (
     GB,
     PER_ITEM_LIMITS,
+    PIPELINE_LIMITS,
     ceiling_at,
     fmt_ratio,
     fmt_size,
@@ -155,16 +156,17 @@ def at_every_size(contender: str, workers: int, reference: str, threshold: float
 
 
 def under_ceiling_at_every_size(contender: str, workers: int, reference: str, smallest: int = 0,
-                                below: Optional[int] = None, scenario: str = "sweep"):
+                                below: Optional[int] = None, scenario: str = "sweep",
+                                limits: tuple = PER_ITEM_LIMITS):
     """A measure (info): the lowest over the item sizes in range of ``contender``'s paired ratio to
-    its ceiling, the lowest of ``reference`` and the per-item limits (``report.format.ceiling_at``);
+    its ceiling, the lowest of ``reference`` and ``limits`` (``report.format.ceiling_at``);
     the detail gives, for each size, that ratio, the ceiling over ``reference`` (where it is under a
     target's ratio to ``reference``, no DataLoader2 reading service can meet that target) and the
     limit that sets it."""
     def measured(all_results: dict) -> tuple[Optional[float], str]:
         found, worst, unmeasured = over_sizes(
-            all_results, scenario, smallest, below, (contender, reference, *PER_ITEM_LIMITS),
-            lambda results, size: ceiling_at(results, contender, workers, reference, size))
+            all_results, scenario, smallest, below, (contender, reference, *limits),
+            lambda results, size: ceiling_at(results, contender, workers, reference, size, limits))
         if worst is None:
             return None, unmeasured
         ours, ceiling = found[worst]["rates"]
@@ -197,6 +199,18 @@ def sweep_ceiling(contender: str, workers: int, reference: str, smallest: int = 
     goal = (f"sweep: {contender} W={workers} / ceiling {where}: the lowest of {reference}, "
             f"graph-limit W={workers}, loader-limit (the worst size)")
     return Target(goal, None, under_ceiling_at_every_size(contender, workers, reference, smallest, below))
+
+
+def sweep_pipeline(contender: str, workers: int, reference: str, smallest: int = 0,
+                   below: Optional[int] = None) -> Target:
+    """The info row beside a sweep target against ``reference``: ``contender`` over the pipeline limit
+    of that stream's kind at the same W, and that limit over ``reference``, at every size in range."""
+    pipeline = PIPELINE_LIMITS[reference]
+    where = (f"from {fmt_size(smallest)} up" if smallest else f"below {fmt_size(below)}" if below
+             else "at every size")
+    goal = f"sweep: {contender} W={workers} / {pipeline} W={workers} {where} (the worst size)"
+    return Target(goal, None, under_ceiling_at_every_size(contender, workers, reference, smallest, below,
+                                                          limits=(pipeline,)))
 
 
 def efficiency_at(contender: str, workers: int, scenario: str = "scaling", minus: Optional[str] = None):
@@ -311,10 +325,13 @@ TARGETS = [
            best_ratio("tensor8m", "bytes_per_s", "RPCRS-tcp", "RPCDataloader")),
     sweep_target("RPCRS-tcp", 1, 0.85, "raw-socket", smallest=64 * 1024),
     sweep_ceiling("RPCRS-tcp", 1, "raw-socket", smallest=64 * 1024),
+    sweep_pipeline("RPCRS-tcp", 1, "raw-socket", smallest=64 * 1024),
     sweep_target("RPCRS-tcp", 1, 0.7, "raw-socket", below=64 * 1024),
     sweep_ceiling("RPCRS-tcp", 1, "raw-socket", below=64 * 1024),
+    sweep_pipeline("RPCRS-tcp", 1, "raw-socket", below=64 * 1024),
     sweep_target("RPCRS-local", 2, 1.0, "raw-unix"),
     sweep_ceiling("RPCRS-local", 2, "raw-unix"),
+    sweep_pipeline("RPCRS-local", 2, "raw-unix"),
     sweep_target("RPCRS-local", 2, 3, "MPRS"),
     sweep_target("RPCRS-local", 2, 2, "torch-DataLoader"),
     Target("scaling: RPCRS-local efficiency at W=16 >= 0.9", 0.9, efficiency_at("RPCRS-local", 16)),
@@ -348,6 +365,12 @@ TARGET_NOTES = [
     "graph-limit (W workers' DataPipe graphs, nothing moved) and loader-limit (DataLoader2 handing on items made "
     "before, a fresh tensor each): what no DataLoader2 reading service passes; where the ceiling / raw is under "
     "the target's ratio, the per-item work of any DataLoader2 reading service rules the target out at that size",
+    "sweep ... / pipeline-limit[-unix] (info, no target): the reading service over W processes that iterate "
+    "their part of the same graph and send each tensor's bytes over one socket each (TCP [Unix]) to a "
+    "DataLoader2 that hands them on (nothing encoded, framed or credited); each size gives pipeline / raw: "
+    "the graph, the move and DataLoader2's loop added up, as they are where the trainer and the workers share"
+    " the cores. Not a bound: a reading service that batches its sends or hands items over in shared memory "
+    "can pass it",
     "memory: a slow consumer (5 ms per item); the credit window is W x prefetch x item size",
     "raw-socket is one TCP stream, so it is compared with RPCRS-tcp at W=1 (one stream); at W=2 three busy "
     "processes share 2 cores",

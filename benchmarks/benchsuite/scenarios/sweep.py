@@ -12,6 +12,7 @@ from benchsuite.measure import drain
 from benchsuite.report.format import (
     GB,
     PER_ITEM_LIMITS,
+    PIPELINE_LIMITS,
     ceiling_at,
     fmt_ratio,
     fmt_size,
@@ -33,6 +34,7 @@ KIB = 1 << 10
 SIZES = (KIB, 16 * KIB, 64 * KIB, 128 * KIB, 256 * KIB, 512 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB)
 #: (contender, W) in the order of the table's rate columns; the raw streams are one stream.
 COLUMNS = (("raw-socket", 1), ("raw-unix", 1), ("graph-limit", 1), ("graph-limit", 2), ("loader-limit", 1),
+           ("pipeline-limit", 1), ("pipeline-limit-unix", 2),
            ("RPCRS-tcp", 1), ("RPCRS-tcp", 2), ("RPCRS-local", 2), ("MPRS", 2), ("torch-DataLoader", 2),
            ("RPCDataloader", 2))
 #: The ratio columns (and the targets'): (contender, W, reference at W=2 or its one stream).
@@ -43,7 +45,8 @@ RATIOS = (("RPCRS-tcp", 1, "raw-socket"), ("RPCRS-tcp", 2, "raw-socket"), ("RPCR
 CEILINGS = (("RPCRS-tcp", 1, "raw-socket"), ("RPCRS-local", 2, "raw-unix"))
 #: A round runs each of these next to the one it is compared with (see ``runner.round_order``); the
 #: per-item limits run in every round too, each next to a reading service it bounds.
-PAIRED_ORDER = ("loader-limit", "raw-socket", "RPCRS-tcp", "graph-limit", "RPCRS-local", "raw-unix")
+PAIRED_ORDER = ("loader-limit", "raw-socket", "RPCRS-tcp", "pipeline-limit", "graph-limit", "RPCRS-local",
+                "pipeline-limit-unix", "raw-unix")
 CONTENDER_NAMES = tuple(dict.fromkeys(name for name, _ in COLUMNS))
 #: MPRS runs its epochs to the end (see ``contenders.alternatives.MPRS``): at most this many items.
 MPRS_MAX_ITEMS = 1500
@@ -55,6 +58,7 @@ def plan_sweep(quick: bool) -> dict:
     return {"sizes": list(SIZES), "epoch_bytes": (256 if quick else 1024) * MIB, "min_items": 8 if quick else 16,
             "max_items": 200_000, "mprs_epoch_bytes": (64 if quick else 256) * MIB,
             "workers": [2], "workers_by_contender": {"RPCRS-tcp": [1, 2], "graph-limit": [1, 2],
+                                                     "pipeline-limit": [1],
                                                      **{name: [1] for name in ONE_STREAM}},
             "budget_s": 0.3 if quick else 1.0, "warmup_s": 0.3 if quick else 0.5, "rounds": 1 if quick else PAIRED_ROUNDS,
             "rounds_of_all": 1 if quick else ROUNDS, "paired": list(PAIRED_ORDER),
@@ -65,7 +69,7 @@ def sweep_workload(params: dict, name: str, item_bytes: int) -> Workload:
     """The epoch contender ``name`` runs at ``item_bytes``: fresh tensors (``workloads.make_tensor``);
     the per-item limits, which hold no more than a few items, run ``max_items`` (to the time budget)."""
     items = max(params["min_items"], min(params["max_items"], params["epoch_bytes"] // item_bytes))
-    if name in PER_ITEM_LIMITS:
+    if name in PER_ITEM_LIMITS or name in PIPELINE_LIMITS.values():
         items = params["max_items"]
     if name == "MPRS":
         items = min(items, max(params["min_items"], min(MPRS_MAX_ITEMS, params["mprs_epoch_bytes"] // item_bytes)))
@@ -110,6 +114,8 @@ def report_sweep(scenario: Scenario, params: dict, results: dict) -> str:
     ratios = [(name, w, ref) for name, w, ref in RATIOS if name in results and ref in results]
     ceilings = [(name, w, ref) for name, w, ref in CEILINGS
                 if all(n in results for n in (name, ref, *PER_ITEM_LIMITS))]
+    pipelines = [(name, w, ref) for name, w, ref in CEILINGS
+                 if all(n in results for n in (name, ref, PIPELINE_LIMITS[ref]))]
     rows = []
     for size in params["sizes"]:
         rates = []
@@ -120,6 +126,8 @@ def report_sweep(scenario: Scenario, params: dict, results: dict) -> str:
         cpu = [cpu_text(results, name, w, size) for name, w in (("RPCRS-tcp", 1), ("raw-socket", 1),
                                                               ("RPCRS-local", 2), ("raw-unix", 1))]
         bounded = [ceiling_at(results, name, w, ref, size) for name, w, ref in ceilings]
+        bounded += [ceiling_at(results, name, w, ref, size, (PIPELINE_LIMITS[ref],))
+                    for name, w, ref in pipelines]
         rows.append([fmt_size(size)] + rates + [fmt_ratio(p and p["median"]) for p in paired]
                     + [f"{fmt_ratio(c['median'])} {c['binding'].split('-')[0]}" if c else "-" for c in bounded]
                     + [" / ".join(cpu)])
@@ -128,6 +136,7 @@ def report_sweep(scenario: Scenario, params: dict, results: dict) -> str:
                                 for name, w in columns]
                + [f"{short[name]}{w}/{short.get(ref, ref)}" for name, w, ref in ratios]
                + [f"{short[name]}{w}/ceiling" for name, w, _ in ceilings]
+               + [f"{short[name]}{w}/pipeline" for name, w, _ in pipelines]
                + ["CPU us/item: tcp1 / raw-socket / local2 / raw-unix"])
     failed = [f"{name}: n/a ({outcome.get('reason', '?')[:120]})" for name, outcome in results.items()
               if not outcome.get("ok")]
@@ -151,6 +160,12 @@ def report_sweep(scenario: Scenario, params: dict, results: dict) -> str:
         "W workers and per-item hooks, the same make_tensor), nothing encoded or moved, each item counted W times: "
         "W workers each as fast as one alone; loader-limit: DataLoader2 (no reading service) over items made "
         "before, each copied into one of 4 reused buffers and handed on as a fresh tensor (torch.frombuffer)",
+        "pipeline-limit[-unix] W: W processes iterating their part of the same graph as workers do and "
+        "sending each tensor's bytes over TCP [a Unix socket] to a DataLoader2 (no reading service) that "
+        "receives each into one of 4 reused buffers and hands it on as a fresh tensor: graph, move and loader"
+        " at once, nothing encoded, framed or credited; x/pipeline: the reading service over its stream's "
+        "pipeline-limit at its W (paired, per round), 'raw' where the raw stream is lower; not a bound "
+        "(batched sends and shared memory can pass it)",
         "x/ceiling: the reading service over the lowest of its raw stream, graph-limit at its W and loader-limit "
         "(paired, per round), and which of them is the lowest (raw, graph, loader): the most any DataLoader2 "
         "reading service could deliver here",
