@@ -28,6 +28,8 @@ _Tensor = torch.Tensor
 _bare_tensor_streams: Dict[bytes, Optional[Tuple[torch.dtype, Tuple[int, ...]]]] = {}
 #: Streams of bare tensors unpickled once (a stream is learnt the second time: not one of ever new shapes).
 _seen_once: Set[bytes] = set()
+#: What a look-up of a stream not in ``_bare_tensor_streams`` gives (None is a stream known not to be one).
+_UNKNOWN = ()
 
 
 def loads_payloads(payloads: Sequence[Buffer], buffers: Optional[Sequence[List[Buffer]]] = None) -> List[Any]:
@@ -47,12 +49,12 @@ def loads_payloads(payloads: Sequence[Buffer], buffers: Optional[Sequence[List[B
                 append(loads(payload, buffers=item_buffers))
                 continue
             stream = bytes(payload)
-            kind = streams.get(stream)
-            if kind is not None:
+            kind = streams.get(stream, _UNKNOWN)
+            if kind:
                 append(rebuild_tensor(item_buffers[0], *kind))
                 continue
             item = loads(stream, buffers=item_buffers)
-            if type(item) is _Tensor and stream not in streams:
+            if kind is _UNKNOWN and type(item) is _Tensor:
                 _learn(stream, item)
             append(item)
         return items
