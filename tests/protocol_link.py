@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
-from typing import List
+from typing import Any, Callable, List, Optional
 
 from rpc_reading_service.protocol import (
     EncodedItem,
     Frame,
     FrameReader,
+    MessageKind,
     Ready,
     Setup,
     StartEpoch,
     TrainerSession,
     WorkerProtocol,
+    encode_data,
+    encode_frame,
 )
 
 WORKER = "worker 0 (127.0.0.1:29600)"
@@ -44,6 +47,14 @@ def frames_of(chunks) -> List[Frame]:
         frames.append(frame)
     assert not reader.mid_frame
     return frames
+
+
+def data_frame(items: List[EncodedItem], allocate: Optional[Callable[[int], Any]] = None) -> Frame:
+    """A DATA frame of ``items`` sent as bytes and read back (into ``allocate``'s memory, if given)."""
+    body, buffers = encode_data(1, 0, items)
+    reader = FrameReader() if allocate is None else FrameReader(allocate=allocate)
+    reader.feed(b"".join(bytes(chunk) for chunk in encode_frame(MessageKind.DATA, body, buffers)))
+    return reader.next_frame()
 
 
 class Link:

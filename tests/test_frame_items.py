@@ -13,15 +13,10 @@ from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 from _server_helpers import python_calls
+from protocol_link import data_frame
 from rpc_reading_service import RPCReadingService
 from rpc_reading_service.frame_items import loads_payloads
-from rpc_reading_service.protocol import (
-    FrameReader,
-    MessageKind,
-    decode_data_parts,
-    encode_data,
-    encode_frame,
-)
+from rpc_reading_service.protocol import decode_data_parts
 from rpc_reading_service.serialization import OUT_OF_BAND_MIN_BYTES, ItemEncoder
 
 ELEMENTS = OUT_OF_BAND_MIN_BYTES // 4  # 64 KiB of float32: out of band
@@ -29,10 +24,7 @@ ELEMENTS = OUT_OF_BAND_MIN_BYTES // 4  # 64 KiB of float32: out of band
 
 def received(items: List[Any], encoder: ItemEncoder) -> Any:
     """``(payloads, buffers)`` of one DATA frame of ``items``, encoded and sent as bytes."""
-    body, buffers = encode_data(1, 0, [encoder.encode(item) for item in items])
-    reader = FrameReader()
-    reader.feed(b"".join(bytes(chunk) for chunk in encode_frame(MessageKind.DATA, body, buffers)))
-    return decode_data_parts(reader.next_frame())[2:]
+    return decode_data_parts(data_frame([encoder.encode(item) for item in items]))[2:]
 
 
 def address(buffer: Any) -> int:

@@ -16,16 +16,10 @@ import numpy as np
 import pytest
 import torch
 from _server_helpers import python_calls
+from protocol_link import data_frame
 
 from rpc_reading_service.errors import ItemPicklingError, RemoteWorkerError
-from rpc_reading_service.protocol import (
-    EncodedItem,
-    FrameReader,
-    MessageKind,
-    decode_data,
-    encode_data,
-    encode_frame,
-)
+from rpc_reading_service.protocol import EncodedItem, decode_data
 from rpc_reading_service.serialization import (
     EXCEPTION_FIELD_TYPES,
     OUT_OF_BAND_MIN_BYTES,
@@ -49,10 +43,7 @@ from rpc_reading_service.tensor_streams import TensorStreams
 
 def over_the_wire(item: EncodedItem) -> EncodedItem:
     """Send one item through a real DATA frame as bytes, as the transport would."""
-    body, buffers = encode_data(1, 0, [item])
-    reader = FrameReader()
-    reader.feed(b"".join(bytes(c) for c in encode_frame(MessageKind.DATA, body, buffers)))
-    _, _, items = decode_data(reader.next_frame())
+    _, _, items = decode_data(data_frame([item]))
     return items[0]
 
 
@@ -168,10 +159,7 @@ def test_large_tensor_goes_out_of_band_and_is_rebuilt_on_received_memory():
 
 def _received(tensor, allocate):
     """``tensor`` sent through a DATA frame whose buffers a reader received into ``allocate``'s memory."""
-    body, buffers = encode_data(1, 0, [dumps_item(tensor)])
-    reader = FrameReader(allocate=allocate)
-    reader.feed(b"".join(bytes(c) for c in encode_frame(MessageKind.DATA, body, buffers)))
-    _, _, items = decode_data(reader.next_frame())
+    _, _, items = decode_data(data_frame([dumps_item(tensor)], allocate))
     return loads_item(items[0])
 
 
