@@ -177,6 +177,16 @@ def connect(address: str) -> socket.socket:
     raise ValueError(f"unknown address {address!r}")
 
 
+def receive_into(sock: socket.socket, view: memoryview, sender: str) -> None:
+    """Fill ``view`` from ``sock``; ConnectionError naming ``sender`` if it closes first."""
+    received, nbytes = 0, view.nbytes
+    while received < nbytes:
+        count = sock.recv_into(view[received:])
+        if not count:
+            raise ConnectionError(f"{sender} closed early")
+        received += count
+
+
 def raw_sender(address: str, nbytes: int, count: int) -> None:
     """Connect to ``address`` and ``sendall`` ``count`` items of ``nbytes`` bytes, each a fresh
     array made by :func:`make_array` (the production cost of every contender's items; the

@@ -33,8 +33,8 @@ from benchsuite.contenders.ours import (
 CONTENDERS: dict[str, type[Contender]] = {
     c.name: c for c in (InProcess, ProductionLimit, ProductionLimitMadeInSharedMemory, CopyLimit, MPRS, TorchDataLoader,
                         RPCRSLocal, RPCRSLocalMadeInSharedMemory, RPCRSTcp, RPCRSTwoServers, RPCRSTorchRPC,
-                        RPCDataloaderContender, RawSocket, RawUnixSocket, GraphLimit, LoaderLimit, PipelineLimit,
-                        PipelineLimitUnix)
+                        RPCDataloaderContender, RawSocket, RawUnixSocket, GraphLimit, LoaderLimit,
+                        PipelineLimit, PipelineLimitUnix)
 }
 ONE_STREAM = tuple(name for name, c in CONTENDERS.items() if c.one_stream)  # no worker count
 ONE_ROUND = tuple(name for name, c in CONTENDERS.items() if c.one_round)

@@ -13,7 +13,7 @@ import tempfile
 import time
 from typing import Iterator
 
-from workloads import build_datapipe, made_in_shared_memory, produce_graph_share, produce_share
+from workloads import build_datapipe, made_in_shared_memory, produce_graph_share, produce_share, receive_into
 
 from benchsuite.contenders.base import Contender
 from benchsuite.measure import CLOCK_START, MadeElsewhere
@@ -181,7 +181,6 @@ class RawSocket(Contender):
             try:
                 conn = accept_from(listener, [sender])
                 with conn:
-                    conn.settimeout(SERVER_START_TIMEOUT_S)
                     yield self._receive(conn, nbytes, count)
             finally:
                 stop_processes([sender])
@@ -191,12 +190,7 @@ class RawSocket(Contender):
         buffer = bytearray(nbytes)
         view = memoryview(buffer)
         for _ in range(count):
-            received = 0
-            while received < nbytes:
-                n = conn.recv_into(view[received:])
-                if not n:
-                    raise ConnectionError("raw sender closed early")
-                received += n
+            receive_into(conn, view, "raw sender")
             yield buffer
 
 
@@ -270,12 +264,8 @@ def accept_from(listener: socket.socket, senders: list,
 
 def sender_rank(conn: socket.socket) -> int:
     """The rank a pipeline sender says first (4 bytes, little-endian)."""
-    said = b""
-    while len(said) < 4:
-        chunk = conn.recv(4 - len(said))
-        if not chunk:
-            raise ConnectionError("pipeline sender closed before its rank")
-        said += chunk
+    said = bytearray(4)
+    receive_into(conn, memoryview(said), "pipeline sender (before its rank)")
     return int.from_bytes(said, "little")
 
 

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 from torch.utils.data import IterDataPipe
-from workloads import ITEMS_IN_FLIGHT, make_array
+from workloads import ITEMS_IN_FLIGHT, make_array, receive_into
 
 
 class ReceivedItems(IterDataPipe):
@@ -54,13 +54,8 @@ class StreamedItems(IterDataPipe):
         views = [memoryview(buffer) for buffer in buffers]
         try:
             for index in range(self.workload.n_items):
-                stream, view = streams[index % len(streams)], views[index % slots]
-                received = 0
-                while received < nbytes:
-                    count = stream.recv_into(view[received:])
-                    if not count:
-                        raise ConnectionError(f"pipeline sender {index % len(streams)} closed early")
-                    received += count
+                rank = index % len(streams)
+                receive_into(streams[rank], views[index % slots], f"pipeline sender {rank}")
                 yield torch.frombuffer(buffers[index % slots], dtype=torch.uint8)
         finally:
             for stream in streams:

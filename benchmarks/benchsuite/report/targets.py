@@ -180,12 +180,16 @@ def under_ceiling_at_every_size(contender: str, workers: int, reference: str, sm
     return measured
 
 
+def size_range(smallest: int = 0, below: Optional[int] = None) -> str:
+    """The sizes a sweep row covers, in words: from ``smallest`` up, below ``below``, or every size."""
+    return f"from {fmt_size(smallest)} up" if smallest else f"below {fmt_size(below)}" if below else "at every size"
+
+
 def sweep_target(contender: str, workers: int, threshold: float, reference: str, smallest: int = 0,
                  below: Optional[int] = None) -> Target:
     """``contender`` at ``workers`` >= ``threshold`` x ``reference`` at every sweep size in range."""
     one_stream = reference in ONE_STREAM
-    where = (f"from {fmt_size(smallest)} up" if smallest else f"below {fmt_size(below)}" if below
-             else "at every size")
+    where = size_range(smallest, below)
     goal = (f"sweep: {contender} W={workers} >= {threshold}x {reference}{'' if one_stream else ' W=2'} "
             f"{'at every size ' if smallest or below else ''}{where} (the worst size)").replace("  ", " ")
     return Target(goal, threshold, at_every_size(contender, workers, reference, threshold, smallest, below))
@@ -195,7 +199,7 @@ def sweep_ceiling(contender: str, workers: int, reference: str, smallest: int = 
                   below: Optional[int] = None) -> Target:
     """The info row beside a sweep target against ``reference``: ``contender`` over its ceiling at
     every size in range (:func:`under_ceiling_at_every_size`)."""
-    where = f"from {fmt_size(smallest)} up" if smallest else f"below {fmt_size(below)}" if below else "at every size"
+    where = size_range(smallest, below)
     goal = (f"sweep: {contender} W={workers} / ceiling {where}: the lowest of {reference}, "
             f"graph-limit W={workers}, loader-limit (the worst size)")
     return Target(goal, None, under_ceiling_at_every_size(contender, workers, reference, smallest, below))
@@ -206,8 +210,7 @@ def sweep_pipeline(contender: str, workers: int, reference: str, smallest: int =
     """The info row beside a sweep target against ``reference``: ``contender`` over the pipeline limit
     of that stream's kind at the same W, and that limit over ``reference``, at every size in range."""
     pipeline = PIPELINE_LIMITS[reference]
-    where = (f"from {fmt_size(smallest)} up" if smallest else f"below {fmt_size(below)}" if below
-             else "at every size")
+    where = size_range(smallest, below)
     goal = f"sweep: {contender} W={workers} / {pipeline} W={workers} {where} (the worst size)"
     return Target(goal, None, under_ceiling_at_every_size(contender, workers, reference, smallest, below,
                                                           limits=(pipeline,)))
