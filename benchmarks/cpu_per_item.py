@@ -375,7 +375,8 @@ def measure(contender, item_bytes: int, workers: int, items: int, warmup: int, a
 def main(argv=None) -> int:
     """Parse the arguments, measure each size, print one row per size."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--contender", choices=["RPCRS-local", "RPCRS-tcp", "raw-socket", "raw-unix"],
+    parser.add_argument("--contender", choices=["RPCRS-local", "RPCRS-tcp", "raw-socket", "raw-unix", "pipeline-limit",
+                                                    "pipeline-limit-unix"],
                         default="RPCRS-local")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--kind", choices=["tensor", "labelled-tensor"], default="tensor",

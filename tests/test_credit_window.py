@@ -122,3 +122,5 @@ def test_local_workers_get_the_window_of_their_prefetch_and_items(prefetch, size
             assert sorted(index for index, _payload in dl) == list(range(n))
         windows = [channel.protocol.window for channel in dl.reading_service._engine.channels]
     assert all(window_mib << 20 <= window <= (window_mib << 20) * 1.02 for window in windows), windows
+    # the bound the benchmark and the memory tests hold the trainer to: these windows, the frames' headers aside
+    assert ReadingServiceConfig(prefetch=prefetch).in_flight_bytes(2, size) == 2 * (window_mib << 20)

@@ -20,11 +20,9 @@ import pytest
 import torch
 
 from _server_helpers import remote
-from rpc_reading_service.protocol import SessionOptions, window_bytes
 from rpc_reading_service.trainer.config import ReadingServiceConfig
 
 MIB = 1 << 20
-FRAME_BOUND = SessionOptions().batch_max_bytes
 ITEMS = {MIB: 48, 8 * MIB: 24}
 WARM_UP_ITEMS = 8  # as the benchmark's memory scenario
 CONSUMER_SLEEP_S = 0.03  # slower than the workers: the window fills
@@ -110,8 +108,7 @@ def _growth_mib(make_service, workers, size):
     baseline = _resident_kib()
     with _Peak() as peak:
         assert _drain(make_service(), size, ITEMS[size]) == ITEMS[size]
-    frames, grow_to = ReadingServiceConfig().frames_in_flight(workers)
-    window_mib = workers * window_bytes(frames, FRAME_BOUND, size, grow_to, size) / MIB
+    window_mib = ReadingServiceConfig().in_flight_bytes(workers, size) / MIB
     return (peak.peak - baseline) / 1024, 1.25 * window_mib + 4
 
 

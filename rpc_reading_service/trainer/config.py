@@ -23,6 +23,7 @@ from ..addresses import parse_address
 from ..cache.config import parse_size
 from ..discovery import check_discovery_options
 from ..policies import available_distributions, create_distribution
+from ..protocol import SessionOptions, window_bytes
 from ..errors import ConfigurationError
 from ..keys import weak_key_advice
 from ..settings import check_settings
@@ -463,6 +464,18 @@ class ReadingServiceConfig:
             return self.prefetch, 0
         shared = AUTO_PREFETCH_TRAINER_FRAMES // max(1, workers)
         return AUTO_PREFETCH_FRAMES, max(AUTO_PREFETCH_FRAMES, min(AUTO_PREFETCH_GROW_TO, shared))
+
+    def in_flight_bytes(self, workers: int, item_bytes: int) -> int:
+        """The bytes ``workers`` sessions may have in flight to the trainer once items of
+        ``item_bytes`` each were handed on (their credit windows): what bounds its memory.
+
+        Args:
+            workers: The sessions the trainer reads from.
+            item_bytes: The size of every item (a frame holds at least one).
+        """
+        frames, grow_to = self.frames_in_flight(workers)
+        bound = SessionOptions().batch_max_bytes
+        return workers * window_bytes(frames, bound, item_bytes, grow_to, item_bytes)
 
     @classmethod
     def create(

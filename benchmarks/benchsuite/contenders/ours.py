@@ -19,14 +19,11 @@ class RPCRSContender(DataLoader2Contender):
     def credit_window_bytes(self, workload, num_workers: int) -> Optional[int]:
         """``num_workers`` credit windows of frames of one item each, as the package sizes them at
         its default ``prefetch``: what the trainer may hold in flight by design."""
-        from rpc_reading_service.protocol import SessionOptions, window_bytes
         from rpc_reading_service.trainer.config import ReadingServiceConfig
 
         if not workload.item_bytes:
             return None
-        frames, grow_to = ReadingServiceConfig().frames_in_flight(num_workers)
-        item = workload.item_bytes
-        return num_workers * window_bytes(frames, SessionOptions().batch_max_bytes, item, grow_to, item)
+        return ReadingServiceConfig().in_flight_bytes(num_workers, workload.item_bytes)
 
 
 class RPCRSLocal(RPCRSContender):
