@@ -266,10 +266,10 @@ def test_a_credit_due_while_another_send_holds_the_connection_is_sent_once_it_is
     assert third == [2] and list(items) == list(range(3, 12))  # the loop's retry sent it
 
 
-def test_a_buffer_of_half_a_frame_or_more_is_sent_from_the_graphs_memory_and_arrives_intact(pair):
-    # From half the frame bound (512 KiB) a socket session lends its send the graph's own tensor
-    # (no copy; written before the graph makes its next item); smaller ones are copied and batched.
-    sizes = [256 << 10, 512 << 10, (768 << 10) + 3, 1 << 20, 256 << 10, 512 << 10]
+def test_a_buffer_that_fills_a_frame_is_sent_from_the_graphs_memory_and_arrives_intact(pair):
+    # From the frame bound (1 MiB) a socket session lends its send the graph's own tensor (no
+    # copy; written before the graph makes its next item); smaller ones are copied and batched.
+    sizes = [256 << 10, 512 << 10, (768 << 10) + 3, 1 << 20, 256 << 10, (1 << 20) + 5, 512 << 10]
     MADE.clear()
     graph = IterableWrapper(list(enumerate(sizes))).sharding_filter().map(fresh_tensor)
     link = pair(over_sockets=True, worker_conn=LendingConnection).setup(graph)
@@ -278,7 +278,7 @@ def test_a_buffer_of_half_a_frame_or_more_is_sent_from_the_graphs_memory_and_arr
     assert all(torch.equal(tensor, torch.full_like(tensor, index)) for index, tensor in items)
     lent = [index for index, tensor in MADE if tensor.data_ptr() in link.worker_conn.sent_from]
     MADE.clear()
-    assert lent == [index for index, nbytes in enumerate(sizes) if nbytes >= 512 << 10]
+    assert lent == [index for index, nbytes in enumerate(sizes) if nbytes >= 1 << 20]
 
 
 class BoundRecordingConnection(SocketConnection):

@@ -42,12 +42,12 @@ FinalFrame = Union[Message, List[Buffer]]
 
 def borrow_min_bytes(batch_max_bytes: int) -> int:
     """The smallest buffer a producer lends its send uncopied, where the send is synchronous:
-    half a frame (such an item is sealed alone, and would share its frame with one other at most).
+    one that fills a frame by itself (a smaller one, copied, shares its frame with another).
 
     Args:
         batch_max_bytes: The session's byte bound of a DATA frame.
     """
-    return batch_max_bytes // 2
+    return batch_max_bytes
 
 
 class Outbox:
