@@ -38,7 +38,6 @@ from rpc_reading_service.protocol import (
     StopEpoch,
     data_cost,
     data_nbytes,
-    decode_data,
     decode_data_parts,
     encode_frame,
 )
