@@ -22,7 +22,7 @@ from ..protocol import (
 )
 from .inbox import Cancelled
 
-__all__ = ["Outbox", "FinalFrame", "borrow_min_bytes"]
+__all__ = ["Outbox", "FinalFrame"]
 
 #: Most frames the sender takes for one send (CHUNK_DONEs ride with the DATA behind them).
 _FRAMES_PER_SEND = 16
@@ -38,16 +38,6 @@ _nbytes = operator.attrgetter("nbytes")
 
 #: A frame that ends an epoch: a message (encoded when it leaves) or chunks already encoded.
 FinalFrame = Union[Message, List[Buffer]]
-
-
-def borrow_min_bytes(batch_max_bytes: int) -> int:
-    """The smallest buffer a producer lends its send uncopied, where the send is synchronous:
-    one that fills a frame by itself (a smaller one, copied, shares its frame with another).
-
-    Args:
-        batch_max_bytes: The session's byte bound of a DATA frame.
-    """
-    return batch_max_bytes
 
 
 class Outbox:

@@ -48,7 +48,7 @@ from ..tasks import TaskGroup
 from ..transports.base import Connection, PeerLostError
 from .inbox import Cancelled, DispatchedInput, Inbox
 from .lock_watch import LockWatch
-from .outbox import Outbox, borrow_min_bytes
+from .outbox import Outbox
 
 __all__ = ["SessionOptions", "Outbox", "Inbox", "DispatchedInput", "WorkerSession"]
 
@@ -422,9 +422,9 @@ class WorkerSession:
         """The session's encoder (its pickler and reused copies warm from one epoch to the next;
         one producer encodes at a time: each joins the earlier ones first)."""
         if self._encoder is None:
-            # Large buffers go out uncopied from the producer's memory where the send is
-            # synchronous (the outbox then writes each one before the next item is made).
-            borrow = borrow_min_bytes(self.options.batch_max_bytes) if self.conn.sends_synchronously else None
+            # A buffer that fills a frame by itself goes out uncopied from the producer's memory
+            # where the send is synchronous (the outbox writes it before the next item is made).
+            borrow = self.options.batch_max_bytes if self.conn.sends_synchronously else None
             stages = type(self.conn).stage_buffer is not Connection.stage_buffer  # else no call per buffer
             self._encoder = ItemEncoder(self.conn.stage_buffer if stages else None, borrow, self.conn.stage_min_bytes)
         return self._encoder
