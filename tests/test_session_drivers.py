@@ -280,6 +280,30 @@ def test_a_buffer_that_fills_a_frame_is_sent_from_the_graphs_memory_and_arrives_
     assert lent == [index for index, nbytes in enumerate(sizes) if nbytes >= 1 << 20]
 
 
+#: The one tensor per size that :func:`written_in_place` writes again for every item.
+WRITTEN_IN_PLACE: dict = {}
+
+
+def written_in_place(spec):
+    """The graph's one tensor of ``nbytes``, written with ``index`` for each item (a decoder that reuses its output)."""
+    index, nbytes = spec
+    tensor = WRITTEN_IN_PLACE.setdefault(nbytes, torch.empty((nbytes,), dtype=torch.uint8))
+    tensor.fill_(index)
+    return index, tensor
+
+
+@pytest.mark.timeout(60)
+def test_a_graph_that_writes_one_tensor_again_for_every_item_sends_each_as_it_was_yielded(pair):
+    # Copied (below the frame bound, two to a frame) or lent (written before the next item is made):
+    # either way no item carries a later one's bytes.
+    sizes = [size for size in (512 << 10, (768 << 10) + 3, 1 << 20, 2 << 20) for _ in range(3)]  # each three times in a row
+    graph = IterableWrapper(list(enumerate(sizes))).sharding_filter().map(written_in_place)
+    items = pair(over_sockets=True).setup(graph).epoch(1, credits=1)
+    WRITTEN_IN_PLACE.clear()
+    assert [(index, tensor.numel()) for index, tensor in items] == list(enumerate(sizes))
+    assert all(torch.equal(tensor, torch.full_like(tensor, index)) for index, tensor in items)
+
+
 class BoundRecordingConnection(SocketConnection):
     """A socket connection that records every bound of its reuse pools."""
 
