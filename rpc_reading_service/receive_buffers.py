@@ -53,7 +53,7 @@ class ReusedBuffers:
 
         Args:
             frames: Frames in flight at once, plus one.
-            frame_bytes: Bytes a frame holds (``batch_max_bytes``).
+            frame_bytes: Bytes a frame holds (``frame_max_bytes``, or the largest frame).
         """
         self._frames, self._frame_bytes = frames, frame_bytes
 

@@ -123,4 +123,4 @@ def test_local_workers_get_the_window_of_their_prefetch_and_items(prefetch, size
         windows = [channel.protocol.window for channel in dl.reading_service._engine.channels]
     assert all(window_mib << 20 <= window <= (window_mib << 20) * 1.02 for window in windows), windows
     # the bound the benchmark and the memory tests hold the trainer to: these windows, the frames' headers aside
-    assert ReadingServiceConfig(prefetch=prefetch).in_flight_bytes(2, size) == 2 * (window_mib << 20)
+    assert ReadingServiceConfig(prefetch=prefetch).in_flight_bytes(2, size, in_band=True) == 2 * (window_mib << 20)

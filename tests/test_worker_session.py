@@ -99,6 +99,24 @@ def test_items_are_packed_into_frames_and_numbered():
     assert outbox.take(0.05) is None
 
 
+@pytest.mark.parametrize("out_of_band", [False, True])
+def test_a_frame_holds_the_in_band_bound_of_pickled_bytes_and_the_frame_bound_of_buffers(out_of_band):
+    # Pickled bytes are fresh memory per item at both ends; buffers sent out of band are copied
+    # into, and received into, reused memory: a frame takes twice as many bytes of them.
+    options = SessionOptions(batch_max_items=100, batch_max_bytes=1000, frame_max_bytes=2000, linger=10.0)
+    written = []
+    outbox = DrivenOutbox(options, send=written.append)
+    outbox.start_epoch(1, credits=10_000)
+    for i in range(8):
+        digits = str(i).encode()
+        if out_of_band:  # one byte pickled, 249 in a buffer: 250 bytes in all
+            outbox.put(1, EncodedItem(digits, [bytes(250 - len(digits))], nbytes=250))
+        else:
+            outbox.put(1, EncodedItem(digits + b" " * (250 - len(digits))))
+    sealed = [data_items(f)[2] for frames in written for f in frames]
+    assert sealed == ([list(range(8))] if out_of_band else [[0, 1, 2, 3], [4, 5, 6, 7]])
+
+
 def test_partial_batch_leaves_after_linger():
     outbox = DrivenOutbox(SessionOptions(batch_max_items=100, linger=0.05))
     outbox.start_epoch(1, credits=1)

@@ -171,9 +171,12 @@ class SessionOptions:
     defaults until then). They travel as a dict keyed by field name; a newer trainer's
     unknown keys are ignored."""
 
-    #: A DATA frame is sealed at this many items or bytes, or after ``linger`` seconds.
+    #: A DATA frame is sealed at ``batch_max_items`` items, ``batch_max_bytes`` bytes pickled in band,
+    #: ``frame_max_bytes`` bytes in all (out-of-band buffers and shared segments too), or after
+    #: ``linger`` seconds. ``batch_max_bytes`` is also the credit window's unit (``prefetch``).
     batch_max_items: int = 1024
     batch_max_bytes: int = 1024 * 1024
+    frame_max_bytes: int = 2 * 1024 * 1024
     linger: float = 0.002
     #: Liveness: a heartbeat after this much silence; the peer is lost after ``peer_timeout``.
     heartbeat_interval: float = 1.0

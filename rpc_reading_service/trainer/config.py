@@ -24,6 +24,7 @@ from ..cache.config import parse_size
 from ..discovery import check_discovery_options
 from ..policies import available_distributions, create_distribution
 from ..protocol import SessionOptions, window_bytes
+from ..serialization import OUT_OF_BAND_MIN_BYTES
 from ..errors import ConfigurationError
 from ..keys import weak_key_advice
 from ..settings import check_settings
@@ -465,17 +466,22 @@ class ReadingServiceConfig:
         shared = AUTO_PREFETCH_TRAINER_FRAMES // max(1, workers)
         return AUTO_PREFETCH_FRAMES, max(AUTO_PREFETCH_FRAMES, min(AUTO_PREFETCH_GROW_TO, shared))
 
-    def in_flight_bytes(self, workers: int, item_bytes: int) -> int:
+    def in_flight_bytes(self, workers: int, item_bytes: int, in_band: Optional[bool] = None) -> int:
         """The bytes ``workers`` sessions may have in flight to the trainer once items of
         ``item_bytes`` each were handed on (their credit windows): what bounds its memory.
 
         Args:
             workers: The sessions the trainer reads from.
             item_bytes: The size of every item (a frame holds at least one).
+            in_band: Whether the items are pickled in band (None: as a tensor of that size is).
         """
         frames, grow_to = self.frames_in_flight(workers)
-        bound = SessionOptions().batch_max_bytes
-        return workers * window_bytes(frames, bound, item_bytes, grow_to, item_bytes)
+        options = SessionOptions()
+        if in_band is None:
+            in_band = item_bytes < OUT_OF_BAND_MIN_BYTES
+        bound = options.batch_max_bytes if in_band else options.frame_max_bytes
+        items = min(options.batch_max_items, -(-bound // max(1, item_bytes)))  # a frame is sealed at its bound
+        return workers * window_bytes(frames, options.batch_max_bytes, items * item_bytes, grow_to, item_bytes)
 
     @classmethod
     def create(

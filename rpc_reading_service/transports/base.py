@@ -87,7 +87,7 @@ class Connection(abc.ABC):
 
         Args:
             frames: Frames in flight at once, plus one.
-            frame_bytes: Bytes a frame holds (``batch_max_bytes``).
+            frame_bytes: Bytes a frame holds (``frame_max_bytes``, or the largest frame).
         """
 
     #: Whether the last :meth:`recv_ready` left frames (or bytes) in this end that the next

@@ -85,10 +85,11 @@ class Outbox:
         #: Frames a credit let go, taken by :meth:`grant` for its caller to write.
         self._taken: List[List[Buffer]] = []
         self.epoch: Optional[int] = None
+        #: The open batch, its bytes in all and pickled in band (both bound a frame), when it opened;
+        #: and whether a slow item opened it and waits for credit (sealed without lingering once credit comes).
         self._open: List[EncodedItem] = []
-        self._open_bytes = 0
+        self._open_bytes = self._open_in_band = 0
         self._open_since = 0.0
-        #: A slow item opened the batch and waits for credit: sealed without lingering once credit comes.
         self._open_slow = False
         #: When the producer put the epoch's latest item (None before its first).
         self._last_put: Optional[float] = None
@@ -112,7 +113,7 @@ class Outbox:
         """Drop whatever belongs to an older epoch and start ``epoch`` (its START_EPOCH just recorded)."""
         with self._lock:
             self.epoch = epoch
-            self._open, self._open_bytes, self._open_slow = [], 0, False
+            self._new_batch()
             self._sealed.clear()
             self._input_credits, self._input_open = 0, True
             self._final = None
@@ -126,7 +127,7 @@ class Outbox:
             if epoch is None or epoch == self.epoch:
                 self.epoch = None
                 self._sealed.clear()
-                self._open, self._open_bytes, self._open_slow = [], 0, False
+                self._new_batch()
                 self._final = None
                 self._wake_all()
 
@@ -192,9 +193,11 @@ class Outbox:
                 self._open_since = now
             batch.append(item)
             self._open_bytes += item.nbytes
+            self._open_in_band += len(item.payload)
             # Full at its bounds, or open for ``linger``: the producer seals and writes it itself.
             full = (
-                len(batch) >= options.batch_max_items or self._open_bytes >= options.batch_max_bytes
+                len(batch) >= options.batch_max_items or self._open_bytes >= options.frame_max_bytes
+                or self._open_in_band >= options.batch_max_bytes
                 or (not opened and now - self._open_since >= options.linger)
             )  # fmt: skip
             itself = item.borrowed or full
@@ -280,7 +283,7 @@ class Outbox:
         if not self.sending.acquire(blocking=False):
             return None
         self._sealed.append(self._open)
-        self._open, self._open_bytes, self._open_slow = [], 0, False
+        self._new_batch()
         return self._ready_frames([], _FRAMES_PER_SEND, final=False)
 
     def _write_inline(self, frames: List[List[Buffer]]) -> None:
@@ -360,11 +363,14 @@ class Outbox:
                 return True
         return False
 
+    def _new_batch(self) -> None:
+        self._open, self._open_bytes, self._open_in_band, self._open_slow = [], 0, 0, False
+
     def _seal(self, wake: bool = True) -> None:
         """Close the open batch; ``wake``: notify the sender (not when the caller takes it at once),
         if credit is left (else the thread that grants it takes the batch, see :meth:`grant`)."""
         self._sealed.append(self._open)
-        self._open, self._open_bytes, self._open_slow = [], 0, False
+        self._open, self._open_bytes, self._open_in_band, self._open_slow = [], 0, 0, False  # _new_batch(), inline
         if wake and self._protocol.credits > 0:
             self._cond.notify_all()
 

@@ -286,8 +286,10 @@ class WorkerSession:
         of an item of an earlier epoch that got stuck."""
         self.outbox.start_epoch(request.epoch)
         # The segments lent (the window), the frames filled past it and the item being made.
-        frames = request.frames or window_frames(request.credits, self.options.batch_max_bytes)
-        self.conn.bound_buffers(frames + FRAMES_PAST_WINDOW + 1, self.options.batch_max_bytes)
+        options = self.options
+        frames = request.frames or window_frames(request.credits, options.batch_max_bytes)
+        held = window_frames(frames * options.batch_max_bytes, options.frame_max_bytes)
+        self.conn.bound_buffers(held + FRAMES_PAST_WINDOW + 1, options.frame_max_bytes)
         self._cancel_input()
         if request.dispatched:
             self._inbox = Inbox(request.epoch, lambda epoch: self.outbox.grant_input(epoch, 1), self._waiting_for_trainer)
@@ -422,8 +424,9 @@ class WorkerSession:
         """The session's encoder (its pickler and reused copies warm from one epoch to the next;
         one producer encodes at a time: each joins the earlier ones first)."""
         if self._encoder is None:
-            # A buffer that fills a frame by itself goes out uncopied from the producer's memory
-            # where the send is synchronous (the outbox writes it before the next item is made).
+            # A buffer of a credit unit or more goes out uncopied from the producer's memory where
+            # the send is synchronous (the outbox writes it, in a frame of its own, before the next
+            # item is made); smaller ones are copied and share frames (docs/architecture.md).
             borrow = self.options.batch_max_bytes if self.conn.sends_synchronously else None
             stages = type(self.conn).stage_buffer is not Connection.stage_buffer  # else no call per buffer
             self._encoder = ItemEncoder(self.conn.stage_buffer if stages else None, borrow, self.conn.stage_min_bytes)

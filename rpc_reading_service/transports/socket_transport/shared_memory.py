@@ -209,7 +209,7 @@ class SegmentPool:
 
         Args:
             frames: Frames in flight at once, plus one.
-            frame_bytes: Bytes a frame holds (``batch_max_bytes``).
+            frame_bytes: Bytes a frame holds (``frame_max_bytes``, or the largest frame).
         """
         with self._lock:
             self._frames, self._frame_bytes = frames, frame_bytes
@@ -524,7 +524,7 @@ class SegmentMap:
 
         Args:
             frames: Frames in flight at once, plus one.
-            frame_bytes: Bytes a frame holds (``batch_max_bytes``).
+            frame_bytes: Bytes a frame holds (``frame_max_bytes``, or the largest frame).
         """
         self._frames, self._frame_bytes = frames, frame_bytes
 
