@@ -1,7 +1,8 @@
 """The byte credit window against a real worker process: a session's window is the epoch's
 credits in frames of the session's own frame bound (``batch_max_bytes``), also for an epoch
 started while the session was still being set up (its START_EPOCH waits for READY); and the
-ITEM_CREDIT of dispatched input stays the window in frames after large items grew its bytes."""
+ITEM_CREDIT of dispatched input stays the window in frames after large items grew its bytes; and
+a frame holds 2 MiB of tensors but 1 MiB of pickled bytes."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import queue
 from typing import List, Tuple
 
 import pytest
+import torch
 from torch.utils.data.datapipes.iter.sharding import SHARDING_PRIORITIES
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
@@ -56,6 +58,36 @@ def test_an_epoch_started_while_its_session_sets_up_gets_its_credits_in_frames_o
         assert channel.queue.qsize() == channel.frames_received  # every event a frame: no loss, no refusal
         items = list(iterate_in_order([channel], EpochProgress(1, [0])))
         assert [index for index, _payload in items] == list(range(ITEMS))
+    finally:
+        channel.close(timeout=2.0)
+
+
+def tensor_of_256_kib(index: int):
+    """A tensor of 256 KiB: its storage goes out of band."""
+    return torch.full((256 << 10,), index % 251, dtype=torch.uint8)
+
+
+def bytes_of_256_kib(index: int) -> bytes:
+    """256 KiB pickled in band."""
+    return bytes([index % 251]) * (256 << 10)
+
+
+@pytest.mark.parametrize("make, per_frame", [(tensor_of_256_kib, 8), (bytes_of_256_kib, 4)])
+def test_a_frame_takes_2_mib_of_tensors_and_1_mib_of_pickled_bytes_over_a_socket(worker_server, make, per_frame):
+    channel = WorkerChannel(None, 0, heartbeat_interval=0.2, peer_timeout=10.0, address=worker_server.address)
+    items = 32
+    try:
+        channel.attach(SocketTransport().connect(worker_server.address, worker_server.key.encode(), timeout=10))
+        graph = dumps_graph((IterableWrapper(range(items)).sharding_filter().map(make), None, None))
+        options = {"linger": 10.0, "heartbeat_interval": 0.2}  # sealed by their bounds only (and the last by the shard's end)
+        channel.setup({"graph": graph, "worker_rank": 0, "num_workers": 1, "options": options}, timeout=10)
+        channel.start_receiver(queue.SimpleQueue())
+        channel.start_epoch(1, seed=1, global_worker_id=0, credits=64)
+        received = list(iterate_in_order([channel], EpochProgress(1, [0])))
+        assert [bytes(memoryview(item.numpy() if hasattr(item, "numpy") else item)[:1]) for item in received] == [
+            bytes([index % 251]) for index in range(items)
+        ]
+        assert channel.frames_received == items // per_frame
     finally:
         channel.close(timeout=2.0)
 
