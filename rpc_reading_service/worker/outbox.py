@@ -364,6 +364,7 @@ class Outbox:
         return False
 
     def _new_batch(self) -> None:
+        """Start an empty open batch."""
         self._open, self._open_bytes, self._open_in_band, self._open_slow = [], 0, 0, False
 
     def _seal(self, wake: bool = True) -> None:
