@@ -138,6 +138,19 @@ def test_a_window_that_may_grow_holds_256_items_of_the_costliest_kind_up_to_its_
     assert window_bytes(4, 10000, 80000, 16, 80000) == 320000  # frames larger than the bound: 4 of them
 
 
+def test_the_pools_hold_the_window_in_frames_of_the_bound_or_of_the_costliest_item():
+    # Frames of several items count as their items: the pools multiply by their largest buffer,
+    # and the frames a worker fills past the window are counted at the bound (the memory bound).
+    window = CreditWindow(frame_bytes=10000)
+    window.start(4, grow_to=16)
+    window.handed_on(20000 - DATA_FRAME_OVERHEAD, items=4)  # a frame twice the bound of four items of half the bound
+    assert window.window == 160000 and window.frames_held() == 16  # not 8: frames of the bound
+    large = CreditWindow(frame_bytes=10000)
+    large.start(4, grow_to=16)
+    large.handed_on(80000 - DATA_FRAME_OVERHEAD, items=1)  # one item of eight times the bound
+    assert large.window == 320000 and large.frames_held() == 4  # four of its size
+
+
 def test_an_epoch_started_before_the_sessions_frame_bound_is_known_gets_its_frames_of_that_bound():
     window = CreditWindow()  # a channel still connecting: SETUP has not said the bound yet
     assert window.start(3) == 0 and window.bound is None

@@ -75,9 +75,10 @@ class CreditWindow:
         return self.window
 
     def frames_held(self) -> int:
-        """The window in frames of the costliest frame so far (at least one): what the receive
-        buffers' pool is bounded by."""
-        return window_frames(self.window, self.frame_bytes)
+        """The window in frames of the bound, or of the costliest item so far if larger (at least
+        one): what the receive buffers' pools are bounded by (each frame of the bound or of their
+        largest buffer: frames of several items count as their items)."""
+        return window_frames(self.window, max(self.bound or 0, self.item_bytes) or self.frame_bytes)
 
     def _window(self) -> int:
         return window_bytes(self.frames, self.bound or 0, self.frame_bytes, self.grow_to, self.item_bytes)
@@ -94,7 +95,7 @@ class CreditWindow:
             items: The items the frame held.
         """
         cost = data_cost(nbytes)
-        item_bytes = cost // items if self.grow_to and items > 0 else 0
+        item_bytes = cost // items if items > 0 else 0
         if cost > self.frame_bytes or item_bytes > self.item_bytes:
             self.frame_bytes, self.item_bytes = max(self.frame_bytes, cost), max(self.item_bytes, item_bytes)
             grown = max(self.window, self._window())

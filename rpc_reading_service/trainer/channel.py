@@ -433,7 +433,7 @@ class WorkerChannel:
         """Bound the connection's reuse pools by the session's credit window as it is now, plus one
         frame (a larger pool hands out colder memory: its buffers are reused in turn)."""
         if self.conn is not None and self._credit.bound is not None:  # else setup() bounds them
-            self.conn.bound_buffers(self._credit.frames_held() + 1, self._credit.frame_bytes)
+            self.conn.bound_buffers(self._credit.frames_held() + 1, self._credit.bound)
 
     def send_input(self, message: Union[Items, EndOfInput]) -> None:
         """Send an ITEMS or END_OF_INPUT frame of the dispatched input (nothing once its epoch is over)."""
