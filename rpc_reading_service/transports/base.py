@@ -87,7 +87,7 @@ class Connection(abc.ABC):
 
         Args:
             frames: Frames in flight at once, plus one.
-            frame_bytes: Bytes a frame holds (``frame_max_bytes``, or the largest frame).
+            frame_bytes: Bytes counted per frame (a trainer: ``batch_max_bytes``; a worker: ``frame_max_bytes``).
         """
 
     #: Whether the last :meth:`recv_ready` left frames (or bytes) in this end that the next

@@ -209,7 +209,7 @@ class SegmentPool:
 
         Args:
             frames: Frames in flight at once, plus one.
-            frame_bytes: Bytes a frame holds (``frame_max_bytes``, or the largest frame).
+            frame_bytes: Bytes counted per frame (a trainer: ``batch_max_bytes``; a worker: ``frame_max_bytes``).
         """
         with self._lock:
             self._frames, self._frame_bytes = frames, frame_bytes
@@ -524,7 +524,7 @@ class SegmentMap:
 
         Args:
             frames: Frames in flight at once, plus one.
-            frame_bytes: Bytes a frame holds (``frame_max_bytes``, or the largest frame).
+            frame_bytes: Bytes counted per frame (a trainer: ``batch_max_bytes``; a worker: ``frame_max_bytes``).
         """
         self._frames, self._frame_bytes = frames, frame_bytes
 
