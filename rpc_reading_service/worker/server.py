@@ -38,6 +38,7 @@ from ..protocol import DEFAULT_MAX_FRAME_BYTES
 from ..protocol.messages import resolve_field_types
 from ..transports import available_transports, create_transport
 from ..transports.base import Connection, Listener
+from .heap import keep_freed_heap
 from .lock_watch import take_stack
 
 from ..quiet_imports import torchdata_banner_muted
@@ -302,6 +303,8 @@ class WorkerServer:
             torch.set_num_threads(1)  # one core per session, as torch's own DataLoader workers do
         except Exception:  # noqa: BLE001
             pass
+        if own_process:
+            keep_freed_heap()  # the process is this session's alone: see docs/architecture.md, "The worker's heap"
         WorkerSession(
             conn,
             self.address,
