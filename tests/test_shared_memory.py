@@ -344,13 +344,35 @@ def test_staging_and_lending_a_buffer_cost_no_python_call_per_segment_of_the_poo
     gc.collect()  # eight free segments, the smallest made last
     item = numpy.full(BIG, 5, dtype=numpy.uint8)
     staged, calls = python_calls(pool.stage, memoryview(item))
-    assert calls == ["_made_in", "allocate", "_fitting", "_segment_bytes", "_hand_out"], calls
+    assert calls == ["_made_in", "_allocate", "_fitting", "_segment_bytes", "_hand_out"], calls
     (shared, inline, new, retired), calls = python_calls(pool.lend, [staged], SHARED_MEMORY_MIN_BYTES)
     assert calls == ["_made_in", "_lend_made", "<lambda>"], calls  # <lambda>: its SharedBuffer's __new__
     assert [b.segment for b in shared] == [8] and not (inline or new or retired) and pool.segments == 8
     del staged
     (received,) = segments.open(SharedFrame(MessageKind.DATA, 1, [], [], shared, b"", []), [], 1 << 30).buffers
     assert bytes(received) == item.tobytes()
+
+
+def test_a_buffer_is_told_apart_from_the_pools_segments_without_a_look_at_each():
+    # With a frame's worth of items staged and not yet sent, the next item's buffer (ordinary
+    # memory) is known to be none of theirs without its address: only segments a graph makes
+    # items in (allocate, behind shared_empty) are compared by address.
+    pool = SegmentPool()
+    staged = [pool.stage(memoryview(numpy.full(BIG, i, dtype=numpy.uint8))) for i in range(40)]
+    item = memoryview(numpy.full(BIG, 7, dtype=numpy.uint8))
+    copy, calls = python_calls(pool.stage, item)
+    assert "_address" not in calls and bytes(copy) == bytes(item), calls
+    (shared, inline, new, retired), calls = python_calls(pool.lend, [staged[3]], SHARED_MEMORY_MIN_BYTES)
+    assert "_address" not in calls and "_lend_made" in calls and len(shared) == 1 and not inline, calls
+    in_segment = pool.allocate(BIG)  # as shared_empty asks for one
+    made = memoryview(in_segment).cast("B")
+    same, calls = python_calls(pool.stage, made[4096:])
+    assert "_address" in calls and same.obj is in_segment, calls  # lent as it is, no copy
+    del in_segment, made, same
+    gc.collect()
+    assert "_address" not in python_calls(pool.stage, item)[1]  # let go: no segment a graph makes items in
+    del staged, copy
+    pool.close()
 
 
 def test_a_local_workers_encoder_calls_its_stage_only_for_buffers_that_may_go_in_segments():

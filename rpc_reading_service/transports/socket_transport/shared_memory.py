@@ -75,8 +75,8 @@ def _map(fd: int, size: int) -> mmap.mmap:
 
 
 class _Segment:
-    __slots__ = ("id", "size", "capacity", "mapping", "state", "data", "address", "fd", "in_hand", "hand", "pinned",
-                 "resident")
+    __slots__ = ("id", "size", "capacity", "mapping", "state", "data", "address", "fd", "in_hand", "hand", "hand_key",
+                 "held_in", "pinned", "resident")
 
     def __init__(self, segment_id: int, size: int, mapping: mmap.mmap):
         self.id = segment_id
@@ -89,13 +89,20 @@ class _Segment:
         self.fd: Optional[int] = None  # a segment made for a producer: its descriptor, until announced
         self.in_hand = False  # memory of it given to a producer lives in this process
         self.hand: Optional[weakref.ref] = None  # that memory, whose end puts the segment down
+        self.hand_key = 0  # the id of that memory (a key of its pool's map of memory in hand)
+        self.held_in: Tuple[dict, ...] = ()  # the pool's maps that hold it while in hand
         self.pinned = False  # page-locked for CUDA (a trainer's pin_memory): see SegmentMap
         self.resident = True  # its pages are mapped in this process (see SegmentMap.bound)
 
     def put_down(self, _memory: weakref.ref) -> None:
-        """The memory given to a producer is gone (a weak reference's callback)."""
+        """The memory given to a producer is gone (a weak reference's callback): out of its pool's maps."""
         self.in_hand = False
         self.hand = None
+        held_in, self.held_in = self.held_in, ()
+        if held_in:
+            by_memory, made_by_producers = held_in
+            by_memory.pop(self.hand_key, None)
+            made_by_producers.pop(self.id, None)
 
 
 #: The pools whose connections let producers make items in their segments (see :func:`allocate`).
@@ -199,6 +206,9 @@ class SegmentPool:
         self._warned = False
         self._closed = False
         self._retired: List[int] = []  # retired between frames (by allocate): told with the next one
+        #: Segments in hand, by the id of the memory given out; those a graph makes items in, by segment id.
+        self._in_hand: Dict[int, _Segment] = {}
+        self._made_by_producers: Dict[int, _Segment] = {}
 
     def bound(self, frames: int, frame_bytes: int) -> None:
         """Keep no free segment past ``frames`` frames' worth of segments (the connection's share
@@ -226,6 +236,9 @@ class SegmentPool:
 
         A new segment is made outside the lock (its pages cost milliseconds): meanwhile the
         connection goes on lending and sending what is ready."""
+        return self._allocate(nbytes, True)
+
+    def _allocate(self, nbytes: int, for_producer: bool) -> Optional[Buffer]:
         if nbytes <= 0:
             return None
         with self._lock:
@@ -233,7 +246,7 @@ class SegmentPool:
                 return None
             segment = self._fitting(nbytes)
             if segment is not None:
-                return self._hand_out(segment, nbytes)
+                return self._hand_out(segment, nbytes, for_producer)
             size = self._reserve(nbytes, self._retired)
         if size is None:
             return None
@@ -250,7 +263,7 @@ class SegmentPool:
                 mapping.close()
                 os.close(fd)
                 return None
-            return self._hand_out(self._register(size, mapping, fd, None), nbytes)
+            return self._hand_out(self._register(size, mapping, fd, None), nbytes, for_producer)
 
     def stage(self, view: memoryview) -> Optional[Buffer]:
         """:func:`copy_into_segment` for this pool: ``view`` itself if a producer made it in one
@@ -258,32 +271,39 @@ class SegmentPool:
         with self._lock:
             if self._made_in(view) is not None:
                 return view
-        memory = self.allocate(view.nbytes)
+        memory = self._allocate(view.nbytes, False)
         if memory is not None:  # the segment is in this producer's hands: copied without the lock
             numpy.frombuffer(memory, dtype=numpy.uint8)[:] = numpy.frombuffer(view, dtype=numpy.uint8)
         return memory
 
-    @staticmethod
-    def _hand_out(segment: _Segment, nbytes: int) -> Buffer:
+    def _hand_out(self, segment: _Segment, nbytes: int, for_producer: bool) -> Buffer:
         memory = (ctypes.c_ubyte * nbytes).from_buffer(segment.mapping, HEADER_BYTES)
         segment.in_hand = True
         segment.hand = weakref.ref(memory, segment.put_down)
+        segment.hand_key = id(memory)
+        segment.held_in = (self._in_hand, self._made_by_producers)
+        self._in_hand[segment.hand_key] = segment
+        if for_producer:
+            self._made_by_producers[segment.id] = segment
         return memory  # type: ignore[return-value]
 
     def _made_in(self, view: memoryview) -> Optional[Tuple[_Segment, int]]:
-        """The segment a producer made ``view`` in and its offset there, if any."""
+        """The segment a producer made ``view`` in (or that holds a staged copy, all of it) and its
+        offset there, if any; no look at each segment (this runs for every large buffer)."""
         if not view.nbytes:
             return None
-        address = None
-        for segment in self._segments.values():  # no call per segment: this runs for every large buffer
-            if segment.in_hand:
-                hand = segment.hand() if segment.hand is not None else None
-                if hand is view.obj and len(hand) == view.nbytes:  # all of the memory handed out (staged)
-                    return segment, 0
-                if address is None:
-                    address = _address(view)
-                if segment.address <= address and address + view.nbytes <= segment.address + segment.capacity:
-                    return segment, address - segment.address
+        memory = view.obj
+        segment = self._in_hand.get(id(memory))
+        if segment is not None:
+            hand = segment.hand() if segment.hand is not None else None
+            if hand is memory and len(hand) == view.nbytes:  # all of the memory handed out (staged)
+                return segment, 0
+        if not self._made_by_producers:
+            return None
+        address = _address(view)
+        for segment in tuple(self._made_by_producers.values()):  # a copy: a drop elsewhere may put one down
+            if segment.address <= address and address + view.nbytes <= segment.address + segment.capacity:
+                return segment, address - segment.address
         return None
 
     @property
@@ -457,6 +477,8 @@ class SegmentPool:
                     os.close(segment.fd)
                     segment.fd = None
             self._segments.clear()
+            self._in_hand.clear()
+            self._made_by_producers.clear()
             self._bytes = 0
 
 
