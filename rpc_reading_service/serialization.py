@@ -55,7 +55,7 @@ _ITEM_PROTOCOL = 5
 #: Out-of-band buffers of at least this size leave a local worker (Unix socket) in shared
 #: memory; smaller ones cost less to send than to place and release (where the two cross on
 #: the project's host: benchmarks/SWEEP.md).
-SHARED_MEMORY_MIN_BYTES = 128 * 1024
+SHARED_MEMORY_MIN_BYTES = 64 * 1024
 
 #: Memory that can be sent or received as is (a frame chunk, a payload, an out-of-band buffer).
 Buffer = Union[bytes, bytearray, memoryview]

@@ -36,7 +36,7 @@ QUANTIZED_HALF = SHARED_MEMORY_MIN_BYTES // 2  # a batch of two is as big as a p
 # -- real processes -----------------------------------------------------------------------------------
 def item_of_every_size(index: int):
     """A big tensor (shared), a batch collated in shared memory (lent with no copy), a big array
-    (shared), a mid-size tensor (out of band, through the socket), a small one (in band):
+    (shared), a small one (in band: under the out-of-band and shared-memory threshold):
     every byte is ``index``; and quantized tensors, a big one, a small one and a batch."""
     from rpc_reading_service import shared_collate
 
@@ -46,7 +46,6 @@ def item_of_every_size(index: int):
         "made": made,
         "made_in_a_segment": in_shared_memory(made.data_ptr(), shared_ranges(os.getpid())),  # in the worker
         "array": numpy.full(SHARED_MEMORY_MIN_BYTES // 4, index, dtype=numpy.int32),
-        "mid": torch.full((100_000,), index, dtype=torch.uint8),
         "small": torch.full((10,), index, dtype=torch.int64),
         # Quantized ones, as big as a plain one that is shared: their memory alone is no plain
         # tensor (torch's reduction rebuilds them on it). repeat(): quantizing a big one is slow.
@@ -101,7 +100,6 @@ def test_local_workers_hand_big_buffers_over_in_shared_memory():
                 assert in_shared_memory(item["big"].data_ptr(), ranges)
                 assert in_shared_memory(item["made"].data_ptr(), ranges) and item["made"].shape == (2, BIG // 2)
                 assert in_shared_memory(item["array"].ctypes.data, ranges)
-                assert not in_shared_memory(item["mid"].data_ptr(), ranges)
             item["big"][:] = 0  # received memory is writable
             del items, item
     gc.collect()
