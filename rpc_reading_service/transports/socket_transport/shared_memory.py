@@ -95,14 +95,15 @@ class _Segment:
         self.resident = True  # its pages are mapped in this process (see SegmentMap.bound)
 
     def put_down(self, _memory: weakref.ref) -> None:
-        """The memory given to a producer is gone (a weak reference's callback): out of its pool's maps."""
-        self.in_hand = False
-        self.hand = None
+        """The memory given to a producer is gone (a weak reference's callback): out of its pool's
+        maps, then free to hand out again (in that order: another thread may hand it out at once)."""
         held_in, self.held_in = self.held_in, ()
         if held_in:
             by_memory, made_by_producers = held_in
             by_memory.pop(self.hand_key, None)
             made_by_producers.pop(self.id, None)
+        self.hand = None
+        self.in_hand = False
 
 
 #: The pools whose connections let producers make items in their segments (see :func:`allocate`).
