@@ -20,6 +20,7 @@ from ...errors import RemoteProtocolError
 from ...protocol.credits import FRAMES_PAST_WINDOW
 from ...protocol.frames import Buffer, Frame, SharedBuffer, SharedFrame
 from ...serialization import SHARED_MEMORY_MIN_BYTES
+from .mappings import SegmentMapping, advise, map_shared, unmap
 
 __all__ = ["HEADER_BYTES", "SegmentPool", "SegmentMap", "allocate", "copy_into_segment", "shared_memory_available"]
 
@@ -66,24 +67,24 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def _map(fd: int, size: int) -> mmap.mmap:
+def _map(fd: int, size: int) -> SegmentMapping:
     """A shared mapping of the segment, its pages mapped at once (MAP_POPULATE, where there is
     one), inherited by forked children: no MADV_DONTFORK, which left a child with objects on
-    unmapped memory (reading a received tensor, or the munmap as one was dropped, crashed it)."""
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    unmapped memory (reading a received tensor, or the munmap as one was dropped, crashed it).
+    It keeps no descriptor open (``mappings.map_shared``)."""
+    return map_shared(fd, size)
 
 
 class _Segment:
     __slots__ = ("id", "size", "capacity", "mapping", "state", "data", "address", "fd", "in_hand", "hand", "hand_key",
                  "held_in", "pinned", "resident")
 
-    def __init__(self, segment_id: int, size: int, mapping: mmap.mmap):
+    def __init__(self, segment_id: int, size: int, mapping: SegmentMapping):
         self.id = segment_id
         self.size = size
         self.capacity = size - HEADER_BYTES  # its data's bytes
         self.mapping = mapping
-        self.state = memoryview(mapping)[:1]
+        self.state = memoryview(mapping).cast("B")[:1]
         self.data = numpy.frombuffer(mapping, dtype=numpy.uint8, offset=HEADER_BYTES)
         self.address = self.data.ctypes.data
         self.fd: Optional[int] = None  # a segment made for a producer: its descriptor, until announced
@@ -172,7 +173,7 @@ def _segment_bytes(nbytes: int) -> int:
     return -(-(nbytes + HEADER_BYTES) // _PAGE) * _PAGE
 
 
-def _new_segment(size: int, view: Optional[memoryview]) -> Tuple[mmap.mmap, int]:
+def _new_segment(size: int, view: Optional[memoryview]) -> Tuple[SegmentMapping, int]:
     """A new memfd segment of ``size`` bytes holding ``view``'s bytes after the header (or
     zeros), mapped: ``(mapping, descriptor)``. Raises OSError or ValueError if the system
     refuses one."""
@@ -261,7 +262,7 @@ class SegmentPool:
         with self._lock:
             if self._closed:
                 self._bytes -= size
-                mapping.close()
+                unmap(mapping)
                 os.close(fd)
                 return None
             return self._hand_out(self._register(size, mapping, fd, None), nbytes, for_producer)
@@ -442,7 +443,7 @@ class SegmentPool:
             self._retire(segment, retired)
             surplus -= 1
 
-    def _register(self, size: int, mapping: mmap.mmap, fd: int, new: Optional[list]) -> _Segment:
+    def _register(self, size: int, mapping: SegmentMapping, fd: int, new: Optional[list]) -> _Segment:
         """Add a new segment (its ``size`` already counted by :meth:`_reserve`); its descriptor goes
         in ``new``, or (made for a producer) stays with it until it is first lent."""
         segment = _Segment(self._next_id, size, mapping)
@@ -575,7 +576,7 @@ class SegmentMap:
                 return
             if segment.resident and not segment.pinned and segment.id not in placed and segment.state[0] == _FREE:
                 with contextlib.suppress(OSError, ValueError):
-                    segment.mapping.madvise(mmap.MADV_DONTNEED)
+                    advise(segment.mapping, mmap.MADV_DONTNEED)
                 self._resident(segment, False)
                 resident -= segment.size
 
@@ -629,7 +630,7 @@ class SegmentMap:
         # the view could die while arrays built on it live; this object lives as long as they do.
         if not segment.resident:  # its pages were dropped (see bound): map them in one call
             with contextlib.suppress(OSError, ValueError):
-                segment.mapping.madvise(_MADV_POPULATE_READ)
+                advise(segment.mapping, _MADV_POPULATE_READ)
             self._resident(segment, True)
         memory = (ctypes.c_ubyte * placed.length).from_buffer(segment.mapping, placed.offset)
         weakref.finalize(memory, _release, segment.state, _pid).atexit = False
