@@ -7,6 +7,7 @@ import array
 import collections
 import contextlib
 import os
+import resource
 import socket
 import time
 from typing import List, Optional, Sequence, Tuple
@@ -25,6 +26,15 @@ __all__ = ["SharedMemoryConnection"]
 #: As plain ints: ``flags & socket.MSG_CTRUNC`` is an enum operation, a Python call per receive.
 _MSG_CTRUNC, _MSG_DONTWAIT = int(socket.MSG_CTRUNC), int(socket.MSG_DONTWAIT)
 _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_NEW_SEGMENTS_PER_FRAME * array.array("i").itemsize) if hasattr(socket, "CMSG_SPACE") else 0
+
+
+def _open_files() -> str:
+    """This process's open descriptors against its soft limit, as text for an error."""
+    try:
+        count = str(len(os.listdir("/proc/self/fd")))
+    except OSError:
+        count = "?"
+    return f"{count} open, soft limit {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
 
 
 class SharedMemoryConnection(SocketConnection):
@@ -180,7 +190,11 @@ class SharedMemoryConnection(SocketConnection):
                 fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
                 self._fds.extend(fds)
         if flags & _MSG_CTRUNC:
-            raise RemoteProtocolError(f"{self.peer} sent more descriptors with one frame than a SHARED_DATA frame may bring")
+            raise RemoteProtocolError(
+                f"could not take the descriptors that {self.peer} sent with a frame: more than a SHARED_DATA "
+                f"frame may bring, or this process is at its limit of open files ({_open_files()}); "
+                "raise `ulimit -n`"
+            )
         return n
 
     def close(self) -> None:
