@@ -13,7 +13,7 @@ import time
 import numpy
 import pytest
 import torch
-from _server_helpers import open_file_targets, python_run, remote, subprocess_env, wait_until
+from _server_helpers import open_file_targets, remote, wait_until
 from test_shared_memory import BIG, SEGMENT_NAME, in_shared_memory, shared_ranges
 
 from rpc_reading_service.errors import WorkerLostError
@@ -289,39 +289,3 @@ def test_a_local_connection_takes_a_whole_frame_of_small_buffers_in_one_read():
         if sending is not None:
             sending.join(5)
 
-
-FEW_DESCRIPTORS_TRAINER = """
-import os, resource, torch
-from torchdata.dataloader2 import DataLoader2
-from torchdata.datapipes.iter import IterableWrapper
-from rpc_reading_service import RPCReadingService
-
-resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-
-def make(index):
-    return torch.full(({size},), index % 251, dtype=torch.uint8)
-
-loader = DataLoader2(IterableWrapper(range({items})).sharding_filter().map(make),
-                     reading_service=RPCReadingService(num_workers=2, timeout=20.0))
-seen, peak = [], 0
-for count, item in enumerate(loader):
-    assert int(item[0]) == int(item[-1])
-    seen.append(int(item[0]))
-    if count % 200 == 0:
-        peak = max(peak, len(os.listdir("/proc/self/fd")))
-loader.shutdown()
-assert sorted(seen) == sorted(index % 251 for index in range({items})), "items lost or changed"
-print("ok", peak)
-"""
-
-
-@pytest.mark.timeout(60)
-def test_a_trainer_maps_many_segments_with_few_descriptors(tmp_path):
-    # 64 KiB items, two local workers: a credit window of segments each, hundreds mapped in the
-    # trainer at once. A mapping keeps no descriptor open, so a soft limit of 256 descriptors
-    # (the common default is 1,024) holds them all.
-    code = FEW_DESCRIPTORS_TRAINER.format(size=SHARED_MEMORY_MIN_BYTES, items=3000)
-    done = python_run(["-c", code], subprocess_env(PYTHONWARNINGS="ignore"), str(tmp_path), timeout=50)
-    assert done.returncode == 0, done.stderr[-2000:]
-    status, peak = done.stdout.split()
-    assert status == "ok" and int(peak) < 100, done.stdout

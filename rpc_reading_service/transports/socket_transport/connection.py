@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 
 from ...protocol import Buffer, Frame, FrameReader, encode_reject
 from ..base import Connection, PeerLostError
-from .sockets import discard_input, send_chunks
+from .sockets import discard_input, send_chunks, wait_for
 
 __all__ = ["SocketConnection"]
 
@@ -224,13 +224,9 @@ class SocketConnection(Connection):
     def _wait(self, readable: bool, timeout: Optional[float]) -> bool:
         """Wait up to ``timeout`` until the socket is readable (or writable); True if it is."""
         try:
-            if readable:
-                ready, _, _ = select.select([self._sock], [], [], timeout)
-            else:
-                _, ready, _ = select.select([], [self._sock], [], timeout)
+            return wait_for(self._sock, readable, timeout)
         except (OSError, ValueError) as exc:  # closed under us by another thread
             raise PeerLostError(f"connection to {self.peer} is closed") from exc
-        return bool(ready)
 
     def _closed_by_peer(self) -> PeerLostError:
         what = "in the middle of a frame" if self._reader.mid_frame else ""
