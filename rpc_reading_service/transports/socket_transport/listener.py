@@ -20,7 +20,7 @@ from ...protocol import HANDSHAKE_KINDS, HANDSHAKE_MAX_FRAME_BYTES, Buffer, Fram
 from ..base import Listener, PeerLostError
 from .authenticated import authenticated_connection
 from .connection import SocketConnection
-from .sockets import refuse_quietly, tune_socket
+from .sockets import descriptor_limit, refuse_quietly, tune_socket
 
 __all__ = ["SocketListener"]
 
@@ -163,15 +163,6 @@ def _drain(fd: int) -> bool:
     return True
 
 
-def _descriptor_limit() -> str:
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - not POSIX
-        return "?"
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
-
-
 class SocketListener(Listener):
     """A listening TCP socket that authenticates peers before handing them out.
 
@@ -305,7 +296,7 @@ class SocketListener(Listener):
         self._warn_out_of_descriptors(
             "cannot accept connections: %s (this process may open %s file descriptors, `ulimit -n`; %d "
             "handshakes in progress): pausing accepts until descriptors free up. Raise the limit, or lower "
-            "--max-sessions", exc, _descriptor_limit(), len(self._pending),
+            "--max-sessions", exc, descriptor_limit(), len(self._pending),
         )  # fmt: skip
 
     def _make_room(self, host: str) -> Optional[str]:

@@ -7,7 +7,6 @@ import array
 import collections
 import contextlib
 import os
-import resource
 import socket
 import time
 from typing import List, Optional, Sequence, Tuple
@@ -19,7 +18,7 @@ from ...serialization import SHARED_MEMORY_MIN_BYTES
 from ..base import PeerLostError
 from .shared_memory import MAX_NEW_SEGMENTS_PER_FRAME, SegmentMap, SegmentPool, copy_into_segment
 from .connection import SocketConnection
-from .sockets import send_chunks
+from .sockets import descriptor_limit, send_chunks
 
 __all__ = ["SharedMemoryConnection"]
 
@@ -34,7 +33,7 @@ def _open_files() -> str:
         count = str(len(os.listdir("/proc/self/fd")))
     except OSError:
         count = "?"
-    return f"{count} open, soft limit {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}"
+    return f"{count} open, soft limit {descriptor_limit()}"
 
 
 class SharedMemoryConnection(SocketConnection):

@@ -72,6 +72,16 @@ def send_chunks(sock: socket.socket, chunks: Sequence[Buffer], fds: Sequence[int
                 sent = 0
 
 
+def descriptor_limit() -> str:
+    """This process's soft limit of open files, as text for a message."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return "?"
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+
+
 def wait_for(sock: socket.socket, readable: bool, timeout: Optional[float]) -> bool:
     """Wait up to ``timeout`` seconds (None: no limit) until ``sock`` is readable (or writable);
     True if it is. ``poll``, not ``select``: a process with over 1,024 open files has sockets
