@@ -34,7 +34,8 @@ def _raise_errno() -> None:
 
 def map_shared(fd: int, size: int) -> SegmentMapping:
     """``size`` bytes of ``fd`` mapped shared and writable, their pages mapped at once where the
-    system can (MAP_POPULATE); unmapped once the array and every buffer made on it are gone.
+    system can (MAP_POPULATE), inherited by forked children (no MADV_DONTFORK: a child left with
+    objects on unmapped memory crashed); unmapped once the array and every buffer on it are gone.
 
     Args:
         fd: The descriptor to map (the caller may close it at once).

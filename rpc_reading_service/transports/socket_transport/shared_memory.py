@@ -67,14 +67,6 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def _map(fd: int, size: int) -> SegmentMapping:
-    """A shared mapping of the segment, its pages mapped at once (MAP_POPULATE, where there is
-    one), inherited by forked children: no MADV_DONTFORK, which left a child with objects on
-    unmapped memory (reading a received tensor, or the munmap as one was dropped, crashed it).
-    It keeps no descriptor open (``mappings.map_shared``)."""
-    return map_shared(fd, size)
-
-
 class _Segment:
     __slots__ = ("id", "size", "capacity", "mapping", "state", "data", "address", "fd", "in_hand", "hand", "hand_key",
                  "held_in", "pinned", "resident")
@@ -181,7 +173,7 @@ def _new_segment(size: int, view: Optional[memoryview]) -> Tuple[SegmentMapping,
     try:
         os.ftruncate(fd, size)
         _write_pages(fd, size, view)
-        return _map(fd, size), fd
+        return map_shared(fd, size), fd
     except BaseException:
         os.close(fd)
         raise
@@ -614,7 +606,7 @@ class SegmentMap:
             raise self._error(f"announced segment {segment_id} twice")
         if not HEADER_BYTES < size <= os.fstat(fd).st_size:
             raise self._error(f"announced segment {segment_id} of {size} bytes, which its descriptor does not hold")
-        segment = self._segments[segment_id] = _Segment(segment_id, size, _map(fd, size))
+        segment = self._segments[segment_id] = _Segment(segment_id, size, map_shared(fd, size))
         self._resident_bytes += size
         self._largest = max(self._largest, size)
         if self.pin:
