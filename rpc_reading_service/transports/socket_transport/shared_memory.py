@@ -481,10 +481,21 @@ class SegmentPool:
 _MADV_POPULATE_READ = 22
 
 
-def _release(state: memoryview, owner: int) -> None:
+class _Lent(weakref.ref):
+    """A weak reference to memory the trainer was lent on a segment (frees it once the memory is gone)."""
+
+    __slots__ = ("state", "owner")
+
+
+#: The references to lent memory still alive (a weak reference that dies calls no callback).
+_lent: Dict[int, _Lent] = {}
+
+
+def _released(lent: _Lent) -> None:
+    _lent.pop(id(lent), None)
     # A process forked from the owner shares the mapping: only the owner may free the segment.
-    if _pid == owner:
-        state[0] = _FREE
+    if _pid == lent.owner:
+        lent.state[0] = _FREE
 
 
 def _cuda_host_register(segment: _Segment) -> bool:
@@ -625,7 +636,9 @@ class SegmentMap:
                 advise(segment.mapping, _MADV_POPULATE_READ)
             self._resident(segment, True)
         memory = (ctypes.c_ubyte * placed.length).from_buffer(segment.mapping, placed.offset)
-        weakref.finalize(memory, _release, segment.state, _pid).atexit = False
+        lent = _Lent(memory, _released)
+        lent.state, lent.owner = segment.state, _pid
+        _lent[id(lent)] = lent
         return memory  # type: ignore[return-value]
 
     def _forget(self, segment: _Segment) -> None:
