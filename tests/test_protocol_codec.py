@@ -109,7 +109,7 @@ def test_golden_hello():
 
 def test_golden_credit():
     assert wire(Credit(7, 3).encode()) == bytes.fromhex(
-        "52525356 07 14 0000 000000000000000c 00000007 0000000000000003"
+        "52525356 08 14 0000 000000000000000c 00000007 0000000000000003"
     )
 
 

@@ -7,7 +7,7 @@ import operator
 import pickle
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from ..errors import LocalProtocolError, RemoteProtocolError
 from ..serialization import Buffer, EncodedItem
@@ -56,7 +56,7 @@ __all__ = [
 #: 5: a message per failure (SETUP_FAILED, SETUP_REFUSED, SHARD_FAILED, ITEM_TIMED_OUT) replaces ERROR.
 #: 6: DATA credit counts bytes (START_EPOCH's window and CREDIT; a frame goes while any is left), a u64 in CREDIT.
 #: 7: an item's tensor carries its dtype by name (``"float32"``), not as a pickled ``torch`` global.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAGIC = b"RRSV"
 HEADER = struct.Struct("!4sBBHQ")
 BUFFER_LENGTH = struct.Struct("!Q")
@@ -310,13 +310,14 @@ def decode_end_of_shard(frame: Frame) -> Tuple[int, int]:
 #                                                     this frame (SCM_RIGHTS), in this order
 #              n_retired x segment(4)                 segments the worker closed: forget them
 #              n_shared  x index(2) segment(4) offset(8) length(8)
-#              the inner frame's body
+#              the inner frame's body (empty when a segment holds it)
 #     buffers  the inner frame's other buffers (those not shared), in order
 #
 # Rules: the inner kind is DATA; shared indexes ascend, each below n_buffers, and the
-# shared plus the inline buffers are exactly n_buffers; a shared buffer lies inside its
-# segment. The receiver rebuilds the inner frame with the shared buffers on its mapping of
-# each segment. Which segments are free again is not a message: the first byte of each
+# shared plus the inline buffers are exactly n_buffers, but for one last entry of index
+# n_buffers: the inner frame's body, then not in this frame; a shared buffer lies inside its
+# segment. The receiver rebuilds the inner frame with the shared buffers (and body) on its
+# mapping of each segment. Which segments are free again is not a message: the first byte of each
 # segment says it (see transports/socket_transport/shared_memory.py).
 _SHARED_HEAD = struct.Struct("!BHHHH")
 _SHARED_NEW = struct.Struct("!IQ")
@@ -346,11 +347,22 @@ class SharedFrame:
     shared: List[SharedBuffer]
     body: Buffer
     inline: List[Buffer]
+    #: Where the inner frame's body is, when a segment holds it (``body`` is then empty).
+    body_placed: Optional[SharedBuffer] = None
 
     @property
     def shared_bytes(self) -> int:
         """Bytes of the inner frame that are in shared memory."""
-        return sum(b.length for b in self.shared)
+        placed = self.body_placed.length if self.body_placed is not None else 0
+        return sum(b.length for b in self.shared) + placed
+
+    @property
+    def placed_segments(self) -> Set[int]:
+        """The segments that hold this frame's shared buffers (and body)."""
+        placed = {b.segment for b in self.shared}
+        if self.body_placed is not None:
+            placed.add(self.body_placed.segment)
+        return placed
 
 
 def split_frame(chunks: Sequence[Buffer]) -> Tuple[MessageKind, List[Buffer], List[Buffer]]:
@@ -384,17 +396,24 @@ def encode_shared_data(
     retired: Sequence[int] = (),
 ) -> List[Buffer]:
     """Encode a frame of ``kind`` (body chunks ``body``, ``n_buffers`` buffers) whose
-    ``shared`` buffers are in shared memory and whose others, ``inline``, travel with it."""
+    ``shared`` buffers are in shared memory and whose others, ``inline``, travel with it; a last
+    shared entry of index ``n_buffers`` places the body (``body`` then empty)."""
     if kind != MessageKind.DATA:
         raise LocalProtocolError(f"only DATA frames hand buffers over in shared memory, not {kind.name}")
+    if shared and shared[-1].index == n_buffers:
+        if any(memoryview(chunk).nbytes for chunk in body):
+            raise LocalProtocolError("a DATA frame whose body is in a segment sends no body too")
+        shared, placed = shared[:-1], shared[-1:]
+    else:
+        placed = []
     if len(shared) + len(inline) != n_buffers:
         raise LocalProtocolError(f"{len(shared)} shared and {len(inline)} inline buffers are not the frame's {n_buffers}")
-    parts = [_pack(_SHARED_HEAD, kind, int(kind), n_buffers, len(new_segments), len(retired), len(shared))]
+    parts = [_pack(_SHARED_HEAD, kind, int(kind), n_buffers, len(new_segments), len(retired), len(shared) + len(placed))]
     for segment, size in new_segments:
         parts.append(_pack(_SHARED_NEW, MessageKind.SHARED_DATA, segment, size))
     for segment in retired:
         parts.append(_pack(_SHARED_RETIRED, MessageKind.SHARED_DATA, segment))
-    for index, segment, offset, length in shared:  # checked by the pool: no call per buffer
+    for index, segment, offset, length in [*shared, *placed]:  # checked by the pool: no call per buffer
         parts.append(_SHARED_BUFFER.pack(index, segment, offset, length))
     return encode_frame(MessageKind.SHARED_DATA, [b"".join(parts), *body], inline)
 
@@ -416,6 +435,9 @@ def decode_shared_data(frame: Frame) -> SharedFrame:
     retired = [segment for (segment,) in _SHARED_RETIRED.iter_unpack(body[offset : offset + n_retired * _SHARED_RETIRED.size])]
     offset += n_retired * _SHARED_RETIRED.size
     shared = list(map(SharedBuffer._make, _SHARED_BUFFER.iter_unpack(body[offset:end])))
+    body_placed = shared.pop() if shared and shared[-1].index == n_buffers else None
+    if body_placed is not None and len(body) > end:
+        raise RemoteProtocolError("SHARED_DATA frame places its body in a segment and sends a body too")
     last = -1
     for placed in shared:
         if placed.index <= last or placed.index >= n_buffers:
@@ -426,7 +448,7 @@ def decode_shared_data(frame: Frame) -> SharedFrame:
         raise RemoteProtocolError(
             f"SHARED_DATA frame has {len(shared)} shared and {len(frame.buffers)} inline buffers, not {n_buffers}"
         )
-    return SharedFrame(MessageKind.DATA, n_buffers, new, retired, shared, body[end:], list(frame.buffers))
+    return SharedFrame(MessageKind.DATA, n_buffers, new, retired, shared, body[end:], list(frame.buffers), body_placed)
 # -- LEASE / CHUNK_DONE: the chunks of a "dynamic" epoch ------------------------------------------
 _LEASE = struct.Struct("!IQQIBQI")
 _CHUNK_DONE_HEAD = struct.Struct("!IQqI")

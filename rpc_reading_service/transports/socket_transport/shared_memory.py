@@ -59,6 +59,23 @@ def _write_pages(fd: int, size: int, view: Optional[memoryview]) -> None:
         offset += os.pwritev(fd, [_ZEROS] * min(64, left // len(_ZEROS)) or [_ZEROS[:left]], offset)
 
 
+#: A frame body's chunks are copied into a segment one by one where they hold this much on average,
+#: else joined first: a Python step per chunk costs about what copying 4 KiB does.
+GATHER_MIN_CHUNK_BYTES = 4096
+
+
+def _gather(data: numpy.ndarray, chunks: Sequence[Buffer], nbytes: int) -> None:
+    """Copy ``chunks`` (``nbytes`` in all) one after another to the start of ``data``."""
+    if nbytes < GATHER_MIN_CHUNK_BYTES * len(chunks):
+        data[:nbytes] = numpy.frombuffer(b"".join(chunks), dtype=numpy.uint8)
+        return
+    target, offset = memoryview(data), 0
+    for chunk in chunks:
+        source = memoryview(chunk).cast("B")
+        target[offset : offset + source.nbytes] = source
+        offset += source.nbytes
+
+
 def _address(view: memoryview) -> int:
     """Where ``view``'s first byte is in this process: through ctypes for a writable view (a sixth
     of the cost of wrapping it in a numpy array), through numpy for a read-only one."""
@@ -306,13 +323,15 @@ class SegmentPool:
         return len(self._segments)
 
     def lend(
-        self, buffers: Sequence[Buffer], min_bytes: int
+        self, buffers: Sequence[Buffer], min_bytes: int, body: Sequence[Buffer] = (), body_bytes: int = 0
     ) -> Tuple[List[SharedBuffer], List[Buffer], List[Tuple[int, int, int]], List[int]]:
-        """Put each buffer of at least ``min_bytes`` in a segment (a copy).
+        """Put each buffer of at least ``min_bytes`` in a segment (a copy), and the frame's
+        ``body`` chunks (``body_bytes`` in all) too if that large and a segment is to be had.
 
-        Returns ``(shared, inline, new, retired)``: where the shared buffers are, the
-        others (in order), the new segments as ``(id, size, fd)`` (the caller sends the
-        descriptors with the frame, then calls :meth:`sent`), and the retired segment ids.
+        Returns ``(shared, inline, new, retired)``: where the shared buffers are (the body last,
+        as index ``len(buffers)``, if placed), the others (in order), the new segments as ``(id,
+        size, fd)`` (the caller sends the descriptors with the frame, then calls :meth:`sent`),
+        and the retired segment ids.
         """
         shared: List[SharedBuffer] = []
         inline: List[Buffer] = []
@@ -329,7 +348,7 @@ class SegmentPool:
                     made = self._made_in(view)
                     if made is not None and self._lend_made(*made, view.nbytes, index, shared, new):
                         continue
-                    segment = self._segment_for(view, new, retired)
+                    segment = self._segment_for(view.nbytes, new, retired, view)
                 if segment is None:
                     inline.append(buffer)
                     continue
@@ -340,6 +359,15 @@ class SegmentPool:
                     numpy.copyto(segment.data[: view.nbytes], numpy.frombuffer(view, dtype=numpy.uint8))
                 segment.state[0] = _LENT
                 shared.append(SharedBuffer(index, segment.id, HEADER_BYTES, view.nbytes))
+            if body_bytes >= min_bytes and not self._closed:
+                segment = self._segment_for(body_bytes, new, retired)
+                if segment is not None:
+                    if segment.fd is not None:  # made for a producer, which let it go unsent: announce it
+                        new.append((segment.id, segment.size, segment.fd))
+                        segment.fd = None
+                    _gather(segment.data, body, body_bytes)
+                    segment.state[0] = _LENT
+                    shared.append(SharedBuffer(len(buffers), segment.id, HEADER_BYTES, body_bytes))
         return shared, inline, new, retired
 
     def _lend_made(self, segment: _Segment, offset: int, nbytes: int, index: int, shared: list, new: list) -> bool:
@@ -386,15 +414,15 @@ class SegmentPool:
                 free.append(segment)
         return free
 
-    def _segment_for(self, view: memoryview, new: list, retired: list) -> Optional[_Segment]:
+    def _segment_for(self, nbytes: int, new: list, retired: list, view: Optional[memoryview] = None) -> Optional[_Segment]:
         full = len(new) >= MAX_NEW_SEGMENTS_PER_FRAME  # no room for another descriptor in this frame
-        fitting = self._fitting(view.nbytes, announced=full)
+        fitting = self._fitting(nbytes, announced=full)
         if fitting is not None or full:
             return fitting
-        return self._make_room_for(view.nbytes, retired, view, new)
+        return self._make_room_for(nbytes, retired, view, new)
 
-    def _make_room_for(self, nbytes: int, retired: list, view: memoryview, new: list) -> Optional[_Segment]:
-        """A new segment holding ``view``'s bytes (``nbytes``), announced in ``new`` (see :meth:`_reserve`)."""
+    def _make_room_for(self, nbytes: int, retired: list, view: Optional[memoryview], new: list) -> Optional[_Segment]:
+        """A new segment for ``nbytes``, holding ``view``'s bytes if given, announced in ``new`` (see :meth:`_reserve`)."""
         size = self._reserve(nbytes, retired)
         if size is None:
             return None
@@ -566,13 +594,13 @@ class SegmentMap:
             largest = size if size > largest else largest
         placed = None
         if self._dropped:  # a placed segment whose pages were dropped comes back
-            placed = {p.segment for p in shared.shared}
+            placed = shared.placed_segments
             resident += sum(s.size for i in placed if (s := self._segments.get(i)) is not None and not s.resident)
         keep = self._frames * max(self._frame_bytes, largest) + FRAMES_PAST_WINDOW * self._frame_bytes
         if resident <= keep:
             return
         if placed is None:
-            placed = {p.segment for p in shared.shared}
+            placed = shared.placed_segments
         # The newest first: a worker lends the oldest free segment that fits, so those stay warm.
         for segment in sorted(self._segments.values(), key=_ID, reverse=True):
             if resident <= keep:
@@ -590,7 +618,7 @@ class SegmentMap:
         self._dropped += -1 if resident else 1
 
     def open(self, shared: SharedFrame, fds: List[int], max_frame_bytes: int) -> Frame:
-        """The inner frame of ``shared``, its buffers on the segments; ``fds`` are the
+        """The inner frame of ``shared``, its buffers (and body, if placed) on the segments; ``fds`` are the
         descriptors of its new segments, in order (this call owns them)."""
         try:
             if len(fds) != len(shared.new_segments):
@@ -610,7 +638,10 @@ class SegmentMap:
         buffers: List[Buffer] = list(shared.inline)
         for placed in shared.shared:
             buffers.insert(placed.index, self._buffer(placed))
-        return Frame(shared.kind, shared.body, buffers)
+        body = shared.body
+        if shared.body_placed is not None:  # bytes, as a body read from the socket is (the array's format is "<B")
+            body = memoryview(self._buffer(shared.body_placed)).cast("B")
+        return Frame(shared.kind, body, buffers)
 
     def _add(self, segment_id: int, size: int, fd: int) -> None:
         if segment_id in self._segments:

@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from ...errors import RemoteProtocolError
 from ...protocol import HEADER, Buffer, Frame, FrameReader, MessageKind
-from ...protocol.frames import TRANSPORT_KINDS, decode_shared_data, encode_shared_data, split_frame
+from ...protocol.frames import TRANSPORT_KINDS, SharedBuffer, decode_shared_data, encode_shared_data, split_frame
 from ...serialization import SHARED_MEMORY_MIN_BYTES
 from ..base import PeerLostError
 from .shared_memory import MAX_NEW_SEGMENTS_PER_FRAME, SegmentMap, SegmentPool, copy_into_segment
@@ -86,9 +86,10 @@ class SharedMemoryConnection(SocketConnection):
             self._segments.bound(frames, frame_bytes)
 
     def _lends(self, chunks: Sequence[Buffer]) -> bool:
-        """Whether this frame's buffers may go into shared segments (a DATA frame with buffers, once offered)."""
-        _magic, _version, kind, n_buffers, _length = HEADER.unpack_from(memoryview(chunks[0]))
-        return self._pool is not None and kind == MessageKind.DATA and n_buffers > 0
+        """Whether this frame's buffers or body may go into shared segments (a DATA frame with
+        buffers or a body of :data:`SHARED_MEMORY_MIN_BYTES` or more, once offered)."""
+        _magic, _version, kind, n_buffers, length = HEADER.unpack_from(memoryview(chunks[0]))
+        return self._pool is not None and kind == MessageKind.DATA and (n_buffers > 0 or length >= SHARED_MEMORY_MIN_BYTES)
 
     def send_frames(self, frames: Sequence[Sequence[Buffer]]) -> None:
         """One ``sendmsg`` for the frames, their large buffers lent in shared segments (a
@@ -109,14 +110,13 @@ class SharedMemoryConnection(SocketConnection):
             try:
                 for chunks, lend in zip(frames, lends):
                     if lend:
-                        kind, body, buffers = split_frame(chunks)
-                        shared, inline, new, retired = pool.lend(buffers, SHARED_MEMORY_MIN_BYTES)
+                        shared, inline, new, retired, body, n_buffers = self._lend_frame(pool, chunks)
                         if new and len(new_segments) + len(new) > MAX_NEW_SEGMENTS_PER_FRAME:
                             self._send_lent(pool, pending, new_segments)
                         new_segments += new
                         if shared or retired:
                             announced = [(i, n) for i, n, _ in new] if new else ()
-                            chunks = encode_shared_data(kind, body, len(buffers), shared, inline, announced, retired)
+                            chunks = encode_shared_data(MessageKind.DATA, body, n_buffers, shared, inline, announced, retired)
                     pending += chunks
                 self._send_lent(pool, pending, new_segments)
             except OSError as exc:
@@ -124,6 +124,19 @@ class SharedMemoryConnection(SocketConnection):
             finally:
                 if new_segments:  # those a failed send left open
                     pool.sent(new_segments)
+
+    @staticmethod
+    def _lend_frame(
+        pool: SegmentPool, chunks: Sequence[Buffer]
+    ) -> Tuple[List[SharedBuffer], List[Buffer], List[Tuple[int, int, int]], List[int], List[Buffer], int]:
+        """:meth:`SegmentPool.lend` of a DATA frame's buffers and body: ``(shared, inline, new,
+        retired, body, n_buffers)``, ``body`` empty once a segment holds it (the last of ``shared``)."""
+        body_bytes = HEADER.unpack_from(memoryview(chunks[0]))[4]
+        _kind, body, buffers = split_frame(chunks)
+        shared, inline, new, retired = pool.lend(buffers, SHARED_MEMORY_MIN_BYTES, body, body_bytes)
+        if shared and shared[-1].index == len(buffers):
+            body = []
+        return shared, inline, new, retired, body, len(buffers)
 
     def _send_lent(self, pool: SegmentPool, pending: List[Buffer], new_segments: List[Tuple[int, int, int]]) -> None:
         """Send ``pending`` with the descriptors of ``new_segments`` (then closed here); empty both."""
