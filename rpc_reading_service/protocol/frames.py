@@ -56,6 +56,7 @@ __all__ = [
 #: 5: a message per failure (SETUP_FAILED, SETUP_REFUSED, SHARD_FAILED, ITEM_TIMED_OUT) replaces ERROR.
 #: 6: DATA credit counts bytes (START_EPOCH's window and CREDIT; a frame goes while any is left), a u64 in CREDIT.
 #: 7: an item's tensor carries its dtype by name (``"float32"``), not as a pickled ``torch`` global.
+#: 8: a SHARED_DATA frame may place its DATA frame's body in a segment (a last entry of index n_buffers).
 PROTOCOL_VERSION = 8
 MAGIC = b"RRSV"
 HEADER = struct.Struct("!4sBBHQ")
