@@ -85,11 +85,12 @@ class SharedMemoryConnection(SocketConnection):
         if self._segments is not None:
             self._segments.bound(frames, frame_bytes)
 
-    def _lends(self, chunks: Sequence[Buffer]) -> bool:
-        """Whether this frame's buffers or body may go into shared segments (a DATA frame with
-        buffers or a body of :data:`SHARED_MEMORY_MIN_BYTES` or more, once offered)."""
+    def _to_lend(self, chunks: Sequence[Buffer]) -> Optional[int]:
+        """The bytes of this frame's body if its buffers or body may go into shared segments (a DATA
+        frame with buffers or a body of :data:`SHARED_MEMORY_MIN_BYTES` or more, once offered), else None."""
         _magic, _version, kind, n_buffers, length = HEADER.unpack_from(memoryview(chunks[0]))
-        return self._pool is not None and kind == MessageKind.DATA and (n_buffers > 0 or length >= SHARED_MEMORY_MIN_BYTES)
+        lends = self._pool is not None and kind == MessageKind.DATA and (n_buffers > 0 or length >= SHARED_MEMORY_MIN_BYTES)
+        return length if lends else None
 
     def send_frames(self, frames: Sequence[Sequence[Buffer]]) -> None:
         """One ``sendmsg`` for the frames, their large buffers lent in shared segments (a
@@ -99,8 +100,8 @@ class SharedMemoryConnection(SocketConnection):
         lends = []
         if pool is not None:
             for chunks in frames:  # a plain loop: no call per frame but its check, made once
-                lends.append(self._lends(chunks))
-        if True not in lends:
+                lends.append(self._to_lend(chunks))
+        if lends.count(None) == len(lends):
             return super().send_frames(frames)
         with self._send_lock:
             if self._closed:
@@ -109,8 +110,8 @@ class SharedMemoryConnection(SocketConnection):
             new_segments: List[Tuple[int, int, int]] = []
             try:
                 for chunks, lend in zip(frames, lends):
-                    if lend:
-                        shared, inline, new, retired, body, n_buffers = self._lend_frame(pool, chunks)
+                    if lend is not None:
+                        shared, inline, new, retired, body, n_buffers = self._lend_frame(pool, chunks, lend)
                         if new and len(new_segments) + len(new) > MAX_NEW_SEGMENTS_PER_FRAME:
                             self._send_lent(pool, pending, new_segments)
                         new_segments += new
@@ -127,11 +128,11 @@ class SharedMemoryConnection(SocketConnection):
 
     @staticmethod
     def _lend_frame(
-        pool: SegmentPool, chunks: Sequence[Buffer]
+        pool: SegmentPool, chunks: Sequence[Buffer], body_bytes: int
     ) -> Tuple[List[SharedBuffer], List[Buffer], List[Tuple[int, int, int]], List[int], List[Buffer], int]:
-        """:meth:`SegmentPool.lend` of a DATA frame's buffers and body: ``(shared, inline, new,
-        retired, body, n_buffers)``, ``body`` empty once a segment holds it (the last of ``shared``)."""
-        body_bytes = HEADER.unpack_from(memoryview(chunks[0]))[4]
+        """:meth:`SegmentPool.lend` of a DATA frame's buffers and body (``body_bytes``, from its header):
+        ``(shared, inline, new, retired, body, n_buffers)``, ``body`` empty once a segment holds it
+        (the last of ``shared``)."""
         _kind, body, buffers = split_frame(chunks)
         shared, inline, new, retired = pool.lend(buffers, SHARED_MEMORY_MIN_BYTES, body, body_bytes)
         if shared and shared[-1].index == len(buffers):
@@ -149,7 +150,7 @@ class SharedMemoryConnection(SocketConnection):
         new_segments.clear()
 
     def send(self, chunks: Sequence[Buffer]) -> None:
-        if self._pool is None or not self._lends(chunks):
+        if self._pool is None or self._to_lend(chunks) is None:
             return super().send(chunks)
         self.send_frames([chunks])
 
