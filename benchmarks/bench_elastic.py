@@ -490,7 +490,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        pool.stop()
+        pool.close()
     show("### Verdicts\n\n" + verdict_lines(checks))
     if args.results_md:
         command = " ".join(["python benchmarks/bench_elastic.py", *(sys.argv[1:] if argv is None else argv)])

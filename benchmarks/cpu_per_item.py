@@ -429,7 +429,7 @@ def main(argv=None) -> int:
                   flush=True)
     finally:
         if pool is not None:
-            pool.stop()
+            pool.close()
         if STALLS is not None:
             shutil.rmtree(STALLS.directory, ignore_errors=True)
     return 0

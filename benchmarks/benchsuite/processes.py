@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -111,7 +112,7 @@ class ServerPool:
 
     Servers are started untimed, as in a deployment, and reused across scenarios (a
     worker server serves many sessions).  ``ensure(n)`` grows the pool to ``n`` servers,
-    starting the missing ones in parallel; ``stop()`` kills and reaps them all.  Used
+    starting the missing ones in parallel; ``stop()`` kills and reaps them all; ``close()`` also removes their logs.  Used
     from the parent process only.  ``launch(log_path)`` starts one server and returns
     ``(process, readiness check, what)``.
     """
@@ -164,6 +165,11 @@ class ServerPool:
         """Kill and reap every server of the pool."""
         stop_processes(self.procs + [p for p, _, _ in self.pending])
         self.procs, self.addresses, self.pending = [], [], []
+
+    def close(self) -> None:
+        """Stop every server of the pool and remove its log directory."""
+        self.stop()
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def launch_rpcrs_server(auth_key: str) -> Launch:

@@ -7,7 +7,6 @@ import os
 import platform
 import resource
 import secrets
-import shutil
 import sys
 import time
 from typing import Any, Callable, Optional
@@ -290,8 +289,7 @@ class Runner:
     def close(self) -> None:
         """Stop every server pool and reap anything left."""
         for pool in {id(pool): pool for pool in self.pools.values()}.values():
-            pool.stop()
-            shutil.rmtree(pool.log_dir, ignore_errors=True)
+            pool.close()
         reap_adopted_children(set())
 
 
