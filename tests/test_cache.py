@@ -10,17 +10,21 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
 import pytest
 import torch
-from _server_helpers import remote, run_epochs, worker_cli_runs  # noqa: E402 - tests/ is on sys.path
+from _server_helpers import read_line, reap, remote, run_epochs, spawn_python, worker_cli_runs  # noqa: E402 - tests/ is on sys.path
 from torchdata.dataloader2 import DataLoader2
 from torchdata.datapipes.iter import IterableWrapper
 
 from rpc_reading_service import CacheKeyError, ConfigurationError, LocalWorkers, RPCReadingService
 from rpc_reading_service.cache import DiskStore
+from rpc_reading_service.cache.temporary import (
+    TEMPORARY_CACHE_PREFIX, hold_directory, remove_abandoned_caches,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -240,6 +244,67 @@ def test_local_workers_share_a_temporary_cache_removed_at_the_end(tmp_path):
         assert directory is not None and os.path.isdir(directory)
     assert calls(calls_file) == 16
     assert not os.path.exists(directory)
+
+
+def test_only_an_unheld_old_temporary_cache_of_this_user_is_taken_for_abandoned(tmp_path):
+    held, abandoned, young = (tempfile.mkdtemp(prefix=TEMPORARY_CACHE_PREFIX, dir=tmp_path) for _ in "abc")
+    (Path(abandoned) / "entries").mkdir()
+    (Path(abandoned) / "entries" / "x").write_bytes(b"payload")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (tmp_path / (TEMPORARY_CACHE_PREFIX + "link")).symlink_to(outside)
+    (tmp_path / (TEMPORARY_CACHE_PREFIX + "file")).write_bytes(b"")
+    for path in (held, abandoned, outside):
+        os.utime(path, (0, 0))
+    fd = hold_directory(held)
+    try:
+        assert remove_abandoned_caches(str(tmp_path)) == [abandoned]
+    finally:
+        os.close(fd)
+    assert os.path.isdir(held) and os.path.isdir(young) and os.path.isdir(outside)
+    assert sorted(remove_abandoned_caches(str(tmp_path), min_age_s=0)) == sorted([held, young])
+
+
+TRAINER_WITH_A_TEMPORARY_CACHE = """
+import sys, tempfile
+from torchdata.dataloader2 import DataLoader2
+from torchdata.datapipes.iter import IterableWrapper
+from rpc_reading_service import RPCReadingService
+
+tempfile.tempdir = sys.argv[1]
+graph = IterableWrapper(range(10**7)).sharding_filter()
+dl = DataLoader2(graph, reading_service=RPCReadingService(num_workers=2))
+if sys.argv[2] == "run":
+    it = iter(dl)
+    next(it), next(it)
+    print("started", flush=True)
+    sys.stdin.readline()
+else:
+    print(sum(x for x, _ in zip(dl, range(100))), flush=True)
+    dl.shutdown()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forked local workers: Linux")
+def test_a_run_killed_with_its_workers_leaves_its_temporary_cache_to_the_next_run(tmp_path):
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    trainer = spawn_python(TRAINER_WITH_A_TEMPORARY_CACHE, tmp_path, [str(temp), "run"])
+    try:
+        assert read_line(trainer, timeout=45) == "started"
+        (left,) = temp.glob(TEMPORARY_CACHE_PREFIX + "*")
+        assert remove_abandoned_caches(str(temp), min_age_s=0) == []  # held by the trainer and its server
+    finally:
+        reap(trainer)  # SIGKILL to its process group: the trainer and its worker server at once
+    assert left.is_dir()
+    os.utime(left, (0, 0))
+    next_run = spawn_python(TRAINER_WITH_A_TEMPORARY_CACHE, tmp_path, [str(temp), "once"])
+    try:
+        assert read_line(next_run, timeout=45) == str(sum(range(100)))
+        assert next_run.wait(30) == 0
+    finally:
+        reap(next_run)
+    assert list(temp.iterdir()) == []
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])

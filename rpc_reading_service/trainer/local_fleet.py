@@ -20,6 +20,7 @@ import time
 from typing import Any, List, Optional, Tuple
 
 from ..cache.config import CacheConfig
+from ..cache.temporary import make_temporary_cache
 from ..errors import ConfigurationError, WorkerStartupError
 from ..keys import AUTH_KEY_ENV
 
@@ -217,6 +218,7 @@ class LocalWorkerServer:
         self.cache_size = cache_size
         self._cache: Optional[CacheConfig] = None
         self._cache_temp_dir: Optional[str] = None
+        self._cache_hold: Optional[int] = None  # a descriptor holding _cache_temp_dir in use
         self.watch_locks = watch_locks
 
     def _listen_host(self) -> str:
@@ -250,8 +252,9 @@ class LocalWorkerServer:
     def _cache_config(self) -> Optional[CacheConfig]:
         if self.cache_dir is not None:
             return CacheConfig.create(self.cache_dir, self.cache_size, option="LocalWorkers.cache_dir")
-        # The server removes it when it stops, also after the trainer was killed; stop() too.
-        self._cache_temp_dir = tempfile.mkdtemp(prefix="rrs-cache-")
+        # The server removes it when it stops, also after the trainer was killed; stop() too; the
+        # next run's trainer when both were killed at once (each holds it while it runs).
+        self._cache_temp_dir, self._cache_hold = make_temporary_cache()
         cache = CacheConfig.create(self._cache_temp_dir, self.cache_size)
         return None if cache is None else dataclasses.replace(cache, temporary=True)
 
@@ -322,6 +325,9 @@ class LocalWorkerServer:
         if self._cache_temp_dir is not None:
             shutil.rmtree(self._cache_temp_dir, ignore_errors=True)
             self._cache_temp_dir = None
+        if self._cache_hold is not None:
+            os.close(self._cache_hold)
+            self._cache_hold = None
 
     @staticmethod
     def _stop_process(process: Any, timeout: float) -> None:

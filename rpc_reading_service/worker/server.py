@@ -30,6 +30,7 @@ from ..version import __version__
 from ..addresses import is_loopback_host
 from ..cache.config import CacheConfig
 from ..cache.handle import set_worker_cache
+from ..cache.temporary import hold_directory
 from ..discovery import WorkerRegistration, advertised_address
 from ..errors import ConfigurationError
 from ..keys import AUTH_KEY_ENV, load_auth_key
@@ -127,6 +128,10 @@ class WorkerServer:
         self._stop = threading.Event()
         self._wake_fds: List[int] = []  # wake_on()'s pipe end: sessions close it
         self._cache = cache
+        #: Holds a temporary cache directory in use while this server runs (see cache/temporary.py).
+        self._cache_hold: Optional[int] = None
+        if cache is not None and cache.temporary and cache.directory:
+            self._cache_hold = hold_directory(cache.directory)
         #: Sessions and their counters, for metrics (``--metrics-port``).
         self.ledger = SessionLedger()
         set_worker_cache(cache)  # before any session forks, so every session finds it
@@ -411,8 +416,10 @@ class WorkerServer:
         for conn in self._session_conns.values():  # thread sessions: a closed connection ends each one
             conn.close()
         self._sessions.stop(max(0.0, deadline - time.monotonic()) + 1.0)
-        if self._cache is not None and self._cache.temporary and self._cache.directory:
+        if self._cache_hold is not None:  # a temporary cache: removed, then let go
             shutil.rmtree(self._cache.directory, ignore_errors=True)
+            os.close(self._cache_hold)
+            self._cache_hold = None
 
 
 def die_with_parent(signum: int) -> bool:
