@@ -39,9 +39,9 @@ from rpc_reading_service.serialization import (
     loads_item,
     pins_shared_memory,
 )
+from rpc_reading_service.transports.socket_transport.segment_map import SegmentMap
+from rpc_reading_service.transports.socket_transport.segments import HEADER_BYTES
 from rpc_reading_service.transports.socket_transport.shared_memory import (
-    HEADER_BYTES,
-    SegmentMap,
     SegmentPool,
     copy_into_segment,
     shared_memory_available,
@@ -424,8 +424,10 @@ def _lines_run_in(function_name: str, function, *args):
 
 
 def test_a_buffer_takes_the_first_free_segment_made_for_its_size_without_looking_further():
-    # A stream of same-sized buffers: the oldest free segment made for that size is the smallest
-    # that fits, so the pool looks no further whether it holds 4 free segments or 32.
+    # A stream of same-sized buffers: the oldest segment let go that was made for that size is the
+    # smallest that fits, so the pool looks no further whether it holds 4 segments or 32, and
+    # whether the older ones are lent again (the trainer lets go in about the order lent: the first
+    # buffer after it let go of them all finds them, once).
     looked = []
     for count in (4, 32):
         pool, segments = SegmentPool(), SegmentMap("test")
@@ -434,13 +436,44 @@ def test_a_buffer_takes_the_first_free_segment_made_for_its_size_without_looking
         held = [_hand_over(pool, segments, [memoryview(item)]) for _ in range(count)]
         del held
         gc.collect()
+        lent_again = [_hand_over(pool, segments, [memoryview(item)]) for _ in range(count - 1)]  # the oldest
         staged, lines = _lines_run_in("_fitting", pool.stage, memoryview(item))
         (received,) = _hand_over(pool, segments, [staged])
-        assert bytes(received) == item.tobytes() and pool.segments == count
+        assert bytes(received) == item.tobytes() and pool.segments == count and len(lent_again) == count - 1
         looked.append(lines)
         del staged, received
         pool.close()
     assert looked[0] == looked[1], looked
+
+
+def test_a_buffer_the_consumer_never_lets_go_leaves_the_pools_bookkeeping_bounded():
+    import tracemalloc
+
+    from rpc_reading_service.transports.socket_transport import shared_memory
+
+    pool, segments = SegmentPool(), SegmentMap("test")
+    pool.bound(64, BIG)
+    item = numpy.full(SHARED_MEMORY_MIN_BYTES, 6, dtype=numpy.uint8)
+    kept = _hand_over(pool, segments, [memoryview(item)])  # the oldest lent segment, held for ever
+
+    def hand_over(frames: int) -> int:
+        for _ in range(frames):
+            (received,) = _hand_over(pool, segments, [memoryview(item)])
+            assert bytes(received[:1]) == b"\x06"
+            del received
+        traces = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, shared_memory.__file__)])
+        return sum(stat.size for stat in traces.statistics("filename"))
+
+    tracemalloc.start()
+    try:
+        hand_over(200)
+        before = hand_over(200)
+        after = hand_over(2000)
+    finally:
+        tracemalloc.stop()
+    assert after - before < 4096, (before, after)
+    assert pool.segments == 2 and len(kept) == 1
+    pool.close()
 
 
 def test_items_made_in_a_segment_are_lent_as_they_are_and_reused_once_both_sides_let_go():

@@ -4,32 +4,29 @@ Used by the socket transport on Unix sockets (local workers); the design: docs/a
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import ctypes
+import heapq
 import logging
 import mmap
 import operator
 import os
 import threading
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import numpy
 
-from ...errors import RemoteProtocolError
-from ...protocol.credits import FRAMES_PAST_WINDOW
-from ...protocol.frames import Buffer, Frame, SharedBuffer, SharedFrame
+from ...protocol.frames import Buffer, SharedBuffer
 from ...serialization import SHARED_MEMORY_MIN_BYTES
-from .mappings import SegmentMapping, advise, map_shared, unmap
+from .mappings import SegmentMapping, map_shared, unmap
+from .segments import FREE, HEADER_BYTES, LENT, Segment
 
-__all__ = ["HEADER_BYTES", "SegmentPool", "SegmentMap", "allocate", "copy_into_segment", "shared_memory_available"]
+__all__ = ["SegmentPool", "allocate", "copy_into_segment", "shared_memory_available"]
 
 log = logging.getLogger(__name__)
 
-#: Bytes before a segment's data: byte 0 is its state (lent to the trainer, or free).
-HEADER_BYTES = 64
-_FREE, _LENT = 0, 1
-_CAPACITY, _SIZE, _ID = operator.attrgetter("capacity"), operator.attrgetter("size"), operator.attrgetter("id")
+_CAPACITY, _SIZE = operator.attrgetter("capacity"), operator.attrgetter("size")
 _PAGE = mmap.PAGESIZE
 #: New segments one frame may bring (each one a descriptor in its ancillary data).
 MAX_NEW_SEGMENTS_PER_FRAME = 16
@@ -84,38 +81,6 @@ def _address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-class _Segment:
-    __slots__ = ("id", "size", "capacity", "mapping", "state", "data", "address", "fd", "in_hand", "hand", "hand_key",
-                 "held_in", "pinned", "resident")
-
-    def __init__(self, segment_id: int, size: int, mapping: SegmentMapping):
-        self.id = segment_id
-        self.size = size
-        self.capacity = size - HEADER_BYTES  # its data's bytes
-        self.mapping = mapping
-        self.state = memoryview(mapping).cast("B")[:1]
-        self.data = numpy.frombuffer(mapping, dtype=numpy.uint8, offset=HEADER_BYTES)
-        self.address = self.data.ctypes.data
-        self.fd: Optional[int] = None  # a segment made for a producer: its descriptor, until announced
-        self.in_hand = False  # memory of it given to a producer lives in this process
-        self.hand: Optional[weakref.ref] = None  # that memory, whose end puts the segment down
-        self.hand_key = 0  # the id of that memory (a key of its pool's map of memory in hand)
-        self.held_in: Tuple[dict, ...] = ()  # the pool's maps that hold it while in hand
-        self.pinned = False  # page-locked for CUDA (a trainer's pin_memory): see SegmentMap
-        self.resident = True  # its pages are mapped in this process (see SegmentMap.bound)
-
-    def put_down(self, _memory: weakref.ref) -> None:
-        """The memory given to a producer is gone (a weak reference's callback): out of its pool's
-        maps, then free to hand out again (in that order: another thread may hand it out at once)."""
-        held_in, self.held_in = self.held_in, ()
-        if held_in:
-            by_memory, made_by_producers = held_in
-            by_memory.pop(self.hand_key, None)
-            made_by_producers.pop(self.id, None)
-        self.hand = None
-        self.in_hand = False
-
-
 #: The pools whose connections let producers make items in their segments (see :func:`allocate`).
 _producer_pools: "weakref.WeakSet[SegmentPool]" = weakref.WeakSet()
 #: The one pool of ``_producer_pools`` (None with none or several), kept as they change: looked
@@ -136,15 +101,9 @@ def _change_producer_pools(pool: "SegmentPool", offered: bool) -> None:
         _sole_producer_pool = weakref.ref(pools[0]) if len(pools) == 1 else None
 
 
-#: This process's id, kept by a fork hook: read for every received buffer and every release,
-#: where ``os.getpid()`` would be a system call each.
-_pid = os.getpid()
-
-
 def _note_fork() -> None:
-    """In a forked child: its own pid, and no producer pool (the parent's sessions are not its own)."""
-    global _pid, _producer_pools, _sole_producer_pool, _producer_pools_lock
-    _pid = os.getpid()
+    """In a forked child: no producer pool (the parent's sessions are not its own)."""
+    global _producer_pools, _sole_producer_pool, _producer_pools_lock
     _producer_pools, _sole_producer_pool, _producer_pools_lock = weakref.WeakSet(), None, threading.Lock()
 
 
@@ -210,7 +169,11 @@ class SegmentPool:
         self.max_free = max_free
         #: What :meth:`bound` set: frames' worth of segments kept (0: no bound), a frame's bytes.
         self._frames, self._frame_bytes = 0, 0
-        self._segments: Dict[int, _Segment] = {}
+        self._segments: Dict[int, Segment] = {}
+        #: Segments as lent (the trainer lets go in about that order), and a heap of the ids of
+        #: those found let go at its front: see :meth:`_fitting`.
+        self._lent_order: Deque[Segment] = collections.deque()
+        self._reusable: List[int] = []
         self._bytes = 0
         self._next_id = 1
         self._lock = threading.Lock()
@@ -218,8 +181,8 @@ class SegmentPool:
         self._closed = False
         self._retired: List[int] = []  # retired between frames (by allocate): told with the next one
         #: Segments in hand, by the id of the memory given out; those a graph makes items in, by segment id.
-        self._in_hand: Dict[int, _Segment] = {}
-        self._made_by_producers: Dict[int, _Segment] = {}
+        self._in_hand: Dict[int, Segment] = {}
+        self._made_by_producers: Dict[int, Segment] = {}
 
     def bound(self, frames: int, frame_bytes: int) -> None:
         """Keep no free segment past ``frames`` frames' worth of segments (the connection's share
@@ -287,7 +250,7 @@ class SegmentPool:
             numpy.frombuffer(memory, dtype=numpy.uint8)[:] = numpy.frombuffer(view, dtype=numpy.uint8)
         return memory
 
-    def _hand_out(self, segment: _Segment, nbytes: int, for_producer: bool) -> Buffer:
+    def _hand_out(self, segment: Segment, nbytes: int, for_producer: bool) -> Buffer:
         memory = (ctypes.c_ubyte * nbytes).from_buffer(segment.mapping, HEADER_BYTES)
         segment.in_hand = True
         segment.hand = weakref.ref(memory, segment.put_down)
@@ -298,7 +261,7 @@ class SegmentPool:
             self._made_by_producers[segment.id] = segment
         return memory  # type: ignore[return-value]
 
-    def _made_in(self, view: memoryview) -> Optional[Tuple[_Segment, int]]:
+    def _made_in(self, view: memoryview) -> Optional[Tuple[Segment, int]]:
         """The segment a producer made ``view`` in (or that holds a staged copy, all of it) and its
         offset there, if any; no look at each segment (this runs for every large buffer)."""
         if not view.nbytes:
@@ -357,7 +320,8 @@ class SegmentPool:
                         new.append((segment.id, segment.size, segment.fd))
                         segment.fd = None
                     numpy.copyto(segment.data[: view.nbytes], numpy.frombuffer(view, dtype=numpy.uint8))
-                segment.state[0] = _LENT
+                segment.state[0] = LENT
+                self._lent_order.append(segment)
                 shared.append(SharedBuffer(index, segment.id, HEADER_BYTES, view.nbytes))
             if body_bytes >= min_bytes and not self._closed:
                 segment = self._segment_for(body_bytes, new, retired)
@@ -366,21 +330,23 @@ class SegmentPool:
                         new.append((segment.id, segment.size, segment.fd))
                         segment.fd = None
                     _gather(segment.data, body, body_bytes)
-                    segment.state[0] = _LENT
+                    segment.state[0] = LENT
+                    self._lent_order.append(segment)
                     shared.append(SharedBuffer(len(buffers), segment.id, HEADER_BYTES, body_bytes))
         return shared, inline, new, retired
 
-    def _lend_made(self, segment: _Segment, offset: int, nbytes: int, index: int, shared: list, new: list) -> bool:
+    def _lend_made(self, segment: Segment, offset: int, nbytes: int, index: int, shared: list, new: list) -> bool:
         """Lend a buffer a producer made in ``segment`` as it is; False when it must be copied
         (the segment is lent already: its memory was sent before and is still in use)."""
-        if segment.state[0] != _FREE:
+        if segment.state[0] != FREE:
             return False
         if segment.fd is not None:
             if len(new) >= MAX_NEW_SEGMENTS_PER_FRAME:
                 return False
             new.append((segment.id, segment.size, segment.fd))
             segment.fd = None
-        segment.state[0] = _LENT
+        segment.state[0] = LENT
+        self._lent_order.append(segment)
         shared.append(SharedBuffer(index, segment.id, HEADER_BYTES + offset, nbytes))
         return True
 
@@ -389,14 +355,30 @@ class SegmentPool:
         for _id, _size, fd in new:
             os.close(fd)
 
-    def _fitting(self, nbytes: int, announced: bool = False) -> Optional[_Segment]:
+    def _fitting(self, nbytes: int, announced: bool = False) -> Optional[Segment]:
         """The smallest available segment that holds ``nbytes`` and is at most twice that
         (with ``announced``: only one the trainer knows already), the oldest of those."""
-        best = None
         smallest = _segment_bytes(nbytes) - HEADER_BYTES  # what a segment made for it holds: none less
-        for segment in self._segments.values():  # the free ones (as :meth:`_free`), with no call per allocation
+        lent, reusable, segments = self._lent_order, self._reusable, self._segments
+        while lent and (lent[0].state[0] == FREE or len(lent) > 2 * len(segments)):
+            segment = lent.popleft()  # let go (or held long: the scan below finds it then)
+            if segment.state[0] == FREE:
+                heapq.heappush(reusable, segment.id)
+        if len(reusable) > 2 * len(segments):  # ids pile up behind one that no size asked for fits
+            reusable.clear()
+        while reusable:  # the oldest first, as the scan below (and the trainer's SegmentMap expects)
+            segment = segments.get(reusable[0])
+            if segment is None or segment.state[0] != FREE or segment.in_hand:
+                heapq.heappop(reusable)  # retired, or taken by the scan below since
+            elif segment.capacity == smallest and not (announced and segment.fd is not None):
+                heapq.heappop(reusable)
+                return segment
+            else:
+                break
+        best = None
+        for segment in segments.values():  # the free ones (as :meth:`_free`), with no call per allocation
             capacity = segment.capacity
-            if segment.state[0] != _FREE or segment.in_hand:
+            if segment.state[0] != FREE or segment.in_hand:
                 continue
             if nbytes <= capacity <= 2 * nbytes and not (announced and segment.fd is not None):
                 if capacity == smallest:  # no smaller one further on: the rest are not looked at
@@ -405,23 +387,23 @@ class SegmentPool:
                     best = segment
         return best
 
-    def _free(self) -> List[_Segment]:
+    def _free(self) -> List[Segment]:
         """The segments neither lent to the trainer nor in a producer's hands (free to reuse or
         retire), oldest first; no call per segment (this runs for every allocation)."""
         free = []
         for segment in self._segments.values():
-            if segment.state[0] == _FREE and not segment.in_hand:
+            if segment.state[0] == FREE and not segment.in_hand:
                 free.append(segment)
         return free
 
-    def _segment_for(self, nbytes: int, new: list, retired: list, view: Optional[memoryview] = None) -> Optional[_Segment]:
+    def _segment_for(self, nbytes: int, new: list, retired: list, view: Optional[memoryview] = None) -> Optional[Segment]:
         full = len(new) >= MAX_NEW_SEGMENTS_PER_FRAME  # no room for another descriptor in this frame
         fitting = self._fitting(nbytes, announced=full)
         if fitting is not None or full:
             return fitting
         return self._make_room_for(nbytes, retired, view, new)
 
-    def _make_room_for(self, nbytes: int, retired: list, view: Optional[memoryview], new: list) -> Optional[_Segment]:
+    def _make_room_for(self, nbytes: int, retired: list, view: Optional[memoryview], new: list) -> Optional[Segment]:
         """A new segment for ``nbytes``, holding ``view``'s bytes if given, announced in ``new`` (see :meth:`_reserve`)."""
         size = self._reserve(nbytes, retired)
         if size is None:
@@ -463,10 +445,10 @@ class SegmentPool:
             self._retire(segment, retired)
             surplus -= 1
 
-    def _register(self, size: int, mapping: SegmentMapping, fd: int, new: Optional[list]) -> _Segment:
+    def _register(self, size: int, mapping: SegmentMapping, fd: int, new: Optional[list]) -> Segment:
         """Add a new segment (its ``size`` already counted by :meth:`_reserve`); its descriptor goes
         in ``new``, or (made for a producer) stays with it until it is first lent."""
-        segment = _Segment(self._next_id, size, mapping)
+        segment = Segment(self._next_id, size, mapping)
         self._next_id += 1
         self._segments[segment.id] = segment
         if new is None:
@@ -475,7 +457,7 @@ class SegmentPool:
             new.append((segment.id, size, fd))
         return segment
 
-    def _retire(self, segment: _Segment, retired: list) -> None:
+    def _retire(self, segment: Segment, retired: list) -> None:
         del self._segments[segment.id]
         self._bytes -= segment.size
         if segment.fd is not None:  # never announced: the trainer does not know it
@@ -499,200 +481,8 @@ class SegmentPool:
                     os.close(segment.fd)
                     segment.fd = None
             self._segments.clear()
+            self._lent_order.clear()
+            self._reusable.clear()
             self._in_hand.clear()
             self._made_by_producers.clear()
             self._bytes = 0
-
-
-#: ``madvise`` advice that maps a range's pages at once (Linux 5.14: MADV_POPULATE_READ; the
-#: mmap module of Python 3.11 does not name it); an older kernel refuses it: pages then fault in.
-_MADV_POPULATE_READ = 22
-
-
-class _Lent(weakref.ref):
-    """A weak reference to memory the trainer was lent on a segment (frees it once the memory is gone)."""
-
-    __slots__ = ("state", "owner")
-
-
-#: The references to lent memory still alive (a weak reference that dies calls no callback).
-_lent: Dict[int, _Lent] = {}
-
-
-def _released(lent: _Lent) -> None:
-    _lent.pop(id(lent), None)
-    # A process forked from the owner shares the mapping: only the owner may free the segment.
-    if _pid == lent.owner:
-        lent.state[0] = _FREE
-
-
-def _cuda_host_register(segment: _Segment) -> bool:
-    """Page-lock ``segment``'s mapping for CUDA (``cudaHostRegister``), so that tensors on it go to
-    a GPU with ``non_blocking=True`` without a staging copy; False without CUDA, or if refused."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return False
-    try:
-        return int(torch.cuda.cudart().cudaHostRegister(segment.address - HEADER_BYTES, segment.size, 0)) == 0
-    except (RuntimeError, AttributeError, TypeError) as exc:
-        log.debug("cudaHostRegister of a shared segment failed: %s", exc)
-        return False
-
-
-def _cuda_host_unregister(segment: _Segment) -> None:
-    """Undo :func:`_cuda_host_register` while the mapping is still there (tensors left on it stay
-    valid, in pageable memory)."""
-    if segment.pinned:
-        import torch
-
-        with contextlib.suppress(RuntimeError, AttributeError, TypeError):
-            torch.cuda.cudart().cudaHostUnregister(segment.address - HEADER_BYTES)
-        segment.pinned = False
-
-
-class SegmentMap:
-    """The trainer's mappings of one connection's segments; builds received buffers on them.
-
-    Each buffer is a numpy array on the mapping; when it (and every tensor or array built
-    on it) is gone, its segment is marked free for the worker to reuse. Used by the
-    receiving thread only. With ``pin`` (a trainer's ``pin_memory`` where CUDA is available)
-    each segment is page-locked where it is mapped (``cudaHostRegister``), not copied.
-    """
-
-    def __init__(self, peer: str, pin: bool = False):
-        self.peer = peer
-        self.pin = pin
-        self._segments: Dict[int, _Segment] = {}
-        #: What :meth:`bound` set: frames' worth of segments resident here (0: no bound), a frame's bytes.
-        self._frames, self._frame_bytes = 0, 0
-        #: The resident segments' bytes, how many segments are not resident, the largest one's size:
-        #: kept as they change, so that a frame within the bound costs no look at every segment.
-        self._resident_bytes, self._dropped, self._largest = 0, 0, 0
-
-    def bound(self, frames: int, frame_bytes: int) -> None:
-        """Keep at most ``frames`` frames' worth of segments resident here (the connection's share
-        of the credit window, plus one), a frame being ``frame_bytes`` or the largest segment, and
-        the ``frame_bytes`` of each frame a worker fills past the window: before more arrive, the
-        pages of free segments past that leave this process's resident memory (``MADV_DONTNEED``:
-        the memory stays the worker's), and come back when one is lent again.
-
-        Args:
-            frames: Frames in flight at once, plus one.
-            frame_bytes: Bytes counted per frame (a trainer: ``batch_max_bytes``; a worker: ``frame_max_bytes``).
-        """
-        self._frames, self._frame_bytes = frames, frame_bytes
-
-    def _make_room(self, shared: SharedFrame) -> None:
-        """Drop the pages of free segments (let go here, not page-locked) until what ``shared``
-        brings in fits under :meth:`bound` with the segments resident already."""
-        if not self._frames:
-            return
-        resident, largest = self._resident_bytes, self._largest
-        for _id, size in shared.new_segments:
-            resident += size
-            largest = size if size > largest else largest
-        placed = None
-        if self._dropped:  # a placed segment whose pages were dropped comes back
-            placed = shared.placed_segments
-            resident += sum(s.size for i in placed if (s := self._segments.get(i)) is not None and not s.resident)
-        keep = self._frames * max(self._frame_bytes, largest) + FRAMES_PAST_WINDOW * self._frame_bytes
-        if resident <= keep:
-            return
-        if placed is None:
-            placed = shared.placed_segments
-        # The newest first: a worker lends the oldest free segment that fits, so those stay warm.
-        for segment in sorted(self._segments.values(), key=_ID, reverse=True):
-            if resident <= keep:
-                return
-            if segment.resident and not segment.pinned and segment.id not in placed and segment.state[0] == _FREE:
-                with contextlib.suppress(OSError, ValueError):
-                    advise(segment.mapping, mmap.MADV_DONTNEED)
-                self._resident(segment, False)
-                resident -= segment.size
-
-    def _resident(self, segment: _Segment, resident: bool) -> None:
-        """Mark ``segment``'s pages mapped here or dropped (counted for :meth:`_make_room`)."""
-        segment.resident = resident
-        self._resident_bytes += segment.size if resident else -segment.size
-        self._dropped += -1 if resident else 1
-
-    def open(self, shared: SharedFrame, fds: List[int], max_frame_bytes: int) -> Frame:
-        """The inner frame of ``shared``, its buffers (and body, if placed) on the segments; ``fds`` are the
-        descriptors of its new segments, in order (this call owns them)."""
-        try:
-            if len(fds) != len(shared.new_segments):
-                raise self._error(f"brought {len(fds)} descriptors for {len(shared.new_segments)} new segments")
-            if len(shared.body) + shared.shared_bytes + sum(memoryview(b).nbytes for b in shared.inline) > max_frame_bytes:
-                raise self._error(f"announced a frame over the maximum of {max_frame_bytes} bytes")
-            for segment_id in shared.retired:
-                retired = self._segments.pop(segment_id, None)
-                if retired is not None:
-                    self._forget(retired)
-            self._make_room(shared)
-            for (segment_id, size), fd in zip(shared.new_segments, fds):
-                self._add(segment_id, size, fd)
-        finally:
-            for fd in fds:
-                os.close(fd)
-        buffers: List[Buffer] = list(shared.inline)
-        for placed in shared.shared:
-            buffers.insert(placed.index, self._buffer(placed))
-        body = shared.body
-        if shared.body_placed is not None:  # bytes, as a body read from the socket is (the array's format is "<B")
-            body = memoryview(self._buffer(shared.body_placed)).cast("B")
-        return Frame(shared.kind, body, buffers)
-
-    def _add(self, segment_id: int, size: int, fd: int) -> None:
-        if segment_id in self._segments:
-            raise self._error(f"announced segment {segment_id} twice")
-        if not HEADER_BYTES < size <= os.fstat(fd).st_size:
-            raise self._error(f"announced segment {segment_id} of {size} bytes, which its descriptor does not hold")
-        segment = self._segments[segment_id] = _Segment(segment_id, size, map_shared(fd, size))
-        self._resident_bytes += size
-        self._largest = max(self._largest, size)
-        if self.pin:
-            segment.pinned = _cuda_host_register(segment)
-
-    def _buffer(self, placed: SharedBuffer) -> Buffer:
-        segment = self._segments.get(placed.segment)
-        if segment is None:
-            raise self._error(f"placed a buffer in segment {placed.segment}, which it never announced")
-        if placed.offset < HEADER_BYTES or placed.offset + placed.length > segment.size:
-            raise self._error(f"placed {placed.length} bytes at offset {placed.offset} of a {segment.size}-byte segment")
-        # A ctypes array, not a numpy view: numpy collapses a view's base to the mapping, so
-        # the view could die while arrays built on it live; this object lives as long as they do.
-        if not segment.resident:  # its pages were dropped (see bound): map them in one call
-            with contextlib.suppress(OSError, ValueError):
-                advise(segment.mapping, _MADV_POPULATE_READ)
-            self._resident(segment, True)
-        memory = (ctypes.c_ubyte * placed.length).from_buffer(segment.mapping, placed.offset)
-        lent = _Lent(memory, _released)
-        lent.state, lent.owner = segment.state, _pid
-        _lent[id(lent)] = lent
-        return memory  # type: ignore[return-value]
-
-    def _forget(self, segment: _Segment) -> None:
-        """A retired segment is no longer counted (its mapping goes with the last buffer on it)."""
-        if segment.resident:
-            self._resident_bytes -= segment.size
-        else:
-            self._dropped -= 1
-        if segment.size >= self._largest:
-            self._largest = max(map(_SIZE, self._segments.values()), default=0)
-        _cuda_host_unregister(segment)
-
-    def _error(self, what: str) -> RemoteProtocolError:
-        return RemoteProtocolError(f"the worker at {self.peer} {what} (SHARED_DATA frame)")
-
-    @property
-    def segments(self) -> int:
-        """Segments mapped (the worker lent or may lend again)."""
-        return len(self._segments)
-
-    def close(self) -> None:
-        """Forget every segment (each mapping goes with the last buffer built on it)."""
-        for segment in self._segments.values():
-            _cuda_host_unregister(segment)
-        self._segments.clear()
-        self._resident_bytes, self._dropped, self._largest = 0, 0, 0

@@ -16,7 +16,8 @@ from ...protocol import HEADER, Buffer, Frame, FrameReader, MessageKind
 from ...protocol.frames import TRANSPORT_KINDS, SharedBuffer, decode_shared_data, encode_shared_data, split_frame
 from ...serialization import SHARED_MEMORY_MIN_BYTES
 from ..base import PeerLostError
-from .shared_memory import MAX_NEW_SEGMENTS_PER_FRAME, SegmentMap, SegmentPool, copy_into_segment
+from .segment_map import SegmentMap
+from .shared_memory import MAX_NEW_SEGMENTS_PER_FRAME, SegmentPool, copy_into_segment
 from .connection import SocketConnection
 from .sockets import descriptor_limit, send_chunks
 
