@@ -198,6 +198,7 @@ def test_segments_are_reused_once_the_trainer_lets_go_and_stay_bounded():
 def test_a_bound_pool_retires_free_segments_past_the_window_and_lends_past_it_while_held():
     # The trainer maps every segment of the pool: free ones past the connection's share of the
     # credit window (plus one) are retired; a consumer holding more gets new ones, not a stall.
+    mapped_before = len(shared_ranges(os.getpid()))
     pool, segments = SegmentPool(), SegmentMap("test")
     pool.bound(2, BIG)
     item = torch.full((BIG,), 7, dtype=torch.uint8)
@@ -213,6 +214,28 @@ def test_a_bound_pool_retires_free_segments_past_the_window_and_lends_past_it_wh
     (buffer,) = _hand_over(pool, segments, encoded.buffers)  # the next frame retires the surplus
     assert pool.segments == 2 == segments.segments
     assert torch.equal(loads_item(EncodedItem(encoded.payload, [buffer])), item)
+    gc.collect()
+    assert len(shared_ranges(os.getpid())) - mapped_before == 4  # the retired ones unmapped on both ends
+
+
+def test_a_retired_segment_is_unmapped_while_an_older_one_is_still_held():
+    # The pool's record of the order it lent in keeps no retired segment (and its memory) alive.
+    mapped_before = len(shared_ranges(os.getpid()))
+    pool, segments = SegmentPool(), SegmentMap("test")
+    pool.bound(4, BIG)
+    item = torch.full((BIG,), 7, dtype=torch.uint8)
+    encoded = dumps_item(item)
+    (oldest,) = _hand_over(pool, segments, encoded.buffers)  # held for the whole test
+    later = [_hand_over(pool, segments, encoded.buffers)[0] for _ in range(7)]
+    assert pool.segments == 8
+    del later
+    gc.collect()
+    (buffer,) = _hand_over(pool, segments, encoded.buffers)  # retires the free ones past the bound
+    assert pool.segments == segments.segments < 8
+    assert bytes(oldest[:1]) == bytes(buffer[-1:]) == b"\x07"
+    gc.collect()
+    assert len(shared_ranges(os.getpid())) - mapped_before == 2 * pool.segments  # on both ends
+    pool.close()
 
 
 def test_a_bound_pool_lends_its_window_of_small_segments_again_and_makes_no_more():

@@ -172,7 +172,7 @@ class SegmentPool:
         self._segments: Dict[int, Segment] = {}
         #: Segments as lent (the trainer lets go in about that order), and a heap of the ids of
         #: those found let go at its front: see :meth:`_fitting`.
-        self._lent_order: Deque[Segment] = collections.deque()
+        self._lent_order: Deque[int] = collections.deque()
         self._reusable: List[int] = []
         self._bytes = 0
         self._next_id = 1
@@ -321,7 +321,7 @@ class SegmentPool:
                         segment.fd = None
                     numpy.copyto(segment.data[: view.nbytes], numpy.frombuffer(view, dtype=numpy.uint8))
                 segment.state[0] = LENT
-                self._lent_order.append(segment)
+                self._lent_order.append(segment.id)
                 shared.append(SharedBuffer(index, segment.id, HEADER_BYTES, view.nbytes))
             if body_bytes >= min_bytes and not self._closed:
                 segment = self._segment_for(body_bytes, new, retired)
@@ -331,7 +331,7 @@ class SegmentPool:
                         segment.fd = None
                     _gather(segment.data, body, body_bytes)
                     segment.state[0] = LENT
-                    self._lent_order.append(segment)
+                    self._lent_order.append(segment.id)
                     shared.append(SharedBuffer(len(buffers), segment.id, HEADER_BYTES, body_bytes))
         return shared, inline, new, retired
 
@@ -346,7 +346,7 @@ class SegmentPool:
             new.append((segment.id, segment.size, segment.fd))
             segment.fd = None
         segment.state[0] = LENT
-        self._lent_order.append(segment)
+        self._lent_order.append(segment.id)
         shared.append(SharedBuffer(index, segment.id, HEADER_BYTES + offset, nbytes))
         return True
 
@@ -360,9 +360,12 @@ class SegmentPool:
         (with ``announced``: only one the trainer knows already), the oldest of those."""
         smallest = _segment_bytes(nbytes) - HEADER_BYTES  # what a segment made for it holds: none less
         lent, reusable, segments = self._lent_order, self._reusable, self._segments
-        while lent and (lent[0].state[0] == FREE or len(lent) > 2 * len(segments)):
-            segment = lent.popleft()  # let go (or held long: the scan below finds it then)
-            if segment.state[0] == FREE:
+        while lent:  # ids, not segments: a retired one's mapping goes at once
+            segment = segments.get(lent[0])
+            if segment is not None and segment.state[0] != FREE and len(lent) <= 2 * len(segments):
+                break  # still lent (one held long is let go past twice the pool: the scan finds it then)
+            lent.popleft()
+            if segment is not None and segment.state[0] == FREE:
                 heapq.heappush(reusable, segment.id)
         if len(reusable) > 2 * len(segments):  # ids pile up behind one that no size asked for fits
             reusable.clear()
