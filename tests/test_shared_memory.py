@@ -195,14 +195,19 @@ def test_segments_are_reused_once_the_trainer_lets_go_and_stay_bounded():
     assert pool.segments == 0 and isinstance(_hand_over(pool, segments, encoded.buffers)[0], (bytes, bytearray, memoryview))
 
 
+def _bound_pool(frames: int):
+    """A pool bound to ``frames`` frames, its trainer's map, a 1 MiB tensor and its encoding."""
+    pool, segments = SegmentPool(), SegmentMap("test")
+    pool.bound(frames, BIG)
+    item = torch.full((BIG,), 7, dtype=torch.uint8)
+    return pool, segments, item, dumps_item(item)
+
+
 def test_a_bound_pool_retires_free_segments_past_the_window_and_lends_past_it_while_held():
     # The trainer maps every segment of the pool: free ones past the connection's share of the
     # credit window (plus one) are retired; a consumer holding more gets new ones, not a stall.
     mapped_before = len(shared_ranges(os.getpid()))
-    pool, segments = SegmentPool(), SegmentMap("test")
-    pool.bound(2, BIG)
-    item = torch.full((BIG,), 7, dtype=torch.uint8)
-    encoded = dumps_item(item)
+    pool, segments, item, encoded = _bound_pool(2)
     held = []
     for _ in range(5):  # a consumer that keeps five items: five segments lent
         (buffer,) = _hand_over(pool, segments, encoded.buffers)
@@ -221,10 +226,7 @@ def test_a_bound_pool_retires_free_segments_past_the_window_and_lends_past_it_wh
 def test_a_retired_segment_is_unmapped_while_an_older_one_is_still_held():
     # The pool's record of the order it lent in keeps no retired segment (and its memory) alive.
     mapped_before = len(shared_ranges(os.getpid()))
-    pool, segments = SegmentPool(), SegmentMap("test")
-    pool.bound(4, BIG)
-    item = torch.full((BIG,), 7, dtype=torch.uint8)
-    encoded = dumps_item(item)
+    pool, segments, _item, encoded = _bound_pool(4)
     (oldest,) = _hand_over(pool, segments, encoded.buffers)  # held for the whole test
     later = [_hand_over(pool, segments, encoded.buffers)[0] for _ in range(7)]
     assert pool.segments == 8
