@@ -254,15 +254,21 @@ def test_only_an_unheld_old_temporary_cache_of_this_user_is_taken_for_abandoned(
     outside.mkdir()
     (tmp_path / (TEMPORARY_CACHE_PREFIX + "link")).symlink_to(outside)
     (tmp_path / (TEMPORARY_CACHE_PREFIX + "file")).write_bytes(b"")
-    for path in (held, abandoned, outside):
+    others = tmp_path / (TEMPORARY_CACHE_PREFIX + "another-users")
+    others.mkdir()
+    if os.getuid() == 0:  # root can give it away; other users test their own only
+        os.chown(others, 65534, 65534)
+    for path in (held, abandoned, outside, others):
         os.utime(path, (0, 0))
     fd = hold_directory(held)
     try:
-        assert remove_abandoned_caches(str(tmp_path)) == [abandoned]
+        mine = [] if os.getuid() == 0 else [str(others)]
+        assert sorted(remove_abandoned_caches(str(tmp_path))) == sorted([abandoned, *mine])
     finally:
         os.close(fd)
     assert os.path.isdir(held) and os.path.isdir(young) and os.path.isdir(outside)
     assert sorted(remove_abandoned_caches(str(tmp_path), min_age_s=0)) == sorted([held, young])
+    assert others.is_dir() == (os.getuid() == 0)
 
 
 TRAINER_WITH_A_TEMPORARY_CACHE = """
