@@ -25,6 +25,7 @@ __all__ = [
     "TRANSPORT_KINDS",
     "SharedBuffer",
     "SharedFrame",
+    "placed_body",
     "split_frame",
     "encode_shared_data",
     "decode_shared_data",
@@ -336,6 +337,12 @@ class SharedBuffer(NamedTuple):
     length: int
 
 
+def placed_body(shared: Sequence[SharedBuffer], n_buffers: int) -> Optional[SharedBuffer]:
+    """The entry of ``shared`` that places a DATA frame's body in a segment (the last one, of index
+    ``n_buffers``), if any."""
+    return shared[-1] if shared and shared[-1].index == n_buffers else None
+
+
 @dataclass
 class SharedFrame:
     """A decoded SHARED_DATA frame: the inner frame's kind, body and inline buffers, and
@@ -401,7 +408,7 @@ def encode_shared_data(
     shared entry of index ``n_buffers`` places the body (``body`` then empty)."""
     if kind != MessageKind.DATA:
         raise LocalProtocolError(f"only DATA frames hand buffers over in shared memory, not {kind.name}")
-    if shared and shared[-1].index == n_buffers:
+    if placed_body(shared, n_buffers) is not None:
         if any(memoryview(chunk).nbytes for chunk in body):
             raise LocalProtocolError("a DATA frame whose body is in a segment sends no body too")
         shared, placed = shared[:-1], shared[-1:]
@@ -436,9 +443,11 @@ def decode_shared_data(frame: Frame) -> SharedFrame:
     retired = [segment for (segment,) in _SHARED_RETIRED.iter_unpack(body[offset : offset + n_retired * _SHARED_RETIRED.size])]
     offset += n_retired * _SHARED_RETIRED.size
     shared = list(map(SharedBuffer._make, _SHARED_BUFFER.iter_unpack(body[offset:end])))
-    body_placed = shared.pop() if shared and shared[-1].index == n_buffers else None
-    if body_placed is not None and len(body) > end:
-        raise RemoteProtocolError("SHARED_DATA frame places its body in a segment and sends a body too")
+    body_placed = placed_body(shared, n_buffers)
+    if body_placed is not None:
+        shared.pop()
+        if len(body) > end:
+            raise RemoteProtocolError("SHARED_DATA frame places its body in a segment and sends a body too")
     last = -1
     for placed in shared:
         if placed.index <= last or placed.index >= n_buffers:

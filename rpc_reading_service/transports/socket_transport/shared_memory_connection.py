@@ -13,7 +13,9 @@ from typing import List, Optional, Sequence, Tuple
 
 from ...errors import RemoteProtocolError
 from ...protocol import HEADER, Buffer, Frame, FrameReader, MessageKind
-from ...protocol.frames import TRANSPORT_KINDS, SharedBuffer, decode_shared_data, encode_shared_data, split_frame
+from ...protocol.frames import (
+    TRANSPORT_KINDS, SharedBuffer, decode_shared_data, encode_shared_data, placed_body, split_frame,
+)
 from ...serialization import SHARED_MEMORY_MIN_BYTES
 from ..base import PeerLostError
 from .segment_map import SegmentMap
@@ -136,7 +138,7 @@ class SharedMemoryConnection(SocketConnection):
         (the last of ``shared``)."""
         _kind, body, buffers = split_frame(chunks)
         shared, inline, new, retired = pool.lend(buffers, SHARED_MEMORY_MIN_BYTES, body, body_bytes)
-        if shared and shared[-1].index == len(buffers):
+        if placed_body(shared, len(buffers)) is not None:
             body = []
         return shared, inline, new, retired, body, len(buffers)
 
