@@ -31,7 +31,8 @@ takes to its local server); in the sweep also ``graph-limit`` (one process itera
 worker's part of the same DataPipe graph, nothing moved, each item counted W times: what W
 workers' graphs make at most) and ``loader-limit`` (DataLoader2 without a reading service
 handing on items made before, a fresh tensor each: what a trainer hands on at most), the
-per-item ceilings no DataLoader2 reading service passes, and ``pipeline-limit`` /
+per-item ceilings no DataLoader2 reading service passes, ``copy-limit`` at W=2 (set beside the
+target against MPRS: the most a hand-over that copies each item once delivers), and ``pipeline-limit`` /
 ``pipeline-limit-unix`` (W processes iterating their part of the same graph and sending each
 tensor's bytes over TCP / a Unix socket to a DataLoader2 that hands them on: the graph, the
 move and the loader added up, as on cores the trainer and workers share; not a bound, as

@@ -220,7 +220,30 @@ def test_sweep_targets_judge_the_worst_size_in_their_range():
     assert row["status"] == "n/a" and row["detail"].endswith("not measured at 64 KiB")  # no "every size" from one
     judged = [t for t in TARGETS if t.goal.startswith("sweep:") and t.threshold is not None]
     assert sum(row["goal"].startswith("sweep:") for row in rows.values()) == sum(
-        t.goal.startswith("sweep:") for t in TARGETS) == len(judged) + 6 == 11  # two info rows per raw target
+        t.goal.startswith("sweep:") for t in TARGETS) == len(judged) + 7 == 12  # two per raw target, one by MPRS's
+
+
+def test_the_sweeps_copy_limit_row_names_the_sizes_one_copy_rules_out():
+    """Beside the target against MPRS: ours over copy-limit at each size, and copy-limit over MPRS,
+    with the sizes where that is under the target's ratio."""
+    from benchsuite.report.targets import evaluate_targets
+
+    sizes = [1 << 20, 64 << 20]
+    rates = {"RPCRS-local": [7.0, 6.0], "copy-limit": [17.5, 6.0], "MPRS": [0.7, 3.0]}  # GB/s by size
+    results = {"sweep": {"params": SCENARIOS["sweep"].plan(True) | {"sizes": sizes}, "contenders": {
+        name: {"ok": True, "data": {"points": [{"workers": 2, "item_bytes": size, "bytes_per_s": rate * 1e9}
+                                               for size, rate in zip(sizes, by_size)]}}
+        for name, by_size in rates.items()}}}
+    rows = [row for row in evaluate_targets(results) if row["goal"].startswith("sweep: RPCRS-local W=2 / copy-limit")]
+    assert len(rows) == 1 and rows[0]["status"] == "info" and rows[0]["measured"] == pytest.approx(0.4)
+    assert rows[0]["detail"] == (
+        "worst at 1 MiB: 7.00 GB/s vs 17.50 GB/s; each size, ours / copy-limit (copy-limit / MPRS): "
+        "1 MiB 0.40x (25.0x), 64 MiB 1.00x (2.00x); copy-limit under 3x MPRS at 64 MiB: there no hand-over "
+        "that copies each item once meets 3x")
+    rates["copy-limit"][1] = 9.0  # 3x MPRS: no size out of reach
+    results["sweep"]["contenders"]["copy-limit"]["data"]["points"][1]["bytes_per_s"] = 9e9
+    row = [row for row in evaluate_targets(results) if row["goal"] == rows[0]["goal"]][0]
+    assert "under 3x" not in row["detail"] and row["detail"].endswith("64 MiB 0.67x (3.00x)")
 
 
 def test_the_sweeps_per_item_limits_run_each_item_made_fresh():

@@ -138,6 +138,9 @@ PER_ITEM_LIMITS = ("graph-limit", "loader-limit")
 #: over: W processes' graphs sending each tensor's bytes to a DataLoader2 that hands them on (nothing
 #: encoded, framed or credited), at the same W as the reading service it is set beside.
 PIPELINE_LIMITS = {"raw-socket": "pipeline-limit", "raw-unix": "pipeline-limit-unix"}
+#: W processes making the items and copying each once into warm shared memory (``contenders.limits``):
+#: the most local workers deliver whose hand-over copies each item once (items not made in shared memory).
+COPY_LIMIT = "copy-limit"
 
 
 def paired_ceiling(point: Optional[dict], limits: dict, key: str = "bytes_per_s") -> Optional[dict]:

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 from benchsuite.contenders import ONE_STREAM
 from benchsuite.report.format import (
+    COPY_LIMIT,
     GB,
     PER_ITEM_LIMITS,
     PIPELINE_LIMITS,
@@ -216,6 +217,32 @@ def sweep_pipeline(contender: str, workers: int, reference: str, smallest: int =
                                                           limits=(pipeline,)))
 
 
+def under_copy_limit_at_every_size(contender: str, workers: int, reference: str, threshold: float,
+                                   scenario: str = "sweep"):
+    """A measure (info): the lowest over the item sizes of ``contender``'s paired ratio to copy-limit at
+    ``workers``; the detail gives each size's ratio, copy-limit's over ``reference`` (at W=2), and the
+    sizes where that is under ``threshold``: there no hand-over that copies each item once meets it."""
+    def measured(all_results: dict) -> tuple[Optional[float], str]:
+        found, worst, unmeasured = over_sizes(
+            all_results, scenario, 0, None, (contender, COPY_LIMIT),
+            lambda results, size: paired_ratio_at(results, contender, workers, COPY_LIMIT, workers, size))
+        if worst is None:
+            return None, unmeasured
+        results = all_results[scenario]["contenders"]
+        limit = {size: paired_ratio_at(results, COPY_LIMIT, workers, reference, 2, size) for size in found}
+        out_of_reach = [fmt_size(size) for size, ratio in limit.items() if ratio and ratio["median"] < threshold]
+        ours, copies = found[worst]["rates"]
+        detail = (f"worst at {fmt_size(worst)}: {rate_text('bytes_per_s', ours)} vs {rate_text('bytes_per_s', copies)}; "
+                  f"each size, ours / {COPY_LIMIT} ({COPY_LIMIT} / {reference}): " + ", ".join(
+                      f"{fmt_size(size)} {fmt_ratio(found[size]['median'])} "
+                      f"({fmt_ratio(limit[size] and limit[size]['median'])})" for size in found) + unmeasured)
+        if out_of_reach:
+            detail += (f"; {COPY_LIMIT} under {threshold:g}x {reference} at {', '.join(out_of_reach)}: there no "
+                       f"hand-over that copies each item once meets {threshold:g}x")
+        return found[worst]["median"], detail
+    return measured
+
+
 def efficiency_at(contender: str, workers: int, scenario: str = "scaling", minus: Optional[str] = None):
     """A measure: ``contender``'s efficiency at ``workers`` workers in a sleep-bound
     ``scenario``; with ``minus``, less that contender's at the same W."""
@@ -336,6 +363,9 @@ TARGETS = [
     sweep_ceiling("RPCRS-local", 2, "raw-unix"),
     sweep_pipeline("RPCRS-local", 2, "raw-unix"),
     sweep_target("RPCRS-local", 2, 3, "MPRS"),
+    Target(f"sweep: RPCRS-local W=2 / {COPY_LIMIT} W=2 at every size, and {COPY_LIMIT} / MPRS W=2 (what one copy "
+           "into shared memory allows against the 3x target; the worst size)", None,
+           under_copy_limit_at_every_size("RPCRS-local", 2, "MPRS", 3)),
     sweep_target("RPCRS-local", 2, 2, "torch-DataLoader"),
     Target("scaling: RPCRS-local efficiency at W=16 >= 0.9", 0.9, efficiency_at("RPCRS-local", 16)),
     Target("scaling: RPCRS-tcp efficiency at W=16 >= 0.9", 0.9, efficiency_at("RPCRS-tcp", 16)),
@@ -363,7 +393,9 @@ TARGET_NOTES = [
     "production-limit-shm: the same for items made with rpc_reading_service.shared_empty (ordinary memory "
     "outside a worker session); RPCRS-local-shm: local workers whose graph makes its items that way",
     "copy-limit (info, no target): production-limit's processes, each also copying every item once into a warm "
-    "shared segment, as RPCRS-local's workers do; nothing moved",
+    "shared segment, as RPCRS-local's workers do; nothing moved. In the sweep, copy-limit / MPRS at a size is "
+    "the most a reading service whose local workers copy each item once can be over MPRS there; items made "
+    "in shared memory (rpc_reading_service.shared_empty) are handed over without that copy",
     "sweep ... / ceiling (info, no target): the reading service over the lowest of the target's raw stream, "
     "graph-limit (W workers' DataPipe graphs, nothing moved) and loader-limit (DataLoader2 handing on items made "
     "before, a fresh tensor each): what no DataLoader2 reading service passes; where the ceiling / raw is under "

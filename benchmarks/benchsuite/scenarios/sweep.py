@@ -10,6 +10,7 @@ from benchsuite.contenders import ONE_STREAM
 from benchsuite.contenders.base import Contender
 from benchsuite.measure import drain
 from benchsuite.report.format import (
+    COPY_LIMIT,
     GB,
     PER_ITEM_LIMITS,
     PIPELINE_LIMITS,
@@ -34,7 +35,7 @@ KIB = 1 << 10
 SIZES = (KIB, 16 * KIB, 64 * KIB, 128 * KIB, 256 * KIB, 512 * KIB, MIB, 4 * MIB, 16 * MIB, 64 * MIB)
 #: (contender, W) in the order of the table's rate columns; the raw streams are one stream.
 COLUMNS = (("raw-socket", 1), ("raw-unix", 1), ("graph-limit", 1), ("graph-limit", 2), ("loader-limit", 1),
-           ("pipeline-limit", 1), ("pipeline-limit-unix", 2),
+           ("copy-limit", 2), ("pipeline-limit", 1), ("pipeline-limit-unix", 2),
            ("RPCRS-tcp", 1), ("RPCRS-tcp", 2), ("RPCRS-local", 2), ("MPRS", 2), ("torch-DataLoader", 2),
            ("RPCDataloader", 2))
 #: The ratio columns (and the targets'): (contender, W, reference at W=2 or its one stream).
@@ -46,7 +47,7 @@ CEILINGS = (("RPCRS-tcp", 1, "raw-socket"), ("RPCRS-local", 2, "raw-unix"))
 #: A round runs each of these next to the one it is compared with (see ``runner.round_order``); the
 #: per-item limits run in every round too, each next to a reading service it bounds.
 PAIRED_ORDER = ("loader-limit", "raw-socket", "RPCRS-tcp", "pipeline-limit", "graph-limit", "RPCRS-local",
-                "pipeline-limit-unix", "raw-unix")
+                "copy-limit", "pipeline-limit-unix", "raw-unix")
 CONTENDER_NAMES = tuple(dict.fromkeys(name for name, _ in COLUMNS))
 #: MPRS runs its epochs to the end (see ``contenders.alternatives.MPRS``): at most this many items.
 MPRS_MAX_ITEMS = 1500
@@ -69,7 +70,7 @@ def sweep_workload(params: dict, name: str, item_bytes: int) -> Workload:
     """The epoch contender ``name`` runs at ``item_bytes``: fresh tensors (``workloads.make_tensor``);
     the per-item limits, which hold no more than a few items, run ``max_items`` (to the time budget)."""
     items = max(params["min_items"], min(params["max_items"], params["epoch_bytes"] // item_bytes))
-    if name in PER_ITEM_LIMITS or name in PIPELINE_LIMITS.values():
+    if name in PER_ITEM_LIMITS or name in PIPELINE_LIMITS.values() or name == COPY_LIMIT:
         items = params["max_items"]
     if name == "MPRS":
         items = min(items, max(params["min_items"], min(MPRS_MAX_ITEMS, params["mprs_epoch_bytes"] // item_bytes)))
@@ -169,6 +170,9 @@ def report_sweep(scenario: Scenario, params: dict, results: dict) -> str:
         "x/ceiling: the reading service over the lowest of its raw stream, graph-limit at its W and loader-limit "
         "(paired, per round), and which of them is the lowest (raw, graph, loader): the most any DataLoader2 "
         "reading service could deliver here",
+        "copy-limit W: W processes making their share of the items as workers do and copying each once into the "
+        "next of 4 warm shared segments, nothing moved: the most local workers that copy each item once (their "
+        "default hand-over) deliver",
         "CPU us/item: the trainer process's CPU time (all its threads) per item over the timed part",
         rounds] + failed + errors)
 
