@@ -32,7 +32,7 @@ worker's part of the same DataPipe graph, nothing moved, each item counted W tim
 workers' graphs make at most) and ``loader-limit`` (DataLoader2 without a reading service
 handing on items made before, a fresh tensor each: what a trainer hands on at most), the
 per-item ceilings no DataLoader2 reading service passes, ``copy-limit`` at W=2 (set beside the
-target against MPRS: the most a hand-over that copies each item once delivers), and ``pipeline-limit`` /
+target against MPRS: what making and copying each item once allows, nothing else paid), and ``pipeline-limit`` /
 ``pipeline-limit-unix`` (W processes iterating their part of the same graph and sending each
 tensor's bytes over TCP / a Unix socket to a DataLoader2 that hands them on: the graph, the
 move and the loader added up, as on cores the trainer and workers share; not a bound, as

@@ -56,7 +56,7 @@ MPRS_MAX_ITEMS = 1500
 def plan_sweep(quick: bool) -> dict:
     """Every size of :data:`SIZES`; an epoch of ``epoch_bytes`` (between ``min_items`` and
     ``max_items`` items) that every contender but MPRS stops at the time budget."""
-    return {"sizes": list(SIZES), "epoch_bytes": (256 if quick else 1024) * MIB, "min_items": 8 if quick else 16,
+    return {"sizes": list(SIZES), "epoch_bytes": (256 if quick else 1024) * MIB, "min_items": 8 if quick else 32,
             "max_items": 200_000, "mprs_epoch_bytes": (64 if quick else 256) * MIB,
             "workers": [2], "workers_by_contender": {"RPCRS-tcp": [1, 2], "graph-limit": [1, 2],
                                                      "pipeline-limit": [1],
@@ -171,8 +171,8 @@ def report_sweep(scenario: Scenario, params: dict, results: dict) -> str:
         "(paired, per round), and which of them is the lowest (raw, graph, loader): the most any DataLoader2 "
         "reading service could deliver here",
         "copy-limit W: W processes making their share of the items as workers do and copying each once into the "
-        "next of 4 warm shared segments, nothing moved: the most local workers that copy each item once (their "
-        "default hand-over) deliver",
+        "next of 4 warm shared segments, nothing moved: what making and copying each item once costs local "
+        "workers (their default hand-over), with nothing else paid",
         "CPU us/item: the trainer process's CPU time (all its threads) per item over the timed part",
         rounds] + failed + errors)
 
