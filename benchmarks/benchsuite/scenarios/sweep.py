@@ -56,7 +56,7 @@ MPRS_MAX_ITEMS = 1500
 def plan_sweep(quick: bool) -> dict:
     """Every size of :data:`SIZES`; an epoch of ``epoch_bytes`` (between ``min_items`` and
     ``max_items`` items) that every contender but MPRS stops at the time budget."""
-    return {"sizes": list(SIZES), "epoch_bytes": (256 if quick else 1024) * MIB, "min_items": 8 if quick else 32,
+    return {"sizes": list(SIZES), "epoch_bytes": (256 if quick else 2048) * MIB, "min_items": 8 if quick else 32,
             "max_items": 200_000, "mprs_epoch_bytes": (64 if quick else 256) * MIB,
             "workers": [2], "workers_by_contender": {"RPCRS-tcp": [1, 2], "graph-limit": [1, 2],
                                                      "pipeline-limit": [1],
