@@ -223,7 +223,7 @@ def test_sweep_targets_judge_the_worst_size_in_their_range():
         t.goal.startswith("sweep:") for t in TARGETS) == len(judged) + 7 == 12  # two per raw target, one by MPRS's
 
 
-def test_the_sweeps_copy_limit_row_names_the_sizes_one_copy_rules_out():
+def test_the_sweeps_copy_limit_row_names_the_sizes_where_the_copy_alone_misses_the_target():
     """Beside the target against MPRS: ours over copy-limit at each size, and copy-limit over MPRS,
     with the sizes where that is under the target's ratio."""
     from benchsuite.report.targets import evaluate_targets
@@ -239,8 +239,7 @@ def test_the_sweeps_copy_limit_row_names_the_sizes_one_copy_rules_out():
     assert rows[0]["detail"] == (
         "worst at 1 MiB: 7.00 GB/s vs 17.50 GB/s; each size, ours / copy-limit (copy-limit / MPRS): "
         "1 MiB 0.40x (25.0x), 64 MiB 1.00x (2.00x); copy-limit itself under 3x MPRS at 64 MiB")
-    rates["copy-limit"][1] = 9.0  # 3x MPRS: no size out of reach
-    results["sweep"]["contenders"]["copy-limit"]["data"]["points"][1]["bytes_per_s"] = 9e9
+    results["sweep"]["contenders"]["copy-limit"]["data"]["points"][1]["bytes_per_s"] = 9e9  # 3x MPRS
     row = [row for row in evaluate_targets(results) if row["goal"] == rows[0]["goal"]][0]
     assert "under 3x" not in row["detail"] and row["detail"].endswith("64 MiB 0.67x (3.00x)")
 

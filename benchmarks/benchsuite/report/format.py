@@ -139,7 +139,7 @@ PER_ITEM_LIMITS = ("graph-limit", "loader-limit")
 #: encoded, framed or credited), at the same W as the reading service it is set beside.
 PIPELINE_LIMITS = {"raw-socket": "pipeline-limit", "raw-unix": "pipeline-limit-unix"}
 #: W processes making the items and copying each once into warm shared memory (``contenders.limits``):
-#: the most local workers deliver whose hand-over copies each item once (items not made in shared memory).
+#: what making and copying each item costs local workers whose hand-over copies it, nothing else paid.
 COPY_LIMIT = "copy-limit"
 
 
