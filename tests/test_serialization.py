@@ -732,7 +732,8 @@ class Doubled:  # whose own reduction makes a tensor that only the pickle memo h
     def __reduce__(self):
         return Doubled, (self.tensor * 2,)
 
-threading.Thread(target=traverse, daemon=True).start()
+traverser = threading.Thread(target=traverse, daemon=True)  # a failed encode still ends the process
+traverser.start()
 indices, values = torch.stack([torch.arange(10), torch.arange(10)]), torch.ones(10)
 for group in sys.argv[2:]:  # each group of kinds in turn, then it says so
     kinds = group.split(",")
@@ -746,6 +747,7 @@ for group in sys.argv[2:]:  # each group of kinds in turn, then it says so
             encoder.encode({"a": Doubled(values), "b": [values, 3]})
     print(group, "ok", flush=True)
 done.set()
+traverser.join()  # ended before the interpreter's: a thread still running at exit can abort it
 """
 _ENCODED_KINDS = ["sparse,grad", "class"]
 
