@@ -356,7 +356,7 @@ def test_sweep_ceiling_rows_pair_each_round_under_its_lowest_limit():
     assert "tcp1/ceiling" not in report  # a ceiling needs every limit
 
 
-def test_the_sweeps_figure_draws_every_limit_dashed():
+def test_the_sweeps_figure_draws_every_limit_dashed_and_each_line_in_a_colour_of_its_own():
     from benchsuite.plot import plot_sweep
 
     class Axes:
@@ -364,9 +364,11 @@ def test_the_sweeps_figure_draws_every_limit_dashed():
 
         def __init__(self):
             self.lines = {}
+            self.colors = []
 
-        def plot(self, xs, ys, style, label):
+        def plot(self, xs, ys, style, color, label):
             self.lines[label] = style
+            self.colors.append(color)
 
         def __getattr__(self, name):
             return lambda *args, **kwargs: None
@@ -378,6 +380,7 @@ def test_the_sweeps_figure_draws_every_limit_dashed():
         name: {"ok": True, "data": {"points": [point]}} for name in names}}})
     assert axes.lines == {"raw-socket": "--", "graph-limit W=1": "--", "loader-limit": "--",
                           "pipeline-limit-unix W=1": "--", "RPCRS-tcp W=1": "o-"}
+    assert len(set(axes.colors)) == len(axes.colors)
 
 
 def test_memory_targets_bound_growth_by_the_credit_window_at_each_size():

@@ -81,18 +81,28 @@ def plot_bandwidth(ax_bw, all_results: dict) -> None:
         ax_bw.legend()
 
 
+#: The limits' colours (dashed lines), apart from the contenders' (matplotlib's cycle, C0-C9).
+LIMIT_COLORS = ("black", "dimgray", "darkgoldenrod", "teal", "slateblue", "olive", "sienna", "rosybrown",
+                "darkkhaki", "darkcyan")
+
+
 def plot_sweep(ax, all_results: dict) -> None:
-    """GB/s against item size (log-log), one line per (contender, W)."""
+    """GB/s against item size (log-log), one line per (contender, W): each its own colour."""
     sweep = all_results["sweep"]
     sizes = sweep["params"]["sizes"]
+    drawn = {"limits": 0, "contenders": 0}
     for name in sweep["contenders"]:
         for workers in sorted({p["workers"] for p in points_of(sweep["contenders"], name)}):
             measured = [(size, point_value(sweep["contenders"], name, "bytes_per_s", workers, size))
                         for size in sizes]
             measured = [(size, rate) for size, rate in measured if rate]
             if measured:
+                kind = "limits" if name.startswith("raw-") or "-limit" in name else "contenders"
+                color = (LIMIT_COLORS[drawn[kind] % len(LIMIT_COLORS)] if kind == "limits"
+                         else f"C{drawn[kind] % 10}")
+                drawn[kind] += 1
                 ax.plot([size for size, _ in measured], [rate / GB for _, rate in measured],
-                        "--" if name.startswith("raw-") or "-limit" in name else "o-",
+                        "--" if kind == "limits" else "o-", color=color,
                         label=name if name in ONE_STREAM else f"{name} W={workers}")
     ax.set(xscale="log", yscale="log", xlabel="item size", ylabel="GB/s (1e9 bytes)",
            title="throughput by item size (fresh tensors; dashed: the limits; raw-* = one stream)")
