@@ -23,7 +23,7 @@ from torchdata.datapipes.iter import IterableWrapper
 from rpc_reading_service import CacheKeyError, ConfigurationError, LocalWorkers, RPCReadingService
 from rpc_reading_service.cache import DiskStore
 from rpc_reading_service.cache.temporary import (
-    TEMPORARY_CACHE_PREFIX, hold_directory, remove_abandoned_caches,
+    TEMPORARY_CACHE_PREFIX, HeldDirectory, remove_abandoned_caches,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -240,7 +240,7 @@ def test_local_workers_share_a_temporary_cache_removed_at_the_end(tmp_path):
     calls_file = tmp_path / "calls"
     with DataLoader2(cached(range(16), calls_file), reading_service=RPCReadingService(num_workers=2)) as dl:
         assert [sorted(dl), sorted(dl)] == [expected(range(16))] * 2
-        directory = dl.reading_service._local_server._cache_temp_dir
+        directory = dl.reading_service._local_server._cache_temp.path
         assert directory is not None and os.path.isdir(directory)
     assert calls(calls_file) == 16
     assert not os.path.exists(directory)
@@ -260,12 +260,12 @@ def test_only_an_unheld_old_temporary_cache_of_this_user_is_taken_for_abandoned(
         os.chown(others, 65534, 65534)
     for path in (held, abandoned, outside, others):
         os.utime(path, (0, 0))
-    fd = hold_directory(held)
+    holder = HeldDirectory(held)
     try:
         mine = [] if os.getuid() == 0 else [str(others)]
         assert sorted(remove_abandoned_caches(str(tmp_path))) == sorted([abandoned, *mine])
     finally:
-        os.close(fd)
+        holder.close()
     assert os.path.isdir(held) and os.path.isdir(young) and os.path.isdir(outside)
     assert sorted(remove_abandoned_caches(str(tmp_path), min_age_s=0)) == sorted([held, young])
     assert others.is_dir() == (os.getuid() == 0)

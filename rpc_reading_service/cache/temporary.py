@@ -8,11 +8,11 @@ import shutil
 import stat
 import tempfile
 import time
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 __all__ = [
     "TEMPORARY_CACHE_PREFIX", "ABANDONED_AFTER_S",
-    "make_temporary_cache", "hold_directory", "remove_abandoned_caches",
+    "HeldDirectory", "make_temporary_cache", "remove_abandoned_caches",
 ]
 
 TEMPORARY_CACHE_PREFIX = "rrs-cache-"
@@ -20,28 +20,41 @@ TEMPORARY_CACHE_PREFIX = "rrs-cache-"
 ABANDONED_AFTER_S = 10.0
 
 
-def hold_directory(path: str) -> int:
-    """Mark ``path`` in use until the returned descriptor closes (a shared lock on the directory).
+class HeldDirectory:
+    """A directory marked in use (a shared lock on it) until :meth:`close` or :meth:`remove`.
 
     Args:
         path: The directory to hold.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-    except OSError:  # a file system without locks: nobody's lock succeeds there, so none removes it
-        pass
-    return fd
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: Optional[int] = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+        except OSError:  # a file system without locks: nobody's lock succeeds there, so none removes it
+            pass
+
+    def close(self) -> None:
+        """Let go of the directory, leaving it where it is (once)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def remove(self) -> None:
+        """Delete the directory, then let go of it (once)."""
+        if self._fd is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.close()
 
 
-def make_temporary_cache() -> Tuple[str, int]:
-    """A new private cache directory in the temporary directory and the descriptor holding it.
+def make_temporary_cache() -> HeldDirectory:
+    """A new private cache directory in the temporary directory, held.
 
     Removes this user's abandoned ones first (their run was killed with its workers at once).
     """
     remove_abandoned_caches()
-    path = tempfile.mkdtemp(prefix=TEMPORARY_CACHE_PREFIX)
-    return path, hold_directory(path)
+    return HeldDirectory(tempfile.mkdtemp(prefix=TEMPORARY_CACHE_PREFIX))
 
 
 def remove_abandoned_caches(parent: Optional[str] = None, min_age_s: float = ABANDONED_AFTER_S) -> List[str]:

@@ -20,7 +20,7 @@ import time
 from typing import Any, List, Optional, Tuple
 
 from ..cache.config import CacheConfig
-from ..cache.temporary import make_temporary_cache
+from ..cache.temporary import HeldDirectory, make_temporary_cache
 from ..errors import ConfigurationError, WorkerStartupError
 from ..keys import AUTH_KEY_ENV
 
@@ -217,8 +217,7 @@ class LocalWorkerServer:
         self.cache_dir = cache_dir
         self.cache_size = cache_size
         self._cache: Optional[CacheConfig] = None
-        self._cache_temp_dir: Optional[str] = None
-        self._cache_hold: Optional[int] = None  # a descriptor holding _cache_temp_dir in use
+        self._cache_temp: Optional[HeldDirectory] = None
         self.watch_locks = watch_locks
 
     def _listen_host(self) -> str:
@@ -254,8 +253,8 @@ class LocalWorkerServer:
             return CacheConfig.create(self.cache_dir, self.cache_size, option="LocalWorkers.cache_dir")
         # The server removes it when it stops, also after the trainer was killed; stop() too; the
         # next run's trainer when both were killed at once (each holds it while it runs).
-        self._cache_temp_dir, self._cache_hold = make_temporary_cache()
-        cache = CacheConfig.create(self._cache_temp_dir, self.cache_size)
+        self._cache_temp = make_temporary_cache()
+        cache = CacheConfig.create(self._cache_temp.path, self.cache_size)
         return None if cache is None else dataclasses.replace(cache, temporary=True)
 
     def start(self) -> str:
@@ -322,12 +321,9 @@ class LocalWorkerServer:
         if self._socket_dir is not None:
             shutil.rmtree(self._socket_dir, ignore_errors=True)
             self._socket_dir = None
-        if self._cache_temp_dir is not None:
-            shutil.rmtree(self._cache_temp_dir, ignore_errors=True)
-            self._cache_temp_dir = None
-        if self._cache_hold is not None:
-            os.close(self._cache_hold)
-            self._cache_hold = None
+        if self._cache_temp is not None:
+            self._cache_temp.remove()
+            self._cache_temp = None
 
     @staticmethod
     def _stop_process(process: Any, timeout: float) -> None:

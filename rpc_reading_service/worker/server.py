@@ -19,7 +19,6 @@ import faulthandler
 import gc
 import logging
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -30,7 +29,7 @@ from ..version import __version__
 from ..addresses import is_loopback_host
 from ..cache.config import CacheConfig
 from ..cache.handle import set_worker_cache
-from ..cache.temporary import hold_directory
+from ..cache.temporary import HeldDirectory
 from ..discovery import WorkerRegistration, advertised_address
 from ..errors import ConfigurationError
 from ..keys import AUTH_KEY_ENV, load_auth_key
@@ -129,9 +128,9 @@ class WorkerServer:
         self._wake_fds: List[int] = []  # wake_on()'s pipe end: sessions close it
         self._cache = cache
         #: Holds a temporary cache directory in use while this server runs (see cache/temporary.py).
-        self._cache_hold: Optional[int] = None
+        self._cache_hold: Optional[HeldDirectory] = None
         if cache is not None and cache.temporary and cache.directory:
-            self._cache_hold = hold_directory(cache.directory)
+            self._cache_hold = HeldDirectory(cache.directory)
         #: Sessions and their counters, for metrics (``--metrics-port``).
         self.ledger = SessionLedger()
         set_worker_cache(cache)  # before any session forks, so every session finds it
@@ -417,8 +416,7 @@ class WorkerServer:
             conn.close()
         self._sessions.stop(max(0.0, deadline - time.monotonic()) + 1.0)
         if self._cache_hold is not None:  # a temporary cache: removed, then let go
-            shutil.rmtree(self._cache.directory, ignore_errors=True)
-            os.close(self._cache_hold)
+            self._cache_hold.remove()
             self._cache_hold = None
 
 
