@@ -134,6 +134,12 @@ def over_sizes(all_results: dict, scenario: str, smallest: int, below: Optional[
             f"; not measured at {', '.join(unmeasured)}" if unmeasured else "")
 
 
+def worst_text(found: dict, worst: int) -> str:
+    """``worst at <size>: <ours> vs <theirs>`` from the two rates :func:`over_sizes` found at ``worst``."""
+    ours, theirs = found[worst]["rates"]
+    return f"worst at {fmt_size(worst)}: {rate_text('bytes_per_s', ours)} vs {rate_text('bytes_per_s', theirs)}"
+
+
 def at_every_size(contender: str, workers: int, reference: str, threshold: float, smallest: int = 0,
                   below: Optional[int] = None, scenario: str = "sweep"):
     """A measure: the lowest over the item sizes of ``scenario`` (from ``smallest``, below
@@ -146,9 +152,7 @@ def at_every_size(contender: str, workers: int, reference: str, threshold: float
             lambda results, size: paired_ratio_at(results, contender, workers, reference, 2, size))
         if worst is None:
             return None, unmeasured
-        ours, theirs = found[worst]["rates"]
-        detail = (f"worst at {fmt_size(worst)}: {rate_text('bytes_per_s', ours)} vs "
-                  f"{rate_text('bytes_per_s', theirs)}; each size: "
+        detail = (f"{worst_text(found, worst)}; each size: "
                   + ", ".join(f"{fmt_size(size)} {fmt_ratio(found[size]['median'])}" for size in found) + unmeasured)
         if unmeasured and found[worst]["median"] >= threshold:  # no verdict of "every size" from some of them
             return None, detail
@@ -170,8 +174,7 @@ def under_ceiling_at_every_size(contender: str, workers: int, reference: str, sm
             lambda results, size: ceiling_at(results, contender, workers, reference, size, limits))
         if worst is None:
             return None, unmeasured
-        ours, ceiling = found[worst]["rates"]
-        detail = (f"worst at {fmt_size(worst)}: {rate_text('bytes_per_s', ours)} vs {rate_text('bytes_per_s', ceiling)} "
+        detail = (f"{worst_text(found, worst)} "
                   f"({found[worst]['binding']}); each size, ours / ceiling (ceiling / {reference}, the limit "
                   "that sets it): " + ", ".join(
                       f"{fmt_size(size)} {fmt_ratio(bounded['median'])} "
@@ -231,9 +234,7 @@ def under_copy_limit_at_every_size(contender: str, workers: int, reference: str,
         results = all_results[scenario]["contenders"]
         limit = {size: paired_ratio_at(results, COPY_LIMIT, workers, reference, 2, size) for size in found}
         under_target = [fmt_size(size) for size, ratio in limit.items() if ratio and ratio["median"] < threshold]
-        ours, copies = found[worst]["rates"]
-        detail = (f"worst at {fmt_size(worst)}: {rate_text('bytes_per_s', ours)} vs {rate_text('bytes_per_s', copies)}; "
-                  f"each size, ours / {COPY_LIMIT} ({COPY_LIMIT} / {reference}): " + ", ".join(
+        detail = (f"{worst_text(found, worst)}; each size, ours / {COPY_LIMIT} ({COPY_LIMIT} / {reference}): " + ", ".join(
                       f"{fmt_size(size)} {fmt_ratio(found[size]['median'])} "
                       f"({fmt_ratio(limit[size] and limit[size]['median'])})" for size in found) + unmeasured)
         if under_target:
