@@ -223,6 +223,24 @@ def test_a_bound_pool_retires_free_segments_past_the_window_and_lends_past_it_wh
     assert len(shared_ranges(os.getpid())) - mapped_before == 4  # the retired ones unmapped on both ends
 
 
+def test_a_bound_pool_holds_its_window_of_items_larger_than_its_max_bytes_in_segments():
+    # Items so large that the credit window's worth of them is over max_bytes (a window of 4
+    # batches of 700 MiB against 1 GiB): each one still gets a segment (went through the socket,
+    # copied on both ends, at half the rate); past the bound, the cap holds as before.
+    pool, segments = SegmentPool(max_bytes=2 * (BIG + 4096)), SegmentMap("test")
+    item = torch.full((BIG,), 5, dtype=torch.uint8)
+    encoded = dumps_item(item)
+    unbound = [_hand_over(pool, segments, encoded.buffers)[0] for _ in range(3)]
+    assert [isinstance(b, (bytes, bytearray, memoryview)) for b in unbound] == [False, False, True]  # max_bytes
+    del unbound
+    gc.collect()
+    pool.bound(4, BIG // 2)  # four frames, each of the largest segment (1 MiB and its header)
+    held = [_hand_over(pool, segments, encoded.buffers)[0] for _ in range(5)]
+    assert [isinstance(b, (bytes, bytearray, memoryview)) for b in held] == [False] * 4 + [True]
+    assert pool.segments == 4 and all(bytes(b[-1:]) == b"\x05" for b in held)
+    pool.close()
+
+
 def test_a_retired_segment_is_unmapped_while_an_older_one_is_still_held():
     # The pool's record of the order it lent in keeps no retired segment (and its memory) alive.
     mapped_before = len(shared_ranges(os.getpid()))

@@ -159,8 +159,9 @@ class SegmentPool:
     """The worker's segments of one connection: lends one to each large buffer it sends (thread-safe).
 
     Args:
-        max_bytes: The most bytes of segments the pool holds; past that a buffer that finds no
-            free segment goes through the socket.
+        max_bytes: The most bytes of segments the pool holds, or what :meth:`bound` keeps if more
+            (a window of very large items); past that a buffer that finds no free segment goes
+            through the socket.
         max_free: The most free segments kept before :meth:`bound` (then its bytes bound them).
     """
 
@@ -303,7 +304,7 @@ class SegmentPool:
             retired, self._retired = self._retired, []
             kept = min(self.max_bytes, self._frames * self._frame_bytes or self.max_bytes)  # at least, by bound()
             if (not self._frames and len(self._segments) > self.max_free) or self._bytes > kept:  # else no call
-                self._retire_surplus(retired, 0)  # a consumer let go of many at once
+                self._retire_surplus(retired, 0, self._bound_bytes(0))  # a consumer let go of many at once
             for index, buffer in enumerate(buffers):
                 view = memoryview(buffer).cast("B")
                 segment = None
@@ -423,25 +424,31 @@ class SegmentPool:
         """Room for a new segment for ``nbytes``, after retiring free segments past what the pool
         keeps (:meth:`_retire_surplus`): its size, counted in the pool's bytes; None if there is no room."""
         size = _segment_bytes(nbytes)
-        self._retire_surplus(retired, size)
-        if self._bytes + size > self.max_bytes:
+        bound = self._bound_bytes(size)
+        self._retire_surplus(retired, size, bound)
+        if self._bytes + size > max(self.max_bytes, bound):
             return None
         self._bytes += size
         return size
 
-    def _retire_surplus(self, retired: list, size: int) -> None:
+    def _bound_bytes(self, size: int) -> int:
+        """What :meth:`bound` keeps with a new segment of ``size`` bytes: its frames, each of the
+        frame's bytes or the largest segment if larger (0: not bound)."""
+        if not self._frames:
+            return 0
+        largest = max(map(_SIZE, self._segments.values()), default=size)
+        return self._frames * max(self._frame_bytes, largest, size)
+
+    def _retire_surplus(self, retired: list, size: int, bound: int) -> None:
         """Retire free segments, smallest first, until the pool with a new one of ``size`` bytes
-        holds at most ``max_bytes`` and what :meth:`bound` keeps (unbound: at most ``max_free``
-        free segments are left, one less with a new one to make)."""
+        holds at most what :meth:`bound` keeps (``bound`` bytes), or unbound ``max_bytes`` with at
+        most ``max_free`` free segments left, one less with a new one to make."""
         free = self._free()
         free.sort(key=_CAPACITY)
-        keep = self.max_bytes
-        if self._frames:
-            surplus = 0
-            largest = max(map(_SIZE, self._segments.values()), default=size)
-            keep = min(keep, self._frames * max(self._frame_bytes, largest, size))
+        if bound:
+            surplus, keep = 0, bound
         else:
-            surplus = len(free) - self.max_free + (1 if size else 0)
+            surplus, keep = len(free) - self.max_free + (1 if size else 0), self.max_bytes
         for segment in free:
             if surplus <= 0 and self._bytes + size <= keep:
                 break
