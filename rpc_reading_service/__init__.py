@@ -31,6 +31,7 @@ from .errors import (
     FrameTooLargeError,
     ItemPicklingError,
     ItemTimeoutError,
+    ItemTooLargeError,
     ItemUnpicklingError,
     LocalProtocolError,
     MissingDependencyError,
@@ -137,4 +138,5 @@ __all__ = [
     "CacheKeyError",
     "StickyKeyError",
     "ItemPicklingError",
+    "ItemTooLargeError",
 ]

@@ -192,6 +192,12 @@ class ItemPicklingError(RPCReadingServiceError, TypeError):
     that can cross (``.to_dense()``, or a plain strided tensor) before yielding it."""
 
 
+class ItemTooLargeError(RPCReadingServiceError, ValueError):
+    """An item is larger than the trainer accepts in one frame (``TransportConfig.max_frame_bytes``,
+    2 GiB by default); raised in the worker's graph, so the trainer reports it as the graph's own
+    error, naming the worker. Raise the trainer's ``max_frame_bytes`` or make the items smaller."""
+
+
 class ItemUnpicklingError(RPCReadingServiceError, pickle.UnpicklingError):
     """The trainer could not unpickle an item a worker sent (a class or module of the item missing
     here, another version of a library, or corrupt bytes). ``rank`` and ``address`` name the worker;

@@ -276,9 +276,14 @@ def data_cost(nbytes: int) -> int:
     return nbytes + DATA_FRAME_OVERHEAD
 
 
+def data_table_bytes(items: int) -> int:
+    """Bytes a DATA frame of ``items`` items adds to theirs: its header and the items' table."""
+    return _DATA_HEAD.size + _DATA_ITEM.size * items
+
+
 def data_nbytes(items: Sequence[EncodedItem]) -> int:
     """Bytes of the body and buffers of a DATA frame packing ``items`` (its ``Frame.nbytes``)."""
-    return _DATA_HEAD.size + _DATA_ITEM.size * len(items) + sum(map(_NBYTES, items))
+    return data_table_bytes(len(items)) + sum(map(_NBYTES, items))
 
 
 def data_header(frame: Frame) -> Tuple[int, int, int]:

@@ -13,6 +13,7 @@ from ..errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from ..serialization import EXCEPTION_FIELD_TYPES
 from .data_decode import decode_data
 from .frames import (
+    DEFAULT_MAX_FRAME_BYTES,
     Buffer,
     EncodedItem,
     Frame,
@@ -29,6 +30,7 @@ from .frames import (
     encode_end_of_shard,
     encode_lease,
     encode_frame,
+    data_table_bytes,
 )
 
 __all__ = [
@@ -185,6 +187,26 @@ class SessionOptions:
     setup_timeout: float = 60.0
     #: Seconds the producer may spend on one item before the session ends with an error (None: no limit).
     item_timeout: Optional[float] = None
+    #: The largest frame the trainer accepts (its ``TransportConfig.max_frame_bytes``): a larger item
+    #: fails in the worker's graph (ItemTooLargeError) instead of breaking the connection.
+    trainer_max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+
+    def within(self, max_frame_bytes: int) -> "SessionOptions":
+        """These options for a trainer that accepts frames of at most ``max_frame_bytes``: the
+        packing bounds lowered to a quarter of that where larger, so that a frame of small items
+        sealed by one large item still fits (:meth:`largest_item_bytes`)."""
+        quarter = max(1, max_frame_bytes // 4)
+        per_item = data_table_bytes(1) - data_table_bytes(0)
+        return dataclasses.replace(
+            self, trainer_max_frame_bytes=max_frame_bytes, frame_max_bytes=min(self.frame_max_bytes, quarter),
+            batch_max_bytes=min(self.batch_max_bytes, quarter),
+            batch_max_items=min(self.batch_max_items, max(1, quarter // per_item)),
+        )
+
+    def largest_item_bytes(self) -> int:
+        """The largest item (pickled, with its buffers) a frame within ``trainer_max_frame_bytes``
+        holds: the item that seals a frame comes on top of up to ``frame_max_bytes`` of others."""
+        return self.trainer_max_frame_bytes - self.frame_max_bytes - data_table_bytes(self.batch_max_items)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "SessionOptions":

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..errors import (
+    FrameTooLargeError,
     ItemTimeoutError,
     RemoteProtocolError,
     WorkerDrainedError,
@@ -578,6 +579,9 @@ class WorkerChannel:
         """Report the session lost for ``exc``, which receiving raised; True: the receiver stops."""
         if isinstance(exc, PeerLostError):
             return self._lost(f"lost {self.name}: {exc}. Its process died or the connection broke{self.closed_hint}")
+        if isinstance(exc, FrameTooLargeError):  # an older worker's item, or its error's traceback
+            return self._lost(f"{self.name} sent more than this trainer accepts: {exc}. Raise the trainer's "
+                              "TransportConfig(max_frame_bytes=...), or make the items smaller")
         if isinstance(exc, RemoteProtocolError):
             return self._lost(str(exc))
         log.error("receiver for %s failed", self.name, exc_info=exc)

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Callable, Deque, List, Optional, Tuple, Union
 
+from ..errors import ItemTooLargeError
 from ..protocol import (
     Buffer,
     ChunkDone,
@@ -61,6 +62,7 @@ class Outbox:
         room: Callable[[], bool] = lambda: True,
     ):
         self._options = options
+        self._largest_item = options.largest_item_bytes()
         self._protocol = protocol
         self._send = send
         self._room = room
@@ -175,8 +177,11 @@ class Outbox:
 
     # -- producer side ------------------------------------------------------------------------
     def put(self, epoch: int, item: EncodedItem) -> None:
-        """Add one item of ``epoch``; blocks while a full batch waits for credit."""
+        """Add one item of ``epoch``; blocks while a full batch waits for credit. Raises
+        ItemTooLargeError for an item no frame the trainer accepts can hold."""
         # The hot path: its checks inline, the lock entered directly (no Condition.__enter__).
+        if item.nbytes > self._largest_item:
+            raise self._too_large(item.nbytes)
         options = self._options
         frames: Optional[List[List[Buffer]]] = None
         settled = False  # the item's batch written by this call: no wait for it below
@@ -228,6 +233,15 @@ class Outbox:
             self._write_inline(frames)
         if (item.borrowed or item.staged) and not settled:
             self._until_written(epoch, item, written=item.borrowed)
+
+    def _too_large(self, nbytes: int) -> ItemTooLargeError:
+        limit = self._options.trainer_max_frame_bytes
+        return ItemTooLargeError(
+            f"an item of {nbytes:,} bytes (pickled, with its tensors' storage) does not fit in a frame of the "
+            f"{limit:,} bytes the trainer accepts, which holds items of up to {self._largest_item:,} bytes: "
+            f"make the items smaller (a smaller batch), or raise the trainer's "
+            f"TransportConfig(max_frame_bytes=...) (now {limit})"
+        )
 
     def producer_idle(self) -> None:
         """The producer waits for the trainer (its next lease, dispatched input): the open batch

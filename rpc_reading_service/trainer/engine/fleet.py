@@ -27,7 +27,7 @@ from ...serialization import buffer_allocator
 from ...tasks import TaskGroup
 from ...transports import create_transport
 from ...transports.base import PeerLostError, Transport
-from ...protocol import SessionOptions, Setup
+from ...protocol import DEFAULT_MAX_FRAME_BYTES, SessionOptions, Setup
 
 __all__ = ["Fleet", "close_channels"]
 
@@ -242,7 +242,7 @@ class Fleet:
             heartbeat_interval=self.config.liveness.heartbeat_interval,
             peer_timeout=self.config.timeout,
             item_timeout=self.config.item_timeout,
-        )
+        ).within(self.config.transport.max_frame_bytes or DEFAULT_MAX_FRAME_BYTES)
 
     def connect(self, graph: bytes, sink: Sink) -> List[WorkerChannel]:
         """Start local workers if configured and return one channel per worker rank at once,

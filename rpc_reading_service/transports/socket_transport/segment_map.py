@@ -11,9 +11,9 @@ import mmap
 import operator
 import os
 import weakref
-from typing import Dict, List
+from typing import Dict, List, Type
 
-from ...errors import RemoteProtocolError
+from ...errors import FrameTooLargeError, RemoteProtocolError
 from ...protocol.credits import FRAMES_PAST_WINDOW
 from ...protocol.frames import Buffer, Frame, SharedBuffer, SharedFrame
 from .mappings import advise, map_shared
@@ -158,7 +158,7 @@ class SegmentMap:
             if len(fds) != len(shared.new_segments):
                 raise self._error(f"brought {len(fds)} descriptors for {len(shared.new_segments)} new segments")
             if len(shared.body) + shared.shared_bytes + sum(memoryview(b).nbytes for b in shared.inline) > max_frame_bytes:
-                raise self._error(f"announced a frame over the maximum of {max_frame_bytes} bytes")
+                raise self._error(f"announced a frame over the maximum of {max_frame_bytes} bytes", FrameTooLargeError)
             for segment_id in shared.retired:
                 retired = self._segments.pop(segment_id, None)
                 if retired is not None:
@@ -216,8 +216,8 @@ class SegmentMap:
             self._largest = max(map(_SIZE, self._segments.values()), default=0)
         _cuda_host_unregister(segment)
 
-    def _error(self, what: str) -> RemoteProtocolError:
-        return RemoteProtocolError(f"the worker at {self.peer} {what} (SHARED_DATA frame)")
+    def _error(self, what: str, kind: Type[RemoteProtocolError] = RemoteProtocolError) -> RemoteProtocolError:
+        return kind(f"the worker at {self.peer} {what} (SHARED_DATA frame)")
 
     @property
     def segments(self) -> int:
