@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-from .serialization import Buffer, ItemEncoder, rebuild_tensor, release_sparse_tensors
+from .serialization import Buffer, ItemEncoder, rebuild_tensor, release_sparse_tensors, travels_as_bytes
 from .tensor_streams import first_sighting, keep_bounded
 
 __all__ = ["loads_payloads"]
@@ -69,6 +69,8 @@ def _learn(stream: bytes, tensor: torch.Tensor) -> None:
     if first_sighting(_seen_once, stream):
         return
     encoded = ItemEncoder(borrow_min_bytes=0).encode(tensor)  # its buffer lent as it is: no copy
-    same = encoded.payload == stream and len(encoded.buffers) == 1
+    # The same stream again is torch's own reduction for a quantized tensor or one requiring grad:
+    # rebuilt from its bytes alone, it had lost those (a quantized one without its quantizer crashed).
+    same = encoded.payload == stream and len(encoded.buffers) == 1 and travels_as_bytes(tensor)
     known = (tensor.dtype, tuple(tensor.shape)) if same else None
     keep_bounded(_bare_tensor_streams, stream, known)

@@ -37,6 +37,7 @@ __all__ = [
     "dumps_item",
     "loads_item",
     "rebuild_tensor",
+    "travels_as_bytes",
     "pins_shared_memory",
     "release_sparse_tensors",
     "dumps_graph",
@@ -122,6 +123,13 @@ def _rebuild_tensor(data: Any, dtype: Union[str, torch.dtype], shape: Sequence[i
 
 #: The rebuild of a tensor's pickle stream, for a receiver that knows its arguments without unpickling.
 rebuild_tensor = _rebuild_tensor
+
+
+def travels_as_bytes(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` crosses as its bytes, dtype and shape alone (:data:`rebuild_tensor`), not by
+    torch's own reduction, which carries what those do not (a quantizer, ``requires_grad`` ...)."""
+    reduction = _tensor_reduction(tensor)
+    return isinstance(reduction, tuple) and reduction[0] is _rebuild_tensor
 
 
 def _same(obj: Any) -> Any:

@@ -3,7 +3,10 @@ before is rebuilt on its buffer without the unpickler, to the same tensor pickle
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
+import sys
 from typing import Any, List
 
 import numpy as np
@@ -55,6 +58,44 @@ def test_bare_tensors_decode_as_pickle_does_on_their_own_buffers(make):
             assert (out.dtype, out.shape, out.stride()) == (expected.dtype, expected.shape, expected.stride())
             assert torch.equal(out, item) and torch.equal(out, expected)
             assert out.data_ptr() == expected.data_ptr() == address(item_buffers[0])  # no copy
+
+
+#: Bare tensors whose stream (torch's own reduction) carries more than their bytes, dtype and shape.
+TORCH_REDUCED = {
+    "quantized": "torch.quantize_per_tensor(torch.arange(N * 4.0) % 7, 0.5, 1, torch.qint8)",
+    "requires-grad": "torch.ones(N).requires_grad_(True)",
+}
+#: The same stream again and again: rebuilt from the buffer alone as a plain tensor, a quantized one
+#: had lost its quantizer (q_scale() crashed the process: hence one of its own) and one requiring grad its flag.
+DECODE_AGAIN_AND_AGAIN = """
+import warnings; warnings.filterwarnings("ignore")
+import torch
+from protocol_link import data_frame
+from rpc_reading_service.frame_items import loads_payloads
+from rpc_reading_service.protocol import decode_data_parts
+from rpc_reading_service.serialization import ItemEncoder
+N = {elements}
+encoder, tensor = ItemEncoder(), {make}
+for _frame in range(3):
+    parts = decode_data_parts(data_frame([encoder.encode(item) for item in [tensor] * 3]))[2:]
+    for out in loads_payloads(*parts):
+        assert (out.dtype, out.is_quantized, out.requires_grad) == (tensor.dtype, tensor.is_quantized, tensor.requires_grad)
+        if tensor.is_quantized:
+            assert (out.q_scale(), out.q_zero_point()) == (0.5, 1) and torch.equal(out.int_repr(), tensor.int_repr())
+        else:
+            assert torch.equal(out.detach(), tensor.detach())
+print("ok")
+"""
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make", TORCH_REDUCED.values(), ids=TORCH_REDUCED.keys())
+def test_a_bare_tensor_that_torch_reduces_keeps_what_its_bytes_do_not_say(make):
+    script = DECODE_AGAIN_AND_AGAIN.format(elements=ELEMENTS, make=make)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50, env=env)
+    assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr[-2000:]
 
 
 def test_a_bare_tensor_of_a_kind_seen_before_costs_one_python_call():

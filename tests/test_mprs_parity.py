@@ -333,6 +333,19 @@ def test_worker_fns_get_worker_info_and_the_seed_generator(make_rs):
     assert {(worker, n) for _, worker, n in first} == {(0, NUM_WORKERS), (1, NUM_WORKERS)}
 
 
+# -- items ---------------------------------------------------------------------------------------
+def leaf_requiring_grad(x: int) -> torch.Tensor:
+    return torch.full((20_000,), float(x)).requires_grad_(True)  # 80 kB: out of band, in shared memory
+
+
+def test_tensors_requiring_grad_keep_it_every_time(make_rs):
+    # The same stream again and again: the third and later had arrived without requires_grad.
+    dp = IterableWrapper(range(N)).sharding_filter().map(leaf_requiring_grad)
+    with DataLoader2(dp, reading_service=make_rs()) as dl:
+        (epoch,) = epochs(dl, 1)
+    assert [(item.requires_grad, item.is_leaf, int(item[0])) for item in epoch] == [(True, True, i) for i in range(N)]
+
+
 # -- errors ----------------------------------------------------------------------------------------
 def test_worker_error_has_mprs_words(make_rs, kind):
     dp = IterableWrapper(range(N)).sharding_filter().map(boom_on_7)
