@@ -203,7 +203,7 @@ class FrameReader:
         total = self._body_length + sum(lengths)
         if total > self.max_frame_bytes:
             raise FrameTooLargeError(
-                f"peer announced a {self._kind.name} frame of {total} bytes, over the maximum of "
+                f"peer announced {'an' if self._kind.name[0] in 'AEIOU' else 'a'} {self._kind.name} frame of {total} bytes, over the maximum of "
                 f"{self.max_frame_bytes} bytes; refused before reading it"
             )
         allocate = self.allocate

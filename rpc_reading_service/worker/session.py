@@ -181,7 +181,8 @@ class WorkerSession:
             log.warning("refused a frame from %s: %s; ending its session", self.conn.peer, exc)
             self.conn.refuse(
                 f"a frame from this trainer is over the worker server's size limit ({exc}). Start "
-                "rpc-reading-worker with a larger --max-frame-bytes, or send less (a smaller graph)",
+                "rpc-reading-worker with a larger --max-frame-bytes, or send less (a smaller graph, or smaller "
+                "items to deal from the trainer's part of the graph)",
                 REFUSAL_LINGER,
             )
         except RemoteProtocolError as exc:  # a malformed frame, or one the protocol does not allow now
