@@ -306,6 +306,27 @@ def test_heartbeats_due_and_peer_timeout_with_an_injected_clock():
     assert link.deliver(Heartbeat().encode(), trainer) == []  # a late frame is dropped, not an error
 
 
+def test_a_timeout_after_this_side_itself_stood_still_says_so():
+    # A trainer stopped (SIGSTOP, a suspended VM) for longer than the timeout finds every worker
+    # silent when it runs again: the workers ended their sessions for the trainer's own silence.
+    link = Link().set_up()
+    clock, trainer = link.clock, link.trainer
+    for _ in range(3):  # a driver ticks every heartbeat interval or sooner while it runs
+        clock.now += 1.0
+        trainer.tick()
+    clock.now += 3.0  # up to here, a plain timeout: this side ticked a second ago
+    (timeout,) = trainer.tick().events
+    assert "sent nothing (not even a heartbeat) for 5.0 s" in timeout.message and "itself" not in timeout.message
+    link = Link().set_up()
+    clock, trainer = link.clock, link.trainer
+    clock.now += 1.0
+    trainer.tick()
+    clock.now += 8.0  # not run for 8 s
+    (timeout,) = trainer.tick().events
+    assert "sent nothing (not even a heartbeat) for 5.0 s" in timeout.message
+    assert "this trainer itself did not run for the 8.0 s before this check" in timeout.message
+
+
 def test_worker_takes_liveness_from_setup_and_times_out_before_setup():
     link = Link()
     assert (link.worker.heartbeat_interval, link.worker.peer_timeout) == (1.0, 10.0)

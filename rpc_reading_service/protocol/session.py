@@ -243,7 +243,7 @@ class SessionProtocol:
         #: Frames of older or stopped epochs that arrived and were dropped.
         self.stale_frames = 0
         now = clock()
-        self._last_sent = self._last_received = now
+        self._last_sent = self._last_received = self._last_tick = now
 
     # -- public ---------------------------------------------------------------------------------
     @property
@@ -333,13 +333,20 @@ class SessionProtocol:
             if self.state in (SessionState.NEW, SessionState.SETTING_UP)
             else self.peer_timeout
         )
-        silent = now - self._last_received
+        silent, idle = now - self._last_received, now - self._last_tick
+        self._last_tick = now
         if silent > timeout:
             self._enter(SessionState.CLOSED, "timeout")
             message = (
                 f"{self.peer} sent nothing (not even a heartbeat) for {timeout:.1f} s: its process is hung or "
                 "stopped, or the network is down"
             )
+            if idle > timeout:  # a driver ticks every heartbeat interval or sooner while it runs
+                message += (
+                    f"; but this {self.role} itself did not run for the {idle:.1f} s before this check (its process "
+                    "stopped, suspended or starved of CPU): the silence may be its own, which the peer ends the "
+                    "session for too. A longer timeout rides out such pauses"
+                )
             return Tick([], [PeerTimedOut(self.peer, silent, message)], math.inf)
         chunks: List[Buffer] = []
         if now - self._last_sent >= self.heartbeat_interval:
